@@ -1,0 +1,113 @@
+"""The connector's settings: one typed object parsed from `kv_connector_extra_config`.
+
+vLLM hands the connector an untyped dict; everything downstream reads this object
+instead, so a typo in a deployment fails at engine start with the key's name rather
+than silently falling back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import msgspec
+
+__all__ = ["ConfigError", "ConnectorSettings", "parse_kv_transfer_config"]
+
+
+class ConfigError(ValueError):
+    """A connector setting is unknown, mistyped or out of range."""
+
+
+class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Everything an operator may set in `kv_connector_extra_config`.
+
+    Invariants (checked in `__post_init__`): heartbeats are sent more often than the
+    lease runs out, so a live decode engine never loses its blocks to expiry; timeouts
+    and ports are positive.
+    """
+
+    transport: Literal["mooncake", "nixl"] = "mooncake"
+    # Mooncake only: "rdma" is production; "tcp" runs anywhere (tests, CPU demo).
+    protocol: Literal["rdma", "tcp"] = "rdma"
+    # Mooncake RDMA NIC names, comma separated (e.g. "mlx5_0,mlx5_1"); "" = auto.
+    device_name: str = ""
+    # Mooncake: refuse to start instead of silently falling back from rdma to tcp.
+    require_rdma: bool = False
+    # Address the prefill engine's side channel binds to and advertises to peers.
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5700
+    # The address peers dial when it differs from the bind host (NAT, 0.0.0.0 binds).
+    advertise_host: str | None = None
+    # How long the prefill engine holds a request's blocks without news from decode.
+    lease_seconds: float = 60.0
+    heartbeat_seconds: float = 10.0
+    handshake_timeout_seconds: float = 5.0
+    # A pull that has not completed after this long is failed (never a hang).
+    transfer_timeout_seconds: float = 30.0
+    # Keep and send the sliding-window replay slack; false = the stock tail clip (A/B).
+    replay_slack: bool = True
+    # Shared secret authenticating side-channel messages; `secret_env` names an
+    # environment variable holding it (Kubernetes Secrets), so it never sits in argv.
+    secret: str | None = None
+    secret_env: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("lease_seconds", "heartbeat_seconds", "handshake_timeout_seconds",
+                     "transfer_timeout_seconds"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_seconds >= self.lease_seconds:
+            raise ConfigError(
+                f"heartbeat_seconds ({self.heartbeat_seconds}) must be shorter than "
+                f"lease_seconds ({self.lease_seconds}), or live requests lose their blocks"
+            )
+        if not 0 < self.side_channel_port < 65536:
+            raise ConfigError(f"side_channel_port must be in 1..65535, got {self.side_channel_port}")
+        if self.secret is not None and self.secret_env is not None:
+            raise ConfigError("set either secret or secret_env, not both")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, object] | None) -> ConnectorSettings:
+        """Parse `kv_connector_extra_config`; raises ConfigError naming the bad key."""
+        try:
+            return msgspec.convert(extra or {}, cls, strict=True)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"invalid kv_connector_extra_config: {exc}") from None
+
+    @property
+    def peer_host(self) -> str:
+        """The host peers should dial for this engine's side channel."""
+        return self.advertise_host or self.side_channel_host
+
+    def resolve_secret(self) -> bytes | None:
+        """The side-channel secret, read from the environment if so configured."""
+        if self.secret_env is not None:
+            value = os.environ.get(self.secret_env)
+            if not value:
+                raise ConfigError(f"secret_env names {self.secret_env!r}, which is unset or empty")
+            return value.encode()
+        return self.secret.encode() if self.secret is not None else None
+
+
+_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+def parse_kv_transfer_config(text: str) -> tuple[str, ConnectorSettings]:
+    """Check a `--kv-transfer-config` JSON string the way our connector will read it.
+
+    Returns the role and the parsed settings. Used by deployment checks, which must
+    not need vLLM to validate what an engine will be started with.
+    """
+    try:
+        config = msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"--kv-transfer-config is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError("--kv-transfer-config must be a JSON object")
+    if config.get("kv_connector") != "PDConnector":
+        raise ConfigError(f"kv_connector must be 'PDConnector', got {config.get('kv_connector')!r}")
+    role = config.get("kv_role")
+    if role not in _ROLES:
+        raise ConfigError(f"kv_role must be one of {', '.join(_ROLES)}, got {role!r}")
+    return role, ConnectorSettings.from_extra_config(config.get("kv_connector_extra_config"))
