@@ -1,0 +1,355 @@
+"""The one module that names vLLM's KV-cache internals; the rest of pdconnect goes through it.
+
+vLLM's `KVCacheCoordinator`, single-type managers and `BlockPool` are not a public API:
+they change between releases. Keeping every reference to them here means a vLLM
+upgrade touches one file, and `tests/test_vllm_adapter.py` runs this file against the
+real classes so a drift shows up as a failing test, not as a silently wrong plan.
+
+Two views are offered:
+- `CacheRules`: the arithmetic the core applies to one request (which blocks a
+  sliding window frees, which blocks its prefix cache keeps, what a lookup would hit),
+  always delegated to a real coordinator, never re-implemented;
+- `BlockPoolOps`: the handful of block-pool operations the connector performs itself
+  (hold, release, allocate shadow blocks, publish them under a request's hashes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_coordinator import (
+    KVCacheCoordinator,
+    get_kv_cache_coordinator,
+    replay_boundaries,
+)
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id, resolve_block_hashes
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
+
+from connectors.geometry import Geometry, GroupGeometry, GroupKind, UnsupportedLayout
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = [
+    "GroupKind", "UnsupportedLayout", "GroupGeometry", "Geometry", "CacheRules",
+    "BlockPoolOps", "build_kv_cache_config", "build_kv_cache_manager", "group_kind",
+]  # geometry types re-exported: callers that already pay for vLLM import them from here
+
+def group_kind(spec: KVCacheSpec) -> GroupKind:
+    """Classify a vLLM spec; sliding-window specs first (some subclass full attention)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding_window"
+    if isinstance(spec, FullAttentionSpec) and spec.sliding_window is None:
+        return "full_attention"
+    raise UnsupportedLayout(f"KV cache spec {type(spec).__name__} is not supported by pdconnect")
+
+
+def _spec(group: GroupGeometry) -> KVCacheSpec:
+    # Head geometry does not affect any block arithmetic; it only sizes pages.
+    common = dict(block_size=group.block_size, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    if group.kind == "sliding_window":
+        return SlidingWindowSpec(sliding_window=group.sliding_window, **common)
+    return FullAttentionSpec(**common)
+
+
+def build_kv_cache_config(geometry: Geometry, num_blocks: int) -> KVCacheConfig:
+    """A real vLLM `KVCacheConfig` for a geometry (no tensors: scheduler-side only)."""
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=[f"layer.{i}"], kv_cache_spec=_spec(g), is_eagle_group=g.eagle)
+            for i, g in enumerate(geometry.groups)
+        ],
+        prefix_cache_retention_interval=geometry.retention_interval,
+    )
+
+
+def build_kv_cache_manager(
+    geometry: Geometry, num_blocks: int, max_model_len: int = 1 << 17, enable_kv_cache_events: bool = False
+) -> KVCacheManager:
+    """A real vLLM `KVCacheManager` for a geometry, as the scheduler would build it."""
+    try:
+        return KVCacheManager(
+            build_kv_cache_config(geometry, num_blocks),
+            max_model_len=max_model_len,
+            scheduler_block_size=geometry.scheduler_block_size,
+            hash_block_size=geometry.hash_block_size,
+            enable_caching=True,
+            use_eagle=geometry.use_eagle,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+    except (AssertionError, ValueError) as exc:
+        raise UnsupportedLayout(f"vLLM rejects this geometry: {exc or type(exc).__name__}") from None
+
+
+def _build_coordinator(geometry: Geometry) -> KVCacheCoordinator:
+    return build_kv_cache_manager(geometry, num_blocks=2).coordinator
+
+
+@dataclass(frozen=True)
+class GroupRules:
+    """What the planner needs to know about one group, read from vLLM's objects."""
+
+    group_id: int
+    kind: GroupKind
+    block_size: int
+    sliding_window: int | None
+    eagle: bool
+    prefix_cacheable: bool
+
+
+class _IndexedCacheView:
+    """Stands in for a `BlockPool` during a lookup probe: "cached" is a set of logical indices.
+
+    The probe runs vLLM's own `find_longest_cache_hit` over synthetic request hashes
+    (`_probe_hash`), so the answer is the real lookup's answer for the given content.
+    """
+
+    def __init__(self, hash_block_size: int, block_sizes: Sequence[int], cached: Mapping[int, set[int]]):
+        self.hash_block_size = hash_block_size
+        self.null_block = KVCacheBlock(block_id=0)
+        self._block_sizes = block_sizes
+        self._cached = cached
+
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:
+        shared, fine_index = _decode_probe_hash(block_hash)
+        if not shared:
+            return None
+        end_tokens = (fine_index + 1) * self.hash_block_size
+        blocks = []
+        for gid in kv_cache_group_ids:
+            block_size = self._block_sizes[gid]
+            index = end_tokens // block_size - 1
+            if end_tokens % block_size or index not in self._cached.get(gid, ()):
+                return None
+            blocks.append(KVCacheBlock(block_id=index + 1))
+        return blocks
+
+
+def _probe_hash(fine_index: int, shared: bool) -> bytes:
+    return bytes([shared]) + fine_index.to_bytes(8, "big")
+
+
+def _decode_probe_hash(block_hash: bytes) -> tuple[bool, int]:
+    return bool(block_hash[0]), int.from_bytes(block_hash[1:9], "big")
+
+
+class CacheRules:
+    """vLLM's per-request cache arithmetic for one engine configuration.
+
+    Backed by a real coordinator: the live engine's (connector) or one vLLM builds for
+    a `Geometry` (CLI, tests). Every method delegates to vLLM's functions.
+    """
+
+    def __init__(self, coordinator: KVCacheCoordinator, prefix_cacheable: Sequence[bool] | None = None):
+        self._coordinator = coordinator
+        config = coordinator.kv_cache_config
+        groups = []
+        for gid, (group, manager) in enumerate(zip(config.kv_cache_groups, coordinator.single_type_managers)):
+            spec = group.kv_cache_spec
+            groups.append(GroupRules(
+                group_id=gid,
+                kind=group_kind(spec),
+                block_size=manager.block_size,
+                sliding_window=getattr(spec, "sliding_window", None),
+                eagle=bool(getattr(manager, "use_eagle", False)),
+                prefix_cacheable=spec.prefix_cacheable if prefix_cacheable is None else prefix_cacheable[gid],
+            ))
+        self.groups: tuple[GroupRules, ...] = tuple(groups)
+        self._probe: KVCacheCoordinator | None = None
+
+    @classmethod
+    def for_geometry(cls, geometry: Geometry) -> CacheRules:
+        return cls(_build_coordinator(geometry), [g.prefix_cacheable for g in geometry.groups])
+
+    @classmethod
+    def for_manager(cls, manager: KVCacheManager) -> CacheRules:
+        return cls(manager.coordinator)
+
+    @property
+    def scheduler_block_size(self) -> int:
+        return self._coordinator.scheduler_block_size
+
+    @property
+    def hash_block_size(self) -> int:
+        return self._coordinator.block_pool.hash_block_size
+
+    @property
+    def alignment(self) -> int:
+        """Token granularity of cache hits (the coordinator's, pushed into every manager)."""
+        managers = self._coordinator.single_type_managers
+        return getattr(managers[0], "cache_hit_alignment_tokens", None) or self.scheduler_block_size
+
+    @property
+    def use_eagle(self) -> bool:
+        return bool(self._coordinator.eagle_group_ids)
+
+    @property
+    def retention_interval(self) -> int | None:
+        return self._coordinator.retention_interval
+
+    def replay_boundaries(self, num_prompt_tokens: int) -> tuple[int, ...]:
+        return replay_boundaries(num_prompt_tokens, self.scheduler_block_size, use_eagle=self.use_eagle)
+
+    def skipped_tokens(self, group_id: int, num_computed_tokens: int) -> int:
+        """Tokens whose blocks the group frees once `num_computed_tokens` are processed."""
+        return self._coordinator.single_type_managers[group_id].get_num_skipped_tokens(num_computed_tokens)
+
+    def cacheable_tokens(self, group_id: int, num_computed_tokens: int) -> int:
+        return self._coordinator.get_num_cacheable_tokens(num_computed_tokens, group_id)
+
+    def contiguous_blocks_for_hit(self, group_id: int) -> int:
+        rules = self.groups[group_id]
+        assert rules.sliding_window is not None
+        return SlidingWindowManager._contiguous_blocks_for_hit(rules.sliding_window, rules.block_size, rules.eagle)
+
+    def reachable_mask(self, group_id: int, end_block: int, boundaries: Sequence[int]) -> list[bool] | None:
+        """Which of blocks [0, end_block) the core would publish (None: all of them)."""
+        manager = self._coordinator.single_type_managers[group_id]
+        return manager.reachable_block_mask(
+            start_block=0,
+            end_block=end_block,
+            alignment_tokens=manager.cache_hit_alignment_tokens,
+            kv_cache_spec=manager.kv_cache_spec,
+            use_eagle=manager.use_eagle,
+            retention_interval=self.retention_interval,
+            reachable_boundaries=boundaries,
+            dcp_world_size=manager.dcp_world_size,
+        )
+
+    def lookup_hit(self, cached: Mapping[int, set[int]], shared_tokens: int, num_tokens: int) -> int:
+        """The hit vLLM's own lookup returns for a request of `num_tokens` tokens whose first
+        `shared_tokens` match content of which `cached` (group -> logical block indices) is
+        in the prefix cache. Runs the real `find_longest_cache_hit` on a probe coordinator."""
+        probe = self._probe_coordinator()
+        view = _IndexedCacheView(self.hash_block_size, [g.block_size for g in self.groups], cached)
+        for manager in probe.single_type_managers:
+            manager.block_pool = view  # type: ignore[assignment]
+        hashes = [_probe_hash(i, (i + 1) * self.hash_block_size <= shared_tokens)
+                  for i in range(num_tokens // self.hash_block_size)]
+        _, hit, _ = probe.find_longest_cache_hit(hashes, num_tokens - 1)  # type: ignore[arg-type]
+        return hit
+
+    def _probe_coordinator(self) -> KVCacheCoordinator:
+        # A private coordinator of the same configuration: its managers' pool reference is
+        # swapped for the probe view, which must never happen to the live one.
+        if self._probe is None:
+            live = self._coordinator
+            self._probe = get_kv_cache_coordinator(
+                kv_cache_config=live.kv_cache_config,
+                max_model_len=1 << 30,
+                max_in_flight_tokens=1 << 30,
+                use_eagle=self.use_eagle,
+                enable_caching=True,
+                enable_kv_cache_events=False,
+                dcp_world_size=1,
+                pcp_world_size=1,
+                scheduler_block_size=live.scheduler_block_size,
+                hash_block_size=self.hash_block_size,
+            )
+        return self._probe
+
+
+class BlockPoolOps:
+    """The block-pool operations the connector performs outside the core's bookkeeping.
+
+    Invariants the callers rely on:
+    - every block returned by `hold` or `allocate` carries one extra reference that
+      only `release` drops, so nothing the connector holds can be evicted or reused;
+    - `publish` inserts freshly written blocks under the request's own hashes at their
+      logical positions (padding with the null block), once: vLLM asserts on a repeat.
+    """
+
+    def __init__(self, manager: KVCacheManager):
+        self._manager = manager
+        self._pool: BlockPool = manager.block_pool
+
+    @property
+    def null_block_id(self) -> int:
+        return self._pool.null_block.block_id
+
+    def num_free_blocks(self) -> int:
+        return self._pool.get_num_free_blocks()
+
+    def request_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        """The request's per-group block tables, null blocks included (logical positions)."""
+        return self._manager.coordinator.get_blocks(request_id)
+
+    def hold(self, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        held = [b for b in blocks if not b.is_null]
+        self._pool.touch(held)
+        return held
+
+    def release(self, blocks: Sequence[KVCacheBlock]) -> None:
+        # Reverse order: the pool evicts the first-freed first, so later blocks outlive earlier ones.
+        self._pool.free_blocks(reversed(blocks))
+
+    def allocate(self, count: int) -> list[KVCacheBlock]:
+        return self._pool.get_new_blocks(count) if count else []
+
+    def block_by_id(self, block_id: int) -> KVCacheBlock:
+        return self._pool.blocks[block_id]
+
+    def cached_block(self, request: Request, group_id: int, block_size: int, index: int) -> KVCacheBlock | None:
+        """The block cached for logical `index` of `request` in this group, if any."""
+        hashes = resolve_block_hashes(request.block_hashes, self._pool.hash_block_size, block_size)
+        if index >= len(hashes):
+            return None
+        found = self._pool.get_cached_block(hashes[index], [group_id])
+        return found[0] if found else None
+
+    def is_cached_for(self, request: Request, group_id: int, block_size: int, index: int) -> bool:
+        return self.cached_block(request, group_id, block_size, index) is not None
+
+    def publish(self, request: Request, group_id: int, block_size: int, placed: Mapping[int, KVCacheBlock]) -> int:
+        """Insert blocks written for `request` into the prefix cache at their logical indices.
+
+        One `cache_full_blocks` call per contiguous run, because the pool derives each
+        block's hash from its position. Returns the number of blocks published.
+        """
+        published = 0
+        indices = sorted(placed)
+        if not indices:
+            return 0
+        padded = [self._pool.null_block] * (indices[-1] + 1)
+        for index in indices:
+            padded[index] = placed[index]
+        for start, end in _runs(indices):
+            self._pool.cache_full_blocks(
+                request=request,
+                blocks=padded,
+                num_cached_blocks=start,
+                num_full_blocks=end,
+                block_size=block_size,
+                kv_cache_group_id=group_id,
+            )
+            published += end - start
+        return published
+
+    def hash_key(self, request: Request, group_id: int, block_size: int, index: int) -> bytes:
+        hashes = resolve_block_hashes(request.block_hashes, self._pool.hash_block_size, block_size)
+        return make_block_hash_with_group_id(hashes[index], group_id)
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted indices as half-open runs: [3, 4, 5, 9] -> [(3, 6), (9, 10)]."""
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
