@@ -1,0 +1,318 @@
+"""A FAKE vLLM OpenAI server for router tests and benchmarks: no model, no KV, instant answers.
+
+It speaks just enough of vLLM's P/D dialect to stand in for either role: a request with
+`kv_transfer_params.do_remote_decode` gets a one-token answer carrying a pdconnect
+`TransferPlan` (pointing at a real side-channel server, so release notices can be
+observed), any other request streams or returns `chunks` tokens. Faults are switched
+on per instance (`FakeFaults`): error statuses, slowness, connections dropped or stalled
+mid-stream, a failing `/health`. It records what it saw, which requests were aborted
+by their caller, and which releases arrived.
+
+Never deploy this: it is a test double, named fake everywhere it is used.
+
+    python -m pdconnect.bench.fake_engine --chunks 16 [--port 0] [--side-channel]
+
+prints one JSON line `{"url": ..., "side_channel": ...}` once it is listening.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from pdconnect.protocol import Ack, Message, Release
+from pdconnect.sidechannel import SideChannelServer
+
+__all__ = ["FakeFaults", "FakeEngine", "FakeCluster", "Seen"]
+
+_encode = msgspec.json.encode
+
+
+@dataclass
+class FakeFaults:
+    """What to get wrong. Tests flip these on a running fake."""
+
+    status: int = 200                        # answer every inference request with this status
+    fail_next: int = 0                       # answer the next N inference requests with 500
+    delay: float = 0.0                       # seconds before answering at all
+    drop_before_answer: bool = False         # close the connection without any answer
+    drop_after_chunks: int | None = None     # stream: close the connection after N chunks
+    stall_after_chunks: int | None = None    # stream: go silent (connection open) after N chunks
+    health_status: int = 200
+
+
+@dataclass(frozen=True)
+class Seen:
+    path: str
+    request_id: str
+    body: dict[str, Any]
+
+
+@dataclass
+class FakeEngine:
+    """One fake engine; `await start()` serves it on this loop."""
+
+    name: str = "fake"
+    chunks: int = 8
+    side_channel: bool = False
+    prefill_cached_tokens: int = 0
+    model: str = "fake-model"
+    faults: FakeFaults = field(default_factory=FakeFaults)
+    seen: list[Seen] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    releases: list[Release] = field(default_factory=list)
+    url: str = ""
+    _runner: web.AppRunner | None = field(default=None, init=False, repr=False)
+    _side: SideChannelServer | None = field(default=None, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._inference)
+        app.router.add_post("/v1/chat/completions", self._inference)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        if self.side_channel:
+            self._side = SideChannelServer(host, 0, self._on_side_message)
+        # handler_cancellation: a caller hanging up cancels the handler, which is how
+        # vLLM notices aborts too; the fake records it.
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        bound_host, bound_port = self._runner.addresses[0][:2]
+        self.url = f"http://{bound_host}:{bound_port}"
+        return self.url
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._side is not None:
+            self._side.close()
+
+    @property
+    def side_channel_address(self) -> str | None:
+        return self._side.address if self._side else None
+
+    def _on_side_message(self, message: Message) -> Message:
+        if isinstance(message, Release):
+            with self._lock:
+                self.releases.append(message)
+        return Ack()
+
+    def released_ids(self) -> list[str]:
+        with self._lock:
+            return [rid for release in self.releases for rid in release.request_ids]
+
+    # --- handlers -------------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.faults.health_status, text="")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model",
+                                                              "owned_by": "fake"}]})
+
+    async def _inference(self, request: web.Request) -> web.StreamResponse:
+        body = msgspec.json.decode(await request.read())
+        request_id = request.headers.get("X-Request-Id", "")
+        self.seen.append(Seen(request.path, request_id, body))
+        try:
+            return await self._answer(request, body, request_id)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted.append(request_id)
+            raise
+
+    async def _answer(self, request: web.Request, body: dict[str, Any], request_id: str) -> web.StreamResponse:
+        faults = self.faults
+        if faults.delay:
+            await asyncio.sleep(faults.delay)
+        if faults.drop_before_answer:
+            _hang_up(request)
+            return web.Response()
+        if faults.fail_next > 0 or faults.status != 200:
+            status = 500 if faults.fail_next > 0 else faults.status
+            faults.fail_next = max(0, faults.fail_next - 1)
+            return web.json_response({"error": {"message": f"fake {status}", "code": status}}, status=status)
+        chat = request.path.endswith("/chat/completions")
+        params = body.get("kv_transfer_params") or {}
+        prompt_tokens = _count_prompt_tokens(body, chat)
+        if params.get("do_remote_decode"):
+            return self._prefill_answer(body, chat, request_id, prompt_tokens)
+        limit = body.get("max_completion_tokens") or body.get("max_tokens") or self.chunks
+        n = max(1, min(int(limit), self.chunks))
+        # A real decode engine counts KV received from prefill as cached prompt tokens.
+        cached = prompt_tokens if params.get("do_remote_prefill") else 0
+        usage = _usage(prompt_tokens, n, cached)
+        if body.get("stream"):
+            return await self._stream(request, body, chat, request_id, n, usage)
+        text = "".join(_token(i) for i in range(n))
+        return web.Response(body=_encode(_full(chat, request_id, self.model, text, usage)),
+                            content_type="application/json")
+
+    def _prefill_answer(self, body: dict[str, Any], chat: bool, request_id: str,
+                        prompt_tokens: int) -> web.Response:
+        answer = _full(chat, request_id, self.model, _token(0),
+                       _usage(prompt_tokens, 1, min(self.prefill_cached_tokens, prompt_tokens)))
+        host, port = ("127.0.0.1", 1)
+        if self._side is not None:
+            host, _, port_text = self._side.address.removeprefix("tcp://").rpartition(":")
+            port = int(port_text)
+        answer["kv_transfer_params"] = {
+            "remote_engine_id": self.name, "remote_request_id": request_id or "anonymous",
+            "remote_host": host, "remote_port": port, "compat_hash": "fake",
+            "num_prompt_tokens": max(1, prompt_tokens), "lease_expires_at": time.time() + 60.0,
+            "groups": [], "do_remote_prefill": True, "do_remote_decode": False, "pdconnect": 1,
+        }
+        return web.Response(body=_encode(answer), content_type="application/json")
+
+    async def _stream(self, request: web.Request, body: dict[str, Any], chat: bool, request_id: str,
+                      n: int, usage: dict[str, Any]) -> web.StreamResponse:
+        faults = self.faults
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        options = body.get("stream_options") or {}
+        events = [_chunk(chat, request_id, self.model, i, n) for i in range(n)]
+        if options.get("include_usage"):
+            events.append(_usage_chunk(chat, request_id, self.model, usage))
+        for i, event in enumerate(events):
+            if faults.drop_after_chunks is not None and i >= faults.drop_after_chunks:
+                _hang_up(request)
+                return resp
+            if faults.stall_after_chunks is not None and i >= faults.stall_after_chunks:
+                await asyncio.sleep(3600)
+            await resp.write(b"data: " + _encode(event) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@dataclass
+class FakeCluster:
+    """Fake prefill engines (each with a real side channel) and fake decode engines."""
+
+    prefill: list[FakeEngine]
+    decode: list[FakeEngine]
+
+    @classmethod
+    async def start(cls, prefill: int = 1, decode: int = 1, chunks: int = 8) -> FakeCluster:
+        cluster = cls([FakeEngine(name=f"fake-p{i}", chunks=chunks, side_channel=True) for i in range(prefill)],
+                      [FakeEngine(name=f"fake-d{i}", chunks=chunks) for i in range(decode)])
+        for engine in cluster.prefill + cluster.decode:
+            await engine.start()
+        return cluster
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [e.url for e in self.prefill]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [e.url for e in self.decode]
+
+    def engine(self, url: str) -> FakeEngine:
+        return next(e for e in self.prefill + self.decode if e.url == url)
+
+    async def close(self) -> None:
+        for engine in self.prefill + self.decode:
+            await engine.close()
+
+
+def _hang_up(request: web.Request) -> None:
+    if request.transport is not None:
+        request.transport.close()
+
+
+def _token(i: int) -> str:
+    return f" t{i}"
+
+
+def _count_prompt_tokens(body: dict[str, Any], chat: bool) -> int:
+    if chat:
+        return sum(len(str(m.get("content", "")).split()) for m in body.get("messages") or [] if isinstance(m, dict))
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        return len(prompt)
+    return len(str(prompt).split())
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _full(chat: bool, request_id: str, model: str, text: str, usage: dict[str, Any]) -> dict[str, Any]:
+    if chat:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "finish_reason": "length"}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+        kind = "text_completion"
+    return {"id": f"fake-{request_id}", "object": kind, "created": 0, "model": model,
+            "choices": [choice], "usage": usage}
+
+
+def _chunk(chat: bool, request_id: str, model: str, i: int, n: int) -> dict[str, Any]:
+    finish = "length" if i == n - 1 else None
+    if chat:
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": _token(i)}, "finish_reason": finish}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": _token(i), "logprobs": None, "finish_reason": finish}
+        kind = "text_completion"
+    return {"id": f"fake-{request_id}", "object": kind, "created": 0, "model": model, "choices": [choice]}
+
+
+def _usage_chunk(chat: bool, request_id: str, model: str, usage: dict[str, Any]) -> dict[str, Any]:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": f"fake-{request_id}", "object": kind, "created": 0, "model": model, "choices": [],
+            "usage": usage}
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    engine = FakeEngine(name=args.name, chunks=args.chunks, side_channel=args.side_channel)
+    await engine.start(args.host, args.port)
+    print(json.dumps({"url": engine.url, "side_channel": engine.side_channel_address}), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdconnect.bench.fake_engine",
+                                     description="FAKE vLLM OpenAI server (tests and benchmarks only)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--name", default="fake")
+    parser.add_argument("--chunks", type=int, default=8, help="tokens streamed per decode answer")
+    parser.add_argument("--side-channel", action="store_true", help="serve a real side channel for releases")
+    args = parser.parse_args(argv)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_serve(args))
+    else:
+        uvloop.run(_serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

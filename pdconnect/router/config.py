@@ -1,0 +1,237 @@
+"""The router's settings: one typed, validated object built once from a config file and argv.
+
+Precedence: built-in defaults < config file (`--config`, JSON or TOML, keys spelled as
+the long options with `_` or `-`) < command-line options. Everything downstream reads
+the resulting `RouterConfig`; nothing reads argv or the environment again, except the
+side-channel secret, which `resolve_secret` reads once at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = ["ConfigError", "RouterConfig", "DnsTarget", "parse_args", "load_config"]
+
+Policy = Literal["prefix-affinity", "least-loaded", "round-robin"]
+
+
+class ConfigError(ValueError):
+    """A router option is unknown, mistyped or out of range."""
+
+
+class DnsTarget(msgspec.Struct, frozen=True):
+    """A DNS name (e.g. a Kubernetes headless service) whose A/AAAA records are engines."""
+
+    host: str
+    port: int
+    scheme: str = "http"
+
+    @classmethod
+    def parse(cls, text: str) -> DnsTarget:
+        """`[http://]name:port` -> DnsTarget; ConfigError names the bad value."""
+        scheme, sep, rest = text.partition("://")
+        if not sep:
+            scheme, rest = "http", text
+        host, _, port = rest.rstrip("/").rpartition(":")
+        if scheme not in ("http", "https") or not host or not port.isdigit():
+            raise ConfigError(f"DNS target must look like [http://]name:port, got {text!r}")
+        return cls(host=host.strip("[]"), port=int(port), scheme=scheme)
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}"
+
+
+def _normalize_url(url: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
+    return url.rstrip("/")
+
+
+class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Every router option. Invariants (checked in `__post_init__`): at least one decode
+    source; attempts >= 1; timeouts positive; the affinity load factor >= 1 (below 1 no
+    assignment could satisfy the bound)."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    # Static engines, and DNS names re-resolved every `dns_interval` seconds.
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    prefill_dns: tuple[str, ...] = ()
+    decode_dns: tuple[str, ...] = ()
+    dns_interval: float = 10.0
+
+    policy: Policy = "prefix-affinity"
+    # The affinity key is a hash of the prompt's leading chunk: this many characters of
+    # text (completions) or rendered messages (chat), or this many token ids.
+    affinity_prefix_chars: int = 1024
+    affinity_prefix_tokens: int = 256
+    # Bounded-load consistent hashing: no engine takes more than this factor times the
+    # mean in-flight load before its keys spill to the next engine on the ring. Lower
+    # balances tighter and splits more sibling groups (64 groups, 4 engines, 32 in
+    # flight: 1.25 keeps 72% of siblings together, 1.5 90%, 2.0 99%); a decode engine's
+    # cache miss costs a full KV transfer, so the default leans to togetherness.
+    affinity_load_factor: float = 1.5
+    affinity_vnodes: int = 160
+
+    connect_timeout: float = 2.0
+    prefill_timeout: float = 60.0
+    # Streaming: until the decode engine's first chunk (includes its KV pull).
+    decode_first_byte_timeout: float = 60.0
+    # Non-streaming: the whole decode; a timeout here is not retried.
+    decode_timeout: float = 600.0
+    # Streaming: the longest silence between two chunks before the stream is cut.
+    stream_idle_timeout: float = 120.0
+    prefill_attempts: int = 2
+    decode_attempts: int = 2
+    # After every prefill attempt failed: let a decode engine prefill locally.
+    fallback: bool = True
+
+    health_interval: float = 5.0
+    health_timeout: float = 2.0
+    # Consecutive failed polls before an engine counts as down.
+    health_failures: int = 2
+    # Consecutive failed requests that open an engine's circuit breaker, and how long
+    # it stays open before one trial request may go through.
+    breaker_failures: int = 3
+    breaker_cooldown: float = 10.0
+
+    side_channel_secret_env: str | None = None
+    release_timeout: float = 2.0
+    # Admin endpoints (/admin/engines) exist only with a token, or when explicitly open.
+    admin_token_env: str | None = None
+    admin_open: bool = False
+    # Name the chosen engines in response headers (x-pdconnect-prefill/-decode).
+    route_headers: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("dns_interval", "connect_timeout", "prefill_timeout",
+                     "decode_first_byte_timeout", "decode_timeout", "stream_idle_timeout",
+                     "health_timeout", "breaker_cooldown", "release_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.health_interval < 0:
+            raise ConfigError("health_interval must be >= 0 (0 turns active polling off)")
+        for name in ("prefill_attempts", "decode_attempts", "health_failures", "breaker_failures",
+                     "affinity_prefix_chars", "affinity_prefix_tokens", "affinity_vnodes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.affinity_load_factor < 1.0:
+            raise ConfigError(f"affinity_load_factor must be >= 1, got {self.affinity_load_factor}")
+        if not (self.decode or self.decode_dns):
+            raise ConfigError("no decode engines: give --decode URL or --decode-dns NAME:PORT")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port out of range: {self.port}")
+        for url in self.prefill + self.decode:
+            _normalize_url(url)
+        for target in self.prefill_dns + self.decode_dns:
+            DnsTarget.parse(target)
+
+    @property
+    def prefill_urls(self) -> tuple[str, ...]:
+        return tuple(_normalize_url(u) for u in self.prefill)
+
+    @property
+    def decode_urls(self) -> tuple[str, ...]:
+        return tuple(_normalize_url(u) for u in self.decode)
+
+    def dns_targets(self, role: str) -> tuple[DnsTarget, ...]:
+        names = self.prefill_dns if role == "prefill" else self.decode_dns
+        return tuple(DnsTarget.parse(n) for n in names)
+
+    def resolve_secret(self) -> bytes | None:
+        """The side-channel secret from the environment, read once at start."""
+        return _read_env(self.side_channel_secret_env)
+
+    def resolve_admin_token(self) -> str | None:
+        value = _read_env(self.admin_token_env)
+        return value.decode() if value is not None else None
+
+
+def _read_env(name: str | None) -> bytes | None:
+    if name is None:
+        return None
+    value = os.environ.get(name)
+    if not value:
+        raise ConfigError(f"environment variable {name!r} is unset or empty")
+    return value.encode()
+
+
+def load_config(values: dict[str, Any]) -> RouterConfig:
+    """Validate a mapping of options (file or argv); ConfigError names the bad key."""
+    try:
+        return msgspec.convert({k.replace("-", "_"): v for k, v in values.items()}, RouterConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid router configuration: {exc}") from None
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    text = Path(path).read_bytes()
+    try:
+        data = tomllib.loads(text.decode()) if path.endswith(".toml") else msgspec.json.decode(text)
+    except (tomllib.TOMLDecodeError, msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot parse {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold an object of options")
+    return data
+
+
+def _parser() -> argparse.ArgumentParser:
+    # SUPPRESS everywhere: only options actually given override the config file.
+    p = argparse.ArgumentParser(prog="pdconnect router", argument_default=argparse.SUPPRESS,
+                                description="OpenAI-compatible prefill/decode router.")
+    p.add_argument("--config", help="JSON or TOML file with any of the options below")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    engines = p.add_argument_group("engines")
+    engines.add_argument("--prefill", nargs="+", action="extend", metavar="URL")
+    engines.add_argument("--decode", nargs="+", action="extend", metavar="URL")
+    engines.add_argument("--prefill-dns", nargs="+", action="extend", metavar="NAME:PORT",
+                         help="DNS name (headless service) re-resolved every --dns-interval")
+    engines.add_argument("--decode-dns", nargs="+", action="extend", metavar="NAME:PORT")
+    engines.add_argument("--dns-interval", type=float, metavar="SECONDS")
+    routing = p.add_argument_group("routing")
+    routing.add_argument("--policy", choices=["prefix-affinity", "least-loaded", "round-robin"])
+    routing.add_argument("--affinity-prefix-chars", type=int)
+    routing.add_argument("--affinity-prefix-tokens", type=int)
+    routing.add_argument("--affinity-load-factor", type=float)
+    routing.add_argument("--affinity-vnodes", type=int)
+    flow = p.add_argument_group("request flow")
+    for name in ("connect-timeout", "prefill-timeout", "decode-first-byte-timeout",
+                 "decode-timeout", "stream-idle-timeout", "release-timeout"):
+        flow.add_argument(f"--{name}", type=float, metavar="SECONDS")
+    flow.add_argument("--prefill-attempts", type=int)
+    flow.add_argument("--decode-attempts", type=int)
+    flow.add_argument("--fallback", action=argparse.BooleanOptionalAction,
+                      help="decode-only fallback when every prefill attempt fails (default on)")
+    flow.add_argument("--side-channel-secret-env", metavar="NAME",
+                      help="environment variable holding the side-channel secret")
+    health = p.add_argument_group("health")
+    health.add_argument("--health-interval", type=float, metavar="SECONDS", help="0 = off")
+    health.add_argument("--health-timeout", type=float, metavar="SECONDS")
+    health.add_argument("--health-failures", type=int)
+    health.add_argument("--breaker-failures", type=int)
+    health.add_argument("--breaker-cooldown", type=float, metavar="SECONDS")
+    admin = p.add_argument_group("admin and output")
+    admin.add_argument("--admin-token-env", metavar="NAME")
+    admin.add_argument("--admin-open", action=argparse.BooleanOptionalAction,
+                       help="serve /admin/engines without a token (trusted networks only)")
+    admin.add_argument("--route-headers", action=argparse.BooleanOptionalAction)
+    admin.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def parse_args(argv: list[str]) -> RouterConfig:
+    """argv (without the program name) -> RouterConfig; ConfigError on bad input."""
+    given = vars(_parser().parse_args(argv))
+    path = given.pop("config", None)
+    values = _read_file(path) if path else {}
+    values.pop("config", None)
+    return load_config({**values, **given})

@@ -1,0 +1,463 @@
+"""The life of one request: parse, prefill leg, decode leg, relay; retries, fallback, abort.
+
+Read top to bottom in `PDFlow.handle`:
+1. parse the client's body and hash its leading chunk (the affinity key);
+2. prefill: the body with `max_tokens=1`, `stream=false` and
+   `kv_transfer_params={"do_remote_decode": true}` to the key's prefill engine; on error
+   or timeout the next engine, and when all failed, decode-only fallback (the decode
+   engine prefills locally; the `x-pdconnect-fallback` header and a metric say so);
+3. decode: the client's own body plus the prefill engine's `kv_transfer_params`,
+   unchanged, to the key's decode engine; a failure before the first byte moves to the
+   next decode engine with the same params (the prefill side holds the blocks under
+   its lease until one of them pulls);
+4. relay the decode engine's answer, with usage made true for the whole request.
+
+If the client leaves, the open upstream connection is closed (vLLM aborts a request
+whose connection closes) and the prefill engine is told to free the blocks now
+(`PrefillReleaser`, off the event loop). Every request ends with exactly one outcome
+from `metrics.OUTCOMES`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import logging
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from multidict import CIMultiDict
+
+from pdconnect.protocol import ProtocolError, decode_plan
+from pdconnect.router.config import RouterConfig
+from pdconnect.router.engines import Engine, EngineRegistry, Role
+from pdconnect.router.errors import (
+    BadRequest, DecodeFailed, DecodeTimeout, EngineRejected, NoEngineAvailable, PrefillFailed,
+    RouterError,
+)
+from pdconnect.router.metrics import RouterMetrics
+from pdconnect.router.policy import AffinityTracker, PrefixAffinity, RoutingPolicy, affinity_key
+from pdconnect.router.usage import SseRewriter, UsageMerger
+from pdconnect.sidechannel import release_remote
+
+__all__ = ["Endpoint", "Call", "PDFlow", "PrefillReleaser", "prefill_body", "decode_body"]
+
+logger = logging.getLogger("pdconnect.router.flow")
+
+_json_decode = msgspec.json.decode
+_json_encode = msgspec.json.encode
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+    @property
+    def label(self) -> str:
+        return "chat" if self is Endpoint.CHAT else "completions"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One client request, parsed once."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    request_id: str
+    stream: bool
+    key: int | None
+    headers: dict[str, str]  # forwarded to every engine (request id, authorization)
+    started: float
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    engine: Engine
+    params: dict[str, Any] | None
+    usage: Any
+
+
+def prefill_body(call: Call) -> dict[str, Any]:
+    """The prefill leg's body: compute the prompt, produce one token, hold the KV for decode."""
+    body = dict(call.body)
+    body["max_tokens"] = 1
+    if call.endpoint is Endpoint.CHAT:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    body.pop("stream_options", None)
+    body.pop("min_tokens", None)
+    body["kv_transfer_params"] = {"do_remote_decode": True}
+    return body
+
+
+def decode_body(call: Call, params: dict[str, Any] | None) -> dict[str, Any]:
+    """The decode leg's body: the client's request plus P's params (none = local prefill)."""
+    body = dict(call.body)
+    if params is None:
+        body.pop("kv_transfer_params", None)
+    else:
+        body["kv_transfer_params"] = params
+    return body
+
+
+class _AttemptFailed(Exception):
+    """One attempt at one engine failed in a way another engine may not; `reason` labels it."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class _Trace:
+    """What happened to one request, for its metrics and response headers."""
+
+    __slots__ = ("outcome", "fallback", "prefilled", "decode_engine")
+
+    def __init__(self) -> None:
+        self.outcome = "bad_request"
+        self.fallback: str | None = None
+        self.prefilled: Prefilled | None = None
+        self.decode_engine: Engine | None = None
+
+
+_OUTCOME_OF_ERROR: dict[type[RouterError], str] = {
+    BadRequest: "bad_request",
+    NoEngineAvailable: "no_engine",
+    PrefillFailed: "prefill_failed",
+    DecodeFailed: "decode_failed",
+    DecodeTimeout: "decode_timeout",
+    EngineRejected: "rejected",
+}
+_SERVED = frozenset({"ok", "ok_fallback"})
+
+
+class PrefillReleaser:
+    """Tells a prefill engine to free a request's blocks now, without delaying anyone.
+
+    The side-channel call blocks (zmq with a deadline), so it runs on a small thread
+    pool of its own (not the loop's default executor, which DNS lookups use); failures
+    are logged and counted, never raised. Params that are not a pdconnect plan (e.g.
+    vLLM's NixlConnector) have no release channel and are left to their lease.
+    """
+
+    def __init__(self, secret: bytes | None, timeout: float, metrics: RouterMetrics) -> None:
+        self._secret = secret
+        self._timeout = timeout
+        self._metrics = metrics
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdconnect-release")
+        self._pending: set[Future[Any]] = set()
+
+    def release(self, params: dict[str, Any] | None, reason: str) -> None:
+        if not params:
+            return
+        try:
+            plan = decode_plan(params)
+        except ProtocolError:
+            return
+        future = self._executor.submit(release_remote, plan.side_channel, [plan.remote_request_id],
+                                       reason, self._secret, self._timeout)
+        self._pending.add(future)
+        future.add_done_callback(functools.partial(self._done, plan.side_channel))
+
+    def _done(self, address: str, future: Future[Any]) -> None:
+        self._pending.discard(future)
+        error = future.exception()
+        if error is None:
+            self._metrics.releases.labels("ok").inc()
+        else:
+            self._metrics.releases.labels("error").inc()
+            logger.warning("release to %s failed: %s", address, error)
+
+    def close(self, wait: bool = True) -> None:
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
+
+
+class PDFlow:
+    """Serves `/v1/completions` and `/v1/chat/completions` through a prefill and a decode engine."""
+
+    def __init__(self, config: RouterConfig, registry: EngineRegistry, session: aiohttp.ClientSession,
+                 metrics: RouterMetrics, releaser: PrefillReleaser,
+                 prefill_policy: RoutingPolicy, decode_policy: RoutingPolicy) -> None:
+        self._config = config
+        self._registry = registry
+        self._session = session
+        self._metrics = metrics
+        self._releaser = releaser
+        self._policies = {Role.PREFILL: prefill_policy, Role.DECODE: decode_policy}
+        self._affinity = ({role: AffinityTracker() for role in Role}
+                          if isinstance(decode_policy, PrefixAffinity) else None)
+        # Per-read deadlines: connect, and (streams) the longest silence between chunks.
+        self._prefill_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout)
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
+                                                     sock_read=config.stream_idle_timeout)
+
+    # --- the request, top to bottom -------------------------------------------------------
+
+    async def handle(self, http: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        started = time.perf_counter()
+        trace = _Trace()
+        try:
+            call = self._parse(await http.read(), endpoint, http.headers, started)
+            trace.prefilled = await self._prefill(call, trace)
+            params = trace.prefilled.params if trace.prefilled else None
+            response = await self._decode(http, call, trace, params)
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            trace.outcome = "client_disconnect"
+            raise
+        except RouterError as exc:
+            trace.outcome = _OUTCOME_OF_ERROR.get(type(exc), "bad_request")
+            raise
+        finally:
+            if trace.outcome not in _SERVED and trace.prefilled is not None:
+                self._releaser.release(trace.prefilled.params, trace.outcome)
+            self._metrics.request_done(endpoint.label, trace.outcome, time.perf_counter() - started)
+
+    def _parse(self, raw: bytes, endpoint: Endpoint, headers: Any, started: float) -> Call:
+        try:
+            body = _json_decode(raw)
+        except msgspec.DecodeError as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        request_id = headers.get("X-Request-Id") or uuid.uuid4().hex
+        forward = {"X-Request-Id": request_id}
+        if "Authorization" in headers:
+            forward["Authorization"] = headers["Authorization"]
+        key = affinity_key(body, endpoint is Endpoint.CHAT, self._config.affinity_prefix_chars,
+                           self._config.affinity_prefix_tokens)
+        return Call(endpoint=endpoint, body=body, request_id=request_id, stream=body.get("stream") is True,
+                    key=key, headers=forward, started=started)
+
+    # --- prefill leg ----------------------------------------------------------------------
+
+    async def _prefill(self, call: Call, trace: _Trace) -> Prefilled | None:
+        """P's answer, or None for decode-only (trace.fallback says why)."""
+        engines = self._candidates(Role.PREFILL, call, self._config.prefill_attempts)
+        if not engines:
+            self._fall_back(trace, "no_prefill_engine")
+            return None
+        body = _json_encode(prefill_body(call))
+        deadline = self._config.prefill_timeout
+        for attempt, engine in enumerate(engines):
+            verdict: bool | None = None
+            engine.begin()
+            sent = time.perf_counter()
+            try:
+                resp, data = await self._send(engine, call, body, deadline, self._prefill_timeout, whole=True)
+                resp.release()
+                answer = _json_decode(data)
+                verdict = True
+            except _AttemptFailed as failure:
+                verdict = False
+                self._note_failure(Role.PREFILL, engine, failure, retry=attempt + 1 < len(engines))
+                continue
+            except EngineRejected:
+                verdict = True
+                raise
+            except msgspec.DecodeError:
+                verdict = False
+                self._note_failure(Role.PREFILL, engine, _AttemptFailed("bad_answer", "not JSON"),
+                                   retry=attempt + 1 < len(engines))
+                continue
+            finally:
+                engine.end(verdict)
+            self._metrics.prefill_seconds.observe(time.perf_counter() - sent)
+            self._observe_affinity(Role.PREFILL, call, engine)
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            if not isinstance(params, dict):
+                # An engine without a KV connector: nothing to pull, decode computes locally.
+                self._fall_back(trace, "no_transfer_params")
+                return None
+            return Prefilled(engine=engine, params=params, usage=answer.get("usage"))
+        if not self._config.fallback:
+            raise PrefillFailed(f"all {len(engines)} prefill attempts failed")
+        self._fall_back(trace, "prefill_failed")
+        return None
+
+    def _fall_back(self, trace: _Trace, reason: str) -> None:
+        trace.fallback = reason
+        self._metrics.fallbacks.labels(reason).inc()
+        logger.info("decode-only fallback: %s", reason)
+
+    # --- decode leg -----------------------------------------------------------------------
+
+    async def _decode(self, http: web.Request, call: Call, trace: _Trace,
+                      params: dict[str, Any] | None) -> web.StreamResponse:
+        engines = self._candidates(Role.DECODE, call, self._config.decode_attempts)
+        if not engines:
+            raise NoEngineAvailable(Role.DECODE.value)
+        body = _json_encode(decode_body(call, params))
+        merger = UsageMerger.from_prefill(trace.prefilled.usage) if trace.prefilled else None
+        if call.stream:
+            deadline, timeout = self._config.decode_first_byte_timeout, self._stream_timeout
+        else:
+            deadline, timeout = self._config.decode_timeout, self._prefill_timeout
+        last: _AttemptFailed | None = None
+        for attempt, engine in enumerate(engines):
+            verdict: bool | None = None
+            engine.begin()
+            sent = time.perf_counter()
+            try:
+                try:
+                    resp, first = await self._send(engine, call, body, deadline, timeout, whole=not call.stream)
+                except _AttemptFailed as failure:
+                    verdict = False
+                    if failure.reason == "timeout" and not call.stream:
+                        raise DecodeTimeout(f"decode took longer than {deadline}s") from None
+                    last = failure
+                    self._note_failure(Role.DECODE, engine, failure, retry=attempt + 1 < len(engines))
+                    continue
+                except EngineRejected:
+                    verdict = True
+                    raise
+                trace.decode_engine = engine
+                self._observe_affinity(Role.DECODE, call, engine)
+                headers = self._response_headers(call, trace, engine, resp)
+                if call.stream:
+                    out, verdict = await self._relay(http, call, trace, engine, resp, first, merger, headers)
+                else:
+                    resp.release()
+                    verdict = True
+                    trace.outcome = "ok_fallback" if trace.fallback else "ok"
+                    out = web.Response(body=merger.rewrite_body(first) if merger else first,
+                                       status=resp.status, headers=headers)
+                self._metrics.decode_seconds.observe(time.perf_counter() - sent)
+                return out
+            finally:
+                engine.end(verdict)
+        raise DecodeFailed(f"all {len(engines)} decode attempts failed; last: {last}")
+
+    async def _relay(self, http: web.Request, call: Call, trace: _Trace, engine: Engine,
+                     resp: aiohttp.ClientResponse,
+                     first: bytes, merger: UsageMerger | None,
+                     headers: CIMultiDict[str]) -> tuple[web.StreamResponse, bool | None]:
+        """Stream the decode answer to the client. Returns the response and the engine's verdict."""
+        out = web.StreamResponse(status=resp.status, headers=headers)
+        rewriter = SseRewriter(merger) if merger else None
+        chunk = first
+        try:
+            await out.prepare(http)
+            await out.write(rewriter.feed(chunk) if rewriter else chunk)
+            self._metrics.first_token(call.endpoint.label, time.perf_counter() - call.started)
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    # Bytes already reached the client, so no retry: end the stream with an
+                    # error event the way vLLM reports errors mid-stream.
+                    resp.close()
+                    trace.outcome = "decode_dropped"
+                    logger.warning("decode stream from %s broke: %r", engine.url, exc)
+                    await out.write(_stream_error(f"decode engine stream broke: {type(exc).__name__}"))
+                    await out.write_eof()
+                    return out, False
+                if not chunk:
+                    break
+                if rewriter:
+                    chunk = rewriter.feed(chunk)
+                if chunk:
+                    await out.write(chunk)
+            if rewriter:
+                await out.write(rewriter.flush())
+            resp.release()
+            trace.outcome = "ok_fallback" if trace.fallback else "ok"
+            await out.write_eof()
+            return out, True
+        except ConnectionResetError:
+            # The client left mid-stream: closing our side aborts the decode request.
+            resp.close()
+            trace.outcome = "client_disconnect"
+            return out, None
+        except BaseException:
+            resp.close()
+            raise
+
+    # --- one attempt at one engine ----------------------------------------------------------
+
+    async def _send(self, engine: Engine, call: Call, body: bytes, deadline: float,
+                    timeout: aiohttp.ClientTimeout, whole: bool) -> tuple[aiohttp.ClientResponse, bytes]:
+        """POST `body`; the response and its whole body (`whole`) or first chunk.
+
+        Raises _AttemptFailed for what another engine may not suffer (connect error,
+        timeout, 5xx/408/429, a connection dropped before any byte) and EngineRejected
+        for the engine's verdict on the request itself (other 4xx).
+        """
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(deadline):
+                resp = await self._session.post(engine.url + call.endpoint.value, data=body,
+                                                headers=call.headers, timeout=timeout)
+                if resp.status >= 400:
+                    await self._raise_for_status(resp)
+                data = await (resp.read() if whole else resp.content.readany())
+                if not data:
+                    raise _AttemptFailed("dropped", "connection closed before the first byte")
+                return resp, data
+        except _AttemptFailed:
+            _close(resp)
+            raise
+        except TimeoutError:
+            _close(resp)
+            raise _AttemptFailed("timeout", f"no answer within {deadline}s") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise _AttemptFailed("connect", str(exc)) from None
+        except aiohttp.ClientError as exc:
+            _close(resp)
+            raise _AttemptFailed("dropped", f"{type(exc).__name__}: {exc}") from None
+        except BaseException:
+            _close(resp)
+            raise
+
+    @staticmethod
+    async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:
+        data = await resp.read()
+        if resp.status >= 500 or resp.status in (408, 429):
+            raise _AttemptFailed(f"http_{resp.status // 100}xx" if resp.status >= 500 else f"http_{resp.status}",
+                                 data[:200].decode(errors="replace"))
+        raise EngineRejected(resp.status, data, resp.headers.get("Content-Type", "application/json"))
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _candidates(self, role: Role, call: Call, attempts: int) -> list[Engine]:
+        return self._policies[role].order(self._registry.engines(role), call.key)[:attempts]
+
+    def _note_failure(self, role: Role, engine: Engine, failure: _AttemptFailed, retry: bool) -> None:
+        logger.warning("%s attempt at %s failed: %s", role.value, engine.url, failure)
+        if retry:
+            self._metrics.retries.labels(role.value, failure.reason).inc()
+
+    def _observe_affinity(self, role: Role, call: Call, engine: Engine) -> None:
+        if self._affinity is not None and call.key is not None:
+            outcome = self._affinity[role].observe(call.key, engine.url)
+            self._metrics.affinity.labels(role.value, outcome).inc()
+
+    def _response_headers(self, call: Call, trace: _Trace, engine: Engine,
+                          resp: aiohttp.ClientResponse) -> CIMultiDict[str]:
+        headers: CIMultiDict[str] = CIMultiDict()
+        headers["Content-Type"] = resp.headers.get("Content-Type", "application/json")
+        headers["X-Request-Id"] = call.request_id
+        if trace.fallback:
+            headers["X-PDConnect-Fallback"] = trace.fallback
+        if self._config.route_headers:
+            headers["X-PDConnect-Decode"] = engine.url
+            headers["X-PDConnect-Prefill"] = trace.prefilled.engine.url if trace.prefilled else "none"
+        return headers
+
+
+def _close(resp: aiohttp.ClientResponse | None) -> None:
+    if resp is not None:
+        resp.close()
+
+
+def _stream_error(message: str) -> bytes:
+    event = {"error": {"message": message, "type": "BadGateway", "code": 502}}
+    return b"data: " + _json_encode(event) + b"\n\ndata: [DONE]\n\n"
+

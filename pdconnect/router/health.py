@@ -1,0 +1,125 @@
+"""Whether an engine may get traffic: a circuit breaker over request outcomes, and active polling.
+
+Two independent signals decide it (`Engine.routable`):
+- active: `/health` polled every `health_interval`; `health_failures` failed polls in a
+  row mark the engine down, one good poll marks it up. Until its first poll answers,
+  a new engine is not routable (a pod that is still loading its model must not get
+  traffic just because DNS already lists it).
+- passive: `CircuitBreaker` counts consecutive failed requests; at the threshold it
+  opens for `cooldown` seconds, then lets exactly one trial request through
+  (half-open): success closes it, failure reopens it. The breaker catches engines
+  whose `/health` says fine while their completions fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+if TYPE_CHECKING:
+    from pdconnect.router.engines import Engine, EngineRegistry
+
+__all__ = ["BreakerState", "CircuitBreaker", "HealthMonitor"]
+
+logger = logging.getLogger("pdconnect.router.health")
+
+Clock = Callable[[], float]
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    """Per-engine breaker. Invariant: at most one trial request is out while half-open,
+    and a trial that never reports back (its client vanished) stops blocking after one
+    cooldown, so an engine can never stay excluded for good by accident."""
+
+    def __init__(self, failure_threshold: int, cooldown: float, clock: Clock = time.monotonic) -> None:
+        self._threshold = failure_threshold
+        self._cooldown = cooldown
+        self._clock = clock
+        self.state = BreakerState.CLOSED
+        self.consecutive_failures = 0
+        self.opens = 0
+        self._since = 0.0  # when it opened, or when the trial went out
+
+    def allows(self) -> bool:
+        """May a request be sent now? Read-only: `on_attempt` takes the trial slot."""
+        if self.state is BreakerState.CLOSED:
+            return True
+        return self._clock() - self._since >= self._cooldown
+
+    def on_attempt(self) -> None:
+        if self.state is not BreakerState.CLOSED:
+            self.state = BreakerState.HALF_OPEN
+            self._since = self._clock()
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.state = BreakerState.CLOSED
+
+    def record_failure(self) -> bool:
+        """Count one failed request; True when this failure opened the breaker."""
+        self.consecutive_failures += 1
+        if self.state is BreakerState.HALF_OPEN or (
+            self.state is BreakerState.CLOSED and self.consecutive_failures >= self._threshold
+        ):
+            self.state = BreakerState.OPEN
+            self._since = self._clock()
+            self.opens += 1
+            return True
+        return False
+
+
+class HealthMonitor:
+    """Polls every registered engine's `/health`; polls a newly added engine at once."""
+
+    def __init__(self, registry: EngineRegistry, session: aiohttp.ClientSession,
+                 interval: float, timeout: float, failures_to_down: int) -> None:
+        self._registry = registry
+        self._session = session
+        self._interval = interval
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._failures_to_down = failures_to_down
+        self._pending: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> None:
+        """Poll forever (cancel to stop)."""
+        while True:
+            await self.poll(self._registry.all_engines())
+            await asyncio.sleep(self._interval)
+
+    def poll_soon(self, engine: Engine) -> None:
+        task = asyncio.get_running_loop().create_task(self._probe(engine))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def poll(self, engines: Iterable[Engine]) -> None:
+        await asyncio.gather(*(self._probe(e) for e in engines))
+
+    async def _probe(self, engine: Engine) -> None:
+        try:
+            async with self._session.get(f"{engine.url}/health", timeout=self._timeout) as resp:
+                ok = resp.status == 200
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            ok = False
+        was = engine.probe_ok
+        engine.record_probe(ok, self._failures_to_down)
+        if was is not engine.probe_ok:
+            logger.info("%s engine %s is %s", engine.role.value, engine.url,
+                        "up" if engine.probe_ok else "down")
+
+    async def close(self) -> None:
+        for task in list(self._pending):
+            task.cancel()
+        await asyncio.gather(*self._pending, return_exceptions=True)

@@ -1,0 +1,118 @@
+"""The router's Prometheus metrics, on a registry owned by one router instance.
+
+Per-engine gauges (health, in-flight, failures) are read from the engine registry at
+scrape time by a collector, so the request path never touches them and a removed
+engine's series disappear with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdconnect.router.engines import EngineRegistry
+from pdconnect.router.health import BreakerState
+
+__all__ = ["RouterMetrics", "OUTCOMES"]
+
+# Every request ends with exactly one of these (label `outcome` of requests_total).
+OUTCOMES = (
+    "ok",                 # served P/D as planned (possibly after retries)
+    "ok_fallback",        # served decode-only after prefill failed
+    "rejected",           # an engine refused the request itself (4xx), passed through
+    "bad_request",        # the router could not parse or route the body
+    "no_engine",          # no healthy engine of a needed role
+    "prefill_failed",     # every prefill attempt failed, fallback off
+    "decode_failed",      # every decode attempt failed before the first byte
+    "decode_timeout",     # non-streaming decode exceeded decode_timeout
+    "decode_dropped",     # decode stream broke or stalled after the client got bytes
+    "client_disconnect",  # the client went away; decode aborted, prefill released
+)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engines: EngineRegistry) -> None:
+        self._engines = engines
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "engine"]
+        healthy = GaugeMetricFamily("pdconnect_router_engine_healthy",
+                                    "1 if the engine may get traffic now (polls and breaker agree)", labels=labels)
+        breaker_open = GaugeMetricFamily("pdconnect_router_engine_breaker_open",
+                                         "1 while the engine's circuit breaker is open or half-open", labels=labels)
+        in_flight = GaugeMetricFamily("pdconnect_router_engine_in_flight",
+                                      "Requests this router has open at the engine", labels=labels)
+        failures = CounterMetricFamily("pdconnect_router_engine_failures",
+                                       "Failed requests (connect, timeout, 5xx, dropped) per engine", labels=labels)
+        opens = CounterMetricFamily("pdconnect_router_engine_breaker_opens",
+                                    "Times the engine's circuit breaker opened", labels=labels)
+        for engine in self._engines.all_engines():
+            values = [engine.role.value, engine.url]
+            healthy.add_metric(values, 1.0 if engine.routable else 0.0)
+            breaker_open.add_metric(values, 0.0 if engine.breaker.state is BreakerState.CLOSED else 1.0)
+            in_flight.add_metric(values, engine.in_flight)
+            failures.add_metric(values, engine.failures)
+            opens.add_metric(values, engine.breaker.opens)
+        yield from (healthy, breaker_open, in_flight, failures, opens)
+
+
+class RouterMetrics:
+    """All router metrics; `render()` is the `/metrics` body."""
+
+    def __init__(self, engines: EngineRegistry) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdconnect_router_requests", "Requests by endpoint and final outcome",
+                                ["endpoint", "outcome"], registry=r)
+        self.prefill_seconds = Histogram("pdconnect_router_prefill_seconds",
+                                         "Prefill leg, successful attempt, send to parsed answer",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_seconds = Histogram("pdconnect_router_decode_seconds",
+                                        "Decode leg, send to last byte relayed",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_seconds = Histogram("pdconnect_router_request_seconds",
+                                         "Whole request as the router saw it", ["endpoint"],
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft_seconds = Histogram("pdconnect_router_time_to_first_token_seconds",
+                                      "Streaming requests: arrival to first decode chunk relayed",
+                                      ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.retries = Counter("pdconnect_router_retries", "Attempts sent to another engine after a failure",
+                               ["role", "reason"], registry=r)
+        self.fallbacks = Counter("pdconnect_router_fallbacks",
+                                 "Requests served decode-only (local prefill) instead of P/D", ["reason"],
+                                 registry=r)
+        self.affinity = Counter("pdconnect_router_affinity",
+                                "Prefix-affinity placements: keep (same engine as the key's last "
+                                "request), move (another engine), new (key not seen recently)",
+                                ["role", "outcome"], registry=r)
+        self.releases = Counter("pdconnect_router_prefill_releases",
+                                "Release notices sent to prefill engines (client gone, decode failed)",
+                                ["result"], registry=r)
+        self.dns_failures = Counter("pdconnect_router_dns_failures", "Failed DNS re-resolutions", registry=r)
+        r.register(_EngineCollector(engines))
+        # Labelled children, looked up once: `labels()` takes a lock and builds a tuple.
+        self._ends: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        self._ttft: dict[str, Histogram] = {}
+
+    def request_done(self, endpoint: str, outcome: str, seconds: float) -> None:
+        children = self._ends.get((endpoint, outcome))
+        if children is None:
+            children = (self.requests.labels(endpoint, outcome), self.request_seconds.labels(endpoint))
+            self._ends[(endpoint, outcome)] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def first_token(self, endpoint: str, seconds: float) -> None:
+        child = self._ttft.get(endpoint)
+        if child is None:
+            child = self._ttft[endpoint] = self.ttft_seconds.labels(endpoint)
+        child.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,216 @@
+"""Which engine serves a request: prefix affinity, least-loaded or round-robin, chosen by flag.
+
+Prefix affinity is why this router exists. A decode engine can only hit its local
+prefix cache for a sibling request (same long prefix, new suffix) if the sibling lands
+where the first request's KV was published; the same holds for the prefill engine's
+cache. So the key is a hash of the prompt's leading chunk (text for completions, the
+rendered messages for chat, token ids when the prompt is ids), placed on a
+consistent-hash ring per role: siblings share a key, so they share an engine on every
+ring, and adding or removing an engine moves only the keys next to it.
+
+A pure hash ring lets one hot prefix swamp an engine. The ring therefore uses
+consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): an
+engine whose in-flight count reached `ceil(factor * (total + 1) / n)` is skipped and
+the walk goes on clockwise, so no engine exceeds its share by more than `factor`,
+and a key only moves while its engine is over the bound.
+
+Every policy returns the routable engines in preference order; the flow tries them in
+that order, so a retry goes to the key's next engine on the ring and stays stable.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from pdconnect.router.engines import Engine
+
+__all__ = [
+    "RoutingPolicy", "PrefixAffinity", "LeastLoaded", "RoundRobin", "make_policy",
+    "affinity_key", "render_messages", "AffinityTracker",
+]
+
+
+def _hash64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+# --- the affinity key --------------------------------------------------------------------
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # multimodal parts: text, and the identity of any media
+        parts = []
+        for part in content:
+            if isinstance(part, dict):
+                media = part.get("image_url") or part.get("input_audio") or part.get("video_url")
+                parts.append(str(part.get("text") or (media.get("url") if isinstance(media, dict) else media) or ""))
+        return "".join(parts)
+    return "" if content is None else str(content)
+
+
+def render_messages(messages: Sequence[Any], limit: int) -> str:
+    """The messages as one string, `role` and content with separators no chat text uses,
+    cut at `limit` characters (only the leading chunk matters, so stop rendering there)."""
+    out: list[str] = []
+    size = 0
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        piece = f"{message.get('role', '')}\x1f{_content_text(message.get('content'))}\x1e"
+        out.append(piece)
+        size += len(piece)
+        if size >= limit:
+            break
+    return "".join(out)[:limit]
+
+
+def affinity_key(body: dict[str, Any], chat: bool, prefix_chars: int, prefix_tokens: int) -> int | None:
+    """A 64-bit hash of the request's leading chunk; None when there is no prompt to hash."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None
+        return _hash64(render_messages(messages, prefix_chars).encode("utf-8", "surrogatepass"))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch: the first prompt decides
+    if isinstance(prompt, str):
+        return _hash64(prompt[:prefix_chars].encode("utf-8", "surrogatepass"))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return _hash64(repr(prompt[:prefix_tokens]).encode())
+    return None
+
+
+# --- policies ----------------------------------------------------------------------------
+
+class RoutingPolicy(Protocol):
+    """Orders one role's engines for a request (best first); only routable ones."""
+
+    name: str
+
+    def order(self, engines: tuple[Engine, ...], key: int | None) -> list[Engine]: ...
+
+
+class RoundRobin:
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def order(self, engines: tuple[Engine, ...], key: int | None) -> list[Engine]:
+        live = [e for e in engines if e.routable]
+        if not live:
+            return live
+        start = next(self._counter) % len(live)
+        return live[start:] + live[:start]
+
+
+class LeastLoaded:
+    """Fewest in-flight requests first; ties rotate so equal engines share the work."""
+
+    name = "least-loaded"
+
+    def __init__(self) -> None:
+        self._rotation = RoundRobin()
+
+    def order(self, engines: tuple[Engine, ...], key: int | None) -> list[Engine]:
+        rotated = self._rotation.order(engines, key)
+        return sorted(rotated, key=lambda e: e.in_flight)  # stable: ties keep the rotation
+
+
+class _Ring:
+    """`vnodes` points per engine on a 64-bit circle; built once per engine set."""
+
+    def __init__(self, engines: tuple[Engine, ...], vnodes: int) -> None:
+        points = sorted(
+            (_hash64(f"{engine.url}#{i}".encode()), index)
+            for index, engine in enumerate(engines) for i in range(vnodes)
+        )
+        self.engines = engines
+        self.hashes = [h for h, _ in points]
+        self.owners = [i for _, i in points]
+
+    def walk(self, key: int) -> list[Engine]:
+        """Every engine once, in clockwise order from `key`."""
+        start = bisect.bisect(self.hashes, key)
+        seen: dict[int, None] = {}
+        n, total = len(self.engines), len(self.owners)
+        for step in range(total):
+            seen.setdefault(self.owners[(start + step) % total])
+            if len(seen) == n:
+                break
+        return [self.engines[i] for i in seen]
+
+
+class PrefixAffinity:
+    """Consistent hashing with bounded loads over one role's engines (see module doc)."""
+
+    name = "prefix-affinity"
+
+    def __init__(self, load_factor: float, vnodes: int) -> None:
+        self.load_factor = load_factor
+        self._vnodes = vnodes
+        self._ring: _Ring | None = None
+        self._fallback = LeastLoaded()
+
+    def _ring_for(self, engines: tuple[Engine, ...]) -> _Ring:
+        if self._ring is None or self._ring.engines is not engines:
+            self._ring = _Ring(engines, self._vnodes)
+        return self._ring
+
+    def bound(self, live: Sequence[Engine]) -> int:
+        """The most in-flight requests one engine may hold before the next one is placed."""
+        total = sum(e.in_flight for e in live)
+        return math.ceil(self.load_factor * (total + 1) / len(live))
+
+    def order(self, engines: tuple[Engine, ...], key: int | None) -> list[Engine]:
+        if key is None:
+            return self._fallback.order(engines, key)
+        walk = [e for e in self._ring_for(engines).walk(key) if e.routable]
+        if not walk:
+            return walk
+        bound = self.bound(walk)
+        for i, engine in enumerate(walk):
+            if engine.in_flight < bound:
+                return [engine, *walk[:i], *walk[i + 1:]]
+        return walk  # unreachable for factor >= 1; kept total for safety
+
+
+def make_policy(name: str, load_factor: float, vnodes: int) -> RoutingPolicy:
+    if name == "prefix-affinity":
+        return PrefixAffinity(load_factor, vnodes)
+    if name == "least-loaded":
+        return LeastLoaded()
+    if name == "round-robin":
+        return RoundRobin()
+    raise ValueError(f"unknown routing policy {name!r}")
+
+
+class AffinityTracker:
+    """Remembers which engine each recent key last used, to count keeps and moves.
+
+    A "move" is a sibling served elsewhere than its predecessor (load bound, failure,
+    topology change): its cache is cold there. Bounded LRU, so memory stays flat.
+    """
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self._last: OrderedDict[int, str] = OrderedDict()
+        self._capacity = capacity
+
+    def observe(self, key: int, engine_url: str) -> str:
+        """Record that `key` was served by `engine_url`: 'new', 'keep' or 'move'."""
+        previous = self._last.get(key)
+        self._last[key] = engine_url
+        self._last.move_to_end(key)
+        if len(self._last) > self._capacity:
+            self._last.popitem(last=False)
+        if previous is None:
+            return "new"
+        return "keep" if previous == engine_url else "move"

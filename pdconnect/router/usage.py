@@ -1,0 +1,110 @@
+"""The usage a P/D client sees: prompt accounting from prefill, output accounting from decode.
+
+A decode engine counts the KV it received from the prefill engine as cached prompt
+tokens, so on its own a cold P/D request would look like a full prefix-cache hit. The
+prompt was really computed on the prefill engine, whose `cached_tokens` is the true
+saving; the generated tokens are the decode engine's (prefill's one token is never
+shown). So: `prompt_tokens` and `prompt_tokens_details` from prefill, `completion_tokens`
+from decode, `total_tokens` recomputed. When prefill reports no details, decode's are
+dropped rather than left to claim a hit that did not happen.
+
+Streams are rewritten event by event; only events that carry usage are parsed, so the
+common chunk passes through as bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+__all__ = ["UsageMerger", "SseRewriter"]
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+
+
+class UsageMerger:
+    """Rewrites decode-side usage objects with the prefill leg's prompt accounting."""
+
+    def __init__(self, prompt_tokens: int, details: Any) -> None:
+        self._prompt_tokens = prompt_tokens
+        self._details = details
+
+    @classmethod
+    def from_prefill(cls, usage: Any) -> UsageMerger | None:
+        """The merger for a prefill answer's usage; None if it has no prompt count."""
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            return cls(usage["prompt_tokens"], usage.get("prompt_tokens_details"))
+        return None
+
+    def merge(self, usage: dict[str, Any]) -> None:
+        usage["prompt_tokens"] = self._prompt_tokens
+        if self._details is not None:
+            usage["prompt_tokens_details"] = self._details
+        else:
+            usage.pop("prompt_tokens_details", None)
+        completion = usage.get("completion_tokens")
+        if isinstance(completion, int):
+            usage["total_tokens"] = self._prompt_tokens + completion
+
+    def rewrite_body(self, body: bytes) -> bytes:
+        """A non-streaming JSON answer; returned unchanged if it has no usage object."""
+        try:
+            doc = _decode(body)
+        except msgspec.DecodeError:
+            return body
+        if not isinstance(doc, dict) or not isinstance(doc.get("usage"), dict):
+            return body
+        self.merge(doc["usage"])
+        return _encode(doc)
+
+
+class SseRewriter:
+    """Re-frames a server-sent-event byte stream into whole events, merging usage.
+
+    Network reads do not follow event boundaries, so an incomplete tail is held back
+    until its blank line arrives (vLLM writes whole events, so this rarely waits).
+    """
+
+    def __init__(self, merger: UsageMerger) -> None:
+        self._merger = merger
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._tail + chunk if self._tail else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._tail = data
+            return b""
+        self._tail = data[cut + 2:]
+        whole = data[:cut + 2]
+        if b'"prompt_tokens"' not in whole:
+            return whole
+        # Rewrite only the events that carry usage; a read can hold a whole stream.
+        out: list[bytes] = []
+        start = 0
+        while (at := whole.find(b'"prompt_tokens"', start)) >= 0:
+            begin = whole.rfind(b"\n\n", start, at)
+            begin = start if begin < 0 else begin + 2
+            end = whole.find(b"\n\n", at)
+            out += (whole[start:begin], self._rewrite(whole[begin:end]), b"\n\n")
+            start = end + 2
+        out.append(whole[start:])
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        tail, self._tail = self._tail, b""
+        return tail
+
+    def _rewrite(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: ") or b'"prompt_tokens"' not in event:
+            return event
+        try:
+            doc = _decode(event[6:])
+        except msgspec.DecodeError:
+            return event
+        if not isinstance(doc, dict) or not isinstance(doc.get("usage"), dict):
+            return event
+        self._merger.merge(doc["usage"])
+        return b"data: " + _encode(doc)

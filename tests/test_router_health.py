@@ -1,0 +1,115 @@
+"""Engine health: the circuit breaker's states, active-poll verdicts, and the registry's
+membership rules (several sources per engine, DNS sync)."""
+
+from __future__ import annotations
+
+from pdconnect.router.engines import Engine, EngineRegistry, Role
+from pdconnect.router.health import BreakerState, CircuitBreaker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_at_the_threshold_and_lets_one_trial_through_after_cooldown() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(failure_threshold=3, cooldown=10.0, clock=clock)
+    assert [breaker.record_failure() for _ in range(3)] == [False, False, True]
+    assert breaker.state is BreakerState.OPEN and not breaker.allows()
+    clock.now += 10.0
+    assert breaker.allows()
+    breaker.on_attempt()
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert not breaker.allows()  # only one trial at a time
+    assert breaker.record_failure()  # a failed trial reopens at once
+    assert breaker.opens == 2 and not breaker.allows()
+    clock.now += 10.0
+    breaker.on_attempt()
+    breaker.record_success()
+    assert breaker.state is BreakerState.CLOSED and breaker.allows()
+
+
+def test_success_resets_the_failure_count() -> None:
+    breaker = CircuitBreaker(failure_threshold=3, cooldown=10.0, clock=Clock())
+    breaker.record_failure()
+    breaker.record_failure()
+    breaker.record_success()
+    breaker.record_failure()
+    assert breaker.state is BreakerState.CLOSED
+
+
+def test_a_trial_that_never_reports_back_stops_blocking_after_a_cooldown() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(failure_threshold=1, cooldown=5.0, clock=clock)
+    breaker.record_failure()
+    clock.now += 5.0
+    breaker.on_attempt()  # its client vanished; no verdict ever comes
+    assert not breaker.allows()
+    clock.now += 5.0
+    assert breaker.allows()
+
+
+def engine(probe_ok: bool | None = None) -> Engine:
+    return Engine(url="http://e:1", role=Role.DECODE, breaker=CircuitBreaker(3, 10.0), probe_ok=probe_ok)
+
+
+def test_new_engine_is_not_routable_until_a_poll_answers() -> None:
+    e = engine()
+    assert not e.routable
+    e.record_probe(False, failures_to_down=2)
+    assert e.probe_ok is False
+    e.record_probe(True, failures_to_down=2)
+    assert e.routable
+
+
+def test_a_live_engine_goes_down_only_after_consecutive_failed_polls() -> None:
+    e = engine(probe_ok=True)
+    e.record_probe(False, failures_to_down=2)
+    assert e.routable
+    e.record_probe(False, failures_to_down=2)
+    assert not e.routable
+
+
+def test_attempt_verdicts_feed_the_breaker_and_the_failure_count() -> None:
+    e = engine(probe_ok=True)
+    for _ in range(3):
+        e.begin()
+        e.end(False)
+    assert e.failures == 3 and not e.routable and e.in_flight == 0
+    e.begin()
+    e.end(None)  # no verdict: the client left
+    assert e.failures == 3
+
+
+def registry() -> EngineRegistry:
+    return EngineRegistry(make_breaker=lambda: CircuitBreaker(3, 10.0), probed=True)
+
+
+def test_engine_stays_while_any_source_lists_it() -> None:
+    r = registry()
+    added: list[str] = []
+    r.on_added.append(lambda e: added.append(e.url))
+    r.add(Role.DECODE, "http://a:1", "static")
+    r.add(Role.DECODE, "http://a:1", "dns:x")
+    assert added == ["http://a:1"]
+    assert not r.remove(Role.DECODE, "http://a:1", "dns:x")
+    assert [e.url for e in r.engines(Role.DECODE)] == ["http://a:1"]
+    assert r.remove(Role.DECODE, "http://a:1", "static")
+    assert r.engines(Role.DECODE) == ()
+
+
+def test_sync_follows_one_source_and_leaves_others_alone() -> None:
+    r = registry()
+    r.add(Role.PREFILL, "http://static:1", "static")
+    r.sync(Role.PREFILL, "dns:p", ["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+    snapshot = r.engines(Role.PREFILL)
+    r.sync(Role.PREFILL, "dns:p", ["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
+    assert sorted(e.url for e in r.engines(Role.PREFILL)) == [
+        "http://10.0.0.2:8000", "http://10.0.0.3:8000", "http://static:1"]
+    assert r.engines(Role.PREFILL) is not snapshot  # policies rebuild their ring
+    r.sync(Role.PREFILL, "dns:p", ["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
+    assert r.engines(Role.DECODE) == ()
