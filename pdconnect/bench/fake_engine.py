@@ -128,6 +128,9 @@ class FakeEngine:
                                                               "owned_by": "fake"}]})
 
     async def _inference(self, request: web.Request) -> web.StreamResponse:
+        if request.content_type != "application/json":  # vLLM refuses anything else
+            return web.json_response({"error": {"message": "Only 'application/json' is allowed",
+                                                "code": 400}}, status=400)
         body = msgspec.json.decode(await request.read())
         request_id = request.headers.get("X-Request-Id", "")
         self.seen.append(Seen(request.path, request_id, body))

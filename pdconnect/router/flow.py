@@ -228,7 +228,7 @@ class PDFlow:
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
         request_id = headers.get("X-Request-Id") or uuid.uuid4().hex
-        forward = {"X-Request-Id": request_id}
+        forward = {"X-Request-Id": request_id, "Content-Type": "application/json"}
         if "Authorization" in headers:
             forward["Authorization"] = headers["Authorization"]
         key = affinity_key(body, endpoint is Endpoint.CHAT, self._config.affinity_prefix_chars,
