@@ -1,0 +1,40 @@
+"""Moving KV bytes between engines: one `Transport` interface, Mooncake and NIXL behind it.
+
+The public surface is here; `base` documents the contract, `mooncake` and `nixl`
+implement it. Neither this package nor its users need torch: memory is raw addresses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdconnect.transfer.base import (
+    MemoryRegion, PeerInfo, Range, Transfer, TransferError, TransferState, Transport, coalesce,
+    decode_metadata,
+)
+
+__all__ = [
+    "TRANSPORT_KINDS", "MemoryRegion", "PeerInfo", "Range", "Transfer", "TransferError",
+    "TransferState", "Transport", "coalesce", "create_transport", "decode_metadata",
+]
+
+TRANSPORT_KINDS = ("mooncake", "nixl")
+
+
+def create_transport(kind: str, *, host: str, protocol: str = "rdma", device_name: str = "",
+                     require_rdma: bool = False) -> Transport[Any]:
+    """A started transport of `kind` ("mooncake" | "nixl"); raises TransferError.
+
+    `host` is the address peers reach us at; `protocol`, `device_name` and
+    `require_rdma` mean what `ConnectorSettings` says. The libraries are imported only
+    here, so a process that never creates a transport never loads them.
+    """
+    if kind == "mooncake":
+        from pdconnect.transfer.mooncake import MooncakeTransport
+        return MooncakeTransport(host=host, protocol=protocol, device_name=device_name,
+                                 require_rdma=require_rdma)
+    if kind == "nixl":
+        from pdconnect.transfer.nixl import NixlTransport
+        return NixlTransport(host=host, protocol=protocol, device_name=device_name,
+                             require_rdma=require_rdma)
+    raise TransferError(f"unknown transport {kind!r}; choose one of {', '.join(TRANSPORT_KINDS)}")

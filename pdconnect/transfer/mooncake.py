@@ -1,0 +1,209 @@
+"""Mooncake Transfer Engine as a `Transport`: P2P handshake (no etcd), RDMA or TCP.
+
+What Mooncake does on its own, and what we do about it:
+- It ignores the protocol argument when choosing the data path: it installs RDMA when
+  it finds an RDMA NIC and TCP otherwise (so "rdma" silently becomes TCP on a host
+  without one, and "tcp" becomes RDMA on a host with one). We force its hand with
+  `MC_FORCE_HCA` / `MC_FORCE_TCP` while the engine starts, so the data path in use is
+  the one we decided, and `effective_protocol` is a fact, not a guess.
+- Its TCP transport refuses batches of more than 1024 pending transfers per peer by
+  default; the connector moves thousands of small blocks, so we raise the limits
+  (unless the operator set them).
+- Its Python binding has no non-blocking status for a multi-descriptor batch
+  (`transfer_check_status` looks at the first descriptor only), so each pull runs the
+  blocking batch read on a worker thread (the binding releases the GIL) and the
+  `Transfer` watches that thread. The read ends at Mooncake's own timeout
+  (`MC_TRANSFER_TIMEOUT`, default 30 s) at the latest; until then a timed-out pull is
+  FAILED but not `quiescent`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pdconnect.transfer._host import env_defaults, rdma_devices, scoped_env
+from pdconnect.transfer.base import (
+    LOG, MemoryRegion, PeerInfo, Range, Transfer, TransferError, TransferState, Transport,
+)
+
+__all__ = ["MooncakeTransport"]
+
+_TCP_QUEUE_LIMITS = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+}
+
+# Each data path is forced by one variable; the other must be absent, because
+# MC_FORCE_TCP wins over MC_FORCE_HCA inside Mooncake.
+_FORCE = {
+    "rdma": {"MC_FORCE_HCA": "1", "MC_FORCE_TCP": None},
+    "tcp": {"MC_FORCE_TCP": "1", "MC_FORCE_HCA": None},
+}
+
+_METADATA_SERVER = "P2PHANDSHAKE"
+
+
+class MooncakeTransport(Transport[str]):
+    """Reads peers' memory with Mooncake TE; a peer handle is its P2P session name."""
+
+    name = "mooncake"
+
+    def __init__(self, *, host: str, protocol: str = "rdma", device_name: str = "",
+                 require_rdma: bool = False, connect_timeout: float = 5.0) -> None:
+        super().__init__()
+        if protocol not in _FORCE:
+            raise TransferError(f"mooncake protocol must be 'rdma' or 'tcp', got {protocol!r}")
+        if require_rdma and protocol != "rdma":
+            raise TransferError(f"require_rdma contradicts protocol {protocol!r}")
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise TransferError(
+                f"the mooncake transport needs the mooncake-transfer-engine package "
+                f"(mooncake-transfer-engine-non-cuda on hosts without CUDA): {exc}"
+            ) from None
+        env_defaults(_TCP_QUEUE_LIMITS)
+        self._connect_timeout = connect_timeout
+        self._engine, self.effective_protocol = _start_engine(
+            TransferEngine, host, protocol, device_name, require_rdma)
+        wrapped = f"[{host}]" if ":" in host else host
+        self._session = f"{wrapped}:{self._engine.get_rpc_port()}"
+        LOG.info("mooncake: session %s, protocol requested %s, effective %s%s", self._session,
+                 protocol, self.effective_protocol,
+                 f" (devices {device_name})" if device_name else "")
+
+    @property
+    def session(self) -> str:
+        """Our P2P session name, "host:port", as peers address us."""
+        return self._session
+
+    def _register(self, regions: Sequence[MemoryRegion]) -> None:
+        rc = self._engine.batch_register_memory([r.addr for r in regions],
+                                                [r.length for r in regions])
+        if rc != 0:
+            raise TransferError(f"mooncake refused to register {len(regions)} region(s): rc={rc}")
+
+    def _endpoint(self) -> bytes:
+        return self._session.encode()
+
+    def _connect(self, peer: str, info: PeerInfo) -> str:
+        try:
+            session = info.endpoint.decode()
+            host, _, port = session.rpartition(":")
+            if not host or not 0 < int(port) < 65536:
+                raise ValueError(session)
+        except ValueError:
+            raise TransferError(
+                f"peer {peer}: mooncake endpoint {info.endpoint[:64]!r} is not 'host:port'"
+            ) from None
+        rc = _call_bounded(lambda: self._engine.send_probe(session), self._connect_timeout)
+        if rc != 0:
+            outcome = f"no reply within {self._connect_timeout:g} s" if rc is None else f"rc={rc}"
+            raise TransferError(
+                f"peer {peer}: Mooncake's handshake probe to {session} failed ({outcome}); "
+                "is the prefill engine up and its host reachable from here?"
+            )
+        return session
+
+    def _pull(self, handle: str, ranges: Sequence[Range], timeout: float,
+              description: str) -> Transfer:
+        return _MooncakeTransfer(self._engine, handle, ranges, timeout, description)
+
+    def _disconnect(self, peer: str, handle: str) -> None:
+        # The binding keeps its segment handle cached by session name and offers no way
+        # to close it; a restarted peer gets a new random port, hence a new session.
+        pass
+
+    def _close(self) -> None:
+        # Running pulls hold their own reference: the engine is destroyed only after
+        # the last one returns, never under a thread still inside it.
+        del self._engine
+
+
+class _MooncakeTransfer(Transfer):
+    """One blocking `batch_transfer_sync_read`, run on its own thread."""
+
+    def __init__(self, engine: Any, session: str, ranges: Sequence[Range], timeout: float,
+                 description: str) -> None:
+        super().__init__(description, timeout)
+        self._rc: int | None = None
+        self._exc: BaseException | None = None
+        self._finished = threading.Event()
+        args = (session, [r[0] for r in ranges], [r[1] for r in ranges], [r[2] for r in ranges])
+        self._thread = threading.Thread(target=self._run, args=(engine, args), daemon=True,
+                                        name=f"pdconnect-{description}")
+        self._thread.start()
+
+    def _run(self, engine: Any, args: tuple[str, list[int], list[int], list[int]]) -> None:
+        try:
+            self._rc = engine.batch_transfer_sync_read(*args)
+        except BaseException as exc:  # reported through poll(), which must not raise
+            self._exc = exc
+        finally:
+            self._finished.set()
+
+    def _status(self) -> tuple[TransferState, str | None]:
+        if not self._finished.is_set():
+            return TransferState.PENDING, None
+        if self._exc is not None:
+            return TransferState.FAILED, f"mooncake batch read raised {self._exc!r}"
+        if self._rc == 0:
+            return TransferState.DONE, None
+        return TransferState.FAILED, (
+            f"mooncake batch read returned {self._rc}: peer unreachable, connection lost or "
+            "Mooncake's own timeout (its log on stderr says which)"
+        )
+
+    def _release(self) -> bool:
+        return self._finished.is_set()
+
+    def _idle(self, seconds: float) -> None:
+        self._finished.wait(seconds)
+
+
+def _start_engine(factory: Callable[[], Any], host: str, protocol: str, device_name: str,
+                  require_rdma: bool) -> tuple[Any, str]:
+    """An initialized engine and the protocol it really uses."""
+    if protocol == "rdma":
+        devices = rdma_devices()
+        # Without any kernel RDMA device the forced attempt cannot succeed; skipping it
+        # saves the second a failed engine takes to shut down.
+        engine = _initialize(factory, host, "rdma", device_name) if devices else None
+        if engine is not None:
+            return engine, "rdma"
+        why = (f"Mooncake could not start RDMA (kernel RDMA devices: "
+               f"{', '.join(devices) or 'none'}; device_name={device_name!r})")
+        if require_rdma:
+            raise TransferError(f"{why}; require_rdma is set, so not falling back to tcp")
+        LOG.warning("mooncake: %s; falling back to tcp", why)
+    engine = _initialize(factory, host, "tcp", device_name)
+    if engine is None:
+        raise TransferError(
+            f"Mooncake TransferEngine.initialize({host!r}, {_METADATA_SERVER!r}, 'tcp') "
+            "failed; its log on stderr says why (bad host, no free port)"
+        )
+    return engine, "tcp"
+
+
+def _initialize(factory: Callable[[], Any], host: str, protocol: str,
+                device_name: str) -> Any | None:
+    engine = factory()
+    with scoped_env(_FORCE[protocol]):
+        rc = engine.initialize(host, _METADATA_SERVER, protocol, device_name)
+    return engine if rc == 0 else None
+
+
+def _call_bounded(call: Callable[[], int], timeout: float) -> int | None:
+    """`call()`'s result, or None if it has not returned after `timeout` seconds.
+
+    For library calls with long built-in timeouts (Mooncake's handshake waits 60 s for
+    a reply): the caller moves on and the thread finishes in the background.
+    """
+    result: list[int] = []
+    worker = threading.Thread(target=lambda: result.append(call()), daemon=True,
+                              name="pdconnect-mooncake-probe")
+    worker.start()
+    worker.join(timeout)
+    return result[0] if result else None

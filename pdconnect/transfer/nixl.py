@@ -1,0 +1,214 @@
+"""NIXL (UCX backend) as a `Transport`: DRAM registration, READs, metadata exchanged by us.
+
+What NIXL does on its own, and what we do about it:
+- Its built-in metadata listener hangs unless both agents run it, so metadata travels
+  in `Transport.metadata()`/`connect()` (our side channel) via `get_agent_metadata` and
+  `add_remote_agent`; the listener is off.
+- UCX loads its InfiniBand module when present, and with Debian's `ibverbs-providers`
+  installed on a host without an RDMA NIC the process segfaults at exit. On such a
+  host the module cannot help anyway, so we default `UCX_MODULES=^ib` there (operator
+  settings win); on a host with RDMA devices UCX keeps them.
+- Transfers progress on NIXL's own progress thread; `Transfer.poll` only asks. But
+  over UCX's `cma` path (both processes on one host) the copy runs inside the post
+  itself, so there `pull` returns only after the bytes moved (the GIL is released
+  meanwhile); across hosts the post returns at once. The post is not moved to a helper
+  thread because an agent without the listener runs with no internal locking
+  (`NIXL_THREAD_SYNC_NONE`), and with locking every poll would wait behind the copy.
+- The `nixl` import shim picks its backend wheel by CUDA version and, when torch is
+  installed without CUDA, imports all of torch (seconds) only to learn that; we load
+  the wheel it would then pick directly (see `load_nixl_api`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from pdconnect.transfer._host import env_defaults, rdma_devices
+from pdconnect.transfer.base import (
+    LOG, FailedTransfer, MemoryRegion, PeerInfo, Range, Transfer, TransferError, TransferState,
+    Transport,
+)
+
+__all__ = ["NixlTransport", "load_nixl_api", "xfer_tables"]
+
+_MEM = "DRAM"
+# NIXL's answers from check_xfer_state / transfer.
+_NIXL_STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING,
+                "ERR": TransferState.FAILED}
+
+
+class NixlTransport(Transport[str]):
+    """Reads peers' memory with a NIXL agent; a peer handle is the remote agent's name.
+
+    `protocol` and `device_name` are Mooncake settings: UCX picks its own transports
+    (on one host it reads over `cma`, i.e. process_vm_readv), so `effective_protocol`
+    is "ucx". `require_rdma` is honoured by refusing a host where UCX cannot use RDMA.
+    """
+
+    name = "nixl"
+    effective_protocol = "ucx"
+
+    def __init__(self, *, host: str, protocol: str = "rdma", device_name: str = "",
+                 require_rdma: bool = False) -> None:
+        super().__init__()
+        devices = rdma_devices()
+        if not devices:
+            env_defaults({"UCX_MODULES": "^ib"})
+        if require_rdma and (not devices or "^ib" in os.environ.get("UCX_MODULES", "")):
+            raise TransferError(
+                "nixl: require_rdma is set but UCX cannot use RDMA here "
+                f"(kernel RDMA devices: {', '.join(devices) or 'none'}; "
+                f"UCX_MODULES={os.environ.get('UCX_MODULES', '')!r})"
+            )
+        if device_name:
+            LOG.warning("nixl: device_name=%r is a Mooncake setting, ignored (UCX chooses "
+                        "devices; set UCX_NET_DEVICES to pin them)", device_name)
+        try:
+            api = load_nixl_api()
+        except ImportError as exc:
+            raise TransferError(
+                f"the nixl transport needs the nixl packages (nixl-cu12 and the nixl "
+                f"import shim): {exc}"
+            ) from None
+        self._agent_name = f"pdconnect-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._agent = api.nixl_agent(
+                self._agent_name,
+                api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
+                                      backends=["UCX"]),
+            )
+        except Exception as exc:
+            raise TransferError(f"nixl: could not create a UCX agent: {exc}") from None
+        LOG.info("nixl: agent %s, UCX backend (requested protocol %s; RDMA devices: %s; "
+                 "UCX_MODULES=%s)", self._agent_name, protocol, ", ".join(devices) or "none",
+                 os.environ.get("UCX_MODULES", "<unset>"))
+
+    def _register(self, regions: Sequence[MemoryRegion]) -> None:
+        try:
+            self._agent.register_memory([(r.addr, r.length, 0, "") for r in regions], _MEM)
+        except Exception as exc:
+            raise TransferError(f"nixl refused to register {len(regions)} region(s): {exc}") \
+                from None
+
+    def _endpoint(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def _connect(self, peer: str, info: PeerInfo) -> str:
+        try:
+            remote = self._agent.add_remote_agent(info.endpoint)
+        except Exception as exc:
+            raise TransferError(f"peer {peer}: NIXL rejected its agent metadata: {exc}") \
+                from None
+        return remote.decode() if isinstance(remote, bytes) else str(remote)
+
+    def _pull(self, handle: str, ranges: Sequence[Range], timeout: float,
+              description: str) -> Transfer:
+        local, remote = xfer_tables(ranges)
+        xfer = None
+        try:
+            xfer = self._agent.initialize_xfer(
+                "READ", self._agent.get_xfer_descs(local, _MEM),
+                self._agent.get_xfer_descs(remote, _MEM), handle)
+            state = self._agent.transfer(xfer)
+        except Exception as exc:
+            state, error = "ERR", f"nixl could not start the read: {exc}"
+        else:
+            error = "nixl refused to post the read"
+        if state == "ERR":
+            if xfer is not None:
+                _release_quietly(self._agent, xfer)
+            return FailedTransfer(description, error)
+        return _NixlTransfer(self._agent, xfer, timeout, description)
+
+    def _disconnect(self, peer: str, handle: str) -> None:
+        if any(p.handle == handle for p in self._peers.values()):
+            return  # another of our names still reads from that agent
+        try:
+            self._agent.remove_remote_agent(handle)
+        except Exception as exc:
+            LOG.warning("nixl: removing remote agent %s (peer %s) failed: %s", handle, peer, exc)
+
+    def _close(self) -> None:
+        # Running transfers hold their own reference to the agent, so it outlives them.
+        del self._agent
+
+
+class _NixlTransfer(Transfer):
+    """A posted NIXL READ, polled with `check_xfer_state`."""
+
+    def __init__(self, agent: Any, xfer: Any, timeout: float, description: str) -> None:
+        super().__init__(description, timeout)
+        self._agent = agent
+        self._xfer: Any | None = xfer
+
+    def _status(self) -> tuple[TransferState, str | None]:
+        state = _NIXL_STATES.get(self._agent.check_xfer_state(self._xfer), TransferState.FAILED)
+        if state is TransferState.FAILED:
+            return state, "nixl reported the read failed (peer gone or connection lost)"
+        return state, None
+
+    def _release(self) -> bool:
+        # Releasing an active transfer asks UCX to cancel it; if it cannot yet, the
+        # handle stays and the next poll tries again.
+        if self._xfer is not None and _release_quietly(self._agent, self._xfer):
+            self._xfer = None
+        return self._xfer is None
+
+
+def xfer_tables(ranges: Sequence[Range]) -> tuple[Any, Any]:
+    """Local and remote NIXL descriptor tables (N x [addr, length, device 0]) for ranges.
+
+    NIXL takes numpy tables without a Python loop per descriptor; numpy is a NIXL
+    dependency, so it is imported only here.
+    """
+    import numpy as np
+
+    table = np.asarray(ranges, dtype=np.uint64).reshape(-1, 3)
+    local = np.zeros((len(table), 3), dtype=np.uint64)
+    remote = np.zeros((len(table), 3), dtype=np.uint64)
+    local[:, 0], local[:, 1] = table[:, 0], table[:, 2]
+    remote[:, 0], remote[:, 1] = table[:, 1], table[:, 2]
+    return local, remote
+
+
+def _release_quietly(agent: Any, xfer: Any) -> bool:
+    try:
+        agent.release_xfer_handle(xfer)
+    except Exception as exc:
+        LOG.debug("nixl: transfer handle not released yet: %s", exc)
+        return False
+    return True
+
+
+# The backend wheels the `nixl` shim tries, in its order, when no CUDA is detected.
+_SHIM_FALLBACK_ORDER = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+
+
+def load_nixl_api() -> ModuleType:
+    """`nixl._api`, minus the shim's torch import on hosts whose torch has no CUDA."""
+    if "torch" not in sys.modules and _installed_torch_lacks_cuda():
+        for backend in _SHIM_FALLBACK_ORDER:
+            if importlib.util.find_spec(backend) is not None:
+                return importlib.import_module(f"{backend}._api")
+    return importlib.import_module("nixl._api")
+
+
+def _installed_torch_lacks_cuda() -> bool:
+    """Whether torch is installed as a build without CUDA, read off disk, not imported."""
+    try:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.origin:
+            return False
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except (ImportError, ValueError, OSError):
+        return False
+    return re.search(r"^cuda\b[^=]*=\s*None\s*$", text, re.MULTILINE) is not None

@@ -1,0 +1,282 @@
+"""Both transports, for real, between two processes over loopback.
+
+The "prefill" side is a spawned child (`pdconnect.transfer.loopback`) serving a pool
+of random bytes; this test process is the "decode" side and pulls from it. Failure
+tests kill or freeze the child and prove the pull ends, FAILED, by its deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from pdconnect.kvlayout import TensorLayout, pull_ranges
+from pdconnect.transfer import (
+    TRANSPORT_KINDS, PeerInfo, Transfer, TransferError, TransferState, Transport,
+    create_transport,
+)
+from pdconnect.transfer._host import rdma_devices
+from pdconnect.transfer.base import METADATA_VERSION
+from pdconnect.transfer.loopback import Buffer, LoopbackPeer, digest
+
+pytestmark = [pytest.mark.transport, pytest.mark.timeout(120)]
+
+# The CPU backend's KV layout [num_blocks, kv_heads, block_size, 2*head_size], fp16:
+# 2 * 32 * 128 * 2 B = 16 KiB per block.
+KV_SHAPE = (2, 32, 128)
+BLOCK_BYTES = 16 << 10
+POOL_BLOCKS = 512
+POOL_BYTES = POOL_BLOCKS * BLOCK_BYTES
+PEER = "prefill-0/rank0"
+# How late a deadline may be noticed on a busy shared host (a poll is not a hard RT timer).
+SLACK = 1.0
+
+
+def kv_layout(base_addr: int, num_blocks: int) -> TensorLayout:
+    shape = (num_blocks, *KV_SHAPE)
+    strides = (KV_SHAPE[0] * KV_SHAPE[1] * KV_SHAPE[2], KV_SHAPE[1] * KV_SHAPE[2], KV_SHAPE[2], 1)
+    return TensorLayout(base_addr, shape, strides, 2, 0)
+
+
+@dataclass
+class Decode:
+    """This process's side: a transport with a registered buffer, connected to a peer."""
+
+    kind: str
+    transport: Transport[Any]
+    buffer: Buffer
+    peer: LoopbackPeer
+
+    def ranges(self, block_pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        return pull_ranges(kv_layout(self.buffer.addr, self.buffer.size // BLOCK_BYTES),
+                           kv_layout(self.peer.ready.pool_addr, self.peer.ready.pool_size
+                                     // BLOCK_BYTES), block_pairs)
+
+    def assert_pulled(self, ranges: list[tuple[int, int, int]]) -> None:
+        mine = digest(self.buffer, [(local, n) for local, _, n in ranges])
+        theirs = self.peer.digest([(remote, n) for _, remote, n in ranges])
+        assert mine == theirs, "pulled bytes differ from the prefill side's"
+
+
+@pytest.fixture(params=TRANSPORT_KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _decode_side(kind: str, pool_bytes: int = POOL_BYTES) -> Decode:
+    peer = LoopbackPeer(kind, pool_bytes)
+    transport = create_transport(kind, host="127.0.0.1")
+    buffer = Buffer(pool_bytes)
+    transport.register([buffer.region])
+    transport.connect(PEER, peer.ready.metadata)
+    return Decode(kind, transport, buffer, peer)
+
+
+@pytest.fixture(scope="module", params=TRANSPORT_KINDS)
+def shared(request: pytest.FixtureRequest) -> Iterator[Decode]:
+    """One peer per transport for the tests that leave it alive."""
+    side = _decode_side(request.param)
+    yield side
+    side.transport.close()
+    side.peer.close()
+
+
+@pytest.fixture
+def own(kind: str) -> Iterator[Decode]:
+    """A peer of its own, for tests that kill or freeze it."""
+    side = _decode_side(kind)
+    yield side
+    side.transport.close()
+    side.peer.close()
+
+
+def _pull_and_wait(side: Decode, ranges: list[tuple[int, int, int]], timeout: float
+                   ) -> tuple[Transfer, TransferState, float]:
+    """Pull, wait well past the deadline, and time it from the start of the pull."""
+    start = time.monotonic()
+    transfer = side.transport.pull(PEER, ranges, timeout=timeout)
+    state = transfer.wait(timeout + 30)
+    return transfer, state, time.monotonic() - start
+
+
+def test_pull_hundreds_of_blocks_brings_the_prefill_bytes(shared: Decode) -> None:
+    shared.buffer.zero()
+    # 37 is coprime to the pool size: a permutation, so no two blocks share a target.
+    pairs = [(i, (37 * i + 5) % POOL_BLOCKS) for i in range(300)]
+    ranges = shared.ranges(pairs)
+    _, state, _ = _pull_and_wait(shared, ranges, timeout=30)
+    assert state is TransferState.DONE
+    shared.assert_pulled(ranges)
+
+
+def test_partial_pull_of_scattered_blocks_touches_only_those_blocks(shared: Decode) -> None:
+    shared.buffer.zero()
+    rng = random.Random(7)
+    local_blocks = rng.sample(range(POOL_BLOCKS), 40)
+    pairs = list(zip(local_blocks, rng.sample(range(POOL_BLOCKS), 40)))
+    ranges = shared.ranges(pairs)
+    _, state, _ = _pull_and_wait(shared, ranges, timeout=30)
+    assert state is TransferState.DONE
+    shared.assert_pulled(ranges)
+    untouched = set(range(POOL_BLOCKS)) - set(local_blocks)
+    zero = bytes(BLOCK_BYTES)
+    for block in untouched:
+        assert shared.buffer.bytes_at(shared.buffer.addr + block * BLOCK_BYTES,
+                                      BLOCK_BYTES) == zero, f"block {block} was written"
+
+
+def test_empty_pull_is_done_at_once(shared: Decode) -> None:
+    assert shared.transport.pull(PEER, [], timeout=1).poll() is TransferState.DONE
+
+
+def test_pull_refuses_ranges_outside_registered_memory(shared: Decode) -> None:
+    local, remote = shared.buffer.addr, shared.peer.ready.pool_addr
+    with pytest.raises(TransferError, match="local range .* is not inside memory registered"):
+        shared.transport.pull(PEER, [(local + POOL_BYTES - 8, remote, 16)], timeout=1)
+    with pytest.raises(TransferError, match="remote range .* is not inside memory the peer"):
+        shared.transport.pull(PEER, [(local, remote - 16, 16)], timeout=1)
+    with pytest.raises(TransferError, match="'nobody': not connected"):
+        shared.transport.pull("nobody", [(local, remote, 16)], timeout=1)
+
+
+def test_connect_with_garbage_metadata_raises_a_clear_error(shared: Decode) -> None:
+    transport = shared.transport
+    transport.connect(PEER, shared.peer.ready.metadata)  # idempotent: same blob again
+    with pytest.raises(TransferError, match="not pdconnect transfer metadata"):
+        transport.connect("garbage", os.urandom(64))
+    other = next(k for k in TRANSPORT_KINDS if k != shared.kind)
+    foreign = _metadata(other, transport.effective_protocol, b"x")
+    with pytest.raises(TransferError, match=f"for transport '{other}'"):
+        transport.connect("foreign", foreign)
+    bad_endpoint = _metadata(shared.kind, transport.effective_protocol, b"\x00not an endpoint")
+    expected = {"mooncake": "is not 'host:port'", "nixl": "NIXL rejected its agent metadata"}
+    with pytest.raises(TransferError, match=expected[shared.kind]):
+        transport.connect("bad-endpoint", bad_endpoint)
+    rdma_peer = _metadata(shared.kind, "rdma", b"127.0.0.1:1")
+    with pytest.raises(TransferError, match="moves bytes over rdma, this side over"):
+        transport.connect("rdma-peer", rdma_peer)
+
+
+def _metadata(kind: str, protocol: str, endpoint: bytes) -> bytes:
+    """Hand-made peer metadata, for what a real peer would never send."""
+    return msgspec.msgpack.encode(PeerInfo(kind=kind, version=METADATA_VERSION,
+                                           protocol=protocol, endpoint=endpoint, regions=()))
+
+
+def test_peer_killed_before_pull_fails_within_the_timeout(own: Decode) -> None:
+    ranges = own.ranges([(0, 0)])
+    assert own.transport.pull(PEER, ranges, timeout=10).wait(20) is TransferState.DONE
+    own.peer.kill()
+    transfer, state, elapsed = _pull_and_wait(own, own.ranges([(1, 1), (2, 2)]), timeout=5)
+    assert state is TransferState.FAILED and transfer.error
+    assert elapsed < 5 + SLACK
+
+
+def test_peer_killed_mid_pull_never_hangs_nor_delivers_wrong_bytes(own: Decode) -> None:
+    # Every block, scattered so nothing coalesces: thousands of descriptors in flight.
+    pairs = [(i, (37 * i + 5) % POOL_BLOCKS) for i in range(POOL_BLOCKS)]
+    ranges = own.ranges(pairs)
+    expected = own.peer.digest([(remote, n) for _, remote, n in ranges])
+    own.buffer.zero()
+    start = time.monotonic()
+    transfer = own.transport.pull(PEER, ranges, timeout=5)
+    own.peer.kill()
+    state = transfer.wait(30)
+    elapsed = time.monotonic() - start
+    assert elapsed < 5 + SLACK
+    if state is TransferState.DONE:  # the copy won the race against the kill
+        assert digest(own.buffer, [(local, n) for local, _, n in ranges]) == expected
+    else:
+        assert state is TransferState.FAILED and transfer.error
+
+
+def test_frozen_peer_fails_at_the_deadline_then_settles(own: Decode) -> None:
+    pid = own.peer.process.pid
+    assert pid is not None
+    _freeze(pid)
+    try:
+        transfer, state, elapsed = _pull_and_wait(own, own.ranges([(3, 4)]), timeout=1.5)
+        assert state is TransferState.FAILED
+        assert transfer.error == "timed out after 1.5 s"
+        assert 1.5 <= elapsed < 1.5 + SLACK
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # Once the peer answers again the library lets go of our memory (Mooncake holds it
+    # until the read returns, NIXL cancels at once).
+    give_up = time.monotonic() + 60
+    while not transfer.quiescent and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert transfer.quiescent
+
+
+def _freeze(pid: int) -> None:
+    """SIGSTOP a process and wait until every thread of it has really stopped.
+
+    The signal is delivered asynchronously; a loaded host can let the peer serve a few
+    more requests before it takes effect, which would make the test race its own setup.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    give_up = time.monotonic() + 10
+    tasks = Path(f"/proc/{pid}/task")
+    while time.monotonic() < give_up:
+        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                  for task in tasks.iterdir()]
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within 10 s")
+
+
+@pytest.mark.skipif(bool(rdma_devices()), reason="this host has RDMA devices")
+def test_mooncake_reports_tcp_when_rdma_was_asked_for_on_a_host_without_rdma(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="pdconnect.transfer")
+    transport = create_transport("mooncake", host="127.0.0.1", protocol="rdma")
+    try:
+        assert transport.effective_protocol == "tcp"
+    finally:
+        transport.close()
+    assert "falling back to tcp" in caplog.text
+    assert "protocol requested rdma, effective tcp" in caplog.text
+
+
+@pytest.mark.skipif(bool(rdma_devices()), reason="this host has RDMA devices")
+@pytest.mark.parametrize("transport_kind", TRANSPORT_KINDS)
+def test_require_rdma_refuses_a_host_without_rdma(transport_kind: str) -> None:
+    with pytest.raises(TransferError, match="require_rdma is set"):
+        create_transport(transport_kind, host="127.0.0.1", protocol="rdma", require_rdma=True)
+
+
+def test_mooncake_tcp_is_tcp() -> None:
+    transport = create_transport("mooncake", host="127.0.0.1", protocol="tcp")
+    try:
+        assert transport.effective_protocol == "tcp"
+    finally:
+        transport.close()
+
+
+def test_transports_never_import_torch() -> None:
+    """A router pod has no torch: creating either transport must not need it."""
+    code = (
+        "import sys\n"
+        "from pdconnect.transfer import create_transport\n"
+        "for kind in ('mooncake', 'nixl'):\n"
+        "    create_transport(kind, host='127.0.0.1', protocol='tcp').close()\n"
+        "import pdconnect.kvlayout\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
