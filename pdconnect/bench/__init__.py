@@ -1,0 +1,1 @@
+"""Benchmarks and real-engine test tooling: tiny local models, process launcher, measurements."""
