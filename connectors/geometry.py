@@ -7,10 +7,11 @@ vLLM's import; `connectors.vllm_adapter` turns it into vLLM's own objects.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["GroupKind", "UnsupportedLayout", "GroupGeometry", "Geometry"]
+__all__ = ["GroupKind", "UnsupportedLayout", "GroupGeometry", "Geometry", "consecutive_runs"]
 
 GroupKind = Literal["full_attention", "sliding_window"]
 
@@ -67,3 +68,14 @@ class Geometry:
     @property
     def use_eagle(self) -> bool:
         return any(g.eagle for g in self.groups)
+
+
+def consecutive_runs(indices: Iterable[int]) -> list[range]:
+    """Sorted block indices as runs of consecutive ones: [3, 4, 5, 9] -> [range(3, 6), range(9, 10)]."""
+    runs: list[range] = []
+    for index in indices:
+        if runs and runs[-1].stop == index:
+            runs[-1] = range(runs[-1].start, index + 1)
+        else:
+            runs.append(range(index, index + 1))
+    return runs

@@ -9,7 +9,7 @@ from typing import Any
 
 from typing import TYPE_CHECKING
 
-from connectors.geometry import Geometry, GroupGeometry, UnsupportedLayout
+from connectors.geometry import Geometry, GroupGeometry, UnsupportedLayout, consecutive_runs
 
 if TYPE_CHECKING:
     from connectors.replay_slack import RequestPlan
@@ -76,14 +76,8 @@ def plan_as_dict(plan: RequestPlan, stock: RequestPlan) -> dict[str, Any]:
 
 def _ranges(indices: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
-    if not indices:
-        return "-"
-    parts, start = [], indices[0]
-    for prev, cur in zip(indices, indices[1:] + [None]):
-        if cur != prev + 1:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = cur
-    return ", ".join(parts)
+    runs = consecutive_runs(indices)
+    return ", ".join(str(r.start) if len(r) == 1 else f"{r.start}-{r.stop - 1}" for r in runs) or "-"
 
 
 def _table(report: dict[str, Any]) -> str:

@@ -37,7 +37,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from connectors.geometry import Geometry, GroupGeometry, GroupKind, UnsupportedLayout
+from connectors.geometry import Geometry, GroupGeometry, GroupKind, UnsupportedLayout, consecutive_runs
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -327,29 +327,18 @@ class BlockPoolOps:
         padded = [self._pool.null_block] * (indices[-1] + 1)
         for index in indices:
             padded[index] = placed[index]
-        for start, end in _runs(indices):
+        for run in consecutive_runs(indices):
             self._pool.cache_full_blocks(
                 request=request,
                 blocks=padded,
-                num_cached_blocks=start,
-                num_full_blocks=end,
+                num_cached_blocks=run.start,
+                num_full_blocks=run.stop,
                 block_size=block_size,
                 kv_cache_group_id=group_id,
             )
-            published += end - start
+            published += len(run)
         return published
 
     def hash_key(self, request: Request, group_id: int, block_size: int, index: int) -> bytes:
         hashes = resolve_block_hashes(request.block_hashes, self._pool.hash_block_size, block_size)
         return make_block_hash_with_group_id(hashes[index], group_id)
-
-
-def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
-    """Sorted indices as half-open runs: [3, 4, 5, 9] -> [(3, 6), (9, 10)]."""
-    runs: list[tuple[int, int]] = []
-    for index in indices:
-        if runs and runs[-1][1] == index:
-            runs[-1] = (runs[-1][0], index + 1)
-        else:
-            runs.append((index, index + 1))
-    return runs

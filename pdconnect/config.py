@@ -36,6 +36,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     require_rdma: bool = False
     # Address the prefill engine's side channel binds to and advertises to peers.
     side_channel_host: str = "127.0.0.1"
+    # 0 binds a free port (tests); plans always carry the port actually bound.
     side_channel_port: int = 5700
     # The address peers dial when it differs from the bind host (NAT, 0.0.0.0 binds).
     advertise_host: str | None = None
@@ -62,8 +63,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
                 f"heartbeat_seconds ({self.heartbeat_seconds}) must be shorter than "
                 f"lease_seconds ({self.lease_seconds}), or live requests lose their blocks"
             )
-        if not 0 < self.side_channel_port < 65536:
-            raise ConfigError(f"side_channel_port must be in 1..65535, got {self.side_channel_port}")
+        if not 0 <= self.side_channel_port < 65536:
+            raise ConfigError(f"side_channel_port must be in 0..65535, got {self.side_channel_port}")
         if self.secret is not None and self.secret_env is not None:
             raise ConfigError("set either secret or secret_env, not both")
 

@@ -124,6 +124,10 @@ class TransferPlan(_Strict):
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
     pdconnect: int = PROTOCOL_VERSION
+    # Keys vLLM itself adds to or reads from kv_transfer_params: the prefill engine's own
+    # cache hit (usage reporting) and the prompt's token ids (chat re-tokenization).
+    remote_prefill_cached_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.pdconnect != PROTOCOL_VERSION:

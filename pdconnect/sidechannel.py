@@ -83,6 +83,11 @@ class SideChannelServer:
             logger.exception("side channel handler failed on %s", type(message).__name__)
             return Refusal(reason=f"internal error: {exc}")
 
+    @property
+    def port(self) -> int:
+        """The bound port (useful when asked to bind port 0)."""
+        return int(self.address.rsplit(":", 1)[1])
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)

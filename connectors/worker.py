@@ -1,0 +1,242 @@
+"""The connector's worker half: registers this rank's KV tensors and runs the pulls the scheduler plans.
+
+Each worker registers its KV cache memory with the transport and describes every layer's
+tensor by its real shape and strides (`pdconnect.kvlayout`), so the CPU layout (K and V
+packed in one block range) and the CUDA layouts (K and V planes, HND permutations) need
+no special cases. A decode worker handshakes once per prefill engine over the side
+channel (its TP rank talks to the same rank), then pulls each request's block pairs in
+one coalesced batch. Pulls start after the forward pass is launched and are polled each
+step, so the forward pass never waits on the network; the workers report each pull
+exactly once, when it is finished and the transport no longer writes into its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from connectors.compat import compat_info
+from connectors.metadata import PDConnectorMetadata, PDHandshakeMetadata, PullSpec, decode_layouts, encode_layouts
+from connectors.stats import PDConnectorStats, StatsRecorder
+from pdconnect.config import ConnectorSettings
+from pdconnect.kvlayout import LayoutError, TensorLayout, locate_block_dim, pull_ranges_for_layers
+from pdconnect.protocol import Handshake, HandshakeReply
+from pdconnect.sidechannel import SideChannelClient, SideChannelError
+from pdconnect.transfer import MemoryRegion, Transfer, TransferError, TransferState, Transport, coalesce, create_transport
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["PDWorker"]
+
+logger = logging.getLogger("pdconnect.connector")
+
+
+class LoadError(RuntimeError):
+    """A pull cannot be started: handshake refused, unknown engine, layout mismatch."""
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """A prefill engine rank we have handshaken with."""
+
+    peer: str
+    layouts: dict[int, list[TensorLayout]]
+
+
+@dataclass
+class _Pull:
+    spec: PullSpec
+    started: float
+    submitted: Future[tuple[Transfer, int]] | None  # None: failed before submission
+    failure: str | None = None
+
+
+def _advertised_host(settings: ConnectorSettings) -> str:
+    host = settings.peer_host
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
+class PDWorker:
+    """Worker-side state of a `PDConnector` for one TP rank."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings, tp_rank: int
+    ) -> None:
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        self.engine_id: str = transfer.engine_id or ""
+        self.settings = settings
+        self.tp_rank = tp_rank
+        self.compat = compat_info(vllm_config, kv_cache_config)
+        self._secret = settings.resolve_secret()
+        self._kv_cache_config = kv_cache_config
+        self._transport: Transport | None = None
+        self._layouts: dict[int, list[TensorLayout]] = {}
+        self._remotes: dict[str, _Remote] = {}
+        self._remotes_lock = threading.Lock()
+        # Handshakes and submissions may block on the network; never on the step thread.
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdconnect-pull")
+        self._pulls: dict[str, _Pull] = {}
+        self._released: set[str] = set()
+        self.stats = StatsRecorder()
+
+    # --- registration ----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self._kv_cache_config.num_blocks
+        self._layouts = {
+            group_id: [self._layout(kv_caches[name], num_blocks, name) for name in group.layer_names]
+            for group_id, group in enumerate(self._kv_cache_config.kv_cache_groups)
+        }
+        # Layers of different groups share one allocation under HMA: register each once.
+        regions = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in kv_caches.values()}
+        self._transport = create_transport(
+            self.settings.transport,
+            host=_advertised_host(self.settings),
+            protocol=self.settings.protocol,
+            device_name=self.settings.device_name,
+            require_rdma=self.settings.require_rdma,
+        )
+        self._transport.register([MemoryRegion(addr, length) for addr, length in sorted(regions)])
+        self.stats = StatsRecorder(f"{self._transport.name}/{self._transport.effective_protocol}")
+        logger.info("rank %d: registered %d KV tensors (%d regions, %.1f MiB) with %s over %s",
+                    self.tp_rank, len(kv_caches), len(regions), sum(n for _, n in regions) / 2**20,
+                    self._transport.name, self._transport.effective_protocol)
+
+    @staticmethod
+    def _layout(tensor: torch.Tensor, num_blocks: int, name: str) -> TensorLayout:
+        try:
+            return TensorLayout.of(tensor, block_dim=locate_block_dim(tuple(tensor.shape), num_blocks))
+        except LayoutError as exc:
+            raise LayoutError(f"KV cache of layer {name}: {exc}") from None
+
+    def handshake_metadata(self) -> PDHandshakeMetadata | None:
+        if self._transport is None:
+            return None
+        return PDHandshakeMetadata(
+            tp_rank=self.tp_rank,
+            transport=self._transport.name,
+            transport_metadata=self._transport.metadata(),
+            layouts=encode_layouts(self._layouts),
+        )
+
+    # --- loads --------------------------------------------------------------------------
+
+    def start(self, metadata: PDConnectorMetadata) -> None:
+        self._released.update(metadata.release)
+        for spec in metadata.pulls:
+            if spec.fail_reason is not None:
+                self._pulls[spec.request_id] = _Pull(spec, time.monotonic(), None, spec.fail_reason)
+            else:
+                self._pulls[spec.request_id] = _Pull(spec, time.monotonic(), self._executor.submit(self._submit, spec))
+
+    def _submit(self, spec: PullSpec) -> tuple[Transfer, int]:
+        assert self._transport is not None
+        remote = self._remote(spec)
+        ranges = []
+        for group_id, pairs in spec.block_pairs.items():
+            try:
+                ranges.extend(pull_ranges_for_layers(self._layouts[group_id], remote.layouts[group_id], pairs))
+            except LayoutError as exc:
+                raise LoadError(f"group {group_id}: {exc}") from None
+        ranges = coalesce(ranges)
+        return self._transport.pull(remote.peer, ranges, timeout=self.settings.transfer_timeout_seconds), sum(
+            length for _, _, length in ranges
+        )
+
+    def _remote(self, spec: PullSpec) -> _Remote:
+        with self._remotes_lock:
+            remote = self._remotes.get(spec.remote_engine_id)
+            if remote is None:
+                remote = self._remotes[spec.remote_engine_id] = self._handshake(spec)
+            return remote
+
+    def _handshake(self, spec: PullSpec) -> _Remote:
+        assert self._transport is not None
+        client = SideChannelClient(spec.side_channel, self._secret, self.settings.handshake_timeout_seconds)
+        try:
+            reply = client.request(Handshake(engine_id=self.engine_id, tp_rank=self.tp_rank, compat=self.compat))
+        except SideChannelError as exc:
+            self.stats.count("handshake_refusals")
+            raise LoadError(f"handshake with {spec.side_channel} failed: {exc}") from None
+        finally:
+            client.close()
+        if not isinstance(reply, HandshakeReply):
+            raise LoadError(f"{spec.side_channel} answered {type(reply).__name__} to a handshake")
+        if reply.engine_id != spec.remote_engine_id:
+            self.stats.count("handshake_refusals")
+            raise LoadError(f"unknown engine: {spec.side_channel} is engine {reply.engine_id!r}, "
+                            f"the plan names {spec.remote_engine_id!r}")
+        if reply.compat != self.compat:
+            self.stats.count("handshake_refusals")
+            raise LoadError("incompatible prefill engine: " + "; ".join(self.compat.differences(reply.compat)))
+        peer = f"{reply.engine_id}/rank{reply.tp_rank}"
+        try:
+            self._transport.connect(peer, reply.transport_metadata)
+        except TransferError as exc:
+            raise LoadError(f"cannot connect {self._transport.name} to {peer}: {exc}") from None
+        logger.info("rank %d: connected to prefill engine %s via %s", self.tp_rank, peer, reply.transport)
+        return _Remote(peer, decode_layouts(reply.layouts))
+
+    def transfer_results(self) -> KVConnectorTransferResults:
+        done: set[str] = set()
+        failed: set[str] = set()
+        for request_id, pull in list(self._pulls.items()):
+            outcome = self._outcome(pull)
+            if outcome is None:
+                continue
+            del self._pulls[request_id]
+            (done if outcome else failed).add(request_id)
+        sending, self._released = self._released, set()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=done | failed,
+                                          failed_recving=failed)
+
+    def _outcome(self, pull: _Pull) -> bool | None:
+        """True done, False failed (and quiescent), None still running."""
+        spec = pull.spec
+        if pull.failure is not None:
+            return self._failed(spec, pull.failure)
+        assert pull.submitted is not None
+        if not pull.submitted.done():
+            return None
+        try:
+            transfer, nbytes = pull.submitted.result()
+        except (LoadError, TransferError, LayoutError) as exc:
+            return self._failed(spec, str(exc))
+        state = transfer.poll()
+        if state is TransferState.PENDING:
+            return None
+        if state is TransferState.FAILED:
+            # The library may still be writing into our blocks: report only once it stopped.
+            return self._failed(spec, transfer.error or "transfer failed") if transfer.quiescent else None
+        self.stats.observe_transfer(time.monotonic() - pull.started, nbytes)
+        self.stats.count("bytes_transferred", nbytes)
+        for kind, count in spec.blocks_by_kind.items():
+            self.stats.count(f"blocks_{kind}", count)
+        logger.debug("request %s: pulled %d bytes from %s", spec.request_id, nbytes, spec.remote_engine_id)
+        return True
+
+    def _failed(self, spec: PullSpec, reason: str) -> bool:
+        logger.error("request %s: KV load from %s failed: %s", spec.request_id,
+                     spec.remote_engine_id or "?", reason)
+        return False
+
+    def take_stats(self) -> PDConnectorStats | None:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._transport is not None:
+            self._transport.close()

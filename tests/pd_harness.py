@@ -1,0 +1,330 @@
+"""Scheduler-level P/D without a model: real vLLM Schedulers with our connector, KV in CPU tensors.
+
+A `SimEngine` is what an engine core would be if the model were replaced by a fake that
+writes checkable values into the KV blocks it "computes": a real `Scheduler` (which
+creates our connector's scheduler half through vLLM's factory), our real worker half
+with real CPU tensors registered with a real transport, and a step loop shaped like
+EngineCore's. `RemoteEngine` runs one in a child process, so bytes really cross a
+process boundary over Mooncake or NIXL.
+
+The KV value of a block is a function of the tokens it covers (and its group and layer),
+so any engine can check that a block it holds — pulled, or hit in its prefix cache —
+carries exactly the KV its logical position should.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import zlib
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from connectors.geometry import Geometry, GroupGeometry
+from connectors.pd_connector import PDConnector
+from connectors.vllm_adapter import build_kv_cache_config
+from connectors.worker import PDWorker
+from pdconnect.bench.tinymodel import TinyModelSpec, ensure_target_and_draft
+from pdconnect.config import ConnectorSettings
+
+# DeepSeek-V4-like: different block sizes per group, which no tiny CPU model gives us.
+GEOMETRY = Geometry((
+    GroupGeometry("full_attention", 256, eagle=True),
+    GroupGeometry("sliding_window", 64, 128, eagle=True),
+))
+KV_HEADS, HEAD_DIM = 1, 8
+SAMPLED_TOKEN = 7
+MAX_MODEL_LEN = 16384
+
+
+@cache
+def _models() -> tuple[str, str]:
+    target, draft = ensure_target_and_draft(TinyModelSpec(kind="hybrid-llama", max_position_embeddings=MAX_MODEL_LEN))
+    return str(target), str(draft)
+
+
+def engine_config(role: str, extra: dict[str, Any], engine_id: str, *, eagle: bool = True,
+                  max_num_batched_tokens: int = MAX_MODEL_LEN, failure_policy: str = "fail") -> VllmConfig:
+    """A real VllmConfig as `vllm serve` would build it, with our connector configured."""
+    target, draft = _models()
+    speculative = ({"method": "eagle3", "model": draft, "num_speculative_tokens": 1,
+                    "draft_load_config": {"load_format": "dummy"}} if eagle else None)
+    return EngineArgs(
+        model=target, dtype="float32", max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True,
+        block_size=128, max_num_batched_tokens=max_num_batched_tokens, speculative_config=speculative,
+        kv_transfer_config={"kv_connector": "PDConnector", "kv_role": role, "engine_id": engine_id,
+                            "kv_connector_extra_config": extra, "kv_load_failure_policy": failure_policy},
+    ).create_engine_config()
+
+
+def kv_value(tokens: list[int], group: int, layer: int, index: int, block_size: int) -> float:
+    """The KV "content" of logical block `index`: a checksum of the tokens it depends on."""
+    covered = array("i", tokens[: (index + 1) * block_size]).tobytes()
+    return float(zlib.crc32(covered + bytes([group, layer])) % 65521)
+
+
+@dataclass
+class Finished:
+    """What an engine reported for a finished request."""
+
+    finish_reason: str | None
+    kv_transfer_params: dict[str, Any] | None
+    output_tokens: list[int]
+    local_cached_tokens: int
+    external_cached_tokens: int
+
+
+@dataclass
+class SimEngine:
+    """A real Scheduler + our real worker half + CPU KV tensors, stepped by a fake model."""
+
+    role: str
+    extra: dict[str, Any]
+    engine_id: str
+    geometry: Geometry = GEOMETRY
+    num_blocks: int = 400
+    max_num_batched_tokens: int = MAX_MODEL_LEN
+    failure_policy: str = "fail"
+    layers_per_group: int = 2
+    finished: dict[str, Finished] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        init_none_hash(sha256)
+        config = engine_config(self.role, self.extra, self.engine_id,
+                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               failure_policy=self.failure_policy)
+        config.cache_config.num_gpu_blocks = self.num_blocks  # what profiling would have set
+        kv_cache_config = build_kv_cache_config(self.geometry, self.num_blocks)
+        for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+            group.layer_names = [f"g{group_id}.layer{i}" for i in range(self.layers_per_group)]
+        self.scheduler = Scheduler(
+            config, kv_cache_config, StructuredOutputManager(config),
+            block_size=self.geometry.scheduler_block_size, hash_block_size=self.geometry.hash_block_size,
+            log_stats=True,
+        )
+        self.connector = self.scheduler.connector
+        assert isinstance(self.connector, PDConnector)
+        self.worker = PDWorker(config, kv_cache_config, ConnectorSettings.from_extra_config(self.extra), tp_rank=0)
+        self.kv_caches = {
+            name: torch.zeros(self.num_blocks, KV_HEADS, group.block_size, 2 * HEAD_DIM)
+            for group, spec in zip(self.geometry.groups, kv_cache_config.kv_cache_groups)
+            for name in spec.layer_names
+        }
+        self.worker.register_kv_caches(self.kv_caches)
+        self.connector.set_xfer_handshake_metadata({0: self.worker.handshake_metadata()})
+        self._hasher = get_request_block_hasher(self.geometry.hash_block_size, sha256)
+        self._prefill: dict[str, tuple[int, int]] = {}
+        self.start_free_blocks = self.free_blocks()
+
+    # --- requests -------------------------------------------------------------------------
+
+    def add(self, request_id: str, tokens: list[int], params: dict[str, Any] | None = None,
+            max_tokens: int = 4) -> None:
+        extra = {"kv_transfer_params": params} if params is not None else None
+        self.scheduler.add_request(Request(
+            request_id=request_id, prompt_token_ids=list(tokens),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra),
+            pooling_params=None, block_hasher=self._hasher,
+        ))
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+
+    def get_finished(self, request_id: str) -> Finished | None:
+        done = self.finished.get(request_id)
+        return done if done is not None and done.finish_reason is not None else None
+
+    def has_requests(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def status(self, request_id: str) -> str | None:
+        request = self.scheduler.requests.get(request_id)
+        return request.status.name if request is not None else None
+
+    # --- the step loop --------------------------------------------------------------------
+
+    def step(self) -> None:
+        output = self.scheduler.schedule()
+        self.worker.start(output.kv_connector_metadata)
+        sampled = self._compute(output.num_scheduled_tokens)
+        results = self.worker.transfer_results()
+        stats = self.worker.take_stats()
+        connector_output = KVConnectorOutput(
+            finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving, kv_connector_stats=stats,
+        )
+        req_ids = list(output.num_scheduled_tokens)
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[SAMPLED_TOKEN] if sampled[r] else [] for r in req_ids],
+            kv_connector_output=None if connector_output.is_empty() else connector_output,
+        )
+        for outputs in self.scheduler.update_from_output(output, runner_output).values():
+            for out in outputs.outputs:
+                self._record(out)
+
+    def _compute(self, scheduled: dict[str, int]) -> dict[str, bool]:
+        """Write each computed block's value; True for requests that sample this step."""
+        sampled: dict[str, bool] = {}
+        for request_id, count in scheduled.items():
+            request = self.scheduler.requests[request_id]
+            if request.prefill_stats is not None and request.prefill_stats.num_prompt_tokens:
+                self._prefill.setdefault(request_id, (request.prefill_stats.num_local_cached_tokens,
+                                                      request.prefill_stats.num_external_cached_tokens))
+            end = request.num_computed_tokens
+            self.write_blocks(request, end - count, end)
+            sampled[request_id] = end >= request.num_tokens
+        return sampled
+
+    def write_blocks(self, request: Request, start: int, end: int) -> None:
+        tokens = request.all_token_ids
+        tables = self.scheduler.kv_cache_manager.coordinator.get_blocks(request.request_id)
+        for group_id, (group, table) in enumerate(zip(self.geometry.groups, tables)):
+            for index in range(start // group.block_size, -(-end // group.block_size)):
+                if index < len(table) and not table[index].is_null:
+                    for layer in range(self.layers_per_group):
+                        value = kv_value(tokens, group_id, layer, index, group.block_size)
+                        self.kv_caches[f"g{group_id}.layer{layer}"][table[index].block_id].fill_(value)
+
+    def _record(self, out: Any) -> None:
+        request_id = out.request_id
+        done = self.finished.get(request_id)
+        tokens = (done.output_tokens if done else []) + list(out.new_token_ids)
+        if out.finish_reason is None:
+            self.finished[request_id] = Finished(None, None, tokens, 0, 0) if done is None else done
+            self.finished[request_id].output_tokens = tokens
+            return
+        local, external = self._prefill.pop(request_id, (0, 0))
+        self.finished[request_id] = Finished(str(out.finish_reason), out.kv_transfer_params, tokens, local, external)
+
+    def run_until(self, done: Callable[[], bool], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError("engine did not reach the expected state in time")
+            if self.scheduler.has_requests():
+                self.step()
+            else:
+                time.sleep(0.002)
+
+    def result(self, request_id: str, timeout: float = 60.0) -> Finished:
+        self.run_until(lambda: self.get_finished(request_id) is not None, timeout)
+        return self.finished[request_id]
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Step until no request (finished or not) holds anything in the scheduler."""
+        self.run_until(lambda: not self.has_requests(), timeout)
+
+    def block_matches(self, tokens: list[int], group_id: int, index: int, block_id: int) -> bool:
+        block_size = self.geometry.groups[group_id].block_size
+        return all(
+            torch.all(self.kv_caches[f"g{group_id}.layer{layer}"][block_id]
+                      == kv_value(tokens, group_id, layer, index, block_size)).item()
+            for layer in range(self.layers_per_group)
+        )
+
+    def cached_blocks(self, tokens: list[int], group_id: int) -> dict[int, int]:
+        """Logical index -> block id of `tokens`' blocks in this engine's prefix cache."""
+        probe = Request("probe", list(tokens), SamplingParams(max_tokens=1), None, block_hasher=self._hasher)
+        ops = self.connector.scheduler_half.ops
+        block_size = self.geometry.groups[group_id].block_size
+        found = {}
+        for index in range(len(tokens) // block_size):
+            if (block := ops.cached_block(probe, group_id, block_size, index)) is not None:
+                found[index] = block.block_id
+        return found
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()
+        self.worker.shutdown()
+
+
+# --- an engine in a child process ---------------------------------------------------------
+
+
+def _serve(conn: Any, kwargs: dict[str, Any]) -> None:
+    engine = SimEngine(**kwargs)
+    conn.send(("ready", engine.start_free_blocks))
+    while True:
+        while conn.poll():
+            command, *args = conn.recv()
+            if command == "stop":
+                engine.shutdown()
+                conn.send(("ok", None))
+                return
+            try:
+                conn.send(("ok", getattr(engine, command)(*args)))
+            except Exception as exc:  # report to the test instead of dying silently
+                conn.send(("error", repr(exc)))
+        if engine.scheduler.has_requests():
+            engine.step()
+        else:
+            time.sleep(0.002)
+
+
+class RemoteEngine:
+    """A SimEngine stepping on its own in a spawned process; methods are RPCs."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        context = mp.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child, kwargs), daemon=True)
+        self.process.start()
+        child.close()  # so a child that dies during start-up ends recv() with EOFError
+        status, self.start_free_blocks = self._conn.recv()
+        assert status == "ready"
+
+    def call(self, command: str, *args: Any, timeout: float = 60.0) -> Any:
+        self._conn.send((command, *args))
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"remote engine did not answer {command}")
+        status, value = self._conn.recv()
+        if status == "error":
+            raise RuntimeError(f"remote engine failed in {command}: {value}")
+        return value
+
+    def prefill(self, request_id: str, tokens: list[int], timeout: float = 60.0) -> Finished:
+        """Run the prefill leg (max_tokens=1, do_remote_decode) and wait for its params."""
+        self.call("add", request_id, tokens, {"do_remote_decode": True}, 1)
+        deadline = time.monotonic() + timeout
+        while (done := self.call("get_finished", request_id)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prefill of {request_id} did not finish")
+            time.sleep(0.005)
+        return done
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.call("has_requests"):
+            if time.monotonic() > deadline:
+                raise TimeoutError("prefill engine still holds requests")
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("stop", timeout=10)
+            finally:
+                self.process.join(timeout=10)
