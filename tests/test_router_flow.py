@@ -238,6 +238,20 @@ async def test_fallback_off_turns_prefill_failure_into_502(make) -> None:
     assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="prefill_failed") == 1
 
 
+async def test_without_any_prefill_engine_requests_are_served_decode_only_unless_fallback_is_off(make) -> None:
+    s = await make(health_interval=0.05)
+    s.p[0].faults.health_status = 500
+    await eventually(lambda: not s.router.router.registry.get(Role.PREFILL, s.p[0].url).routable, "marked down")
+    _, headers, _ = await s.post("/v1/completions", COMPLETION)
+    assert headers["X-PDConnect-Fallback"] == "no_prefill_engine"
+    strict = await make(fallback=False, health_interval=0.05)
+    strict.p[0].faults.health_status = 500
+    await eventually(lambda: not strict.router.router.registry.get(Role.PREFILL, strict.p[0].url).routable,
+                     "marked down")
+    status, _, body = await strict.post("/v1/completions", COMPLETION)
+    assert status == 503 and "prefill" in json.loads(body)["error"]["message"]
+
+
 # --- decode faults -------------------------------------------------------------------------
 
 async def test_decode_500_retries_on_another_decode_engine_with_the_same_params(make) -> None:

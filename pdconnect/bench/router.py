@@ -43,9 +43,17 @@ class Target:
     name: str
     # One request, start to last byte; raises on a wrong answer.
     call: Callable[[aiohttp.ClientSession], Awaitable[None]]
+    pid: int | None = None  # the router's process, for its CPU cost per request
     latencies: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
+    cpu_per_request: list[float] = field(default_factory=list)
     errors: int = 0
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (all its threads) from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _bodies(chunks: int) -> tuple[bytes, bytes]:
@@ -115,9 +123,12 @@ async def _rate(target: Target, http: aiohttp.ClientSession, concurrency: int, d
                 done += 1
             except (aiohttp.ClientError, RuntimeError, KeyError):
                 target.errors += 1
+    cpu = _cpu_seconds(target.pid) if target.pid else 0.0
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     target.rates.append(done / (time.perf_counter() - start))
+    if target.pid and done:
+        target.cpu_per_request.append((_cpu_seconds(target.pid) - cpu) / done)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -144,6 +155,8 @@ def _report(targets: list[Target], args: argparse.Namespace) -> str:
     row("added p50 (ms)", [None] + [_pct(t.latencies, 0.50) - _pct(direct.latencies, 0.50) for t in routers])
     row("added p99 (ms)", [None] + [_pct(t.latencies, 0.99) - _pct(direct.latencies, 0.99) for t in routers])
     row("max rate (req/s)", [max(t.rates) for t in targets], "{:>14.0f}")
+    row("router CPU/request (us)", [min(t.cpu_per_request) * 1e6 if t.cpu_per_request else None
+                                    for t in targets], "{:>14.0f}")
     row("errors", [float(t.errors) for t in targets], "{:>14.0f}")
     lines = [f"router bench: fake P/D engines, streamed completions of {args.chunks} chunks, "
              f"{args.requests} sequential requests per target for latency, "
@@ -196,7 +209,8 @@ def run(args: argparse.Namespace) -> str:
                 health_url=f"http://127.0.0.1:{ref_port}/health", base_url=f"http://127.0.0.1:{ref_port}"))
         routers = cluster.launch(*specs)
         targets = [Target("direct", _direct(prefill.base_url, decode.base_url, client_body, prefill_body))]
-        targets += [Target(proc.name, _via_router(proc.base_url, client_body)) for proc in routers]
+        targets += [Target(proc.name, _via_router(proc.base_url, client_body), pid=proc.popen.pid)
+                    for proc in routers]
         try:
             import uvloop
         except ImportError:

@@ -242,6 +242,8 @@ class PDFlow:
         """P's answer, or None for decode-only (trace.fallback says why)."""
         engines = self._candidates(Role.PREFILL, call, self._config.prefill_attempts)
         if not engines:
+            if not self._config.fallback:
+                raise NoEngineAvailable(Role.PREFILL.value)
             self._fall_back(trace, "no_prefill_engine")
             return None
         body = _json_encode(prefill_body(call))
@@ -285,7 +287,7 @@ class PDFlow:
     def _fall_back(self, trace: _Trace, reason: str) -> None:
         trace.fallback = reason
         self._metrics.fallbacks.labels(reason).inc()
-        logger.info("decode-only fallback: %s", reason)
+        logger.debug("decode-only fallback: %s", reason)
 
     # --- decode leg -----------------------------------------------------------------------
 
@@ -436,8 +438,7 @@ class PDFlow:
 
     def _observe_affinity(self, role: Role, call: Call, engine: Engine) -> None:
         if self._affinity is not None and call.key is not None:
-            outcome = self._affinity[role].observe(call.key, engine.url)
-            self._metrics.affinity.labels(role.value, outcome).inc()
+            self._metrics.placement(role.value, self._affinity[role].observe(call.key, engine.url))
 
     def _response_headers(self, call: Call, trace: _Trace, engine: Engine,
                           resp: aiohttp.ClientResponse) -> CIMultiDict[str]:

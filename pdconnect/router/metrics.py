@@ -99,6 +99,7 @@ class RouterMetrics:
         # Labelled children, looked up once: `labels()` takes a lock and builds a tuple.
         self._ends: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         self._ttft: dict[str, Histogram] = {}
+        self._placements: dict[tuple[str, str], Counter] = {}
 
     def request_done(self, endpoint: str, outcome: str, seconds: float) -> None:
         children = self._ends.get((endpoint, outcome))
@@ -113,6 +114,12 @@ class RouterMetrics:
         if child is None:
             child = self._ttft[endpoint] = self.ttft_seconds.labels(endpoint)
         child.observe(seconds)
+
+    def placement(self, role: str, outcome: str) -> None:
+        child = self._placements.get((role, outcome))
+        if child is None:
+            child = self._placements[(role, outcome)] = self.affinity.labels(role, outcome)
+        child.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
