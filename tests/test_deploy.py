@@ -1,0 +1,841 @@
+"""The Kubernetes manifests in deploy/: they render, they are valid, and they agree.
+
+Offline, without a cluster. Every kustomization (base, overlays, examples) is rendered
+with `kubectl kustomize`; the rendered objects are then checked
+
+- against the Kubernetes API schemas of a current release (kubernetes-validate, strict:
+  a misspelt field fails) and by checkov's policies, every skip carrying its reason;
+- by what our software will do with them: the `--kv-transfer-config` each engine gets
+  (after the kubelet's `$(VAR)` expansion) parses with `pdconnect.config`, the whole
+  engine command line parses with vLLM's own `serve` parser, the router's with the
+  router's own parser, and the Service names, ports and timings they name match the
+  objects they point at.
+
+kubectl, kubernetes-validate and checkov live in the tools venv `.venv-deploy` (they
+pin packages that would fight vLLM's); the module is skipped only if that venv is
+missing. Created by the Makefile (deploy-tools target) before the tests run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import yaml
+
+from pdconnect.config import ConnectorSettings, parse_kv_transfer_config
+from pdconnect.router.config import RouterConfig
+from pdconnect.router.config import parse_args as parse_router_args
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+TOOLS_VENV = Path(os.environ.get("PDCONNECT_DEPLOY_VENV", REPO / ".venv-deploy"))
+TOOLS = TOOLS_VENV / "bin"
+
+if not TOOLS_VENV.is_dir():
+    pytest.skip(
+        f"deploy tools venv {TOOLS_VENV} is missing: run `make deploy-tools` "
+        "(kubectl, kubernetes-validate, checkov; kept out of .venv on purpose)",
+        allow_module_level=True,
+    )
+
+# Objects the manifests use but do not create: the cluster provides them (README).
+EXTERNAL = {("Secret", "pdconnect-side-channel"), ("PersistentVolumeClaim", "vllm-models")}
+# Custom resources: no built-in schema; their meaning is checked below instead.
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+# What the kubelet substitutes for the downward API in `$(VAR)` expansion.
+POD_IP = "10.1.2.3"
+CLUSTER_DOMAIN = "svc.cluster.local"
+
+ENGINE_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+GPU = "nvidia.com/gpu"
+
+# What each kustomization promises; checked in test_kustomization_is_what_it_says.
+EXPECTED: dict[str, dict[str, Any]] = {
+    "overlays/mooncake-rdma-h20": {
+        "transport": "mooncake", "protocol": "rdma", "require_rdma": True, "gpus": 8,
+        "tensor_parallel_size": 8, "speculative_method": "mtp",
+        "rdma_resource": "rdma/hca_shared_devices_a",
+        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H20"},
+        "capabilities": ["IPC_LOCK"], "servicemonitor": True, "replicas": 2,
+    },
+    "overlays/nixl": {
+        "transport": "nixl", "require_rdma": True, "gpus": 8, "tensor_parallel_size": 8,
+        "speculative_method": "mtp", "rdma_resource": "rdma/hca_shared_devices_a",
+        "capabilities": ["IPC_LOCK"], "env": {"UCX_TLS": None, "UCX_NET_DEVICES": None},
+        "servicemonitor": True, "replicas": 2,
+    },
+    "overlays/cpu-smoke": {
+        "transport": "mooncake", "protocol": "tcp", "require_rdma": False, "gpus": 0,
+        "rdma_resource": None, "node_selector": None, "capabilities": [],
+        "dtype": "float32", "block_size": 128, "speculative_method": "eagle3",
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                "OMP_NUM_THREADS": "1"},
+        "servicemonitor": False, "replicas": 1,
+    },
+    "examples/custom-cluster": {
+        "transport": "mooncake", "protocol": "rdma", "gpus": 4, "tensor_parallel_size": 4,
+        "rdma_resource": "rdma/rdma_shared_device_a",
+        "node_selector": {"node.example.com/accelerator": "h20"},
+        "namespace": "llm-serving", "model": "/models/gemma-3-27b-it",
+    },
+}
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _kustomizations() -> list[str]:
+    """Every directory under deploy/ holding a Kustomization (components are rendered
+    through the overlays that use them)."""
+    found = []
+    for path in sorted(DEPLOY.rglob("kustomization.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        if doc.get("kind", "Kustomization") == "Kustomization":
+            found.append(str(path.parent.relative_to(DEPLOY)))
+    return found
+
+
+TARGETS = _kustomizations()
+OVERLAYS = [t for t in TARGETS if t != "base"]
+
+
+def _tool(name: str) -> str:
+    path = TOOLS / name
+    assert path.exists(), f"{path} missing: recreate the tools venv (make deploy-tools)"
+    return str(path)
+
+
+def _tool_env() -> dict[str, str]:
+    # checkov phones home for policy metadata and version checks unless told not to.
+    return {**os.environ, "BC_SKIP_MAPPING": "TRUE", "CKV_SKIP_PACKAGE_UPDATE_CHECK": "true",
+            "LOG_LEVEL": "ERROR"}
+
+
+@pytest.fixture(scope="module")
+def rendered_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("rendered")
+
+
+@pytest.fixture(scope="module")
+def renders(rendered_dir: Path) -> dict[str, str | Exception]:
+    """Target -> rendered YAML text, or the error kustomize gave."""
+    out: dict[str, str | Exception] = {}
+    for target in TARGETS:
+        proc = subprocess.run([_tool("kubectl"), "kustomize", str(DEPLOY / target)],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            out[target] = RuntimeError(proc.stderr.strip())
+            continue
+        out[target] = proc.stdout
+        (rendered_dir / f"{target.replace('/', '__')}.yaml").write_text(proc.stdout)
+    return out
+
+
+class Render:
+    """One kustomization's rendered objects, with the lookups the checks need."""
+
+    def __init__(self, target: str, text: str) -> None:
+        self.target = target
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        self.objects: list[dict[str, Any]] = [d for d in yaml.load_all(text, Loader=loader) if d]
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> dict[str, Any] | None:
+        return next((o for o in self.of_kind(kind) if o["metadata"]["name"] == name), None)
+
+    def workloads(self) -> list[dict[str, Any]]:
+        return [o for o in self.objects if o["kind"] in ("Deployment", "StatefulSet")]
+
+    def engines(self) -> dict[str, dict[str, Any]]:
+        """component (prefill/decode) -> the engine workload."""
+        found: dict[str, dict[str, Any]] = {}
+        for w in self.workloads():
+            labels = w["spec"]["template"]["metadata"]["labels"]
+            if labels.get("app.kubernetes.io/name") == "vllm":
+                component = labels["app.kubernetes.io/component"]
+                assert component not in found, f"two {component} engine workloads"
+                found[component] = w
+        return found
+
+    def router(self) -> dict[str, Any]:
+        routers = [w for w in self.workloads()
+                   if w["spec"]["template"]["metadata"]["labels"].get(
+                       "app.kubernetes.io/component") == "router"]
+        assert len(routers) == 1, f"expected one router workload, found {len(routers)}"
+        return routers[0]
+
+
+@pytest.fixture(scope="module")
+def render_of(renders: dict[str, str | Exception]):
+    """target -> Render, parsed once. Tests must not modify what they get."""
+    cache: dict[str, Render] = {}
+
+    def get(target: str) -> Render:
+        text = renders[target]
+        if isinstance(text, Exception):
+            pytest.fail(f"{target} does not render: {text}")
+        if target not in cache:
+            cache[target] = Render(target, text)
+        return cache[target]
+    return get
+
+
+# ------------------------------------------------------------------ pod-spec helpers
+
+
+def _pod(workload: dict[str, Any]) -> dict[str, Any]:
+    return workload["spec"]["template"]["spec"]
+
+
+def _container(workload: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    containers = _pod(workload)["containers"]
+    if name is None:
+        assert len(containers) == 1, f"{workload['metadata']['name']}: one container expected"
+        return containers[0]
+    return next(c for c in containers if c["name"] == name)
+
+
+_VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """The kubelet's `$(VAR)` expansion: defined names are replaced, `$$` escapes,
+    undefined references stay as they are (and then break whatever parses them)."""
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+    return _VAR_REF.sub(sub, text)
+
+
+def container_env(render: Render, workload: dict[str, Any],
+                  container: dict[str, Any]) -> dict[str, str]:
+    """The environment the kubelet would give the container (envFrom, then env)."""
+    env: dict[str, str] = {}
+    namespace = workload["metadata"].get("namespace", "default")
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            cm = render.get("ConfigMap", source["configMapRef"]["name"])
+            assert cm is not None, f"envFrom names missing ConfigMap {source['configMapRef']}"
+            env.update({source.get("prefix", "") + k: v for k, v in cm.get("data", {}).items()})
+        else:
+            pytest.fail(f"unexpected envFrom source {source}")
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = expand(var["value"], env)
+            continue
+        ref = var["valueFrom"]
+        if "fieldRef" in ref:
+            field = ref["fieldRef"]["fieldPath"]
+            env[var["name"]] = {"status.podIP": POD_IP, "metadata.namespace": namespace,
+                                "metadata.name": "pod-0"}[field]
+        elif "configMapKeyRef" in ref:
+            cm = render.get("ConfigMap", ref["configMapKeyRef"]["name"])
+            assert cm is not None, f"{var['name']}: missing ConfigMap"
+            env[var["name"]] = cm["data"][ref["configMapKeyRef"]["key"]]
+        elif "secretKeyRef" in ref:
+            env[var["name"]] = "<secret>"
+        else:
+            pytest.fail(f"unexpected valueFrom {ref}")
+    return env
+
+
+def expanded_argv(render: Render, workload: dict[str, Any],
+                  container: dict[str, Any]) -> list[str]:
+    env = container_env(render, workload, container)
+    return [expand(a, env) for a in container.get("command", []) + container.get("args", [])]
+
+
+def flag_values(argv: list[str], flag: str) -> list[str]:
+    """All values of `--flag value` or `--flag=value` in argv."""
+    values = []
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            values.append(argv[i + 1])
+        elif arg.startswith(flag + "="):
+            values.append(arg.split("=", 1)[1])
+    return values
+
+
+def one_flag(argv: list[str], flag: str) -> str:
+    values = flag_values(argv, flag)
+    assert len(values) == 1, f"{flag} given {len(values)} times in {argv}"
+    return values[0]
+
+
+def container_port(container: dict[str, Any], port: int | str) -> int:
+    """Resolve a port name (or number) against the container's declared ports."""
+    for p in container.get("ports", []):
+        if p.get("name") == port or p["containerPort"] == port:
+            return p["containerPort"]
+    pytest.fail(f"container {container['name']} declares no port {port!r}")
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def router_config(render: Render) -> RouterConfig:
+    """The router's settings, from its expanded argv, by the router's own parser."""
+    router = render.router()
+    argv = expanded_argv(render, router, _container(router))
+    assert argv[:2] == ["pdconnect", "router"], argv[:2]
+    try:
+        return parse_router_args(argv[2:])
+    except SystemExit:
+        pytest.fail(f"the router refuses its arguments {argv[2:]}")
+
+
+def transfer_settings(render: Render, component: str) -> tuple[str, ConnectorSettings]:
+    workload = render.engines()[component]
+    argv = expanded_argv(render, workload, _container(workload))
+    return parse_kv_transfer_config(one_flag(argv, "--kv-transfer-config"))
+
+
+# ------------------------------------------------------------ render and the tools
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_kustomization_renders(render_of, target: str) -> None:
+    render = render_of(target)
+    kinds = {o["kind"] for o in render.objects}
+    assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
+    assert set(render.engines()) == {"prefill", "decode"}
+    render.router()
+
+
+def test_every_component_is_rendered_by_some_kustomization() -> None:
+    used = set()
+    for target in TARGETS:
+        doc = yaml.safe_load((DEPLOY / target / "kustomization.yaml").read_text())
+        used |= {(DEPLOY / target / c).resolve() for c in doc.get("components", [])}
+    components = {p.parent.resolve() for p in DEPLOY.glob("components/*/kustomization.yaml")}
+    assert components <= used, f"components no kustomization renders: {components - used}"
+
+
+@pytest.fixture(scope="module")
+def schema_report(renders, rendered_dir: Path, tmp_path_factory) -> list[dict[str, Any]]:
+    """One run of kubernetes-validate over every render, plus one broken object that
+    must be refused (proof the strict validation is really on)."""
+    broken = tmp_path_factory.mktemp("broken") / "typo.yaml"
+    broken.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "typo"},
+        "spec": {"containers": [{"name": "c", "image": "i:1", "readinessprobe": {}}]},
+    }))
+    files = sorted(str(p) for p in rendered_dir.glob("*.yaml")) + [str(broken)]
+    proc = subprocess.run([_tool("python"), str(REPO / "tests" / "_deploy_validate.py"), *files],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def test_schema_validation_refuses_a_misspelt_field(schema_report) -> None:
+    typo = [r for r in schema_report if r["name"] == "typo"]
+    assert typo and typo[0]["status"] == "invalid" and "readinessprobe" in typo[0]["error"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_objects_validate_against_kubernetes_schemas(render_of, schema_report,
+                                                     target: str) -> None:
+    render = render_of(target)
+    name = f"{target.replace('/', '__')}.yaml"
+    rows = [r for r in schema_report if Path(r["file"]).name == name]
+    assert len(rows) == len(render.objects)
+    bad = [f"{r['kind']}/{r['name']}: {r['error']}" for r in rows
+           if r["status"] == "invalid"
+           or (r["status"] == "no-schema" and (r["apiVersion"], r["kind"]) not in CUSTOM_KINDS)]
+    assert not bad, f"against Kubernetes {rows[0]['version']}:\n" + "\n".join(bad)
+
+
+@pytest.fixture(scope="module")
+def checkov_report(renders, rendered_dir: Path, render_of, tmp_path_factory) -> dict[str, Any]:
+    """One checkov run over every render (it is slow to start), plus a privileged
+    router that must fail (proof the policies really ran)."""
+    scan = tmp_path_factory.mktemp("checkov")
+    for f in rendered_dir.glob("*.yaml"):
+        (scan / f.name).write_text(f.read_text())
+    router = copy.deepcopy(render_of("base").router())
+    router["metadata"]["name"] = "privileged-router"
+    _container(router)["securityContext"]["privileged"] = True
+    (scan / "zz-negative-control.yaml").write_text(yaml.safe_dump(router))
+    proc = subprocess.run(
+        [_tool("checkov"), "-d", str(scan), "--framework", "kubernetes", "--skip-download",
+         "-o", "json"], capture_output=True, text=True, timeout=600, env=_tool_env())
+    try:
+        report = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"checkov gave no JSON (rc {proc.returncode}): {proc.stderr[-2000:]}")
+    assert report["summary"]["parsing_errors"] == 0, report["results"]["parsing_errors"]
+    return report["results"]
+
+
+@pytest.mark.slow
+def test_checkov_catches_a_privileged_container(checkov_report) -> None:
+    failed = {c["check_id"] for c in checkov_report["failed_checks"]
+              if c["file_path"].endswith("zz-negative-control.yaml")}
+    assert "CKV_K8S_16" in failed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", TARGETS)
+def test_checkov_passes_or_skips_with_a_reason(checkov_report, target: str) -> None:
+    name = f"/{target.replace('/', '__')}.yaml"
+    mine = {k: [c for c in v if c["file_path"].endswith(name)] for k, v in checkov_report.items()
+            if k != "parsing_errors"}
+    assert len(mine["passed_checks"]) > 100, "checkov checked next to nothing: did it parse?"
+    failed = [f"{c['check_id']} {c['resource']}: {c['check_name']}" for c in mine["failed_checks"]]
+    assert not failed, "\n".join(failed)
+    for c in mine["skipped_checks"]:
+        reason = c["check_result"].get("suppress_comment", "")
+        assert len(reason) > 20 and reason != "No comment provided", (
+            f"{c['check_id']} skipped on {c['resource']} without a reason")
+
+
+# ------------------------------------------------------------------- the engines
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_engine_kv_transfer_config_parses(render_of, target: str) -> None:
+    """After $(VAR) expansion, each engine's --kv-transfer-config is what
+    pdconnect.config accepts, for the role its component says."""
+    render = render_of(target)
+    for component, workload in render.engines().items():
+        container = _container(workload)
+        argv = expanded_argv(render, workload, container)
+        leftovers = [a for a in argv if "$(" in a]
+        assert not leftovers, f"{component}: unresolved variables in {leftovers}"
+        role, settings = parse_kv_transfer_config(one_flag(argv, "--kv-transfer-config"))
+        assert role == ENGINE_ROLE[component]
+        # Peers dial the pod IP (downward API), the socket binds every interface.
+        assert settings.advertise_host == POD_IP
+        assert settings.side_channel_host == "0.0.0.0"
+        # The shared secret comes from a Secret through the variable secret_env names.
+        assert settings.secret is None and settings.secret_env
+        source = next(v for v in container["env"] if v["name"] == settings.secret_env)
+        assert "secretKeyRef" in source["valueFrom"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_prefill_and_decode_agree_on_connector_settings(render_of, target: str) -> None:
+    render = render_of(target)
+    (_, prefill), (_, decode) = (transfer_settings(render, c) for c in ("prefill", "decode"))
+    assert msgspec.structs.asdict(prefill) == msgspec.structs.asdict(decode)
+
+
+def test_a_typo_in_the_connector_settings_would_fail() -> None:
+    """What the previous tests guard against: an unknown key fails at parse time."""
+    text = json.dumps({"kv_connector": "PDConnector", "kv_role": "kv_producer",
+                       "kv_connector_extra_config": {"side_chanel_port": 5700}})
+    with pytest.raises(ValueError, match="side_chanel_port"):
+        parse_kv_transfer_config(text)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_side_channel_port_is_the_one_prefill_exposes(render_of, target: str) -> None:
+    render = render_of(target)
+    prefill = render.engines()["prefill"]
+    _, p_settings = transfer_settings(render, "prefill")
+    _, d_settings = transfer_settings(render, "decode")
+    exposed = container_port(_container(prefill), "side-channel")
+    assert p_settings.side_channel_port == exposed == d_settings.side_channel_port
+    labels = prefill["spec"]["template"]["metadata"]["labels"]
+    services = [s for s in render.of_kind("Service")
+                if s["spec"].get("clusterIP") == "None" and selects(s["spec"]["selector"], labels)]
+    assert len(services) == 1, "one headless Service must front the prefill engines"
+    port = next(p for p in services[0]["spec"]["ports"] if p["name"] == "side-channel")
+    assert port["port"] == exposed
+    assert container_port(_container(prefill), port["targetPort"]) == exposed
+
+
+@pytest.fixture(scope="module")
+def vllm_serve_parser():
+    """vLLM's own `vllm serve` argument parser (the installed vLLM, no model needed)."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    root = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(root.add_subparsers(dest="subparser"))
+    return root
+
+
+def _engine_command_line(render: Render, workload: dict[str, Any], tmp: Path) -> list[str]:
+    """The engine's argv as `vllm serve` sees it, with ConfigMap-mounted files written
+    under tmp and their paths rewritten to point there."""
+    container = _container(workload)
+    argv = expanded_argv(render, workload, container)
+    if argv[:2] == ["vllm", "serve"]:
+        args = argv[2:]
+    elif argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]:
+        args = argv[3:]
+    else:
+        pytest.fail(f"unknown engine entry point {argv[:3]}")
+    volumes = {v["name"]: v for v in _pod(workload)["volumes"]}
+    for mount in container.get("volumeMounts", []):
+        source = volumes[mount["name"]].get("configMap")
+        if source is None:
+            continue
+        cm = render.get("ConfigMap", source["name"])
+        assert cm is not None, f"volume {mount['name']}: ConfigMap {source['name']} missing"
+        local = tmp / mount["name"]
+        local.mkdir(exist_ok=True)
+        for key, value in cm["data"].items():
+            (local / key).write_text(value)
+        args = [a.replace(mount["mountPath"], str(local)) for a in args]
+    return args
+
+
+@pytest.fixture(scope="module")
+def engine_args(render_of, vllm_serve_parser, tmp_path_factory):
+    """target -> component -> (argparse namespace, workload)."""
+    cache: dict[str, dict[str, Any]] = {}
+
+    def get(target: str) -> dict[str, Any]:
+        if target not in cache:
+            from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+            render = render_of(target)
+            parsed = {}
+            for component, workload in render.engines().items():
+                tmp = tmp_path_factory.mktemp(f"{target.replace('/', '_')}-{component}")
+                args = _engine_command_line(render, workload, tmp)
+                try:
+                    ns = vllm_serve_parser.parse_args(["serve", *args])
+                except SystemExit:
+                    pytest.fail(f"{target} {component}: vLLM refuses {args}")
+                validate_parsed_serve_args(ns)
+                parsed[component] = (ns, workload)
+            cache[target] = parsed
+        return cache[target]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", TARGETS)
+def test_engine_command_line_parses_with_vllm(engine_args, target: str) -> None:
+    """Every flag exists in vLLM, the --config file was really read, the port is the
+    declared one, and the GPUs requested are the GPUs the parallelism uses."""
+    for component, (ns, workload) in engine_args(target).items():
+        assert ns.model and ns.model.startswith("/models/"), f"{component}: model {ns.model}"
+        assert ns.kv_transfer_config.kv_connector == "PDConnector"
+        container = _container(workload)
+        assert ns.port == container_port(container, "http")
+        gpus = int(container["resources"].get("limits", {}).get(GPU, 0))
+        if gpus:
+            used = ns.tensor_parallel_size * ns.pipeline_parallel_size * ns.data_parallel_size
+            assert used == gpus, f"{component}: parallelism uses {used} GPUs, pod gets {gpus}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", TARGETS)
+def test_prefill_and_decode_serve_the_same_model_and_cache_layout(engine_args,
+                                                                  target: str) -> None:
+    """P sends KV blocks D must be able to place: same weights, served name (the router
+    forwards the request's `model`), block size, dtype and speculative config; prefix
+    caching on both sides (the point of the project is D's local hits)."""
+    (p, _), (d, _) = (engine_args(target)[c] for c in ("prefill", "decode"))
+    for field in ("model", "served_model_name", "block_size", "dtype", "speculative_config",
+                  "max_model_len", "kv_cache_dtype"):
+        assert getattr(p, field) == getattr(d, field), f"{field} differs"
+    assert p.enable_prefix_caching and d.enable_prefix_caching
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_engines_drain_before_they_stop(render_of, target: str) -> None:
+    """Rolling out: a terminating engine first leaves DNS (preStop, at least one router
+    resolve interval), then vLLM drains (--shutdown-timeout; on prefill, at least one
+    lease, so decode engines can still pull what it holds), all inside the grace period."""
+    render = render_of(target)
+    resolve = router_config(render).dns_interval
+    for component, workload in render.engines().items():
+        container = _container(workload)
+        shutdown = int(one_flag(expanded_argv(render, workload, container), "--shutdown-timeout"))
+        pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        grace = _pod(workload)["terminationGracePeriodSeconds"]
+        assert pre_stop >= resolve, f"{component}: leaves DNS after it stops"
+        assert shutdown > 0, f"{component}: SIGTERM aborts running requests"
+        assert grace >= pre_stop + shutdown + 15, f"{component}: grace too short"
+        if component == "prefill":
+            _, settings = transfer_settings(render, "prefill")
+            assert shutdown >= settings.lease_seconds
+
+
+# ---------------------------------------------------------------------- the router
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_router_finds_the_engines_through_rendered_services(render_of, target: str) -> None:
+    render = render_of(target)
+    config = router_config(render)
+    namespace = render.router()["metadata"]["namespace"]
+    assert not config.prefill and not config.decode, "static engine URLs in a cluster"
+    for component in ("prefill", "decode"):
+        (target_dns,) = config.dns_targets(component)
+        assert target_dns.scheme == "http"
+        service_name, _, domain = target_dns.host.partition(".")
+        assert domain == f"{namespace}.{CLUSTER_DOMAIN}", f"{component}: {target_dns.host}"
+        service = render.get("Service", service_name)
+        assert service is not None, f"router names Service {service_name}, not rendered"
+        # Headless: DNS gives the router the engine pods themselves.
+        assert service["spec"]["clusterIP"] == "None"
+        assert not service["spec"].get("publishNotReadyAddresses", False)
+        workload = render.engines()[component]
+        listen = int(one_flag(expanded_argv(render, workload, _container(workload)), "--port"))
+        assert selects(service["spec"]["selector"],
+                       workload["spec"]["template"]["metadata"]["labels"])
+        # With a headless Service the router dials pod IP:port, so the URL's port must
+        # be the engine's container port, the one vLLM listens on.
+        port = next(p for p in service["spec"]["ports"] if p["port"] == target_dns.port)
+        assert container_port(_container(workload), port["targetPort"]) == target_dns.port == listen
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_router_service_reaches_the_router_port(render_of, target: str) -> None:
+    render = render_of(target)
+    router = render.router()
+    container = _container(router)
+    listen = router_config(render).port
+    assert container_port(container, "http") == listen
+    labels = router["spec"]["template"]["metadata"]["labels"]
+    services = [s for s in render.of_kind("Service") if selects(s["spec"]["selector"], labels)]
+    assert len(services) == 1
+    for port in services[0]["spec"]["ports"]:
+        assert container_port(container, port["targetPort"]) == listen
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_router_and_engines_share_the_side_channel_secret(render_of, target: str) -> None:
+    render = render_of(target)
+
+    def secret_of(workload: dict[str, Any], variable: str) -> tuple[str, str]:
+        var = next(v for v in _container(workload)["env"] if v["name"] == variable)
+        ref = var["valueFrom"]["secretKeyRef"]
+        return ref["name"], ref["key"]
+
+    router = secret_of(render.router(), router_config(render).side_channel_secret_env)
+    for component, workload in render.engines().items():
+        _, settings = transfer_settings(render, component)
+        assert secret_of(workload, settings.secret_env) == router, component
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_router_liveness_does_not_depend_on_the_engines(render_of, target: str) -> None:
+    """The router's /health is 503 while no decode engine is routable, e.g. for the
+    whole start of the engines: as a liveness probe it would restart-loop the routers."""
+    probe = _container(render_of(target).router())["livenessProbe"]
+    assert probe.get("httpGet", {}).get("path") != "/health"
+
+
+# ------------------------------------------------------------- wiring and policies
+
+
+def _pod_labels(render: Render) -> list[dict[str, str]]:
+    return [w["spec"]["template"]["metadata"]["labels"] for w in render.workloads()]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_selectors_and_references_resolve(render_of, target: str) -> None:
+    render = render_of(target)
+    for svc in render.of_kind("Service"):
+        assert any(selects(svc["spec"]["selector"], l) for l in _pod_labels(render)), svc
+    for pdb in render.of_kind("PodDisruptionBudget"):
+        matched = [l for l in _pod_labels(render)
+                   if selects(pdb["spec"]["selector"]["matchLabels"], l)]
+        assert len(matched) == 1, f"PDB {pdb['metadata']['name']} covers {len(matched)}"
+    for w in render.workloads():
+        assert selects(w["spec"]["selector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])
+        pod = _pod(w)
+        refs = {("ServiceAccount", pod["serviceAccountName"])}
+        for v in pod.get("volumes", []):
+            if "configMap" in v:
+                refs.add(("ConfigMap", v["configMap"]["name"]))
+            if "secret" in v:
+                refs.add(("Secret", v["secret"]["secretName"]))
+            if "persistentVolumeClaim" in v:
+                refs.add(("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]))
+        for c in pod["containers"] + pod.get("initContainers", []):
+            for src in c.get("envFrom", []):
+                refs.add(("ConfigMap", src["configMapRef"]["name"]))
+            for var in c.get("env", []):
+                ref = var.get("valueFrom", {})
+                if "secretKeyRef" in ref:
+                    refs.add(("Secret", ref["secretKeyRef"]["name"]))
+                if "configMapKeyRef" in ref:
+                    refs.add(("ConfigMap", ref["configMapKeyRef"]["name"]))
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if probe in c:
+                    action = c[probe].get("httpGet") or c[probe].get("tcpSocket")
+                    container_port(c, action["port"])
+        missing = {r for r in refs if render.get(*r) is None} - EXTERNAL
+        assert not missing, f"{w['metadata']['name']} references {missing}"
+
+
+def test_external_objects_are_documented() -> None:
+    readme = (DEPLOY / "README.md").read_text()
+    for kind, name in EXTERNAL:
+        assert name in readme, f"README must say how to create {kind} {name}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_metrics_are_scraped_from_a_declared_port(render_of, target: str) -> None:
+    render = render_of(target)
+    for w in render.workloads():
+        annotations = w["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true"
+        assert annotations["prometheus.io/path"] == "/metrics"
+        container_port(_container(w), int(annotations["prometheus.io/port"]))
+    for monitor in render.of_kind("ServiceMonitor"):
+        selected = [s for s in render.of_kind("Service")
+                    if selects(monitor["spec"]["selector"]["matchLabels"],
+                               s["metadata"].get("labels", {}))]
+        fronted = {s["spec"]["selector"]["app.kubernetes.io/component"] for s in selected}
+        assert fronted == {"prefill", "decode", "router"}
+        for endpoint in monitor["spec"]["endpoints"]:
+            for s in selected:
+                assert endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
+
+
+def _admits(render: Render, source: dict[str, str], target: dict[str, Any], port: str) -> bool:
+    """Would the rendered NetworkPolicies let a pod labelled `source` (same namespace)
+    reach `port` of the target workload? No policy selecting the target = open."""
+    labels = target["spec"]["template"]["metadata"]["labels"]
+    policies = [p for p in render.of_kind("NetworkPolicy")
+                if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                and selects(p["spec"]["podSelector"].get("matchLabels", {}), labels)]
+    if not policies:
+        return True
+    number = container_port(_container(target), port)
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            peers = rule.get("from")
+            peer_ok = peers is None or any(
+                "podSelector" in p and "namespaceSelector" not in p
+                and selects(p["podSelector"].get("matchLabels", {}), source) for p in peers)
+            ports = rule.get("ports")
+            port_ok = ports is None or any(p.get("port") in (port, number) for p in ports)
+            if peer_ok and port_ok:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_network_policies_admit_the_data_path(render_of, target: str) -> None:
+    render = render_of(target)
+    engines, router = render.engines(), render.router()
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    decode_labels = engines["decode"]["spec"]["template"]["metadata"]["labels"]
+    assert _admits(render, router_labels, engines["prefill"], "http")
+    assert _admits(render, router_labels, engines["decode"], "http")
+    assert _admits(render, router_labels, engines["prefill"], "side-channel")
+    assert _admits(render, decode_labels, engines["prefill"], "side-channel")
+    assert _admits(render, {"app": "client"}, router, "http")
+    # ...and nothing else in the namespace reaches an engine's unauthenticated API.
+    assert not _admits(render, {"app": "client"}, engines["decode"], "http")
+
+
+def _pod_security_level(pod: dict[str, Any]) -> str:
+    """The strictest Pod Security Standard the pod meets (the checks our manifests
+    can trip; see kubernetes.io/docs/concepts/security/pod-security-standards)."""
+    baseline_caps = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL",
+                     "MKNOD", "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID",
+                     "SYS_CHROOT"}
+    containers = pod["containers"] + pod.get("initContainers", [])
+    if (any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+            or any("hostPath" in v for v in pod.get("volumes", []))
+            or any(c.get("securityContext", {}).get("privileged") for c in containers)
+            or any(set(c.get("securityContext", {}).get("capabilities", {}).get("add", []))
+                   - baseline_caps for c in containers)):
+        return "privileged"
+    pod_sc = pod.get("securityContext", {})
+    for c in containers:
+        sc = c.get("securityContext", {})
+        caps = sc.get("capabilities", {})
+        if (sc.get("allowPrivilegeEscalation") is not False
+                or "ALL" not in caps.get("drop", [])
+                or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}
+                or not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))
+                or sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type")
+                not in ("RuntimeDefault", "Localhost")):
+            return "baseline"
+    return "restricted"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_namespace_enforces_the_strictest_pod_security_level_its_pods_meet(
+        render_of, target: str) -> None:
+    """Not laxer than needed (the GPU overlays need "privileged" for CAP_IPC_LOCK
+    alone), and no pod the namespace would refuse."""
+    render = render_of(target)
+    order = ["restricted", "baseline", "privileged"]
+    (namespace,) = render.of_kind("Namespace")
+    enforce = namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+    needed = max((_pod_security_level(_pod(w)) for w in render.workloads()), key=order.index)
+    assert enforce == needed
+    assert all(o["metadata"].get("namespace") == namespace["metadata"]["name"]
+               for o in render.objects if o["kind"] != "Namespace")
+
+
+# ------------------------------------------------------------- per-overlay promises
+
+
+@pytest.mark.parametrize("target", sorted(EXPECTED))
+def test_kustomization_is_what_it_says(render_of, target: str) -> None:
+    render, want = render_of(target), EXPECTED[target]
+    _, settings = transfer_settings(render, "prefill")
+    for key in ("transport", "protocol", "require_rdma"):
+        if key in want:
+            assert getattr(settings, key) == want[key], key
+    for component, workload in render.engines().items():
+        pod, container = _pod(workload), _container(workload)
+        limits = container["resources"]["limits"]
+        assert int(limits.get(GPU, 0)) == want["gpus"], component
+        rdma = [r for r in limits if r.startswith("rdma/")]
+        assert rdma == ([want["rdma_resource"]] if want["rdma_resource"] else []), component
+        if "node_selector" in want:
+            assert pod.get("nodeSelector") == want["node_selector"], component
+        if "capabilities" in want:
+            added = container["securityContext"]["capabilities"].get("add", [])
+            assert added == want["capabilities"], component
+        env = container_env(render, workload, container)
+        for name, value in want.get("env", {}).items():
+            assert name in env and (value is None or env[name] == value), name
+        if "replicas" in want:
+            assert workload["spec"]["replicas"] == want["replicas"], component
+        # /dev/shm in memory for NCCL / vLLM's shared-memory broadcast.
+        shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        volume = next(v for v in pod["volumes"] if v["name"] == shm["name"])
+        assert volume["emptyDir"]["medium"] == "Memory"
+    if "servicemonitor" in want:
+        assert bool(render.of_kind("ServiceMonitor")) == want["servicemonitor"]
+    if "namespace" in want:
+        assert render.router()["metadata"]["namespace"] == want["namespace"]
+
+
+def test_every_overlay_states_its_promises() -> None:
+    assert set(OVERLAYS) == set(EXPECTED), "add new kustomizations to EXPECTED"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", sorted(EXPECTED))
+def test_engine_arguments_are_what_the_kustomization_says(engine_args, target: str) -> None:
+    want = EXPECTED[target]
+    for component, (ns, _) in engine_args(target).items():
+        if "tensor_parallel_size" in want:
+            assert ns.tensor_parallel_size == want["tensor_parallel_size"], component
+        if "speculative_method" in want:
+            assert ns.speculative_config["method"] == want["speculative_method"], component
+        for key in ("dtype", "block_size", "model"):
+            if key in want:
+                assert getattr(ns, key) == want[key], (component, key)
