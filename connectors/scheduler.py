@@ -225,6 +225,7 @@ class PDScheduler:
         self._candidates: dict[str, _Candidate] = {}
         self._loads: dict[str, _Load] = {}
         self._new_pulls: list[PullSpec] = []
+        self._settled: set[str] = set()  # loads ended (done sent) for requests still running
         self._notifier: _PeerNotifier | None = None
         if self.is_producer:
             self._server = SideChannelServer(
@@ -296,6 +297,10 @@ class PDScheduler:
             self._track_producer(request)
             return 0, False
         if not (self.is_consumer and params and params.get("do_remote_prefill")):
+            return 0, False
+        if request.request_id in self._settled:
+            # Loaded already, or failed and sent back to recompute (kv_load_failure_policy):
+            # never load twice.
             return 0, False
         candidate = self._candidates.get(request.request_id)
         if candidate is None:
@@ -445,6 +450,8 @@ class PDScheduler:
         self.ops.release(load.shadow_blocks())
         if load.plan is not None:
             self._notify_prefill(load.plan, Done(request_ids=[load.plan.remote_request_id], ok=ok))
+        if not load.aborted:
+            self._settled.add(request_id)  # done or failed: this request never loads again
         logger.info("request %s: load %s, %d slack blocks %s", request_id, "done" if ok else "failed",
                     len(load.shadow_blocks()), "published" if ok and not load.aborted else "freed")
 
@@ -471,23 +478,36 @@ class PDScheduler:
     def _consumer_finished(self, request: Request) -> None:
         request_id = request.request_id
         candidate = self._candidates.pop(request_id, None)
-        if candidate is not None and candidate.plan is not None:
-            # Never allocated: the prefill engine still holds the blocks for nobody.
-            self._notify_prefill(candidate.plan, Release(request_ids=[candidate.plan.remote_request_id],
-                                                        reason="decode request finished before its load"))
         load = self._loads.get(request_id)
-        if load is None:
-            return
+        if load is not None:
+            self._abort_load(request_id, load)
+        elif request_id in self._settled:
+            self._settled.discard(request_id)
+        elif (plan := self._plan_of(request, candidate)) is not None:
+            # Never loaded (aborted while queued): the prefill engine holds blocks for nobody.
+            self._notify_prefill(plan, Release(request_ids=[plan.remote_request_id],
+                                               reason="decode request ended before its load"))
+
+    def _plan_of(self, request: Request, candidate: _Candidate | None) -> TransferPlan | None:
+        if candidate is not None:
+            return candidate.plan
+        params = request.kv_transfer_params
+        if not (params and params.get("do_remote_prefill")):
+            return None
+        try:
+            return decode_plan(params)
+        except ProtocolError:
+            return None
+
+    def _abort_load(self, request_id: str, load: _Load) -> None:
+        load.aborted = True
         queued = next((p for p in self._new_pulls if p.request_id == request_id), None)
         if queued is not None:
             # The workers never saw it: nothing can be writing into its blocks.
             self._new_pulls.remove(queued)
             del self._loads[request_id]
-            load.aborted = True
             self._finish_load(request_id, load, ok=False)
-        else:
-            # In flight: the shadows stay allocated until the workers report it ended.
-            load.aborted = True
+        # Otherwise in flight: the shadows stay allocated until the workers report it ended.
 
     # --- prefill-side holding ------------------------------------------------------
 

@@ -84,7 +84,7 @@ class PDWorker:
         self._kv_cache_config = kv_cache_config
         self._transport: Transport | None = None
         self._layouts: dict[int, list[TensorLayout]] = {}
-        self._remotes: dict[str, _Remote] = {}
+        self._remotes: dict[tuple[str, str], _Remote] = {}
         self._remotes_lock = threading.Lock()
         # Handshakes and submissions may block on the network; never on the step thread.
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdconnect-pull")
@@ -157,11 +157,17 @@ class PDWorker:
         )
 
     def _remote(self, spec: PullSpec) -> _Remote:
+        key = (spec.remote_engine_id, spec.side_channel)
         with self._remotes_lock:
-            remote = self._remotes.get(spec.remote_engine_id)
+            remote = self._remotes.get(key)
             if remote is None:
-                remote = self._remotes[spec.remote_engine_id] = self._handshake(spec)
+                remote = self._remotes[key] = self._handshake(spec)
             return remote
+
+    def _forget(self, spec: PullSpec) -> None:
+        """Drop a peer after a failure: a restarted prefill engine needs a fresh handshake."""
+        with self._remotes_lock:
+            self._remotes.pop((spec.remote_engine_id, spec.side_channel), None)
 
     def _handshake(self, spec: PullSpec) -> _Remote:
         assert self._transport is not None
@@ -229,6 +235,7 @@ class PDWorker:
         return True
 
     def _failed(self, spec: PullSpec, reason: str) -> bool:
+        self._forget(spec)
         logger.error("request %s: KV load from %s failed: %s", spec.request_id,
                      spec.remote_engine_id or "?", reason)
         return False

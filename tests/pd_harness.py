@@ -101,6 +101,7 @@ class SimEngine:
     failure_policy: str = "fail"
     layers_per_group: int = 2
     finished: dict[str, Finished] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         init_none_hash(sha256)
@@ -144,6 +145,18 @@ class SimEngine:
     def abort(self, request_id: str) -> None:
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
 
+    def add_steps_abort(self, request_id: str, tokens: list[int], params: dict[str, Any] | None,
+                        steps: int, max_tokens: int = 1) -> None:
+        """Add a request, run `steps` steps, abort it: an abort at a chosen phase."""
+        self.add(request_id, tokens, params, max_tokens)
+        for _ in range(steps):
+            self.step()
+        self.abort(request_id)
+
+    def counter(self, name: str) -> float:
+        """Total of one connector counter over this engine's life (both halves)."""
+        return self.counters.get(name, 0)
+
     def get_finished(self, request_id: str) -> Finished | None:
         done = self.finished.get(request_id)
         return done if done is not None and done.finish_reason is not None else None
@@ -180,6 +193,10 @@ class SimEngine:
         for outputs in self.scheduler.update_from_output(output, runner_output).values():
             for out in outputs.outputs:
                 self._record(out)
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                for name, value in stats.kv_connector_stats.get("counters", {}).items():
+                    self.counters[name] = self.counters.get(name, 0) + value
 
     def _compute(self, scheduled: dict[str, int]) -> dict[str, bool]:
         """Write each computed block's value; True for requests that sample this step."""
