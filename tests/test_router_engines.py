@@ -14,6 +14,7 @@ import json
 import os
 import random
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,17 +30,22 @@ from pdconnect.bench.tinymodel import FIRST_WORD_ID, TinyModelSpec, ensure_model
 
 pytestmark = pytest.mark.engine
 
-# The KV connector the P/D pair runs, role added per engine. vLLM's NixlConnector stands
-# in until ours lands; switching is replacing this constant with
-#   {"kv_connector": "PDConnector",
-#    "kv_connector_extra_config": {"transport": "mooncake", "protocol": "tcp"}}
-KV_CONNECTOR: dict[str, Any] = {
-    "kv_connector": "NixlConnector",
-    "kv_buffer_device": "cpu",
-    # A slow shared-core decode engine outlived the default 30 s lease; four UCX
-    # threads per agent fight the engines for 2 cores (see test_engine_harness).
-    "kv_connector_extra_config": {"kv_lease_duration": 300, "num_threads": 1},
-}
+# The one switch for the P/D pair's KV connector: vLLM's NixlConnector stands in until
+# ours is the default; PDCONNECT_ROUTER_TEST_CONNECTOR=PDConnector runs the same tests on ours.
+KV_CONNECTOR = os.environ.get("PDCONNECT_ROUTER_TEST_CONNECTOR", "NixlConnector")
+
+
+def _kv_transfer_config(role: str, side_channel_port: int) -> dict[str, Any]:
+    if KV_CONNECTOR == "PDConnector":
+        extra: dict[str, Any] = {"transport": "mooncake", "protocol": "tcp",
+                                 "side_channel_port": side_channel_port}
+        return {"kv_connector": KV_CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra}
+    # NIXL reads its side-channel port from the environment (vllm_server sets it). A slow
+    # shared-core decode engine outlived the default 30 s lease; four UCX threads per
+    # agent fight the engines for 2 cores (see test_engine_harness).
+    return {"kv_connector": KV_CONNECTOR, "kv_role": role, "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"kv_lease_duration": 300, "num_threads": 1}}
+
 
 MODEL = "tiny"
 SPEC = TinyModelSpec(kind="hybrid-llama", num_layers=4, sliding_window=64)
@@ -58,11 +64,11 @@ class Engines:
     decode: ManagedProcess
 
 
-def _engine_args(role: str | None) -> list[str]:
+def _engine_args(role: str | None, side_channel_port: int) -> list[str]:
     args = ["--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
             "--compilation-config", json.dumps({"mode": 0}), "--enable-prompt-tokens-details"]
     if role is not None:
-        args += ["--kv-transfer-config", json.dumps({**KV_CONNECTOR, "kv_role": role})]
+        args += ["--kv-transfer-config", json.dumps(_kv_transfer_config(role, side_channel_port))]
     return args
 
 
@@ -71,8 +77,10 @@ def engines() -> Iterator[Engines]:
     model = ensure_model(SPEC)
     with Cluster() as cluster:
         def server(name: str, role: str | None) -> ManagedProcess:
+            side_channel_port = cluster.free_port()
             return cluster.start(vllm_server(name, model, port=cluster.free_port(), served_model_name=MODEL,
-                                             args=_engine_args(role), side_channel_port=cluster.free_port()))
+                                             args=_engine_args(role, side_channel_port),
+                                             side_channel_port=side_channel_port))
         started = Engines(cluster, server("router-single", None), server("router-prefill", "kv_producer"),
                           server("router-decode", "kv_consumer"))
         cluster.wait_healthy([started.single, started.prefill, started.decode])
@@ -225,6 +233,29 @@ def test_sibling_lands_on_the_same_decode_engine(engines: Engines, router: str, 
     assert first.headers["x-pdconnect-decode"] == second.headers["x-pdconnect-decode"]
     assert first.headers["x-pdconnect-prefill"] == second.headers["x-pdconnect-prefill"]
     assert fetch_metrics(router, http).total("pdconnect_router_affinity", role="decode", outcome="keep") >= 1
+
+
+@pytest.mark.skipif(KV_CONNECTOR != "PDConnector", reason="only our connector has a release channel")
+def test_failed_decode_makes_the_router_free_the_prefill_hold_at_once(engines: Engines, http: httpx.Client) -> None:
+    """A decode engine that cannot be reached: the router tells the prefill engine to drop
+    its hold now instead of waiting out the lease."""
+    dead = f"http://127.0.0.1:{engines.cluster.free_port()}"
+    port = engines.cluster.free_port()
+    [proc] = engines.cluster.launch(ProcessSpec(
+        name="pdconnect-router-dead-decode",
+        argv=(sys.executable, "-m", "pdconnect.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+              "--prefill", engines.prefill.base_url, "--decode", dead, "--health-interval", "0",
+              "--prefill-timeout", str(TIMEOUT_S)),
+        health_url=f"http://127.0.0.1:{port}/health", base_url=f"http://127.0.0.1:{port}"))
+    before = fetch_metrics(engines.prefill.base_url, http).total("pdconnect:releases")
+    response = http.post(f"{proc.base_url}/v1/completions", json=_completion(_ids(seed=111, length=300)))
+    assert response.status_code == 502
+    deadline = time.monotonic() + 60
+    while fetch_metrics(engines.prefill.base_url, http).total("pdconnect:releases") == before:
+        assert time.monotonic() < deadline, "the prefill engine never counted the release"
+        time.sleep(0.5)
+    assert fetch_metrics(proc.base_url, http).total("pdconnect_router_prefill_releases", result="ok") == 1
+    engines.cluster.stop(proc)
 
 
 # --- the same pair behind vllm-router ----------------------------------------------------------

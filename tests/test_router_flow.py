@@ -320,7 +320,7 @@ async def test_no_healthy_decode_engine_is_a_503(make) -> None:
     await eventually(lambda: not s.router.router.registry.get(Role.DECODE, s.d[0].url).routable, "marked down")
     status, _, body = await s.post("/v1/completions", COMPLETION)
     assert status == 503 and json.loads(body)["error"]["type"] == "NoEngineAvailable"
-    assert s.d[0].seen == []
+    assert s.d[0].seen == [] and s.p[0].seen == []  # no prefill work for nobody
     async with s.http.get(s.router.url + "/health") as resp:
         assert resp.status == 503
 

@@ -205,6 +205,8 @@ class PDFlow:
         trace = _Trace()
         try:
             call = self._parse(await http.read(), endpoint, http.headers, started)
+            if not any(engine.routable for engine in self._registry.engines(Role.DECODE)):
+                raise NoEngineAvailable(Role.DECODE.value)  # before P computes for nobody
             trace.prefilled = await self._prefill(call, trace)
             params = trace.prefilled.params if trace.prefilled else None
             response = await self._decode(http, call, trace, params)
