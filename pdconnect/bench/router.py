@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -167,6 +167,19 @@ def _report(targets: list[Target], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _figures(targets: list[Target]) -> dict[str, dict[str, float | int | None]]:
+    """The printed figures as data, per target (for --json)."""
+    direct = targets[0]
+    return {t.name: {
+        "p50_ms": _pct(t.latencies, 0.50), "p99_ms": _pct(t.latencies, 0.99),
+        "added_p50_ms": None if t is direct else _pct(t.latencies, 0.50) - _pct(direct.latencies, 0.50),
+        "added_p99_ms": None if t is direct else _pct(t.latencies, 0.99) - _pct(direct.latencies, 0.99),
+        "max_rate_rps": max(t.rates),
+        "cpu_us_per_request": min(t.cpu_per_request) * 1e6 if t.cpu_per_request else None,
+        "errors": t.errors,
+    } for t in targets}
+
+
 def _python(*argv: str) -> tuple[str, ...]:
     return (sys.executable, *argv)
 
@@ -183,7 +196,7 @@ async def _measure(targets: list[Target], args: argparse.Namespace) -> None:
                 await _rate(target, http, args.concurrency, args.duration)
 
 
-def run(args: argparse.Namespace) -> str:
+def run(args: argparse.Namespace) -> list[Target]:
     client_body, prefill_body = _bodies(args.chunks)
     with Cluster(progress=sys.stderr) as cluster:
         def fake(name: str) -> ProcessSpec:
@@ -217,7 +230,7 @@ def run(args: argparse.Namespace) -> str:
             asyncio.run(_measure(targets, args))
         else:
             uvloop.run(_measure(targets, args))
-    return _report(targets, args)
+    return targets
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per target and round (rate)")
     parser.add_argument("--reference", default=os.environ.get("PDCONNECT_VLLM_ROUTER", ".venv-router-ref/bin/vllm-router"),
                         help="the vllm-router executable")
-    print(run(parser.parse_args(argv)), flush=True)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    targets = run(args)
+    print(_report(targets, args), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "json"},
+                                         "targets": _figures(targets)}, indent=2, default=str))
     return 0
 
 
