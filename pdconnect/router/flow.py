@@ -118,13 +118,12 @@ class _AttemptFailed(Exception):
 class _Trace:
     """What happened to one request, for its metrics and response headers."""
 
-    __slots__ = ("outcome", "fallback", "prefilled", "decode_engine")
+    __slots__ = ("outcome", "fallback", "prefilled")
 
     def __init__(self) -> None:
         self.outcome = "bad_request"
         self.fallback: str | None = None
         self.prefilled: Prefilled | None = None
-        self.decode_engine: Engine | None = None
 
 
 _OUTCOME_OF_ERROR: dict[type[RouterError], str] = {
@@ -193,8 +192,9 @@ class PDFlow:
         self._policies = {Role.PREFILL: prefill_policy, Role.DECODE: decode_policy}
         self._affinity = ({role: AffinityTracker() for role in Role}
                           if isinstance(decode_policy, PrefixAffinity) else None)
-        # Per-read deadlines: connect, and (streams) the longest silence between chunks.
-        self._prefill_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout)
+        # Per-read deadlines: connect, and (streams) the longest silence between chunks;
+        # whole answers run under one overall deadline instead (asyncio.timeout in _send).
+        self._whole_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout)
         self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
                                                      sock_read=config.stream_idle_timeout)
 
@@ -255,7 +255,7 @@ class PDFlow:
             engine.begin()
             sent = time.perf_counter()
             try:
-                resp, data = await self._send(engine, call, body, deadline, self._prefill_timeout, whole=True)
+                resp, data = await self._send(engine, call, body, deadline, self._whole_timeout, whole=True)
                 resp.release()
                 answer = _json_decode(data)
                 verdict = True
@@ -303,7 +303,7 @@ class PDFlow:
         if call.stream:
             deadline, timeout = self._config.decode_first_byte_timeout, self._stream_timeout
         else:
-            deadline, timeout = self._config.decode_timeout, self._prefill_timeout
+            deadline, timeout = self._config.decode_timeout, self._whole_timeout
         last: _AttemptFailed | None = None
         for attempt, engine in enumerate(engines):
             verdict: bool | None = None
@@ -322,7 +322,6 @@ class PDFlow:
                 except EngineRejected:
                     verdict = True
                     raise
-                trace.decode_engine = engine
                 self._observe_affinity(Role.DECODE, call, engine)
                 headers = self._response_headers(call, trace, engine, resp)
                 if call.stream:
