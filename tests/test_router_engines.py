@@ -30,9 +30,9 @@ from pdconnect.bench.tinymodel import FIRST_WORD_ID, TinyModelSpec, ensure_model
 
 pytestmark = pytest.mark.engine
 
-# The one switch for the P/D pair's KV connector: vLLM's NixlConnector stands in until
-# ours is the default; PDCONNECT_ROUTER_TEST_CONNECTOR=PDConnector runs the same tests on ours.
-KV_CONNECTOR = os.environ.get("PDCONNECT_ROUTER_TEST_CONNECTOR", "NixlConnector")
+# The one switch for the P/D pair's KV connector: ours by default;
+# PDCONNECT_ROUTER_TEST_CONNECTOR=NixlConnector shows the router does not depend on it.
+KV_CONNECTOR = os.environ.get("PDCONNECT_ROUTER_TEST_CONNECTOR", "PDConnector")
 
 
 def _kv_transfer_config(role: str, side_channel_port: int) -> dict[str, Any]:
