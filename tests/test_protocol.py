@@ -1,0 +1,152 @@
+"""The wire protocol and settings: strict decoding, authentication, and errors that name the problem."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pdconnect.config import ConfigError, ConnectorSettings, parse_kv_transfer_config
+from pdconnect.protocol import (
+    Ack, CompatInfo, Done, GroupCompat, Heartbeat, ProtocolError, Release, decode_message, decode_plan,
+    encode_message,
+)
+from pdconnect.sidechannel import SideChannelClient, SideChannelError, SideChannelServer, release_remote
+
+PLAN = {
+    "remote_engine_id": "p0", "remote_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": 5700,
+    "compat_hash": "abc", "num_prompt_tokens": 5131, "lease_expires_at": 1.0,
+    "groups": [{"group": 0, "runs": [{"start": 0, "block_ids": [4, 5, 6]}]},
+               {"group": 1, "runs": [{"start": 74, "block_ids": [9, 10, 11]}, {"start": 78, "block_ids": [12]}],
+                "slack": [74, 75, 76]}],
+    "do_remote_prefill": True,
+}
+
+
+def test_plan_round_trips_and_maps_logical_indices_to_prefill_blocks():
+    plan = decode_plan(PLAN)
+    assert plan.groups[1].by_index() == {74: 9, 75: 10, 76: 11, 78: 12}
+    assert plan.side_channel == "tcp://127.0.0.1:5700"
+    assert decode_plan(msgspec.to_builtins(plan)) == plan
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"remote_port": "5700"}, "Expected `int`, got `str` - at `$.remote_port`"),
+    ({"num_prompt_tokens": 0}, "num_prompt_tokens must be positive"),
+    ({"surprise": 1}, "unknown field `surprise`"),
+    ({"pdconnect": 99}, "plan protocol 99"),
+    ({"groups": [{"group": 0, "runs": [{"start": 0}]}]}, "missing required field `block_ids`"),
+])
+def test_malformed_plans_are_refused_with_the_field_named(change, message):
+    with pytest.raises(ProtocolError, match="malformed kv_transfer_params") as info:
+        decode_plan({**PLAN, **change})
+    assert message in str(info.value)
+
+
+def test_a_plan_missing_a_required_field_is_refused():
+    with pytest.raises(ProtocolError, match="missing required field `remote_engine_id`"):
+        decode_plan({k: v for k, v in PLAN.items() if k != "remote_engine_id"})
+
+
+def test_vllm_added_keys_are_accepted():
+    plan = decode_plan({**PLAN, "remote_prefill_cached_tokens": 128, "prompt_token_ids": [1, 2]})
+    assert plan.remote_prefill_cached_tokens == 128
+
+
+def test_messages_are_authenticated_when_a_secret_is_set():
+    data = encode_message(Done(request_ids=["r1"]), secret=b"k")
+    assert decode_message(data, secret=b"k") == Done(request_ids=["r1"])
+    for wrong in (b"other", None):
+        if wrong is None:
+            data_plain = encode_message(Done(request_ids=["r1"]))
+            with pytest.raises(ProtocolError, match="authentication failed"):
+                decode_message(data_plain, secret=b"k")
+        else:
+            with pytest.raises(ProtocolError, match="authentication failed"):
+                decode_message(data, secret=wrong)
+
+
+def test_garbage_and_wrong_versions_are_refused():
+    with pytest.raises(ProtocolError, match="malformed side-channel envelope"):
+        decode_message(b"\x00garbage")
+    wrong_version = msgspec.msgpack.encode({"version": 7, "body": msgspec.msgpack.encode(Ack())})
+    with pytest.raises(ProtocolError, match="version 7"):
+        decode_message(wrong_version)
+
+
+def _compat(**changes) -> CompatInfo:
+    base = dict(model="m", dtype="float32", cache_dtype="auto",
+                groups=(GroupCompat(kind="full_attention", block_size=256, sliding_window=None, eagle=True,
+                                    page_bytes=4096),),
+                cache_hit_alignment=256, speculative="eagle3:1", tp_size=8, kv_layout="default")
+    return CompatInfo(**{**base, **changes})
+
+
+def test_compat_differences_name_each_field():
+    ours, theirs = _compat(), _compat(tp_size=4, dtype="bfloat16")
+    assert ours.digest() != theirs.digest() and ours.digest() == _compat().digest()
+    assert ours.differences(theirs) == ["dtype: 'float32' vs 'bfloat16'", "tp_size: 8 vs 4"]
+
+
+def test_side_channel_serves_answers_and_times_out_on_a_dead_peer():
+    server = SideChannelServer("127.0.0.1", 0, lambda m: Ack(unknown=list(m.request_ids)), secret=b"k")
+    try:
+        assert release_remote(server.address, ["r1"], "client gone", secret=b"k") == Ack(unknown=["r1"])
+        client = SideChannelClient(server.address, secret=b"k")
+        assert client.request(Heartbeat(request_ids=["a", "b"])) == Ack(unknown=["a", "b"])
+        client.close()
+        with pytest.raises(SideChannelError, match="authentication failed"):
+            release_remote(server.address, ["r1"], "x", secret=b"wrong")
+    finally:
+        server.close()
+    with pytest.raises(SideChannelError, match="no answer"):
+        release_remote(server.address, ["r1"], "x", secret=b"k", timeout=0.3)
+
+
+def test_a_handler_error_is_a_refusal_not_a_dead_server():
+    def broken(message):
+        raise RuntimeError("boom")
+
+    server = SideChannelServer("127.0.0.1", 0, broken)
+    try:
+        client = SideChannelClient(server.address, timeout=2)
+        for _ in range(2):  # the serving thread survives the first failure
+            with pytest.raises(SideChannelError, match="internal error: boom"):
+                client.request(Release(request_ids=["r"], reason="x"))
+        client.close()
+    finally:
+        server.close()
+
+
+def test_settings_refuse_unknown_keys_and_bad_values():
+    assert ConnectorSettings.from_extra_config(None).transport == "mooncake"
+    for extra, message in [
+        ({"transprot": "nixl"}, "unknown field `transprot`"),
+        ({"transport": "ftp"}, "Invalid enum value 'ftp'"),
+        ({"protocol": "udp"}, "Invalid enum value 'udp'"),
+        ({"lease_seconds": 5, "heartbeat_seconds": 10}, "heartbeat_seconds (10.0) must be shorter"),
+        ({"side_channel_port": 70000}, "side_channel_port must be in 0..65535"),
+        ({"transfer_timeout_seconds": 0}, "transfer_timeout_seconds must be positive"),
+        ({"secret": "a", "secret_env": "B"}, "either secret or secret_env"),
+    ]:
+        with pytest.raises(ConfigError, match="invalid kv_connector_extra_config") as info:
+            ConnectorSettings.from_extra_config(extra)
+        assert message in str(info.value)
+
+
+def test_secret_is_read_from_the_environment(monkeypatch):
+    settings = ConnectorSettings.from_extra_config({"secret_env": "PD_SECRET"})
+    monkeypatch.setenv("PD_SECRET", "hunter2")
+    assert settings.resolve_secret() == b"hunter2"
+    monkeypatch.delenv("PD_SECRET")
+    with pytest.raises(ConfigError, match="PD_SECRET"):
+        settings.resolve_secret()
+
+
+def test_kv_transfer_config_json_is_checked_as_the_engine_would():
+    role, settings = parse_kv_transfer_config(
+        '{"kv_connector":"PDConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"transport":"nixl"}}')
+    assert role == "kv_consumer" and settings.transport == "nixl"
+    for text, message in [("{", "not valid JSON"), ('{"kv_connector":"Nixl","kv_role":"kv_both"}', "PDConnector"),
+                          ('{"kv_connector":"PDConnector","kv_role":"boss"}', "kv_role")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_kv_transfer_config(text)
