@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     geometries = {
         "FA256/SWA64/w128": (256, 64, 128),
         "FA128/SWA32/w64": (128, 32, 64),
+        "FA128/SWA32/w320": (128, 32, 320),
         "FA128/SWA128/w64 (CPU)": (128, 128, 64),
     }
     n = args.prompt_tokens
@@ -73,10 +74,40 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"{name:<24}{row['plan_us']:>10.1f}{row['plan_with_expected_hits_us']:>10.1f}"
               f"{row['lookup_us']:>11.1f}{row['plan_over_lookup']:>13.2f}")
+    slack = _slack_sizes(geometries)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"prompt_tokens": n, "rows": rows}, fh, indent=2)
+            json.dump({"prompt_tokens": n, "rows": rows, "slack_sizes": slack}, fh, indent=2)
     return 0
+
+
+def _slack_sizes(geometries: dict[str, tuple[int, int, int]]) -> list[dict[str, object]]:
+    """Slack blocks per request over the prompt lengths the planner tests sample."""
+    import random
+
+    from connectors.geometry import Geometry, GroupGeometry
+    from connectors.replay_slack import plan_request
+    from connectors.vllm_adapter import CacheRules
+
+    lengths = [5119, 5120, 5131, 5376, 5377, *random.Random(20261129).sample(range(300, 65_601), 200)]
+    table = []
+    print(f"\nreplay slack per request over {len(lengths)} prompt lengths (sliding-window blocks beyond the tail)")
+    print(f"{'geometry':<24}{'EAGLE':>6}{'slack min':>11}{'slack max':>11}{'suffix min':>12}{'suffix max':>12}{'no slack':>10}")
+    for name, (fa, swa, window) in geometries.items():
+        for eagle in (True, False):
+            rules = CacheRules.for_geometry(Geometry((GroupGeometry("full_attention", fa, eagle=eagle),
+                                                      GroupGeometry("sliding_window", swa, window, eagle=eagle))))
+            groups = [plan_request(rules, n).groups[1] for n in lengths]
+            sizes = [len(g.slack_blocks) for g in groups]
+            # The contiguous suffix P must keep: from the first slack block to the end.
+            suffixes = [g.tail_blocks[-1] - (g.slack_blocks or g.tail_blocks)[0] + 1 for g in groups]
+            row = {"geometry": name, "eagle": eagle, "slack_min": min(sizes), "slack_max": max(sizes),
+                   "suffix_min": min(suffixes), "suffix_max": max(suffixes),
+                   "share_without_slack": sum(1 for x in sizes if x == 0) / len(sizes)}
+            table.append(row)
+            print(f"{name:<24}{'on' if eagle else 'off':>6}{row['slack_min']:>11}{row['slack_max']:>11}"
+                  f"{row['suffix_min']:>12}{row['suffix_max']:>12}{row['share_without_slack']:>10.0%}")
+    return table
 
 
 if __name__ == "__main__":
