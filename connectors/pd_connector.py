@@ -8,6 +8,7 @@ an unknown key or bad value stops the engine at start-up with the key's name.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -40,6 +41,16 @@ if TYPE_CHECKING:
 __all__ = ["PDConnector"]
 
 
+def _log_like_vllm() -> None:
+    """Send pdconnect's log records through vLLM's handlers, so they land in the engine's
+    log with its format and level (vLLM configures only its own logger tree)."""
+    ours, theirs = logging.getLogger("pdconnect"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.level)
+
+
 class PDConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefill/decode KV transfer that also restores the decode engine's prefix cache."""
 
@@ -47,6 +58,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
         settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None

@@ -228,9 +228,10 @@ class PDScheduler:
         self._settled: set[str] = set()  # loads ended (done sent) for requests still running
         self._notifier: _PeerNotifier | None = None
         if self.is_producer:
-            self._server = SideChannelServer(
-                settings.side_channel_host, settings.side_channel_port, self._answer, self._secret
-            )
+            # Data-parallel ranks on one host each get their own port (0 stays "any free port").
+            base = settings.side_channel_port
+            port = base + vllm_config.parallel_config.data_parallel_rank if base else 0
+            self._server = SideChannelServer(settings.side_channel_host, port, self._answer, self._secret)
         if self.is_consumer:
             self._notifier = _PeerNotifier(settings, self._secret, self.stats)
 
