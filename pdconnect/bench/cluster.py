@@ -49,6 +49,7 @@ __all__ = [
     "default_build_dir",
     "fetch_metrics",
     "free_port",
+    "router_server",
     "vllm_env",
     "vllm_server",
     "warm_up",
@@ -278,12 +279,13 @@ class Cluster:
         self.wait_healthy(procs)
         return procs
 
-    def stop(self, proc: ManagedProcess) -> None:
-        """Stop one process group early (e.g. to restart an engine cold)."""
+    def stop(self, *procs: ManagedProcess) -> None:
+        """Stop process groups early (e.g. to restart engines cold), all in one timeout."""
         with self._lock:
-            if proc in self._procs:
-                self._procs.remove(proc)
-        _stop_groups([proc], self.stop_timeout_s)
+            for proc in procs:
+                if proc in self._procs:
+                    self._procs.remove(proc)
+        _stop_groups(procs, self.stop_timeout_s)
 
     @property
     def processes(self) -> tuple[ManagedProcess, ...]:
@@ -448,6 +450,27 @@ def vllm_server(
         base_url=base_url,
         startup_timeout_s=startup_timeout_s,
     )
+
+
+def router_server(
+    name: str,
+    *,
+    port: int,
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    args: Sequence[str] = (),
+    startup_timeout_s: float = 60.0,
+    python: str = sys.executable,
+) -> ProcessSpec:
+    """A `ProcessSpec` for `pdconnect router` on 127.0.0.1 in front of the given engines."""
+    base_url = f"http://127.0.0.1:{port}"
+    argv = (
+        python, "-m", "pdconnect.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+        "--prefill", *prefill, "--decode", *decode, *args,
+    )
+    return ProcessSpec(name=name, argv=argv, env={"PYTHONUNBUFFERED": "1"},
+                       health_url=f"{base_url}/health", base_url=base_url,
+                       startup_timeout_s=startup_timeout_s)
 
 
 def warm_up(

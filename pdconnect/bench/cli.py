@@ -1,0 +1,165 @@
+"""`pdconnect bench`: run one benchmark scenario against any running P/D deployment.
+
+    pdconnect bench SCENARIO --router URL --prefill-metrics URL... --decode-metrics URL... [options]
+    pdconnect bench compare A.json B.json
+
+Requests go to the router (streamed `/v1/completions`, token ids or text); hit counters
+are read from the engines' own `/metrics` before and after each step. Prints a table
+and, with `--json`, writes every figure (and each request's TTFT). Scenario options are
+generated from the scenario dataclasses in `pdconnect.bench.scenarios`, so the defaults
+shown by `--help` are the ones used. `compare` puts two runs' JSON side by side with
+their ratio (on a cluster: the same scenario and `--seed` against a slack-on and a
+slack-off deployment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, run_scenario
+from pdconnect.bench.report import format_comparison, format_run, write_json
+from pdconnect.bench.scenarios import (
+    PrefixRepetitionScenario, ProbeScenario, Scenario, SharedPrefixScenario, TokenSource,
+)
+
+__all__ = ["SCENARIOS", "main"]
+
+COMPARE = "compare"
+SCENARIOS: dict[str, type[Any]] = {
+    cls.name: cls for cls in (ProbeScenario, PrefixRepetitionScenario, SharedPrefixScenario)
+}
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_argument_group("deployment")
+    where.add_argument("--router", required=True, metavar="URL", help="the router (OpenAI-compatible)")
+    where.add_argument("--prefill-metrics", nargs="+", action="extend", default=[], metavar="URL",
+                       help="prefill engines' base or /metrics URLs (counters summed over them)")
+    where.add_argument("--decode-metrics", nargs="+", action="extend", default=[], metavar="URL",
+                       help="decode engines' base or /metrics URLs")
+    where.add_argument("--model", help="served model name (default: the router's first /v1/models entry)")
+    how = parser.add_argument_group("requests")
+    how.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
+                     help="token-id prompts, or words 'wN' (one token each on the tiny models)")
+    how.add_argument("--token-range", default="16:1000", metavar="LOW:HIGH",
+                     help="random token ids are drawn from [LOW, HIGH) (default: %(default)s)")
+    how.add_argument("--seed", type=int,
+                     help="same seed, same prompts (default: a fresh one, printed and saved): reuse it "
+                          "only against fresh engines, or the prompts meet their own cached prefixes")
+    how.add_argument("--warmups", type=int, default=1,
+                     help="unmeasured requests with unrelated prompts first (default: %(default)s)")
+    how.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per request")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", type=Path, metavar="PATH", help="also write the results here")
+    out.add_argument("--label", help="the run's name in the table and JSON")
+    out.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="progress bars (default: on a terminal, for steps of 8+ requests)")
+
+
+def _add_scenario_options(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
+    group = parser.add_argument_group(f"{cls.name} options")
+    for f in dataclasses.fields(cls):
+        flag = f"--{f.name.replace('_', '-')}"
+        if f.type in ("bool", bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=f"default: {f.default}")
+        else:
+            group.add_argument(flag, type=int, default=f.default, metavar="N", help=f"default: {f.default}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdconnect bench",
+        description="Run one benchmark scenario against a running P/D deployment: requests through the "
+                    "router, prefix-cache hits from the engines' /metrics.")
+    sub = parser.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
+    for name, cls in SCENARIOS.items():
+        child = sub.add_parser(name, help=(cls.__doc__ or "").splitlines()[0],
+                               description=cls.__doc__)
+        _add_common(child)
+        _add_scenario_options(child, cls)
+    compare = sub.add_parser(COMPARE, help="two runs' JSON side by side, with the ratio A/B",
+                             description="Compare the first run of each file (e.g. the same scenario "
+                                         "and --seed against a slack-on and a slack-off deployment).")
+    compare.add_argument("a", type=Path, metavar="A.json")
+    compare.add_argument("b", type=Path, metavar="B.json")
+    return parser
+
+
+def _compare(a_path: Path, b_path: Path) -> int:
+    try:
+        a, b = (RunResult.from_json(json.loads(p.read_text())["runs"][0]) for p in (a_path, b_path))
+    except (OSError, ValueError, KeyError, IndexError, msgspec.ValidationError) as exc:
+        print(f"pdconnect bench compare: {exc}", file=sys.stderr)
+        return 2
+    if a.label == b.label:  # e.g. two default labels: name the columns after the files
+        a, b = dataclasses.replace(a, label=a_path.stem), dataclasses.replace(b, label=b_path.stem)
+    print(format_comparison(a, b))
+    return 0
+
+
+def _scenario(args: argparse.Namespace) -> Scenario:
+    cls = SCENARIOS[args.scenario]
+    scenario: Scenario = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    return scenario
+
+
+def _served_model(router: str, timeout: float) -> str:
+    response = httpx.get(f"{router.rstrip('/')}/v1/models", timeout=timeout)
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+async def _run(deployment: Deployment, scenario: Scenario, tokens: TokenSource, warmups: int,
+               progress: bool | None, label: str) -> RunResult:
+    async with LoadGenerator(deployment, progress=progress) as generator:
+        steps = await run_scenario(generator, scenario, tokens, warmups)
+        transport = await generator.transport() if deployment.decode_metrics else None
+    settings = {"scenario": scenario.name, **dataclasses.asdict(scenario),  # type: ignore[call-overload]
+                "router": deployment.router, "model": deployment.model,
+                "prompt_format": deployment.prompt_format, "seed": tokens.seed}
+    return RunResult(label=label, steps=tuple(steps), settings=settings, transport=transport)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.scenario == COMPARE:
+        return _compare(args.a, args.b)
+    try:
+        scenario = _scenario(args)
+        seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+        tokens = TokenSource.parse_range(args.token_range, seed=seed)
+        model = args.model or _served_model(args.router, timeout=30.0)
+    except (ValueError, httpx.HTTPError, KeyError, IndexError) as exc:
+        print(f"pdconnect bench: {exc}", file=sys.stderr)
+        return 2
+    deployment = Deployment(router=args.router, prefill_metrics=tuple(args.prefill_metrics),
+                            decode_metrics=tuple(args.decode_metrics), model=model,
+                            prompt_format=args.prompt_format, request_timeout_s=args.timeout)
+    label = args.label or f"{scenario.name} via {deployment.router}"
+    try:
+        run = asyncio.run(_run(deployment, scenario, tokens, args.warmups, args.progress, label))
+    except (RuntimeError, httpx.HTTPError) as exc:
+        print(f"pdconnect bench: {exc}", file=sys.stderr)
+        return 1
+    print(format_run(run))
+    print(f"seed {seed}: the same --seed sends the same prompts", flush=True)
+    if args.json is not None:
+        write_json(args.json, [run])
+        print(f"results: {args.json}")
+    return 0 if all(s.failed == 0 for s in run.steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

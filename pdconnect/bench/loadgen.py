@@ -1,0 +1,407 @@
+"""Send scenario steps to a running P/D deployment and measure them: TTFT and throughput at the
+client, prefix-cache hits on the engines.
+
+Every request is a streamed `/v1/completions` call to the router (time to first token is
+the first streamed event with a choice, so it includes the prefill leg and the KV load);
+`ignore_eos` fixes the output length. The hit figures are differences of the engines'
+own counters, scraped from each engine's `/metrics` before and after a step and summed
+over the engines of a role:
+
+- decode-local hit: `vllm:prefix_cache_hits` on decode engines — what replay slack is for;
+- decode external hit: `vllm:external_prefix_cache_hits` on decode engines (pulled KV);
+- prefill-local hit: `vllm:prefix_cache_hits` on prefill engines;
+- `pdconnect:slack_blocks_published` on decode engines (our connector only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal
+
+import aiohttp
+import httpx
+import msgspec
+from tqdm import tqdm
+
+from pdconnect.bench.cluster import MetricsSnapshot, PrefixCacheCounters, fetch_metrics
+from pdconnect.bench.scenarios import Prompt, Scenario, Step, TokenSource, warmup_step
+from pdconnect.bench.tinymodel import FIRST_WORD_ID
+
+__all__ = [
+    "Deployment",
+    "LoadGenerator",
+    "RequestResult",
+    "RoleCounters",
+    "RunResult",
+    "StepResult",
+    "percentile",
+    "render_prompt",
+    "run_scenario",
+]
+
+PromptFormat = Literal["ids", "text"]
+FALLBACK_HEADER = "X-PDConnect-Fallback"
+# Steps with fewer requests finish too quickly for a progress bar to say anything.
+PROGRESS_MIN_REQUESTS = 8
+MAX_ERRORS_KEPT = 5
+
+
+def _engine_base(url: str) -> str:
+    """An engine's base URL from either its base or its `/metrics` URL."""
+    url = url.rstrip("/")
+    return url[: -len("/metrics")] if url.endswith("/metrics") else url
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where to send requests and where to read counters; nothing else about the deployment
+    is assumed (any router that speaks the OpenAI API and passes `ignore_eos` works)."""
+
+    router: str
+    prefill_metrics: tuple[str, ...] = ()
+    decode_metrics: tuple[str, ...] = ()
+    model: str = "tiny"
+    prompt_format: PromptFormat = "ids"
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "router", self.router.rstrip("/"))
+        object.__setattr__(self, "prefill_metrics", tuple(_engine_base(u) for u in self.prefill_metrics))
+        object.__setattr__(self, "decode_metrics", tuple(_engine_base(u) for u in self.decode_metrics))
+
+
+def render_prompt(prompt: Prompt, prompt_format: PromptFormat) -> list[int] | str:
+    """Token ids as they are, or as words `wN` (one token each in the tiny models' tokenizer;
+    on a real tokenizer a word is a few tokens, and equal word prefixes stay equal token
+    prefixes because words are whitespace-separated)."""
+    if prompt_format == "ids":
+        return list(prompt)
+    if min(prompt) < FIRST_WORD_ID:
+        raise ValueError(f"text prompts need token ids >= {FIRST_WORD_ID}")
+    return " ".join(f"w{i - FIRST_WORD_ID}" for i in prompt)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile with linear interpolation (numpy's default); NaN when empty."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+# ---------------------------------------------------------------------------------------
+# Engine counters
+
+
+@dataclass(frozen=True)
+class RoleCounters:
+    """One role's counters summed over its engines (tokens, except the block counts).
+
+    `engines` is how many engines were scraped; 0 means the role was not measured, and
+    the report shows a dash rather than a zero that would read as "no hits".
+    """
+
+    engines: int = 0
+    cache: PrefixCacheCounters = PrefixCacheCounters(0.0, 0.0, 0.0, 0.0)
+    slack_blocks_published: float = 0.0
+    slack_blocks_pulled: float = 0.0
+    transfers: float = 0.0
+    transfer_failures: float = 0.0
+    # Time the connector spent pulling (sum over loads): tells transfer cost from the rest of TTFT.
+    transfer_seconds: float = 0.0
+
+    @classmethod
+    def from_snapshot(cls, snapshot: MetricsSnapshot, engines: int) -> RoleCounters:
+        return cls(
+            engines=engines,
+            cache=PrefixCacheCounters.from_snapshot(snapshot),
+            slack_blocks_published=snapshot.total("pdconnect:slack_blocks_published"),
+            slack_blocks_pulled=snapshot.total("pdconnect:blocks_slack"),
+            transfers=snapshot.total("pdconnect:transfers"),
+            transfer_failures=snapshot.total("pdconnect:transfer_failures"),
+            transfer_seconds=snapshot.total("pdconnect:transfer_seconds_sum"),
+        )
+
+    def __sub__(self, other: RoleCounters) -> RoleCounters:
+        return RoleCounters(
+            engines=self.engines,
+            cache=self.cache - other.cache,
+            **{f.name: getattr(self, f.name) - getattr(other, f.name)
+               for f in dataclasses.fields(self) if f.name not in ("engines", "cache")},
+        )
+
+
+def _scrape(urls: Sequence[str], client: httpx.Client) -> MetricsSnapshot:
+    """All engines' samples in one snapshot: its totals are sums over the engines."""
+    return MetricsSnapshot(tuple(s for url in urls for s in fetch_metrics(url, client).samples))
+
+
+def transport_in_use(snapshot: MetricsSnapshot) -> str | None:
+    """What our connector reports as really in use (`pdconnect:transport_info`), if anything."""
+    for name, labels, value in snapshot.samples:
+        if name == "pdconnect:transport_info" and value == 1.0:
+            return dict(labels).get("transport")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    ok: bool
+    latency_s: float
+    ttft_s: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    fallback: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step's measurements; derived figures are properties so the raw data stays the record."""
+
+    scenario: str
+    step: str
+    requests: int
+    concurrency: int
+    output_len: int
+    ok: int
+    fallbacks: int
+    prompt_tokens: int
+    output_tokens: int
+    duration_s: float
+    ttft_s: tuple[float, ...]
+    decode: RoleCounters
+    prefill: RoleCounters
+    errors: tuple[str, ...] = ()
+
+    @property
+    def failed(self) -> int:
+        return self.requests - self.ok
+
+    @property
+    def ttft_mean_s(self) -> float:
+        return sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else math.nan
+
+    @property
+    def ttft_p99_s(self) -> float:
+        return percentile(self.ttft_s, 99)
+
+    @property
+    def request_throughput(self) -> float:
+        """Successful requests per second of the step's wall time."""
+        return self.ok / self.duration_s if self.duration_s > 0 else math.nan
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self),
+            "failed": self.failed,
+            "ttft_mean_s": self.ttft_mean_s,
+            "ttft_p99_s": self.ttft_p99_s,
+            "request_throughput": self.request_throughput,
+            "decode_local_hit_tokens": self.decode.cache.hits,
+            "decode_external_hit_tokens": self.decode.cache.external_hits,
+            "prefill_local_hit_tokens": self.prefill.cache.hits,
+        }
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Every step measured against one deployment, with what describes that deployment."""
+
+    label: str
+    steps: tuple[StepResult, ...]
+    settings: dict[str, Any] = field(default_factory=dict)
+    transport: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"label": self.label, "settings": self.settings, "transport": self.transport,
+                "steps": [s.to_json() for s in self.steps]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunResult:
+        """Back from `to_json` (derived figures are recomputed, not read)."""
+        return msgspec.convert(data, cls)
+
+
+# ---------------------------------------------------------------------------------------
+# Sending
+
+
+class LoadGenerator:
+    """An open HTTP session to a deployment's router plus a scraper for its engines.
+
+    Use as an async context manager; one generator runs steps one after the other (the
+    counters of concurrent steps could not be told apart).
+    """
+
+    def __init__(self, deployment: Deployment, *, progress: bool | None = None) -> None:
+        self.deployment = deployment
+        # None: bars only on a terminal (tqdm's rule), and only for long steps.
+        self._progress = progress
+        self._session: aiohttp.ClientSession | None = None
+        self._scraper: httpx.Client | None = None
+
+    async def __aenter__(self) -> LoadGenerator:
+        self._scraper = httpx.Client(timeout=30.0)
+        timeout = aiohttp.ClientTimeout(total=self.deployment.request_timeout_s)
+        # No per-host connection cap below the step's concurrency; a large read buffer so a
+        # long SSE line never trips aiohttp's line limit.
+        self._session = aiohttp.ClientSession(timeout=timeout, read_bufsize=1 << 20,
+                                              connector=aiohttp.TCPConnector(limit=0))
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._session is not None:
+            await self._session.close()
+        if self._scraper is not None:
+            self._scraper.close()
+
+    async def _scrape(self, urls: Sequence[str]) -> MetricsSnapshot:
+        assert self._scraper is not None, "use LoadGenerator as an async context manager"
+        return await asyncio.to_thread(_scrape, urls, self._scraper)
+
+    async def counters(self) -> tuple[RoleCounters, RoleCounters]:
+        """(prefill, decode) counters now."""
+        d = self.deployment
+        # One after the other: the scraper is one httpx client, not to be shared across threads.
+        prefill = await self._scrape(d.prefill_metrics)
+        decode = await self._scrape(d.decode_metrics)
+        return (RoleCounters.from_snapshot(prefill, len(d.prefill_metrics)),
+                RoleCounters.from_snapshot(decode, len(d.decode_metrics)))
+
+    async def transport(self) -> str | None:
+        """The transport the decode engines report in use (our connector only)."""
+        return transport_in_use(await self._scrape(self.deployment.decode_metrics))
+
+    async def warm_up(self, step: Step) -> None:
+        """Send `step` unmeasured; a failure here means the deployment is not serving."""
+        results = await self._send_all(step, label="warm-up")
+        failed = [r.error for r in results if not r.ok]
+        if failed:
+            raise RuntimeError(f"warm-up failed for {len(failed)} of {len(results)} requests: {failed[0]}")
+
+    async def run_step(self, scenario: str, step: Step) -> StepResult:
+        prefill_before, decode_before = await self.counters()
+        started = time.perf_counter()
+        results = await self._send_all(step, label=f"{scenario}: {step.name}")
+        duration = time.perf_counter() - started
+        prefill_after, decode_after = await self.counters()
+        good = [r for r in results if r.ok]
+        return StepResult(
+            scenario=scenario,
+            step=step.name,
+            requests=len(results),
+            concurrency=step.concurrency,
+            output_len=step.output_len,
+            ok=len(good),
+            fallbacks=sum(r.fallback for r in results),
+            prompt_tokens=sum(r.prompt_tokens for r in good),
+            output_tokens=sum(r.output_tokens for r in good),
+            duration_s=duration,
+            ttft_s=tuple(r.ttft_s for r in good if r.ttft_s is not None),
+            decode=decode_after - decode_before,
+            prefill=prefill_after - prefill_before,
+            errors=tuple(r.error for r in results if r.error)[:MAX_ERRORS_KEPT],
+        )
+
+    async def _send_all(self, step: Step, label: str) -> list[RequestResult]:
+        """Send in order with at most `step.concurrency` in flight; results in prompt order."""
+        results: list[RequestResult | None] = [None] * len(step.prompts)
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for index in range(len(step.prompts)):
+            queue.put_nowait(index)
+        with tqdm(total=len(step.prompts), desc=label, unit="req", leave=False,
+                  disable=self._bar_disabled(len(step.prompts))) as bar:
+            async def worker() -> None:
+                while not queue.empty():
+                    index = queue.get_nowait()
+                    results[index] = await self._send(step.prompts[index], step.output_len)
+                    bar.update(1)
+
+            await asyncio.gather(*(worker() for _ in range(min(step.concurrency, len(step.prompts)))))
+        return [r for r in results if r is not None]
+
+    def _bar_disabled(self, requests: int) -> bool | None:
+        """tqdm's `disable`: None lets tqdm decide (on only on a terminal)."""
+        if self._progress is False or requests < PROGRESS_MIN_REQUESTS:
+            return True
+        return None if self._progress is None else False
+
+    async def _send(self, prompt: Prompt, output_len: int) -> RequestResult:
+        assert self._session is not None, "use LoadGenerator as an async context manager"
+        d = self.deployment
+        body = {
+            "model": d.model,
+            "prompt": render_prompt(prompt, d.prompt_format),
+            "max_tokens": output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,  # random weights emit EOS now and then; fix the length
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        started = time.perf_counter()
+        ttft: float | None = None
+        usage: dict[str, Any] = {}
+        try:
+            async with self._session.post(f"{d.router}/v1/completions", json=body) as resp:
+                fallback = FALLBACK_HEADER in resp.headers
+                if resp.status != 200:
+                    text = (await resp.text())[:300]
+                    return RequestResult(False, time.perf_counter() - started, fallback=fallback,
+                                         error=f"HTTP {resp.status}: {text}")
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        return RequestResult(False, time.perf_counter() - started, ttft, fallback=fallback,
+                                             error=f"stream error: {event['error']}")
+                    if ttft is None and event.get("choices"):
+                        ttft = time.perf_counter() - started
+                    usage = event.get("usage") or usage
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return RequestResult(False, time.perf_counter() - started, ttft,
+                                 error=f"{type(exc).__name__}: {exc}")
+        return RequestResult(
+            ok=ttft is not None,
+            latency_s=time.perf_counter() - started,
+            ttft_s=ttft,
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            output_tokens=int(usage.get("completion_tokens", 0)),
+            fallback=fallback,
+            error=None if ttft is not None else "stream ended without a token",
+        )
+
+
+async def run_scenario(
+    generator: LoadGenerator, scenario: Scenario, tokens: TokenSource, warmups: int = 0,
+) -> list[StepResult]:
+    """Warm up with `warmups` unrelated prompts of the scenario's shape, then run its steps."""
+    steps = scenario.steps(tokens)
+    if warmups > 0:
+        # A forked source: the warm-ups never share a prefix with the measured prompts,
+        # and the measured prompts do not depend on how many warm-ups there were.
+        await generator.warm_up(warmup_step(tokens.fork(), warmups, scenario.prompt_len()))
+    results = []
+    for step in steps:
+        results.append(await generator.run_step(scenario.name, step))
+    return results

