@@ -23,8 +23,6 @@ import json
 import os
 import re
 import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 import time
 from collections.abc import Iterator
@@ -26,7 +25,8 @@ import pytest
 from pdconnect.bench.cluster import (
     Cluster, ManagedProcess, PrefixCacheCounters, ProcessSpec, fetch_metrics, vllm_server, warm_up,
 )
-from pdconnect.bench.tinymodel import FIRST_WORD_ID, TinyModelSpec, ensure_model
+from pdconnect.bench.tinymodel import ensure_model
+from tests.engine_support import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, pd_kv_transfer, prompt_ids
 
 pytestmark = pytest.mark.engine
 
@@ -37,9 +37,7 @@ KV_CONNECTOR = os.environ.get("PDCONNECT_ROUTER_TEST_CONNECTOR", "PDConnector")
 
 def _kv_transfer_config(role: str, side_channel_port: int) -> dict[str, Any]:
     if KV_CONNECTOR == "PDConnector":
-        extra: dict[str, Any] = {"transport": "mooncake", "protocol": "tcp",
-                                 "side_channel_port": side_channel_port}
-        return {"kv_connector": KV_CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra}
+        return pd_kv_transfer(role, "mooncake", side_channel_port)
     # NIXL reads its side-channel port from the environment (vllm_server sets it). A slow
     # shared-core decode engine outlived the default 30 s lease; four UCX threads per
     # agent fight the engines for 2 cores (see test_engine_harness).
@@ -47,9 +45,7 @@ def _kv_transfer_config(role: str, side_channel_port: int) -> dict[str, Any]:
             "kv_connector_extra_config": {"kv_lease_duration": 300, "num_threads": 1}}
 
 
-MODEL = "tiny"
-SPEC = TinyModelSpec(kind="hybrid-llama", num_layers=4, sliding_window=64)
-BLOCK_SIZE = 128
+MODEL = MODEL_NAME
 PREFIX_TOKENS = 600
 DECODE_TOKENS = 16
 TIMEOUT_S = 300.0
@@ -65,11 +61,7 @@ class Engines:
 
 
 def _engine_args(role: str | None, side_channel_port: int) -> list[str]:
-    args = ["--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
-            "--compilation-config", json.dumps({"mode": 0}), "--enable-prompt-tokens-details"]
-    if role is not None:
-        args += ["--kv-transfer-config", json.dumps(_kv_transfer_config(role, side_channel_port))]
-    return args
+    return engine_args(None, None if role is None else _kv_transfer_config(role, side_channel_port))
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +120,7 @@ def http() -> Iterator[httpx.Client]:
 
 
 def _ids(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(FIRST_WORD_ID, SPEC.vocab_size) for _ in range(length)]
+    return prompt_ids(seed, length)
 
 
 def _words(ids: list[int]) -> str:
