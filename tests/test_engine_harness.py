@@ -13,8 +13,6 @@ reasons about.
 
 from __future__ import annotations
 
-import json
-import random
 import re
 import sys
 import time
@@ -36,13 +34,11 @@ from pdconnect.bench.cluster import (
     vllm_server,
     warm_up,
 )
-from pdconnect.bench.tinymodel import FIRST_WORD_ID, TinyModelSpec, ensure_target_and_draft
+from pdconnect.bench.tinymodel import ensure_target_and_draft
+from tests.engine_support import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, prompt_ids
 
 engine = pytest.mark.engine
 
-MODEL_NAME = "tiny"
-SPEC = TinyModelSpec(kind="hybrid-llama", num_layers=4, sliding_window=64)
-BLOCK_SIZE = 128
 PROMPT_TOKENS = 1000
 SIBLING_EXTRA_TOKENS = 64
 # EAGLE replay boundary of a 1000-token prompt: floor(999 / 128) * 128 - 128 (the EAGLE
@@ -129,19 +125,7 @@ class PDPair:
 
 
 def _engine_args(draft: Path, kv_transfer: dict[str, Any] | None = None) -> list[str]:
-    speculative = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
-    args = [
-        "--dtype", "float32",  # also sidesteps the bf16 first-forward crash (ENV.md)
-        "--block-size", str(BLOCK_SIZE),
-        "--max-model-len", "4096",
-        "--speculative-config", json.dumps(speculative),
-        # torch.compile is ~50 s of start-up per engine and buys nothing at this size.
-        "--compilation-config", json.dumps({"mode": 0}),
-    ]
-    if kv_transfer is not None:
-        args += ["--kv-transfer-config", json.dumps(kv_transfer)]
-    return args
-
+    return engine_args(draft, kv_transfer)
 
 def _nixl(role: str) -> dict[str, Any]:
     return {
@@ -202,10 +186,7 @@ def client() -> Iterator[httpx.Client]:
 
 
 def _prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
-    """Random word ids (no special tokens): each seed is a prefix no other test shares."""
-    rng = random.Random(seed)
-    return [rng.randrange(FIRST_WORD_ID, SPEC.vocab_size) for _ in range(length)]
-
+    return prompt_ids(seed, length)
 
 def _completion(
     client: httpx.Client, proc: ManagedProcess, prompt: list[int], max_tokens: int,
