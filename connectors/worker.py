@@ -86,8 +86,10 @@ class PDWorker:
         self._layouts: dict[int, list[TensorLayout]] = {}
         self._remotes: dict[tuple[str, str], _Remote] = {}
         self._remotes_lock = threading.Lock()
-        # Handshakes and submissions may block on the network; never on the step thread.
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdconnect-pull")
+        # The transport thread: handshakes, submissions and polls, in order. They may block on
+        # the network, never on the step thread, and the libraries see a single caller.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdconnect-transport")
+        self._polling: Future[dict[str, bool]] | None = None
         self._pulls: dict[str, _Pull] = {}
         self._released: set[str] = set()
         self.stats = StatsRecorder()
@@ -197,23 +199,41 @@ class PDWorker:
         return _Remote(peer, decode_layouts(reply.layouts))
 
     def transfer_results(self) -> KVConnectorTransferResults:
-        done: set[str] = set()
-        failed: set[str] = set()
+        """Pulls that ended since the last call; never touches the transport itself.
+
+        Polling runs on the transport thread (one poll round in flight at a time) and its
+        answer is collected here on a later step: NIXL agents have no internal locking,
+        so one thread must do every call into the library.
+        """
+        outcomes: dict[str, bool] = {}
+        if self._polling is not None and self._polling.done():
+            outcomes = self._polling.result()
+            self._polling = None
         for request_id, pull in list(self._pulls.items()):
-            outcome = self._outcome(pull)
-            if outcome is None:
-                continue
+            if pull.failure is not None:
+                outcomes[request_id] = self._failed(pull.spec, pull.failure)
+        for request_id in outcomes:
             del self._pulls[request_id]
-            (done if outcome else failed).add(request_id)
+        if self._polling is None and self._pulls:
+            self._polling = self._executor.submit(self._poll, list(self._pulls.values()))
+        done = {r for r, ok in outcomes.items() if ok}
+        failed = set(outcomes) - done
         sending, self._released = self._released, set()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=done | failed,
                                           failed_recving=failed)
 
+    def _poll(self, pulls: list[_Pull]) -> dict[str, bool]:
+        """One poll round on the transport thread: request id -> outcome, for ended pulls."""
+        outcomes = {}
+        for pull in pulls:
+            outcome = self._outcome(pull)
+            if outcome is not None:
+                outcomes[pull.spec.request_id] = outcome
+        return outcomes
+
     def _outcome(self, pull: _Pull) -> bool | None:
-        """True done, False failed (and quiescent), None still running."""
+        """True done, False failed (and quiescent), None still running. Transport thread only."""
         spec = pull.spec
-        if pull.failure is not None:
-            return self._failed(spec, pull.failure)
         assert pull.submitted is not None
         if not pull.submitted.done():
             return None

@@ -42,13 +42,14 @@ def engine_args(draft: Path | None, kv_transfer: dict[str, Any] | None = None, *
     return args
 
 
-def pd_kv_transfer(role: str, transport: str, side_channel_port: int, **extra: Any) -> dict[str, Any]:
-    """`--kv-transfer-config` for our connector on loopback."""
+def pd_kv_transfer(role: str, transport: str, **extra: Any) -> dict[str, Any]:
+    """`--kv-transfer-config` for our connector on loopback. The side channel binds any
+    free port (plans carry the real one): a port picked in advance can be taken by the
+    time an engine binds it, a minute into start-up."""
     return {
         "kv_connector": "PDConnector",
         "kv_role": role,
-        "kv_connector_extra_config": {"transport": transport, "protocol": "tcp",
-                                      "side_channel_port": side_channel_port, **extra},
+        "kv_connector_extra_config": {"transport": transport, "protocol": "tcp", "side_channel_port": 0, **extra},
     }
 
 

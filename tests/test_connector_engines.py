@@ -90,8 +90,8 @@ def pair(request: pytest.FixtureRequest, cluster: Cluster, references: dict[str,
     if setup.spec.kind not in references:
         references[setup.spec.kind] = server(f"single-{setup.spec.kind}", None)
         started.append(references[setup.spec.kind])
-    prefill = server(f"prefill-{setup.name}", pd_kv_transfer("kv_producer", setup.transport, cluster.free_port()))
-    decode = server(f"decode-{setup.name}", pd_kv_transfer("kv_consumer", setup.transport, cluster.free_port()))
+    prefill = server(f"prefill-{setup.name}", pd_kv_transfer("kv_producer", setup.transport))
+    decode = server(f"decode-{setup.name}", pd_kv_transfer("kv_consumer", setup.transport))
     cluster.wait_healthy([*started, prefill, decode])
     for proc in (*started, prefill, decode):
         warm_up(proc.base_url, MODEL_NAME)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.transport
 SECRET = "s3cret"
 BASE = {
     "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0, "secret": SECRET,
-    "lease_seconds": 4.0, "heartbeat_seconds": 1.0, "handshake_timeout_seconds": 2.0,
+    "lease_seconds": 4.0, "heartbeat_seconds": 1.0, "handshake_timeout_seconds": 5.0,
     "transfer_timeout_seconds": 10.0,
 }
 X_LEN, SUFFIX = 5131, 16

@@ -37,7 +37,7 @@ KV_CONNECTOR = os.environ.get("PDCONNECT_ROUTER_TEST_CONNECTOR", "PDConnector")
 
 def _kv_transfer_config(role: str, side_channel_port: int) -> dict[str, Any]:
     if KV_CONNECTOR == "PDConnector":
-        return pd_kv_transfer(role, "mooncake", side_channel_port)
+        return pd_kv_transfer(role, "mooncake")
     # NIXL reads its side-channel port from the environment (vllm_server sets it). A slow
     # shared-core decode engine outlived the default 30 s lease; four UCX threads per
     # agent fight the engines for 2 cores (see test_engine_harness).
