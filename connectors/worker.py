@@ -173,6 +173,7 @@ class PDWorker:
 
     def _handshake(self, spec: PullSpec) -> _Remote:
         assert self._transport is not None
+        started = time.monotonic()
         client = SideChannelClient(spec.side_channel, self._secret, self.settings.handshake_timeout_seconds)
         try:
             reply = client.request(Handshake(engine_id=self.engine_id, tp_rank=self.tp_rank, compat=self.compat))
@@ -191,11 +192,13 @@ class PDWorker:
             self.stats.count("handshake_refusals")
             raise LoadError("incompatible prefill engine: " + "; ".join(self.compat.differences(reply.compat)))
         peer = f"{reply.engine_id}/rank{reply.tp_rank}"
+        answered = time.monotonic()
         try:
             self._transport.connect(peer, reply.transport_metadata)
         except TransferError as exc:
             raise LoadError(f"cannot connect {self._transport.name} to {peer}: {exc}") from None
-        logger.info("rank %d: connected to prefill engine %s via %s", self.tp_rank, peer, reply.transport)
+        logger.info("rank %d: connected to prefill engine %s via %s (handshake %.3f s, connect %.3f s)",
+                    self.tp_rank, peer, reply.transport, answered - started, time.monotonic() - answered)
         return _Remote(peer, decode_layouts(reply.layouts))
 
     def transfer_results(self) -> KVConnectorTransferResults:

@@ -21,13 +21,14 @@ What NIXL does on its own, and what we do about it:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import re
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -81,11 +82,12 @@ class NixlTransport(Transport[str]):
             ) from None
         self._agent_name = f"pdconnect-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            self._agent = api.nixl_agent(
-                self._agent_name,
-                api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
-                                      backends=["UCX"]),
-            )
+            with _progress_thread_delay(api, PROGRESS_THREAD_DELAY_US):
+                self._agent = api.nixl_agent(
+                    self._agent_name,
+                    api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
+                                          backends=["UCX"]),
+                )
         except Exception as exc:
             raise TransferError(f"nixl: could not create a UCX agent: {exc}") from None
         LOG.info("nixl: agent %s, UCX backend (requested protocol %s; RDMA devices: %s; "
@@ -191,6 +193,36 @@ def _release_quietly(agent: Any, xfer: Any) -> bool:
 
 # The backend wheels the `nixl` shim tries, in its order, when no CUDA is detected.
 _SHIM_FALLBACK_ORDER = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+
+
+# The target side of a pull needs UCX progress (connection wire-up), so the agent keeps its
+# progress thread; but NIXL's Python API starts it with no delay between rounds, a busy
+# loop that burns a whole core per engine even when idle (measured: 100% of a core on
+# every engine), which starved 2-core hosts into minute-long stalls. 200 us between
+# rounds costs next to nothing and adds at most that much latency to a transfer.
+PROGRESS_THREAD_DELAY_US = 200
+
+
+@contextlib.contextmanager
+def _progress_thread_delay(api: ModuleType, delay_us: int) -> Iterator[None]:
+    """Create agents whose progress thread sleeps `delay_us` between rounds.
+
+    The Python wrapper hard-codes `pthrDelay = 0` on the config it builds; the native
+    constructor takes the config as an argument, so it is wrapped for the duration of
+    one agent creation to set the delay first.
+    """
+    bindings = api.nixlBind
+    native = bindings.nixlAgent
+
+    def with_delay(name: str, config: Any) -> Any:
+        config.pthrDelay = delay_us
+        return native(name, config)
+
+    bindings.nixlAgent = with_delay
+    try:
+        yield
+    finally:
+        bindings.nixlAgent = native
 
 
 def load_nixl_api() -> ModuleType:
