@@ -93,12 +93,13 @@ class PDResult:
 
 
 def serve_pd(client: httpx.Client, prefill_url: str, decode_url: str, prompt: list[int],
-             max_tokens: int, **extra: Any) -> PDResult:
-    """The P/D flow without a router: one token on P asking for remote decode, then the
-    original request on D with the kv_transfer_params P returned."""
+             max_tokens: int, prefill_params: dict[str, Any] | None = None, **extra: Any) -> PDResult:
+    """The P/D flow without a router: one token on P asking for remote decode (our
+    connector needs only `do_remote_decode`; vLLM's toy proxy sends more, `prefill_params`),
+    then the original request on D with the kv_transfer_params P returned."""
     prefill_before = PrefixCacheCounters.scrape(prefill_url, client)
     decode_before = PrefixCacheCounters.scrape(decode_url, client)
-    prefilled = completed(completion(client, prefill_url, prompt, 1, {"do_remote_decode": True}))
+    prefilled = completed(completion(client, prefill_url, prompt, 1, prefill_params or {"do_remote_decode": True}))
     params = prefilled.get("kv_transfer_params")
     assert params, f"prefill engine returned no kv_transfer_params: {prefilled}"
     body = completed(completion(client, decode_url, prompt, max_tokens, params, **extra))

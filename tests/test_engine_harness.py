@@ -35,7 +35,9 @@ from pdconnect.bench.cluster import (
     warm_up,
 )
 from pdconnect.bench.tinymodel import ensure_target_and_draft
-from tests.engine_support import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, prompt_ids
+from tests.engine_support import (
+    BLOCK_SIZE, MODEL_NAME, SPEC, PDResult, completed, completion, engine_args, prompt_ids, serve_pd, token_ids,
+)
 
 engine = pytest.mark.engine
 
@@ -188,61 +190,20 @@ def client() -> Iterator[httpx.Client]:
 def _prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
     return prompt_ids(seed, length)
 
-def _completion(
-    client: httpx.Client, proc: ManagedProcess, prompt: list[int], max_tokens: int,
-    kv_transfer_params: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    payload: dict[str, Any] = {
-        "model": MODEL_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        # Random weights emit EOS now and then; a fixed length keeps outputs comparable.
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    if kv_transfer_params is not None:
-        payload["kv_transfer_params"] = kv_transfer_params
-    response = client.post(f"{proc.base_url}/v1/completions", json=payload)
-    response.raise_for_status()
-    body: dict[str, Any] = response.json()
-    return body
+# vLLM's toy proxy's prefill request (vllm-internals.md section 5), for the stock connector.
+TOY_PROXY_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}
 
 
-def _tokens(response: dict[str, Any]) -> list[int]:
-    return list(response["choices"][0]["token_ids"])
+def _completion(client: httpx.Client, proc: ManagedProcess, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    return completed(completion(client, proc.base_url, prompt, max_tokens))
 
 
-@dataclass(frozen=True)
-class PDResult:
-    tokens: list[int]
-    prefill: PrefixCacheCounters
-    decode: PrefixCacheCounters
-
-
-def _serve_pd(
-    client: httpx.Client, pair: PDPair, prompt: list[int], max_tokens: int
-) -> PDResult:
-    """The toy proxy's flow (vllm-internals.md section 5): prefill one token on P asking
-    for remote decode, then the original request on D with P's transfer params."""
-    prefill_before = PrefixCacheCounters.scrape(pair.prefill.base_url, client)
-    decode_before = PrefixCacheCounters.scrape(pair.decode.base_url, client)
-    prefilled = _completion(client, pair.prefill, prompt, 1, {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    })
-    params = prefilled.get("kv_transfer_params")
-    assert params, f"prefill engine returned no kv_transfer_params: {prefilled}"
-    decoded = _completion(client, pair.decode, prompt, max_tokens, params)
-    return PDResult(
-        tokens=_tokens(decoded),
-        prefill=PrefixCacheCounters.scrape(pair.prefill.base_url, client) - prefill_before,
-        decode=PrefixCacheCounters.scrape(pair.decode.base_url, client) - decode_before,
-    )
+def _serve_pd(client: httpx.Client, pair: PDPair, prompt: list[int], max_tokens: int) -> PDResult:
+    return serve_pd(client, pair.prefill.base_url, pair.decode.base_url, prompt, max_tokens,
+                    prefill_params=TOY_PROXY_PARAMS)
 
 
 def _local_hit(client: httpx.Client, proc: ManagedProcess, prompt: list[int]) -> int:
@@ -262,13 +223,13 @@ def test_greedy_completion_is_deterministic(
     single: ManagedProcess, client: httpx.Client
 ) -> None:
     prompt = _prompt(seed=1, length=40)
-    first = _tokens(_completion(client, single, prompt, DECODE_TOKENS))
-    second = _tokens(_completion(client, single, prompt, DECODE_TOKENS))
+    first = token_ids(_completion(client, single, prompt, DECODE_TOKENS))
+    second = token_ids(_completion(client, single, prompt, DECODE_TOKENS))
     assert len(first) == DECODE_TOKENS
     assert first == second
     # Real random weights: a different prompt gives different tokens (dummy weights
     # would give the same ones and let a wrong-KV bug pass unnoticed).
-    other = _tokens(_completion(client, single, _prompt(seed=2, length=40), DECODE_TOKENS))
+    other = token_ids(_completion(client, single, _prompt(seed=2, length=40), DECODE_TOKENS))
     assert other != first
 
 
@@ -308,7 +269,7 @@ def test_pd_decode_output_equals_single_engine(
     single: ManagedProcess, pd_pair: PDPair, client: httpx.Client
 ) -> None:
     prompt = _prompt(seed=5)
-    reference = _tokens(_completion(client, single, prompt, DECODE_TOKENS))
+    reference = token_ids(_completion(client, single, prompt, DECODE_TOKENS))
     result = _serve_pd(client, pd_pair, prompt, DECODE_TOKENS)
     assert result.tokens == reference
     # The decode engine must really have loaded the prefix remotely, not recomputed it.
@@ -328,7 +289,7 @@ def test_stock_connector_decode_local_sibling_hit_baseline(
     sibling = prefix + _prompt(seed=7, length=SIBLING_EXTRA_TOKENS)
     first = _serve_pd(client, pd_pair, prefix, DECODE_TOKENS)
     second = _serve_pd(client, pd_pair, sibling, DECODE_TOKENS)
-    reference = _tokens(_completion(client, single, sibling, DECODE_TOKENS))
+    reference = token_ids(_completion(client, single, sibling, DECODE_TOKENS))
     rows = {
         "prompt": PROMPT_TOKENS,
         "sibling": PROMPT_TOKENS + SIBLING_EXTRA_TOKENS,
