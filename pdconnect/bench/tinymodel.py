@@ -219,19 +219,26 @@ def build_model(spec: TinyModelSpec, out_dir: Path) -> None:
 # names follow vLLM's loaders.
 
 
+def _transformer_shape(spec: TinyModelSpec) -> dict[str, Any]:
+    """The transformers config keys every decoder config here shares, from the spec."""
+    return {
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "initializer_range": spec.initializer_range,
+    }
+
+
 def _build_llama(spec: TinyModelSpec, out_dir: Path) -> None:
     from transformers import LlamaConfig
 
     config = LlamaConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.initializer_range,
+        **_transformer_shape(spec),
         tie_word_embeddings=False,
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
@@ -250,16 +257,8 @@ def _build_gemma3(spec: TinyModelSpec, out_dir: Path) -> None:
     from transformers import Gemma3TextConfig
 
     config = Gemma3TextConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
+        **_transformer_shape(spec),
         query_pre_attn_scalar=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.initializer_range,
         sliding_window=spec.sliding_window,
         layer_types=spec.layer_types(),
         # Gemma ties by default; tied to an embedding scaled by sqrt(hidden), a random
