@@ -351,10 +351,9 @@ class PDScheduler:
         except ValueError as exc:
             self._queue_failed(request, plan, str(exc))
             return
-        shadows = self._allocate_shadows(request, wanted_slack)
+        shadows = self._allocate_shadows(request, list(wanted_slack))
         for group_id, by_index in shadows.items():
-            remote = next(g for g in plan.groups if g.group == group_id).by_index()
-            pairs[group_id].extend((block.block_id, remote[i]) for i, block in by_index.items())
+            pairs[group_id].extend((block.block_id, wanted_slack[(group_id, i)]) for i, block in by_index.items())
             kinds["slack"] += len(by_index)
         self._loads[request.request_id] = _Load(request, plan, shadows)
         self._new_pulls.append(PullSpec(
@@ -368,13 +367,13 @@ class PDScheduler:
 
     def _pair_blocks(
         self, request: Request, plan: TransferPlan, local_tokens: int
-    ) -> tuple[defaultdict[int, list[tuple[int, int]]], defaultdict[str, int], list[Slot]]:
+    ) -> tuple[defaultdict[int, list[tuple[int, int]]], defaultdict[str, int], dict[Slot, int]]:
         """Local block -> remote block for every block the core allocated for the load,
-        plus the slack slots the local cache still lacks."""
+        plus the slack slots the local cache still lacks, each with its remote block."""
         tables = self.ops.request_blocks(request.request_id)
         pairs: defaultdict[int, list[tuple[int, int]]] = defaultdict(list)
         kinds: defaultdict[str, int] = defaultdict(int)
-        wanted: list[Slot] = []
+        wanted: dict[Slot, int] = {}
         for transfer in plan.groups:
             group = self.rules.groups[transfer.group]
             remote = transfer.by_index()
@@ -393,7 +392,7 @@ class PDScheduler:
                 if has_slot or index not in remote:
                     continue
                 if not self.ops.is_cached_for(request, transfer.group, group.block_size, index):
-                    wanted.append((transfer.group, index))
+                    wanted[(transfer.group, index)] = remote[index]
         return pairs, kinds, wanted
 
     def _allocate_shadows(self, request: Request, wanted: list[Slot]) -> dict[int, dict[int, KVCacheBlock]]:
@@ -618,9 +617,6 @@ class PDScheduler:
         return True
 
     # --- introspection --------------------------------------------------------------
-
-    def has_pending_holds(self) -> bool:
-        return bool(self._leases)
 
     def take_stats(self) -> PDConnectorStats | None:
         return self.stats.take()

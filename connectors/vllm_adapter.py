@@ -27,7 +27,7 @@ from vllm.v1.core.kv_cache_coordinator import (
     replay_boundaries,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id, resolve_block_hashes
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -300,9 +300,6 @@ class BlockPoolOps:
     def allocate(self, count: int) -> list[KVCacheBlock]:
         return self._pool.get_new_blocks(count) if count else []
 
-    def block_by_id(self, block_id: int) -> KVCacheBlock:
-        return self._pool.blocks[block_id]
-
     def cached_block(self, request: Request, group_id: int, block_size: int, index: int) -> KVCacheBlock | None:
         """The block cached for logical `index` of `request` in this group, if any."""
         hashes = resolve_block_hashes(request.block_hashes, self._pool.hash_block_size, block_size)
@@ -338,7 +335,3 @@ class BlockPoolOps:
             )
             published += len(run)
         return published
-
-    def hash_key(self, request: Request, group_id: int, block_size: int, index: int) -> bytes:
-        hashes = resolve_block_hashes(request.block_hashes, self._pool.hash_block_size, block_size)
-        return make_block_hash_with_group_id(hashes[index], group_id)

@@ -56,8 +56,8 @@ class _Remote:
 @dataclass
 class _Pull:
     spec: PullSpec
-    started: float
-    submitted: Future[tuple[Transfer, int]] | None  # None: failed before submission
+    # (transfer, bytes, when it was posted); None when the scheduler already failed it.
+    submitted: Future[tuple[Transfer, int, float]] | None
     failure: str | None = None
 
 
@@ -140,11 +140,11 @@ class PDWorker:
         self._released.update(metadata.release)
         for spec in metadata.pulls:
             if spec.fail_reason is not None:
-                self._pulls[spec.request_id] = _Pull(spec, time.monotonic(), None, spec.fail_reason)
+                self._pulls[spec.request_id] = _Pull(spec, None, spec.fail_reason)
             else:
-                self._pulls[spec.request_id] = _Pull(spec, time.monotonic(), self._executor.submit(self._submit, spec))
+                self._pulls[spec.request_id] = _Pull(spec, self._executor.submit(self._submit, spec))
 
-    def _submit(self, spec: PullSpec) -> tuple[Transfer, int]:
+    def _submit(self, spec: PullSpec) -> tuple[Transfer, int, float]:
         assert self._transport is not None
         remote = self._remote(spec)
         ranges = []
@@ -154,9 +154,9 @@ class PDWorker:
             except LayoutError as exc:
                 raise LoadError(f"group {group_id}: {exc}") from None
         ranges = coalesce(ranges)
-        return self._transport.pull(remote.peer, ranges, timeout=self.settings.transfer_timeout_seconds), sum(
-            length for _, _, length in ranges
-        )
+        posted = time.monotonic()  # after the handshake: the metric times the transfer alone
+        transfer = self._transport.pull(remote.peer, ranges, timeout=self.settings.transfer_timeout_seconds)
+        return transfer, sum(length for _, _, length in ranges), posted
 
     def _remote(self, spec: PullSpec) -> _Remote:
         key = (spec.remote_engine_id, spec.side_channel)
@@ -241,7 +241,7 @@ class PDWorker:
         if not pull.submitted.done():
             return None
         try:
-            transfer, nbytes = pull.submitted.result()
+            transfer, nbytes, posted = pull.submitted.result()
         except (LoadError, TransferError, LayoutError) as exc:
             return self._failed(spec, str(exc))
         state = transfer.poll()
@@ -250,7 +250,7 @@ class PDWorker:
         if state is TransferState.FAILED:
             # The library may still be writing into our blocks: report only once it stopped.
             return self._failed(spec, transfer.error or "transfer failed") if transfer.quiescent else None
-        self.stats.observe_transfer(time.monotonic() - pull.started, nbytes)
+        self.stats.observe_transfer(time.monotonic() - posted, nbytes)
         self.stats.count("bytes_transferred", nbytes)
         for kind, count in spec.blocks_by_kind.items():
             self.stats.count(f"blocks_{kind}", count)
