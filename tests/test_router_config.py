@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from pdconnect.router import ConfigError, main, parse_args
+from pdconnect.router.config import RouterConfig, _parser
 
 
 def test_argv_options_become_a_typed_config() -> None:
@@ -114,3 +115,17 @@ def test_pdconnect_router_command_serves_and_stops_on_sigterm() -> None:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+# --- help ------------------------------------------------------------------------------------------
+
+def test_every_cli_option_has_help_text_with_its_default() -> None:
+    missing = []
+    for action in _parser()._actions:
+        if not action.option_strings or action.dest in ("help", "config"):
+            continue
+        if not action.help or "default" not in action.help:
+            missing.append(action.option_strings[0])
+    assert missing == []
+    text = _parser().format_help()
+    assert f"default: {RouterConfig.__struct_defaults__[RouterConfig.__struct_fields__.index('port')]}" in text

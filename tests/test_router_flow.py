@@ -254,7 +254,10 @@ async def test_without_any_prefill_engine_requests_are_served_decode_only_unless
 
 # --- decode faults -------------------------------------------------------------------------
 
-async def test_decode_500_retries_on_another_decode_engine_with_the_same_params(make) -> None:
+async def test_decode_retry_gets_a_fresh_plan_never_the_one_whose_claim_ended(make) -> None:
+    # Integrity: the failed decode engine may have claimed or half-pulled the plan, so
+    # the retry on another engine must carry a new plan from a new prefill, and the old
+    # plan is released.
     s = await make(decode=2, policy="round-robin")
     broken, working = s.d
     broken.faults.status = 500
@@ -263,9 +266,30 @@ async def test_decode_500_retries_on_another_decode_engine_with_the_same_params(
         assert status == 200 and headers["X-PDConnect-Decode"] == working.url
     [failed] = broken.seen
     [retried] = [seen for seen in working.seen if seen.request_id == failed.request_id]
-    assert retried.body["kv_transfer_params"] == failed.body["kv_transfer_params"]
-    assert len(s.p[0].seen) == 2  # prefill ran once per request, not again for the retry
+    prefill = s.p[0]
+    assert len(prefill.plans) == 3  # one per request, one more for the retry
+    assert failed.body["kv_transfer_params"] in prefill.plans
+    assert retried.body["kv_transfer_params"] in prefill.plans
+    assert retried.body["kv_transfer_params"]["remote_request_id"] != \
+        failed.body["kv_transfer_params"]["remote_request_id"]
+    await eventually(lambda: failed.body["kv_transfer_params"]["remote_request_id"] in prefill.released_ids(),
+                     "the abandoned plan was released")
     assert s.count("pdconnect_router_retries_total", role="decode", reason="http_5xx") == 1
+
+
+async def test_decode_retry_falls_back_to_decode_only_when_the_fresh_prefill_fails(make) -> None:
+    s = await make(decode=2, policy="round-robin", prefill_attempts=1)
+    broken, working = s.d  # round-robin's first request starts at the first engine
+    broken.faults.status = 500
+    s.p[0].faults.answer_only = 1  # the first plan, then 500 for the fresh prefill
+    status, headers, _ = await s.post("/v1/completions", {**COMPLETION, "stream": True})
+    assert status == 200 and headers["X-PDConnect-Decode"] == working.url
+    assert headers["X-PDConnect-Fallback"] == "prefill_failed"
+    [failed] = broken.seen
+    [retried] = working.seen
+    assert failed.body["kv_transfer_params"] == s.p[0].plans[0]
+    assert "kv_transfer_params" not in retried.body  # decode-only: no plan at all
+    assert len(s.p[0].seen) == 2 and len(s.p[0].plans) == 1
 
 
 async def test_decode_dropping_before_the_first_byte_is_retried(make) -> None:
@@ -276,8 +300,11 @@ async def test_decode_dropping_before_the_first_byte_is_retried(make) -> None:
     # Both engines dropped: nothing reached the client, so it gets a clean 502.
     assert status == 502 and json.loads(raw)["error"]["type"] == "DecodeFailed"
     assert s.count("pdconnect_router_retries_total", role="decode", reason="dropped") == 1
-    # The prefill side still held the blocks: it is told to free them.
-    await eventually(lambda: s.p[0].released_ids() == [s.p[0].seen[0].request_id], "release reached prefill")
+    # The prefill side still held the blocks of both plans (the retry got a fresh one):
+    # it is told to free them all.
+    plans = [plan["remote_request_id"] for plan in s.p[0].plans]
+    assert len(plans) == 2
+    await eventually(lambda: sorted(s.p[0].released_ids()) == sorted(plans), "releases reached prefill")
     assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="decode_failed") == 1
 
 

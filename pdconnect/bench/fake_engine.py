@@ -48,6 +48,10 @@ class FakeFaults:
     drop_before_answer: bool = False         # close the connection without any answer
     drop_after_chunks: int | None = None     # stream: close the connection after N chunks
     stall_after_chunks: int | None = None    # stream: go silent (connection open) after N chunks
+    half_event_after_chunks: int | None = None  # stream: write half an event after N chunks, hang up
+    answer_only: int | None = None           # answer the first N inference requests, 500 after
+    fail_on_field: str | None = None         # answer 500 to any request whose body has this key
+    gzip: bool = False                       # compress every answer, whatever the caller accepts
     health_status: int = 200
 
 
@@ -67,10 +71,16 @@ class FakeEngine:
     side_channel: bool = False
     prefill_cached_tokens: int = 0
     model: str = "fake-model"
+    # Like `vllm serve --api-key`: /v1/* needs `Authorization: Bearer <api_key>`.
+    api_key: str | None = None
     faults: FakeFaults = field(default_factory=FakeFaults)
     seen: list[Seen] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
+    # Every transfer plan this fake (as prefill) handed out, in order.
+    plans: list[dict[str, Any]] = field(default_factory=list)
+    # Request ids in the order this fake answered them as prefill / as decode.
+    served: list[tuple[str, str]] = field(default_factory=list)
     url: str = ""
     _runner: web.AppRunner | None = field(default=None, init=False, repr=False)
     _side: SideChannelServer | None = field(default=None, init=False, repr=False)
@@ -79,7 +89,7 @@ class FakeEngine:
     # --- lifecycle ------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth, self._compress])
         app.router.add_post("/v1/completions", self._inference)
         app.router.add_post("/v1/chat/completions", self._inference)
         app.router.add_get("/v1/models", self._models)
@@ -120,6 +130,20 @@ class FakeEngine:
 
     # --- handlers -------------------------------------------------------------------------
 
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if (self.api_key is not None and request.path.startswith("/v1/")
+                and request.headers.get("Authorization") != f"Bearer {self.api_key}"):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    @web.middleware
+    async def _compress(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        response = await handler(request)
+        if self.faults.gzip and not response.prepared:
+            response.enable_compression(web.ContentCoding.gzip)
+        return response
+
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.faults.health_status, text="")
 
@@ -147,6 +171,12 @@ class FakeEngine:
         if faults.drop_before_answer:
             _hang_up(request)
             return web.Response()
+        if faults.answer_only is not None:
+            if faults.answer_only <= 0:
+                return web.json_response({"error": {"message": "fake 500", "code": 500}}, status=500)
+            faults.answer_only -= 1
+        if faults.fail_on_field is not None and faults.fail_on_field in body:
+            return web.json_response({"error": {"message": "fake 500 on a bad field", "code": 500}}, status=500)
         if faults.fail_next > 0 or faults.status != 200:
             status = 500 if faults.fail_next > 0 else faults.status
             faults.fail_next = max(0, faults.fail_next - 1)
@@ -155,7 +185,9 @@ class FakeEngine:
         params = body.get("kv_transfer_params") or {}
         prompt_tokens = _count_prompt_tokens(body, chat)
         if params.get("do_remote_decode"):
+            self.served.append(("prefill", request_id))
             return self._prefill_answer(body, chat, request_id, prompt_tokens)
+        self.served.append(("decode", request_id))
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or self.chunks
         n = max(1, min(int(limit), self.chunks))
         # A real decode engine counts KV received from prefill as cached prompt tokens.
@@ -181,12 +213,15 @@ class FakeEngine:
             "num_prompt_tokens": max(1, prompt_tokens), "lease_expires_at": time.time() + 60.0,
             "groups": [], "do_remote_prefill": True, "do_remote_decode": False, "pdconnect": 1,
         }
+        self.plans.append(answer["kv_transfer_params"])
         return web.Response(body=_encode(answer), content_type="application/json")
 
     async def _stream(self, request: web.Request, body: dict[str, Any], chat: bool, request_id: str,
                       n: int, usage: dict[str, Any]) -> web.StreamResponse:
         faults = self.faults
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        if faults.gzip:
+            resp.enable_compression(web.ContentCoding.gzip)
         await resp.prepare(request)
         options = body.get("stream_options") or {}
         events = [_chunk(chat, request_id, self.model, i, n) for i in range(n)]
@@ -194,6 +229,12 @@ class FakeEngine:
             events.append(_usage_chunk(chat, request_id, self.model, usage))
         for i, event in enumerate(events):
             if faults.drop_after_chunks is not None and i >= faults.drop_after_chunks:
+                _hang_up(request)
+                return resp
+            if faults.half_event_after_chunks is not None and i >= faults.half_event_after_chunks:
+                encoded = b"data: " + _encode(event)
+                await resp.write(encoded[:len(encoded) // 2])
+                await asyncio.sleep(0.05)  # let the half event reach the caller on its own
                 _hang_up(request)
                 return resp
             if faults.stall_after_chunks is not None and i >= faults.stall_after_chunks:

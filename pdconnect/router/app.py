@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from hmac import compare_digest
 from typing import Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
-from pdconnect.router.config import ConfigError, RouterConfig, parse_args
+from pdconnect.router.config import ConfigError, RouterConfig, engine_origin, parse_args
 from pdconnect.router.discovery import DnsDiscovery, Resolver, resolve_addresses
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
-    AdminUnauthorized, BadRequest, DecodeFailed, DecodeTimeout, EngineRejected, NoEngineAvailable,
-    PrefillFailed, RouterError, UnknownEngine,
+    AdminUnauthorized, BadRequest, BodyTimeout, BodyTooLarge, DecodeFailed, DecodeTimeout, EngineRejected,
+    NoEngineAvailable, PrefillFailed, RouterError, UnknownEngine, UnsupportedEncoding,
 )
 from pdconnect.router.flow import Endpoint, PDFlow, PrefillReleaser
 from pdconnect.router.health import CircuitBreaker, HealthMonitor
@@ -42,6 +44,9 @@ _STATUS: dict[type[RouterError], int] = {
     BadRequest: 400,
     AdminUnauthorized: 401,
     UnknownEngine: 404,
+    BodyTimeout: 408,
+    BodyTooLarge: 413,
+    UnsupportedEncoding: 415,
     PrefillFailed: 502,
     DecodeFailed: 502,
     NoEngineAvailable: 503,
@@ -51,21 +56,37 @@ _STATUS: dict[type[RouterError], int] = {
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def error_response(exc: RouterError) -> web.Response:
-    if isinstance(exc, EngineRejected):
-        return web.Response(status=exc.status, body=exc.body, headers={"Content-Type": exc.content_type})
-    status = _STATUS.get(type(exc), 500)
-    body = {"error": {"message": str(exc), "type": type(exc).__name__, "code": status}}
+# The body was not (fully) read: close the connection rather than drain what is left.
+_CLOSE_AFTER = (BodyTooLarge, BodyTimeout, UnsupportedEncoding)
+
+
+def openai_error(status: int, message: str, kind: str) -> web.Response:
+    """An error in the OpenAI (and vLLM) shape: `{"error": {"message", "type", "param", "code"}}`."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
 
 
-def _guarded(handler: Handler) -> Handler:
-    async def guarded(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except RouterError as exc:
-            return error_response(exc)
-    return guarded
+def error_response(exc: RouterError) -> web.Response:
+    if isinstance(exc, EngineRejected):
+        return web.Response(status=exc.status, body=exc.body, headers={"Content-Type": exc.content_type})
+    response = openai_error(_STATUS.get(type(exc), 500), str(exc), type(exc).__name__)
+    if isinstance(exc, _CLOSE_AFTER):
+        response.force_close()
+    return response
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error the router itself answers is OpenAI error JSON: its own causes, and
+    aiohttp's (404 no route, 405 wrong method, 413, ...), which are plain text otherwise."""
+    try:
+        return await handler(request)
+    except RouterError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return openai_error(exc.status, exc.reason, type(exc).__name__)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -88,24 +109,45 @@ class Router:
         self._flow: PDFlow | None = None
         self._session: aiohttp.ClientSession | None = None
 
+    @property
+    def admin_enabled(self) -> bool:
+        return self._admin_token is not None or self.config.admin_open
+
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        """The client-facing app; it carries the admin routes unless they have a port of their own."""
+        # Bodies are read by `body.read_body` under the router's own limit; this bound is
+        # for aiohttp's own readers only (admin bodies).
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_errors_as_json])
         app.cleanup_ctx.append(self._lifecycle)
-        app.router.add_post(Endpoint.COMPLETIONS.value, _guarded(self._completions))
-        app.router.add_post(Endpoint.CHAT.value, _guarded(self._chat))
-        app.router.add_get("/v1/models", _guarded(self._models))
+        app.router.add_post(Endpoint.COMPLETIONS.value, self._completions)
+        app.router.add_post(Endpoint.CHAT.value, self._chat)
+        app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
-        if self._admin_token is not None or self.config.admin_open:
-            app.router.add_get("/admin/engines", _guarded(self._list_engines))
-            app.router.add_post("/admin/engines", _guarded(self._add_engine))
-            app.router.add_delete("/admin/engines", _guarded(self._remove_engine))
+        if self.admin_enabled and self.config.admin_port is None:
+            self._add_admin_routes(app)
         return app
+
+    def build_admin_app(self) -> web.Application | None:
+        """The admin-only app for `admin_port`, or None when admin is off or shares the main port."""
+        if not self.admin_enabled or self.config.admin_port is None:
+            return None
+        app = web.Application(client_max_size=64 * 1024, middlewares=[_errors_as_json])
+        self._add_admin_routes(app)
+        return app
+
+    def _add_admin_routes(self, app: web.Application) -> None:
+        app.router.add_get("/admin/engines", self._list_engines)
+        app.router.add_post("/admin/engines", self._add_engine)
+        app.router.add_delete("/admin/engines", self._remove_engine)
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         config = self.config
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=max(1, int(config.dns_interval)))
-        session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        # Engines are asked for identity encoding; one that compresses anyway (or a hop
+        # between) is inflated here, so clients never get bytes their headers do not describe.
+        session = aiohttp.ClientSession(connector=connector, auto_decompress=True,
+                                        headers={"Accept-Encoding": "identity"})
         self._session = session
         releaser = PrefillReleaser(self._secret, config.release_timeout, self.metrics)
         self._flow = PDFlow(config, self.registry, session, self.metrics, releaser,
@@ -157,9 +199,11 @@ class Router:
     async def _models(self, request: web.Request) -> web.StreamResponse:
         """The model list of a healthy decode engine (every engine serves the same model)."""
         assert self._session is not None
+        # Engines started with --api-key want the client's key here too.
+        headers = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else None
         for engine in LeastLoaded().order(self.registry.engines(Role.DECODE), None):
             try:
-                async with self._session.get(f"{engine.url}/v1/models",
+                async with self._session.get(f"{engine.url}/v1/models", headers=headers,
                                              timeout=aiohttp.ClientTimeout(total=self.config.health_timeout)) as resp:
                     body = await resp.read()
                     if resp.status < 500:
@@ -182,7 +226,11 @@ class Router:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     def _check_admin(self, request: web.Request) -> None:
-        if self._admin_token is not None and request.headers.get("Authorization") != f"Bearer {self._admin_token}":
+        if self._admin_token is None:
+            return
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        # Constant time: how long a wrong token takes to refuse says nothing about the right one.
+        if not compare_digest(given, f"Bearer {self._admin_token}".encode()):
             raise AdminUnauthorized("admin endpoints need 'Authorization: Bearer <token>'")
 
     async def _list_engines(self, request: web.Request) -> web.Response:
@@ -193,12 +241,13 @@ class Router:
         self._check_admin(request)
         try:
             body = msgspec.json.decode(await request.read())
-            role, url = Role(body["role"]), str(body["url"]).rstrip("/")
+            role, url = Role(body["role"]), str(body["url"])
         except (msgspec.DecodeError, KeyError, TypeError, ValueError):
             raise BadRequest('body must be {"role": "prefill"|"decode", "url": "http://host:port"}') from None
-        if not url.startswith(("http://", "https://")):
-            raise BadRequest(f"engine URL must start with http:// or https://, got {url!r}")
-        return role, url
+        try:
+            return role, engine_origin(url)
+        except ConfigError as exc:
+            raise BadRequest(str(exc)) from None
 
     async def _add_engine(self, request: web.Request) -> web.Response:
         role, url = await self._engine_ref(request)
@@ -224,27 +273,55 @@ class RunningRouter:
     router: Router
     runner: web.AppRunner
     url: str
+    admin_runner: web.AppRunner | None = None
+    admin_url: str | None = None
 
     async def close(self) -> None:
+        if self.admin_runner is not None:
+            await self.admin_runner.cleanup()
         await self.runner.cleanup()
 
 
-async def start_router(config: RouterConfig, resolver: Resolver = resolve_addresses) -> RunningRouter:
-    """Serve `config` on config.host:config.port (port 0 picks a free one) until `close()`."""
-    router = Router(config, resolver)
-    runner = web.AppRunner(router.build_app(), handler_cancellation=True, access_log=None)
+async def _serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+    # auto_decompress off: request bodies are inflated by `body.read_body`, within the limit.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    return RunningRouter(router=router, runner=runner, url=f"http://{host}:{port}")
+    await web.TCPSite(runner, host, port).start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    return runner, f"http://{bound_host}:{bound_port}"
+
+
+async def start_router(config: RouterConfig, resolver: Resolver = resolve_addresses) -> RunningRouter:
+    """Serve `config` on config.host:config.port (port 0 picks a free one) until `close()`;
+    the admin app too, on admin_host:admin_port, when it has a port of its own."""
+    router = Router(config, resolver)
+    runner, url = await _serve(router.build_app(), config.host, config.port)
+    running = RunningRouter(router=router, runner=runner, url=url)
+    admin = router.build_admin_app()
+    if admin is not None and config.admin_port is not None:
+        running.admin_runner, running.admin_url = await _serve(admin, config.admin_host, config.admin_port)
+    return running
+
+
+async def _run_until_signalled(config: RouterConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    running = await start_router(config)
+    logger.info("listening on %s%s", running.url,
+                f", admin on {running.admin_url}" if running.admin_url else "")
+    try:
+        await stop.wait()
+    finally:
+        await running.close()
 
 
 def main(argv: list[str]) -> int:
     """`pdconnect router ...`: serve until SIGINT/SIGTERM."""
     try:
         config = parse_args(argv)
-        router = Router(config)
+        Router(config)  # refuses a missing secret or token before anything listens
     except ConfigError as exc:
         print(f"pdconnect router: {exc}", file=sys.stderr)
         return 2
@@ -252,9 +329,7 @@ def main(argv: list[str]) -> int:
     try:
         import uvloop
     except ImportError:
-        pass
+        asyncio.run(_run_until_signalled(config))
     else:
-        uvloop.install()
-    web.run_app(router.build_app(), host=config.host, port=config.port, handler_cancellation=True,
-                access_log=None, print=lambda _: logger.info("listening on %s:%d", config.host, config.port))
+        uvloop.run(_run_until_signalled(config))
     return 0

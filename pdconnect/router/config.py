@@ -12,11 +12,12 @@ import argparse
 import os
 import tomllib
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["ConfigError", "RouterConfig", "DnsTarget", "parse_args", "load_config"]
+__all__ = ["ConfigError", "RouterConfig", "DnsTarget", "parse_args", "load_config", "engine_origin"]
 
 Policy = Literal["prefix-affinity", "least-loaded", "round-robin"]
 
@@ -51,6 +52,29 @@ def _normalize_url(url: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
     return url.rstrip("/")
+
+
+def engine_origin(url: str) -> str:
+    """`scheme://host:port` and nothing else (no path, query, fragment or credentials).
+
+    An engine added at runtime receives prompts and clients' `Authorization` headers, and
+    its `/v1/models` answer goes back to clients: a URL with a path or query would let an
+    admin-API caller point the router at an arbitrary internal page.
+    """
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"engine URL {url!r} is malformed: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
+    if not parts.hostname or port is None:
+        raise ConfigError(f"engine URL needs a host and a port, got {url!r}")
+    if parts.username is not None or parts.password is not None or parts.query or parts.fragment \
+            or parts.path not in ("", "/") or "?" in url or "#" in url:
+        raise ConfigError(f"engine URL must be scheme://host:port only, got {url!r}")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}:{port}"
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -104,9 +128,16 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     side_channel_secret_env: str | None = None
     release_timeout: float = 2.0
-    # Admin endpoints (/admin/engines) exist only with a token, or when explicitly open.
+    # The client's body: at most this many bytes on the wire and once inflated (gzip,
+    # deflate), all of it within this many seconds.
+    max_body_bytes: int = 4 * 1024 * 1024
+    body_read_timeout: float = 30.0
+    # Admin endpoints (/admin/engines) exist only with a token, or when explicitly open;
+    # with `admin_port` they are served only there (on `admin_host`, loopback by default).
     admin_token_env: str | None = None
     admin_open: bool = False
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None
     # Name the chosen engines in response headers (x-pdconnect-prefill/-decode).
     route_headers: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -114,13 +145,13 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def __post_init__(self) -> None:
         for name in ("dns_interval", "connect_timeout", "prefill_timeout",
                      "decode_first_byte_timeout", "decode_timeout", "stream_idle_timeout",
-                     "health_timeout", "breaker_cooldown", "release_timeout"):
+                     "health_timeout", "breaker_cooldown", "release_timeout", "body_read_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.health_interval < 0:
             raise ConfigError("health_interval must be >= 0 (0 turns active polling off)")
         for name in ("prefill_attempts", "decode_attempts", "health_failures", "breaker_failures",
-                     "affinity_prefix_chars", "affinity_prefix_tokens", "affinity_vnodes"):
+                     "affinity_prefix_chars", "affinity_prefix_tokens", "affinity_vnodes", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.affinity_load_factor < 1.0:
@@ -129,6 +160,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise ConfigError("no decode engines: give --decode URL or --decode-dns NAME:PORT")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port out of range: {self.port}")
+        if self.admin_port is not None and not 0 <= self.admin_port < 65536:
+            raise ConfigError(f"admin_port out of range: {self.admin_port}")
         for url in self.prefill + self.decode:
             _normalize_url(url)
         for target in self.prefill_dns + self.decode_dns:
@@ -183,48 +216,77 @@ def _read_file(path: str) -> dict[str, Any]:
     return data
 
 
+def _default(name: str) -> Any:
+    return RouterConfig.__struct_defaults__[RouterConfig.__struct_fields__.index(name) -
+                                            (len(RouterConfig.__struct_fields__) - len(RouterConfig.__struct_defaults__))]
+
+
+def _add(group: Any, name: str, help: str, **kw: Any) -> None:
+    """One option whose help ends with its default, taken from RouterConfig (one source)."""
+    dest = name.replace("-", "_")
+    default = _default(dest)
+    if isinstance(default, bool):
+        shown = "on" if default else "off"
+    elif default in ((), None):
+        shown = "none"
+    else:
+        shown = str(default)
+    group.add_argument(f"--{name}", help=f"{help} (default: {shown})", **kw)
+
+
 def _parser() -> argparse.ArgumentParser:
     # SUPPRESS everywhere: only options actually given override the config file.
     p = argparse.ArgumentParser(prog="pdconnect router", argument_default=argparse.SUPPRESS,
                                 description="OpenAI-compatible prefill/decode router.")
-    p.add_argument("--config", help="JSON or TOML file with any of the options below")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    p.add_argument("--config", help="JSON or TOML file with any of the options below (keys spelled as the "
+                                    "long options); options given here override it")
+    _add(p, "host", "address to serve on")
+    _add(p, "port", "port to serve on", type=int)
+    seconds: dict[str, Any] = {"type": float, "metavar": "SECONDS"}
     engines = p.add_argument_group("engines")
-    engines.add_argument("--prefill", nargs="+", action="extend", metavar="URL")
-    engines.add_argument("--decode", nargs="+", action="extend", metavar="URL")
-    engines.add_argument("--prefill-dns", nargs="+", action="extend", metavar="NAME:PORT",
-                         help="DNS name (headless service) re-resolved every --dns-interval")
-    engines.add_argument("--decode-dns", nargs="+", action="extend", metavar="NAME:PORT")
-    engines.add_argument("--dns-interval", type=float, metavar="SECONDS")
+    _add(engines, "prefill", "prefill engine URLs", nargs="+", action="extend", metavar="URL")
+    _add(engines, "decode", "decode engine URLs", nargs="+", action="extend", metavar="URL")
+    _add(engines, "prefill-dns", "DNS names (headless service) of prefill engines, re-resolved every "
+         "--dns-interval", nargs="+", action="extend", metavar="NAME:PORT")
+    _add(engines, "decode-dns", "DNS names of decode engines", nargs="+", action="extend", metavar="NAME:PORT")
+    _add(engines, "dns-interval", "seconds between DNS re-resolutions", **seconds)
     routing = p.add_argument_group("routing")
-    routing.add_argument("--policy", choices=["prefix-affinity", "least-loaded", "round-robin"])
-    routing.add_argument("--affinity-prefix-chars", type=int)
-    routing.add_argument("--affinity-prefix-tokens", type=int)
-    routing.add_argument("--affinity-load-factor", type=float)
-    routing.add_argument("--affinity-vnodes", type=int)
+    _add(routing, "policy", "how a request's engines are chosen",
+         choices=["prefix-affinity", "least-loaded", "round-robin"])
+    _add(routing, "affinity-prefix-chars", "characters of prompt text hashed for the affinity key", type=int)
+    _add(routing, "affinity-prefix-tokens", "token ids hashed for the affinity key", type=int)
+    _add(routing, "affinity-load-factor", "no engine takes more than this times the mean load", type=float)
+    _add(routing, "affinity-vnodes", "points per engine on the hash ring", type=int)
     flow = p.add_argument_group("request flow")
-    for name in ("connect-timeout", "prefill-timeout", "decode-first-byte-timeout",
-                 "decode-timeout", "stream-idle-timeout", "release-timeout"):
-        flow.add_argument(f"--{name}", type=float, metavar="SECONDS")
-    flow.add_argument("--prefill-attempts", type=int)
-    flow.add_argument("--decode-attempts", type=int)
-    flow.add_argument("--fallback", action=argparse.BooleanOptionalAction,
-                      help="decode-only fallback when every prefill attempt fails (default on)")
-    flow.add_argument("--side-channel-secret-env", metavar="NAME",
-                      help="environment variable holding the side-channel secret")
+    _add(flow, "connect-timeout", "seconds to connect to an engine", **seconds)
+    _add(flow, "prefill-timeout", "seconds for a whole prefill answer", **seconds)
+    _add(flow, "decode-first-byte-timeout", "streams: seconds until decode's first chunk", **seconds)
+    _add(flow, "decode-timeout", "non-streaming: seconds for the whole decode (not retried)", **seconds)
+    _add(flow, "stream-idle-timeout", "streams: longest silence between chunks", **seconds)
+    _add(flow, "release-timeout", "seconds for a side-channel release notice", **seconds)
+    _add(flow, "prefill-attempts", "prefill engines tried per request", type=int)
+    _add(flow, "decode-attempts", "decode engines tried per request", type=int)
+    _add(flow, "fallback", "decode-only fallback when every prefill attempt fails",
+         action=argparse.BooleanOptionalAction)
+    _add(flow, "side-channel-secret-env", "environment variable holding the side-channel secret", metavar="NAME")
+    _add(flow, "max-body-bytes", "largest request body, as sent and once inflated", type=int, metavar="BYTES")
+    _add(flow, "body-read-timeout", "seconds to receive a whole request body", **seconds)
     health = p.add_argument_group("health")
-    health.add_argument("--health-interval", type=float, metavar="SECONDS", help="0 = off")
-    health.add_argument("--health-timeout", type=float, metavar="SECONDS")
-    health.add_argument("--health-failures", type=int)
-    health.add_argument("--breaker-failures", type=int)
-    health.add_argument("--breaker-cooldown", type=float, metavar="SECONDS")
+    _add(health, "health-interval", "seconds between /health polls; 0 = off", **seconds)
+    _add(health, "health-timeout", "seconds per /health poll", **seconds)
+    _add(health, "health-failures", "failed polls in a row before an engine counts as down", type=int)
+    _add(health, "breaker-failures", "engine faults in a row that open its circuit breaker", type=int)
+    _add(health, "breaker-cooldown", "seconds an open breaker waits before one trial", **seconds)
     admin = p.add_argument_group("admin and output")
-    admin.add_argument("--admin-token-env", metavar="NAME")
-    admin.add_argument("--admin-open", action=argparse.BooleanOptionalAction,
-                       help="serve /admin/engines without a token (trusted networks only)")
-    admin.add_argument("--route-headers", action=argparse.BooleanOptionalAction)
-    admin.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    _add(admin, "admin-token-env", "environment variable holding the admin bearer token; "
+         "/admin/engines exists only with it or --admin-open", metavar="NAME")
+    _add(admin, "admin-open", "serve /admin/engines without a token (trusted networks only)",
+         action=argparse.BooleanOptionalAction)
+    _add(admin, "admin-host", "address of the separate admin listener (with --admin-port)")
+    _add(admin, "admin-port", "serve /admin/engines only on this separate port", type=int)
+    _add(admin, "route-headers", "name the chosen engines in x-pdconnect-prefill/-decode response headers",
+         action=argparse.BooleanOptionalAction)
+    _add(admin, "log-level", "log verbosity", choices=["debug", "info", "warning", "error"])
     return p
 
 

@@ -65,10 +65,15 @@ class Engine:
         if ok:
             self.breaker.record_success()
         elif ok is False:
-            self.failures += 1
-            if self.breaker.record_failure():
-                logger.warning("%s engine %s: circuit opened after %d failures",
-                               self.role.value, self.url, self.breaker.consecutive_failures)
+            self.blame()
+
+    def blame(self) -> None:
+        """Count one engine fault (at the end of an attempt, or later once it is clear that
+        the request was not to blame)."""
+        self.failures += 1
+        if self.breaker.record_failure():
+            logger.warning("%s engine %s: circuit opened after %d failures",
+                           self.role.value, self.url, self.breaker.consecutive_failures)
 
 
 class EngineRegistry:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 __all__ = [
     "RouterError", "BadRequest", "NoEngineAvailable", "PrefillFailed", "DecodeFailed",
-    "DecodeTimeout", "EngineRejected", "AdminUnauthorized", "UnknownEngine",
+    "DecodeTimeout", "EngineRejected", "AdminUnauthorized", "UnknownEngine", "BodyTooLarge",
+    "BodyTimeout", "UnsupportedEncoding",
 ]
 
 
@@ -18,6 +19,18 @@ class RouterError(Exception):
 
 class BadRequest(RouterError):
     """The client's request cannot be routed (not JSON, not an object, bad admin body)."""
+
+
+class BodyTooLarge(RouterError):
+    """The request body, as sent or once inflated, is over `max_body_bytes`."""
+
+
+class BodyTimeout(RouterError):
+    """The request body did not arrive within `body_read_timeout`."""
+
+
+class UnsupportedEncoding(RouterError):
+    """The request body uses a Content-Encoding the router does not inflate."""
 
 
 class NoEngineAvailable(RouterError):

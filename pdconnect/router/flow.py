@@ -36,6 +36,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from pdconnect.protocol import ProtocolError, decode_plan
+from pdconnect.router.body import read_body
 from pdconnect.router.config import RouterConfig
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
@@ -62,6 +63,31 @@ class Endpoint(enum.Enum):
     @property
     def label(self) -> str:
         return "chat" if self is Endpoint.CHAT else "completions"
+
+
+class _Prompt(msgspec.Struct):
+    """The fields of a completions request the router reads or rewrites, typed: decoding is
+    validation, so a wrong type is a 400 naming the field before any engine sees it (an
+    engine answering a malformed body with 5xx would otherwise count against it)."""
+
+    prompt: str | list[str | int | list[int]]
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class _Chat(msgspec.Struct):
+    """The same for chat: `messages` must be a non-empty list of objects."""
+
+    messages: list[dict[str, Any]]
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    min_tokens: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -204,7 +230,8 @@ class PDFlow:
         started = time.perf_counter()
         trace = _Trace()
         try:
-            call = self._parse(await http.read(), endpoint, http.headers, started)
+            raw = await read_body(http, self._config.max_body_bytes, self._config.body_read_timeout)
+            call = self._parse(raw, endpoint, http.headers, started)
             if not any(engine.routable for engine in self._registry.engines(Role.DECODE)):
                 raise NoEngineAvailable(Role.DECODE.value)  # before P computes for nobody
             trace.prefilled = await self._prefill(call, trace)
@@ -229,19 +256,29 @@ class PDFlow:
             raise BadRequest(f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
+        try:
+            fields = msgspec.convert(body, _Chat if endpoint is Endpoint.CHAT else _Prompt)
+        except msgspec.ValidationError as exc:
+            raise BadRequest(f"invalid request: {exc}") from None
+        if isinstance(fields, _Chat) and not fields.messages:
+            raise BadRequest("invalid request: `messages` must not be empty")
         request_id = headers.get("X-Request-Id") or uuid.uuid4().hex
         forward = {"X-Request-Id": request_id, "Content-Type": "application/json"}
         if "Authorization" in headers:
             forward["Authorization"] = headers["Authorization"]
         key = affinity_key(body, endpoint is Endpoint.CHAT, self._config.affinity_prefix_chars,
                            self._config.affinity_prefix_tokens)
-        return Call(endpoint=endpoint, body=body, request_id=request_id, stream=body.get("stream") is True,
+        return Call(endpoint=endpoint, body=body, request_id=request_id, stream=fields.stream,
                     key=key, headers=forward, started=started)
 
     # --- prefill leg ----------------------------------------------------------------------
 
-    async def _prefill(self, call: Call, trace: _Trace) -> Prefilled | None:
-        """P's answer, or None for decode-only (trace.fallback says why)."""
+    async def _prefill(self, call: Call, trace: _Trace, round_: int = 0) -> Prefilled | None:
+        """P's answer, or None for decode-only (trace.fallback says why).
+
+        `round_` > 0 is a fresh prefill for a decode retry: it goes out under its own
+        request id, so the new plan never shares a name with the one whose claim ended.
+        """
         engines = self._candidates(Role.PREFILL, call, self._config.prefill_attempts)
         if not engines:
             if not self._config.fallback:
@@ -249,18 +286,21 @@ class PDFlow:
             self._fall_back(trace, "no_prefill_engine")
             return None
         body = _json_encode(prefill_body(call))
+        headers = call.headers if round_ == 0 else {**call.headers, "X-Request-Id": f"{call.request_id}-r{round_}"}
         deadline = self._config.prefill_timeout
+        suspects: list[Engine] = []
         for attempt, engine in enumerate(engines):
             verdict: bool | None = None
             engine.begin()
             sent = time.perf_counter()
             try:
-                resp, data = await self._send(engine, call, body, deadline, self._whole_timeout, whole=True)
+                resp, data = await self._send(engine, call, body, deadline, self._whole_timeout, whole=True,
+                                              headers=headers)
                 resp.release()
                 answer = _json_decode(data)
                 verdict = True
             except _AttemptFailed as failure:
-                verdict = False
+                verdict = self._judge(engine, failure, suspects)
                 self._note_failure(Role.PREFILL, engine, failure, retry=attempt + 1 < len(engines))
                 continue
             except EngineRejected:
@@ -273,6 +313,7 @@ class PDFlow:
                 continue
             finally:
                 engine.end(verdict)
+            _blame(suspects)
             self._metrics.prefill_seconds.observe(time.perf_counter() - sent)
             self._observe_affinity(Role.PREFILL, call, engine)
             params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
@@ -285,6 +326,17 @@ class PDFlow:
             raise PrefillFailed(f"all {len(engines)} prefill attempts failed")
         self._fall_back(trace, "prefill_failed")
         return None
+
+    @staticmethod
+    def _judge(engine: Engine, failure: _AttemptFailed, suspects: list[Engine]) -> bool | None:
+        """An attempt's verdict on its engine. A 5xx answer may be the request's fault (a
+        body the engine chokes on fails everywhere): the engine is only a suspect, blamed
+        once another engine serves the same request. Connect errors, timeouts and drops
+        are the engine's."""
+        if failure.reason == "http_5xx":
+            suspects.append(engine)
+            return None
+        return False
 
     def _fall_back(self, trace: _Trace, reason: str) -> None:
         trace.fallback = reason
@@ -299,13 +351,18 @@ class PDFlow:
         if not engines:
             raise NoEngineAvailable(Role.DECODE.value)
         body = _json_encode(decode_body(call, params))
-        merger = UsageMerger.from_prefill(trace.prefilled.usage) if trace.prefilled else None
         if call.stream:
             deadline, timeout = self._config.decode_first_byte_timeout, self._stream_timeout
         else:
             deadline, timeout = self._config.decode_timeout, self._whole_timeout
         last: _AttemptFailed | None = None
+        suspects: list[Engine] = []
         for attempt, engine in enumerate(engines):
+            if attempt > 0 and trace.prefilled is not None:
+                # The failed engine may have claimed (or half-pulled) the plan: it must not
+                # travel on. Free it, and prefill again for the next engine.
+                body = _json_encode(decode_body(call, await self._prefill_again(call, trace, attempt)))
+            merger = UsageMerger.from_prefill(trace.prefilled.usage) if trace.prefilled else None
             verdict: bool | None = None
             engine.begin()
             sent = time.perf_counter()
@@ -313,7 +370,7 @@ class PDFlow:
                 try:
                     resp, first = await self._send(engine, call, body, deadline, timeout, whole=not call.stream)
                 except _AttemptFailed as failure:
-                    verdict = False
+                    verdict = self._judge(engine, failure, suspects)
                     if failure.reason == "timeout" and not call.stream:
                         raise DecodeTimeout(f"decode took longer than {deadline}s") from None
                     last = failure
@@ -322,6 +379,7 @@ class PDFlow:
                 except EngineRejected:
                     verdict = True
                     raise
+                _blame(suspects)
                 self._observe_affinity(Role.DECODE, call, engine)
                 headers = self._response_headers(call, trace, engine, resp)
                 if call.stream:
@@ -338,42 +396,54 @@ class PDFlow:
                 engine.end(verdict)
         raise DecodeFailed(f"all {len(engines)} decode attempts failed; last: {last}")
 
+    async def _prefill_again(self, call: Call, trace: _Trace, round_: int) -> dict[str, Any] | None:
+        """Release the current plan and get a fresh one (None: decode-only from here)."""
+        assert trace.prefilled is not None
+        self._releaser.release(trace.prefilled.params, "decode_retry")
+        self._metrics.retries.labels(Role.PREFILL.value, "decode_retry").inc()
+        trace.prefilled = None
+        trace.prefilled = await self._prefill(call, trace, round_)
+        return trace.prefilled.params if trace.prefilled else None
+
     async def _relay(self, http: web.Request, call: Call, trace: _Trace, engine: Engine,
                      resp: aiohttp.ClientResponse,
                      first: bytes, merger: UsageMerger | None,
                      headers: CIMultiDict[str]) -> tuple[web.StreamResponse, bool | None]:
         """Stream the decode answer to the client. Returns the response and the engine's verdict."""
         out = web.StreamResponse(status=resp.status, headers=headers)
-        rewriter = SseRewriter(merger) if merger else None
-        chunk = first
+        # Always framed: whatever the engine leaves half-written is held back, never sent.
+        rewriter = SseRewriter(merger)
         try:
             await out.prepare(http)
-            await out.write(rewriter.feed(chunk) if rewriter else chunk)
+            await out.write(rewriter.feed(first))
             self._metrics.first_token(call.endpoint.label, time.perf_counter() - call.started)
+            broke: str | None = None
             while True:
                 try:
                     chunk = await resp.content.readany()
                 except (aiohttp.ClientError, TimeoutError) as exc:
-                    # Bytes already reached the client, so no retry: end the stream with an
-                    # error event the way vLLM reports errors mid-stream.
-                    resp.close()
-                    trace.outcome = "decode_dropped"
-                    logger.warning("decode stream from %s broke: %r", engine.url, exc)
-                    await out.write(_stream_error(f"decode engine stream broke: {type(exc).__name__}"))
-                    await out.write_eof()
-                    return out, False
+                    broke = type(exc).__name__
+                    break
                 if not chunk:
                     break
-                if rewriter:
-                    chunk = rewriter.feed(chunk)
+                chunk = rewriter.feed(chunk)
                 if chunk:
                     await out.write(chunk)
-            if rewriter:
-                await out.write(rewriter.flush())
-            resp.release()
-            trace.outcome = "ok_fallback" if trace.fallback else "ok"
+            if broke is None and rewriter.complete:
+                resp.release()
+                trace.outcome = "ok_fallback" if trace.fallback else "ok"
+                await out.write_eof()
+                return out, True
+            # Bytes already reached the client, so no retry: drop any half event and end
+            # the stream with a whole error event and [DONE], the way vLLM reports errors.
+            resp.close()
+            partial = rewriter.drop_partial()
+            trace.outcome = "decode_dropped"
+            reason = broke or ("ended mid-event" if partial else "ended without [DONE]")
+            logger.warning("decode stream from %s broke: %s", engine.url, reason)
+            await out.write(_stream_error(f"decode engine stream broke: {reason}"))
             await out.write_eof()
-            return out, True
+            return out, False
         except ConnectionResetError:
             # The client left mid-stream: closing our side aborts the decode request.
             resp.close()
@@ -386,7 +456,8 @@ class PDFlow:
     # --- one attempt at one engine ----------------------------------------------------------
 
     async def _send(self, engine: Engine, call: Call, body: bytes, deadline: float,
-                    timeout: aiohttp.ClientTimeout, whole: bool) -> tuple[aiohttp.ClientResponse, bytes]:
+                    timeout: aiohttp.ClientTimeout, whole: bool,
+                    headers: dict[str, str] | None = None) -> tuple[aiohttp.ClientResponse, bytes]:
         """POST `body`; the response and its whole body (`whole`) or first chunk.
 
         Raises _AttemptFailed for what another engine may not suffer (connect error,
@@ -397,7 +468,7 @@ class PDFlow:
         try:
             async with asyncio.timeout(deadline):
                 resp = await self._session.post(engine.url + call.endpoint.value, data=body,
-                                                headers=call.headers, timeout=timeout)
+                                                headers=headers or call.headers, timeout=timeout)
                 if resp.status >= 400:
                     await self._raise_for_status(resp)
                 data = await (resp.read() if whole else resp.content.readany())
@@ -452,6 +523,13 @@ class PDFlow:
             headers["X-PDConnect-Decode"] = engine.url
             headers["X-PDConnect-Prefill"] = trace.prefilled.engine.url if trace.prefilled else "none"
         return headers
+
+
+def _blame(suspects: list[Engine]) -> None:
+    """Another engine served the request these answered with 5xx: the fault was theirs."""
+    for engine in suspects:
+        engine.blame()
+    suspects.clear()
 
 
 def _close(resp: aiohttp.ClientResponse | None) -> None:

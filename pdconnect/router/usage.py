@@ -8,8 +8,9 @@ shown). So: `prompt_tokens` and `prompt_tokens_details` from prefill, `completio
 from decode, `total_tokens` recomputed. When prefill reports no details, decode's are
 dropped rather than left to claim a hit that did not happen.
 
-Streams are rewritten event by event; only events that carry usage are parsed, so the
-common chunk passes through as bytes.
+Streams are re-framed into whole events (a partial event is held back, so an error
+event can never be glued onto half of one); only events that carry usage are parsed,
+so the common chunk passes through as the same bytes object.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import msgspec
 
 __all__ = ["UsageMerger", "SseRewriter"]
 
+_DONE = b"data: [DONE]\n\n"
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
@@ -61,26 +63,49 @@ class UsageMerger:
 
 
 class SseRewriter:
-    """Re-frames a server-sent-event byte stream into whole events, merging usage.
+    """Re-frames a server-sent-event byte stream into whole events, merging usage if asked.
 
     Network reads do not follow event boundaries, so an incomplete tail is held back
     until its blank line arrives (vLLM writes whole events, so this rarely waits).
+    Invariant: everything `feed` returned ends at an event boundary; `complete` says
+    whether the stream so far ended with `[DONE]` and left nothing half-written.
     """
 
-    def __init__(self, merger: UsageMerger) -> None:
+    def __init__(self, merger: UsageMerger | None) -> None:
         self._merger = merger
         self._tail = b""
+        self._done = False
+
+    @property
+    def complete(self) -> bool:
+        return self._done and not self._tail
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._tail + chunk if self._tail else chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self._tail = data
-            return b""
-        self._tail = data[cut + 2:]
-        whole = data[:cut + 2]
-        if b'"prompt_tokens"' not in whole:
-            return whole
+        if self._tail:
+            chunk = self._tail + chunk
+            self._tail = b""
+        if not chunk.endswith(b"\n\n"):
+            cut = chunk.rfind(b"\n\n")
+            if cut < 0:
+                self._tail = chunk
+                return b""
+            self._tail = chunk[cut + 2:]
+            chunk = chunk[:cut + 2]
+        self._done = chunk.endswith(_DONE)
+        if self._merger is None or b'"prompt_tokens"' not in chunk:
+            return chunk
+        return self._rewrite_usage(chunk)
+
+    def drop_partial(self) -> bytes:
+        """Forget a half-written event (its sender is gone); returns what was dropped."""
+        tail, self._tail = self._tail, b""
+        return tail
+
+    def flush(self) -> bytes:
+        """Whatever is held back (a stream that ended without a final blank line)."""
+        return self.drop_partial()
+
+    def _rewrite_usage(self, whole: bytes) -> bytes:
         # Rewrite only the events that carry usage; a read can hold a whole stream.
         out: list[bytes] = []
         start = 0
@@ -93,11 +118,8 @@ class SseRewriter:
         out.append(whole[start:])
         return b"".join(out)
 
-    def flush(self) -> bytes:
-        tail, self._tail = self._tail, b""
-        return tail
-
     def _rewrite(self, event: bytes) -> bytes:
+        assert self._merger is not None
         if not event.startswith(b"data: ") or b'"prompt_tokens"' not in event:
             return event
         try:

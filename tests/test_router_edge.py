@@ -1,0 +1,263 @@
+"""The router's edge against hostile or careless clients and engines, on FAKE engines
+(`pdconnect.bench.fake_engine`): body limits (plain, chunked, gzip bombs), slow bodies,
+the admin API's URL and token rules, OpenAI error JSON for everything the router itself
+refuses, well-formed streams whatever the engine left half-written, compressing
+engines, `Authorization` on every engine call, request validation before any engine
+sees the request, and breakers that count engine faults rather than bad requests.
+
+No timing is asserted; a generous deadline only turns a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import hmac
+import json
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+
+from pdconnect.router.engines import Role
+from tests.test_router_flow import CHAT, COMPLETION, HANG, Setup, make, sse_events  # noqa: F401
+
+pytestmark = pytest.mark.asyncio
+
+
+async def raw_exchange(url: str, head: bytes, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 request written by hand (so a body can lie about its length or never end)."""
+    parts = urlsplit(url)
+    async with asyncio.timeout(HANG):
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        try:
+            writer.write(head + body)
+            await writer.drain()
+            status_line = await reader.readline()
+            headers: dict[str, str] = {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode().partition(":")
+                headers[name.strip().lower()] = value.strip()
+            data = await reader.readexactly(int(headers.get("content-length", "0")))
+            return int(status_line.split()[1]), headers, data
+        finally:
+            writer.close()
+
+
+def post_head(url: str, path: str, extra: str) -> bytes:
+    host = urlsplit(url).netloc
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"{extra}\r\n").encode()
+
+
+def assert_openai_error(body: bytes, status: int) -> dict[str, Any]:
+    error = json.loads(body)["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["code"] == status and isinstance(error["type"], str)
+    return error
+
+
+# --- body size and read deadline --------------------------------------------------------------
+
+async def test_body_declared_over_the_limit_is_refused_before_it_is_read(make) -> None:
+    s: Setup = await make(max_body_bytes=1 << 20)
+    # 100 MiB announced, nothing sent: the answer cannot wait for the body.
+    status, _, body = await raw_exchange(
+        s.router.url, post_head(s.router.url, "/v1/completions", "Content-Length: 104857600\r\n"))
+    assert status == 413
+    assert_openai_error(body, 413)
+    assert s.p[0].seen == [] and s.d[0].seen == []
+
+
+async def test_chunked_body_over_the_limit_is_refused(make) -> None:
+    s: Setup = await make(max_body_bytes=1 << 16)
+    big = json.dumps({**COMPLETION, "prompt": "x " * 50_000}).encode()
+    async with asyncio.timeout(HANG):
+        async def chunks() -> Any:
+            for i in range(0, len(big), 8192):
+                yield big[i:i + 8192]
+        async with s.http.post(s.router.url + "/v1/completions", data=chunks(),
+                               headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == 413
+            assert_openai_error(await resp.read(), 413)
+
+
+async def test_gzip_bomb_is_refused_on_its_inflated_size_and_small_gzip_bodies_work(make) -> None:
+    s: Setup = await make(max_body_bytes=1 << 20)
+    bomb = gzip.compress(b'{"prompt": "' + b" " * (64 << 20) + b'"}')
+    assert len(bomb) < (1 << 20)  # the compressed upload itself is within the limit
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    async with asyncio.timeout(HANG):
+        async with s.http.post(s.router.url + "/v1/completions", data=bomb, headers=headers) as resp:
+            assert resp.status == 413
+            assert_openai_error(await resp.read(), 413)
+        async with s.http.post(s.router.url + "/v1/completions", data=gzip.compress(json.dumps(COMPLETION).encode()),
+                               headers=headers) as resp:
+            assert resp.status == 200
+        async with s.http.post(s.router.url + "/v1/completions", data=b"\x1f\x8bnot gzip at all",
+                               headers=headers) as resp:
+            assert resp.status == 400
+            assert_openai_error(await resp.read(), 400)
+    assert len(s.d[0].seen) == 1
+
+
+async def test_body_that_never_finishes_is_cut_by_the_read_deadline(make) -> None:
+    s: Setup = await make(body_read_timeout=0.3)
+    status, _, body = await raw_exchange(
+        s.router.url, post_head(s.router.url, "/v1/completions", "Content-Length: 1000\r\n"), b'{"prompt": "')
+    assert status == 408
+    assert_openai_error(body, 408)
+
+
+# --- admin API ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9/internal", "http://127.0.0.1:9/?q=1", "http://u:p@127.0.0.1:9",
+                                 "http://127.0.0.1:9#frag", "ftp://127.0.0.1:9", "http://127.0.0.1", "http://:9"])
+async def test_admin_engine_urls_are_scheme_host_and_port_only(make, url: str) -> None:
+    s: Setup = await make(admin_open=True)
+    async with s.http.post(s.router.url + "/admin/engines", json={"role": "decode", "url": url}) as resp:
+        assert resp.status == 400
+        assert_openai_error(await resp.read(), 400)
+    assert len(s.router.router.registry.engines(Role.DECODE)) == 1
+
+
+async def test_admin_token_is_compared_in_constant_time(make, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDC_TEST_ADMIN", "s3cret")
+    compared: list[tuple[bytes, bytes]] = []
+
+    def recording(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return hmac.compare_digest(a, b)
+    monkeypatch.setattr("pdconnect.router.app.compare_digest", recording)
+    s: Setup = await make(admin_token_env="PDC_TEST_ADMIN")
+    async with s.http.get(s.router.url + "/admin/engines", headers={"Authorization": "Bearer wrong"}) as resp:
+        assert resp.status == 401
+        assert_openai_error(await resp.read(), 401)
+    async with s.http.get(s.router.url + "/admin/engines", headers={"Authorization": "Bearer s3cret"}) as resp:
+        assert resp.status == 200
+    assert len(compared) == 2
+
+
+async def test_admin_api_can_live_on_its_own_loopback_port_only(make) -> None:
+    s: Setup = await make(admin_open=True, admin_port=0)
+    admin_url = s.router.admin_url
+    assert admin_url is not None and urlsplit(admin_url).hostname == "127.0.0.1"
+    async with s.http.get(s.router.url + "/admin/engines") as resp:
+        assert resp.status == 404
+    async with s.http.get(admin_url + "/admin/engines") as resp:
+        assert resp.status == 200 and len(await resp.json()) == 2
+    async with s.http.get(admin_url + "/v1/models") as resp:
+        assert resp.status == 404  # the admin port serves nothing else
+
+
+# --- errors the router itself returns ------------------------------------------------------------
+
+async def test_every_error_the_router_returns_is_openai_error_json(make) -> None:
+    s: Setup = await make()
+    async with s.http.get(s.router.url + "/v1/completions") as resp:
+        assert resp.status == 405
+        assert_openai_error(await resp.read(), 405)
+    async with s.http.get(s.router.url + "/v1/nothing-here") as resp:
+        assert resp.status == 404
+        assert_openai_error(await resp.read(), 404)
+    async with s.http.post(s.router.url + "/v1/completions", data=b"{nope") as resp:
+        assert resp.status == 400
+        assert_openai_error(await resp.read(), 400)
+    s.d[0].faults.health_status = 500
+    s.router.router.registry.engines(Role.DECODE)[0].probe_ok = False
+    status, _, body = await s.post("/v1/completions", COMPLETION)
+    assert status == 503
+    assert_openai_error(body, 503)
+
+
+# --- streams --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("with_prefill", [True, False], ids=["usage-merged", "decode-only-fallback"])
+async def test_stream_cut_mid_event_ends_with_a_well_formed_error_event_and_done(make, with_prefill: bool) -> None:
+    s: Setup = await make(prefill=1 if with_prefill else 0)
+    s.d[0].faults.half_event_after_chunks = 2
+    body = {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
+    status, _, raw = await s.post("/v1/completions", body)
+    assert status == 200
+    assert raw.endswith(b"\n\n")
+    events = sse_events(raw)  # every event must be whole, valid JSON
+    assert len(raw.split(b"\n\n")) - 1 == len(events)
+    assert [e["choices"][0]["text"] for e in events[:2]] == [" t0", " t1"]
+    assert "error" in events[-2] and events[-1] == "[DONE]"
+
+
+# --- engines that compress, engines that need a key ---------------------------------------------
+
+async def test_compressing_engines_never_reach_the_client_compressed(make) -> None:
+    s: Setup = await make()
+    for engine in s.p + s.d:
+        engine.faults.gzip = True
+    async with aiohttp.ClientSession(auto_decompress=False) as plain:
+        async with asyncio.timeout(HANG):
+            async with plain.post(s.router.url + "/v1/completions", json=COMPLETION) as resp:
+                raw, headers = await resp.read(), resp.headers
+            assert "Content-Encoding" not in headers and "X-PDConnect-Fallback" not in headers
+            assert json.loads(raw)["usage"]["prompt_tokens"] == 5
+            streamed = {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
+            async with plain.post(s.router.url + "/v1/completions", json=streamed) as resp:
+                raw, headers = await resp.read(), resp.headers
+    assert "Content-Encoding" not in headers and "X-PDConnect-Fallback" not in headers
+    assert sse_events(raw)[-1] == "[DONE]"
+
+
+async def test_authorization_reaches_every_engine_call_including_models(make) -> None:
+    s: Setup = await make()
+    for engine in s.p + s.d:
+        engine.api_key = "engine-key"
+    auth = {"Authorization": "Bearer engine-key"}
+    async with s.http.get(s.router.url + "/v1/models", headers=auth) as resp:
+        assert resp.status == 200
+    status, headers, _ = await s.post("/v1/completions", COMPLETION, headers=auth)
+    assert status == 200 and "X-PDConnect-Fallback" not in headers
+
+
+# --- validation and breakers --------------------------------------------------------------------
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": 5}),
+    ("/v1/completions", {**COMPLETION, "stream": "yes"}),
+    ("/v1/completions", {**COMPLETION, "max_tokens": "many"}),
+    ("/v1/completions", {**COMPLETION, "stream_options": 3}),
+    ("/v1/completions", {"model": "fake-model"}),
+    ("/v1/chat/completions", {**CHAT, "messages": "hi"}),
+    ("/v1/chat/completions", {**CHAT, "messages": [3]}),
+    ("/v1/completions", {**COMPLETION, "kv_transfer_params": "forged"}),
+], ids=["prompt-int", "stream-str", "max-tokens-str", "stream-options-int", "no-prompt", "messages-str",
+        "message-int", "params-str"])
+async def test_fields_the_router_reads_are_validated_before_any_engine_sees_them(make, path: str,
+                                                                                   body: dict[str, Any]) -> None:
+    s: Setup = await make()
+    status, _, answer = await s.post(path, body)
+    assert status == 400
+    assert_openai_error(answer, 400)
+    assert s.p[0].seen == [] and s.d[0].seen == []
+
+
+async def test_bad_requests_that_engines_answer_with_500_open_no_breaker(make) -> None:
+    s: Setup = await make(prefill=2, decode=2, breaker_failures=2, health_interval=0)
+    for engine in s.p + s.d:
+        engine.faults.fail_on_field = "fake_poison"
+    for _ in range(3):
+        status, _, _ = await s.post("/v1/completions", {**COMPLETION, "fake_poison": True})
+        assert status >= 500
+    status, _, _ = await s.post("/v1/completions", COMPLETION)
+    assert status == 200
+    breakers = [e.breaker.state.value for e in s.router.router.registry.all_engines()]
+    assert breakers == ["closed"] * 4
+
+
+async def test_a_real_engine_fault_still_opens_its_breaker(make) -> None:
+    s: Setup = await make(decode=2, breaker_failures=2, health_interval=0, policy="round-robin")
+    broken, _ = s.d
+    broken.faults.status = 500
+    for _ in range(4):
+        status, _, _ = await s.post("/v1/completions", COMPLETION)
+        assert status == 200
+    engine = s.router.router.registry.get(Role.DECODE, broken.url)
+    assert engine is not None and engine.breaker.state.value == "open"
