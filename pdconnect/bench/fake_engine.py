@@ -81,6 +81,10 @@ class FakeEngine:
     plans: list[dict[str, Any]] = field(default_factory=list)
     # Request ids in the order this fake answered them as prefill / as decode.
     served: list[tuple[str, str]] = field(default_factory=list)
+    # For prompts that start with a `rid-...` word (benchmarks): the plan id this fake
+    # issued for it as prefill, or received with it as decode. A request went prefill
+    # then decode iff the decode side received the plan the prefill side issued.
+    ledger: dict[str, dict[str, str]] = field(default_factory=lambda: {"prefill": {}, "decode": {}})
     url: str = ""
     _runner: web.AppRunner | None = field(default=None, init=False, repr=False)
     _side: SideChannelServer | None = field(default=None, init=False, repr=False)
@@ -94,6 +98,7 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions", self._inference)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/fake/ledger", self._ledger)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -147,6 +152,9 @@ class FakeEngine:
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.faults.health_status, text="")
 
+    async def _ledger(self, request: web.Request) -> web.Response:
+        return web.Response(body=_encode(self.ledger), content_type="application/json")
+
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model",
                                                               "owned_by": "fake"}]})
@@ -184,10 +192,16 @@ class FakeEngine:
         chat = request.path.endswith("/chat/completions")
         params = body.get("kv_transfer_params") or {}
         prompt_tokens = _count_prompt_tokens(body, chat)
+        rid = _bench_id(body)
         if params.get("do_remote_decode"):
             self.served.append(("prefill", request_id))
-            return self._prefill_answer(body, chat, request_id, prompt_tokens)
+            answer = self._prefill_answer(body, chat, request_id, prompt_tokens)
+            if rid is not None:
+                self.ledger["prefill"][rid] = self.plans[-1]["remote_request_id"]
+            return answer
         self.served.append(("decode", request_id))
+        if rid is not None and isinstance(params.get("remote_request_id"), str):
+            self.ledger["decode"][rid] = params["remote_request_id"]
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or self.chunks
         n = max(1, min(int(limit), self.chunks))
         # A real decode engine counts KV received from prefill as cached prompt tokens.
@@ -208,7 +222,7 @@ class FakeEngine:
             host, _, port_text = self._side.address.removeprefix("tcp://").rpartition(":")
             port = int(port_text)
         answer["kv_transfer_params"] = {
-            "remote_engine_id": self.name, "remote_request_id": request_id or "anonymous",
+            "remote_engine_id": self.name, "remote_request_id": request_id or f"fake-plan-{len(self.plans)}",
             "remote_host": host, "remote_port": port, "compat_hash": "fake",
             "num_prompt_tokens": max(1, prompt_tokens), "lease_expires_at": time.time() + 60.0,
             "groups": [], "do_remote_prefill": True, "do_remote_decode": False, "pdconnect": 1,
@@ -279,6 +293,13 @@ class FakeCluster:
 def _hang_up(request: web.Request) -> None:
     if request.transport is not None:
         request.transport.close()
+
+
+def _bench_id(body: dict[str, Any]) -> str | None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt.startswith("rid-"):
+        return prompt.split(" ", 1)[0]
+    return None
 
 
 def _token(i: int) -> str:

@@ -11,9 +11,17 @@ at once, a decode that streams `--chunks` events at once), three ways to reach t
 Latency: sequential streamed completions, interleaved across targets in small blocks so
 machine noise hits all of them alike; added latency = a router's percentile minus the
 direct one. Peak rate: a closed loop of `--concurrency` clients for `--duration` seconds
-per target, two interleaved rounds, best round kept. Printed side by side with our/its
-ratios. On a small shared machine the load generator and the fakes share the cores with
-the router under test, so the absolute rates are a floor; the ratios are the result.
+per target, two interleaved rounds, best round kept. CPU per request: the router
+process's user+system CPU over a rate round divided by its requests.
+
+A request counts only if its stream ended with `[DONE]` *and* it really went prefill
+then decode: every prompt starts with a unique `rid-...` word, the fake prefill records
+the plan it issued for it and the fake decode the plan it received with it, and the two
+must match (a router that skipped prefill, or went decode-only, does not score).
+
+One row per target, one column per figure, and a last row of ours/reference ratios.
+On a small shared machine the load generator and the fakes share the cores with the
+router under test, so the absolute rates are a floor; the ratios are the result.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import itertools
+
 import aiohttp
 import msgspec
 
@@ -38,16 +48,45 @@ __all__ = ["main"]
 _DONE = b"data: [DONE]\n\n"
 
 
+Call = Callable[[aiohttp.ClientSession, bytes], Awaitable[None]]
+
+
 @dataclass
 class Target:
     name: str
-    # One request, start to last byte; raises on a wrong answer.
-    call: Callable[[aiohttp.ClientSession], Awaitable[None]]
+    # One request (its `rid-...` word given), start to last byte; raises on a wrong answer.
+    call: Call
     pid: int | None = None  # the router's process, for its CPU cost per request
-    latencies: list[float] = field(default_factory=list)
-    rates: list[float] = field(default_factory=list)
-    cpu_per_request: list[float] = field(default_factory=list)
+    latencies: list[tuple[bytes, float]] = field(default_factory=list)
+    # Per rate round: the requests it completed, its length in seconds, the router's CPU.
+    rounds: list[tuple[list[bytes], float, float | None]] = field(default_factory=list)
     errors: int = 0
+    _ids: itertools.count = field(default_factory=itertools.count)
+
+    def next_id(self) -> bytes:
+        return f"rid-{self.name}-{next(self._ids)}".encode()
+
+
+@dataclass
+class Verdicts:
+    """Which request ids went prefill then decode (the fakes' ledgers agree)."""
+
+    good: set[bytes]
+
+    def latencies(self, target: Target) -> list[float]:
+        return [t for rid, t in target.latencies if rid in self.good]
+
+    def unverified(self, target: Target) -> int:
+        counted = [rid for rid, _ in target.latencies] + [rid for done, _, _ in target.rounds for rid in done]
+        return sum(rid not in self.good for rid in counted)
+
+    def max_rate(self, target: Target) -> float:
+        return max(sum(rid in self.good for rid in done) / seconds for done, seconds, _ in target.rounds)
+
+    def cpu_per_request(self, target: Target) -> float | None:
+        costs = [cpu / n for done, _, cpu in target.rounds
+                 if cpu is not None and (n := sum(rid in self.good for rid in done))]
+        return min(costs) if costs else None
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -56,13 +95,18 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _bodies(chunks: int) -> tuple[bytes, bytes]:
+def _bodies(chunks: int) -> tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]]:
+    """Client and prefill bodies for a request id: the id is the prompt's first word."""
     prompt = " ".join(f"w{i}" for i in range(64))
-    client = {"model": "fake-model", "prompt": prompt, "max_tokens": chunks, "stream": True,
+    client = {"model": "fake-model", "prompt": "\x00 " + prompt, "max_tokens": chunks, "stream": True,
               "stream_options": {"include_usage": True}}
     prefill = {**client, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     prefill.pop("stream_options")
-    return msgspec.json.encode(client), msgspec.json.encode(prefill)
+
+    def template(doc: dict[str, object]) -> Callable[[bytes], bytes]:
+        head, tail = msgspec.json.encode(doc).split(b"\\u0000", 1)
+        return lambda rid: head + rid + tail
+    return template(client), template(prefill)
 
 
 async def _stream_to_end(resp: aiohttp.ClientResponse) -> None:
@@ -75,24 +119,25 @@ async def _stream_to_end(resp: aiohttp.ClientResponse) -> None:
         raise RuntimeError("stream did not end with [DONE]")
 
 
-def _via_router(url: str, body: bytes) -> Callable[[aiohttp.ClientSession], Awaitable[None]]:
+def _via_router(url: str, body: Callable[[bytes], bytes]) -> Call:
     headers = {"Content-Type": "application/json"}
 
-    async def call(http: aiohttp.ClientSession) -> None:
-        async with http.post(f"{url}/v1/completions", data=body, headers=headers) as resp:
+    async def call(http: aiohttp.ClientSession, rid: bytes) -> None:
+        async with http.post(f"{url}/v1/completions", data=body(rid), headers=headers) as resp:
             await _stream_to_end(resp)
     return call
 
 
-def _direct(prefill_url: str, decode_url: str, client_body: bytes,
-            prefill_body: bytes) -> Callable[[aiohttp.ClientSession], Awaitable[None]]:
+def _direct(prefill_url: str, decode_url: str, client_body: Callable[[bytes], bytes],
+            prefill_body: Callable[[bytes], bytes]) -> Call:
+    """The P/D flow done by the client itself: the floor."""
     headers = {"Content-Type": "application/json"}
-    decode_template = msgspec.json.decode(client_body)
 
-    async def call(http: aiohttp.ClientSession) -> None:
-        async with http.post(f"{prefill_url}/v1/completions", data=prefill_body, headers=headers) as resp:
+    async def call(http: aiohttp.ClientSession, rid: bytes) -> None:
+        async with http.post(f"{prefill_url}/v1/completions", data=prefill_body(rid), headers=headers) as resp:
             params = msgspec.json.decode(await resp.read())["kv_transfer_params"]
-        body = msgspec.json.encode({**decode_template, "kv_transfer_params": params})
+        body = client_body(rid)
+        body = body[:-1] + b',"kv_transfer_params":' + msgspec.json.encode(params) + b"}"
         async with http.post(f"{decode_url}/v1/completions", data=body, headers=headers) as resp:
             await _stream_to_end(resp)
     return call
@@ -102,82 +147,94 @@ async def _latency(targets: list[Target], http: aiohttp.ClientSession, requests:
     for _ in range(max(1, requests // block)):
         for target in targets:
             for _ in range(block):
+                rid = target.next_id()
                 start = time.perf_counter()
                 try:
-                    await target.call(http)
+                    await target.call(http, rid)
                 except (aiohttp.ClientError, RuntimeError, KeyError):
                     target.errors += 1
                     continue
-                target.latencies.append(time.perf_counter() - start)
+                target.latencies.append((rid, time.perf_counter() - start))
 
 
 async def _rate(target: Target, http: aiohttp.ClientSession, concurrency: int, duration: float) -> None:
-    done = 0
+    done: list[bytes] = []
     stop = time.perf_counter() + duration
 
     async def client() -> None:
-        nonlocal done
         while time.perf_counter() < stop:
+            rid = target.next_id()
             try:
-                await target.call(http)
-                done += 1
+                await target.call(http, rid)
+                done.append(rid)
             except (aiohttp.ClientError, RuntimeError, KeyError):
                 target.errors += 1
     cpu = _cpu_seconds(target.pid) if target.pid else 0.0
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    target.rates.append(done / (time.perf_counter() - start))
-    if target.pid and done:
-        target.cpu_per_request.append((_cpu_seconds(target.pid) - cpu) / done)
+    seconds = time.perf_counter() - start
+    target.rounds.append((done, seconds, _cpu_seconds(target.pid) - cpu if target.pid else None))
 
 
 def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
 
 
-def _report(targets: list[Target], args: argparse.Namespace) -> str:
-    direct, routers = targets[0], targets[1:]
-    names = [t.name for t in targets]
-    ratio = len(routers) == 2
-    head = f"{'':<26}" + "".join(f"{n:>14}" for n in names) + (f"{'ours/ref':>12}" if ratio else "")
+_COLUMNS = ("p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "max req/s", "CPU us/req", "errors",
+            "not P->D")
+
+
+def _figures(targets: list[Target], verdicts: Verdicts) -> dict[str, dict[str, float | int | None]]:
+    """Every figure per target, from verified requests only."""
+    direct = verdicts.latencies(targets[0])
+    out: dict[str, dict[str, float | int | None]] = {}
+    for t in targets:
+        lat = verdicts.latencies(t)
+        cpu = verdicts.cpu_per_request(t)
+        routed = t is not targets[0]
+        out[t.name] = {
+            "p50_ms": _pct(lat, 0.50), "p99_ms": _pct(lat, 0.99),
+            "added_p50_ms": _pct(lat, 0.50) - _pct(direct, 0.50) if routed else None,
+            "added_p99_ms": _pct(lat, 0.99) - _pct(direct, 0.99) if routed else None,
+            "max_rate_rps": verdicts.max_rate(t),
+            "cpu_us_per_request": cpu * 1e6 if cpu is not None else None,
+            "errors": t.errors, "not_prefill_then_decode": verdicts.unverified(t),
+        }
+    return out
+
+
+def _report(targets: list[Target], figures: dict[str, dict[str, float | int | None]],
+            args: argparse.Namespace) -> str:
+    keys = ("p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms", "max_rate_rps", "cpu_us_per_request", "errors",
+            "not_prefill_then_decode")
+    formats = ("{:.3f}", "{:.3f}", "{:.3f}", "{:.3f}", "{:.0f}", "{:.0f}", "{:.0f}", "{:.0f}")
+    width = 14
+    head = f"{'target':<18}" + "".join(f"{c:>{width}}" for c in _COLUMNS)
     rows = [head, "-" * len(head)]
-
-    def row(label: str, values: list[float | None], fmt: str = "{:>14.3f}") -> None:
-        cells = "".join(f"{'-':>14}" if v is None else fmt.format(v) for v in values)
-        extra = ""
-        if ratio and values[1] is not None and values[2]:
-            extra = f"{values[1] / values[2]:>12.2f}"
-        rows.append(f"{label:<26}{cells}{extra}")
-
-    row("latency p50 (ms)", [_pct(t.latencies, 0.50) for t in targets])
-    row("latency p99 (ms)", [_pct(t.latencies, 0.99) for t in targets])
-    row("added p50 (ms)", [None] + [_pct(t.latencies, 0.50) - _pct(direct.latencies, 0.50) for t in routers])
-    row("added p99 (ms)", [None] + [_pct(t.latencies, 0.99) - _pct(direct.latencies, 0.99) for t in routers])
-    row("max rate (req/s)", [max(t.rates) for t in targets], "{:>14.0f}")
-    row("router CPU/request (us)", [min(t.cpu_per_request) * 1e6 if t.cpu_per_request else None
-                                    for t in targets], "{:>14.0f}")
-    row("errors", [float(t.errors) for t in targets], "{:>14.0f}")
+    for t in targets:
+        cells = "".join(f"{'-' if v is None else fmt.format(v):>{width}}"
+                        for v, fmt in zip((figures[t.name][k] for k in keys), formats))
+        rows.append(f"{t.name:<18}{cells}")
+    names = [t.name for t in targets]
+    if "pdconnect" in names and "vllm-router" in names:
+        ours, ref = figures["pdconnect"], figures["vllm-router"]
+        cells = ""
+        for k in keys:
+            a, b = ours[k], ref[k]
+            cells += f"{(f'{a / b:.2f}x' if a is not None and b else '-'):>{width}}" if k not in (
+                "errors", "not_prefill_then_decode") else f"{'':>{width}}"
+        rows.append(f"{'ours/vllm-router':<18}{cells}")
     lines = [f"router bench: fake P/D engines, streamed completions of {args.chunks} chunks, "
              f"{args.requests} sequential requests per target for latency, "
              f"{args.concurrency} concurrent clients x {args.duration:.0f}s x 2 rounds for rate, "
-             f"{os.cpu_count()} CPUs shared with the fakes and the load generator", *rows]
-    if not ratio:
-        lines.append("vllm-router not found (make .venv-router-ref, or --reference PATH): no reference column")
+             f"{os.cpu_count()} CPUs shared with the fakes and the load generator; "
+             "only requests that went prefill then decode count (not P->D: ended [DONE] but did not)", *rows]
+    if "vllm-router" not in names:
+        lines.append("vllm-router not found (make .venv-router-ref, or --reference PATH): no reference row")
     return "\n".join(lines)
-
-
-def _figures(targets: list[Target]) -> dict[str, dict[str, float | int | None]]:
-    """The printed figures as data, per target (for --json)."""
-    direct = targets[0]
-    return {t.name: {
-        "p50_ms": _pct(t.latencies, 0.50), "p99_ms": _pct(t.latencies, 0.99),
-        "added_p50_ms": None if t is direct else _pct(t.latencies, 0.50) - _pct(direct.latencies, 0.50),
-        "added_p99_ms": None if t is direct else _pct(t.latencies, 0.99) - _pct(direct.latencies, 0.99),
-        "max_rate_rps": max(t.rates),
-        "cpu_us_per_request": min(t.cpu_per_request) * 1e6 if t.cpu_per_request else None,
-        "errors": t.errors,
-    } for t in targets}
 
 
 def _python(*argv: str) -> tuple[str, ...]:
@@ -189,14 +246,23 @@ async def _measure(targets: list[Target], args: argparse.Namespace) -> None:
     async with aiohttp.ClientSession(connector=connector) as http:
         for target in targets:  # warm pools, caches and JITs alike
             for _ in range(50):
-                await target.call(http)
+                await target.call(http, target.next_id())
         await _latency(targets, http, args.requests, block=25)
         for _ in range(2):
             for target in targets:
                 await _rate(target, http, args.concurrency, args.duration)
 
 
-def run(args: argparse.Namespace) -> list[Target]:
+async def _verdicts(prefill_url: str, decode_url: str) -> Verdicts:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{prefill_url}/fake/ledger") as resp:
+            issued = msgspec.json.decode(await resp.read())["prefill"]
+        async with http.get(f"{decode_url}/fake/ledger") as resp:
+            received = msgspec.json.decode(await resp.read())["decode"]
+    return Verdicts({rid.encode() for rid, plan in received.items() if issued.get(rid) == plan})
+
+
+def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
     client_body, prefill_body = _bodies(args.chunks)
     with Cluster(progress=sys.stderr) as cluster:
         def fake(name: str) -> ProcessSpec:
@@ -230,7 +296,8 @@ def run(args: argparse.Namespace) -> list[Target]:
             asyncio.run(_measure(targets, args))
         else:
             uvloop.run(_measure(targets, args))
-    return targets
+        verdicts = asyncio.run(_verdicts(prefill.base_url, decode.base_url))
+    return targets, verdicts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,11 +310,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the vllm-router executable")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
-    targets = run(args)
-    print(_report(targets, args), flush=True)
+    targets, verdicts = run(args)
+    figures = _figures(targets, verdicts)
+    print(_report(targets, figures, args), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "json"},
-                                         "targets": _figures(targets)}, indent=2, default=str))
+                                         "targets": figures}, indent=2, default=str))
     return 0
 
 
