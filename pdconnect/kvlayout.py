@@ -14,19 +14,28 @@ strides are *inner* and must form one contiguous run (a segment). A block's *pac
 bytes* are its segments concatenated in memory order; two layouts are compatible when
 every element of a block sits at the same packed offset in both, whatever the segment
 boundaries.
+
+Speed: a pull of thousands of blocks over dozens of layers is computed per request on
+the decode engine's transport thread, so the arithmetic is done once per layout (the
+geometry, memoized on the layout's shape, strides, element size and block dim) and
+once per pair of layouts (the per-block pieces), and the per-block work is numpy
+broadcasting over every block and every layer of one geometry at once. numpy is
+imported where ranges are computed, not at module import: a process that only
+decodes layouts from messages (a router) needs none.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
-from pdconnect.transfer.base import Range, coalesce
+from pdconnect.transfer.base import RangeTable, coalesce_table
 
 __all__ = [
     "BLOCK_DIM_SENTINEL", "LayoutError", "TensorLayout", "locate_block_dim", "pull_ranges",
@@ -122,27 +131,26 @@ def locate_block_dim(shape: Sequence[int], num_blocks: int) -> int:
 
 
 def pull_ranges(local: TensorLayout, remote: TensorLayout,
-                block_pairs: Iterable[tuple[int, int]]) -> list[Range]:
+                block_pairs: Iterable[tuple[int, int]], *, coalesced: bool = True) -> RangeTable:
     """`(local_addr, remote_addr, length)` copies bringing remote blocks into local ones.
 
     `block_pairs` holds `(local_block, remote_block)`. Raises LayoutError naming what
     differs when the layouts do not hold a block's elements in the same order.
+    `coalesced=False` keeps one range per piece of each block, in block-pair order
+    (what a client without coalescing would send; benchmarks compare the two).
     """
-    return coalesce(_layer_ranges(local, remote, block_pairs))
+    return RangeTable(_pull_table([local], [remote], block_pairs, coalesced=coalesced,
+                                  name_layer=False))
 
 
 def pull_ranges_for_layers(local: Sequence[TensorLayout], remote: Sequence[TensorLayout],
-                           block_pairs: Sequence[tuple[int, int]]) -> list[Range]:
+                           block_pairs: Iterable[tuple[int, int]], *,
+                           coalesced: bool = True) -> RangeTable:
     """`pull_ranges` over every layer (same block ids in each), coalesced once."""
     if len(local) != len(remote):
         raise LayoutError(f"layer count differs: local {len(local)} vs remote {len(remote)}")
-    ranges: list[Range] = []
-    for layer, (mine, theirs) in enumerate(zip(local, remote)):
-        try:
-            ranges.extend(_layer_ranges(mine, theirs, block_pairs))
-        except LayoutError as exc:
-            raise LayoutError(f"layer {layer}: {exc}") from None
-    return coalesce(ranges)
+    return RangeTable(_pull_table(local, remote, block_pairs, coalesced=coalesced,
+                                  name_layer=True))
 
 
 # --- geometry -------------------------------------------------------------------------
@@ -160,13 +168,22 @@ class _Geometry:
 
 
 def _geometry(layout: TensorLayout) -> _Geometry:
-    shape, strides, block_dim = layout.shape, layout.strides, layout.block_dim
+    return _geometry_of(layout.shape, layout.strides, layout.itemsize, layout.block_dim)
+
+
+# Memoized: a pure function of immutable values, and every layer of a model shares a few
+# geometries, so deriving them once per process instead of once per call per layer is
+# what makes a pull's arithmetic cheap. Bounded, so a process seeing many peers cannot
+# grow it without limit.
+@functools.lru_cache(maxsize=256)
+def _geometry_of(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int,
+                 block_dim: int) -> _Geometry:
     if len(shape) != len(strides):
         raise LayoutError(f"shape {shape} and strides {strides} differ in length")
     if not 0 <= block_dim < len(shape):
         raise LayoutError(f"block_dim {block_dim} is not a dim of shape {shape}")
-    if layout.itemsize <= 0 or any(n <= 0 for n in shape) or any(s < 0 for s in strides):
-        raise LayoutError(f"itemsize {layout.itemsize}, shape {shape}, strides {strides}: "
+    if itemsize <= 0 or any(n <= 0 for n in shape) or any(s < 0 for s in strides):
+        raise LayoutError(f"itemsize {itemsize}, shape {shape}, strides {strides}: "
                           "sizes must be positive and strides non-negative")
     _check_no_overlap(shape, strides)
     # Dims of size 1 have arbitrary strides and address nothing; leave them out.
@@ -192,7 +209,7 @@ def _geometry(layout: TensorLayout) -> _Geometry:
             f"into {segments} segments: is it really the block dim?"
         )
     offsets = tuple(
-        sum(i * strides[d] for i, d in zip(index, outer)) * layout.itemsize
+        sum(i * strides[d] for i, d in zip(index, outer)) * itemsize
         for index in itertools.product(*(range(shape[d]) for d in outer))
     )
     packed = {d: strides[d] for d in inner}
@@ -202,7 +219,7 @@ def _geometry(layout: TensorLayout) -> _Geometry:
         run *= shape[d]
     block_shape = tuple(n for d, n in enumerate(shape) if d != block_dim)
     packed_strides = tuple(packed.get(d, 0) for d in range(len(shape)) if d != block_dim)
-    return _Geometry(block_stride * layout.itemsize, offsets, segment_elems * layout.itemsize,
+    return _Geometry(block_stride * itemsize, offsets, segment_elems * itemsize,
                      block_shape, packed_strides)
 
 
@@ -219,21 +236,110 @@ def _check_no_overlap(shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
 # --- matching two layouts ---------------------------------------------------------------
 
 
-def _layer_ranges(local: TensorLayout, remote: TensorLayout,
-                  block_pairs: Iterable[tuple[int, int]]) -> list[Range]:
-    mine, theirs = _geometry(local), _geometry(remote)
-    pieces = _matching_pieces(local, mine, remote, theirs)
-    ranges: list[Range] = []
-    for local_block, remote_block in block_pairs:
-        local._check_block(local_block)
-        remote._check_block(remote_block)
-        local_start = local.base_addr + local_block * mine.block_stride
-        remote_start = remote.base_addr + remote_block * theirs.block_stride
-        ranges.extend((local_start + lo, remote_start + ro, n) for lo, ro, n in pieces)
-    return ranges
+def _pull_table(local: Sequence[TensorLayout], remote: Sequence[TensorLayout],
+                block_pairs: Iterable[tuple[int, int]], *, coalesced: bool,
+                name_layer: bool) -> Any:
+    """The (N, 3) int64 table of `(local_addr, remote_addr, length)` for every layer.
+
+    Row order, uncoalesced: layer, then block pair, then piece within the block.
+    Consecutive layers with the same pair of geometries (the usual case: every layer of
+    a KV cache group) are computed in one broadcast.
+    """
+    import numpy as np
+
+    pairs = np.array(block_pairs if isinstance(block_pairs, Sequence) else list(block_pairs),
+                     dtype=np.int64).reshape(-1, 2)
+    local_ids, remote_ids = pairs[:, 0], pairs[:, 1]
+    parts = []
+    run: list[tuple[int, int]] = []  # (local base, remote base) of layers sharing `key`
+    key: tuple[TensorLayout, TensorLayout] | None = None
+    for layer, (mine, theirs) in enumerate(zip(local, remote)):
+        try:
+            _pieces(mine, theirs)  # refuses layouts whose blocks do not match
+            if len(pairs):
+                _check_blocks(mine, local_ids)
+                _check_blocks(theirs, remote_ids)
+        except LayoutError as exc:
+            raise (LayoutError(f"layer {layer}: {exc}") if name_layer else exc) from None
+        if key is not None and _same_geometry(key, (mine, theirs)):
+            run.append((mine.base_addr, theirs.base_addr))
+            continue
+        if key is not None:
+            parts.append(_broadcast(np, key, run, local_ids, remote_ids))
+        key, run = (mine, theirs), [(mine.base_addr, theirs.base_addr)]
+    if key is not None:
+        parts.append(_broadcast(np, key, run, local_ids, remote_ids))
+    table = np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.int64)
+    return coalesce_table(table) if coalesced else table
 
 
-def _matching_pieces(local: TensorLayout, mine: _Geometry, remote: TensorLayout,
+def _same_geometry(a: tuple[TensorLayout, TensorLayout],
+                   b: tuple[TensorLayout, TensorLayout]) -> bool:
+    return all(x.shape == y.shape and x.strides == y.strides and x.itemsize == y.itemsize
+               and x.block_dim == y.block_dim for x, y in zip(a, b))
+
+
+def _broadcast(np: Any, key: tuple[TensorLayout, TensorLayout], bases: list[tuple[int, int]],
+               local_ids: Any, remote_ids: Any) -> Any:
+    """Rows for layers sharing `key`'s geometries: base + block * stride + piece offset."""
+    mine, theirs = key
+    local_offsets, remote_offsets, lengths = _pieces(mine, theirs)
+    base = np.array(bases, dtype=np.int64).reshape(-1, 1, 1, 2)
+    shape = (len(bases), len(local_ids), len(lengths))
+    table = np.empty((*shape, 3), dtype=np.int64)
+    table[..., 0] = (base[..., 0] + (local_ids * _geometry(mine).block_stride)[None, :, None]
+                     + local_offsets[None, None, :])
+    table[..., 1] = (base[..., 1] + (remote_ids * _geometry(theirs).block_stride)[None, :, None]
+                     + remote_offsets[None, None, :])
+    table[..., 2] = lengths[None, None, :]
+    return table.reshape(-1, 3)
+
+
+def _check_blocks(layout: TensorLayout, block_ids: Any) -> None:
+    low, high = int(block_ids.min()), int(block_ids.max())
+    for block in (low, high):
+        layout._check_block(block)
+
+
+def _pieces(local: TensorLayout, remote: TensorLayout) -> tuple[Any, Any, Any]:
+    """`_matching_pieces` of two layouts as int64 arrays (local offsets, remote offsets,
+    lengths), memoized on their geometries."""
+    return _pieces_of(local.shape, local.strides, local.itemsize, local.block_dim,
+                      remote.shape, remote.strides, remote.itemsize, remote.block_dim)
+
+
+# Memoized like `_geometry_of`, for the same reason; the arrays are read-only because
+# every caller shares them.
+@functools.lru_cache(maxsize=256)
+def _pieces_of(local_shape: tuple[int, ...], local_strides: tuple[int, ...], local_itemsize: int,
+               local_block_dim: int, remote_shape: tuple[int, ...],
+               remote_strides: tuple[int, ...], remote_itemsize: int,
+               remote_block_dim: int) -> tuple[Any, Any, Any]:
+    import numpy as np
+
+    local = _Dims(local_shape, local_strides, local_itemsize, local_block_dim)
+    remote = _Dims(remote_shape, remote_strides, remote_itemsize, remote_block_dim)
+    pieces = _matching_pieces(local, _geometry_of(local_shape, local_strides, local_itemsize,
+                                                  local_block_dim),
+                              remote, _geometry_of(remote_shape, remote_strides, remote_itemsize,
+                                                   remote_block_dim))
+    arrays = tuple(np.array(column, dtype=np.int64) for column in zip(*pieces))
+    for array in arrays:
+        array.flags.writeable = False
+    return arrays  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """A layout without its address: what `_matching_pieces` names in its errors."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+    block_dim: int
+
+
+def _matching_pieces(local: _Dims, mine: _Geometry, remote: _Dims,
                      theirs: _Geometry) -> list[tuple[int, int, int]]:
     """`(local_offset, remote_offset, length)` within one block, covering it exactly.
 
@@ -271,4 +377,3 @@ def _address_in_block(geometry: _Geometry, packed_offset: int) -> int:
 
 def _describe_segments(geometry: _Geometry) -> str:
     return f"{len(geometry.segment_offsets)} x {geometry.segment_bytes} B"
-

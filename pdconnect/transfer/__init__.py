@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from pdconnect.transfer.base import (
-    MemoryRegion, PeerInfo, Range, Transfer, TransferError, TransferState, Transport, coalesce,
-    decode_metadata,
+    MemoryRegion, PeerInfo, Range, RangeTable, Transfer, TransferError, TransferState, Transport,
+    coalesce, decode_metadata,
 )
 
 __all__ = [
-    "TRANSPORT_KINDS", "MemoryRegion", "PeerInfo", "Range", "Transfer", "TransferError",
+    "TRANSPORT_KINDS", "MemoryRegion", "PeerInfo", "Range", "RangeTable", "Transfer", "TransferError",
     "TransferState", "Transport", "coalesce", "create_transport", "decode_metadata",
 ]
 
@@ -22,12 +22,14 @@ TRANSPORT_KINDS = ("mooncake", "nixl")
 
 
 def create_transport(kind: str, *, host: str, protocol: str = "rdma", device_name: str = "",
-                     require_rdma: bool = False) -> Transport[Any]:
+                     require_rdma: bool = False,
+                     nixl_progress_delay_us: int | None = None) -> Transport[Any]:
     """A started transport of `kind` ("mooncake" | "nixl"); raises TransferError.
 
-    `host` is the address peers reach us at; `protocol`, `device_name` and
-    `require_rdma` mean what `ConnectorSettings` says. The libraries are imported only
-    here, so a process that never creates a transport never loads them.
+    `host` is the address peers reach us at; `protocol`, `device_name`,
+    `require_rdma` and `nixl_progress_delay_us` (None: the transport's default) mean what
+    `ConnectorSettings` says. The libraries are imported only here, so a process that
+    never creates a transport never loads them.
     """
     if kind == "mooncake":
         from pdconnect.transfer.mooncake import MooncakeTransport
@@ -36,5 +38,5 @@ def create_transport(kind: str, *, host: str, protocol: str = "rdma", device_nam
     if kind == "nixl":
         from pdconnect.transfer.nixl import NixlTransport
         return NixlTransport(host=host, protocol=protocol, device_name=device_name,
-                             require_rdma=require_rdma)
+                             require_rdma=require_rdma, progress_delay_us=nixl_progress_delay_us)
     raise TransferError(f"unknown transport {kind!r}; choose one of {', '.join(TRANSPORT_KINDS)}")

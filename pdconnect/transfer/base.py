@@ -38,14 +38,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import msgspec
 
 __all__ = [
     "LOG", "METADATA_VERSION", "DoneTransfer", "FailedTransfer", "MemoryRegion", "PeerInfo",
-    "Range", "Transfer", "TransferError", "TransferState", "Transport", "coalesce",
-    "decode_metadata",
+    "Range", "RangeTable", "Transfer", "TransferError", "TransferState", "Transport", "coalesce",
+    "coalesce_table", "decode_metadata", "range_table",
 ]
 
 LOG = logging.getLogger("pdconnect.transfer")
@@ -126,7 +126,63 @@ def decode_metadata(blob: bytes, *, expected_kind: str | None = None) -> PeerInf
     return info
 
 
-def coalesce(ranges: Iterable[Range]) -> list[Range]:
+class RangeTable(Sequence[Range]):
+    """A read-only sequence of ranges backed by an (N, 3) int64 numpy table.
+
+    What the layout arithmetic returns: the transports post the table as it is (NIXL
+    takes numpy descriptor tables, Mooncake three lists made by one `tolist`), so a pull
+    of thousands of ranges never builds thousands of tuples. Anyone else iterates it like
+    a list of `(local_addr, remote_addr, length)` tuples; it compares equal to one.
+    """
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: Any) -> None:
+        table.flags.writeable = False  # what was validated is what gets posted
+        self.table = table
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @overload
+    def __getitem__(self, index: int) -> Range: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Range]: ...
+
+    def __getitem__(self, index: int | slice) -> Range | list[Range]:
+        if isinstance(index, slice):
+            return list(map(tuple, self.table[index].tolist()))
+        local, remote, length = self.table[index].tolist()
+        return local, remote, length
+
+    def __iter__(self) -> Iterator[Range]:
+        return map(tuple, self.table.tolist())  # type: ignore[arg-type]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RangeTable):
+            other = list(other)
+        return isinstance(other, (list, tuple)) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RangeTable({list(self)!r})"
+
+
+def range_table(ranges: Sequence[Range]) -> Any:
+    """The (N, 3) int64 numpy table of `ranges` (the one it keeps, for a RangeTable).
+
+    numpy is imported here, not at module import: only a process that moves bytes needs it
+    (every transport library depends on it), a router never does.
+    """
+    if isinstance(ranges, RangeTable):
+        return ranges.table
+    import numpy as np
+
+    return np.array(ranges, dtype=np.int64).reshape(-1, 3)
+
+
+def coalesce(ranges: Iterable[Range]) -> RangeTable:
     """Merge ranges that are adjacent on BOTH sides, so the library sees fewer descriptors.
 
     Ranges are sorted by local address first (order inside one batch does not matter,
@@ -134,19 +190,31 @@ def coalesce(ranges: Iterable[Range]) -> list[Range]:
     Overlapping destinations are a caller bug (two pulls racing for the same bytes)
     and raise ValueError.
     """
-    merged: list[Range] = []
-    for local, remote, length in sorted(r for r in ranges if r[2] > 0):
-        if merged:
-            last_local, last_remote, last_length = merged[-1]
-            if local < last_local + last_length:
-                raise ValueError(
-                    f"destination ranges overlap: [{last_local:#x}, +{last_length}) and "
-                    f"[{local:#x}, +{length})"
-                )
-            if local == last_local + last_length and remote == last_remote + last_length:
-                merged[-1] = (last_local, last_remote, last_length + length)
-                continue
-        merged.append((local, remote, length))
+    return RangeTable(coalesce_table(range_table(
+        ranges if isinstance(ranges, Sequence) else list(ranges))))
+
+
+def coalesce_table(table: Any) -> Any:
+    """`coalesce` on an (N, 3) int64 table, returning a new table (vectorized)."""
+    import numpy as np
+
+    table = table[table[:, 2] > 0]
+    if len(table) < 2:
+        return table.copy()
+    table = table[np.lexsort((table[:, 2], table[:, 1], table[:, 0]))]
+    local, remote, length = table[:, 0], table[:, 1], table[:, 2]
+    local_end = local[:-1] + length[:-1]
+    overlaps = np.flatnonzero(local[1:] < local_end)
+    if len(overlaps):
+        i = int(overlaps[0])
+        raise ValueError(
+            f"destination ranges overlap: [{int(local[i]):#x}, +{int(length[i])}) and "
+            f"[{int(local[i + 1]):#x}, +{int(length[i + 1])})"
+        )
+    joins = (local[1:] == local_end) & (remote[1:] == remote[:-1] + length[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    merged = table[starts].copy()
+    merged[:, 2] = np.add.reduceat(length, starts)
     return merged
 
 
@@ -176,6 +244,13 @@ class _RegionIndex:
         if self.contains(low, high - low):
             return None
         return next(((a, n) for a, n in zip(addrs, lengths) if not self.contains(a, n)), None)
+
+    def first_outside_table(self, addrs: Any, lengths: Any) -> tuple[int, int] | None:
+        """`first_outside` for numpy columns: one vectorized extent check in the common case."""
+        low, high = int(addrs.min()), int((addrs + lengths).max())
+        if self.contains(low, high - low):
+            return None
+        return self.first_outside(addrs.tolist(), lengths.tolist())
 
     def overlaps(self, region: MemoryRegion) -> bool:
         i = bisect.bisect_right(self._starts, region.addr) - 1
@@ -431,11 +506,18 @@ class Transport(ABC, Generic[PeerHandle]):
             raise TransferError(f"pull from {peer!r}: timeout must be positive, got {timeout}")
         if not ranges:
             return target
-        locals_, remotes, lengths = zip(*ranges)
-        if bad := self._local.first_outside(locals_, lengths):
+        if isinstance(ranges, RangeTable):
+            table = ranges.table
+            bad_local = self._local.first_outside_table(table[:, 0], table[:, 2])
+            bad_remote = target.regions.first_outside_table(table[:, 1], table[:, 2])
+        else:
+            locals_, remotes, lengths = zip(*ranges)
+            bad_local = self._local.first_outside(locals_, lengths)
+            bad_remote = target.regions.first_outside(remotes, lengths)
+        if bad := bad_local:
             raise TransferError(f"pull from {peer!r}: local range [{bad[0]:#x}, +{bad[1]}) is "
                                 "not inside memory registered with this transport")
-        if bad := target.regions.first_outside(remotes, lengths):
+        if bad := bad_remote:
             raise TransferError(f"pull from {peer!r}: remote range [{bad[0]:#x}, +{bad[1]}) is "
                                 "not inside memory the peer registered")
         return target

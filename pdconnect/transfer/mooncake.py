@@ -25,7 +25,8 @@ from typing import Any
 
 from pdconnect.transfer._host import env_defaults, rdma_devices, scoped_env
 from pdconnect.transfer.base import (
-    LOG, MemoryRegion, PeerInfo, Range, Transfer, TransferError, TransferState, Transport,
+    LOG, MemoryRegion, PeerInfo, Range, RangeTable, Transfer, TransferError, TransferState,
+    Transport,
 )
 
 __all__ = ["MooncakeTransport"]
@@ -131,7 +132,11 @@ class _MooncakeTransfer(Transfer):
         self._rc: int | None = None
         self._exc: BaseException | None = None
         self._finished = threading.Event()
-        args = (session, [r[0] for r in ranges], [r[1] for r in ranges], [r[2] for r in ranges])
+        if isinstance(ranges, RangeTable):
+            local, remote, length = ranges.table.T.tolist()
+        else:
+            local, remote, length = ([r[i] for r in ranges] for i in range(3))
+        args = (session, local, remote, length)
         self._thread = threading.Thread(target=self._run, args=(engine, args), daemon=True,
                                         name=f"pdconnect-{description}")
         self._thread.start()
