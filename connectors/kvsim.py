@@ -3,6 +3,8 @@
 No engine, no model: a `KVCacheManager` and its `BlockPool` built by vLLM for a given
 geometry, requests with real block hashes, and the scheduler's call order for a
 colocated prefill (one step or chunked), a decode-side remote load, and a sibling lookup.
+`PrefillDecodePair` chains them into a P/D pair serving a sequence of requests, each
+planned from the prefill engine's own junction, as the connector plans it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-from connectors.replay_slack import RequestPlan
-from connectors.vllm_adapter import BlockPoolOps, Geometry, build_kv_cache_manager
+from connectors.replay_slack import RequestPlan, plan_request
+from connectors.vllm_adapter import BlockPoolOps, CacheRules, Geometry, build_kv_cache_manager
 
 init_none_hash(sha256)
 
@@ -60,8 +62,13 @@ class Engine:
     def new_request(self, request_id: str, tokens: list[int]) -> Request:
         return make_request(request_id, tokens, self.geometry.hash_block_size)
 
-    def prefill(self, request: Request, chunk: int | None = None) -> None:
-        """Compute the whole prompt locally, in one step or in chunks, as the scheduler would."""
+    def prefill(self, request: Request, chunk: int | None = None) -> int:
+        """Compute the whole prompt locally, in one step or in chunks, as the scheduler would.
+
+        Returns the local prefix-cache hit at admission. Like the scheduler, stores the
+        lookup's junction in `request.shared_prefix_boundary` before allocating, so the
+        core caches the junction's sliding-window run too.
+        """
         blocks, hit, boundary = self.manager.get_computed_blocks(request)
         request.shared_prefix_boundary = boundary
         remaining = request.num_prompt_tokens - hit
@@ -77,6 +84,14 @@ class Engine:
             request.num_computed_tokens += step + (hit if first else 0)
             remaining -= step
             first = False
+        return hit
+
+    def serve(self, request_id: str, tokens: list[int], chunk: int | None = None) -> int:
+        """Serve one prompt colocated (prefill, then free); returns its local hit at admission."""
+        request = self.new_request(request_id, tokens)
+        hit = self.prefill(request, chunk)
+        self.free(request)
+        return hit
 
     def finish_for_transfer(self, request: Request) -> tuple[list[int], ...]:
         """What `_connector_finished` does before calling the connector: free out-of-window blocks."""
@@ -96,10 +111,10 @@ class Engine:
         _, hit, _ = self.manager.get_computed_blocks(request)
         return hit
 
-    def remote_load(self, request: Request, plan: RequestPlan, publish_slack: bool = True) -> None:
+    def remote_load(self, request: Request, plan: RequestPlan, publish_slack: bool = True) -> int:
         """Receive the prompt as external tokens, the way the decode engine's scheduler and
         our connector do: allocate with the load delayed, publish the slack into shadow
-        blocks, then let the core cache what it allocated."""
+        blocks, then let the core cache what it allocated. Returns the local hit at admission."""
         blocks, hit, boundary = self.manager.get_computed_blocks(request)
         request.shared_prefix_boundary = boundary
         external = request.num_prompt_tokens - hit
@@ -122,7 +137,63 @@ class Engine:
                 ops.release(shadows)
         request.num_computed_tokens = request.num_prompt_tokens
         self.manager.cache_blocks(request, request.num_computed_tokens)
+        return hit
 
     def real_table_indices(self, request: Request, group_id: int) -> list[int]:
         """Logical indices of the request's non-null blocks in one group."""
         return [i for i, b in enumerate(self.ops.request_blocks(request.request_id)[group_id]) if not b.is_null]
+
+
+@dataclass(frozen=True)
+class ServedRequest:
+    """One request served by a `PrefillDecodePair`: both engines' local hits and the plan moved."""
+
+    prefill_hit: int
+    decode_hit: int
+    plan: RequestPlan
+    # Logical blocks the plan publishes on decode that the prefill engine did not have
+    # cached when the request finished (so it could not have held and sent them).
+    unheld_publish_blocks: dict[int, tuple[int, ...]]
+
+
+@dataclass
+class PrefillDecodePair:
+    """A prefill engine and a decode engine serving requests one after another.
+
+    Each request is prefilled on P (optionally chunked), planned from P's own junction
+    (`CacheRules.shared_prefix_tokens`, read after P's lookup, where the connector reads
+    it), and loaded on D, which holds only what the plan moves: the core's allocation
+    for the external tokens plus the plan's publish set. `junctions=False` plans the
+    replay boundaries only, as the planner did before junctions.
+    """
+
+    prefill: Engine
+    decode: Engine
+    rules: CacheRules
+    chunk: int | None = None
+    junctions: bool = True
+
+    @classmethod
+    def create(cls, geometry: Geometry, num_tokens: int, chunk: int | None = None, junctions: bool = True
+               ) -> PrefillDecodePair:
+        return cls(Engine.create(geometry, num_tokens), Engine.create(geometry, num_tokens),
+                   CacheRules.for_geometry(geometry), chunk, junctions)
+
+    def serve(self, request_id: str, tokens: list[int]) -> ServedRequest:
+        on_prefill = self.prefill.new_request(request_id, tokens)
+        prefill_hit = self.prefill.prefill(on_prefill, self.chunk)
+        junction = CacheRules.shared_prefix_tokens(on_prefill) if self.junctions else None
+        plan = plan_request(self.rules, len(tokens), shared_prefix_tokens=junction)
+        unheld = {
+            group.group_id: tuple(
+                i for i in group.publish_blocks
+                if not self.prefill.ops.is_cached_for(on_prefill, group.group_id, group.block_size, i)
+            )
+            for group in plan.groups
+        }
+        self.prefill.finish_for_transfer(on_prefill)
+        self.prefill.free(on_prefill)
+        on_decode = self.decode.new_request(request_id, tokens)
+        decode_hit = self.decode.remote_load(on_decode, plan)
+        self.decode.free(on_decode)
+        return ServedRequest(prefill_hit, decode_hit, plan, {g: b for g, b in unheld.items() if b})

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from connectors.geometry import Geometry, GroupGeometry, UnsupportedLayout, consecutive_runs
 
@@ -28,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, required=True, help="prompt length N (tokens)")
     p.add_argument("--eagle", action=argparse.BooleanOptionalAction, default=True,
                    help="EAGLE/MTP speculative decoding (the lookup drops one aligned block)")
+    p.add_argument("--shared-prefix-tokens", type=int, default=None, metavar="J",
+                   help="the request's shared-prefix junction (vLLM's Request.shared_prefix_boundary: where an "
+                        "earlier sibling's full-attention hit ran past the sliding window's); its runs are planned too")
     p.add_argument("--retention-interval", type=int, default=0,
                    help="vLLM prefix_cache_retention_interval (0 = replay boundaries only, the default; -1 = dense)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -40,6 +41,8 @@ def _geometry(args: argparse.Namespace) -> Geometry:
             raise UnsupportedLayout(f"{flag} must be positive, got {value}")
     if args.window <= 0:
         raise UnsupportedLayout(f"--window must be positive, got {args.window}")
+    if args.shared_prefix_tokens is not None and args.shared_prefix_tokens < 0:
+        raise UnsupportedLayout(f"--shared-prefix-tokens must be >= 0, got {args.shared_prefix_tokens}")
     one_block = max(args.fa_block_size, args.swa_block_size)
     if args.prompt_tokens < one_block:
         raise UnsupportedLayout(f"--prompt-tokens {args.prompt_tokens} is shorter than one block ({one_block})")
@@ -59,6 +62,9 @@ def plan_as_dict(plan: RequestPlan, stock: RequestPlan) -> dict[str, Any]:
         "expected_sibling_hit_tokens": plan.expected_sibling_hit_tokens,
         "expected_resend_hit_tokens": plan.expected_resend_hit_tokens,
         "stock_sibling_hit_tokens": stock.expected_sibling_hit_tokens,
+        "shared_prefix_tokens": plan.shared_prefix_tokens,
+        "expected_junction_hit_tokens": plan.expected_junction_hit_tokens,
+        "stock_junction_hit_tokens": stock.expected_junction_hit_tokens,
         "groups": [
             {
                 "kind": g.kind,
@@ -81,9 +87,10 @@ def _ranges(indices: list[int]) -> str:
 
 
 def _table(report: dict[str, Any]) -> str:
+    junction = report["shared_prefix_tokens"]
     lines = [
         f"prompt {report['prompt_tokens']} tokens, alignment {report['alignment']}, "
-        f"replay boundaries {report['replay_boundaries']}",
+        f"replay boundaries {report['replay_boundaries']}" + (f", junction {junction}" if junction else ""),
         f"{'group':<16}{'block':>6}  {'tail (core keeps)':<20}{'slack':<22}{'transfer':<26}publish on decode",
     ]
     for g in report["groups"]:
@@ -95,6 +102,11 @@ def _table(report: dict[str, Any]) -> str:
         f"decode-local hit of a sibling: {report['expected_sibling_hit_tokens']} tokens "
         f"(resend {report['expected_resend_hit_tokens']}; stock tail-only transfer: {report['stock_sibling_hit_tokens']})"
     )
+    if junction:
+        lines.append(
+            f"decode-local hit of a later sibling sharing the prefix through the junction: "
+            f"{report['expected_junction_hit_tokens']} tokens (stock: {report['stock_junction_hit_tokens']})"
+        )
     return "\n".join(lines)
 
 
@@ -110,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedLayout as exc:
         print(f"pdconnect plan: error: {exc}", file=sys.stderr)
         return 2
-    plan = plan_request(rules, args.prompt_tokens, expected_hits=True)
-    stock = plan_request(rules, args.prompt_tokens, replay_slack=False, expected_hits=True)
+    junction = args.shared_prefix_tokens
+    plan = plan_request(rules, args.prompt_tokens, shared_prefix_tokens=junction, expected_hits=True)
+    stock = plan_request(rules, args.prompt_tokens, shared_prefix_tokens=junction, replay_slack=False,
+                         expected_hits=True)
     report = plan_as_dict(plan, stock)
     print(json.dumps(report) if args.json else _table(report))
     return 0

@@ -7,7 +7,12 @@ For a prompt of N tokens, each KV cache group's plan says:
   still covers (`get_num_skipped_tokens`).
 - `cached_blocks`: the blocks a colocated engine publishes into its prefix cache for
   this prompt: the sliding-window mask (`reachable_block_mask`) at the prompt's replay
-  boundaries (`replay_boundaries`), below the cacheable limit (`get_num_cacheable_tokens`).
+  boundaries (`replay_boundaries`) and at its shared-prefix junction
+  (`Request.shared_prefix_boundary`: where the full-attention hit ran past the sliding
+  window's, so that the next sibling of the prefix hits there), below the cacheable
+  limit (`get_num_cacheable_tokens`). A group vLLM does not prefix-cache at all
+  (DeepSeek-V4.1's bounded sliding-window replay) caches nothing: it moves its window
+  and publishes nothing.
 - `slack_blocks`: cached blocks below the tail. The stock connectors never send them,
   so the decode engine never has them and its sliding-window group cannot serve a
   sibling's lookup: with EAGLE the hit collapses to 0. We keep them on the prefill
@@ -22,7 +27,7 @@ real `find_longest_cache_hit` over exactly the blocks the plan leaves cached on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from connectors.geometry import GroupKind
 from connectors.vllm_adapter import CacheRules, GroupRules
@@ -60,6 +65,12 @@ class RequestPlan:
     groups: tuple[GroupPlan, ...]
     expected_sibling_hit_tokens: int | None = field(default=None)
     expected_resend_hit_tokens: int | None = field(default=None)
+    # The junction the plan was computed for (None: none), and the decode-local hit of a
+    # later sibling that shares this prompt's first `shared_prefix_tokens + alignment`
+    # tokens (capped at the prompt): the shortest shared prefix whose full-attention hit
+    # still reaches the junction after EAGLE's drop, i.e. the next sibling of the prefix.
+    shared_prefix_tokens: int | None = field(default=None)
+    expected_junction_hit_tokens: int | None = field(default=None)
 
     @property
     def slack_block_count(self) -> int:
@@ -82,19 +93,10 @@ def stock_tail_blocks(rules: CacheRules, group_id: int, num_tokens: int) -> tupl
     return tuple(range(first_kept, num_blocks))
 
 
-def _cached_blocks(rules: CacheRules, group: GroupRules, num_tokens: int, boundaries: tuple[int, ...]) -> tuple[int, ...]:
-    if not group.prefix_cacheable:
-        return ()
-    end_block = rules.cacheable_tokens(group.group_id, num_tokens) // group.block_size
-    mask = rules.reachable_mask(group.group_id, end_block, boundaries)
-    return tuple(i for i in range(end_block) if mask is None or mask[i])
-
-
 def _plan_group(
-    rules: CacheRules, group: GroupRules, num_tokens: int, boundaries: tuple[int, ...], replay_slack: bool
+    rules: CacheRules, group: GroupRules, num_tokens: int, cached: tuple[int, ...], replay_slack: bool
 ) -> GroupPlan:
     tail = stock_tail_blocks(rules, group.group_id, num_tokens)
-    cached = _cached_blocks(rules, group, num_tokens, boundaries)
     first_kept = tail[0] if tail else 0
     slack = tuple(i for i in cached if i < first_kept) if replay_slack else ()
     return GroupPlan(
@@ -110,33 +112,52 @@ def _plan_group(
 
 
 def plan_request(
-    rules: CacheRules, num_prompt_tokens: int, *, replay_slack: bool = True, expected_hits: bool = False
+    rules: CacheRules,
+    num_prompt_tokens: int,
+    *,
+    shared_prefix_tokens: int | None = None,
+    replay_slack: bool = True,
+    expected_hits: bool = False,
 ) -> RequestPlan:
     """Plan one request of `num_prompt_tokens` on an engine whose cache follows `rules`.
 
+    `shared_prefix_tokens` is the request's shared-prefix junction on the prefill engine
+    (`CacheRules.shared_prefix_tokens(request)`, read after vLLM's own lookup set it);
+    None or 0 when there is none. The runs vLLM keeps below it join the slack, so the
+    next sibling of the prefix hits on decode as it would on a colocated engine.
     `replay_slack=False` gives what today's connectors do (the tail only), for A/B runs.
-    `expected_hits=True` also runs vLLM's lookup for the resend and extension siblings.
+    `expected_hits=True` also runs vLLM's lookup for the resend and extension siblings,
+    and, with a junction, for a sibling sharing only the prefix up to it.
     """
     if num_prompt_tokens <= 0:
         raise ValueError(f"a request needs at least one prompt token, got {num_prompt_tokens}")
-    boundaries = rules.replay_boundaries(num_prompt_tokens)
+    if shared_prefix_tokens is not None and shared_prefix_tokens < 0:
+        raise ValueError(f"shared_prefix_tokens must be >= 0, got {shared_prefix_tokens}")
+    junction = shared_prefix_tokens or None
+    cached = rules.cached_blocks(num_prompt_tokens, junction)
     groups = tuple(
-        _plan_group(rules, group, num_prompt_tokens, boundaries, replay_slack) for group in rules.groups
+        _plan_group(rules, group, num_prompt_tokens, cached[group.group_id], replay_slack) for group in rules.groups
     )
     plan = RequestPlan(
         num_prompt_tokens=num_prompt_tokens,
         alignment=rules.alignment,
-        replay_boundaries=boundaries,
+        replay_boundaries=rules.replay_boundaries(num_prompt_tokens),
         replay_slack=replay_slack,
         groups=groups,
+        shared_prefix_tokens=junction,
     )
     if not expected_hits:
         return plan
-    cached = plan.decode_cached_blocks()
+    on_decode = plan.decode_cached_blocks()
     # The extension sibling adds one alignment of new tokens: enough that the lookup is
     # capped by the shared content rather than by the sibling's own length.
-    return RequestPlan(
-        **{name: getattr(plan, name) for name in plan.__dataclass_fields__ if not name.startswith("expected")},
-        expected_sibling_hit_tokens=rules.lookup_hit(cached, num_prompt_tokens, num_prompt_tokens + rules.alignment),
-        expected_resend_hit_tokens=rules.lookup_hit(cached, num_prompt_tokens, num_prompt_tokens),
+    longer = num_prompt_tokens + rules.alignment
+    return replace(
+        plan,
+        expected_sibling_hit_tokens=rules.lookup_hit(on_decode, num_prompt_tokens, longer),
+        expected_resend_hit_tokens=rules.lookup_hit(on_decode, num_prompt_tokens, num_prompt_tokens),
+        expected_junction_hit_tokens=(
+            None if junction is None
+            else rules.lookup_hit(on_decode, min(junction + rules.alignment, num_prompt_tokens), longer)
+        ),
     )

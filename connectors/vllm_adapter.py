@@ -7,8 +7,9 @@ real classes so a drift shows up as a failing test, not as a silently wrong plan
 
 Two views are offered:
 - `CacheRules`: the arithmetic the core applies to one request (which blocks a
-  sliding window frees, which blocks its prefix cache keeps, what a lookup would hit),
-  always delegated to a real coordinator, never re-implemented;
+  sliding window frees, which blocks its prefix cache keeps — replay boundaries and
+  shared-prefix junction alike —, what a lookup would hit), always delegated to a real
+  coordinator, never re-implemented;
 - `BlockPoolOps`: the handful of block-pool operations the connector performs itself
   (hold, release, allocate shadow blocks, publish them under a request's hashes).
 """
@@ -34,6 +35,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
@@ -60,7 +62,13 @@ def _spec(group: GroupGeometry) -> KVCacheSpec:
     # Head geometry does not affect any block arithmetic; it only sizes pages.
     common = dict(block_size=group.block_size, num_kv_heads=1, head_size=64, dtype=torch.float16)
     if group.kind == "sliding_window":
+        if not group.prefix_cacheable:
+            # The one sliding window vLLM does not prefix-cache: DeepSeek-V4.1's bounded
+            # replay (the spec itself says so, through `prefix_cacheable`).
+            return SlidingWindowMLASpec(sliding_window=group.sliding_window, bounded_replay=True, **common)
         return SlidingWindowSpec(sliding_window=group.sliding_window, **common)
+    if not group.prefix_cacheable:
+        raise UnsupportedLayout("vLLM has no non-cacheable full-attention group pdconnect could plan")
     return FullAttentionSpec(**common)
 
 
@@ -118,8 +126,11 @@ class _IndexedCacheView:
     (`_probe_hash`), so the answer is the real lookup's answer for the given content.
     """
 
-    def __init__(self, hash_block_size: int, block_sizes: Sequence[int], cached: Mapping[int, set[int]]):
+    def __init__(
+        self, hash_block_size: int, block_sizes: Sequence[int], cached: Mapping[int, set[int]], lookahead: int = 0
+    ):
         self.hash_block_size = hash_block_size
+        self.num_hash_lookahead_tokens = lookahead
         self.null_block = KVCacheBlock(block_id=0)
         self._block_sizes = block_sizes
         self._cached = cached
@@ -139,6 +150,56 @@ class _IndexedCacheView:
         return blocks
 
 
+class _RecordingPool:
+    """Stands in for a `BlockPool` while the core caches a probe request: records, per group,
+    which logical blocks `cache_full_blocks` would insert (mask applied), and stores nothing."""
+
+    def __init__(self, hash_block_size: int, num_hash_lookahead_tokens: int):
+        self.hash_block_size = hash_block_size
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        self.null_block = KVCacheBlock(block_id=0)
+        self.cached: dict[int, set[int]] = {}
+
+    def cache_full_blocks(
+        self,
+        request: object,
+        blocks: object,
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
+        **_: object,
+    ) -> None:
+        recorded = self.cached.setdefault(kv_cache_group_id, set())
+        for offset, index in enumerate(range(num_cached_blocks, num_full_blocks)):
+            if block_mask is None or block_mask[offset]:
+                recorded.add(index)
+
+    def cache_partial_block(self, **_: object) -> None:
+        # Full attention's partial prompt tail: a sub-block entry, never a block a plan moves.
+        return None
+
+
+@dataclass
+class _ProbeRequest:
+    """The fields of a `Request` the core's `cache_blocks` reads, for a prompt with no content.
+
+    `block_hashes` only needs the right length: the recording pool never reads a hash.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    shared_prefix_boundary: int
+    block_hashes: list[None]
+    num_computed_tokens: int = 0
+    replay_start: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens
+
+
 def _probe_hash(fine_index: int, shared: bool) -> bytes:
     return bytes([shared]) + fine_index.to_bytes(8, "big")
 
@@ -154,7 +215,7 @@ class CacheRules:
     a `Geometry` (CLI, tests). Every method delegates to vLLM's functions.
     """
 
-    def __init__(self, coordinator: KVCacheCoordinator, prefix_cacheable: Sequence[bool] | None = None):
+    def __init__(self, coordinator: KVCacheCoordinator):
         self._coordinator = coordinator
         config = coordinator.kv_cache_config
         groups = []
@@ -166,14 +227,16 @@ class CacheRules:
                 block_size=manager.block_size,
                 sliding_window=getattr(spec, "sliding_window", None),
                 eagle=bool(getattr(manager, "use_eagle", False)),
-                prefix_cacheable=spec.prefix_cacheable if prefix_cacheable is None else prefix_cacheable[gid],
+                prefix_cacheable=spec.prefix_cacheable,
             ))
         self.groups: tuple[GroupRules, ...] = tuple(groups)
         self._probe: KVCacheCoordinator | None = None
+        self._cache_probe: KVCacheCoordinator | None = None
 
     @classmethod
     def for_geometry(cls, geometry: Geometry) -> CacheRules:
-        return cls(_build_coordinator(geometry), [g.prefix_cacheable for g in geometry.groups])
+        # The geometry's `prefix_cacheable` is in the specs vLLM was given: read it back.
+        return cls(_build_coordinator(geometry))
 
     @classmethod
     def for_manager(cls, manager: KVCacheManager) -> CacheRules:
@@ -195,7 +258,19 @@ class CacheRules:
 
     @property
     def use_eagle(self) -> bool:
-        return bool(self._coordinator.eagle_group_ids)
+        """Whether any group takes the EAGLE drop (what `cache_blocks` passes to `replay_boundaries`).
+
+        vLLM 0.33 separates the groups that hold draft layers (`eagle_group_ids`) from
+        those that drop a block (`drop_eagle_group_ids`: none under lookahead hashes);
+        0.32 has only the first, which then means both.
+        """
+        coordinator = self._coordinator
+        return bool(getattr(coordinator, "drop_eagle_group_ids", coordinator.eagle_group_ids))
+
+    @property
+    def num_hash_lookahead_tokens(self) -> int:
+        """Tokens after each block its hash covers (vLLM 0.33; always 0 with a KV connector)."""
+        return getattr(self._coordinator.block_pool, "num_hash_lookahead_tokens", 0)
 
     @property
     def retention_interval(self) -> int | None:
@@ -203,6 +278,54 @@ class CacheRules:
 
     def replay_boundaries(self, num_prompt_tokens: int) -> tuple[int, ...]:
         return replay_boundaries(num_prompt_tokens, self.scheduler_block_size, use_eagle=self.use_eagle)
+
+    @staticmethod
+    def shared_prefix_tokens(request: Request | object) -> int | None:
+        """The shared-prefix junction vLLM pinned for a live request, or None when there is none.
+
+        The scheduler stores `get_computed_blocks`' third result in
+        `Request.shared_prefix_boundary` when the request is admitted (0: no junction), so
+        read it after that lookup: on the prefill engine, in `get_num_new_matched_tokens`.
+        A vLLM without the attribute, or a value that is not a positive int, reads as None.
+        """
+        boundary = getattr(request, "shared_prefix_boundary", None)
+        if isinstance(boundary, bool) or not isinstance(boundary, int) or boundary <= 0:
+            return None
+        return boundary
+
+    def cached_blocks(
+        self, num_prompt_tokens: int, shared_prefix_tokens: int | None = None
+    ) -> dict[int, tuple[int, ...]]:
+        """Per group, the logical blocks a colocated engine's prefix cache keeps for this prompt.
+
+        Runs the core's own `KVCacheCoordinator.cache_blocks` for the whole prompt on a
+        private coordinator whose pool only records what it is asked to insert: the
+        cacheable limit, the replay boundaries, the shared-prefix junction (and whatever
+        else this vLLM adds to the reachable boundaries), the sliding-window mask and
+        groups vLLM does not cache at all come out exactly as the engine applies them.
+        """
+        if num_prompt_tokens <= 0:
+            raise ValueError(f"a prompt needs at least one token, got {num_prompt_tokens}")
+        probe = self._cache_probe_coordinator()
+        pool = _RecordingPool(self.hash_block_size, self.num_hash_lookahead_tokens)
+        probe.block_pool = pool  # type: ignore[assignment]
+        for manager in probe.single_type_managers:
+            manager.block_pool = pool  # type: ignore[assignment]
+        request = _ProbeRequest(
+            request_id="pdconnect-cache-probe",
+            num_prompt_tokens=num_prompt_tokens,
+            shared_prefix_boundary=shared_prefix_tokens or 0,
+            block_hashes=[None] * (num_prompt_tokens // self.hash_block_size),
+        )
+        try:
+            probe.cache_blocks(request, num_prompt_tokens)  # type: ignore[arg-type]
+        finally:
+            # The probe keeps per-request bookkeeping like any manager; drop it so the
+            # next prompt starts from nothing cached.
+            for manager in probe.single_type_managers:
+                manager.req_to_blocks.pop(request.request_id, None)
+                manager.num_cached_block.pop(request.request_id, None)
+        return {g.group_id: tuple(sorted(pool.cached.get(g.group_id, ()))) for g in self.groups}
 
     def skipped_tokens(self, group_id: int, num_computed_tokens: int) -> int:
         """Tokens whose blocks the group frees once `num_computed_tokens` are processed."""
@@ -235,7 +358,10 @@ class CacheRules:
         `shared_tokens` match content of which `cached` (group -> logical block indices) is
         in the prefix cache. Runs the real `find_longest_cache_hit` on a probe coordinator."""
         probe = self._probe_coordinator()
-        view = _IndexedCacheView(self.hash_block_size, [g.block_size for g in self.groups], cached)
+        view = _IndexedCacheView(
+            self.hash_block_size, [g.block_size for g in self.groups], cached, self.num_hash_lookahead_tokens
+        )
+        probe.block_pool = view  # type: ignore[assignment]
         for manager in probe.single_type_managers:
             manager.block_pool = view  # type: ignore[assignment]
         hashes = [_probe_hash(i, (i + 1) * self.hash_block_size <= shared_tokens)
@@ -244,23 +370,34 @@ class CacheRules:
         return hit
 
     def _probe_coordinator(self) -> KVCacheCoordinator:
-        # A private coordinator of the same configuration: its managers' pool reference is
-        # swapped for the probe view, which must never happen to the live one.
         if self._probe is None:
-            live = self._coordinator
-            self._probe = get_kv_cache_coordinator(
-                kv_cache_config=live.kv_cache_config,
-                max_model_len=1 << 30,
-                max_in_flight_tokens=1 << 30,
-                use_eagle=self.use_eagle,
-                enable_caching=True,
-                enable_kv_cache_events=False,
-                dcp_world_size=1,
-                pcp_world_size=1,
-                scheduler_block_size=live.scheduler_block_size,
-                hash_block_size=self.hash_block_size,
-            )
+            self._probe = self._private_coordinator()
         return self._probe
+
+    def _cache_probe_coordinator(self) -> KVCacheCoordinator:
+        if self._cache_probe is None:
+            self._cache_probe = self._private_coordinator()
+        return self._cache_probe
+
+    def _private_coordinator(self) -> KVCacheCoordinator:
+        # A private coordinator of the same configuration: its managers' pool reference is
+        # swapped for a probe view, which must never happen to the live one.
+        live = self._coordinator
+        # Only a vLLM that has lookahead hashes takes the argument; 0 is its default.
+        lookahead = {"num_hash_lookahead_tokens": n} if (n := self.num_hash_lookahead_tokens) else {}
+        return get_kv_cache_coordinator(
+            kv_cache_config=live.kv_cache_config,
+            max_model_len=1 << 30,
+            max_in_flight_tokens=1 << 30,
+            use_eagle=self.use_eagle,
+            enable_caching=True,
+            enable_kv_cache_events=False,
+            dcp_world_size=1,
+            pcp_world_size=1,
+            scheduler_block_size=live.scheduler_block_size,
+            hash_block_size=self.hash_block_size,
+            **lookahead,
+        )
 
 
 class BlockPoolOps:
@@ -302,6 +439,10 @@ class BlockPoolOps:
 
     def cached_block(self, request: Request, group_id: int, block_size: int, index: int) -> KVCacheBlock | None:
         """The block cached for logical `index` of `request` in this group, if any."""
+        if block_size % self._pool.hash_block_size:
+            # Finer than the hash unit: only a group vLLM does not prefix-cache (the unit is
+            # the gcd of the cacheable groups), so nothing of it is ever cached.
+            return None
         hashes = resolve_block_hashes(request.block_hashes, self._pool.hash_block_size, block_size)
         if index >= len(hashes):
             return None

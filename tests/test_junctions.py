@@ -1,0 +1,219 @@
+"""Shared-prefix junctions: every later sibling hits on decode what it hits on a colocated engine.
+
+vLLM keeps sliding-window blocks at a request's replay boundaries and at its shared-prefix
+junction (`Request.shared_prefix_boundary`: where the full-attention hit ran past the
+sliding window's). A colocated engine therefore serves the third sibling of a prefix even
+when each sibling's suffix is longer than a block; a decode engine serves it only if the
+plan moved and published the junction's run too. Every expected hit here is measured on
+a real vLLM `KVCacheManager` serving the same sequence colocated (`kvsim.Engine`); the
+P/D side is a real prefill manager and a real decode manager holding only what each
+request's plan moves (`kvsim.PrefillDecodePair`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from connectors.kvsim import Engine, PrefillDecodePair, random_tokens
+from connectors.plan_cli import main as plan_main
+from connectors.replay_slack import plan_request
+from connectors.vllm_adapter import CacheRules, Geometry, GroupGeometry
+from tests.test_replay_slack import GEOMETRIES
+
+SWA = 1
+SIBLINGS = 4  # x+a, x+b, x+c, x+d
+
+
+def _geometry(name: str, eagle: bool, cacheable: bool = True) -> Geometry:
+    fa, swa, window = GEOMETRIES[name]
+    return Geometry((
+        GroupGeometry("full_attention", fa, eagle=eagle),
+        GroupGeometry("sliding_window", swa, window, eagle=eagle, prefix_cacheable=cacheable),
+    ))
+
+
+def _siblings(prefix_len: int, suffix_len: int, count: int = SIBLINGS) -> list[list[int]]:
+    prefix = random_tokens(prefix_len, seed=prefix_len)
+    return [prefix + random_tokens(suffix_len, seed=1000 + k) for k in range(count)]
+
+
+@dataclass
+class Served:
+    """Per request of a sequence: hits at admission, colocated and on the P/D pair."""
+
+    colocated: list[int]
+    prefill: list[int]
+    decode: list[int]
+    unheld: list[dict[int, tuple[int, ...]]]
+    colocated_cache_mismatches: list[str]
+
+
+def _serve(geometry: Geometry, prompts: list[list[int]], chunk: int | None, junctions: bool = True) -> Served:
+    size = sum(len(p) for p in prompts)
+    colocated = Engine.create(geometry, size)
+    rules = CacheRules.for_geometry(geometry)
+    pair = PrefillDecodePair.create(geometry, size, chunk=chunk, junctions=junctions)
+    colocated_hits, mismatches = [], []
+    for k, tokens in enumerate(prompts):
+        request = colocated.new_request(f"r{k}", tokens)
+        before = {g: colocated.cached_indices(request, g) for g in range(len(geometry.groups))}
+        colocated_hits.append(colocated.prefill(request))
+        # The plan for this request, from this engine's own junction, names exactly what
+        # the real core just added to its prefix cache.
+        plan = plan_request(rules, len(tokens), shared_prefix_tokens=CacheRules.shared_prefix_tokens(request))
+        for group in plan.groups:
+            after = colocated.cached_indices(request, group.group_id)
+            if after != before[group.group_id] | set(group.cached_blocks):
+                mismatches.append(f"request {k} group {group.group_id}: core {sorted(after)}, "
+                                  f"before {sorted(before[group.group_id])}, plan {group.cached_blocks}")
+        colocated.free(request)
+    served = [pair.serve(f"r{k}", tokens) for k, tokens in enumerate(prompts)]
+    return Served(
+        colocated=colocated_hits,
+        prefill=[s.prefill_hit for s in served],
+        decode=[s.decode_hit for s in served],
+        unheld=[s.unheld_publish_blocks for s in served],
+        colocated_cache_mismatches=mismatches,
+    )
+
+
+def _assert_parity(served: Served) -> None:
+    assert served.colocated_cache_mismatches == []
+    assert served.prefill == served.colocated  # P is a colocated engine that only prefills
+    assert served.decode == served.colocated
+    assert served.unheld == [{}] * len(served.decode), "P must have cached every block D publishes"
+
+
+SIBLING_CASES = [
+    pytest.param(name, eagle, prefix, suffix, chunk,
+                 id=f"{name}-{'eagle' if eagle else 'no-eagle'}-x{prefix}+{suffix}-{'chunk' + str(chunk) if chunk else 'one-step'}")
+    for name in GEOMETRIES for eagle in (True, False) for prefix in (1100, 5131)
+    for suffix in (40, 300) for chunk in (None, 512)
+]
+
+
+@pytest.mark.parametrize(("name", "eagle", "prefix", "suffix", "chunk"), SIBLING_CASES)
+def test_every_sibling_hits_on_decode_what_it_hits_on_a_colocated_engine(name, eagle, prefix, suffix, chunk):
+    served = _serve(_geometry(name, eagle), _siblings(prefix, suffix), chunk)
+    _assert_parity(served)
+    if suffix > GEOMETRIES[name][0]:
+        # Long suffixes: x+b cannot reuse x+a's replay runs; from x+c on the junction serves.
+        assert served.colocated[1] == 0 and served.colocated[2] > 0
+
+
+@pytest.mark.parametrize("eagle", [True, False], ids=["eagle", "no-eagle"])
+@pytest.mark.parametrize("name", list(GEOMETRIES))
+def test_without_junction_planning_the_third_long_suffix_sibling_loses_its_hit(name, eagle):
+    prompts = _siblings(1100, 300)
+    colocated = _serve(_geometry(name, eagle), prompts, chunk=None)
+    replay_only = _serve(_geometry(name, eagle), prompts, chunk=None, junctions=False)
+
+    assert colocated.colocated[2] > 0
+    assert replay_only.decode[2] == 0 < replay_only.colocated[2]
+
+
+def test_issue_9_example_third_sibling_hits_896_on_decode():
+    """Issue 9's measurement on real engines (1100-token prefix, 300-token suffixes, blocks 128,
+    window 64, EAGLE): colocated hits 0 on x+b and 896 on x+c; decode used to hit 0 on x+c."""
+    geometry = _geometry("equal-blocks-128-w64", eagle=True)
+    prompts = _siblings(1100, 300)
+
+    with_junctions = _serve(geometry, prompts, chunk=512)
+    replay_only = _serve(geometry, prompts, chunk=512, junctions=False)
+
+    assert with_junctions.colocated == [0, 0, 896, 896]
+    assert with_junctions.decode == [0, 0, 896, 896]
+    assert replay_only.decode == [0, 0, 0, 0]
+
+
+def _prompt_tree(seed: int, count: int = 7) -> list[list[int]]:
+    """Prompts that branch off earlier ones at random points: chat-like sharing at many depths."""
+    rng = random.Random(seed)
+    prompts = [random_tokens(rng.randrange(600, 3000), seed=seed * 100)]
+    for k in range(1, count):
+        parent = rng.choice(prompts)
+        keep = rng.randrange(min(len(parent), 300), len(parent) + 1)
+        prompts.append(parent[:keep] + random_tokens(rng.randrange(1, 700), seed=seed * 100 + k))
+    return prompts
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("eagle", [True, False], ids=["eagle", "no-eagle"])
+@pytest.mark.parametrize("name", list(GEOMETRIES))
+def test_branching_conversations_hit_on_decode_what_they_hit_colocated(name, eagle, seed):
+    _assert_parity(_serve(_geometry(name, eagle), _prompt_tree(seed), chunk=700 if seed % 2 else None))
+
+
+def test_shared_prefix_tokens_reads_the_junction_vllms_lookup_pinned():
+    geometry = _geometry("equal-blocks-128-w64", eagle=True)
+    engine = Engine.create(geometry, 4000)
+    first, second = _siblings(1100, 300, count=2)
+    engine.serve("x+a", first)
+    request = engine.new_request("x+b", second)
+    assert CacheRules.shared_prefix_tokens(request) is None  # before admission: no lookup yet
+
+    engine.prefill(request)
+
+    assert CacheRules.shared_prefix_tokens(request) == request.shared_prefix_boundary == 896
+    for absent in (object(), type("R", (), {"shared_prefix_boundary": None})(),
+                   type("R", (), {"shared_prefix_boundary": 0})()):
+        assert CacheRules.shared_prefix_tokens(absent) is None
+
+
+def test_junction_runs_join_the_slack_and_the_publish_set():
+    rules = CacheRules.for_geometry(_geometry("equal-blocks-128-w64", eagle=True))
+    without = plan_request(rules, 1400, expected_hits=True)
+    with_junction = plan_request(rules, 1400, shared_prefix_tokens=896, expected_hits=True)
+    swa, swa0 = with_junction.groups[SWA], without.groups[SWA]
+
+    # The run vLLM keeps for a lookup resuming at 896 (EAGLE: blocks 6-7, 7 the peek block).
+    assert {6, 7} <= set(swa.slack_blocks) and not {6, 7} & set(swa0.slack_blocks)
+    assert set(swa0.slack_blocks) < set(swa.slack_blocks) == set(swa.publish_blocks)
+    assert swa.tail_blocks == swa0.tail_blocks and swa.transfer_blocks == swa.slack_blocks + swa.tail_blocks
+    assert with_junction.shared_prefix_tokens == 896 and without.shared_prefix_tokens is None
+    assert with_junction.expected_junction_hit_tokens == 896
+    assert with_junction.expected_sibling_hit_tokens == without.expected_sibling_hit_tokens
+    assert plan_request(rules, 1400, shared_prefix_tokens=0) == plan_request(rules, 1400)  # 0: vLLM's "none"
+    with pytest.raises(ValueError, match="shared_prefix_tokens"):
+        plan_request(rules, 1400, shared_prefix_tokens=-1)
+
+
+@pytest.mark.parametrize("eagle", [True, False], ids=["eagle", "no-eagle"])
+def test_bounded_replay_group_moves_its_window_and_publishes_nothing(eagle):
+    """DeepSeek-V4.1's bounded SWA replay: vLLM does not prefix-cache the group (the spec's
+    `prefix_cacheable` is False), so the plan moves the window tail only and publishes
+    nothing, junction or not; decode still hits what a colocated engine hits."""
+    geometry = _geometry("fa256-swa64-w128", eagle, cacheable=False)
+    rules = CacheRules.for_geometry(geometry)
+    assert not rules.groups[SWA].prefix_cacheable
+
+    for junction in (None, 4864):
+        swa = plan_request(rules, 5131, shared_prefix_tokens=junction).groups[SWA]
+        assert swa.cached_blocks == swa.slack_blocks == swa.publish_blocks == ()
+        assert swa.transfer_blocks == swa.tail_blocks == (78, 79, 80)
+
+    _assert_parity(_serve(geometry, _siblings(5131, 300), chunk=None))
+
+
+def test_plan_command_shows_the_junction_runs(capsys):
+    args = ["--fa-block-size", "128", "--swa-block-size", "128", "--window", "64", "--eagle",
+            "--prompt-tokens", "1400", "--json"]
+    assert plan_main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plan_main([*args, "--shared-prefix-tokens", "896"]) == 0
+    report = json.loads(capsys.readouterr().out)
+
+    assert plain["shared_prefix_tokens"] is None and plain["expected_junction_hit_tokens"] is None
+    assert report["shared_prefix_tokens"] == 896 and report["expected_junction_hit_tokens"] == 896
+    assert report["stock_junction_hit_tokens"] == 0
+    swa = report["groups"][SWA]
+    assert {6, 7} <= set(swa["publish_blocks"]) and not {6, 7} & set(plain["groups"][SWA]["publish_blocks"])
+
+    assert plan_main([*args[:-1], "--shared-prefix-tokens", "896"]) == 0
+    assert "junction 896" in capsys.readouterr().out
+    assert plan_main([*args, "--shared-prefix-tokens", "-5"]) == 2
+    assert "--shared-prefix-tokens" in capsys.readouterr().err
