@@ -1,17 +1,28 @@
-"""Transport throughput: each library's bare API against our interface, side by side.
+"""Transport throughput: each library's bare API against our pull path, made fair.
 
 For every transport, a spawned "prefill" process serves a registered pool of random
-bytes and this process pulls the same block sets two ways, interleaved run by run:
-- bare: the library called directly, one descriptor per block, the way a careful user
-  without pdconnect would (Mooncake `batch_transfer_sync_read`; NIXL `initialize_xfer`
-  + `transfer` + polling `check_xfer_state`);
-- ours: `kvlayout.pull_ranges` (layout arithmetic + `coalesce`) + `Transport.pull` +
-  `Transfer.wait`, i.e. everything the connector pays per request.
-Each path's bytes are checked against the prefill side once per case. GB/s are medians;
-ours/bare below 1 is our overhead, above 1 is coalescing paying off; best/best compares
-the fastest run of each, which is steadier than the median on a busy shared host.
+bytes and this process pulls the same block sets three ways, interleaved run by run
+(the order rotates, so no path always inherits a warm or a busy system):
+- bare: the library called directly by a careful user, starting from the same block
+  ids: descriptors computed with numpy (one per block, no coalescing), Mooncake
+  `batch_transfer_sync_read` in an engine started under the same environment ours sets
+  (raised TCP queue limits, the forced data path); NIXL `initialize_xfer` + `transfer` +
+  `check_xfer_state` polled with the same 20 us -> 1 ms backoff as ours, on an agent
+  without a progress thread (the public knob; the default is a busy loop that would
+  burn a core while the other paths are timed);
+- ours, uncoalesced: `kvlayout.pull_ranges(..., coalesced=False)` + `Transport.pull` +
+  `Transfer.wait`, i.e. everything the connector pays, sending the same ranges as bare;
+- ours: the same with coalescing, as the connector runs.
+"fair" = ours uncoalesced / bare (our overhead alone; >= 0.9 is the bar); "coalescing"
+= ours / ours uncoalesced (what merging adjacent ranges buys, reported on its own).
+GB/s are medians; best/best compares the fastest run of each, steadier on a busy host.
+CPU s/GB is the median over runs of (this process's + the peer process's CPU seconds)
+per GB moved, from `time.process_time` on both sides (every thread: the libraries'
+own threads count). Both clients live in this process for the whole run, so each
+path's CPU also holds the other client's idle threads (ours: one NIXL serving agent's
+progress thread, about 2% of a core).
 
-    python -m pdconnect.bench.transfer [--transport mooncake|nixl|all] [--repeats 7]
+    python -m pdconnect.bench.transfer [--transport mooncake|nixl|all] [--repeats 11]
                                        [--json PATH]
 """
 
@@ -25,21 +36,24 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from pdconnect.kvlayout import TensorLayout, pull_ranges
 from pdconnect.transfer import (
-    TRANSPORT_KINDS, Range, TransferState, Transport, create_transport, decode_metadata,
+    TRANSPORT_KINDS, TransferState, Transport, create_transport, decode_metadata,
 )
+from pdconnect.transfer._host import scoped_env
 from pdconnect.transfer.loopback import Buffer, LoopbackPeer, digest
 
 POOL_BYTES = 256 << 20
 PEER = "bench-prefill"
 TIMEOUT = 60.0
+PATHS = ("bare", "ours_uncoalesced", "ours")
 
 
 @dataclass(frozen=True)
@@ -86,9 +100,14 @@ class Result:
     case: str
     bytes: int
     bare_gbps: float
+    ours_uncoalesced_gbps: float
     ours_gbps: float
-    ratio: float
-    best_ratio: float
+    fair_ratio: float          # ours uncoalesced / bare, medians
+    fair_best_ratio: float     # the same, fastest run of each
+    coalescing_gain: float     # ours / ours uncoalesced, medians
+    bare_cpu_s_per_gb: float
+    ours_uncoalesced_cpu_s_per_gb: float
+    ours_cpu_s_per_gb: float
     bare_descriptors: int
     ours_descriptors: int
     repeats: int
@@ -104,23 +123,45 @@ def kv_layout(base_addr: int, pool_bytes: int, block_bytes: int) -> TensorLayout
 # --- the bare libraries ------------------------------------------------------------------
 
 
+@dataclass
+class Blocks:
+    """What either client starts from: two pools' addresses, a block size, and the
+    `(local, remote)` block ids as the Python list a scheduler hands over."""
+
+    local_base: int
+    remote_base: int
+    block_bytes: int
+    pairs: list[tuple[int, int]] = field(repr=False)
+
+    def addresses(self) -> tuple[Any, Any]:
+        """Per-block local and remote addresses, the vectorized way a careful user would."""
+        ids = np.array(self.pairs, dtype=np.int64).reshape(-1, 2)
+        return (self.local_base + ids[:, 0] * self.block_bytes,
+                self.remote_base + ids[:, 1] * self.block_bytes)
+
+
 class BareMooncake:
-    """A second Mooncake engine in this process, used exactly as its examples do."""
+    """A second Mooncake engine in this process, started under our engine's environment."""
 
     def __init__(self, local: Buffer, peer_metadata: bytes, protocol: str) -> None:
         from mooncake.engine import TransferEngine
 
+        from pdconnect.transfer.mooncake import engine_env
+
         self._engine = TransferEngine()
-        if self._engine.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "") != 0:
-            raise RuntimeError("bare Mooncake engine did not initialize")
+        # The same variables our transport sets (queue limits for thousands of
+        # descriptors, the forced data path): only the API in front differs.
+        with scoped_env(engine_env(protocol)):
+            if self._engine.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "") != 0:
+                raise RuntimeError("bare Mooncake engine did not initialize")
         if self._engine.register_memory(local.addr, local.size) != 0:
             raise RuntimeError("bare Mooncake engine did not register the pool")
         self._session = decode_metadata(peer_metadata).endpoint.decode()
 
-    def read(self, blocks: Sequence[Range]) -> bool:
+    def read(self, blocks: Blocks) -> bool:
+        local, remote = blocks.addresses()
         rc = self._engine.batch_transfer_sync_read(
-            self._session, [b[0] for b in blocks], [b[1] for b in blocks],
-            [b[2] for b in blocks])
+            self._session, local.tolist(), remote.tolist(), [blocks.block_bytes] * len(local))
         return bool(rc == 0)
 
     def close(self) -> None:
@@ -128,26 +169,34 @@ class BareMooncake:
 
 
 class BareNixl:
-    """A second NIXL agent in this process: descriptors, READ, poll until done."""
+    """A second NIXL agent in this process: descriptors, READ, poll with backoff."""
 
     def __init__(self, local: Buffer, peer_metadata: bytes, protocol: str) -> None:
         from pdconnect.transfer.nixl import load_nixl_api
 
         api = load_nixl_api()
-        self._agent = api.nixl_agent(f"bare-{uuid.uuid4().hex[:8]}",
-                                     api.nixl_agent_config(backends=["UCX"]))
+        # No progress thread: the reader's own polls progress it (the Python API's
+        # default thread is a busy loop that would eat a core during every timed run).
+        self._agent = api.nixl_agent(
+            f"bare-{uuid.uuid4().hex[:8]}",
+            api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self._agent.register_memory([(local.addr, local.size, 0, "")], "DRAM")
         self._remote = self._agent.add_remote_agent(decode_metadata(peer_metadata).endpoint)
 
-    def read(self, blocks: Sequence[Range]) -> bool:
-        from pdconnect.transfer.nixl import xfer_tables
-
-        local, remote = xfer_tables(blocks)  # the same numpy tables a careful user builds
+    def read(self, blocks: Blocks) -> bool:
+        local_addrs, remote_addrs = blocks.addresses()
+        local = np.zeros((len(local_addrs), 3), dtype=np.uint64)
+        remote = np.zeros((len(local_addrs), 3), dtype=np.uint64)
+        local[:, 0], remote[:, 0] = local_addrs, remote_addrs
+        local[:, 1] = remote[:, 1] = blocks.block_bytes
         handle = self._agent.initialize_xfer(
             "READ", self._agent.get_xfer_descs(local, "DRAM"),
             self._agent.get_xfer_descs(remote, "DRAM"), self._remote)
         state = self._agent.transfer(handle)
+        pause = 20e-6  # the backoff `Transfer.wait` uses
         while state == "PROC":
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
             state = self._agent.check_xfer_state(handle)
         self._agent.release_xfer_handle(handle)
         return bool(state == "DONE")
@@ -165,11 +214,25 @@ BARE: dict[str, Callable[[Buffer, bytes, str], BareMooncake | BareNixl]] = {
 # --- measuring ---------------------------------------------------------------------------
 
 
-def _timed(run: Callable[[], bool]) -> float:
+@dataclass
+class _Runs:
+    """One path's timed runs: wall seconds and CPU seconds (this process + the peer)."""
+
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+
+def _timed(run: Callable[[], bool], peer: LoopbackPeer, runs: _Runs) -> None:
+    peer_before = peer.cpu_seconds()
+    cpu_before = time.process_time()
     start = time.perf_counter()
-    if not run():
+    ok = run()
+    wall = time.perf_counter() - start
+    cpu = time.process_time() - cpu_before
+    if not ok:
         raise RuntimeError("a benchmark transfer failed")
-    return time.perf_counter() - start
+    runs.wall.append(wall)
+    runs.cpu.append(cpu + peer.cpu_seconds() - peer_before)
 
 
 def bench_transport(kind: str, repeats: int, log: Callable[[str], None]) -> list[Result]:
@@ -196,64 +259,85 @@ def _bench_case(kind: str, case: Case, seed: int, repeats: int, ours: Transport[
     local_layout = kv_layout(local.addr, POOL_BYTES, case.block_bytes)
     remote_layout = kv_layout(peer.ready.pool_addr, POOL_BYTES, case.block_bytes)
     pairs = case.block_pairs(local_layout.num_blocks, seed)
-    per_block = [(local_layout.block_segments(lb)[0][0], remote_layout.block_segments(rb)[0][0],
-                  case.block_bytes) for lb, rb in pairs]
+    blocks = Blocks(local.addr, peer.ready.pool_addr, case.block_bytes, pairs)
+    per_block = pull_ranges(local_layout, remote_layout, pairs, coalesced=False)
+    coalesced = pull_ranges(local_layout, remote_layout, pairs)
+    local_addrs, remote_addrs = blocks.addresses()
+    if (len(per_block) != case.count or local_addrs.tolist() != per_block.table[:, 0].tolist()
+            or remote_addrs.tolist() != per_block.table[:, 1].tolist()):
+        raise RuntimeError(f"{kind} {case.name}: bare and ours would not send the same ranges")
 
-    def run_bare() -> bool:
-        return bare.read(per_block)
-
-    def run_ours() -> bool:
-        ranges = pull_ranges(local_layout, remote_layout, pairs)
+    def run_ours(coalesce: bool) -> bool:
+        ranges = pull_ranges(local_layout, remote_layout, pairs, coalesced=coalesce)
         return ours.pull(PEER, ranges, timeout=TIMEOUT).wait(TIMEOUT) is TransferState.DONE
 
+    paths: dict[str, Callable[[], bool]] = {
+        "bare": lambda: bare.read(blocks),
+        "ours_uncoalesced": lambda: run_ours(False),
+        "ours": lambda: run_ours(True),
+    }
     expected = peer.digest([(remote, n) for _, remote, n in per_block])
-    for run in (run_bare, run_ours):  # warm-up doubles as the correctness check
+    for name, run in paths.items():  # warm-up doubles as the correctness check
         local.zero()
-        _timed(run)
-        if digest(local, [(addr, n) for addr, _, n in per_block]) != expected:
-            raise RuntimeError(f"{kind} {case.name}: pulled bytes differ from the peer's")
-    bare_times: list[float] = []
-    ours_times: list[float] = []
+        if not run() or digest(local, [(addr, n) for addr, _, n in per_block]) != expected:
+            raise RuntimeError(f"{kind} {case.name} {name}: pulled bytes differ from the peer's")
+    runs = {name: _Runs() for name in PATHS}
     for repeat in range(repeats):
-        # Alternate who goes first so neither always inherits a warm (or busy) system.
-        order = [(run_bare, bare_times), (run_ours, ours_times)]
-        for run, times in (order if repeat % 2 == 0 else reversed(order)):
-            times.append(_timed(run))
-    bare_gbps = case.total_bytes / statistics.median(bare_times) / 1e9
-    ours_gbps = case.total_bytes / statistics.median(ours_times) / 1e9
-    return Result(kind, ours.effective_protocol, case.name, case.total_bytes,
-                  round(bare_gbps, 3), round(ours_gbps, 3), round(ours_gbps / bare_gbps, 3),
-                  round(min(bare_times) / min(ours_times), 3), len(per_block),
-                  len(pull_ranges(local_layout, remote_layout, pairs)), repeats)
+        # Rotate who goes first so no path always inherits a warm (or busy) system.
+        order = PATHS[repeat % len(PATHS):] + PATHS[:repeat % len(PATHS)]
+        for name in order:
+            _timed(paths[name], peer, runs[name])
+    gb = case.total_bytes / 1e9
+    gbps = {name: gb / statistics.median(r.wall) for name, r in runs.items()}
+    cpu = {name: statistics.median(r.cpu) / gb for name, r in runs.items()}
+    return Result(
+        kind, ours.effective_protocol, case.name, case.total_bytes,
+        round(gbps["bare"], 3), round(gbps["ours_uncoalesced"], 3), round(gbps["ours"], 3),
+        round(gbps["ours_uncoalesced"] / gbps["bare"], 3),
+        round(min(runs["bare"].wall) / min(runs["ours_uncoalesced"].wall), 3),
+        round(gbps["ours"] / gbps["ours_uncoalesced"], 3),
+        round(cpu["bare"], 3), round(cpu["ours_uncoalesced"], 3), round(cpu["ours"], 3),
+        case.count, len(coalesced), repeats)
 
 
-_HEADER = (f"{'transport':<16} {'case':<28} {'bare GB/s':>9} {'ours GB/s':>9} "
-           f"{'ours/bare':>9} {'best/best':>9} {'descriptors bare->ours':>23}")
+_HEADER = (
+    f"{'':16} {'':27} {'GB/s (median)':^23}  {'fair':^16} {'coal.':>6}  "
+    f"{'CPU s/GB (both processes)':^25}  {'':>12}\n"
+    f"{'transport':<16} {'case':<27} {'bare':>7} {'unc.':>7} {'ours':>7}  {'unc/bare':>8} "
+    f"{'best':>7} {'gain':>6}  {'bare':>7} {'unc.':>8} {'ours':>8}  {'descriptors':>12}"
+)
 
 
 def _row(r: Result) -> str:
     descriptors = f"{r.bare_descriptors}->{r.ours_descriptors}"
-    return (f"{r.transport + '/' + r.effective_protocol:<16} {r.case:<28} {r.bare_gbps:>9.2f} "
-            f"{r.ours_gbps:>9.2f} {r.ratio:>9.2f} {r.best_ratio:>9.2f} {descriptors:>23}")
+    return (f"{r.transport + '/' + r.effective_protocol:<16} {r.case:<27} {r.bare_gbps:>7.2f} "
+            f"{r.ours_uncoalesced_gbps:>7.2f} {r.ours_gbps:>7.2f}  {r.fair_ratio:>8.2f} "
+            f"{r.fair_best_ratio:>7.2f} {r.coalescing_gain:>6.2f}  {r.bare_cpu_s_per_gb:>7.3f} "
+            f"{r.ours_uncoalesced_cpu_s_per_gb:>8.3f} {r.ours_cpu_s_per_gb:>8.3f}  "
+            f"{descriptors:>12}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transport", choices=(*TRANSPORT_KINDS, "all"), default="all")
-    parser.add_argument("--repeats", type=int, default=7, help="timed runs per path and case")
+    parser.add_argument("--repeats", type=int, default=11, help="timed runs per path and case")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     kinds = TRANSPORT_KINDS if args.transport == "all" else (args.transport,)
     print(f"pool {POOL_BYTES >> 20} MiB per side, {args.repeats} interleaved runs per path "
-          f"and case, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+          f"and case, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+          "unc. = ours without coalescing (same ranges as bare); fair = unc./bare "
+          "(medians; best = fastest runs); coal. gain = ours/unc.", flush=True)
     print(_HEADER, flush=True)
     started = time.monotonic()
     results: list[Result] = []
     for kind in kinds:
         results.extend(bench_transport(kind, args.repeats, lambda line: print(line, flush=True)))
-    print(f"({time.monotonic() - started:.0f} s)", flush=True)
+    worst = min(r.fair_ratio for r in results)
+    print(f"({time.monotonic() - started:.0f} s; lowest fair ratio {worst:.2f}, load average "
+          f"now {os.getloadavg()[0]:.1f})", flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(msgspec.json.format(

@@ -1,8 +1,9 @@
 """A serving peer in a child process, for tests and benchmarks of the transports.
 
 The child ("prefill") owns a pool of random bytes registered with a real transport and
-answers three requests over a pipe: its metadata, digests of byte ranges (so the parent
-can check what it pulled without holding a copy), and stop. The parent ("decode") can
+answers four requests over a pipe: its metadata, digests of byte ranges (so the parent
+can check what it pulled without holding a copy), its CPU time (so a benchmark counts
+what serving cost), and stop. The parent ("decode") can
 also kill it outright to play a crashed peer. Children are spawned, never forked: the
 transport libraries run threads that a fork would leave half-copied.
 """
@@ -14,6 +15,7 @@ import hashlib
 import mmap
 import multiprocessing
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -101,6 +103,11 @@ class LoopbackPeer:
         self._pipe.send(("digest", list(ranges)))
         return str(self._receive(timeout))
 
+    def cpu_seconds(self, timeout: float = 60.0) -> float:
+        """CPU time (user + system, every thread) the child has used so far."""
+        self._pipe.send(("cpu", None))
+        return float(self._receive(timeout))
+
     def kill(self) -> None:
         """Crash the child (SIGKILL): no goodbye, no cleanup, like a lost node."""
         self.process.kill()
@@ -151,5 +158,8 @@ def _serve(job: _Serve, pipe: Connection) -> None:
             break
         if request == "stop":
             break
+        if request == "cpu":
+            pipe.send(("cpu", time.process_time()))
+            continue
         pipe.send(("digest", digest(pool, payload)))
     transport.close()

@@ -29,7 +29,7 @@ from pdconnect.transfer.base import (
     Transport,
 )
 
-__all__ = ["MooncakeTransport"]
+__all__ = ["MooncakeTransport", "engine_env"]
 
 _TCP_QUEUE_LIMITS = {
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
@@ -44,6 +44,12 @@ _FORCE = {
 }
 
 _METADATA_SERVER = "P2PHANDSHAKE"
+
+
+def engine_env(protocol: str) -> dict[str, str | None]:
+    """The variables our engine starts under for `protocol` (None: unset), defaults
+    included; a benchmark gives a bare engine the same, so only the API differs."""
+    return {**_TCP_QUEUE_LIMITS, **_FORCE[protocol]}
 
 
 class MooncakeTransport(Transport[str]):
