@@ -24,7 +24,7 @@ import pytest
 
 from pdconnect.kvlayout import TensorLayout, pull_ranges
 from pdconnect.transfer import (
-    TRANSPORT_KINDS, PeerInfo, Transfer, TransferError, TransferState, Transport,
+    TRANSPORT_KINDS, PeerInfo, Transfer, TransferError, TransferState, Transport, coalesce,
     create_transport,
 )
 from pdconnect.transfer._host import rdma_devices
@@ -149,6 +149,14 @@ def test_pull_refuses_ranges_outside_registered_memory(shared: Decode) -> None:
         shared.transport.pull(PEER, [(local, remote - 16, 16)], timeout=1)
     with pytest.raises(TransferError, match="'nobody': not connected"):
         shared.transport.pull("nobody", [(local, remote, 16)], timeout=1)
+    # The numpy-backed ranges kvlayout returns are checked just the same, range by range.
+    inside = [(local + 64 * i, remote + 64 * i, 32) for i in range(100)]
+    with pytest.raises(TransferError, match=f"local range \\[{local + POOL_BYTES - 8:#x}, "):
+        shared.transport.pull(PEER, coalesce([*inside, (local + POOL_BYTES - 8, remote, 16)]),
+                              timeout=1)
+    with pytest.raises(TransferError, match=f"remote range \\[{remote - 16:#x}, "):
+        shared.transport.pull(PEER, coalesce([(local, remote - 16, 16), *inside[1:]]),
+                              timeout=1)
 
 
 def test_connect_with_garbage_metadata_raises_a_clear_error(shared: Decode) -> None:

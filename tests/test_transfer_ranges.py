@@ -1,0 +1,206 @@
+"""The pull path's range arithmetic, checked against references written independently.
+
+`kvlayout` derives byte ranges from cached geometry with numpy broadcasting, and
+`coalesce` merges them vectorized; both are checked here against plain element-by-element
+and range-by-range Python written for this test, on several layouts (CPU, flash-attn NHD
+and HND, FlashInfer, MLA, mixed layers), so a fast path that drifts from the meaning of
+a layout fails loudly. No transport and no torch: layouts are described by hand.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import random
+
+import msgspec
+import pytest
+
+from pdconnect.config import ConnectorSettings
+from pdconnect.kvlayout import LayoutError, TensorLayout, pull_ranges, pull_ranges_for_layers
+from pdconnect.transfer import RangeTable, TransferError, coalesce, create_transport
+
+BLOCKS, HEADS, TOKENS, HEAD = 6, 2, 4, 3
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, run = [], 1
+    for size in reversed(shape):
+        strides.append(run)
+        run *= size
+    return tuple(reversed(strides))
+
+
+def _permuted(base: int, shape: tuple[int, ...], order: tuple[int, ...], itemsize: int,
+              block_dim: int) -> TensorLayout:
+    """A contiguous tensor of `shape` viewed through `.permute(order)`, as torch would."""
+    strides = _contiguous_strides(shape)
+    return TensorLayout(base, tuple(shape[d] for d in order), tuple(strides[d] for d in order),
+                        itemsize, block_dim)
+
+
+# name -> (make(base, num_blocks), the logical block shape every backend agrees on)
+LAYOUTS = {
+    # [blocks, heads, tokens, 2*head]: the CPU backend, K and V packed in the last dim.
+    "cpu": lambda base, n: _permuted(base, (n, HEADS, TOKENS, 2 * HEAD), (0, 1, 2, 3), 2, 0),
+    # [2, blocks, tokens, heads, head]: flash-attn NHD, a K and a V plane per block.
+    "flash_attn": lambda base, n: _permuted(base, (2, n, TOKENS, HEADS, HEAD),
+                                            (0, 1, 2, 3, 4), 2, 1),
+    # flash-attn's logical shape over HND memory ([2, blocks, heads, tokens, head]).
+    "flash_attn_hnd": lambda base, n: _permuted(base, (2, n, HEADS, TOKENS, HEAD),
+                                                (0, 1, 3, 2, 4), 2, 1),
+    # [blocks, 2, tokens, heads, head]: FlashInfer NHD, one range per block.
+    "flashinfer": lambda base, n: _permuted(base, (n, 2, TOKENS, HEADS, HEAD),
+                                            (0, 1, 2, 3, 4), 2, 0),
+    "flashinfer_hnd": lambda base, n: _permuted(base, (n, 2, HEADS, TOKENS, HEAD),
+                                                (0, 1, 3, 2, 4), 2, 0),
+    # flash-attn's logical shape over HND memory with the block dim outermost.
+    "flash_attn_blocks_outermost": lambda base, n: _permuted(base, (n, 2, HEADS, TOKENS, HEAD),
+                                                             (1, 0, 3, 2, 4), 2, 1),
+}
+
+# Pairs whose blocks hold the same elements in the same packed order.
+COMPATIBLE = [
+    ("cpu", "cpu"), ("flash_attn", "flash_attn"), ("flash_attn", "flashinfer"),
+    ("flashinfer", "flash_attn"), ("flash_attn_hnd", "flashinfer_hnd"),
+    ("flashinfer_hnd", "flash_attn_blocks_outermost"),
+    ("flash_attn_blocks_outermost", "flash_attn_hnd"),
+]
+
+
+def _element_address(layout: TensorLayout, block: int, index: tuple[int, ...]) -> int:
+    """Byte address of the element at `index` (over the non-block dims) of `block`."""
+    full = list(index)
+    full.insert(layout.block_dim, block)
+    return layout.base_addr + sum(i * s for i, s in zip(full, layout.strides)) * layout.itemsize
+
+
+def _reference_byte_map(local: TensorLayout, remote: TensorLayout,
+                        pairs: list[tuple[int, int]]) -> dict[int, int]:
+    """local byte -> remote byte, element by element: what a correct pull must copy."""
+    block_shape = [n for d, n in enumerate(local.shape) if d != local.block_dim]
+    mapping = {}
+    for local_block, remote_block in pairs:
+        for index in itertools.product(*(range(n) for n in block_shape)):
+            mine = _element_address(local, local_block, index)
+            theirs = _element_address(remote, remote_block, index)
+            for byte in range(local.itemsize):
+                mapping[mine + byte] = theirs + byte
+    return mapping
+
+
+def _byte_map(ranges: list[tuple[int, int, int]]) -> dict[int, int]:
+    mapping: dict[int, int] = {}
+    for local, remote, length in ranges:
+        for offset in range(length):
+            assert local + offset not in mapping, "a destination byte is written twice"
+            mapping[local + offset] = remote + offset
+    return mapping
+
+
+def _pairs(seed: int, count: int, local_blocks: int, remote_blocks: int) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    return list(zip(rng.sample(range(local_blocks), count), rng.sample(range(remote_blocks), count)))
+
+
+@pytest.mark.parametrize("local_name,remote_name", COMPATIBLE)
+@pytest.mark.parametrize("coalesced", [True, False])
+def test_pull_ranges_copy_every_element_to_its_place(local_name: str, remote_name: str,
+                                                     coalesced: bool) -> None:
+    local = LAYOUTS[local_name](1 << 20, BLOCKS)
+    remote = LAYOUTS[remote_name](1 << 30, BLOCKS + 3)
+    for seed in range(3):
+        pairs = _pairs(seed, 4, BLOCKS, BLOCKS + 3)
+        ranges = pull_ranges(local, remote, pairs, coalesced=coalesced)
+        assert _byte_map(list(ranges)) == _reference_byte_map(local, remote, pairs)
+
+
+def test_several_layers_of_mixed_layouts_match_the_reference_layer_by_layer() -> None:
+    # Runs of equal geometry are computed in one broadcast: mix them so runs break.
+    names = ["flash_attn", "flash_attn", "flashinfer", "flash_attn", "flashinfer", "flashinfer"]
+    local = [LAYOUTS[n](((i + 1) << 24), BLOCKS) for i, n in enumerate(names)]
+    remote = [LAYOUTS["flash_attn"]((i + 1) << 32, BLOCKS + 2) for i in range(len(names))]
+    pairs = _pairs(11, 5, BLOCKS, BLOCKS + 2)
+    expected: dict[int, int] = {}
+    for mine, theirs in zip(local, remote):
+        expected.update(_reference_byte_map(mine, theirs, pairs))
+    for coalesced in (True, False):
+        ranges = pull_ranges_for_layers(local, remote, pairs, coalesced=coalesced)
+        assert _byte_map(list(ranges)) == expected
+
+
+def test_uncoalesced_ranges_come_layer_then_pair_then_piece() -> None:
+    """What a client without coalescing sends: one range per block piece, in order."""
+    local = [LAYOUTS["cpu"](1 << 20, BLOCKS), LAYOUTS["cpu"](2 << 20, BLOCKS)]
+    remote = [LAYOUTS["cpu"](1 << 30, BLOCKS), LAYOUTS["cpu"](2 << 30, BLOCKS)]
+    pairs = [(3, 0), (1, 5), (2, 2)]
+    block_bytes = HEADS * TOKENS * 2 * HEAD * 2
+    expected = [(mine.base_addr + lb * block_bytes, theirs.base_addr + rb * block_bytes,
+                 block_bytes) for mine, theirs in zip(local, remote) for lb, rb in pairs]
+    assert pull_ranges_for_layers(local, remote, pairs, coalesced=False) == expected
+    assert pull_ranges_for_layers(local, remote, [], coalesced=False) == []
+
+
+def test_errors_still_name_the_layer_and_the_block() -> None:
+    cpu = LAYOUTS["cpu"](1 << 20, BLOCKS)
+    nhd, hnd = LAYOUTS["flash_attn"](1 << 20, BLOCKS), LAYOUTS["flash_attn_hnd"](1 << 30, BLOCKS)
+    with pytest.raises(LayoutError, match="layer 1: element order inside a block differs"):
+        pull_ranges_for_layers([nhd, nhd], [nhd, hnd], [(0, 0)])
+    with pytest.raises(LayoutError, match=f"block {BLOCKS} out of range"):
+        pull_ranges(cpu, cpu, [(0, 1), (BLOCKS, 2)])
+    with pytest.raises(LayoutError, match="block -1 out of range"):
+        pull_ranges(cpu, cpu, [(0, -1)])
+
+
+def _reference_coalesce(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merge, one range at a time, what is adjacent on both sides (overlap: ValueError)."""
+    out: list[list[int]] = []
+    for local, remote, length in sorted(r for r in ranges if r[2] > 0):
+        if out and local < out[-1][0] + out[-1][2]:
+            raise ValueError("overlap")
+        if out and local == out[-1][0] + out[-1][2] and remote == out[-1][1] + out[-1][2]:
+            out[-1][2] += length
+        else:
+            out.append([local, remote, length])
+    return [(a, b, c) for a, b, c in out]
+
+
+def test_coalesce_matches_a_range_by_range_reference() -> None:
+    rng = random.Random(5)
+    for _ in range(300):
+        # Slots of 64 bytes, some adjacent on both sides, some on one side only, some empty.
+        slots = rng.sample(range(40), rng.randint(0, 30))
+        ranges = []
+        for slot in slots:
+            remote_slot = slot + rng.choice([0, 0, 0, 1, 7])
+            ranges.append((4096 + 64 * slot, (1 << 20) + 64 * remote_slot,
+                           rng.choice([64, 64, 64, 0])))
+        rng.shuffle(ranges)
+        assert coalesce(ranges) == _reference_coalesce(ranges)
+
+
+def test_coalesce_refuses_overlapping_destinations() -> None:
+    with pytest.raises(ValueError, match=r"destination ranges overlap: \[0x1000, \+64\) and "
+                                         r"\[0x1020, \+64\)"):
+        coalesce([(0x1020, 0, 64), (0x1000, 0x9000, 64)])
+
+
+def test_range_table_reads_like_a_list_and_cannot_change() -> None:
+    ranges = coalesce([(300, 30, 10), (100, 10, 10), (110, 25, 5)])
+    assert isinstance(ranges, RangeTable)
+    assert ranges == [(100, 10, 10), (110, 25, 5), (300, 30, 10)]
+    assert ranges[0] == (100, 10, 10) and ranges[1:] == [(110, 25, 5), (300, 30, 10)]
+    assert all(type(x) is int for r in ranges for x in r)
+    assert coalesce(ranges) == ranges  # coalescing twice changes nothing
+    with pytest.raises(ValueError):
+        ranges.table[0, 2] = 1 << 20  # what the transport validated is what it posts
+    assert pickle.loads(pickle.dumps(list(ranges))) == ranges
+
+
+def test_nixl_progress_delay_is_a_setting_and_refuses_a_negative_value() -> None:
+    settings = ConnectorSettings.from_extra_config({"nixl_progress_delay_us": 1000})
+    assert settings.nixl_progress_delay_us == 1000
+    assert ConnectorSettings().nixl_progress_delay_us == 200
+    assert msgspec.convert({}, ConnectorSettings).nixl_progress_delay_us == 200
+    with pytest.raises(TransferError, match="progress_delay_us must be >= 0"):
+        create_transport("nixl", host="127.0.0.1", nixl_progress_delay_us=-1)
