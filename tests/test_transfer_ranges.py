@@ -18,7 +18,9 @@ import pytest
 
 from pdconnect.config import ConnectorSettings
 from pdconnect.kvlayout import LayoutError, TensorLayout, pull_ranges, pull_ranges_for_layers
-from pdconnect.transfer import RangeTable, TransferError, coalesce, create_transport
+from pdconnect.transfer import (
+    RangeTable, TransferError, coalesce, coalesce_groups, create_transport,
+)
 
 BLOCKS, HEADS, TOKENS, HEAD = 6, 2, 4, 3
 
@@ -177,6 +179,18 @@ def test_coalesce_matches_a_range_by_range_reference() -> None:
                            rng.choice([64, 64, 64, 0])))
         rng.shuffle(ranges)
         assert coalesce(ranges) == _reference_coalesce(ranges)
+
+
+def test_coalesce_groups_equals_coalescing_the_concatenation() -> None:
+    """The per-KV-cache-group form the worker can use: same answer, no tuples in between."""
+    full = [LAYOUTS["flash_attn"]((i + 1) << 24, BLOCKS) for i in range(2)]
+    window = [LAYOUTS["cpu"]((i + 5) << 24, BLOCKS) for i in range(2)]
+    groups = [pull_ranges_for_layers(full, full, [(b, b) for b in range(4)]),
+              pull_ranges_for_layers(window, window, [(4, 2), (5, 3)])]
+    merged = coalesce_groups(groups)
+    assert merged == _reference_coalesce([r for group in groups for r in group])
+    assert merged.total_bytes == sum(length for *_, length in merged)
+    assert coalesce_groups([]) == []
 
 
 def test_coalesce_refuses_overlapping_destinations() -> None:

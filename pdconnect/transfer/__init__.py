@@ -10,12 +10,13 @@ from typing import Any
 
 from pdconnect.transfer.base import (
     MemoryRegion, PeerInfo, Range, RangeTable, Transfer, TransferError, TransferState, Transport,
-    coalesce, decode_metadata,
+    coalesce, coalesce_groups, decode_metadata,
 )
 
 __all__ = [
     "TRANSPORT_KINDS", "MemoryRegion", "PeerInfo", "Range", "RangeTable", "Transfer", "TransferError",
-    "TransferState", "Transport", "coalesce", "create_transport", "decode_metadata",
+    "TransferState", "Transport", "coalesce", "coalesce_groups", "create_transport",
+    "decode_metadata",
 ]
 
 TRANSPORT_KINDS = ("mooncake", "nixl")

@@ -45,7 +45,7 @@ import msgspec
 __all__ = [
     "LOG", "METADATA_VERSION", "DoneTransfer", "FailedTransfer", "MemoryRegion", "PeerInfo",
     "Range", "RangeTable", "Transfer", "TransferError", "TransferState", "Transport", "coalesce",
-    "coalesce_table", "decode_metadata", "range_table",
+    "coalesce_groups", "coalesce_table", "decode_metadata", "range_table",
 ]
 
 LOG = logging.getLogger("pdconnect.transfer")
@@ -168,6 +168,11 @@ class RangeTable(Sequence[Range]):
     def __repr__(self) -> str:
         return f"RangeTable({list(self)!r})"
 
+    @property
+    def total_bytes(self) -> int:
+        """The bytes these ranges move."""
+        return int(self.table[:, 2].sum())
+
 
 def range_table(ranges: Sequence[Range]) -> Any:
     """The (N, 3) int64 numpy table of `ranges` (the one it keeps, for a RangeTable).
@@ -192,6 +197,19 @@ def coalesce(ranges: Iterable[Range]) -> RangeTable:
     """
     return RangeTable(coalesce_table(range_table(
         ranges if isinstance(ranges, Sequence) else list(ranges))))
+
+
+def coalesce_groups(groups: Iterable[Sequence[Range]]) -> RangeTable:
+    """`coalesce` over several range sets at once (e.g. one per KV cache group).
+
+    Joins `RangeTable`s by their tables, where `coalesce(list_a + list_b)` would turn
+    every range into a tuple and back.
+    """
+    import numpy as np
+
+    tables = [range_table(group) for group in groups]
+    return RangeTable(coalesce_table(np.concatenate(tables) if tables
+                                     else np.zeros((0, 3), dtype=np.int64)))
 
 
 def coalesce_table(table: Any) -> Any:
