@@ -12,6 +12,9 @@ from typing import Literal
 
 import msgspec
 
+from pdconnect.envelope import DEFAULT_MAX_AGE_SECONDS
+from pdconnect.sidechannel import DEFAULT_MAX_MESSAGE_BYTES, is_loopback_host
+
 __all__ = ["ConfigError", "ConnectorSettings", "parse_kv_transfer_config"]
 
 
@@ -52,6 +55,17 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     # environment variable holding it (Kubernetes Secrets), so it never sits in argv.
     secret: str | None = None
     secret_env: str | None = None
+    # The largest side-channel message the prefill engine reads; zmq drops the sender's
+    # connection on a bigger one before it is copied (handshakes and notices are far
+    # smaller: a heartbeat carries ~100 bytes per watched request).
+    side_channel_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # With a secret, a message whose send time is further than this from the receiver's
+    # clock, either way, is refused as stale (so it is also the clock skew tolerated);
+    # inside it, each message is accepted once and replays are refused.
+    side_channel_max_age_seconds: float = DEFAULT_MAX_AGE_SECONDS
+    # Serve the side channel on a non-loopback address without a secret. Only for an
+    # isolated network: anyone who can reach the port can keep or free held blocks.
+    allow_insecure_side_channel: bool = False
     # NIXL: microseconds the serving agent's progress thread sleeps between rounds (it
     # answers peers' connection wire-up; reads never wait on it). 0 is NIXL's busy loop,
     # a whole core per engine; measured on 2 cores: 200 us idles at ~2% of a core with
@@ -72,6 +86,14 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
             raise ConfigError(f"side_channel_port must be in 0..65535, got {self.side_channel_port}")
         if self.secret is not None and self.secret_env is not None:
             raise ConfigError("set either secret or secret_env, not both")
+        if self.side_channel_max_message_bytes <= 0 or self.side_channel_max_age_seconds <= 0:
+            raise ConfigError("side_channel_max_message_bytes and side_channel_max_age_seconds must be positive")
+        if (self.secret is None and self.secret_env is None and not self.allow_insecure_side_channel
+                and not is_loopback_host(self.side_channel_host)):
+            raise ConfigError(
+                f"side_channel_host {self.side_channel_host!r} is reachable from other machines: set "
+                "secret_env (or secret), or allow_insecure_side_channel on an isolated network"
+            )
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, object] | None) -> ConnectorSettings:

@@ -3,51 +3,124 @@
 The prefill engine runs one `SideChannelServer` (a ROUTER socket served by a daemon
 thread); decode workers, decode schedulers and the router talk to it through
 `SideChannelClient` (a DEALER socket with a deadline on every request, recreated
-after a timeout so a lost reply can never wedge the next request).
+after a timeout so a lost reply can never wedge the next request). Messages travel in
+the envelope of `pdconnect.envelope` (version; with a secret, HMAC, nonce and time).
 
 The server never touches engine state itself: its handler must be thread-safe (the
 connector's handler only enqueues events for the scheduler thread or reads immutable
-handshake data).
+handshake data). Nothing a peer sends may end the serving thread: a peer is anyone who
+can reach the port, so every frame count, size and byte string is either answered with
+a `Refusal` or dropped by zmq, and each case is logged and counted.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
 
-from pdconnect.protocol import (
-    Ack,
-    Message,
-    ProtocolError,
-    Refusal,
-    Release,
-    decode_message,
-    encode_message,
-)
+from pdconnect.envelope import DEFAULT_MAX_AGE_SECONDS, EnvelopeError, ReplayGuard, decode_message, encode_message
+from pdconnect.protocol import Ack, Message, ProtocolError, Refusal, Release
 
-__all__ = ["SideChannelError", "SideChannelServer", "SideChannelClient", "release_remote"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES", "SideChannelError", "SideChannelServer", "SideChannelClient",
+    "is_loopback_host", "release_remote",
+]
 
 logger = logging.getLogger("pdconnect.sidechannel")
 
 Handler = Callable[[Message], Message]
+
+# The server receives handshakes, heartbeats, claims, done and release notices. The
+# largest are heartbeats and done/release batches: one id is ~100 bytes, so this admits
+# tens of thousands of ids per message while zmq cuts anything bigger before Python
+# allocates it (the reply direction, with transport metadata, is not limited).
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+
+# Every counter the server keeps, present from the start so exporters see zeros.
+SERVER_COUNTERS = (
+    "received",  # messages that passed the envelope checks and reached the handler
+    "refused_frames",  # not exactly one frame after the peer's identity (e.g. a REQ socket)
+    "refused_malformed", "refused_version", "refused_unauthenticated", "refused_stale",
+    "refused_replayed", "refused_overloaded",  # the envelope checks, by `EnvelopeError.kind`
+    "handler_errors",  # the handler raised or answered something unencodable
+    "serve_errors",  # anything else that went wrong in one round of the serving loop
+)
 
 
 class SideChannelError(RuntimeError):
     """The peer did not answer in time, refused, or answered something unexpected."""
 
 
-class SideChannelServer:
-    """Serves one handler on `tcp://host:port` from a daemon thread until `close()`."""
+def is_loopback_host(host: str) -> bool:
+    """True for `localhost`, 127.0.0.0/8 and ::1: addresses no other machine can reach."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name or interface name: it may well be reachable
+        return False
 
-    def __init__(self, host: str, port: int, handler: Handler, secret: bytes | None = None) -> None:
+
+class _Counters:
+    """Named counters shared by the serving thread and whoever reads them."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(names, 0)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + amount
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class SideChannelServer:
+    """Serves one handler on `tcp://host:port` from a daemon thread until `close()`.
+
+    Invariants: the serving thread runs until `close()`, whatever arrives; each message
+    gets at most one reply, to the identity that sent it; nothing a peer sends is
+    answered with a local value (secret, version, window, exception text).
+
+    Binding an address other machines can reach needs a `secret`, unless the operator
+    opts out with `allow_insecure=True` (a trusted, isolated network).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Handler,
+        secret: bytes | None = None,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_age_seconds: float = DEFAULT_MAX_AGE_SECONDS,
+        allow_insecure: bool = False,
+    ) -> None:
+        if secret is None and not allow_insecure and not is_loopback_host(host):
+            raise SideChannelError(
+                f"refusing to serve the side channel on {host} without a secret: anyone who can reach "
+                "it could free or keep blocks; set secret_env (or secret), bind a loopback address, "
+                "or set allow_insecure_side_channel on an isolated network"
+            )
+        if max_message_bytes <= 0:
+            raise SideChannelError(f"max_message_bytes must be positive, got {max_message_bytes}")
         self._handler = handler
         self._secret = secret
+        self._guard = ReplayGuard(max_age_seconds) if secret is not None else None
+        self._counters = _Counters(SERVER_COUNTERS)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # zmq drops the connection of a peer that sends a bigger frame, before any copy.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         try:
             self._socket.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
@@ -58,30 +131,58 @@ class SideChannelServer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pdconnect-sidechannel", daemon=True)
         self._thread.start()
-        logger.info("side channel listening on %s", self.address)
+        logger.info("side channel listening on %s%s", self.address,
+                    "" if secret is not None else " (no secret: messages are not authenticated)")
 
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            identity, data = self._socket.recv_multipart()
-            self._socket.send_multipart([identity, encode_message(self._answer(data), self._secret)])
-        self._socket.close()
-        self._context.term()
+        try:
+            while not self._stop.is_set():
+                try:
+                    if poller.poll(100):
+                        self._serve_one(self._socket.recv_multipart())
+                except Exception:  # nothing may end this loop but close()
+                    self._counters.add("serve_errors")
+                    logger.exception("side channel: error while serving a message; still serving")
+                    # A fault that repeats every round must not spin a core or flood the log.
+                    self._stop.wait(0.01)
+        finally:
+            self._socket.close()
+            self._context.term()
 
-    def _answer(self, data: bytes) -> Message:
+    def _serve_one(self, frames: list[bytes]) -> None:
+        # A ROUTER socket prepends the sender's identity; a DEALER peer sends one frame.
+        identity, payload = frames[0], frames[1:]
+        if len(payload) == 1:
+            self._socket.send_multipart([identity, self._answer(payload[0])])
+            return
+        self._counters.add("refused_frames")
+        logger.warning("side channel refused a message of %d frames (expected 1)", len(payload))
+        # A REQ peer puts an empty delimiter first and only reads replies that carry one.
+        delimiter = [b""] if payload and payload[0] == b"" else []
+        refusal = Refusal(reason=f"expected exactly one frame per message, got {len(payload)}")
+        self._socket.send_multipart([identity, *delimiter, encode_message(refusal, self._secret)])
+
+    def _answer(self, data: bytes) -> bytes:
         try:
-            message = decode_message(data, self._secret)
-        except ProtocolError as exc:
+            message = decode_message(data, self._secret, replay_guard=self._guard)
+        except EnvelopeError as exc:
+            self._counters.add(f"refused_{exc.kind}")
             logger.warning("side channel refused a message: %s", exc)
-            return Refusal(reason=str(exc))
+            return encode_message(Refusal(reason=str(exc)), self._secret)
+        self._counters.add("received")
         try:
-            return self._handler(message)
-        except Exception as exc:  # a handler bug must not kill the serving thread
+            return encode_message(self._handler(message), self._secret)
+        except Exception:  # a handler bug must not kill the serving thread
+            self._counters.add("handler_errors")
             logger.exception("side channel handler failed on %s", type(message).__name__)
-            return Refusal(reason=f"internal error: {exc}")
+            # The exception text stays in our log: it may name local state.
+            return encode_message(Refusal(reason="internal error"), self._secret)
+
+    def counts(self) -> dict[str, int]:
+        """A snapshot of the server's counters (`SERVER_COUNTERS`), e.g. for metrics."""
+        return self._counters.snapshot()
 
     @property
     def port(self) -> int:
@@ -94,21 +195,29 @@ class SideChannelServer:
 
 
 class SideChannelClient:
-    """Sends one message at a time to a server and waits for its reply, with a deadline."""
+    """Sends one message at a time to a server and waits for its reply, with a deadline.
+
+    Every failure, including a zmq error on a malformed address, is a SideChannelError.
+    """
 
     def __init__(self, address: str, secret: bytes | None = None, timeout: float = 5.0) -> None:
         self.address = address
         self._secret = secret
-        self._timeout_ms = int(timeout * 1000)
+        self._timeout = timeout
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
         self._lock = threading.Lock()
 
     def _connected(self) -> zmq.Socket:
         if self._socket is None:
-            self._socket = self._context.socket(zmq.DEALER)
-            self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.connect(self.address)
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            try:
+                socket.connect(self.address)
+            except zmq.ZMQError:
+                socket.close()
+                raise
+            self._socket = socket
         return self._socket
 
     def _reset(self) -> None:
@@ -116,19 +225,22 @@ class SideChannelClient:
             self._socket.close()
             self._socket = None
 
-    def request(self, message: Message) -> Message:
-        """Send and wait; raises SideChannelError on timeout, refusal or a bad reply."""
+    def request(
+        self, message: Message, *, timeout: float | None = None, cancel: threading.Event | None = None
+    ) -> Message:
+        """Send and wait; raises SideChannelError on timeout, refusal, a bad reply or `cancel`.
+
+        `timeout` overrides the client's deadline for this request; with `cancel`, the
+        wait ends soon after that event is set (a closing notifier must not wait out a
+        dead peer's full deadline).
+        """
+        seconds = self._timeout if timeout is None else timeout
         with self._lock:
-            socket = self._connected()
-            socket.send(encode_message(message, self._secret))
-            if not socket.poll(self._timeout_ms, zmq.POLLIN):
-                # The reply may still arrive later; a fresh socket cannot confuse it with
-                # the answer to the next request.
+            try:
+                data = self._exchange(message, seconds, cancel)
+            except zmq.ZMQError as exc:
                 self._reset()
-                raise SideChannelError(
-                    f"no answer from {self.address} within {self._timeout_ms / 1000:.1f}s"
-                )
-            data = socket.recv()
+                raise SideChannelError(f"cannot talk to {self.address}: {exc}") from None
         try:
             reply = decode_message(data, self._secret)
         except ProtocolError as exc:
@@ -136,6 +248,24 @@ class SideChannelClient:
         if isinstance(reply, Refusal):
             raise SideChannelError(f"{self.address} refused {type(message).__name__}: {reply.reason}")
         return reply
+
+    def _exchange(self, message: Message, seconds: float, cancel: threading.Event | None) -> bytes:
+        socket = self._connected()
+        socket.send(encode_message(message, self._secret))
+        deadline = time.monotonic() + seconds
+        while True:
+            remaining = deadline - time.monotonic()
+            if cancel is not None and cancel.is_set():
+                self._reset()
+                raise SideChannelError(f"request to {self.address} cancelled")
+            if remaining <= 0:
+                # The reply may still arrive later; a fresh socket cannot confuse it with
+                # the answer to the next request.
+                self._reset()
+                raise SideChannelError(f"no answer from {self.address} within {seconds:.1f}s")
+            step = remaining if cancel is None else min(remaining, 0.1)
+            if socket.poll(max(1, int(step * 1000)), zmq.POLLIN):
+                return socket.recv()
 
     def close(self) -> None:
         with self._lock:

@@ -6,10 +6,8 @@ import msgspec
 import pytest
 
 from pdconnect.config import ConfigError, ConnectorSettings, parse_kv_transfer_config
-from pdconnect.protocol import (
-    Ack, CompatInfo, Done, GroupCompat, Heartbeat, ProtocolError, Release, decode_message, decode_plan,
-    encode_message,
-)
+from pdconnect.envelope import EnvelopeError, ReplayGuard, decode_message, encode_message
+from pdconnect.protocol import Ack, CompatInfo, Done, GroupCompat, Heartbeat, ProtocolError, Release, decode_plan
 from pdconnect.sidechannel import SideChannelClient, SideChannelError, SideChannelServer, release_remote
 
 PLAN = {
@@ -73,6 +71,77 @@ def test_garbage_and_wrong_versions_are_refused():
         decode_message(wrong_version)
 
 
+class _Clock:
+    """A wall clock the test moves by hand."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_every_signed_envelope_carries_a_fresh_nonce_and_time_under_the_mac():
+    first, second = (msgspec.msgpack.decode(encode_message(Ack(), secret=b"k", now=100.0)) for _ in range(2))
+    assert first["nonce"] != second["nonce"] and first["sent_at"] == 100.0
+    # Moving the time or changing the nonce of a captured message breaks its MAC.
+    for field, value in (("sent_at", 200.0), ("nonce", second["nonce"]), ("version", 2)):
+        forged = msgspec.msgpack.encode({**first, field: value})
+        with pytest.raises(ProtocolError, match="authentication failed|version 2"):
+            decode_message(forged, secret=b"k")
+    # Without a secret an envelope is only versioned: nothing to sign, nothing to stamp.
+    assert set(msgspec.msgpack.decode(encode_message(Ack()))) == {"version", "body"}
+
+
+def test_the_replay_guard_refuses_replays_and_messages_outside_the_window():
+    clock = _Clock(1000.0)
+    guard = ReplayGuard(30.0, clock=clock)
+    data = encode_message(Heartbeat(request_ids=["lease"]), secret=b"k", now=1000.0)
+    assert decode_message(data, b"k", replay_guard=guard) == Heartbeat(request_ids=["lease"])
+    with pytest.raises(EnvelopeError, match="replayed") as info:
+        decode_message(data, b"k", replay_guard=guard)
+    assert info.value.kind == "replayed"
+    # Clock skew up to the window is tolerated both ways; beyond it the message is stale.
+    for sent_at, accepted in ((970.0, True), (1030.0, True), (969.0, False), (1031.0, False),
+                              (float("nan"), False), (float("inf"), False)):
+        message = encode_message(Ack(), secret=b"k", now=sent_at)
+        if accepted:
+            assert decode_message(message, b"k", replay_guard=guard) == Ack()
+        else:
+            with pytest.raises(EnvelopeError, match="stale") as info:
+                decode_message(message, b"k", replay_guard=guard)
+            assert info.value.kind == "stale"
+    # Once the window has passed, the captured message is stale, not merely a replay,
+    # and its nonce is forgotten: the cache holds only what can still be replayed.
+    assert len(guard) == 3
+    clock.now = 1100.0
+    with pytest.raises(EnvelopeError, match="stale"):
+        decode_message(data, b"k", replay_guard=guard)
+    decode_message(encode_message(Ack(), secret=b"k", now=1100.0), b"k", replay_guard=guard)
+    assert len(guard) == 1
+
+
+def test_a_full_replay_cache_refuses_instead_of_forgetting_nonces():
+    guard = ReplayGuard(30.0, capacity=2)
+    kept = [encode_message(Ack(), secret=b"k") for _ in range(2)]
+    for data in kept:
+        decode_message(data, b"k", replay_guard=guard)
+    with pytest.raises(EnvelopeError, match="too many") as info:
+        decode_message(encode_message(Ack(), secret=b"k"), b"k", replay_guard=guard)
+    assert info.value.kind == "overloaded"
+    with pytest.raises(EnvelopeError, match="replayed"):  # still remembered
+        decode_message(kept[0], b"k", replay_guard=guard)
+
+
+def test_unauthenticated_messages_never_reach_the_replay_cache():
+    guard = ReplayGuard(30.0, capacity=1)
+    for _ in range(3):
+        with pytest.raises(EnvelopeError, match="authentication failed"):
+            decode_message(encode_message(Ack(), secret=b"forger"), b"k", replay_guard=guard)
+    assert len(guard) == 0
+    assert decode_message(encode_message(Ack(), secret=b"k"), b"k", replay_guard=guard) == Ack()
+
+
 def _compat(**changes) -> CompatInfo:
     base = dict(model="m", dtype="float32", cache_dtype="auto",
                 groups=(GroupCompat(kind="full_attention", block_size=256, sliding_window=None, eagle=True,
@@ -110,7 +179,7 @@ def test_a_handler_error_is_a_refusal_not_a_dead_server():
     try:
         client = SideChannelClient(server.address, timeout=2)
         for _ in range(2):  # the serving thread survives the first failure
-            with pytest.raises(SideChannelError, match="internal error: boom"):
+            with pytest.raises(SideChannelError, match="internal error"):
                 client.request(Release(request_ids=["r"], reason="x"))
         client.close()
     finally:
@@ -131,6 +200,17 @@ def test_settings_refuse_unknown_keys_and_bad_values():
         with pytest.raises(ConfigError, match="invalid kv_connector_extra_config") as info:
             ConnectorSettings.from_extra_config(extra)
         assert message in str(info.value)
+
+
+def test_a_reachable_side_channel_needs_a_secret_or_an_explicit_opt_out():
+    with pytest.raises(ConfigError, match="reachable from other machines"):
+        ConnectorSettings.from_extra_config({"side_channel_host": "0.0.0.0"})
+    for extra in ({"secret_env": "PD_SECRET"}, {"secret": "s"}, {"allow_insecure_side_channel": True}):
+        assert ConnectorSettings.from_extra_config({"side_channel_host": "0.0.0.0", **extra})
+    assert ConnectorSettings.from_extra_config({"side_channel_host": "localhost"}).secret is None
+    for extra in ({"side_channel_max_message_bytes": 0}, {"side_channel_max_age_seconds": -1}):
+        with pytest.raises(ConfigError, match="must be positive"):
+            ConnectorSettings.from_extra_config(extra)
 
 
 def test_secret_is_read_from_the_environment(monkeypatch):
