@@ -1,0 +1,234 @@
+"""The peer notifier: a dead prefill engine delays nobody else, and no error ends delivery.
+
+Real side-channel servers stand in for prefill engines; a "hung" peer is a zmq ROUTER
+socket that takes messages and never answers (a stopped or wedged engine). Before this
+module, one notifier thread sent everything in turn: a message to a hung engine held
+every other engine's messages for the whole timeout, and a malformed address
+(`ZMQError`) ended the thread silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import zmq
+
+from pdconnect.notifier import PeerNotifier
+from pdconnect.protocol import Ack, Done, Heartbeat, Message, Release
+from pdconnect.sidechannel import SideChannelServer
+
+SECRET = b"notifier-test-secret"
+# Bounds on waiting for something that must happen; never a measurement.
+WAIT = 20.0
+
+
+class _Events:
+    """Everything the notifier reported, in order, with a way to wait for one."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self.log: list[tuple[str, str, Message, object]] = []
+        self.counts: Counter[str] = Counter()
+
+    def count(self, name: str, amount: int) -> None:
+        with self._changed:
+            self.counts[name] += amount
+            self._changed.notify_all()
+
+    def on_reply(self, address: str, sent: Message, reply: Message) -> None:
+        self._add(("reply", address, sent, reply))
+
+    def on_failure(self, address: str, sent: Message, reason: str) -> None:
+        self._add(("failure", address, sent, reason))
+
+    def _add(self, event: tuple[str, str, Message, object]) -> None:
+        with self._changed:
+            self.log.append(event)
+            self._changed.notify_all()
+
+    def wait_for(self, predicate: Callable[[], bool]) -> None:
+        with self._changed:
+            assert self._changed.wait_for(predicate, timeout=WAIT), f"not seen; events so far: {self.log}"
+
+    def of(self, kind: str, address: str) -> list[tuple[str, str, Message, object]]:
+        with self._changed:
+            return [e for e in self.log if e[0] == kind and e[1] == address]
+
+
+@contextlib.contextmanager
+def _prefill(handler: Callable[[Message], Message] | None = None) -> Iterator[SideChannelServer]:
+    server = SideChannelServer("127.0.0.1", 0, handler or (lambda m: Ack()), SECRET)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
+def _hung_peer() -> Iterator[tuple[str, zmq.Socket]]:
+    """An address that accepts messages and never answers them."""
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind("tcp://127.0.0.1:0")
+    try:
+        yield socket.getsockopt_string(zmq.LAST_ENDPOINT), socket
+    finally:
+        socket.close()
+
+
+@contextlib.contextmanager
+def _notifier(events: _Events, **options) -> Iterator[PeerNotifier]:
+    settings = {"secret": SECRET, "timeout_seconds": 60.0, "heartbeat_seconds": 3600.0, **options}
+    notifier = PeerNotifier(count=events.count, on_reply=events.on_reply, on_failure=events.on_failure, **settings)
+    try:
+        yield notifier
+    finally:
+        notifier.close()
+
+
+def _eventually(predicate: Callable[[], bool]) -> None:
+    """Wait for a condition nothing signals (a thread ending)."""
+    deadline = time.monotonic() + WAIT
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.02)
+
+
+def _notifier_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("pdconnect-notifier")]
+
+
+def test_a_hung_prefill_engine_does_not_delay_another_engines_messages():
+    events = _Events()
+    with _hung_peer() as (hung, hung_socket), _prefill() as live, _notifier(events) as notifier:
+        notifier.send(hung, Done(request_ids=["to-hung-1"]))
+        notifier.send(hung, Done(request_ids=["to-hung-2"]))
+        # The hung engine has the first message: its worker now waits out a 60 s timeout.
+        assert hung_socket.poll(WAIT * 1000, zmq.POLLIN)
+        notifier.send(live.address, Done(request_ids=["to-live"]))
+        events.wait_for(lambda: events.of("reply", live.address))
+        # The live engine was answered while both messages to the hung one are pending
+        # (sent one at a time, it would have waited for their timeouts first).
+        assert events.of("failure", hung) == [] and events.of("reply", hung) == []
+        assert events.of("reply", live.address) == [("reply", live.address, Done(request_ids=["to-live"]), Ack())]
+
+
+def test_messages_queued_behind_a_hung_engine_all_fail_and_the_queue_drains():
+    events = _Events()
+    with _hung_peer() as (hung, _), _notifier(events, timeout_seconds=0.3) as notifier:
+        sent = [Release(request_ids=[f"r{i}"], reason="client gone") for i in range(5)]
+        for message in sent:
+            notifier.send(hung, message)
+        events.wait_for(lambda: len(events.of("failure", hung)) == len(sent))
+        assert [e[2] for e in events.of("failure", hung)] == sent  # in order, each reported once
+        assert events.counts["notification_failures"] == len(sent)
+
+
+def test_a_malformed_address_fails_that_message_only():
+    events = _Events()
+    bad = "tcp://no such host:0"
+    with _prefill() as live, _notifier(events) as notifier:
+        for _ in range(2):  # the worker for the bad address survives its own failure
+            notifier.send(bad, Done(request_ids=["r"]))
+        notifier.send(live.address, Done(request_ids=["ok"]))
+        events.wait_for(lambda: len(events.of("failure", bad)) == 2 and events.of("reply", live.address))
+        assert all("Invalid argument" in e[3] for e in events.of("failure", bad))
+        assert events.counts["notification_failures"] == 2 and events.counts["notifier_errors"] == 0
+
+
+def test_a_refusal_is_a_failure_with_the_peers_reason():
+    events = _Events()
+    with _prefill() as live, _notifier(events, secret=b"not-the-secret") as notifier:
+        notifier.send(live.address, Done(request_ids=["r"]))
+        events.wait_for(lambda: events.of("failure", live.address))
+        assert "authentication failed" in events.of("failure", live.address)[0][3]
+
+
+def test_callback_and_counter_errors_do_not_end_delivery():
+    events = _Events()
+    calls: Counter[str] = Counter()
+
+    def on_reply(address: str, sent: Message, reply: Message) -> None:
+        calls["reply"] += 1
+        events.on_reply(address, sent, reply)
+        raise RuntimeError("reply callback bug")
+
+    def on_failure(address: str, sent: Message, reason: str) -> None:
+        calls["failure"] += 1
+        events.on_failure(address, sent, reason)
+        raise RuntimeError("failure callback bug")
+
+    def count(name: str, amount: int) -> None:
+        events.count(name, amount)
+        if name == "notification_failures":
+            raise RuntimeError("counter bug")
+
+    bad = "tcp://no such host:0"
+    with _prefill() as live:
+        notifier = PeerNotifier(secret=SECRET, timeout_seconds=60.0, heartbeat_seconds=3600.0, count=count,
+                                on_reply=on_reply, on_failure=on_failure)
+        try:
+            for round_ in range(2):
+                notifier.send(bad, Done(request_ids=[f"bad{round_}"]))
+                notifier.send(live.address, Done(request_ids=[f"ok{round_}"]))
+            events.wait_for(lambda: calls["reply"] == 2 and calls["failure"] == 2)
+            events.wait_for(lambda: events.counts["notifier_callback_errors"] == 4)
+        finally:
+            notifier.close()
+    assert events.counts["notifier_errors"] == 0
+
+
+def test_heartbeats_carry_every_watched_id_and_unknown_ids_reach_on_reply():
+    held = {"lease-a"}
+    received: list[Message] = []
+
+    def prefill(message: Message) -> Message:
+        received.append(message)
+        return Ack(unknown=[i for i in getattr(message, "request_ids", []) if i not in held])
+
+    events = _Events()
+    with _prefill(prefill) as live, _prefill() as other, _notifier(events, heartbeat_seconds=0.05) as notifier:
+        for request_id in ("lease-b", "lease-a"):
+            notifier.watch(live.address, request_id)
+        notifier.watch(other.address, "lease-c")
+        events.wait_for(lambda: events.of("reply", live.address) and events.of("reply", other.address))
+        first = events.of("reply", live.address)[0]
+        assert first[2:] == (Heartbeat(request_ids=["lease-a", "lease-b"]), Ack(unknown=["lease-b"]))
+        assert events.of("reply", other.address)[0][2] == Heartbeat(request_ids=["lease-c"])
+        # Unwatched ids drop out of the next heartbeats; an address with none gets none.
+        notifier.unwatch(live.address, "lease-b")
+        notifier.unwatch(other.address, "lease-c")
+        seen = len(events.of("reply", live.address))
+        events.wait_for(lambda: len(events.of("reply", live.address)) >= seen + 2)
+        assert events.of("reply", live.address)[-1][2] == Heartbeat(request_ids=["lease-a"])
+        replies_to_other = len(events.of("reply", other.address))
+    assert all(isinstance(m, Heartbeat) for m in received)
+    # At most one heartbeat to `other` was already queued when its last id was unwatched.
+    assert len(events.of("reply", other.address)) <= replies_to_other + 1
+
+
+def test_close_does_not_wait_out_a_hung_engine():
+    events = _Events()
+    with _hung_peer() as (hung, hung_socket):
+        before = set(_notifier_threads())
+        with _notifier(events) as notifier:
+            notifier.send(hung, Done(request_ids=["r"]))
+            assert hung_socket.poll(WAIT * 1000, zmq.POLLIN)  # the worker is mid-request (60 s timeout)
+        # close() returned: its worker ended, without reporting the abandoned request.
+        assert [t for t in _notifier_threads() if t not in before] == []
+        assert events.log == [] and events.counts == Counter()
+
+
+def test_an_idle_peer_worker_ends_and_comes_back_when_needed():
+    events = _Events()
+    with _prefill() as live, _notifier(events, idle_seconds=0.1) as notifier:
+        before = set(_notifier_threads())
+        notifier.send(live.address, Done(request_ids=["first"]))
+        events.wait_for(lambda: len(events.of("reply", live.address)) == 1)
+        _eventually(lambda: [t for t in _notifier_threads() if t not in before] == [])
+        notifier.send(live.address, Done(request_ids=["second"]))
+        events.wait_for(lambda: len(events.of("reply", live.address)) == 2)
