@@ -22,7 +22,7 @@ own threads count). Both clients live in this process for the whole run, so each
 path's CPU also holds the other client's idle threads (ours: one NIXL serving agent's
 progress thread, about 2% of a core).
 
-    python -m pdconnect.bench.transfer [--transport mooncake|nixl|all] [--repeats 11]
+    python -m pdconnect.bench.transfer [--transport mooncake|nixl|all] [--repeats 21]
                                        [--json PATH]
 """
 
@@ -320,7 +320,7 @@ def _row(r: Result) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transport", choices=(*TRANSPORT_KINDS, "all"), default="all")
-    parser.add_argument("--repeats", type=int, default=11, help="timed runs per path and case")
+    parser.add_argument("--repeats", type=int, default=21, help="timed runs per path and case")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if args.repeats < 1:
