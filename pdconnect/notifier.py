@@ -38,19 +38,20 @@ OnFailure = Callable[[str, Message, str], None]
 
 @dataclass(frozen=True)
 class _Outgoing:
-    """One queued notice; `message` None stands for "this peer's heartbeat, built when sent"."""
+    """One queued notice; `message` None stands for "the address's heartbeat, built when sent"."""
 
+    address: str
     message: Message | None
     deadline: float  # time.monotonic() by which it must be answered
 
 
 @dataclass
 class _Peer:
-    """One prefill engine's queue and worker; `beat_pending` is guarded by the notifier's lock."""
+    """A queue and the worker that empties it: one prefill engine's, or (address None) the
+    shared overflow queue for addresses beyond `max_peers`."""
 
-    address: str
+    address: str | None
     queue: queue.SimpleQueue[_Outgoing | None] = field(default_factory=queue.SimpleQueue)
-    beat_pending: bool = False
     thread: threading.Thread | None = None
 
 
@@ -67,7 +68,10 @@ class PeerNotifier:
     as "notifier_callback_errors". Anything else unexpected is "notifier_errors".
 
     A worker whose peer has had nothing to send and no watched ids for `idle_seconds`
-    ends, so engines that went away do not leave threads behind.
+    ends, so engines that went away do not leave threads behind. Addresses come from
+    requests' `kv_transfer_params`, which anyone can craft, so at most `max_peers`
+    addresses get their own worker; the rest share one overflow worker (in turn, as
+    before per-peer delivery) and are counted as "notifier_overflow".
     """
 
     def __init__(
@@ -80,19 +84,23 @@ class PeerNotifier:
         on_reply: OnReply | None = None,
         on_failure: OnFailure | None = None,
         idle_seconds: float = 60.0,
+        max_peers: int = 256,
     ) -> None:
-        if timeout_seconds <= 0 or heartbeat_seconds <= 0 or idle_seconds <= 0:
-            raise ValueError("timeout_seconds, heartbeat_seconds and idle_seconds must be positive")
+        if timeout_seconds <= 0 or heartbeat_seconds <= 0 or idle_seconds <= 0 or max_peers <= 0:
+            raise ValueError("timeout_seconds, heartbeat_seconds, idle_seconds and max_peers must be positive")
         self._secret = secret
         self._timeout = timeout_seconds
         self._heartbeat_seconds = heartbeat_seconds
         self._idle_seconds = idle_seconds
+        self._max_peers = max_peers
         self._count_callback = count
         self._on_reply = on_reply
         self._on_failure = on_failure
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
+        self._overflow: _Peer | None = None
         self._watched: dict[str, set[str]] = {}
+        self._beats_pending: set[str] = set()  # addresses with a heartbeat queued
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="pdconnect-notifier-beat", daemon=True)
         self._ticker.start()
@@ -120,7 +128,7 @@ class PeerNotifier:
             return
         try:
             with self._lock:
-                self._peer(address).queue.put(_Outgoing(message, time.monotonic() + self._timeout))
+                self._queue_for(address).put(_Outgoing(address, message, time.monotonic() + self._timeout))
         except Exception:  # e.g. no thread could be started: lose this message, not the caller
             self._count("notifier_errors")
             logger.exception("notifier could not queue %s to %s", type(message).__name__, address)
@@ -129,7 +137,7 @@ class PeerNotifier:
         """Stop every worker; requests in flight are abandoned (no callbacks after this)."""
         self._stop.set()
         with self._lock:
-            peers = list(self._peers.values())
+            peers = [*self._peers.values(), *([self._overflow] if self._overflow is not None else [])]
         for peer in peers:
             peer.queue.put(None)  # wake a worker waiting for work
         # Workers notice the stop within one poll step (0.1 s), even mid-request.
@@ -139,14 +147,26 @@ class PeerNotifier:
 
     # --- notifier threads -----------------------------------------------------------
 
-    def _peer(self, address: str) -> _Peer:
-        """The peer for `address`, with its worker started; the caller holds the lock."""
+    def _queue_for(self, address: str) -> queue.SimpleQueue[_Outgoing | None]:
+        """The queue serving `address`, its worker started if need be; the caller holds the lock."""
         peer = self._peers.get(address)
-        if peer is None:
-            peer = _Peer(address)
-            peer.thread = threading.Thread(target=self._work, args=(peer,), name="pdconnect-notifier", daemon=True)
-            peer.thread.start()
-            self._peers[address] = peer
+        if peer is not None:
+            return peer.queue
+        if len(self._peers) < self._max_peers:
+            peer = self._peers[address] = self._started(_Peer(address))
+            return peer.queue
+        # Messages to one address keep their order except across this boundary (an
+        # address that overflowed may get a worker of its own once others retire).
+        self._count("notifier_overflow")
+        logger.warning("notifier: more than %d prefill engines at once; %s shares the overflow queue",
+                       self._max_peers, address)
+        if self._overflow is None:
+            self._overflow = self._started(_Peer(None))
+        return self._overflow.queue
+
+    def _started(self, peer: _Peer) -> _Peer:
+        peer.thread = threading.Thread(target=self._work, args=(peer,), name="pdconnect-notifier", daemon=True)
+        peer.thread.start()
         return peer
 
     def _tick(self) -> None:
@@ -155,16 +175,16 @@ class PeerNotifier:
                 deadline = time.monotonic() + self._timeout
                 with self._lock:
                     for address in list(self._watched):
-                        peer = self._peer(address)
-                        if not peer.beat_pending:
-                            peer.beat_pending = True
-                            peer.queue.put(_Outgoing(None, deadline))
+                        if address not in self._beats_pending:
+                            self._queue_for(address).put(_Outgoing(address, None, deadline))
+                            self._beats_pending.add(address)
             except Exception:
                 self._count("notifier_errors")
                 logger.exception("notifier could not schedule heartbeats; trying again next round")
 
     def _work(self, peer: _Peer) -> None:
-        client = SideChannelClient(peer.address, self._secret, self._timeout)
+        # A dedicated worker keeps one connection; the overflow worker opens one per message.
+        client = SideChannelClient(peer.address, self._secret, self._timeout) if peer.address else None
         try:
             while not self._stop.is_set():
                 try:
@@ -175,46 +195,58 @@ class PeerNotifier:
                             return
                         continue
                     if item is not None:
-                        self._deliver(peer, client, item)
+                        self._deliver(item, client)
                 except Exception:  # nothing may end a worker but close()
                     self._count("notifier_errors")
-                    logger.exception("notifier error for %s; still running", peer.address)
+                    logger.exception("notifier error for %s; still running", peer.address or "overflow")
                     self._stop.wait(0.01)  # a fault that repeats must not spin a core
         finally:
-            client.close()
+            if client is not None:
+                client.close()
 
     def _retire(self, peer: _Peer) -> bool:
         """End an idle worker, unless something arrived for it meanwhile."""
         with self._lock:
-            if not peer.queue.empty() or peer.address in self._watched or peer.beat_pending:
+            if not peer.queue.empty():
+                return False
+            if peer.address is None:
+                self._overflow = None
+                return True
+            if peer.address in self._watched:
                 return False
             del self._peers[peer.address]
             return True
 
-    def _deliver(self, peer: _Peer, client: SideChannelClient, item: _Outgoing) -> None:
-        message = item.message
+    def _deliver(self, item: _Outgoing, client: SideChannelClient | None) -> None:
+        address, message = item.address, item.message
         if message is None:
             with self._lock:
-                peer.beat_pending = False
-                ids = sorted(self._watched.get(peer.address, ()))
+                self._beats_pending.discard(address)
+                ids = sorted(self._watched.get(address, ()))
             if not ids:
                 return
             message = Heartbeat(request_ids=ids)
         remaining = item.deadline - time.monotonic()
         if remaining <= 0:
-            self._failed(peer.address, message,
-                         f"not sent: {peer.address} did not take earlier messages within {self._timeout:.1f}s")
+            self._failed(address, message,
+                         f"not sent: {address} did not take earlier messages within {self._timeout:.1f}s")
             return
+        own = client is None
+        if own:
+            client = SideChannelClient(address, self._secret, self._timeout)
         try:
             reply = client.request(message, timeout=remaining, cancel=self._stop)
         except SideChannelError as exc:
-            self._failed(peer.address, message, str(exc))
+            self._failed(address, message, str(exc))
             return
         except Exception as exc:  # e.g. a message that cannot be encoded: this message only
-            logger.exception("notifier could not send %s to %s", type(message).__name__, peer.address)
-            self._failed(peer.address, message, f"{type(exc).__name__}: {exc}")
+            logger.exception("notifier could not send %s to %s", type(message).__name__, address)
+            self._failed(address, message, f"{type(exc).__name__}: {exc}")
             return
-        self._callback(self._on_reply, peer.address, message, reply)
+        finally:
+            if own:
+                client.close()
+        self._callback(self._on_reply, address, message, reply)
 
     def _failed(self, address: str, message: Message, reason: str) -> None:
         if self._stop.is_set():

@@ -232,3 +232,19 @@ def test_an_idle_peer_worker_ends_and_comes_back_when_needed():
         _eventually(lambda: [t for t in _notifier_threads() if t not in before] == [])
         notifier.send(live.address, Done(request_ids=["second"]))
         events.wait_for(lambda: len(events.of("reply", live.address)) == 2)
+
+
+def test_addresses_beyond_max_peers_share_one_overflow_worker():
+    # Addresses come from kv_transfer_params, which a client can craft: a flood of
+    # distinct ones must not start a thread each.
+    events = _Events()
+    with _hung_peer() as (hung, hung_socket), _prefill() as live, _prefill() as other, \
+            _notifier(events, max_peers=1) as notifier:
+        before = set(_notifier_threads())
+        notifier.send(hung, Done(request_ids=["to-hung"]))
+        assert hung_socket.poll(WAIT * 1000, zmq.POLLIN)
+        for address in (live.address, other.address, live.address):
+            notifier.send(address, Done(request_ids=["r"]))
+        events.wait_for(lambda: len(events.of("reply", live.address)) == 2 and events.of("reply", other.address))
+        assert len([t for t in _notifier_threads() if t not in before]) == 2  # hung's worker + overflow
+        assert events.counts["notifier_overflow"] == 3 and events.of("failure", hung) == []
