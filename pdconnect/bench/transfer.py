@@ -14,8 +14,12 @@ bytes and this process pulls the same block sets three ways, interleaved run by 
   `Transfer.wait`, i.e. everything the connector pays, sending the same ranges as bare;
 - ours: the same with coalescing, as the connector runs.
 "fair" = ours uncoalesced / bare (our overhead alone; >= 0.9 is the bar); "coalescing"
-= ours / ours uncoalesced (what merging adjacent ranges buys, reported on its own).
-GB/s are medians; best/best compares the fastest run of each, steadier on a busy host.
+= ours / ours uncoalesced (what merging adjacent ranges buys, reported on its own; the
+merged ranges are also sorted by address, which Mooncake's TCP path likes). Both ratios
+are medians over rounds of the ratio within a round, where the three paths ran back
+to back: on a shared host the load drifts between rounds far more than within one, so
+pairing cancels most of it; GB/s are per-path medians; "best" compares the fastest run
+of each path.
 CPU s/GB is the median over runs of (this process's + the peer process's CPU seconds)
 per GB moved, from `time.process_time` on both sides (every thread: the libraries'
 own threads count). Both clients live in this process for the whole run, so each
@@ -102,9 +106,9 @@ class Result:
     bare_gbps: float
     ours_uncoalesced_gbps: float
     ours_gbps: float
-    fair_ratio: float          # ours uncoalesced / bare, medians
+    fair_ratio: float          # ours uncoalesced / bare: median of per-round ratios
     fair_best_ratio: float     # the same, fastest run of each
-    coalescing_gain: float     # ours / ours uncoalesced, medians
+    coalescing_gain: float     # ours / ours uncoalesced: median of per-round ratios
     bare_cpu_s_per_gb: float
     ours_uncoalesced_cpu_s_per_gb: float
     ours_cpu_s_per_gb: float
@@ -290,12 +294,17 @@ def _bench_case(kind: str, case: Case, seed: int, repeats: int, ours: Transport[
     gb = case.total_bytes / 1e9
     gbps = {name: gb / statistics.median(r.wall) for name, r in runs.items()}
     cpu = {name: statistics.median(r.cpu) / gb for name, r in runs.items()}
+    def paired(path: str, baseline: str) -> float:
+        """Median over rounds of `path`'s speed relative to `baseline`'s in that round."""
+        return statistics.median(
+            base / mine for mine, base in zip(runs[path].wall, runs[baseline].wall))
+
     return Result(
         kind, ours.effective_protocol, case.name, case.total_bytes,
         round(gbps["bare"], 3), round(gbps["ours_uncoalesced"], 3), round(gbps["ours"], 3),
-        round(gbps["ours_uncoalesced"] / gbps["bare"], 3),
+        round(paired("ours_uncoalesced", "bare"), 3),
         round(min(runs["bare"].wall) / min(runs["ours_uncoalesced"].wall), 3),
-        round(gbps["ours"] / gbps["ours_uncoalesced"], 3),
+        round(paired("ours", "ours_uncoalesced"), 3),
         round(cpu["bare"], 3), round(cpu["ours_uncoalesced"], 3), round(cpu["ours"], 3),
         case.count, len(coalesced), repeats)
 
@@ -328,8 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     kinds = TRANSPORT_KINDS if args.transport == "all" else (args.transport,)
     print(f"pool {POOL_BYTES >> 20} MiB per side, {args.repeats} interleaved runs per path "
           f"and case, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
-          "unc. = ours without coalescing (same ranges as bare); fair = unc./bare "
-          "(medians; best = fastest runs); coal. gain = ours/unc.", flush=True)
+          "unc. = ours without coalescing (same ranges as bare); fair = unc./bare and "
+          "coal. gain = ours/unc. (medians of per-round ratios; best = fastest runs)",
+          flush=True)
     print(_HEADER, flush=True)
     started = time.monotonic()
     results: list[Result] = []
