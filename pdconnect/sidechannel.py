@@ -27,7 +27,7 @@ from pdconnect.envelope import DEFAULT_MAX_AGE_SECONDS, EnvelopeError, ReplayGua
 from pdconnect.protocol import Ack, Message, ProtocolError, Refusal, Release
 
 __all__ = [
-    "DEFAULT_MAX_MESSAGE_BYTES", "SideChannelError", "SideChannelServer", "SideChannelClient",
+    "DEFAULT_MAX_MESSAGE_BYTES", "SERVER_COUNTERS", "SideChannelError", "SideChannelServer", "SideChannelClient",
     "is_loopback_host", "release_remote",
 ]
 
