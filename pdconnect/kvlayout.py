@@ -250,15 +250,18 @@ def _pull_table(local: Sequence[TensorLayout], remote: Sequence[TensorLayout],
     pairs = np.array(block_pairs if isinstance(block_pairs, Sequence) else list(block_pairs),
                      dtype=np.int64).reshape(-1, 2)
     local_ids, remote_ids = pairs[:, 0], pairs[:, 1]
+    # Every layer gets the same block ids: their extremes decide all the range checks.
+    extremes = ((int(local_ids.min()), int(local_ids.max()), int(remote_ids.min()),
+                 int(remote_ids.max())) if len(pairs) else None)
     parts = []
     run: list[tuple[int, int]] = []  # (local base, remote base) of layers sharing `key`
     key: tuple[TensorLayout, TensorLayout] | None = None
     for layer, (mine, theirs) in enumerate(zip(local, remote)):
         try:
             _pieces(mine, theirs)  # refuses layouts whose blocks do not match
-            if len(pairs):
-                _check_blocks(mine, local_ids)
-                _check_blocks(theirs, remote_ids)
+            if extremes is not None:
+                for layout, block in zip((mine, mine, theirs, theirs), extremes):
+                    layout._check_block(block)
         except LayoutError as exc:
             raise (LayoutError(f"layer {layer}: {exc}") if name_layer else exc) from None
         if key is not None and _same_geometry(key, (mine, theirs)):
@@ -293,12 +296,6 @@ def _broadcast(np: Any, key: tuple[TensorLayout, TensorLayout], bases: list[tupl
                      + remote_offsets[None, None, :])
     table[..., 2] = lengths[None, None, :]
     return table.reshape(-1, 3)
-
-
-def _check_blocks(layout: TensorLayout, block_ids: Any) -> None:
-    low, high = int(block_ids.min()), int(block_ids.max())
-    for block in (low, high):
-        layout._check_block(block)
 
 
 def _pieces(local: TensorLayout, remote: TensorLayout) -> tuple[Any, Any, Any]:
