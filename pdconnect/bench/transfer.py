@@ -26,8 +26,12 @@ own threads count). Both clients live in this process for the whole run, so each
 path's CPU also holds the other client's idle threads (ours: one NIXL serving agent's
 progress thread, about 2% of a core).
 
+A second table (NIXL) sweeps the serving agent's progress-thread delay
+(`nixl_progress_delay_us`): the serving process's idle CPU against our read rate and
+the first read after connecting (which waits on the server's wire-up progress).
+
     python -m pdconnect.bench.transfer [--transport mooncake|nixl|all] [--repeats 21]
-                                       [--json PATH]
+                                       [--delays 0,50,200,1000,5000] [--json PATH]
 """
 
 from __future__ import annotations
@@ -309,6 +313,64 @@ def _bench_case(kind: str, case: Case, seed: int, repeats: int, ours: Transport[
         case.count, len(coalesced), repeats)
 
 
+@dataclass(frozen=True)
+class DelayResult:
+    """One row of the progress-delay sweep."""
+
+    delay_us: int
+    idle_cpu_percent: float      # the serving process, % of one core, nothing moving
+    first_read_ms: float         # the first one-block read after connecting (wire-up)
+    rates_gbps: dict[str, float]  # case name -> our median read rate
+
+
+SWEEP_CASES = (Case(64, 1 << 20), Case(4096, 16 << 10))
+IDLE_SECONDS = 2.0
+
+
+def sweep_progress_delay(delays: Sequence[int], repeats: int,
+                         log: Callable[[str], None]) -> list[DelayResult]:
+    """Our NIXL reads against a serving peer run with each progress-thread delay."""
+    results = []
+    log(f"{'nixl serving delay':>18}  {'idle CPU':>9}  {'first read':>10}  "
+        + "  ".join(f"{c.name + ' GB/s':>30}" for c in SWEEP_CASES))
+    for delay in delays:
+        with LoopbackPeer("nixl", POOL_BYTES, nixl_progress_delay_us=delay) as peer:
+            ours = create_transport("nixl", host="127.0.0.1")
+            try:
+                local = Buffer(POOL_BYTES)
+                local.zero()  # fault every page in now, not inside a timed read
+                ours.register([local.region])
+                ours.connect(PEER, peer.ready.metadata)
+                started = time.perf_counter()
+                first = ours.pull(PEER, [(local.addr, peer.ready.pool_addr, 4096)], TIMEOUT)
+                if first.wait(TIMEOUT) is not TransferState.DONE:
+                    raise RuntimeError(f"delay {delay} us: the first read failed")
+                first_ms = (time.perf_counter() - started) * 1e3
+                idle_before = peer.cpu_seconds()
+                time.sleep(IDLE_SECONDS)
+                idle = (peer.cpu_seconds() - idle_before) / IDLE_SECONDS * 100
+                rates = {}
+                for number, case in enumerate(SWEEP_CASES):
+                    layout = kv_layout(local.addr, POOL_BYTES, case.block_bytes)
+                    remote = kv_layout(peer.ready.pool_addr, POOL_BYTES, case.block_bytes)
+                    pairs = case.block_pairs(layout.num_blocks, number)
+                    times = []
+                    for _ in range(repeats + 1):  # the first is a warm-up, not counted
+                        start = time.perf_counter()
+                        ranges = pull_ranges(layout, remote, pairs)
+                        if ours.pull(PEER, ranges, TIMEOUT).wait(TIMEOUT) is not TransferState.DONE:
+                            raise RuntimeError(f"delay {delay} us, {case.name}: a read failed")
+                        times.append(time.perf_counter() - start)
+                    rates[case.name] = round(
+                        case.total_bytes / statistics.median(times[1:]) / 1e9, 3)
+            finally:
+                ours.close()
+        results.append(DelayResult(delay, round(idle, 1), round(first_ms, 1), rates))
+        log(f"{delay:>15} us  {idle:>8.1f}%  {first_ms:>7.1f} ms  "
+            + "  ".join(f"{rates[c.name]:>30.2f}" for c in SWEEP_CASES))
+    return results
+
+
 _HEADER = (
     f"{'':16} {'':27} {'GB/s (median)':^23}  {'fair':^16} {'coal.':>6}  "
     f"{'CPU s/GB (both processes)':^25}  {'':>12}\n"
@@ -330,10 +392,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transport", choices=(*TRANSPORT_KINDS, "all"), default="all")
     parser.add_argument("--repeats", type=int, default=21, help="timed runs per path and case")
+    parser.add_argument("--delays", default="0,50,200,1000,5000",
+                        help="NIXL serving progress-thread delays to sweep, in us ('' = none)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    try:
+        delays = [int(d) for d in args.delays.split(",") if d.strip()]
+    except ValueError:
+        parser.error(f"--delays must be comma-separated integers, got {args.delays!r}")
     kinds = TRANSPORT_KINDS if args.transport == "all" else (args.transport,)
     print(f"pool {POOL_BYTES >> 20} MiB per side, {args.repeats} interleaved runs per path "
           f"and case, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
@@ -348,10 +416,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     worst = min(r.fair_ratio for r in results)
     print(f"({time.monotonic() - started:.0f} s; lowest fair ratio {worst:.2f}, load average "
           f"now {os.getloadavg()[0]:.1f})", flush=True)
+    sweep: list[DelayResult] = []
+    if "nixl" in kinds and delays:
+        print("\nNIXL serving agent's progress-thread delay (ours reads with no progress "
+              f"thread; idle CPU over {IDLE_SECONDS:g} s, % of one core; rates: medians of "
+              f"{min(args.repeats, 7)})", flush=True)
+        sweep = sweep_progress_delay(delays, min(args.repeats, 7),
+                                     lambda line: print(line, flush=True))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(msgspec.json.format(
-            msgspec.json.encode([asdict(r) for r in results]), indent=2))
+        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(
+            {"paths": [asdict(r) for r in results],
+             "nixl_progress_delay": [asdict(r) for r in sweep]}), indent=2))
     return 0
 
 

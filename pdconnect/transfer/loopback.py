@@ -83,17 +83,18 @@ class _Serve:
     kind: str
     pool_size: int
     protocol: str
+    nixl_progress_delay_us: int | None = None
 
 
 class LoopbackPeer:
     """The parent's handle on a serving child; a context manager that always reaps it."""
 
     def __init__(self, kind: str, pool_size: int, *, protocol: str = "rdma",
-                 start_timeout: float = 60.0) -> None:
+                 nixl_progress_delay_us: int | None = None, start_timeout: float = 60.0) -> None:
         context = multiprocessing.get_context("spawn")
         self._pipe, child_end = context.Pipe()
-        self.process = context.Process(target=_serve, args=(_Serve(kind, pool_size, protocol),
-                                                            child_end), daemon=True)
+        job = _Serve(kind, pool_size, protocol, nixl_progress_delay_us)
+        self.process = context.Process(target=_serve, args=(job, child_end), daemon=True)
         self.process.start()
         child_end.close()
         self.ready: PeerReady = self._receive(start_timeout)
@@ -142,7 +143,8 @@ class LoopbackPeer:
 
 def _serve(job: _Serve, pipe: Connection) -> None:
     try:
-        transport = create_transport(job.kind, host="127.0.0.1", protocol=job.protocol)
+        transport = create_transport(job.kind, host="127.0.0.1", protocol=job.protocol,
+                                     nixl_progress_delay_us=job.nixl_progress_delay_us)
         pool = Buffer(job.pool_size)
         pool.fill_random()
         transport.register([pool.region])
