@@ -78,8 +78,10 @@ $(COMPAT_STAMP): pyproject.toml constraints-compat.txt
 		vllm mooncake-transfer-engine-non-cuda nixl
 	rm -f $(COMPAT_VENV)/.installed-* && touch $@
 
+# VLLM_TARGET_DEVICE=cpu: upstream vLLM finds no platform on a GPU-less host, and the
+# scheduler-level tests build a real VllmConfig (no engine starts, no kernel runs).
 test-compat: $(COMPAT_STAMP)
-	PDCONNECT_VLLM_SUITE=compat $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not engine" \
+	PDCONNECT_VLLM_SUITE=compat VLLM_TARGET_DEVICE=cpu $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not engine" \
 		$(COMPAT_TESTS) $(COMPAT_PYTEST_ARGS)
 
 test: install deploy-tools router-ref test-compat

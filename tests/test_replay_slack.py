@@ -1,4 +1,4 @@
-"""The replay-slack planner against vLLM 0.32's real KV cache manager and block pool.
+"""The replay-slack planner against the installed vLLM's real KV cache manager and block pool (0.32 and 0.33).
 
 Each case computes a prompt on a colocated manager (one step and chunked), loads it on a
 decode-side manager that receives exactly the plan's transfer set, and compares what both

@@ -1,4 +1,4 @@
-"""The adapter over vLLM's KV-cache internals, run against the real vLLM 0.32 classes.
+"""The adapter over vLLM's KV-cache internals, run against the real classes of vLLM 0.32 and 0.33.
 
 If a vLLM upgrade changes a signature or a rule the connector relies on (reference
 counts, hashing by logical position, the block-size view of hashes), these fail first.
