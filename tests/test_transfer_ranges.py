@@ -193,6 +193,11 @@ def test_coalesce_groups_equals_coalescing_the_concatenation() -> None:
     assert coalesce_groups([]) == []
 
 
+def test_coalesce_refuses_ranges_that_are_not_triples() -> None:
+    with pytest.raises(ValueError, match="triples; 2 ranges hold 7 numbers"):
+        coalesce([(0x1000, 0x2000, 64), (0x3000, 0x4000, 64, 1)])  # type: ignore[list-item]
+
+
 def test_coalesce_refuses_overlapping_destinations() -> None:
     with pytest.raises(ValueError, match=r"destination ranges overlap: \[0x1000, \+64\) and "
                                          r"\[0x1020, \+64\)"):
