@@ -30,7 +30,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
@@ -44,6 +43,7 @@ from pdconnect.router.errors import (
     RouterError,
 )
 from pdconnect.router.metrics import RouterMetrics
+from pdconnect.router.upstream import ConnectFailed, UpstreamError, UpstreamPool, UpstreamResponse
 from pdconnect.router.policy import AffinityTracker, PrefixAffinity, RoutingPolicy, affinity_key
 from pdconnect.router.usage import SseRewriter, UsageMerger
 from pdconnect.sidechannel import release_remote
@@ -207,22 +207,20 @@ class PrefillReleaser:
 class PDFlow:
     """Serves `/v1/completions` and `/v1/chat/completions` through a prefill and a decode engine."""
 
-    def __init__(self, config: RouterConfig, registry: EngineRegistry, session: aiohttp.ClientSession,
+    def __init__(self, config: RouterConfig, registry: EngineRegistry, upstream: UpstreamPool,
                  metrics: RouterMetrics, releaser: PrefillReleaser,
                  prefill_policy: RoutingPolicy, decode_policy: RoutingPolicy) -> None:
         self._config = config
         self._registry = registry
-        self._session = session
+        self._upstream = upstream
         self._metrics = metrics
         self._releaser = releaser
         self._policies = {Role.PREFILL: prefill_policy, Role.DECODE: decode_policy}
         self._affinity = ({role: AffinityTracker() for role in Role}
                           if isinstance(decode_policy, PrefixAffinity) else None)
-        # Per-read deadlines: connect, and (streams) the longest silence between chunks;
-        # whole answers run under one overall deadline instead (asyncio.timeout in _send).
-        self._whole_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout)
-        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
-                                                     sock_read=config.stream_idle_timeout)
+        # Whole answers run under one overall deadline (asyncio.timeout in _send); streams
+        # also under a limit on the silence between two chunks.
+        self._stream_idle = config.stream_idle_timeout
 
     # --- the request, top to bottom -------------------------------------------------------
 
@@ -294,8 +292,7 @@ class PDFlow:
             engine.begin()
             sent = time.perf_counter()
             try:
-                resp, data = await self._send(engine, call, body, deadline, self._whole_timeout, whole=True,
-                                              headers=headers)
+                resp, data = await self._send(engine, call, body, deadline, whole=True, headers=headers)
                 resp.release()
                 answer = _json_decode(data)
                 verdict = True
@@ -351,10 +348,7 @@ class PDFlow:
         if not engines:
             raise NoEngineAvailable(Role.DECODE.value)
         body = _json_encode(decode_body(call, params))
-        if call.stream:
-            deadline, timeout = self._config.decode_first_byte_timeout, self._stream_timeout
-        else:
-            deadline, timeout = self._config.decode_timeout, self._whole_timeout
+        deadline = self._config.decode_first_byte_timeout if call.stream else self._config.decode_timeout
         last: _AttemptFailed | None = None
         suspects: list[Engine] = []
         for attempt, engine in enumerate(engines):
@@ -368,7 +362,7 @@ class PDFlow:
             sent = time.perf_counter()
             try:
                 try:
-                    resp, first = await self._send(engine, call, body, deadline, timeout, whole=not call.stream)
+                    resp, first = await self._send(engine, call, body, deadline, whole=not call.stream)
                 except _AttemptFailed as failure:
                     verdict = self._judge(engine, failure, suspects)
                     if failure.reason == "timeout" and not call.stream:
@@ -406,13 +400,14 @@ class PDFlow:
         return trace.prefilled.params if trace.prefilled else None
 
     async def _relay(self, http: web.Request, call: Call, trace: _Trace, engine: Engine,
-                     resp: aiohttp.ClientResponse,
+                     resp: UpstreamResponse,
                      first: bytes, merger: UsageMerger | None,
                      headers: CIMultiDict[str]) -> tuple[web.StreamResponse, bool | None]:
         """Stream the decode answer to the client. Returns the response and the engine's verdict."""
         out = web.StreamResponse(status=resp.status, headers=headers)
         # Always framed: whatever the engine leaves half-written is held back, never sent.
         rewriter = SseRewriter(merger)
+        idle = self._stream_idle
         try:
             await out.prepare(http)
             await out.write(rewriter.feed(first))
@@ -420,8 +415,8 @@ class PDFlow:
             broke: str | None = None
             while True:
                 try:
-                    chunk = await resp.content.readany()
-                except (aiohttp.ClientError, TimeoutError) as exc:
+                    chunk = await resp.chunk(idle)
+                except (UpstreamError, TimeoutError) as exc:
                     broke = type(exc).__name__
                     break
                 if not chunk:
@@ -455,23 +450,21 @@ class PDFlow:
 
     # --- one attempt at one engine ----------------------------------------------------------
 
-    async def _send(self, engine: Engine, call: Call, body: bytes, deadline: float,
-                    timeout: aiohttp.ClientTimeout, whole: bool,
-                    headers: dict[str, str] | None = None) -> tuple[aiohttp.ClientResponse, bytes]:
+    async def _send(self, engine: Engine, call: Call, body: bytes, deadline: float, whole: bool,
+                    headers: dict[str, str] | None = None) -> tuple[UpstreamResponse, bytes]:
         """POST `body`; the response and its whole body (`whole`) or first chunk.
 
         Raises _AttemptFailed for what another engine may not suffer (connect error,
         timeout, 5xx/408/429, a connection dropped before any byte) and EngineRejected
         for the engine's verdict on the request itself (other 4xx).
         """
-        resp: aiohttp.ClientResponse | None = None
+        resp: UpstreamResponse | None = None
         try:
             async with asyncio.timeout(deadline):
-                resp = await self._session.post(engine.url + call.endpoint.value, data=body,
-                                                headers=headers or call.headers, timeout=timeout)
+                resp = await self._upstream.post(engine.url, call.endpoint.value, body, headers or call.headers)
                 if resp.status >= 400:
                     await self._raise_for_status(resp)
-                data = await (resp.read() if whole else resp.content.readany())
+                data = await (resp.read() if whole else resp.chunk())
                 if not data:
                     raise _AttemptFailed("dropped", "connection closed before the first byte")
                 return resp, data
@@ -481,9 +474,9 @@ class PDFlow:
         except TimeoutError:
             _close(resp)
             raise _AttemptFailed("timeout", f"no answer within {deadline}s") from None
-        except aiohttp.ClientConnectorError as exc:
+        except ConnectFailed as exc:
             raise _AttemptFailed("connect", str(exc)) from None
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             _close(resp)
             raise _AttemptFailed("dropped", f"{type(exc).__name__}: {exc}") from None
         except BaseException:
@@ -491,12 +484,12 @@ class PDFlow:
             raise
 
     @staticmethod
-    async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:
+    async def _raise_for_status(resp: UpstreamResponse) -> None:
         data = await resp.read()
         if resp.status >= 500 or resp.status in (408, 429):
             raise _AttemptFailed(f"http_{resp.status // 100}xx" if resp.status >= 500 else f"http_{resp.status}",
                                  data[:200].decode(errors="replace"))
-        raise EngineRejected(resp.status, data, resp.headers.get("Content-Type", "application/json"))
+        raise EngineRejected(resp.status, data, resp.headers.get(b"content-type", b"application/json").decode())
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -513,9 +506,9 @@ class PDFlow:
             self._metrics.placement(role.value, self._affinity[role].observe(call.key, engine.url))
 
     def _response_headers(self, call: Call, trace: _Trace, engine: Engine,
-                          resp: aiohttp.ClientResponse) -> CIMultiDict[str]:
+                          resp: UpstreamResponse) -> CIMultiDict[str]:
         headers: CIMultiDict[str] = CIMultiDict()
-        headers["Content-Type"] = resp.headers.get("Content-Type", "application/json")
+        headers["Content-Type"] = resp.headers.get(b"content-type", b"application/json").decode()
         headers["X-Request-Id"] = call.request_id
         if trace.fallback:
             headers["X-PDConnect-Fallback"] = trace.fallback
@@ -532,7 +525,7 @@ def _blame(suspects: list[Engine]) -> None:
     suspects.clear()
 
 
-def _close(resp: aiohttp.ClientResponse | None) -> None:
+def _close(resp: UpstreamResponse | None) -> None:
     if resp is not None:
         resp.close()
 

@@ -1,0 +1,94 @@
+"""The router's engine client (`router.upstream`) against a FAKE engine: keep-alive reuse,
+streamed bodies, compressed answers inflated, a dropped connection reported, and the
+whole router serving P/D requests on uvloop (the event loop `pdconnect router` runs on;
+uvloop's transports differ from asyncio's in ways the default loop does not show)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+import uvloop
+
+from pdconnect.bench.fake_engine import FakeCluster, FakeEngine
+from pdconnect.router import load_config, start_router
+from pdconnect.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+
+HANG = 15.0
+
+
+async def _exchange(pool: UpstreamPool, engine: FakeEngine, body: dict[str, Any]) -> tuple[int, bytes]:
+    async with asyncio.timeout(HANG):
+        resp = await pool.post(engine.url, "/v1/completions", json.dumps(body).encode(),
+                               {"Content-Type": "application/json"})
+        data = await resp.read()
+        resp.release()
+        return resp.status, data
+
+
+def _run_on_both_loops(coro_factory: Any) -> None:
+    asyncio.run(coro_factory())
+    uvloop.run(coro_factory())
+
+
+@pytest.mark.parametrize("gzip_answers", [False, True], ids=["identity", "gzip"])
+def test_one_connection_carries_many_requests_and_compressed_answers_are_inflated(
+        monkeypatch: pytest.MonkeyPatch, gzip_answers: bool) -> None:
+    async def scenario() -> None:
+        opened: list[object] = []
+        made = UpstreamResponse.connection_made
+        monkeypatch.setattr(UpstreamResponse, "connection_made",
+                            lambda self, t: (opened.append(t), made(self, t))[1])
+        engine = FakeEngine(chunks=3)
+        engine.faults.gzip = gzip_answers
+        await engine.start()
+        pool = UpstreamPool(1.0)
+        try:
+            for _ in range(3):
+                status, data = await _exchange(pool, engine, {"prompt": "a b", "stream": True})
+                assert status == 200 and data.endswith(b"data: [DONE]\n\n") and data.count(b"data: ") == 4
+                status, data = await _exchange(pool, engine, {"prompt": "a b"})
+                assert status == 200 and json.loads(data)["choices"][0]["text"] == " t0 t1 t2"
+            assert len(opened) == 1
+        finally:
+            pool.close()
+            await engine.close()
+    _run_on_both_loops(scenario)
+
+
+def test_a_connection_dropped_mid_stream_is_an_upstream_error() -> None:
+    async def scenario() -> None:
+        engine = FakeEngine(chunks=8)
+        engine.faults.drop_after_chunks = 2
+        await engine.start()
+        pool = UpstreamPool(1.0)
+        try:
+            with pytest.raises(UpstreamError):
+                await _exchange(pool, engine, {"prompt": "a b", "stream": True})
+        finally:
+            pool.close()
+            await engine.close()
+    _run_on_both_loops(scenario)
+
+
+def test_router_serves_prefill_then_decode_on_uvloop() -> None:
+    async def scenario() -> None:
+        fakes = await FakeCluster.start(1, 1)
+        router = await start_router(load_config({"host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls,
+                                                 "decode": fakes.decode_urls}))
+        try:
+            async with aiohttp.ClientSession() as http, asyncio.timeout(HANG):
+                for stream in (False, True, False, True):
+                    async with http.post(router.url + "/v1/completions",
+                                         json={"prompt": "a b c", "max_tokens": 4, "stream": stream}) as resp:
+                        assert resp.status == 200 and "X-PDConnect-Fallback" not in resp.headers
+                        await resp.read()
+            assert [kind for kind, _ in fakes.prefill[0].served] == ["prefill"] * 4
+            assert [kind for kind, _ in fakes.decode[0].served] == ["decode"] * 4
+        finally:
+            await router.close()
+            await fakes.close()
+    uvloop.run(scenario())
