@@ -27,7 +27,9 @@ class PullSpec:
     `block_pairs` maps a KV cache group to `(local_block_id, remote_block_id)` pairs;
     `blocks_by_kind` counts them for metrics. A spec with `fail_reason` set moves
     nothing: the scheduler already knows the load cannot succeed and lets the worker
-    report the failure, so it follows vLLM's own failure path and policy.
+    report the failure, so it follows vLLM's own failure path and policy. After the
+    read, the worker claims `lease_id` as `claimant` again: the load succeeds only if
+    the prefill engine still holds the lease for it.
     """
 
     request_id: str
@@ -37,6 +39,9 @@ class PullSpec:
     block_pairs: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     blocks_by_kind: dict[str, int] = field(default_factory=dict)
     fail_reason: str | None = None
+    lease_id: str = ""
+    claimant: str = ""
+    plan_digest: str = ""
 
 
 @dataclass

@@ -83,6 +83,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         self.scheduler_half.bind(kv_cache_manager)
 
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler_half.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler_half.get_num_new_matched_tokens(request, num_computed_tokens)
 

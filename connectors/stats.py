@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-__all__ = ["COUNTERS", "PDConnectorStats", "PDPromMetrics", "StatsRecorder"]
+__all__ = ["COUNTERS", "GAUGES", "PDConnectorStats", "PDPromMetrics", "StatsRecorder"]
 
 # Counter name -> help text. Names become `pdconnect:<name>_total` series.
 COUNTERS: dict[str, str] = {
@@ -39,6 +39,28 @@ COUNTERS: dict[str, str] = {
     "handshake_refusals": "Side-channel handshakes refused (incompatible engine, wrong secret, unknown engine)",
     "notification_failures": "Heartbeat/done/release notices that did not reach the prefill engine",
     "bad_transfer_params": "Decode requests with malformed or mismatched kv_transfer_params",
+    "leases_lost": "Decode loads failed because the prefill engine no longer held (or refused) the lease",
+    "coalesced_waits": "Decode requests that waited for a sibling's load instead of pulling the same blocks",
+    "coalesce_timeouts": "Decode requests that stopped waiting for a sibling's load after coalesce_wait_seconds",
+    "notifier_callback_errors": "Errors raised while handling a prefill engine's reply to a notice (logged)",
+    "notifier_errors": "Unexpected errors in a notifier round (logged; the notifier keeps running)",
+    "notifier_overflow": "Notices sent through the shared overflow worker (more prefill peers than max_peers)",
+    # The prefill engine's side-channel server (pdconnect.sidechannel.SERVER_COUNTERS).
+    "side_channel_received": "Side-channel messages that passed the envelope checks",
+    "side_channel_refused_frames": "Side-channel messages refused for their frame count",
+    "side_channel_refused_malformed": "Side-channel messages refused as malformed",
+    "side_channel_refused_version": "Side-channel messages refused for their protocol version",
+    "side_channel_refused_unauthenticated": "Side-channel messages refused: missing or wrong HMAC",
+    "side_channel_refused_stale": "Side-channel messages refused: timestamp outside the allowed age",
+    "side_channel_refused_replayed": "Side-channel messages refused: nonce seen before (replay)",
+    "side_channel_refused_overloaded": "Side-channel messages refused: replay guard full",
+    "side_channel_handler_errors": "Side-channel handler errors (logged; the server keeps serving)",
+    "side_channel_serve_errors": "Side-channel serving-loop errors (logged; the server keeps serving)",
+}
+
+# Gauge name -> help text; the latest value is exported as `pdconnect:<name>`.
+GAUGES: dict[str, str] = {
+    "blocks_held": "KV blocks the connector holds an extra reference on (prefill slack and leases, decode shadows)",
 }
 
 
@@ -53,11 +75,15 @@ class PDConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"counters": {}, "transfer_seconds": [], "transfer_bytes": [], "transport": ""}
+        self.data = {"counters": {}, "gauges": {}, "transfer_seconds": [], "transfer_bytes": [], "transport": ""}
 
     def count(self, name: str, amount: float = 1) -> None:
         assert name in COUNTERS, name
         self.data["counters"][name] = self.data["counters"].get(name, 0) + amount
+
+    def set_gauge(self, name: str, value: float) -> None:
+        assert name in GAUGES, name
+        self.data.setdefault("gauges", {})[name] = value
 
     def observe_transfer(self, seconds: float, nbytes: int) -> None:
         self.data["transfer_seconds"].append(seconds)
@@ -67,6 +93,8 @@ class PDConnectorStats(KVConnectorStats):
         theirs = other.data
         for name, value in theirs.get("counters", {}).items():
             self.data["counters"][name] = self.data["counters"].get(name, 0) + value
+        # Gauges are per engine, set by the scheduler half alone: the latest value wins.
+        self.data.setdefault("gauges", {}).update(theirs.get("gauges", {}))
         self.data["transfer_seconds"].extend(theirs.get("transfer_seconds", ()))
         self.data["transfer_bytes"].extend(theirs.get("transfer_bytes", ()))
         self.data["transport"] = self.data["transport"] or theirs.get("transport", "")
@@ -74,6 +102,7 @@ class PDConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         summary: dict[str, int | float] = dict(self.data["counters"])
+        summary.update(self.data.get("gauges", {}))
         seconds = self.data["transfer_seconds"]
         if seconds:
             summary["avg_transfer_ms"] = round(1000 * sum(seconds) / len(seconds), 3)
@@ -81,7 +110,8 @@ class PDConnectorStats(KVConnectorStats):
         return summary
 
     def is_empty(self) -> bool:
-        return not (self.data["counters"] or self.data["transfer_seconds"] or self.data["transport"])
+        return not (self.data["counters"] or self.data.get("gauges") or self.data["transfer_seconds"]
+                    or self.data["transport"])
 
 
 class StatsRecorder:
@@ -96,10 +126,17 @@ class StatsRecorder:
         self._transport = transport
         self._stats = PDConnectorStats()
         self._announced = False
+        self._gauges_reported: dict[str, float] = {}
 
     def count(self, name: str, amount: float = 1) -> None:
         with self._lock:
             self._stats.count(name, amount)
+
+    def set_gauge(self, name: str, value: float) -> None:
+        """Report a gauge's value; sent only when it changed since it was last taken."""
+        with self._lock:
+            if self._gauges_reported.get(name) != value:
+                self._stats.set_gauge(name, value)
 
     def observe_transfer(self, seconds: float, nbytes: int) -> None:
         with self._lock:
@@ -108,6 +145,7 @@ class StatsRecorder:
     def take(self) -> PDConnectorStats | None:
         with self._lock:
             stats, self._stats = self._stats, PDConnectorStats()
+            self._gauges_reported.update(stats.data.get("gauges", {}))
         if not self._announced and self._transport:
             # The transport really in use is reported once; the gauge keeps it.
             stats.data["transport"] = self._transport
@@ -157,12 +195,23 @@ class PDPromMetrics(KVConnectorPromMetrics):
             labelnames=[*labelnames, "transport"],
             multiprocess_mode="mostrecent",
         )
+        self._gauges = {
+            name: create_metric_per_engine(
+                self._gauge_cls(name=f"pdconnect:{name}", documentation=doc, labelnames=labelnames,
+                                multiprocess_mode="mostrecent"),
+                per_engine_labelvalues,
+            )
+            for name, doc in GAUGES.items()
+        }
         self._labelvalues = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.get("counters", {}).items():
             if name in self._counters:
                 self._counters[name][engine_idx].inc(value)
+        for name, value in transfer_stats_data.get("gauges", {}).items():
+            if name in self._gauges:
+                self._gauges[name][engine_idx].set(value)
         for seconds in transfer_stats_data.get("transfer_seconds", ()):
             self._seconds[engine_idx].observe(seconds)
         for nbytes in transfer_stats_data.get("transfer_bytes", ()):

@@ -8,13 +8,20 @@ channel (its TP rank talks to the same rank), then pulls each request's block pa
 one coalesced batch. Pulls start after the forward pass is launched and are polled each
 step, so the forward pass never waits on the network; the workers report each pull
 exactly once, when it is finished and the transport no longer writes into its blocks.
+
+A finished read is not yet a load: the worker then claims the plan's lease again, and
+only a prefill engine answering "still held, by you" proves the bytes read were that
+engine's KV for this prompt rather than memory it had freed and reused meanwhile.
+
+Threads: the step thread only submits work to the transport thread and collects
+answers; it never waits on the network or on a lock the transport thread holds.
+Anything raised on the transport thread becomes a failed receive for its request.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,7 +34,7 @@ from connectors.metadata import PDConnectorMetadata, PDHandshakeMetadata, PullSp
 from connectors.stats import PDConnectorStats, StatsRecorder
 from pdconnect.config import ConnectorSettings
 from pdconnect.kvlayout import LayoutError, TensorLayout, locate_block_dim, pull_ranges_for_layers
-from pdconnect.protocol import Handshake, HandshakeReply
+from pdconnect.protocol import Ack, Claim, Handshake, HandshakeReply
 from pdconnect.sidechannel import SideChannelClient, SideChannelError
 from pdconnect.transfer import MemoryRegion, Transfer, TransferError, TransferState, Transport, coalesce, create_transport
 
@@ -84,8 +91,9 @@ class PDWorker:
         self._kv_cache_config = kv_cache_config
         self._transport: Transport | None = None
         self._layouts: dict[int, list[TensorLayout]] = {}
+        # Transport thread only: peers handshaken with, side-channel clients for claims.
         self._remotes: dict[tuple[str, str], _Remote] = {}
-        self._remotes_lock = threading.Lock()
+        self._claim_clients: dict[str, SideChannelClient] = {}
         # The transport thread: handshakes, submissions and polls, in order. They may block on
         # the network, never on the step thread, and the libraries see a single caller.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdconnect-transport")
@@ -141,8 +149,11 @@ class PDWorker:
         for spec in metadata.pulls:
             if spec.fail_reason is not None:
                 self._pulls[spec.request_id] = _Pull(spec, None, spec.fail_reason)
-            else:
+                continue
+            try:
                 self._pulls[spec.request_id] = _Pull(spec, self._executor.submit(self._submit, spec))
+            except RuntimeError as exc:  # the executor is shut down: the engine is stopping
+                self._pulls[spec.request_id] = _Pull(spec, None, f"cannot start the pull: {exc}")
 
     def _submit(self, spec: PullSpec) -> tuple[Transfer, int, float]:
         assert self._transport is not None
@@ -160,16 +171,34 @@ class PDWorker:
 
     def _remote(self, spec: PullSpec) -> _Remote:
         key = (spec.remote_engine_id, spec.side_channel)
-        with self._remotes_lock:
-            remote = self._remotes.get(key)
-            if remote is None:
-                remote = self._remotes[key] = self._handshake(spec)
-            return remote
+        remote = self._remotes.get(key)
+        if remote is None:
+            remote = self._remotes[key] = self._handshake(spec)
+        return remote
 
     def _forget(self, spec: PullSpec) -> None:
-        """Drop a peer after a failure: a restarted prefill engine needs a fresh handshake."""
-        with self._remotes_lock:
-            self._remotes.pop((spec.remote_engine_id, spec.side_channel), None)
+        """Drop a peer after a failure (transport thread): a restarted prefill engine needs a
+        fresh handshake."""
+        self._remotes.pop((spec.remote_engine_id, spec.side_channel), None)
+        client = self._claim_clients.pop(spec.side_channel, None)
+        if client is not None:
+            client.close()
+
+    def _still_held(self, spec: PullSpec) -> str | None:
+        """Claim the lease again after the read (transport thread); None if it was held
+        throughout, else why the bytes read cannot be trusted."""
+        client = self._claim_clients.get(spec.side_channel)
+        if client is None:
+            client = self._claim_clients[spec.side_channel] = SideChannelClient(
+                spec.side_channel, self._secret, self.settings.handshake_timeout_seconds)
+        try:
+            reply = client.request(Claim(lease_id=spec.lease_id, claimant=spec.claimant,
+                                          plan_digest=spec.plan_digest))
+        except SideChannelError as exc:
+            return f"could not confirm the prefill engine still held the blocks: {exc}"
+        if not isinstance(reply, Ack) or spec.lease_id in reply.unknown:
+            return "the prefill engine no longer held the blocks when the read ended"
+        return None
 
     def _handshake(self, spec: PullSpec) -> _Remote:
         assert self._transport is not None
@@ -210,11 +239,17 @@ class PDWorker:
         """
         outcomes: dict[str, bool] = {}
         if self._polling is not None and self._polling.done():
-            outcomes = self._polling.result()
+            try:
+                outcomes = self._polling.result()
+            except Exception as exc:  # a poll round that broke: fail what it was polling
+                logger.exception("rank %d: a poll round failed", self.tp_rank)
+                outcomes = {r: self._failed(p.spec, f"poll failed: {exc}", forget=False)
+                            for r, p in self._pulls.items() if p.submitted is not None and p.submitted.done()}
             self._polling = None
         for request_id, pull in list(self._pulls.items()):
             if pull.failure is not None:
-                outcomes[request_id] = self._failed(pull.spec, pull.failure)
+                # Failed before reaching the transport thread: no peer to forget.
+                outcomes[request_id] = self._failed(pull.spec, pull.failure, forget=False)
         for request_id in outcomes:
             del self._pulls[request_id]
         if self._polling is None and self._pulls:
@@ -229,7 +264,11 @@ class PDWorker:
         """One poll round on the transport thread: request id -> outcome, for ended pulls."""
         outcomes = {}
         for pull in pulls:
-            outcome = self._outcome(pull)
+            try:
+                outcome = self._outcome(pull)
+            except Exception as exc:  # any bug or library error fails this request, not the thread
+                logger.exception("request %s: pull failed unexpectedly", pull.spec.request_id)
+                outcome = self._failed(pull.spec, f"unexpected error: {exc!r}")
             if outcome is not None:
                 outcomes[pull.spec.request_id] = outcome
         return outcomes
@@ -242,23 +281,28 @@ class PDWorker:
             return None
         try:
             transfer, nbytes, posted = pull.submitted.result()
-        except (LoadError, TransferError, LayoutError) as exc:
-            return self._failed(spec, str(exc))
+        except Exception as exc:  # handshake refused, bad address, layout mismatch, library error
+            return self._failed(spec, str(exc) or repr(exc))
         state = transfer.poll()
         if state is TransferState.PENDING:
             return None
         if state is TransferState.FAILED:
             # The library may still be writing into our blocks: report only once it stopped.
             return self._failed(spec, transfer.error or "transfer failed") if transfer.quiescent else None
-        self.stats.observe_transfer(time.monotonic() - posted, nbytes)
+        elapsed = time.monotonic() - posted
+        if (lost := self._still_held(spec)) is not None:
+            self.stats.count("leases_lost")
+            return self._failed(spec, lost)
+        self.stats.observe_transfer(elapsed, nbytes)
         self.stats.count("bytes_transferred", nbytes)
         for kind, count in spec.blocks_by_kind.items():
             self.stats.count(f"blocks_{kind}", count)
         logger.debug("request %s: pulled %d bytes from %s", spec.request_id, nbytes, spec.remote_engine_id)
         return True
 
-    def _failed(self, spec: PullSpec, reason: str) -> bool:
-        self._forget(spec)
+    def _failed(self, spec: PullSpec, reason: str, forget: bool = True) -> bool:
+        if forget:
+            self._forget(spec)
         logger.error("request %s: KV load from %s failed: %s", spec.request_id,
                      spec.remote_engine_id or "?", reason)
         return False
@@ -268,5 +312,7 @@ class PDWorker:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        for client in self._claim_clients.values():
+            client.close()
         if self._transport is not None:
             self._transport.close()

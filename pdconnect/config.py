@@ -51,6 +51,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     transfer_timeout_seconds: float = 30.0
     # Keep and send the sliding-window replay slack; false = the stock tail clip (A/B).
     replay_slack: bool = True
+    # Decode: a request whose prompt shares blocks with a load in flight on this engine
+    # waits for that load to be published instead of pulling the same blocks again;
+    # false = every request pulls on its own (A/B). The wait is bounded.
+    coalesce: bool = True
+    coalesce_wait_seconds: float = 10.0
     # Shared secret authenticating side-channel messages; `secret_env` names an
     # environment variable holding it (Kubernetes Secrets), so it never sits in argv.
     secret: str | None = None
@@ -74,7 +79,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
 
     def __post_init__(self) -> None:
         for name in ("lease_seconds", "heartbeat_seconds", "handshake_timeout_seconds",
-                     "transfer_timeout_seconds"):
+                     "transfer_timeout_seconds", "coalesce_wait_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_seconds >= self.lease_seconds:

@@ -1,9 +1,9 @@
 """The wire protocol between engines and the router: typed msgspec messages, strictly decoded.
 
 Two channels carry these types:
-- the side channel (zmq, `pdconnect.sidechannel`): handshake, heartbeats, done and
-  release notices, each wrapped in an `Envelope` that carries the protocol version and,
-  when a shared secret is configured, an HMAC of the message;
+- the side channel (zmq, `pdconnect.sidechannel`): handshake, claims, heartbeats, done
+  and release notices, each wrapped in `pdconnect.envelope`'s envelope (protocol
+  version and, with a shared secret, nonce, time and an HMAC);
 - `kv_transfer_params` (JSON inside the OpenAI request/response): the `TransferPlan` a
   prefill engine returns and a decode engine consumes, passed through by the router.
 
@@ -14,16 +14,14 @@ and nothing half-parsed travels further.
 from __future__ import annotations
 
 import hashlib
-import hmac
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 __all__ = [
     "PROTOCOL_VERSION", "ProtocolError", "CompatInfo", "GroupCompat", "BlockRun",
     "GroupTransfer", "TransferPlan", "Handshake", "HandshakeReply", "Heartbeat",
-    "Done", "Release", "Ack", "Refusal", "Message", "Envelope", "encode_message",
-    "decode_message", "decode_plan", "is_remote_decode_request",
+    "Claim", "Done", "Release", "Ack", "Refusal", "Message", "decode_plan", "is_remote_decode_request",
 ]
 
 PROTOCOL_VERSION = 1
@@ -82,11 +80,16 @@ class CompatInfo(_Strict):
 # --- the transfer plan (kv_transfer_params) ----------------------------------------
 
 
+# Indices and block ids are never negative; the decode engine checks the upper bounds
+# against its own geometry (`connectors.plan_checks`), which the wire format cannot know.
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class BlockRun(_Strict):
     """Consecutive logical blocks `start, start+1, ...` held on P in `block_ids`."""
 
-    start: int
-    block_ids: list[int]
+    start: NonNegative
+    block_ids: list[NonNegative]
 
 
 class GroupTransfer(_Strict):
@@ -97,9 +100,9 @@ class GroupTransfer(_Strict):
     into its prefix cache, because its core never allocates them.
     """
 
-    group: int
+    group: NonNegative
     runs: list[BlockRun]
-    slack: list[int] = []
+    slack: list[NonNegative] = []
 
     def by_index(self) -> dict[int, int]:
         """Logical block index -> P block id."""
@@ -109,8 +112,13 @@ class GroupTransfer(_Strict):
 class TransferPlan(_Strict):
     """What a prefill engine returns in `kv_transfer_params` for the decode engine.
 
-    Invariant: every block named here is held on P until D reports done, the lease
-    expires, or someone sends a release for it.
+    Invariant: every block named here is held on P, under lease `lease_id`, until D
+    reports done, the lease expires, or someone sends a release for it. `lease_id` is
+    new for every hand-off, so "lease L is still held" proves the blocks were never
+    freed and reused since the plan was made. `prompt_digest` names the prompt the KV
+    belongs to (`connectors.identity`): a plan pasted onto another prompt is refused.
+    Both default to "" only so that old or foreign params still decode (the router
+    needs the side channel to send a release); a decode engine refuses them empty.
     """
 
     remote_engine_id: str
@@ -121,6 +129,8 @@ class TransferPlan(_Strict):
     num_prompt_tokens: int
     lease_expires_at: float
     groups: list[GroupTransfer]
+    lease_id: str = ""
+    prompt_digest: str = ""
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
     pdconnect: int = PROTOCOL_VERSION
@@ -140,6 +150,16 @@ class TransferPlan(_Strict):
     @property
     def side_channel(self) -> str:
         return f"tcp://{self.remote_host}:{self.remote_port}"
+
+    def digest(self) -> str:
+        """What a claim names so the prefill engine can tell its own plan from an altered one.
+
+        Covers every field that decides which bytes land where: the lease, the prompt,
+        and each group's blocks. A plan edited in transit (by a client or a proxy) no
+        longer matches what the prefill engine recorded, and its claim is refused.
+        """
+        covered = (self.lease_id, self.prompt_digest, self.num_prompt_tokens, self.remote_engine_id, self.groups)
+        return hashlib.sha256(msgspec.msgpack.encode(covered)).hexdigest()[:32]
 
 
 def decode_plan(params: dict[str, Any]) -> TransferPlan:
@@ -183,16 +203,40 @@ class HandshakeReply(_Msg, tag="handshake_reply"):
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
-    """The decode engine still wants these requests' blocks: extend their lease."""
+    """The decode engine still wants these leases' blocks: extend them.
+
+    Ids are lease ids (or, from older peers, prefill request ids); the `Ack` lists in
+    `unknown` every id the prefill engine no longer holds, so decode fails that load.
+    """
 
     request_ids: list[str]
+
+
+class Claim(_Msg, tag="claim"):
+    """A decode request takes the loan of a plan's blocks, or confirms it still holds it.
+
+    Sent when decode first sees the request and again after its pull has read the
+    blocks: an `Ack` with `lease_id` not in `unknown` proves the blocks were held, for
+    this claimant, from the moment the plan was made until now. A lease is claimed by
+    one decode request at a time; another claimant, or a plan whose `digest()` differs
+    from the one the lease was opened with, is refused.
+    """
+
+    lease_id: str
+    claimant: str
+    plan_digest: str
 
 
 class Done(_Msg, tag="done"):
-    """The decode engine finished pulling (or gave up): P may free these blocks."""
+    """The decode engine finished pulling (or gave up): P may free these blocks.
+
+    With `claimant` set, a lease claimed by somebody else is left alone: a refused
+    claimant giving up must not free the blocks another decode request is reading.
+    """
 
     request_ids: list[str]
     ok: bool = True
+    claimant: str | None = None
 
 
 class Release(_Msg, tag="release"):
@@ -200,6 +244,7 @@ class Release(_Msg, tag="release"):
 
     request_ids: list[str]
     reason: str
+    claimant: str | None = None
 
 
 class Ack(_Msg, tag="ack"):
@@ -214,47 +259,4 @@ class Refusal(_Msg, tag="refusal"):
     reason: str
 
 
-Message = Handshake | HandshakeReply | Heartbeat | Done | Release | Ack | Refusal
-
-
-class Envelope(_Strict):
-    """Version and optional HMAC-SHA256 around one encoded message."""
-
-    version: int
-    body: bytes
-    mac: bytes | None = None
-
-
-_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
-_message_decoder = msgspec.msgpack.Decoder(Message)
-_encoder = msgspec.msgpack.Encoder()
-
-
-def _mac(secret: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, body, hashlib.sha256).digest()
-
-
-def encode_message(message: Message, secret: bytes | None = None) -> bytes:
-    """Serialize and (with a secret) authenticate one side-channel message."""
-    body = _encoder.encode(message)
-    mac = _mac(secret, body) if secret is not None else None
-    return _encoder.encode(Envelope(version=PROTOCOL_VERSION, body=body, mac=mac))
-
-
-def decode_message(data: bytes, secret: bytes | None = None) -> Message:
-    """Check version and HMAC, then decode; ProtocolError says what was wrong."""
-    try:
-        envelope = _envelope_decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed side-channel envelope: {exc}") from None
-    if envelope.version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"side-channel protocol version {envelope.version}, expected {PROTOCOL_VERSION}"
-        )
-    if secret is not None:
-        if envelope.mac is None or not hmac.compare_digest(envelope.mac, _mac(secret, envelope.body)):
-            raise ProtocolError("side-channel authentication failed (wrong or missing secret)")
-    try:
-        return _message_decoder.decode(envelope.body)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed side-channel message: {exc}") from None
+Message = Handshake | HandshakeReply | Heartbeat | Claim | Done | Release | Ack | Refusal

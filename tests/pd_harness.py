@@ -134,11 +134,12 @@ class SimEngine:
     # --- requests -------------------------------------------------------------------------
 
     def add(self, request_id: str, tokens: list[int], params: dict[str, Any] | None = None,
-            max_tokens: int = 4) -> None:
+            max_tokens: int = 4, stop_token_ids: list[int] | None = None) -> None:
         extra = {"kv_transfer_params": params} if params is not None else None
         self.scheduler.add_request(Request(
             request_id=request_id, prompt_token_ids=list(tokens),
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra,
+                                           stop_token_ids=stop_token_ids),
             pooling_params=None, block_hasher=self._hasher,
         ))
 
@@ -318,9 +319,10 @@ class RemoteEngine:
             raise RuntimeError(f"remote engine failed in {command}: {value}")
         return value
 
-    def prefill(self, request_id: str, tokens: list[int], timeout: float = 60.0) -> Finished:
+    def prefill(self, request_id: str, tokens: list[int], timeout: float = 60.0,
+                stop_token_ids: list[int] | None = None) -> Finished:
         """Run the prefill leg (max_tokens=1, do_remote_decode) and wait for its params."""
-        self.call("add", request_id, tokens, {"do_remote_decode": True}, 1)
+        self.call("add", request_id, tokens, {"do_remote_decode": True}, 1, stop_token_ids)
         deadline = time.monotonic() + timeout
         while (done := self.call("get_finished", request_id)) is None:
             if time.monotonic() > deadline:

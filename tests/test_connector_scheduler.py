@@ -212,8 +212,10 @@ def _tampered(params: dict, **changes) -> dict:
 @pytest.mark.parametrize(("label", "tamper", "reason"), [
     ("missing field", lambda p: {k: v for k, v in p.items() if k != "remote_engine_id"}, "malformed"),
     ("compat mismatch", lambda p: _tampered(p, compat_hash="0" * 16), "incompatible"),
-    ("unknown engine", lambda p: _tampered(p, remote_engine_id="prefill-999"), "unknown engine"),
-    ("bad block ids", lambda p: _tampered(p, groups=[{**g, "runs": [{"start": r["start"], "block_ids": [10**6] * len(r["block_ids"])} for r in g["runs"]]} for g in p["groups"]]), "out of range"),
+    # Edited plans are refused by the prefill engine: the claim names another plan digest.
+    ("unknown engine", lambda p: _tampered(p, remote_engine_id="prefill-999"), "differs from the plan lent"),
+    ("bad block ids", lambda p: _tampered(p, groups=[{**g, "runs": [{"start": r["start"], "block_ids": [10**6] * len(r["block_ids"])} for r in g["runs"]]} for g in p["groups"]]), "differs from the plan lent"),
+    ("index past the prompt", lambda p: _tampered(p, groups=[{**g, "runs": [{"start": 10**4, "block_ids": [1]}]} for g in p["groups"]]), "the prompt has"),
     ("prefill unreachable", lambda p: _tampered(p, remote_engine_id="prefill-gone", remote_port=1), "no answer"),
 ])
 def test_bad_transfer_params_end_the_request_with_an_error_and_leak_nothing(
@@ -238,7 +240,7 @@ def test_recompute_policy_serves_the_request_despite_a_failed_load(prefill, deco
     done = decode_stock.result("s11-xa")
 
     assert done.finish_reason == "length" and len(done.output_tokens) == 4
-    assert "unknown engine" in caplog.text
+    assert "differs from the plan lent" in caplog.text
 
 
 def test_wrong_secret_is_refused_with_a_clear_error(prefill, clean, caplog):

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 MODULES = [
-    "pdconnect.cli", "pdconnect.config", "pdconnect.protocol", "pdconnect.sidechannel",
+    "pdconnect.cli", "pdconnect.config", "pdconnect.protocol", "pdconnect.envelope", "pdconnect.sidechannel",
+    "pdconnect.notifier",
     "pdconnect.kvlayout", "pdconnect.transfer", "pdconnect.router.app", "pdconnect.bench.cluster",
     "pdconnect.bench.tinymodel",
 ]

@@ -1,0 +1,474 @@
+"""The decode engine's half of the hand-off: claim the loan, pull what is missing, publish what was proven.
+
+One request's path:
+  1. `arrive` (vLLM's `on_new_request`, long before the request reaches the head of the
+     queue) validates the plan against this engine and this prompt
+     (`connectors.plan_checks`), claims its lease on the prefill engine and starts the
+     heartbeats that keep it alive while the request waits.
+  2. `get_num_new_matched_tokens` answers "ask again later" (None) while the claim is
+     unanswered, or while a sibling's load in flight will publish blocks this request
+     would otherwise pull again (coalescing); then reports the prompt minus the local
+     hit as external tokens.
+  3. `update_state_after_alloc` pairs every newly allocated block with the prefill
+     block of the same logical index, allocates shadow blocks for slack the local
+     cache lacks, and queues a `PullSpec` for the workers. The workers read the blocks
+     and then claim the lease again: only a lease still held proves the bytes read
+     were the prefill engine's KV for this prompt, not reused memory.
+  4. `update_connector_output`, when the pull is reported, publishes the shadow blocks
+     under the request's hashes (or frees them unpublished on failure), then sends
+     `Done` so the prefill engine frees at once.
+
+Failure rule: anything wrong with a load becomes a failed receive for its request, so
+vLLM applies `kv_load_failure_policy`; nothing is published that was not proven, and
+every block this half holds is released on success, failure, abort and timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.request import RequestStatus
+
+from connectors.metadata import PullSpec
+from connectors.plan_checks import PlanRejected, check_plan
+from connectors.replay_slack import plan_request
+from connectors.stats import StatsRecorder
+from pdconnect.config import ConnectorSettings
+from pdconnect.notifier import PeerNotifier
+from pdconnect.protocol import Ack, Claim, Done, Heartbeat, Message, ProtocolError, Release, TransferPlan, decode_plan
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from connectors.vllm_adapter import BlockPoolOps, CacheRules
+
+__all__ = ["Consumer", "claimant_of"]
+
+logger = logging.getLogger("pdconnect.connector")
+
+Slot = tuple[int, int]  # (kv cache group id, logical block index)
+
+
+def claimant_of(engine_id: str, request_id: str) -> str:
+    """The name one decode request claims a lease under (unique across decode engines)."""
+    return f"{engine_id}/{request_id}"
+
+
+class ClaimState(Enum):
+    PENDING = "pending"
+    HELD = "held"
+    LOST = "lost"
+
+
+@dataclass
+class _Incoming:
+    """A decode-side request from arrival until its load is queued (or it ends)."""
+
+    request: Request
+    plan: TransferPlan | None
+    failure: str | None
+    claim: ClaimState = ClaimState.PENDING
+    claimed_at: float = field(default_factory=time.monotonic)
+    local_tokens: int = 0
+    waiting_on: str | None = None  # the request id of the load this one waits for
+    wait_started: float = 0.0
+
+
+@dataclass
+class _Load:
+    """A decode-side request whose pull is queued or running."""
+
+    request: Request
+    plan: TransferPlan | None
+    shadows: dict[int, dict[int, KVCacheBlock]]  # group -> logical index -> shadow block
+    aborted: bool = False
+
+    def shadow_blocks(self) -> list[KVCacheBlock]:
+        return [b for by_index in self.shadows.values() for b in by_index.values()]
+
+
+class Consumer:
+    """Decode-side state; every method runs on the scheduler thread.
+
+    The notifier's callbacks run on its threads and only enqueue; the queue is drained
+    at the top of each scheduler hook.
+    """
+
+    def __init__(
+        self, engine_id: str, settings: ConnectorSettings, compat_digest: str, secret: bytes | None,
+        stats: StatsRecorder,
+    ) -> None:
+        self.engine_id = engine_id
+        self.settings = settings
+        self.compat_digest = compat_digest
+        self.stats = stats
+        self._rules: CacheRules | None = None
+        self._ops: BlockPoolOps | None = None
+        self._incoming: dict[str, _Incoming] = {}
+        self._by_lease: dict[str, str] = {}  # lease id -> request id, while incoming
+        self._loads: dict[str, _Load] = {}
+        self._new_pulls: list[PullSpec] = []
+        self._settled: set[str] = set()  # loads ended (done sent) for requests still running
+        self._replies: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()  # (lease id, why lost)
+        self._notifier = PeerNotifier(
+            secret=secret,
+            timeout_seconds=settings.handshake_timeout_seconds,
+            heartbeat_seconds=settings.heartbeat_seconds,
+            count=stats.count,
+            on_reply=self._on_reply,
+            on_failure=self._on_failure,
+        )
+
+    def bind(self, rules: CacheRules, ops: BlockPoolOps) -> None:
+        self._rules, self._ops = rules, ops
+
+    @property
+    def rules(self) -> CacheRules:
+        assert self._rules is not None, "bind_kv_cache_manager was not called"
+        return self._rules
+
+    @property
+    def ops(self) -> BlockPoolOps:
+        assert self._ops is not None, "bind_kv_cache_manager was not called"
+        return self._ops
+
+    def close(self) -> None:
+        self._notifier.close()
+
+    def blocks_held(self) -> int:
+        return sum(len(load.shadow_blocks()) for load in self._loads.values())
+
+    # --- notifier threads: enqueue only ---------------------------------------------
+
+    def _on_reply(self, address: str, sent: Message, reply: Message) -> None:
+        if isinstance(reply, Ack) and isinstance(sent, (Claim, Heartbeat)):
+            if isinstance(sent, Claim) and not reply.unknown:
+                self._replies.put((sent.lease_id, ""))
+            for lease_id in reply.unknown:
+                self._replies.put((lease_id, f"the prefill engine at {address} no longer holds the blocks"))
+
+    def _on_failure(self, address: str, sent: Message, reason: str) -> None:
+        if isinstance(sent, Claim):
+            self._replies.put((sent.lease_id, f"claim refused or unanswered by {address}: {reason}"))
+
+    def _take_replies(self) -> None:
+        while True:
+            try:
+                lease_id, lost = self._replies.get_nowait()
+            except queue.Empty:
+                return
+            incoming = self._incoming.get(self._by_lease.get(lease_id, ""))
+            if incoming is None or incoming.claim is ClaimState.LOST:
+                continue
+            if lost:
+                self.stats.count("leases_lost")
+                assert incoming.plan is not None
+                self._notifier.unwatch(incoming.plan.side_channel, lease_id)
+                incoming.claim = ClaimState.LOST
+                incoming.failure = incoming.failure or lost
+                logger.error("request %s: %s", incoming.request.request_id, lost)
+            else:
+                incoming.claim = ClaimState.HELD
+
+    # --- scheduler hooks --------------------------------------------------------------
+
+    def wants(self, request: Request) -> bool:
+        params = request.kv_transfer_params
+        return bool(params) and params.get("do_remote_prefill") is True  # type: ignore[union-attr]
+
+    def arrive(self, request: Request) -> None:
+        """First sight of a P/D request: check its plan, claim the lease, keep it alive."""
+        request_id = request.request_id
+        if request_id in self._incoming or request_id in self._loads or request_id in self._settled:
+            return
+        plan, failure = self._check(request)
+        incoming = self._incoming[request_id] = _Incoming(request, plan, failure)
+        if plan is None or failure is not None:
+            incoming.claim = ClaimState.LOST
+            return
+        self._by_lease[plan.lease_id] = request_id
+        claimant = claimant_of(self.engine_id, request_id)
+        self._notifier.send(plan.side_channel, Claim(lease_id=plan.lease_id, claimant=claimant,
+                                                     plan_digest=plan.digest()))
+        self._notifier.watch(plan.side_channel, plan.lease_id)
+
+    def _check(self, request: Request) -> tuple[TransferPlan | None, str | None]:
+        try:
+            plan = decode_plan(request.kv_transfer_params or {})
+        except ProtocolError as exc:
+            return None, self._bad_params(request, str(exc))
+        try:
+            check_plan(plan, request, self.rules, self.compat_digest)
+        except PlanRejected as exc:
+            # A refused plan is never acted on, not even to release it: it may name
+            # somebody else's lease.
+            return None, self._bad_params(request, str(exc))
+        return plan, None
+
+    def _bad_params(self, request: Request, reason: str) -> str:
+        self.stats.count("bad_transfer_params")
+        logger.error("request %s: refusing kv_transfer_params: %s", request.request_id, reason)
+        return reason
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        request_id = request.request_id
+        if request_id in self._settled:
+            # Loaded already, or failed and sent back to recompute (kv_load_failure_policy):
+            # never load twice.
+            return 0, False
+        self._take_replies()
+        incoming = self._incoming.get(request_id)
+        if incoming is None:
+            self.arrive(request)
+            incoming = self._incoming[request_id]
+        if incoming.claim is ClaimState.PENDING:
+            if time.monotonic() - incoming.claimed_at < 2 * self.settings.handshake_timeout_seconds:
+                return None, False  # ask again next step; the request holds no blocks meanwhile
+            incoming.claim = ClaimState.LOST
+            incoming.failure = "the prefill engine did not answer the claim"
+        if incoming.failure is None and self._should_wait(incoming, num_computed_tokens):
+            return None, False
+        incoming.local_tokens = num_computed_tokens
+        # Everything beyond the local hit is loaded; a bad plan is loaded too, as a
+        # failure, so that vLLM's own failure policy decides the request's fate.
+        return request.num_prompt_tokens - num_computed_tokens, True
+
+    # --- coalescing -------------------------------------------------------------------
+
+    def _should_wait(self, incoming: _Incoming, num_computed_tokens: int) -> bool:
+        """True while a sibling's load in flight will publish blocks this request would pull.
+
+        A follower waits only on loads already allocated and pulling, which wait on
+        nothing: no cycle, so no deadlock. It stops waiting when the leader's load has
+        ended (published, failed or aborted: the core has then cached what it will) or
+        after `coalesce_wait_seconds`, and then looks up the local cache afresh.
+        """
+        if not self.settings.coalesce:
+            return False
+        if incoming.waiting_on is not None:
+            leader = self._loads.get(incoming.waiting_on)
+            still_loading = leader is not None and not leader.aborted and (
+                leader.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+            if not still_loading:
+                incoming.waiting_on = None
+                return False
+            if time.monotonic() - incoming.wait_started >= self.settings.coalesce_wait_seconds:
+                self.stats.count("coalesce_timeouts")
+                logger.warning("request %s: gave up waiting for the load of %s after %.1f s",
+                               incoming.request.request_id, leader.request.request_id,
+                               self.settings.coalesce_wait_seconds)
+                incoming.waiting_on = None
+                incoming.wait_started = -1.0  # never wait again
+                return False
+            return True
+        if incoming.wait_started < 0:
+            return False
+        leader_id = self._best_leader(incoming.request, num_computed_tokens)
+        if leader_id is None:
+            return False
+        incoming.waiting_on, incoming.wait_started = leader_id, time.monotonic()
+        self.stats.count("coalesced_waits")
+        logger.info("request %s: waits for the load of %s, which shares its prefix",
+                    incoming.request.request_id, leader_id)
+        return True
+
+    def _best_leader(self, request: Request, num_computed_tokens: int) -> str | None:
+        """The in-flight load whose publication raises this request's local hit the most."""
+        best, best_hit = None, num_computed_tokens
+        hash_tokens = self.rules.hash_block_size
+        for leader_id, load in self._loads.items():
+            if load.aborted or load.plan is None or load.request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            shared = _shared_hashes(request.block_hashes, load.request.block_hashes) * hash_tokens
+            if shared <= best_hit:
+                continue
+            cached = plan_request(self.rules, load.request.num_prompt_tokens,
+                                  replay_slack=self.settings.replay_slack).decode_cached_blocks()
+            hit = self.rules.lookup_hit(cached, shared, request.num_tokens)
+            if hit > best_hit:
+                best, best_hit = leader_id, hit
+        return best
+
+    # --- allocation and pulls -----------------------------------------------------------
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        incoming = self._incoming.get(request.request_id)
+        if incoming is None or num_external_tokens == 0:
+            return
+        self._forget_incoming(request.request_id)
+        plan = incoming.plan
+        if incoming.failure is not None or plan is None:
+            self._queue_failed(request, plan, incoming.failure or "no plan")
+            return
+        try:
+            pairs, kinds, wanted_slack = self._pair_blocks(request, plan, incoming.local_tokens)
+        except ValueError as exc:
+            self._queue_failed(request, plan, str(exc))
+            return
+        shadows = self._allocate_shadows(request, list(wanted_slack))
+        for group_id, by_index in shadows.items():
+            pairs[group_id].extend((block.block_id, wanted_slack[(group_id, i)]) for i, block in by_index.items())
+            kinds["slack"] += len(by_index)
+        self._loads[request.request_id] = _Load(request, plan, shadows)
+        self._new_pulls.append(PullSpec(
+            request_id=request.request_id,
+            remote_engine_id=plan.remote_engine_id,
+            side_channel=plan.side_channel,
+            compat_hash=plan.compat_hash,
+            block_pairs=dict(pairs),
+            blocks_by_kind=dict(kinds),
+            lease_id=plan.lease_id,
+            claimant=claimant_of(self.engine_id, request.request_id),
+            plan_digest=plan.digest(),
+        ))
+
+    def _forget_incoming(self, request_id: str) -> _Incoming | None:
+        incoming = self._incoming.pop(request_id, None)
+        if incoming is not None and incoming.plan is not None:
+            self._by_lease.pop(incoming.plan.lease_id, None)
+        return incoming
+
+    def _pair_blocks(
+        self, request: Request, plan: TransferPlan, local_tokens: int
+    ) -> tuple[defaultdict[int, list[tuple[int, int]]], defaultdict[str, int], dict[Slot, int]]:
+        """Local block -> remote block for every block the core allocated for the load,
+        plus the slack slots the local cache still lacks, each with its remote block."""
+        tables = self.ops.request_blocks(request.request_id)
+        pairs: defaultdict[int, list[tuple[int, int]]] = defaultdict(list)
+        kinds: defaultdict[str, int] = defaultdict(int)
+        wanted: dict[Slot, int] = {}
+        for transfer in plan.groups:
+            group = self.rules.groups[transfer.group]
+            remote = transfer.by_index()
+            table = tables[transfer.group]
+            for index, block in enumerate(table):
+                if block.is_null or index * group.block_size < local_tokens:
+                    continue
+                if index not in remote:
+                    raise ValueError(f"prefill engine holds no block {index} of group {transfer.group}")
+                pairs[transfer.group].append((block.block_id, remote[index]))
+                kinds["full_attention" if group.kind == "full_attention" else "tail"] += 1
+            if not self.settings.replay_slack:
+                continue
+            for index in transfer.slack:
+                has_slot = index < len(table) and not table[index].is_null
+                if has_slot or index not in remote:
+                    continue
+                if not self.ops.is_cached_for(request, transfer.group, group.block_size, index):
+                    wanted[(transfer.group, index)] = remote[index]
+        return pairs, kinds, wanted
+
+    def _allocate_shadows(self, request: Request, wanted: list[Slot]) -> dict[int, dict[int, KVCacheBlock]]:
+        if not wanted:
+            return {}
+        if self.ops.num_free_blocks() < len(wanted):
+            # The slack only helps later siblings; never let it starve this request's own load.
+            self.stats.count("slack_skipped_pool_full")
+            logger.warning("request %s: no room for %d slack blocks, loading without them",
+                           request.request_id, len(wanted))
+            return {}
+        shadows: dict[int, dict[int, KVCacheBlock]] = defaultdict(dict)
+        for (group_id, index), block in zip(wanted, self.ops.allocate(len(wanted))):
+            shadows[group_id][index] = block
+        return dict(shadows)
+
+    def _queue_failed(self, request: Request, plan: TransferPlan | None, reason: str) -> None:
+        self._loads[request.request_id] = _Load(request, plan, {})
+        self._new_pulls.append(PullSpec(
+            request_id=request.request_id,
+            remote_engine_id=plan.remote_engine_id if plan else "",
+            side_channel=plan.side_channel if plan else "",
+            compat_hash=plan.compat_hash if plan else "",
+            fail_reason=reason,
+        ))
+
+    def take_pulls(self) -> list[PullSpec]:
+        self._take_replies()
+        pulls, self._new_pulls = self._new_pulls, []
+        return pulls
+
+    # --- results ---------------------------------------------------------------------------
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        failed = output.failed_recving or set()
+        for request_id in output.finished_recving or ():
+            load = self._loads.pop(request_id, None)
+            if load is not None:
+                self._finish_load(request_id, load, ok=request_id not in failed)
+
+    def _finish_load(self, request_id: str, load: _Load, ok: bool) -> None:
+        published = 0
+        if ok and not load.aborted:
+            published = self._publish(load)
+            self.stats.count("slack_blocks_published", published)
+            self.stats.count("transfers")
+        elif not load.aborted:
+            self.stats.count("transfer_failures")
+        # Published blocks stay cached when freed: they become evictable prefix-cache entries.
+        self.ops.release(load.shadow_blocks())
+        if load.plan is not None:
+            self._tell_prefill(load.plan, request_id, Done(
+                request_ids=[load.plan.lease_id], ok=ok,
+                claimant=claimant_of(self.engine_id, request_id)))
+        if not load.aborted:
+            self._settled.add(request_id)  # done or failed: this request never loads again
+        logger.info("request %s: load %s, %d of %d slack blocks published", request_id,
+                    "done" if ok else "failed", published, len(load.shadow_blocks()))
+
+    def _publish(self, load: _Load) -> int:
+        published = 0
+        for group_id, by_index in load.shadows.items():
+            block_size = self.rules.groups[group_id].block_size
+            try:
+                published += self.ops.publish(load.request, group_id, block_size, by_index)
+            except Exception:  # a plan that slipped past the checks must not kill the scheduler
+                self.stats.count("bad_transfer_params")
+                logger.exception("request %s: could not publish slack of group %d; left unpublished",
+                                 load.request.request_id, group_id)
+        return published
+
+    def _tell_prefill(self, plan: TransferPlan, request_id: str, message: Message) -> None:
+        self._notifier.unwatch(plan.side_channel, plan.lease_id)
+        self._notifier.send(plan.side_channel, message)
+
+    def request_finished(self, request: Request) -> None:
+        request_id = request.request_id
+        incoming = self._forget_incoming(request_id)
+        load = self._loads.get(request_id)
+        if load is not None:
+            self._abort_load(request_id, load)
+        elif request_id in self._settled:
+            self._settled.discard(request_id)
+        elif incoming is not None and incoming.plan is not None:
+            # Never loaded (aborted while queued): the prefill engine holds blocks for nobody.
+            self._tell_prefill(incoming.plan, request_id, Release(
+                request_ids=[incoming.plan.lease_id], reason="decode request ended before its load",
+                claimant=claimant_of(self.engine_id, request_id)))
+
+    def _abort_load(self, request_id: str, load: _Load) -> None:
+        load.aborted = True
+        queued = next((p for p in self._new_pulls if p.request_id == request_id), None)
+        if queued is not None:
+            # The workers never saw it: nothing can be writing into its blocks.
+            self._new_pulls.remove(queued)
+            del self._loads[request_id]
+            self._finish_load(request_id, load, ok=False)
+        # Otherwise in flight: the shadows stay allocated until the workers report it ended.
+
+
+def _shared_hashes(ours: list[Any], theirs: list[Any]) -> int:
+    """How many leading block hashes two requests share."""
+    shared = 0
+    for mine, other in zip(ours, theirs):
+        if mine != other:
+            break
+        shared += 1
+    return shared

@@ -1,0 +1,148 @@
+"""The prefill engine's loans: which hand-offs it still holds, for whom, and until when.
+
+A lease is one hand-off's promise that its blocks stay intact. The side-channel thread
+answers claims and heartbeats from this table directly (a decode engine must learn at
+once that a lease is gone), while only the scheduler thread touches the block pool.
+The table bridges the two under one lock, with one invariant that makes every answer
+safe: **a lease leaves the table before its blocks are freed.** Ending a lease (done,
+release, expiry) moves it to `ended`, and the scheduler thread frees what it held only
+after taking it from there. So "lease L is in the table" at any instant proves L's
+blocks were held from the plan's creation until that instant; and lease ids are never
+reused, so a lease that ended can never be answered for again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Generic, TypeVar
+
+__all__ = ["ClaimAnswer", "Lease", "LeaseTable", "new_lease_id"]
+
+Held = TypeVar("Held")
+
+
+def new_lease_id() -> str:
+    """A lease id never seen before, on this engine or any other."""
+    return uuid.uuid4().hex
+
+
+class ClaimAnswer(Enum):
+    HELD = "held"  # held, and now (still) claimed by the asker
+    UNKNOWN = "unknown"  # not held: never was, ended, or expired
+    TAKEN = "taken"  # held, but claimed by another decode request
+    ALTERED = "altered"  # held, but the claim names a plan other than the one lent
+
+
+@dataclass
+class Lease(Generic[Held]):
+    """One hand-off: the prefill request it came from and what the scheduler holds for it."""
+
+    request_id: str
+    lease_id: str
+    plan_digest: str
+    expires_at: float
+    held: Held
+    claimant: str | None = None
+    ended_because: str = ""
+
+
+@dataclass
+class LeaseTable(Generic[Held]):
+    """Leases by id, shared by the scheduler thread and the side-channel thread."""
+
+    lease_seconds: float
+    _by_lease: dict[str, Lease[Held]] = field(default_factory=dict)
+    _by_request: dict[str, str] = field(default_factory=dict)
+    _ended: list[Lease[Held]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def open(self, request_id: str, lease_id: str, plan_digest: str, held: Held) -> float:
+        """Start a lease (scheduler thread); returns its monotonic expiry."""
+        expires_at = time.monotonic() + self.lease_seconds
+        with self._lock:
+            self._by_lease[lease_id] = Lease(request_id, lease_id, plan_digest, expires_at, held)
+            self._by_request[request_id] = lease_id
+        return expires_at
+
+    def claim(self, lease_id: str, claimant: str, plan_digest: str) -> ClaimAnswer:
+        """Take the lease for `claimant`, or confirm it holds it; extends the lease."""
+        with self._lock:
+            lease = self._live(lease_id, time.monotonic())
+            if lease is None:
+                return ClaimAnswer.UNKNOWN
+            if lease.plan_digest != plan_digest:
+                return ClaimAnswer.ALTERED
+            if lease.claimant not in (None, claimant):
+                return ClaimAnswer.TAKEN
+            lease.claimant = claimant
+            lease.expires_at = time.monotonic() + self.lease_seconds
+            return ClaimAnswer.HELD
+
+    def beat(self, ids: list[str]) -> list[str]:
+        """Extend the named leases (lease or request ids); returns the ids not held."""
+        now = time.monotonic()
+        unknown = []
+        with self._lock:
+            for some_id in ids:
+                lease = self._live(self._by_request.get(some_id, some_id), now)
+                if lease is None:
+                    unknown.append(some_id)
+                else:
+                    lease.expires_at = now + self.lease_seconds
+        return unknown
+
+    def end(self, some_id: str, why: str, claimant: str | None = None) -> bool:
+        """End a lease (lease or request id) now.
+
+        A decode request (`claimant` set) may end only a lease it holds the claim on: one
+        whose claim was refused must not free blocks another request may be reading. An
+        operator's release (the router's, no claimant) ends it whoever holds it.
+        """
+        with self._lock:
+            lease = self._by_lease.get(self._by_request.get(some_id, some_id))
+            if lease is None or (claimant is not None and lease.claimant != claimant):
+                return False
+            self._retire(lease, why)
+            return True
+
+    def expire(self) -> int:
+        """End every lease past its expiry (scheduler thread); returns how many."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [lease for lease in self._by_lease.values() if lease.expires_at <= now]
+            for lease in expired:
+                self._retire(lease, "lease expired")
+        return len(expired)
+
+    def take_ended(self) -> list[Lease[Held]]:
+        """Leases ended since the last call: their blocks may be freed now (scheduler thread)."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        return ended
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_lease)
+
+    def held(self) -> list[Held]:
+        with self._lock:
+            return [lease.held for lease in self._by_lease.values()] + [lease.held for lease in self._ended]
+
+    def _live(self, lease_id: str, now: float) -> Lease[Held] | None:
+        lease = self._by_lease.get(lease_id)
+        if lease is not None and lease.expires_at <= now:
+            # Expired but not yet collected: it is gone for every asker from now on.
+            self._retire(lease, "lease expired")
+            return None
+        return lease
+
+    def _retire(self, lease: Lease[Held], why: str) -> None:
+        del self._by_lease[lease.lease_id]
+        if self._by_request.get(lease.request_id) == lease.lease_id:
+            del self._by_request[lease.request_id]
+        lease.ended_because = why
+        self._ended.append(lease)

@@ -1,0 +1,295 @@
+"""Hand-off integrity at scheduler level: decode never serves or caches KV the prefill engine no longer owns.
+
+Real vLLM Schedulers (prefill in its own process), real Mooncake between them, KV values
+that are a checksum of the tokens each block covers. A fault either fails the request
+(`kv_load_failure_policy=fail` here) or serves it from KV proven to be the prefill
+engine's for this very prompt; every block decode caches afterwards carries the KV its
+position should, and both pools return to their starting free counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from connectors.kvsim import random_tokens
+from pdconnect.sidechannel import release_remote
+from tests.pd_harness import GEOMETRY, RemoteEngine, SimEngine
+
+pytestmark = pytest.mark.transport
+
+SECRET = "integrity"
+LEASE = 3.0
+BASE = {
+    "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0, "secret": SECRET,
+    "lease_seconds": LEASE, "heartbeat_seconds": 0.5, "handshake_timeout_seconds": 3.0,
+    "transfer_timeout_seconds": 10.0,
+}
+PROMPT = 1100  # 5 full-attention blocks, a sliding-window tail and replay slack
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    engine = RemoteEngine(role="kv_producer", extra=BASE, engine_id="prefill-i", num_blocks=300)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def decode():
+    engine = SimEngine(role="kv_consumer", extra=BASE, engine_id="decode-i")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def decode_b():
+    """A second decode engine: the one a router would retry on."""
+    engine = SimEngine(role="kv_consumer", extra=BASE, engine_id="decode-i2")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def clean(prefill, decode, decode_b):
+    yield
+    for engine in (decode, decode_b):
+        engine.drain()
+    prefill.wait_idle(timeout=15)
+    deadline = time.monotonic() + 2 * LEASE + 2
+    while prefill.call("free_blocks") != prefill.start_free_blocks and time.monotonic() < deadline:
+        time.sleep(0.1)  # leases of failed loads may end by expiry
+    assert prefill.call("free_blocks") == prefill.start_free_blocks
+    for engine in (decode, decode_b):
+        assert engine.free_blocks() == engine.start_free_blocks, engine.engine_id
+        assert engine.connector.scheduler_half.blocks_held() == 0
+
+
+def assert_cache_holds_only_true_kv(engine: SimEngine, tokens: list[int]) -> None:
+    """Every block of `tokens` in the engine's prefix cache carries the KV of its position."""
+    for group in range(len(GEOMETRY.groups)):
+        for index, block_id in engine.cached_blocks(tokens, group).items():
+            assert engine.block_matches(tokens, group, index, block_id), (group, index)
+
+
+def reuse_prefill_blocks(prefill: RemoteEngine, tag: str, count: int = 3) -> None:
+    """Run unrelated prompts on prefill so freed blocks get new contents."""
+    names = [f"{tag}-filler{i}" for i in range(count)]
+    for i, name in enumerate(names):
+        prefill.call("add", name, random_tokens(PROMPT, seed=sum(map(ord, tag)) * 10 + i), None, 1)
+    deadline = time.monotonic() + 30
+    while not all(prefill.call("get_finished", name) for name in names):
+        assert time.monotonic() < deadline, "prefill did not run the fillers"
+        time.sleep(0.02)
+
+
+def serve(prefill: RemoteEngine, decode: SimEngine, request_id: str, tokens: list[int]) -> Any:
+    params = prefill.prefill(request_id, tokens).kv_transfer_params
+    decode.add(request_id, tokens, params)
+    return decode.result(request_id)
+
+
+def test_lease_stays_alive_while_the_decode_request_waits_in_the_queue(prefill, decode, clean):
+    tokens = random_tokens(PROMPT, seed=101)
+    params = prefill.prefill("q1", tokens).kv_transfer_params
+
+    decode.add("q1", tokens, params)  # vLLM tells the connector at once...
+    time.sleep(2 * LEASE)  # ...but the request is not looked at for two leases (a full batch)
+    reuse_prefill_blocks(prefill, "q1")
+    done = decode.result("q1")
+
+    assert done.finish_reason == "length"
+    assert done.external_cached_tokens == PROMPT
+    assert_cache_holds_only_true_kv(decode, tokens)
+
+
+def test_expired_plan_is_refused_before_any_pull(prefill, decode, clean, caplog):
+    tokens = random_tokens(PROMPT, seed=102)
+    params = prefill.prefill("q2", tokens).kv_transfer_params
+    time.sleep(LEASE + 0.5)
+    reuse_prefill_blocks(prefill, "q2")
+
+    decode.add("q2", tokens, params)
+    done = decode.result("q2")
+
+    assert done.finish_reason == "error"
+    assert "expired" in caplog.text
+    assert decode.cached_blocks(tokens, 1) == {}
+    assert_cache_holds_only_true_kv(decode, tokens)
+
+
+def test_released_plan_cannot_be_pulled_by_a_second_decode_engine(prefill, decode, decode_b, clean):
+    tokens = random_tokens(PROMPT, seed=103)
+    params = prefill.prefill("q3", tokens).kv_transfer_params
+    decode.add("q3", tokens, params)
+    assert decode.result("q3").finish_reason == "length"  # done: prefill frees at once
+    reuse_prefill_blocks(prefill, "q3")
+
+    decode_b.add("q3-retry", tokens, copy.deepcopy(params))  # a router retrying with the same params
+    done = decode_b.result("q3-retry")
+
+    assert done.finish_reason == "error"
+    assert decode_b.cached_blocks(tokens, 1) == {}
+    assert_cache_holds_only_true_kv(decode_b, tokens)
+
+
+def test_a_plan_is_claimed_by_one_decode_request_at_a_time(prefill, decode, decode_b, clean):
+    tokens = random_tokens(PROMPT, seed=104)
+    params = prefill.prefill("q4", tokens).kv_transfer_params
+
+    decode.add("q4-a", tokens, params)
+    time.sleep(0.5)  # the first claim reaches prefill first
+    decode_b.add("q4-b", tokens, copy.deepcopy(params))
+    first, second = decode.result("q4-a"), decode_b.result("q4-b")
+
+    assert first.finish_reason == "length"
+    assert second.finish_reason == "error"
+    assert_cache_holds_only_true_kv(decode, tokens)
+    assert decode_b.cached_blocks(tokens, 1) == {}
+
+
+def test_release_while_decode_waits_fails_the_load_and_publishes_nothing(prefill, decode, clean, caplog):
+    tokens = random_tokens(PROMPT, seed=105)
+    params = prefill.prefill("q5", tokens).kv_transfer_params
+    decode.add("q5", tokens, params)
+    time.sleep(0.5)  # claimed
+
+    # The client went away: the router releases the plan while decode still has it queued.
+    release_remote(f"tcp://{params['remote_host']}:{params['remote_port']}", [params["remote_request_id"]],
+                   "client disconnected", SECRET.encode())
+    reuse_prefill_blocks(prefill, "q5")
+    done = decode.result("q5")
+
+    assert done.finish_reason == "error"
+    assert "no longer held" in caplog.text
+    assert decode.cached_blocks(tokens, 1) == {}
+    assert_cache_holds_only_true_kv(decode, tokens)
+
+
+def test_plan_for_another_prompt_of_the_same_length_is_refused(prefill, decode, clean, caplog):
+    a, b = random_tokens(PROMPT, seed=106), random_tokens(PROMPT, seed=107)
+    params_a = prefill.prefill("q6-a", a).kv_transfer_params
+
+    decode.add("q6-b", b, params_a)
+    done = decode.result("q6-b")
+
+    assert done.finish_reason == "error"
+    assert "another prompt" in caplog.text
+    assert decode.cached_blocks(b, 0) == {} and decode.cached_blocks(b, 1) == {}
+    # The refused plan was not acted on: its rightful owner still loads it.
+    decode.add("q6-a", a, params_a)
+    assert decode.result("q6-a").finish_reason == "length"
+    assert_cache_holds_only_true_kv(decode, a)
+
+
+def test_altered_block_ids_are_refused_by_the_prefill_engine(prefill, decode, clean, caplog):
+    tokens, other = random_tokens(PROMPT, seed=108), random_tokens(PROMPT, seed=109)
+    other_params = prefill.prefill("q7-other", other).kv_transfer_params
+    params = prefill.prefill("q7", tokens).kv_transfer_params
+    # Point full attention at the blocks of another prompt, which prefill really holds.
+    altered = copy.deepcopy(params)
+    altered["groups"][0]["runs"] = copy.deepcopy(other_params["groups"][0]["runs"])
+
+    decode.add("q7", tokens, altered)
+    done = decode.result("q7")
+
+    assert done.finish_reason == "error"
+    assert "differs from the plan lent" in caplog.text
+    assert decode.cached_blocks(tokens, 0) == {}
+    decode.add("q7-other", other, other_params)
+    assert decode.result("q7-other").finish_reason == "length"
+    assert_cache_holds_only_true_kv(decode, other)
+
+
+def test_first_token_stop_still_hands_off(prefill, decode, clean):
+    tokens = random_tokens(PROMPT, seed=110)
+    from tests.pd_harness import SAMPLED_TOKEN
+
+    first = prefill.prefill("q8", tokens, stop_token_ids=[SAMPLED_TOKEN])
+    assert first.finish_reason == "stop"
+    assert first.kv_transfer_params is not None  # handed off, as vLLM's NIXL connector does
+
+    decode.add("q8", tokens, first.kv_transfer_params)
+    done = decode.result("q8")
+    assert done.finish_reason == "length" and done.external_cached_tokens == PROMPT
+    assert_cache_holds_only_true_kv(decode, tokens)
+
+
+# --- fuzzed kv_transfer_params -----------------------------------------------------------
+
+_INT = st.one_of(st.integers(-3, 3), st.integers(0, 400), st.integers(-(2**63), 2**63 - 1))
+_ANY = st.one_of(st.none(), st.booleans(), _INT, st.text(max_size=8), st.lists(_INT, max_size=4))
+
+
+@st.composite
+def _mutation(draw: st.DrawFn) -> tuple[str, Any]:
+    kind = draw(st.sampled_from([
+        "field", "drop", "run_start", "block_id", "slack", "group", "prompt_len", "extra", "runs_swap",
+    ]))
+    return kind, draw(st.tuples(st.integers(0, 10), _ANY, _INT))
+
+
+def _mutate(params: dict[str, Any], mutation: tuple[str, Any]) -> dict[str, Any]:
+    kind, (pick, value, number) = mutation
+    params = copy.deepcopy(params)
+    keys = sorted(params)
+    groups = params["groups"]
+    group = groups[pick % len(groups)]
+    if kind == "field":
+        params[keys[pick % len(keys)]] = value
+    elif kind == "drop":
+        del params[keys[pick % len(keys)]]
+    elif kind == "run_start" and group["runs"]:
+        group["runs"][pick % len(group["runs"])]["start"] = number
+    elif kind == "block_id" and group["runs"]:
+        run = group["runs"][pick % len(group["runs"])]
+        run["block_ids"][pick % len(run["block_ids"])] = number
+    elif kind == "slack":
+        group["slack"] = [*group.get("slack", []), number]
+    elif kind == "group":
+        group["group"] = number
+    elif kind == "prompt_len":
+        params["num_prompt_tokens"] = number
+    elif kind == "extra":
+        params[f"x{pick}"] = value
+    elif kind == "runs_swap" and len(group["runs"]) > 1:
+        group["runs"][0]["block_ids"], group["runs"][-1]["block_ids"] = (
+            group["runs"][-1]["block_ids"], group["runs"][0]["block_ids"])
+    return params
+
+
+def test_fuzzed_transfer_params_fail_cleanly_or_load_true_kv(prefill, decode, clean):
+    tokens = random_tokens(600, seed=111)
+    outcomes: dict[str, int] = {}
+    fresh: dict[str, Any] = {}
+    case = iter(range(10**6))
+
+    @settings(max_examples=1000, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(mutations=st.lists(_mutation(), min_size=1, max_size=3))
+    def run(mutations: list[tuple[str, Any]]) -> None:
+        n = next(case)
+        if "params" not in fresh:
+            fresh["params"] = prefill.prefill(f"f{n}-p", tokens).kv_transfer_params
+        params = fresh["params"]
+        for mutation in mutations:
+            params = _mutate(params, mutation)
+        if params == fresh["params"]:
+            del fresh["params"]  # unchanged: it will be consumed
+        decode.add(f"f{n}", tokens, params, max_tokens=1)
+        done = decode.result(f"f{n}", timeout=30)
+        outcomes[done.finish_reason] = outcomes.get(done.finish_reason, 0) + 1
+        assert done.finish_reason in ("length", "error")
+        if done.finish_reason == "length":
+            fresh.pop("params", None)
+
+    run()
+    assert_cache_holds_only_true_kv(decode, tokens)
+    print(f"[fuzz] outcomes over 1000 mutated plans: {outcomes}")
+    assert outcomes.get("error", 0) > 900  # nearly every mutation is caught...
+    assert serve(prefill, decode, "after-fuzz", random_tokens(PROMPT, seed=112)).finish_reason == "length"

@@ -1,0 +1,97 @@
+"""The prefill engine's lease table: who may read a hand-off's blocks, and the invariant that makes "held" true."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from connectors.leases import ClaimAnswer, LeaseTable, new_lease_id
+
+
+def _table(seconds: float = 60.0) -> LeaseTable[list[int]]:
+    return LeaseTable(lease_seconds=seconds)
+
+
+def test_a_lease_is_claimed_by_one_claimant_at_a_time():
+    table = _table()
+    table.open("r1", "L1", "plan", [1, 2])
+
+    assert table.claim("L1", "decode-a/r", "plan") is ClaimAnswer.HELD
+    assert table.claim("L1", "decode-a/r", "plan") is ClaimAnswer.HELD  # confirming is idempotent
+    assert table.claim("L1", "decode-b/r", "plan") is ClaimAnswer.TAKEN
+
+
+def test_a_claim_naming_another_plan_is_refused():
+    table = _table()
+    table.open("r1", "L1", "plan", [1])
+
+    assert table.claim("L1", "decode-a/r", "altered") is ClaimAnswer.ALTERED
+    # An altered claim takes nothing: the rightful claimant still can.
+    assert table.claim("L1", "decode-b/r", "plan") is ClaimAnswer.HELD
+
+
+def test_ended_and_unknown_leases_are_unknown_forever():
+    table = _table()
+    table.open("r1", "L1", "plan", [1])
+    table.claim("L1", "c", "plan")
+
+    assert table.end("L1", "decode done", claimant="c")
+    assert table.claim("L1", "c", "plan") is ClaimAnswer.UNKNOWN
+    assert table.claim("never", "c", "plan") is ClaimAnswer.UNKNOWN
+    assert table.beat(["L1", "never"]) == ["L1", "never"]
+    table.open("r1", "L2", "plan", [1])  # the same request handed off again: a new lease
+    assert table.claim("L1", "c", "plan") is ClaimAnswer.UNKNOWN
+
+
+def test_only_the_claimant_or_an_operator_ends_a_claimed_lease():
+    table = _table()
+    table.open("r1", "L1", "plan", [1])
+
+    assert not table.end("L1", "gave up", claimant="stranger")  # unclaimed: no decode may end it
+    table.claim("L1", "owner", "plan")
+    assert not table.end("L1", "gave up", claimant="stranger")
+    assert table.end("r1", "client gone")  # the router releases by request id
+    assert [lease.request_id for lease in table.take_ended()] == ["r1"]
+
+
+def test_blocks_are_handed_back_only_after_the_lease_left_the_table():
+    table = _table(seconds=0.05)
+    table.open("r1", "L1", "plan", [7, 8])
+    time.sleep(0.1)
+
+    # An asker sees it gone at once, before the scheduler thread collected it...
+    assert table.claim("L1", "c", "plan") is ClaimAnswer.UNKNOWN
+    ended = table.take_ended()
+    # ...and the blocks come out of `ended` exactly once, for the scheduler thread to free.
+    assert [(lease.held, lease.ended_because) for lease in ended] == [([7, 8], "lease expired")]
+    assert table.take_ended() == [] and table.expire() == 0
+
+
+def test_heartbeats_keep_a_lease_alive_and_name_what_is_gone():
+    table = _table(seconds=0.3)
+    table.open("r1", "L1", "plan", [1])
+    for _ in range(5):
+        time.sleep(0.1)
+        assert table.beat(["L1"]) == []
+    assert table.expire() == 0
+    time.sleep(0.4)
+    assert table.beat(["L1"]) == ["L1"]
+
+
+def test_concurrent_claims_leave_exactly_one_claimant():
+    table = _table()
+    table.open("r1", "L1", "plan", [1])
+    answers: list[ClaimAnswer] = []
+    threads = [threading.Thread(target=lambda i=i: answers.append(table.claim("L1", f"c{i}", "plan")))
+               for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert answers.count(ClaimAnswer.HELD) == 1
+    assert answers.count(ClaimAnswer.TAKEN) == 15
+
+
+def test_lease_ids_are_never_reused():
+    assert len({new_lease_id() for _ in range(10_000)}) == 10_000
