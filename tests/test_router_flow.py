@@ -122,6 +122,20 @@ async def test_completion_goes_prefill_then_decode_with_the_prefill_params(make)
     assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="ok") == 1
 
 
+async def test_client_params_never_reach_decode_and_prefill_params_are_spliced_in_whole(make) -> None:
+    s = await make()
+    forged = {**COMPLETION, "kv_transfer_params": {"remote_engine_id": "forged", "do_remote_prefill": True}}
+    for body in (COMPLETION, forged):
+        async with asyncio.timeout(HANG):
+            raw = json.dumps(body, indent=1).encode() + b"\n"  # odd spacing: must survive the splice
+            async with s.http.post(s.router.url + "/v1/completions", data=raw,
+                                   headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 200
+    for decode_leg, plan in zip(s.d[0].seen, s.p[0].plans):
+        assert decode_leg.body["kv_transfer_params"] == plan  # P's, never the client's
+        assert {k: v for k, v in decode_leg.body.items() if k != "kv_transfer_params"} == COMPLETION
+
+
 async def test_prefill_leg_strips_streaming_and_min_tokens_and_caps_chat_tokens(make) -> None:
     s = await make()
     body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 3,

@@ -101,6 +101,7 @@ class Call:
     key: int | None
     headers: dict[str, str]  # forwarded to every engine (request id, authorization)
     started: float
+    raw: bytes = b"{}"  # the client's body as received (inflated)
 
 
 @dataclass(frozen=True)
@@ -123,14 +124,25 @@ def prefill_body(call: Call) -> dict[str, Any]:
     return body
 
 
-def decode_body(call: Call, params: dict[str, Any] | None) -> dict[str, Any]:
-    """The decode leg's body: the client's request plus P's params (none = local prefill)."""
+def decode_body(call: Call, params: dict[str, Any] | None) -> bytes:
+    """The decode leg's body: the client's request plus P's params (none = local prefill).
+
+    The common case splices the params into the client's bytes, so a long prompt is not
+    re-encoded; a client body that carries `kv_transfer_params` itself is rebuilt instead
+    (never two keys of one name: JSON parsers disagree on which one wins).
+    """
+    if "kv_transfer_params" not in call.body:
+        if params is None:
+            return call.raw
+        end = call.raw.rstrip().rfind(b"}")  # the body decoded as an object: it ends with "}"
+        comma = b"," if call.body else b""
+        return call.raw[:end] + comma + b'"kv_transfer_params":' + _json_encode(params) + b"}"
     body = dict(call.body)
     if params is None:
         body.pop("kv_transfer_params", None)
     else:
         body["kv_transfer_params"] = params
-    return body
+    return _json_encode(body)
 
 
 class _AttemptFailed(Exception):
@@ -266,7 +278,7 @@ class PDFlow:
             forward["Authorization"] = headers["Authorization"]
         key = affinity_key(body, endpoint is Endpoint.CHAT, self._config.affinity_prefix_chars,
                            self._config.affinity_prefix_tokens)
-        return Call(endpoint=endpoint, body=body, request_id=request_id, stream=fields.stream,
+        return Call(endpoint=endpoint, body=body, raw=raw, request_id=request_id, stream=fields.stream,
                     key=key, headers=forward, started=started)
 
     # --- prefill leg ----------------------------------------------------------------------
@@ -347,7 +359,7 @@ class PDFlow:
         engines = self._candidates(Role.DECODE, call, self._config.decode_attempts)
         if not engines:
             raise NoEngineAvailable(Role.DECODE.value)
-        body = _json_encode(decode_body(call, params))
+        body = decode_body(call, params)
         deadline = self._config.decode_first_byte_timeout if call.stream else self._config.decode_timeout
         last: _AttemptFailed | None = None
         suspects: list[Engine] = []
@@ -355,7 +367,7 @@ class PDFlow:
             if attempt > 0 and trace.prefilled is not None:
                 # The failed engine may have claimed (or half-pulled) the plan: it must not
                 # travel on. Free it, and prefill again for the next engine.
-                body = _json_encode(decode_body(call, await self._prefill_again(call, trace, attempt)))
+                body = decode_body(call, await self._prefill_again(call, trace, attempt))
             merger = UsageMerger.from_prefill(trace.prefilled.usage) if trace.prefilled else None
             verdict: bool | None = None
             engine.begin()
