@@ -127,7 +127,8 @@ def plan_request(
     next sibling of the prefix hits on decode as it would on a colocated engine.
     `replay_slack=False` gives what today's connectors do (the tail only), for A/B runs.
     `expected_hits=True` also runs vLLM's lookup for the resend and extension siblings,
-    and, with a junction, for a sibling sharing only the prefix up to it.
+    and, with a junction, for the next sibling of the prefix it marks (sharing the prompt
+    one alignment past the junction: `RequestPlan.expected_junction_hit_tokens`).
     """
     if num_prompt_tokens <= 0:
         raise ValueError(f"a request needs at least one prompt token, got {num_prompt_tokens}")
