@@ -1,0 +1,177 @@
+"""What each engine really caches, from vLLM's KV events: wire types and a per-group index.
+
+vLLM engines started with `--kv-events-config` publish msgpack `KVEventBatch`es of
+`BlockStored` / `BlockRemoved` / `AllBlocksCleared` over ZMQ. The structs below mirror
+that wire format (vllm/distributed/kv_events.py, 0.32; `pdconnect` never imports vLLM,
+and a test decodes batches encoded with vLLM's own classes), tolerant of fields added
+later.
+
+Block hashes cannot be recomputed here (vLLM seeds them per process), so the index keys
+blocks by *content*: a chain key per block = hash(parent's chain key, the block's token
+ids), learned from the `token_ids` and `parent_block_hash` every store event carries, and
+computed the same way for a request's tokens.
+
+Hybrid models: every KV cache group (full attention, sliding window, ...) is indexed on
+its own, and a prefix of L tokens is a hit only if *every* group can serve it: a full
+attention group needs all blocks before L, a sliding-window group only the blocks that
+hold the last `window` tokens before L (what vLLM's own lookup checks). vLLM's per-group
+events do not mix the group into the hash, so mixing the groups here would call a
+prefix cached that one group has already evicted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch", "decode_batch",
+           "GroupIndex", "EngineKVIndex", "chain_keys"]
+
+BlockHash = bytes | int
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """One published payload; msgspec.DecodeError/ValidationError names what is wrong."""
+    return _decoder.decode(payload)
+
+
+def chain_keys(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[int]:
+    """The content key of every full block of `tokens` (a block's key covers its whole prefix)."""
+    keys = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start:start + block_size])))
+        keys.append(parent)
+    return keys
+
+
+@dataclass
+class GroupIndex:
+    """One KV cache group of one engine. Invariant: `present` holds exactly the content keys
+    of blocks stored and not yet removed (a key can be stored under several engine hashes,
+    e.g. two LoRA adapters, so it is counted)."""
+
+    block_size: int
+    sliding_window: int | None = None
+    by_hash: dict[BlockHash, int] = field(default_factory=dict)
+    present: dict[int, int] = field(default_factory=dict)
+    orphans: int = 0  # stores whose parent block was never seen (events missed)
+
+    def store(self, event: BlockStored) -> None:
+        if event.parent_block_hash is None:
+            parent = 0
+        elif (known := self.by_hash.get(event.parent_block_hash)) is not None:
+            parent = known
+        else:
+            self.orphans += 1
+            return
+        keys = chain_keys(event.token_ids, self.block_size, parent)
+        for block_hash, key in zip(event.block_hashes, keys):
+            if block_hash in self.by_hash:
+                continue
+            self.by_hash[block_hash] = key
+            self.present[key] = self.present.get(key, 0) + 1
+
+    def remove(self, block_hashes: list[BlockHash]) -> None:
+        for block_hash in block_hashes:
+            key = self.by_hash.pop(block_hash, None)
+            if key is None:
+                continue
+            left = self.present[key] - 1
+            if left:
+                self.present[key] = left
+            else:
+                del self.present[key]
+
+    def serves(self, keys: list[int], tokens: int) -> bool:
+        """Can this group serve the first `tokens` tokens (a multiple of block_size)?"""
+        end = tokens // self.block_size
+        start = 0
+        if self.sliding_window is not None:
+            start = max(0, (tokens - self.sliding_window) // self.block_size)
+        return all(key in self.present for key in keys[start:end])
+
+
+@dataclass
+class EngineKVIndex:
+    """Every group of one engine, fed by its event batches."""
+
+    groups: dict[int, GroupIndex] = field(default_factory=dict)
+
+    def apply(self, batch: KVEventBatch) -> None:
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                group = self.groups.get(event.group_idx or 0)
+                if group is None or group.block_size != event.block_size:
+                    # Only sliding-window kinds may skip early blocks; any other kind
+                    # (full, MLA, unknown) is held to the whole prefix, the safe side.
+                    sliding = (event.kv_cache_spec_kind or "").startswith("sliding_window")
+                    window = event.kv_cache_spec_sliding_window if sliding else None
+                    group = self.groups[event.group_idx or 0] = GroupIndex(event.block_size, window)
+                group.store(event)
+            elif isinstance(event, BlockRemoved):
+                group = self.groups.get(event.group_idx or 0)
+                if group is not None:
+                    group.remove(event.block_hashes)
+            else:
+                self.groups.clear()
+
+    def hit_tokens(self, tokens: Sequence[int]) -> int:
+        """The longest prefix of `tokens` every group can serve (0 before any event)."""
+        if not self.groups:
+            return 0
+        step = math.lcm(*(g.block_size for g in self.groups.values()))
+        keys = {size: chain_keys(tokens, size) for size in {g.block_size for g in self.groups.values()}}
+        # Full-attention groups bound the hit from above: their hit is a prefix run.
+        limit = len(tokens) // step * step
+        for group in self.groups.values():
+            if group.sliding_window is None:
+                run = 0
+                for key in keys[group.block_size]:
+                    if key not in group.present:
+                        break
+                    run += 1
+                limit = min(limit, run * group.block_size // step * step)
+        for length in range(limit, 0, -step):
+            if all(g.serves(keys[g.block_size], length) for g in self.groups.values()):
+                return length
+        return 0
