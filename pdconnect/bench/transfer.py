@@ -2,7 +2,8 @@
 
 For every transport, a spawned "prefill" process serves a registered pool of random
 bytes and this process pulls the same block sets three ways, interleaved run by run
-(the order rotates, so no path always inherits a warm or a busy system):
+(in every order of the three in turn, so no path always inherits a warm or a busy
+system):
 - bare: the library called directly by a careful user, starting from the same block
   ids: descriptors computed with numpy (one per block, no coalescing), Mooncake
   `batch_transfer_sync_read` in an engine started under the same environment ours sets
@@ -22,21 +23,23 @@ pairing cancels most of it; GB/s are per-path medians; "best" compares the faste
 of each path.
 CPU s/GB is the median over runs of (this process's + the peer process's CPU seconds)
 per GB moved, from `time.process_time` on both sides (every thread: the libraries'
-own threads count). Both clients live in this process for the whole run, so each
-path's CPU also holds the other client's idle threads (ours: one NIXL serving agent's
-progress thread, about 2% of a core).
+own threads count). Each path has its own client (our two paths two transports), all
+living in this process for the whole run, so each path's CPU also holds the other
+clients' idle threads (ours: a NIXL serving agent's progress thread, about 2% of a core
+each).
 
 A second table (NIXL) sweeps the serving agent's progress-thread delay
 (`nixl_progress_delay_us`): the serving process's idle CPU against our read rate and
 the first read after connecting (which waits on the server's wire-up progress).
 
-    python -m pdconnect.bench.transfer [--transport mooncake|nixl|all] [--repeats 21]
+    python -m pdconnect.bench.transfer [--transport mooncake|nixl|all] [--repeats 24]
                                        [--delays 0,50,200,1000,5000] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import statistics
@@ -244,26 +247,39 @@ def _timed(run: Callable[[], bool], peer: LoopbackPeer, runs: _Runs) -> None:
 
 
 def bench_transport(kind: str, repeats: int, log: Callable[[str], None]) -> list[Result]:
-    """Every case for one transport; the peer and both clients live for the whole run."""
+    """Every case for one transport; the peer and the clients live for the whole run.
+
+    Each path has a client of its own (two of our transports, one bare), so each path's
+    connection to the peer sits idle for the same two runs of every round: with one
+    transport shared by both of our paths, the bare connection idled twice as long and
+    restarted colder (TCP slow start after idle), which made bare Mooncake look slower.
+    """
     results: list[Result] = []
     with LoopbackPeer(kind, POOL_BYTES) as peer:
-        ours = create_transport(kind, host="127.0.0.1")
         local = Buffer(POOL_BYTES)
-        ours.register([local.region])
-        ours.connect(PEER, peer.ready.metadata)
-        bare = BARE[kind](local, peer.ready.metadata, ours.effective_protocol)
+        ours: list[Transport[Any]] = []
+        bare: BareMooncake | BareNixl | None = None
         try:
+            for _ in range(2):
+                ours.append(create_transport(kind, host="127.0.0.1"))
+                ours[-1].register([local.region])
+                ours[-1].connect(PEER, peer.ready.metadata)
+            bare = BARE[kind](local, peer.ready.metadata, ours[0].effective_protocol)
             for number, case in enumerate(CASES):
-                results.append(_bench_case(kind, case, number, repeats, ours, bare, local, peer))
+                results.append(_bench_case(kind, case, number, repeats, ours[0], ours[1], bare,
+                                           local, peer))
                 log(_row(results[-1]))
         finally:
-            bare.close()
-            ours.close()
+            if bare is not None:
+                bare.close()
+            for transport in ours:
+                transport.close()
     return results
 
 
 def _bench_case(kind: str, case: Case, seed: int, repeats: int, ours: Transport[Any],
-                bare: BareMooncake | BareNixl, local: Buffer, peer: LoopbackPeer) -> Result:
+                ours_uncoalesced: Transport[Any], bare: BareMooncake | BareNixl, local: Buffer,
+                peer: LoopbackPeer) -> Result:
     local_layout = kv_layout(local.addr, POOL_BYTES, case.block_bytes)
     remote_layout = kv_layout(peer.ready.pool_addr, POOL_BYTES, case.block_bytes)
     pairs = case.block_pairs(local_layout.num_blocks, seed)
@@ -275,14 +291,14 @@ def _bench_case(kind: str, case: Case, seed: int, repeats: int, ours: Transport[
             or remote_addrs.tolist() != per_block.table[:, 1].tolist()):
         raise RuntimeError(f"{kind} {case.name}: bare and ours would not send the same ranges")
 
-    def run_ours(coalesce: bool) -> bool:
+    def run_ours(transport: Transport[Any], coalesce: bool) -> bool:
         ranges = pull_ranges(local_layout, remote_layout, pairs, coalesced=coalesce)
-        return ours.pull(PEER, ranges, timeout=TIMEOUT).wait(TIMEOUT) is TransferState.DONE
+        return transport.pull(PEER, ranges, timeout=TIMEOUT).wait(TIMEOUT) is TransferState.DONE
 
     paths: dict[str, Callable[[], bool]] = {
         "bare": lambda: bare.read(blocks),
-        "ours_uncoalesced": lambda: run_ours(False),
-        "ours": lambda: run_ours(True),
+        "ours_uncoalesced": lambda: run_ours(ours_uncoalesced, False),
+        "ours": lambda: run_ours(ours, True),
     }
     expected = peer.digest([(remote, n) for _, remote, n in per_block])
     for name, run in paths.items():  # warm-up doubles as the correctness check
@@ -290,10 +306,11 @@ def _bench_case(kind: str, case: Case, seed: int, repeats: int, ours: Transport[
         if not run() or digest(local, [(addr, n) for addr, _, n in per_block]) != expected:
             raise RuntimeError(f"{kind} {case.name} {name}: pulled bytes differ from the peer's")
     runs = {name: _Runs() for name in PATHS}
+    # Cycle through every order of the three paths, so each goes first, and follows each
+    # other path, equally often: no path always inherits a warm (or busy) system.
+    orders = list(itertools.permutations(PATHS))
     for repeat in range(repeats):
-        # Rotate who goes first so no path always inherits a warm (or busy) system.
-        order = PATHS[repeat % len(PATHS):] + PATHS[:repeat % len(PATHS)]
-        for name in order:
+        for name in orders[repeat % len(orders)]:
             _timed(paths[name], peer, runs[name])
     gb = case.total_bytes / 1e9
     gbps = {name: gb / statistics.median(r.wall) for name, r in runs.items()}
@@ -391,7 +408,8 @@ def _row(r: Result) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transport", choices=(*TRANSPORT_KINDS, "all"), default="all")
-    parser.add_argument("--repeats", type=int, default=21, help="timed runs per path and case")
+    parser.add_argument("--repeats", type=int, default=24,
+                        help="timed runs per path and case (a multiple of 6 balances orders)")
     parser.add_argument("--delays", default="0,50,200,1000,5000",
                         help="NIXL serving progress-thread delays to sweep, in us ('' = none)")
     parser.add_argument("--json", type=Path, help="also write the results here")
