@@ -250,9 +250,10 @@ def bench_transport(kind: str, repeats: int, log: Callable[[str], None]) -> list
     """Every case for one transport; the peer and the clients live for the whole run.
 
     Each path has a client of its own (two of our transports, one bare), so each path's
-    connection to the peer sits idle for the same two runs of every round: with one
+    connection to the peer sits idle for the same two runs of every round. With one
     transport shared by both of our paths, the bare connection idled twice as long and
-    restarted colder (TCP slow start after idle), which made bare Mooncake look slower.
+    bare Mooncake came out 6-30% slower than the very same calls through ours (likely
+    TCP's slow start after idle; not proven), a bias in our favour this removes.
     """
     results: list[Result] = []
     with LoopbackPeer(kind, POOL_BYTES) as peer:
