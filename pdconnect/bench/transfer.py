@@ -342,51 +342,85 @@ class DelayResult:
 
 
 SWEEP_CASES = (Case(64, 1 << 20), Case(4096, 16 << 10))
+SWEEP_POOL_BYTES = 64 << 20  # both cases fit; several peers at once stay small
 IDLE_SECONDS = 2.0
 
 
 def sweep_progress_delay(delays: Sequence[int], repeats: int,
                          log: Callable[[str], None]) -> list[DelayResult]:
-    """Our NIXL reads against a serving peer run with each progress-thread delay."""
-    results = []
+    """Our NIXL reads against serving peers run with each progress-thread delay.
+
+    The peers with a delay run side by side and are read in interleaved rounds (so load
+    drift hits them alike), and their idle CPU is taken over one common window. A delay
+    of 0 is NIXL's busy loop, which would slow every other measurement on a small host:
+    it runs alone, afterwards.
+    """
     log(f"{'nixl serving delay':>18}  {'idle CPU':>9}  {'first read':>10}  "
         + "  ".join(f"{c.name + ' GB/s':>30}" for c in SWEEP_CASES))
+    together = [d for d in dict.fromkeys(delays) if d > 0]
+    alone = [d for d in dict.fromkeys(delays) if d == 0]
+    results = {}
+    for group in (together, alone):
+        if group:
+            results.update(_sweep_group(group, repeats))
     for delay in delays:
-        with LoopbackPeer("nixl", POOL_BYTES, nixl_progress_delay_us=delay) as peer:
-            ours = create_transport("nixl", host="127.0.0.1")
-            try:
-                local = Buffer(POOL_BYTES)
-                local.zero()  # fault every page in now, not inside a timed read
-                ours.register([local.region])
-                ours.connect(PEER, peer.ready.metadata)
-                started = time.perf_counter()
-                first = ours.pull(PEER, [(local.addr, peer.ready.pool_addr, 4096)], TIMEOUT)
-                if first.wait(TIMEOUT) is not TransferState.DONE:
-                    raise RuntimeError(f"delay {delay} us: the first read failed")
-                first_ms = (time.perf_counter() - started) * 1e3
-                idle_before = peer.cpu_seconds()
-                time.sleep(IDLE_SECONDS)
-                idle = (peer.cpu_seconds() - idle_before) / IDLE_SECONDS * 100
-                rates = {}
-                for number, case in enumerate(SWEEP_CASES):
-                    layout = kv_layout(local.addr, POOL_BYTES, case.block_bytes)
-                    remote = kv_layout(peer.ready.pool_addr, POOL_BYTES, case.block_bytes)
-                    pairs = case.block_pairs(layout.num_blocks, number)
-                    times = []
-                    for _ in range(repeats + 1):  # the first is a warm-up, not counted
-                        start = time.perf_counter()
-                        ranges = pull_ranges(layout, remote, pairs)
-                        if ours.pull(PEER, ranges, TIMEOUT).wait(TIMEOUT) is not TransferState.DONE:
-                            raise RuntimeError(f"delay {delay} us, {case.name}: a read failed")
-                        times.append(time.perf_counter() - start)
-                    rates[case.name] = round(
-                        case.total_bytes / statistics.median(times[1:]) / 1e9, 3)
-            finally:
-                ours.close()
-        results.append(DelayResult(delay, round(idle, 1), round(first_ms, 1), rates))
-        log(f"{delay:>15} us  {idle:>8.1f}%  {first_ms:>7.1f} ms  "
-            + "  ".join(f"{rates[c.name]:>30.2f}" for c in SWEEP_CASES))
-    return results
+        r = results[delay]
+        log(f"{delay:>15} us  {r.idle_cpu_percent:>8.1f}%  {r.first_read_ms:>7.1f} ms  "
+            + "  ".join(f"{r.rates_gbps[c.name]:>30.2f}" for c in SWEEP_CASES)
+            + ("  (measured alone)" if delay == 0 and together else ""))
+    return [results[d] for d in dict.fromkeys(delays)]
+
+
+def _sweep_group(delays: Sequence[int], repeats: int) -> dict[int, DelayResult]:
+    peers: dict[int, LoopbackPeer] = {}
+    ours = create_transport("nixl", host="127.0.0.1")
+    try:
+        for delay in delays:
+            peers[delay] = LoopbackPeer("nixl", SWEEP_POOL_BYTES, nixl_progress_delay_us=delay)
+        local = Buffer(SWEEP_POOL_BYTES)
+        local.zero()  # fault every page in now, not inside a timed read
+        ours.register([local.region])
+        first_ms = {}
+        for delay, peer in peers.items():
+            ours.connect(f"{PEER}-{delay}", peer.ready.metadata)
+            started = time.perf_counter()
+            first = ours.pull(f"{PEER}-{delay}", [(local.addr, peer.ready.pool_addr, 4096)],
+                              TIMEOUT)
+            if first.wait(TIMEOUT) is not TransferState.DONE:
+                raise RuntimeError(f"delay {delay} us: the first read failed")
+            first_ms[delay] = (time.perf_counter() - started) * 1e3
+        idle_before = {delay: peer.cpu_seconds() for delay, peer in peers.items()}
+        time.sleep(IDLE_SECONDS)
+        idle = {delay: (peer.cpu_seconds() - idle_before[delay]) / IDLE_SECONDS * 100
+                for delay, peer in peers.items()}
+        rates: dict[int, dict[str, float]] = {delay: {} for delay in peers}
+        for number, case in enumerate(SWEEP_CASES):
+            layout = kv_layout(local.addr, SWEEP_POOL_BYTES, case.block_bytes)
+            reads = {}
+            for delay, peer in peers.items():
+                remote = kv_layout(peer.ready.pool_addr, SWEEP_POOL_BYTES, case.block_bytes)
+                reads[delay] = (remote, case.block_pairs(layout.num_blocks, number))
+            times: dict[int, list[float]] = {delay: [] for delay in peers}
+            for repeat in range(repeats + 1):  # round 0 is a warm-up, not counted
+                order = list(peers)[repeat % len(peers):] + list(peers)[:repeat % len(peers)]
+                for delay in order:
+                    remote, pairs = reads[delay]
+                    start = time.perf_counter()
+                    ranges = pull_ranges(layout, remote, pairs)
+                    transfer = ours.pull(f"{PEER}-{delay}", ranges, TIMEOUT)
+                    if transfer.wait(TIMEOUT) is not TransferState.DONE:
+                        raise RuntimeError(f"delay {delay} us, {case.name}: a read failed")
+                    if repeat:
+                        times[delay].append(time.perf_counter() - start)
+            for delay in peers:
+                rates[delay][case.name] = round(
+                    case.total_bytes / statistics.median(times[delay]) / 1e9, 3)
+    finally:
+        ours.close()
+        for peer in peers.values():
+            peer.close()
+    return {delay: DelayResult(delay, round(idle[delay], 1), round(first_ms[delay], 1),
+                               rates[delay]) for delay in peers}
 
 
 _HEADER = (
@@ -438,8 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep: list[DelayResult] = []
     if "nixl" in kinds and delays:
         print("\nNIXL serving agent's progress-thread delay (ours reads with no progress "
-              f"thread; idle CPU over {IDLE_SECONDS:g} s, % of one core; rates: medians of "
-              f"{min(args.repeats, 7)})", flush=True)
+              f"thread; serving process idle CPU over {IDLE_SECONDS:g} s, % of one core; "
+              f"rates: medians of {min(args.repeats, 7)} interleaved reads)", flush=True)
         sweep = sweep_progress_delay(delays, min(args.repeats, 7),
                                      lambda line: print(line, flush=True))
     if args.json is not None:
