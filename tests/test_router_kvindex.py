@@ -77,3 +77,79 @@ def test_a_store_whose_parent_was_never_seen_is_not_indexed() -> None:
     _publish(index, _stored(range(2, 4), 0, "full_attention"))  # blocks 0, 1 missed
     assert index.hit_tokens(TOKENS) == 0
     assert index.groups[0].orphans == 1
+
+
+# --- the kv-aware policy end to end: FAKE engines, a FAKE publisher with vLLM's classes ------
+
+@pytest.mark.asyncio
+async def test_kv_aware_routes_to_the_engine_that_really_caches_the_prompt_and_to_affinity_before() -> None:
+    import asyncio
+
+    import aiohttp
+    import zmq
+
+    from pdconnect.bench.fake_engine import FakeCluster
+    from pdconnect.router import load_config, start_router
+
+    fakes = await FakeCluster.start(prefill=1, decode=2)
+    context = zmq.Context()
+    publishers = {url: context.socket(zmq.PUB) for url in fakes.decode_urls}
+    endpoints = {}
+    for url, socket in publishers.items():
+        port = socket.bind_to_random_port("tcp://127.0.0.1")
+        endpoints[url] = [f"tcp://127.0.0.1:{port}"]
+    router = await start_router(load_config({
+        "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
+        "policy": "kv-aware", "kv_events_endpoints": endpoints}))
+    body = {"model": "fake-model", "prompt": TOKENS, "max_tokens": 2}
+    try:
+        async with aiohttp.ClientSession() as http, asyncio.timeout(15):
+            async def decode_engine() -> str:
+                async with http.post(router.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    return resp.headers["X-PDConnect-Decode"]
+            # No events yet: prefix affinity decides, and keeps deciding the same.
+            by_affinity = await decode_engine()
+            assert await decode_engine() == by_affinity
+            # The other engine reports (through its FAKE publisher) that it holds the prompt.
+            other = next(url for url in fakes.decode_urls if url != by_affinity)
+            batch = msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(
+                ts=0.0, events=[_stored(range(0, 8), 0, "full_attention")]))
+            applied = router.router.metrics.kv_events.labels("ok")
+            seq = 0
+            while applied._value.get() == 0:  # SUB joins asynchronously: publish until heard
+                publishers[other].send_multipart([b"", seq.to_bytes(8, "big"), batch])
+                seq += 1
+                await asyncio.sleep(0.02)
+            assert await decode_engine() == other
+    finally:
+        await router.close()
+        await fakes.close()
+        context.destroy(linger=0)
+
+
+@pytest.mark.asyncio
+async def test_a_sequence_gap_without_replay_drops_the_index_until_it_is_rebuilt() -> None:
+    from pdconnect.router.kvevents import KVEventsFeed, _Subscription
+
+    counted: list[str] = []
+    feed = KVEventsFeed(lambda url: None, counted.append)
+    sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", None)
+    feed._subs[sub.url] = sub
+
+    def frames(seq: int, *events: object) -> list[bytes]:
+        batch = kv_events.KVEventBatch(ts=0.0, events=list(events))
+        return [b"", seq.to_bytes(8, "big"), msgspec.msgpack.Encoder().encode(batch)]
+    try:
+        assert feed.hit_tokens(sub.url, TOKENS) is None  # nothing heard: not fresh, affinity decides
+        await feed._receive(sub, frames(0, _stored(range(0, 4), 0, "full_attention")))
+        assert feed.hit_tokens(sub.url, TOKENS) == 4 * BS
+        # Batches 1 and 2 are lost (one of them may have removed blocks): the index cannot
+        # be trusted, so it starts over from batch 3.
+        await feed._receive(sub, frames(3, _stored(range(4, 6), 0, "full_attention")))
+        assert counted.count("gap") == 1
+        assert feed.hit_tokens(sub.url, TOKENS) == 0  # blocks 4, 5 alone are no prefix
+        await feed._receive(sub, frames(4, _stored(range(0, 2), 0, "full_attention")))
+        assert feed.hit_tokens(sub.url, TOKENS) == 2 * BS
+    finally:
+        await feed.close()

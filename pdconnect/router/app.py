@@ -31,6 +31,7 @@ from pdconnect.router.errors import (
 from pdconnect.router.flow import Endpoint, PDFlow, PrefillReleaser
 from pdconnect.router.health import CircuitBreaker, HealthMonitor
 from pdconnect.router.metrics import RouterMetrics
+from pdconnect.router.kvevents import KVEventsFeed, events_endpoint
 from pdconnect.router.policy import LeastLoaded, make_policy
 from pdconnect.router.upstream import UpstreamPool
 
@@ -151,9 +152,10 @@ class Router:
         self._session = session
         releaser = PrefillReleaser(self._secret, config.release_timeout, self.metrics)
         upstream = UpstreamPool(config.connect_timeout)
+        feed = self._kv_events_feed() if config.policy == "kv-aware" else None
         self._flow = PDFlow(config, self.registry, upstream, self.metrics, releaser,
-                            make_policy(config.policy, config.affinity_load_factor, config.affinity_vnodes),
-                            make_policy(config.policy, config.affinity_load_factor, config.affinity_vnodes))
+                            make_policy(config.policy, config.affinity_load_factor, config.affinity_vnodes, feed),
+                            make_policy(config.policy, config.affinity_load_factor, config.affinity_vnodes, feed))
         tasks: list[asyncio.Task[None]] = []
         monitor = None
         if config.health_interval > 0:
@@ -186,7 +188,29 @@ class Router:
                 await monitor.close()
             await session.close()
             upstream.close()
+            if feed is not None:
+                await feed.close()
             releaser.close(wait=True)
+
+    def _kv_events_feed(self) -> KVEventsFeed:
+        """Subscribe to every engine's KV events as it joins; drop it as it leaves."""
+        config = self.config
+
+        def endpoints(url: str) -> tuple[str, str | None] | None:
+            explicit = config.kv_events_endpoints.get(url)
+            if explicit:
+                return explicit[0], explicit[1] if len(explicit) > 1 else None
+            if config.kv_events_port is None:
+                return None
+            replay = config.kv_events_replay_port
+            return (events_endpoint(url, config.kv_events_port),
+                    events_endpoint(url, replay) if replay is not None else None)
+
+        counter = self.metrics.kv_events
+        feed = KVEventsFeed(endpoints, lambda result: counter.labels(result).inc())
+        self.registry.on_added.append(lambda engine: feed.watch(engine.url))
+        self.registry.on_removed.append(lambda engine: feed.forget(engine.url))
+        return feed
 
     # --- inference --------------------------------------------------------------------------
 

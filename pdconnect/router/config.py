@@ -19,7 +19,7 @@ import msgspec
 
 __all__ = ["ConfigError", "RouterConfig", "DnsTarget", "parse_args", "load_config", "engine_origin"]
 
-Policy = Literal["prefix-affinity", "least-loaded", "round-robin"]
+Policy = Literal["kv-aware", "prefix-affinity", "least-loaded", "round-robin"]
 
 
 class ConfigError(ValueError):
@@ -103,6 +103,15 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # cache miss costs a full KV transfer, so the default leans to togetherness.
     affinity_load_factor: float = 1.5
     affinity_vnodes: int = 160
+    # kv-aware: engines publish vLLM KV events (--kv-events-config) on this port of their
+    # own address, with a replay socket on the second port; or explicitly per engine URL
+    # (config file: {"http://p0:8000": ["tcp://p0:5557", "tcp://p0:5558"]}).
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    kv_events_endpoints: dict[str, list[str]] = {}
+    # kv-aware needs a request's token ids: a tokenizer.json (or a directory holding one)
+    # for text prompts; without it only token-id prompts route by real hits.
+    tokenizer: str | None = None
 
     connect_timeout: float = 2.0
     prefill_timeout: float = 60.0
@@ -156,6 +165,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.affinity_load_factor < 1.0:
             raise ConfigError(f"affinity_load_factor must be >= 1, got {self.affinity_load_factor}")
+        if self.policy == "kv-aware" and self.kv_events_port is None and not self.kv_events_endpoints:
+            raise ConfigError("the kv-aware policy needs --kv-events-port (or kv_events_endpoints)")
         if not (self.decode or self.decode_dns):
             raise ConfigError("no decode engines: give --decode URL or --decode-dns NAME:PORT")
         if not 0 <= self.port < 65536:
@@ -252,7 +263,12 @@ def _parser() -> argparse.ArgumentParser:
     _add(engines, "dns-interval", "seconds between DNS re-resolutions", **seconds)
     routing = p.add_argument_group("routing")
     _add(routing, "policy", "how a request's engines are chosen",
-         choices=["prefix-affinity", "least-loaded", "round-robin"])
+         choices=["kv-aware", "prefix-affinity", "least-loaded", "round-robin"])
+    _add(routing, "kv-events-port", "kv-aware: port of every engine's vLLM KV events publisher", type=int)
+    _add(routing, "kv-events-replay-port", "kv-aware: port of every engine's KV events replay socket",
+         type=int)
+    _add(routing, "tokenizer", "kv-aware: tokenizer.json (or its directory) to turn text prompts into "
+         "token ids", metavar="PATH")
     _add(routing, "affinity-prefix-chars", "characters of prompt text hashed for the affinity key", type=int)
     _add(routing, "affinity-prefix-tokens", "token ids hashed for the affinity key", type=int)
     _add(routing, "affinity-load-factor", "no engine takes more than this times the mean load", type=float)

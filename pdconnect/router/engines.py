@@ -86,6 +86,7 @@ class EngineRegistry:
         self._by_url: dict[Role, dict[str, Engine]] = {role: {} for role in Role}
         self._snapshot: dict[Role, tuple[Engine, ...]] = {role: () for role in Role}
         self.on_added: list[Callable[[Engine], None]] = []
+        self.on_removed: list[Callable[[Engine], None]] = []
 
     def engines(self, role: Role) -> tuple[Engine, ...]:
         return self._snapshot[role]
@@ -124,6 +125,8 @@ class EngineRegistry:
         del self._by_url[role][url]
         self._refresh(role)
         logger.info("removed %s engine %s", role.value, url)
+        for listener in self.on_removed:
+            listener(engine)
         return True
 
     def sync(self, role: Role, source: str, urls: Iterable[str]) -> None:

@@ -27,6 +27,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,7 @@ class Call:
     headers: dict[str, str]  # forwarded to every engine (request id, authorization)
     started: float
     raw: bytes = b"{}"  # the client's body as received (inflated)
+    tokens: Sequence[int] | None = None  # the prompt's token ids, when the policy needs them
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,8 @@ class PDFlow:
         # Whole answers run under one overall deadline (asyncio.timeout in _send); streams
         # also under a limit on the silence between two chunks.
         self._stream_idle = config.stream_idle_timeout
+        self._wants_tokens = config.policy == "kv-aware"
+        self._tokenizer = load_tokenizer(config.tokenizer) if self._wants_tokens and config.tokenizer else None
 
     # --- the request, top to bottom -------------------------------------------------------
 
@@ -278,8 +282,20 @@ class PDFlow:
             forward["Authorization"] = headers["Authorization"]
         key = affinity_key(body, endpoint is Endpoint.CHAT, self._config.affinity_prefix_chars,
                            self._config.affinity_prefix_tokens)
-        return Call(endpoint=endpoint, body=body, raw=raw, request_id=request_id, stream=fields.stream,
+        tokens = self._tokens(fields) if self._wants_tokens else None
+        return Call(endpoint=endpoint, body=body, raw=raw, tokens=tokens, request_id=request_id, stream=fields.stream,
                     key=key, headers=forward, started=started)
+
+    def _tokens(self, fields: _Prompt | _Chat) -> Sequence[int] | None:
+        """The prompt's token ids (a single prompt), tokenizing text when a tokenizer is set."""
+        if isinstance(fields, _Chat):
+            return None  # the chat template lives in the engine; affinity decides
+        prompt = fields.prompt
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt  # type: ignore[return-value]
+        if isinstance(prompt, str) and self._tokenizer is not None:
+            return self._tokenizer.encode(prompt).ids  # type: ignore[no-any-return]
+        return None
 
     # --- prefill leg ----------------------------------------------------------------------
 
@@ -506,7 +522,7 @@ class PDFlow:
     # --- helpers ----------------------------------------------------------------------------
 
     def _candidates(self, role: Role, call: Call, attempts: int) -> list[Engine]:
-        return self._policies[role].order(self._registry.engines(role), call.key)[:attempts]
+        return self._policies[role].order(self._registry.engines(role), call.key, call.tokens)[:attempts]
 
     def _note_failure(self, role: Role, engine: Engine, failure: _AttemptFailed, retry: bool) -> None:
         logger.warning("%s attempt at %s failed: %s", role.value, engine.url, failure)
@@ -528,6 +544,15 @@ class PDFlow:
             headers["X-PDConnect-Decode"] = engine.url
             headers["X-PDConnect-Prefill"] = trace.prefilled.engine.url if trace.prefilled else "none"
         return headers
+
+
+def load_tokenizer(path: str) -> Any:
+    """A `tokenizers.Tokenizer` from a tokenizer.json or a directory holding one."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer  # only the kv-aware policy with text prompts needs it
+    file = Path(path)
+    return Tokenizer.from_file(str(file / "tokenizer.json" if file.is_dir() else file))
 
 
 def _blame(suspects: list[Engine]) -> None:

@@ -95,6 +95,9 @@ class RouterMetrics:
                                 "Release notices sent to prefill engines (client gone, decode failed)",
                                 ["result"], registry=r)
         self.dns_failures = Counter("pdconnect_router_dns_failures", "Failed DNS re-resolutions", registry=r)
+        self.kv_events = Counter("pdconnect_router_kv_events",
+                                 "KV event batches applied (ok), gaps, replays and errors (kv-aware policy)",
+                                 ["result"], registry=r)
         r.register(_EngineCollector(engines))
         # Labelled children, looked up once: `labels()` takes a lock and builds a tuple.
         self._ends: dict[tuple[str, str], tuple[Counter, Histogram]] = {}

@@ -1,4 +1,4 @@
-"""Which engine serves a request: prefix affinity, least-loaded or round-robin, chosen by flag.
+"""Which engine serves a request: kv-aware, prefix affinity, least-loaded or round-robin, by flag.
 
 Prefix affinity is why this router exists. A decode engine can only hit its local
 prefix cache for a sibling request (same long prefix, new suffix) if the sibling lands
@@ -13,6 +13,12 @@ consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): an
 engine whose in-flight count reached `ceil(factor * (total + 1) / n)` is skipped and
 the walk goes on clockwise, so no engine exceeds its share by more than `factor`,
 and a key only moves while its engine is over the bound.
+
+`kv-aware` knows instead of guessing: from each engine's KV events (`kvevents`) it
+computes the prefix each engine really caches for the request's tokens and puts the
+longest hit first among the engines under the same load bound; with no tokens (chat,
+or text without `--tokenizer`), no fresh index, or no hit anywhere, it is prefix
+affinity.
 
 Every policy returns the routable engines in preference order; the flow tries them in
 that order, so a retry goes to the key's next engine on the ring and stays stable.
@@ -31,7 +37,7 @@ from typing import Any, Protocol
 from pdconnect.router.engines import Engine
 
 __all__ = [
-    "RoutingPolicy", "PrefixAffinity", "LeastLoaded", "RoundRobin", "make_policy",
+    "RoutingPolicy", "PrefixAffinity", "LeastLoaded", "RoundRobin", "KvAware", "make_policy",
     "affinity_key", "render_messages", "AffinityTracker",
 ]
 
@@ -95,7 +101,8 @@ class RoutingPolicy(Protocol):
 
     name: str
 
-    def order(self, engines: tuple[Engine, ...], key: int | None) -> list[Engine]: ...
+    def order(self, engines: tuple[Engine, ...], key: int | None,
+              tokens: Sequence[int] | None = None) -> list[Engine]: ...
 
 
 class RoundRobin:
@@ -104,7 +111,8 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def order(self, engines: tuple[Engine, ...], key: int | None) -> list[Engine]:
+    def order(self, engines: tuple[Engine, ...], key: int | None,
+              tokens: Sequence[int] | None = None) -> list[Engine]:
         live = [e for e in engines if e.routable]
         if not live:
             return live
@@ -120,7 +128,8 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._rotation = RoundRobin()
 
-    def order(self, engines: tuple[Engine, ...], key: int | None) -> list[Engine]:
+    def order(self, engines: tuple[Engine, ...], key: int | None,
+              tokens: Sequence[int] | None = None) -> list[Engine]:
         rotated = self._rotation.order(engines, key)
         return sorted(rotated, key=lambda e: e.in_flight)  # stable: ties keep the rotation
 
@@ -170,7 +179,8 @@ class PrefixAffinity:
         total = sum(e.in_flight for e in live)
         return math.ceil(self.load_factor * (total + 1) / len(live))
 
-    def order(self, engines: tuple[Engine, ...], key: int | None) -> list[Engine]:
+    def order(self, engines: tuple[Engine, ...], key: int | None,
+              tokens: Sequence[int] | None = None) -> list[Engine]:
         if key is None:
             return self._fallback.order(engines, key)
         walk = [e for e in self._ring_for(engines).walk(key) if e.routable]
@@ -183,7 +193,42 @@ class PrefixAffinity:
         return walk  # unreachable for factor >= 1; kept total for safety
 
 
-def make_policy(name: str, load_factor: float, vnodes: int) -> RoutingPolicy:
+class HitSource(Protocol):
+    def hit_tokens(self, url: str, tokens: Sequence[int]) -> int | None: ...
+
+
+class KvAware:
+    """Longest real cache hit under the affinity load bound; prefix affinity otherwise."""
+
+    name = "kv-aware"
+
+    def __init__(self, hits: HitSource, load_factor: float, vnodes: int) -> None:
+        self._hits = hits
+        self._affinity = PrefixAffinity(load_factor, vnodes)
+
+    def order(self, engines: tuple[Engine, ...], key: int | None,
+              tokens: Sequence[int] | None = None) -> list[Engine]:
+        ranked = self._affinity.order(engines, key)
+        if not tokens or len(ranked) < 2:
+            return ranked
+        bound = self._affinity.bound(ranked)
+        best, best_hit = None, 0
+        for engine in ranked:  # affinity order: ties keep the affinity choice
+            if engine.in_flight >= bound:
+                continue
+            hit = self._hits.hit_tokens(engine.url, tokens) or 0
+            if hit > best_hit:
+                best, best_hit = engine, hit
+        if best is None:
+            return ranked
+        return [best, *(e for e in ranked if e is not best)]
+
+
+def make_policy(name: str, load_factor: float, vnodes: int, hits: HitSource | None = None) -> RoutingPolicy:
+    if name == "kv-aware":
+        if hits is None:
+            raise ValueError("the kv-aware policy needs a KV events feed")
+        return KvAware(hits, load_factor, vnodes)
     if name == "prefix-affinity":
         return PrefixAffinity(load_factor, vnodes)
     if name == "least-loaded":
