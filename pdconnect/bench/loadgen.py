@@ -10,7 +10,15 @@ over the engines of a role:
 - decode-local hit: `vllm:prefix_cache_hits` on decode engines — what replay slack is for;
 - decode external hit: `vllm:external_prefix_cache_hits` on decode engines (pulled KV);
 - prefill-local hit: `vllm:prefix_cache_hits` on prefill engines;
-- `pdconnect:slack_blocks_published` on decode engines (our connector only).
+- `pdconnect:slack_blocks_published` on decode engines (our connector only);
+- with a reference (a colocated engine: same model and flags, no connector), every
+  step's prompts are sent to it as well, after the deployment served them, and its own
+  `vllm:prefix_cache_hits` is what decode's local hit should equal.
+
+Conversation steps (`Step.turn`, the multi-turn scenario) ask for the generated token
+ids (`return_token_ids`) and build each turn's prompts from the previous turn's prompts
+and the deployment's answers; the reference gets exactly those prompts, so both see the
+same token sequences, and a per-step count says how many of its answers were the same.
 """
 
 from __future__ import annotations
@@ -70,11 +78,15 @@ class Deployment:
     model: str = "tiny"
     prompt_format: PromptFormat = "ids"
     request_timeout_s: float = 600.0
+    # A colocated engine's base URL: requests and counters both go there.
+    reference: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "router", self.router.rstrip("/"))
         object.__setattr__(self, "prefill_metrics", tuple(_engine_base(u) for u in self.prefill_metrics))
         object.__setattr__(self, "decode_metrics", tuple(_engine_base(u) for u in self.decode_metrics))
+        if self.reference is not None:
+            object.__setattr__(self, "reference", _engine_base(self.reference))
 
 
 def render_prompt(prompt: Prompt, prompt_format: PromptFormat) -> list[int] | str:
@@ -167,6 +179,8 @@ class RequestResult:
     output_tokens: int = 0
     fallback: bool = False
     error: str | None = None
+    # The generated token ids, when asked for (conversation steps, reference runs).
+    output_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -187,6 +201,11 @@ class StepResult:
     decode: RoleCounters
     prefill: RoleCounters
     errors: tuple[str, ...] = ()
+    turn: int = 0
+    # The colocated reference engine on the same prompts (engines=0: none was given).
+    reference: RoleCounters = RoleCounters()
+    # How many of the step's answers the reference generated identically (None: no reference).
+    reference_same_outputs: int | None = None
 
     @property
     def failed(self) -> int:
@@ -215,6 +234,7 @@ class StepResult:
             "decode_local_hit_tokens": self.decode.cache.hits,
             "decode_external_hit_tokens": self.decode.cache.external_hits,
             "prefill_local_hit_tokens": self.prefill.cache.hits,
+            "reference_local_hit_tokens": self.reference.cache.hits if self.reference.engines else None,
         }
 
 
@@ -254,6 +274,8 @@ class LoadGenerator:
         self._progress = progress
         self._session: aiohttp.ClientSession | None = None
         self._scraper: httpx.Client | None = None
+        # Each open conversation so far (prompt + answer of its last turn), by index.
+        self._conversations: list[Prompt] = []
 
     async def __aenter__(self) -> LoadGenerator:
         self._scraper = httpx.Client(timeout=30.0)
@@ -289,18 +311,45 @@ class LoadGenerator:
         return transport_in_use(await self._scrape(self.deployment.decode_metrics))
 
     async def warm_up(self, step: Step) -> None:
-        """Send `step` unmeasured; a failure here means the deployment is not serving."""
-        results = await self._send_all(step, label="warm-up")
-        failed = [r.error for r in results if not r.ok]
-        if failed:
-            raise RuntimeError(f"warm-up failed for {len(failed)} of {len(results)} requests: {failed[0]}")
+        """Send `step` unmeasured (to the reference too); a failure means something is not serving."""
+        targets = [None] if self.deployment.reference is None else [None, self.deployment.reference]
+        for target in targets:
+            results = await self._send_all(step, label="warm-up", target=target)
+            failed = [r.error for r in results if not r.ok]
+            if failed:
+                raise RuntimeError(f"warm-up failed for {len(failed)} of {len(results)} requests"
+                                   f"{' on the reference' if target else ''}: {failed[0]}")
+
+    def _prompts(self, step: Step) -> tuple[Prompt, ...]:
+        """What a step really sends: conversation turns after the first carry their history."""
+        if step.turn <= 1:
+            return step.prompts
+        if len(self._conversations) != len(step.prompts):
+            raise RuntimeError(f"step {step.name!r} continues {len(step.prompts)} conversations but "
+                               f"{len(self._conversations)} are open: run its turn 1 first")
+        return tuple(history + question for history, question in zip(self._conversations, step.prompts))
 
     async def run_step(self, scenario: str, step: Step) -> StepResult:
+        step = dataclasses.replace(step, prompts=self._prompts(step))
+        reference = self.deployment.reference
+        want_ids = step.turn > 0 or reference is not None
         prefill_before, decode_before = await self.counters()
         started = time.perf_counter()
-        results = await self._send_all(step, label=f"{scenario}: {step.name}")
+        results = await self._send_all(step, label=f"{scenario}: {step.name}", want_ids=want_ids)
         duration = time.perf_counter() - started
         prefill_after, decode_after = await self.counters()
+        if step.turn > 0:
+            # A failed request has no answer: its next turn goes on without one (and the
+            # failure is in this step's figures).
+            self._conversations = [p + r.output_ids for p, r in zip(step.prompts, results, strict=True)]
+        reference_counters, same = RoleCounters(), None
+        if reference is not None:
+            # After the deployment served the step, so the two never compete for the CPU.
+            before = RoleCounters.from_snapshot(await self._scrape([reference]), 1)
+            replayed = await self._send_all(step, label=f"{scenario}: {step.name} (reference)",
+                                            target=reference, want_ids=True)
+            reference_counters = RoleCounters.from_snapshot(await self._scrape([reference]), 1) - before
+            same = sum(r.ok and q.ok and r.output_ids == q.output_ids for r, q in zip(results, replayed, strict=True))
         good = [r for r in results if r.ok]
         return StepResult(
             scenario=scenario,
@@ -317,10 +366,17 @@ class LoadGenerator:
             decode=decode_after - decode_before,
             prefill=prefill_after - prefill_before,
             errors=tuple(r.error for r in results if r.error)[:MAX_ERRORS_KEPT],
+            turn=step.turn,
+            reference=reference_counters,
+            reference_same_outputs=same,
         )
 
-    async def _send_all(self, step: Step, label: str) -> list[RequestResult]:
-        """Send in order with at most `step.concurrency` in flight; results in prompt order."""
+    async def _send_all(self, step: Step, label: str, *, target: str | None = None,
+                        want_ids: bool = False) -> list[RequestResult]:
+        """Send in order with at most `step.concurrency` in flight; results in prompt order.
+
+        `target`: an engine's base URL instead of the router.
+        """
         results: list[RequestResult | None] = [None] * len(step.prompts)
         queue: asyncio.Queue[int] = asyncio.Queue()
         for index in range(len(step.prompts)):
@@ -330,7 +386,7 @@ class LoadGenerator:
             async def worker() -> None:
                 while not queue.empty():
                     index = queue.get_nowait()
-                    results[index] = await self._send(step.prompts[index], step.output_len)
+                    results[index] = await self._send(step.prompts[index], step.output_len, target, want_ids)
                     bar.update(1)
 
             await asyncio.gather(*(worker() for _ in range(min(step.concurrency, len(step.prompts)))))
@@ -342,7 +398,8 @@ class LoadGenerator:
             return True
         return None if self._progress is None else False
 
-    async def _send(self, prompt: Prompt, output_len: int) -> RequestResult:
+    async def _send(self, prompt: Prompt, output_len: int, target: str | None = None,
+                    want_ids: bool = False) -> RequestResult:
         assert self._session is not None, "use LoadGenerator as an async context manager"
         d = self.deployment
         body = {
@@ -354,11 +411,14 @@ class LoadGenerator:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if want_ids:
+            body["return_token_ids"] = True  # vLLM: each streamed choice carries its token ids
         started = time.perf_counter()
         ttft: float | None = None
         usage: dict[str, Any] = {}
+        output_ids: list[int] = []
         try:
-            async with self._session.post(f"{d.router}/v1/completions", json=body) as resp:
+            async with self._session.post(f"{target or d.router}/v1/completions", json=body) as resp:
                 fallback = FALLBACK_HEADER in resp.headers
                 if resp.status != 200:
                     text = (await resp.text())[:300]
@@ -377,18 +437,24 @@ class LoadGenerator:
                                              error=f"stream error: {event['error']}")
                     if ttft is None and event.get("choices"):
                         ttft = time.perf_counter() - started
+                    for choice in event.get("choices") or ():
+                        output_ids.extend(choice.get("token_ids") or ())
                     usage = event.get("usage") or usage
         except (aiohttp.ClientError, TimeoutError) as exc:
             return RequestResult(False, time.perf_counter() - started, ttft,
                                  error=f"{type(exc).__name__}: {exc}")
+        error = None if ttft is not None else "stream ended without a token"
+        if error is None and want_ids and not output_ids:
+            error = "no token_ids in the stream: the server ignored return_token_ids"
         return RequestResult(
-            ok=ttft is not None,
+            ok=error is None,
             latency_s=time.perf_counter() - started,
             ttft_s=ttft,
             prompt_tokens=int(usage.get("prompt_tokens", 0)),
             output_tokens=int(usage.get("completion_tokens", 0)),
             fallback=fallback,
-            error=None if ttft is not None else "stream ended without a token",
+            error=error,
+            output_ids=tuple(output_ids),
         )
 
 

@@ -41,7 +41,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: in
 
 
 def _tokens(value: float, measured: bool = True) -> str:
-    return f"{value:.0f}" if measured else "-"
+    return f"{value:.0f}" if measured and not math.isnan(value) else "-"
 
 
 def _ms(seconds: float) -> str:
@@ -57,13 +57,17 @@ def _rate(value: float) -> str:
 
 RUN_HEADERS = ("scenario", "step", "ok", "D-local hit", "D-external hit", "P-local hit",
                "slack blocks", "TTFT mean", "TTFT p99", "req/s")
+# With a colocated reference engine, its local hit goes right after decode's.
+REFERENCE_HEADER = "colocated hit"
 
 
-def _run_row(s: StepResult) -> list[str]:
+def _run_row(s: StepResult, with_reference: bool = False) -> list[str]:
     d, p = s.decode, s.prefill
+    reference = [_tokens(s.reference.cache.hits, s.reference.engines > 0)] if with_reference else []
     return [
         s.scenario, s.step, f"{s.ok}/{s.requests}",
         _tokens(d.cache.hits, d.engines > 0),
+        *reference,
         _tokens(d.cache.external_hits, d.engines > 0),
         _tokens(p.cache.hits, p.engines > 0),
         _tokens(d.slack_blocks_published, d.engines > 0),
@@ -74,12 +78,19 @@ def _run_row(s: StepResult) -> list[str]:
 def format_run(run: RunResult) -> str:
     """The run's title line, its table, and a line per step that had failures or fallbacks."""
     title = run.label + (f", transport in use: {run.transport}" if run.transport else "")
-    lines = [title, format_table(RUN_HEADERS, [_run_row(s) for s in run.steps], left=2)]
+    with_reference = any(s.reference.engines for s in run.steps)
+    headers = list(RUN_HEADERS)
+    if with_reference:
+        headers.insert(headers.index("D-local hit") + 1, REFERENCE_HEADER)
+    lines = [title, format_table(headers, [_run_row(s, with_reference) for s in run.steps], left=2)]
     for s in run.steps:
         if s.failed or s.fallbacks:
             first = f"; first error: {s.errors[0]}" if s.errors else ""
             lines.append(f"! {s.scenario} {s.step}: {s.failed} failed, {s.fallbacks} decode-only "
                          f"fallbacks{first}")
+        if s.reference_same_outputs is not None and s.reference_same_outputs < s.requests:
+            lines.append(f"! {s.scenario} {s.step}: {s.requests - s.reference_same_outputs} of {s.requests} "
+                         "answers differ from the colocated engine's")
     return "\n".join(lines)
 
 
@@ -100,12 +111,15 @@ class ScenarioTotals:
     ttft_mean_s: float
     ttft_p99_s: float
     request_throughput: float
+    # NaN when no step had a colocated reference engine.
+    reference_local_hits: float = math.nan
 
     @classmethod
     def of(cls, scenario: str, steps: Sequence[StepResult]) -> ScenarioTotals:
         ttfts = [t for s in steps for t in s.ttft_s]
         ok = sum(s.ok for s in steps)
         duration = sum(s.duration_s for s in steps)
+        referenced = [s for s in steps if s.reference.engines]
         return cls(
             scenario=scenario,
             requests=sum(s.requests for s in steps),
@@ -116,17 +130,24 @@ class ScenarioTotals:
             ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else math.nan,
             ttft_p99_s=percentile(ttfts, 99),
             request_throughput=ok / duration if duration > 0 else math.nan,
+            reference_local_hits=sum(s.reference.cache.hits for s in referenced) if referenced else math.nan,
         )
 
 
 def _totals(run: RunResult) -> dict[str, ScenarioTotals]:
-    scenarios = list(dict.fromkeys(s.scenario for s in run.steps))
-    return {name: ScenarioTotals.of(name, [s for s in run.steps if s.scenario == name]) for name in scenarios}
+    """Per scenario, and for conversation scenarios also per turn ("multi-turn turn 2")."""
+    groups: dict[str, list[StepResult]] = {}
+    for s in run.steps:
+        groups.setdefault(s.scenario, []).append(s)
+        if s.turn > 0:
+            groups.setdefault(f"{s.scenario} turn {s.turn}", []).append(s)
+    return {name: ScenarioTotals.of(name, steps) for name, steps in groups.items()}
 
 
 # (label, attribute, formatter) of each compared figure, in table order.
 _METRICS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("D-local hit tokens", "decode_local_hits", _tokens),
+    ("colocated hit tokens", "reference_local_hits", _tokens),
     ("D-external hit tokens", "decode_external_hits", _tokens),
     ("P-local hit tokens", "prefill_local_hits", _tokens),
     ("TTFT mean", "ttft_mean_s", _ms),
@@ -152,10 +173,12 @@ class Comparison:
 
 
 def compare(a: RunResult, b: RunResult) -> list[Comparison]:
-    """Every figure of every scenario both runs have, `a` against `b`."""
+    """Every figure of every scenario both runs have, `a` against `b` (figures neither
+    run measured, like the colocated hit without a reference engine, are left out)."""
     mine, theirs = _totals(a), _totals(b)
     return [Comparison(name, attr, getattr(mine[name], attr), getattr(theirs[name], attr))
-            for name in mine if name in theirs for _, attr, _ in _METRICS]
+            for name in mine if name in theirs for _, attr, _ in _METRICS
+            if not (math.isnan(getattr(mine[name], attr)) and math.isnan(getattr(theirs[name], attr)))]
 
 
 def _ratio(value: float) -> str:

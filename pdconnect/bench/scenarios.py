@@ -12,6 +12,11 @@ ids; `pdconnect.bench.loadgen` sends them as ids or renders them as words.
   random suffixes, `num_prefixes * (num_requests // num_prefixes)` requests, shuffled.
 - `SharedPrefixScenario`: sglang's `generated-shared-prefix`: groups of questions behind
   one long system prompt per group.
+- `MultiTurnScenario`: chat conversations that grow turn by turn: each turn's prompt is
+  the previous turn's prompt, its answer (the generated token ids) and a new question;
+  one step per turn, the conversations interleaved inside it. Answers exist only once
+  the previous turn ran, so a turn's step holds only the new questions and the load
+  generator prepends each conversation's history (`Step.turn`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import ClassVar, Protocol
 __all__ = [
     "PrefixRepetitionScenario",
     "ProbeScenario",
+    "MultiTurnScenario",
     "Scenario",
     "SharedPrefixScenario",
     "Step",
@@ -64,6 +70,10 @@ class TokenSource:
     def ids(self, length: int) -> Prompt:
         return tuple(self._rng.randrange(self.low, self.high) for _ in range(length))
 
+    def length(self, center: int, jitter: int) -> int:
+        """A length drawn uniformly from `[center - jitter, center + jitter]` (at least 1)."""
+        return max(1, center + self._rng.randint(-jitter, jitter)) if jitter else center
+
     def fork(self) -> TokenSource:
         """An independent source seeded from this one: deterministic, disjoint in practice."""
         return TokenSource(seed=self._rng.getrandbits(64), low=self.low, high=self.high)
@@ -78,16 +88,24 @@ class Step:
 
     Engine counters are read before and after each step, so a step's hit figures are
     its own; steps of one scenario run one after the other.
+
+    `turn` marks conversation steps: 0 = none; 1 = the opening turn (prompt i starts
+    conversation i); k > 1 = prompt i is only the new question of conversation i, sent
+    after that conversation's previous prompt and answer. Conversation steps keep the
+    answers (generated token ids) for the next turn.
     """
 
     name: str
     prompts: tuple[Prompt, ...]
     output_len: int
     concurrency: int = 1
+    turn: int = 0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.output_len < 1:
             raise ValueError(f"step {self.name!r}: concurrency and output_len must be >= 1")
+        if self.turn < 0:
+            raise ValueError(f"step {self.name!r}: turn must be >= 0")
 
 
 class Scenario(Protocol):
@@ -219,6 +237,49 @@ class SharedPrefixScenario:
         name = (f"{self.groups}x{self.prompts_per_group} sys{self.system_prompt_len}+q{self.question_len} "
                 f"c{self.concurrency} out{self.output_len}")
         return [Step(name, prompts, self.output_len, self.concurrency)]
+
+
+@dataclass(frozen=True)
+class MultiTurnScenario:
+    """Multi-turn chat: conversations growing turn by turn, interleaved.
+
+    Turn 1 of each conversation is its own system prompt plus a question; turn k is
+    turn k-1's prompt, its answer and a new question, so every turn extends a prompt the
+    decode engine has just served (prompt pulled, answer computed there). Questions are
+    `question_len` tokens, +/- `question_len_jitter` (seeded): longer than a block by
+    default, as real questions are. Within a turn the conversations go in order, at most
+    `concurrency` at once; one step per turn, so each turn's hits are its own.
+    """
+
+    name: ClassVar[str] = "multi-turn"
+    conversations: int = 4
+    turns: int = 4
+    system_prompt_len: int = 512
+    question_len: int = 200
+    question_len_jitter: int = 0
+    output_len: int = 32
+    concurrency: int = 1
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "conversations", "turns", "system_prompt_len", "question_len", "output_len",
+                        "concurrency")
+        if not 0 <= self.question_len_jitter < self.question_len:
+            raise ValueError(f"MultiTurnScenario.question_len_jitter must be in [0, question_len), "
+                             f"got {self.question_len_jitter}")
+
+    def prompt_len(self) -> int:
+        return self.system_prompt_len + self.question_len
+
+    def steps(self, tokens: TokenSource) -> list[Step]:
+        def question() -> Prompt:
+            return tokens.ids(tokens.length(self.question_len, self.question_len_jitter))
+
+        openings = tuple(tokens.ids(self.system_prompt_len) + question() for _ in range(self.conversations))
+        steps = [Step("turn 1", openings, self.output_len, self.concurrency, turn=1)]
+        for turn in range(2, self.turns + 1):
+            questions = tuple(question() for _ in range(self.conversations))
+            steps.append(Step(f"turn {turn}", questions, self.output_len, self.concurrency, turn=turn))
+        return steps
 
 
 def warmup_step(tokens: TokenSource, count: int, prompt_len: int, output_len: int = 2) -> Step:
