@@ -600,6 +600,23 @@ def test_router_finds_the_engines_through_rendered_services(render_of, target: s
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_kv_aware_router_listens_where_every_engine_publishes_its_kv_events(render_of, target: str) -> None:
+    """The router subscribes to <pod IP>:--kv-events-port (and replays from the replay
+    port); each engine must publish exactly there, on declared container ports."""
+    render = render_of(target)
+    config = router_config(render)
+    assert config.policy == "kv-aware"
+    for component, workload in render.engines().items():
+        container = _container(workload)
+        events = json.loads(one_flag(expanded_argv(render, workload, container), "--kv-events-config"))
+        assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+        for key, port in (("endpoint", config.kv_events_port), ("replay_endpoint", config.kv_events_replay_port)):
+            assert events[key] == f"tcp://*:{port}", f"{component}: {key} {events[key]}"
+        assert container_port(container, "kv-events") == config.kv_events_port
+        assert container_port(container, "kv-replay") == config.kv_events_replay_port
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_router_service_reaches_the_router_port(render_of, target: str) -> None:
     render = render_of(target)
     router = render.router()
