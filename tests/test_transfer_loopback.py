@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 from pdconnect.kvlayout import TensorLayout, pull_ranges
 from pdconnect.transfer import (
-    TRANSPORT_KINDS, PeerInfo, Transfer, TransferError, TransferState, Transport, coalesce,
-    create_transport,
+    TRANSPORT_KINDS, PeerInfo, RangeTable, Transfer, TransferError, TransferState, Transport,
+    coalesce, create_transport,
 )
 from pdconnect.transfer._host import rdma_devices
 from pdconnect.transfer.base import METADATA_VERSION
@@ -149,6 +150,11 @@ def test_pull_refuses_ranges_outside_registered_memory(shared: Decode) -> None:
         shared.transport.pull(PEER, [(local, remote - 16, 16)], timeout=1)
     with pytest.raises(TransferError, match="'nobody': not connected"):
         shared.transport.pull("nobody", [(local, remote, 16)], timeout=1)
+    with pytest.raises(TransferError, match="negative length -16"):
+        shared.transport.pull(PEER, [(local + 64, remote, 16), (local + 32, remote, -16)],
+                              timeout=1)
+    with pytest.raises(TransferError, match="negative length -16"):
+        shared.transport.pull(PEER, RangeTable(np.array([[local + 32, remote, -16]])), timeout=1)
     # The numpy-backed ranges kvlayout returns are checked just the same, range by range.
     inside = [(local + 64 * i, remote + 64 * i, 32) for i in range(100)]
     with pytest.raises(TransferError, match=f"local range \\[{local + POOL_BYTES - 8:#x}, "):

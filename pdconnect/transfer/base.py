@@ -538,12 +538,18 @@ class Transport(ABC, Generic[PeerHandle]):
             return target
         if isinstance(ranges, RangeTable):
             table = ranges.table
+            shortest = int(table[:, 2].min())
             bad_local = self._local.first_outside_table(table[:, 0], table[:, 2])
             bad_remote = target.regions.first_outside_table(table[:, 1], table[:, 2])
         else:
             locals_, remotes, lengths = zip(*ranges)
+            shortest = min(lengths)
             bad_local = self._local.first_outside(locals_, lengths)
             bad_remote = target.regions.first_outside(remotes, lengths)
+        # A negative length would pass the extent checks below and reach the library as
+        # a huge unsigned size.
+        if shortest < 0:
+            raise TransferError(f"pull from {peer!r}: a range has negative length {shortest}")
         if bad := bad_local:
             raise TransferError(f"pull from {peer!r}: local range [{bad[0]:#x}, +{bad[1]}) is "
                                 "not inside memory registered with this transport")
