@@ -4,6 +4,8 @@ pdconnect's mirror structs; hybrid hits need every group."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -81,8 +83,20 @@ def test_a_store_whose_parent_was_never_seen_is_not_indexed() -> None:
 
 # --- the kv-aware policy end to end: FAKE engines, a FAKE publisher with vLLM's classes ------
 
+def _word_tokenizer(path: str) -> str:
+    """A WordLevel tokenizer where word `w<i>` is token id i (what the engines would use)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(200)} | {"[UNK]": 200}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(path)
+    return path
+
+
 @pytest.mark.asyncio
-async def test_kv_aware_routes_to_the_engine_that_really_caches_the_prompt_and_to_affinity_before() -> None:
+@pytest.mark.parametrize("prompt_kind", ["token-ids", "text-with-tokenizer"])
+async def test_kv_aware_routes_to_the_engine_that_really_caches_the_prompt_and_to_affinity_before(
+        prompt_kind: str, tmp_path: Any) -> None:
     import asyncio
 
     import aiohttp
@@ -100,8 +114,10 @@ async def test_kv_aware_routes_to_the_engine_that_really_caches_the_prompt_and_t
         endpoints[url] = [f"tcp://127.0.0.1:{port}"]
     router = await start_router(load_config({
         "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
-        "policy": "kv-aware", "kv_events_endpoints": endpoints}))
-    body = {"model": "fake-model", "prompt": TOKENS, "max_tokens": 2}
+        "policy": "kv-aware", "kv_events_endpoints": endpoints,
+        **({"tokenizer": _word_tokenizer(str(tmp_path / "tokenizer.json"))} if prompt_kind != "token-ids" else {})}))
+    prompt: Any = TOKENS if prompt_kind == "token-ids" else " ".join(f"w{t}" for t in TOKENS)
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 2}
     try:
         async with aiohttp.ClientSession() as http, asyncio.timeout(15):
             async def decode_engine() -> str:
