@@ -168,7 +168,9 @@ class _Geometry:
 
 
 def _geometry(layout: TensorLayout) -> _Geometry:
-    return _geometry_of(layout.shape, layout.strides, layout.itemsize, layout.block_dim)
+    # tuple(): a layout built by hand may hold lists, which the memo cannot key on.
+    return _geometry_of(tuple(layout.shape), tuple(layout.strides), layout.itemsize,
+                        layout.block_dim)
 
 
 # Memoized: a pure function of immutable values, and every layer of a model shares a few
@@ -301,8 +303,9 @@ def _broadcast(np: Any, key: tuple[TensorLayout, TensorLayout], bases: list[tupl
 def _pieces(local: TensorLayout, remote: TensorLayout) -> tuple[Any, Any, Any]:
     """`_matching_pieces` of two layouts as int64 arrays (local offsets, remote offsets,
     lengths), memoized on their geometries."""
-    return _pieces_of(local.shape, local.strides, local.itemsize, local.block_dim,
-                      remote.shape, remote.strides, remote.itemsize, remote.block_dim)
+    return _pieces_of(tuple(local.shape), tuple(local.strides), local.itemsize, local.block_dim,
+                      tuple(remote.shape), tuple(remote.strides), remote.itemsize,
+                      remote.block_dim)
 
 
 # Memoized like `_geometry_of`, for the same reason; the arrays are read-only because
