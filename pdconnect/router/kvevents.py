@@ -80,12 +80,13 @@ class KVEventsFeed:
         if sub is not None and sub.task is not None:
             sub.task.cancel()
 
-    def hit_tokens(self, url: str, tokens: Sequence[int]) -> int | None:
-        """Prefix tokens the engine caches for `tokens`; None while its index is not fresh."""
+    def hit_tokens(self, url: str, tokens: Sequence[int], keys: dict[int, list[int]] | None = None) -> int | None:
+        """Prefix tokens the engine caches for `tokens`; None while its index is not fresh.
+        Pass the same `keys` dict for every engine of one request: chain keys are computed once."""
         sub = self._subs.get(url)
         if sub is None or not sub.fresh:
             return None
-        return sub.index.hit_tokens(tokens)
+        return sub.index.hit_tokens(tokens, keys)
 
     async def close(self) -> None:
         tasks = [s.task for s in self._subs.values() if s.task is not None]

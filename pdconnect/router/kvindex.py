@@ -155,12 +155,17 @@ class EngineKVIndex:
             else:
                 self.groups.clear()
 
-    def hit_tokens(self, tokens: Sequence[int]) -> int:
-        """The longest prefix of `tokens` every group can serve (0 before any event)."""
+    def hit_tokens(self, tokens: Sequence[int], keys: dict[int, list[int]] | None = None) -> int:
+        """The longest prefix of `tokens` every group can serve (0 before any event).
+        `keys` caches chain keys by block size across engines (one request, many engines)."""
         if not self.groups:
             return 0
         step = math.lcm(*(g.block_size for g in self.groups.values()))
-        keys = {size: chain_keys(tokens, size) for size in {g.block_size for g in self.groups.values()}}
+        if keys is None:
+            keys = {}
+        for size in {g.block_size for g in self.groups.values()}:
+            if size not in keys:
+                keys[size] = chain_keys(tokens, size)
         # Full-attention groups bound the hit from above: their hit is a prefix run.
         limit = len(tokens) // step * step
         for group in self.groups.values():

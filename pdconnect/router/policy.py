@@ -194,7 +194,7 @@ class PrefixAffinity:
 
 
 class HitSource(Protocol):
-    def hit_tokens(self, url: str, tokens: Sequence[int]) -> int | None: ...
+    def hit_tokens(self, url: str, tokens: Sequence[int], keys: dict[int, list[int]] | None = None) -> int | None: ...
 
 
 class KvAware:
@@ -213,10 +213,11 @@ class KvAware:
             return ranked
         bound = self._affinity.bound(ranked)
         best, best_hit = None, 0
+        keys: dict[int, list[int]] = {}  # the prompt's chain keys, shared by every engine
         for engine in ranked:  # affinity order: ties keep the affinity choice
             if engine.in_flight >= bound:
                 continue
-            hit = self._hits.hit_tokens(engine.url, tokens) or 0
+            hit = self._hits.hit_tokens(engine.url, tokens, keys) or 0
             if hit > best_hit:
                 best, best_hit = engine, hit
         if best is None:
