@@ -92,3 +92,24 @@ def test_router_serves_prefill_then_decode_on_uvloop() -> None:
             await router.close()
             await fakes.close()
     uvloop.run(scenario())
+
+
+def test_a_pooled_connection_the_engine_closed_while_idle_is_not_reused() -> None:
+    async def scenario() -> None:
+        engine = FakeEngine(chunks=2)
+        await engine.start()
+        port = int(engine.url.rsplit(":", 1)[1])
+        pool = UpstreamPool(1.0)
+        try:
+            assert (await _exchange(pool, engine, {"prompt": "a b"}))[0] == 200
+            await engine.close()  # the engine restarts: its side of the idle connection closes
+            engine = FakeEngine(chunks=2)
+            await engine.start(port=port)
+            async with asyncio.timeout(HANG):  # the close reaches the loop, as it would while idle
+                while any(p._idle for p in pool._pools.values()):
+                    await asyncio.sleep(0.01)
+            assert (await _exchange(pool, engine, {"prompt": "a b"}))[0] == 200
+        finally:
+            pool.close()
+            await engine.close()
+    _run_on_both_loops(scenario)
