@@ -17,12 +17,13 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 # Stage 2: vLLM's own image, our wheel on top.
 FROM vllm/vllm-openai:v0.33.0
 ARG PDCONNECT_VERSION=0.1.0
-# RDMA user space for Mooncake and UCX: the verbs library and the NIC providers (mlx5 on
-# H20 nodes). The Ubuntu release of the vLLM base image fixes their versions, so the
-# base tag is the pin.
+# What Mooncake's engine.so links besides CUDA (readelf -d on the 0.3.13.post1 wheel):
+# the verbs library and the NIC providers (libmlx5 on H20 nodes; UCX uses them too),
+# libnuma and libcurl. The Ubuntu release of the vLLM base image fixes their versions,
+# so the base tag is the pin.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers \
+    && apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers libnuma1 libcurl4 \
     && rm -rf /var/lib/apt/lists/*
 COPY deploy/images/constraints-gpu.txt /tmp/constraints-gpu.txt
 COPY --from=wheel /wheels /tmp/wheels
