@@ -26,10 +26,14 @@ RUN pip install --no-cache-dir pip==25.3 \
 
 # Stage 2: the runtime, without build inputs.
 FROM python-base
-# Mooncake's wheel links libibverbs; the recommended providers break NIXL without an
-# InfiniBand NIC (ENV.md), hence no recommends.
+# What Mooncake's engine.so links that the slim base lacks (readelf -d): libibverbs,
+# libnuma and libcurl. No recommends: the verbs providers break NIXL without an
+# InfiniBand NIC (ENV.md). Pinned to bookworm's versions, except libcurl4: Debian
+# replaces it with each security update and drops the old version, so an exact pin
+# would stop the build; the digest-pinned base fixes the release.
+# hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends libibverbs1=44.0-2 \
+    && apt-get install -y --no-install-recommends libibverbs1=44.0-2 libnuma1=2.0.16-1 libcurl4 \
     && rm -rf /var/lib/apt/lists/*
 # The pod runs as UID/GID 10001 (cpu-smoke's securityContext); HOME is its writable volume.
 RUN groupadd --gid 10001 vllm \
