@@ -1,0 +1,128 @@
+"""One pull per prefix on decode: siblings arriving together wait for the first load, then hit locally.
+
+Real vLLM Schedulers (prefill in its own process), real Mooncake, the DeepSeek-V4-like
+geometry. The reference is a colocated engine (no remote params: an ordinary vLLM
+engine) serving the same siblings one after another: each follower must hit locally
+what a serial sibling hits there, and pull only the rest.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from connectors.kvsim import random_tokens
+from tests.pd_harness import RemoteEngine, SimEngine
+
+pytestmark = pytest.mark.transport
+
+BASE = {
+    "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0, "secret": "coalesce",
+    "lease_seconds": 20.0, "heartbeat_seconds": 1.0, "handshake_timeout_seconds": 5.0,
+    "transfer_timeout_seconds": 10.0,
+}
+X_LEN, SUFFIX, SIBLINGS = 5131, 16, 4
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    engine = RemoteEngine(role="kv_producer", extra=BASE, engine_id="prefill-c", max_num_batched_tokens=2048)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def decode():
+    engine = SimEngine(role="kv_consumer", extra=BASE, engine_id="decode-c")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def decode_uncoalesced():
+    engine = SimEngine(role="kv_consumer", extra={**BASE, "coalesce": False}, engine_id="decode-nc")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    """One engine doing prefill and decode itself: the reference for local hits."""
+    engine = SimEngine(role="kv_both", extra=BASE, engine_id="colocated-c")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def clean(prefill, decode, decode_uncoalesced, colocated):
+    yield
+    for engine in (decode, decode_uncoalesced, colocated):
+        engine.drain()
+    prefill.wait_idle(timeout=15)
+    assert prefill.call("free_blocks") == prefill.start_free_blocks
+    for engine in (decode, decode_uncoalesced, colocated):
+        assert engine.free_blocks() == engine.start_free_blocks, engine.engine_id
+
+
+def _siblings(seed: int, suffix: int = SUFFIX) -> list[list[int]]:
+    x = random_tokens(X_LEN, seed)
+    return [x + random_tokens(suffix, seed * 100 + i) for i in range(SIBLINGS)]
+
+
+def _colocated_hits(colocated: SimEngine, siblings: list[list[int]], tag: str) -> list[int]:
+    hits = []
+    for i, tokens in enumerate(siblings):
+        colocated.add(f"{tag}-{i}", tokens)
+        hits.append(colocated.result(f"{tag}-{i}").local_cached_tokens)
+    return hits
+
+
+def _arrive_together(prefill: RemoteEngine, decode: SimEngine, siblings: list[list[int]], tag: str) -> list:
+    params = [prefill.prefill(f"{tag}-{i}", tokens).kv_transfer_params for i, tokens in enumerate(siblings)]
+    for i, (tokens, plan) in enumerate(zip(siblings, params)):
+        decode.add(f"{tag}-{i}", tokens, plan)
+    return [decode.result(f"{tag}-{i}") for i in range(len(siblings))]
+
+
+def test_concurrent_siblings_pull_the_prefix_once_and_hit_like_serial_siblings(prefill, decode, colocated, clean):
+    siblings = _siblings(seed=21)
+    reference = _colocated_hits(colocated, siblings, "ref21")
+    assert reference[0] == 0 and reference[1] > 0
+
+    leader, *followers = _arrive_together(prefill, decode, siblings, "c21")
+
+    assert leader.local_cached_tokens == 0 and leader.external_cached_tokens == len(siblings[0])
+    for i, follower in enumerate(followers, start=1):
+        assert follower.finish_reason == "length"
+        assert follower.local_cached_tokens == reference[1], i  # what a serial sibling hits
+        assert follower.external_cached_tokens == len(siblings[i]) - reference[1]
+    pulled = sum(done.external_cached_tokens for done in (leader, *followers))
+    print(f"[coalescing] reference hits {reference}; decode hits "
+          f"{[d.local_cached_tokens for d in (leader, *followers)]}; pulled {pulled} tokens "
+          f"(one prefix + suffixes = {X_LEN + SIBLINGS * SUFFIX})")
+    assert decode.counter("coalesced_waits") >= SIBLINGS - 1
+
+
+def test_without_coalescing_every_concurrent_sibling_pulls_everything(prefill, decode_uncoalesced, clean):
+    siblings = _siblings(seed=22)
+
+    results = _arrive_together(prefill, decode_uncoalesced, siblings, "c22")
+
+    assert [done.local_cached_tokens for done in results] == [0] * SIBLINGS
+    assert sum(done.external_cached_tokens for done in results) == sum(map(len, siblings))
+
+
+def test_an_aborted_leader_lets_its_follower_pull_by_itself(prefill, decode, clean):
+    siblings = _siblings(seed=23)
+    params = [prefill.prefill(f"c23-{i}", tokens).kv_transfer_params for i, tokens in enumerate(siblings[:2])]
+
+    decode.add("c23-0", siblings[0], params[0])
+    decode.run_until(lambda: decode.status("c23-0") == "WAITING_FOR_REMOTE_KVS")
+    decode.add("c23-1", siblings[1], params[1])
+    decode.step()  # the follower starts waiting for the leader's load
+    assert decode.status("c23-1") == "WAITING"
+    decode.abort("c23-0")
+    follower = decode.result("c23-1")
+
+    assert follower.finish_reason == "length"
+    assert follower.local_cached_tokens == 0
+    assert follower.external_cached_tokens == len(siblings[1])  # pulled by itself
