@@ -36,7 +36,15 @@ from pdconnect.config import ConnectorSettings
 from pdconnect.kvlayout import LayoutError, TensorLayout, locate_block_dim, pull_ranges_for_layers
 from pdconnect.protocol import Ack, Claim, Handshake, HandshakeReply
 from pdconnect.sidechannel import SideChannelClient, SideChannelError
-from pdconnect.transfer import MemoryRegion, Transfer, TransferError, TransferState, Transport, coalesce, create_transport
+from pdconnect.transfer import (
+    MemoryRegion,
+    Transfer,
+    TransferError,
+    TransferState,
+    Transport,
+    coalesce_groups,
+    create_transport,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -118,6 +126,7 @@ class PDWorker:
             protocol=self.settings.protocol,
             device_name=self.settings.device_name,
             require_rdma=self.settings.require_rdma,
+            nixl_progress_delay_us=self.settings.nixl_progress_delay_us,
         )
         self._transport.register([MemoryRegion(addr, length) for addr, length in sorted(regions)])
         self.stats = StatsRecorder(f"{self._transport.name}/{self._transport.effective_protocol}")
@@ -158,16 +167,18 @@ class PDWorker:
     def _submit(self, spec: PullSpec) -> tuple[Transfer, int, float]:
         assert self._transport is not None
         remote = self._remote(spec)
-        ranges = []
+        parts = []
         for group_id, pairs in spec.block_pairs.items():
             try:
-                ranges.extend(pull_ranges_for_layers(self._layouts[group_id], remote.layouts[group_id], pairs))
+                parts.append(pull_ranges_for_layers(self._layouts[group_id], remote.layouts[group_id], pairs,
+                                                    coalesced=False))
             except LayoutError as exc:
                 raise LoadError(f"group {group_id}: {exc}") from None
-        ranges = coalesce(ranges)
+        # One coalescing pass over every group's numpy table: no per-range tuples.
+        ranges = coalesce_groups(parts)
         posted = time.monotonic()  # after the handshake: the metric times the transfer alone
         transfer = self._transport.pull(remote.peer, ranges, timeout=self.settings.transfer_timeout_seconds)
-        return transfer, sum(length for _, _, length in ranges), posted
+        return transfer, ranges.total_bytes, posted
 
     def _remote(self, spec: PullSpec) -> _Remote:
         key = (spec.remote_engine_id, spec.side_channel)
