@@ -292,6 +292,10 @@ class Consumer:
                 continue
             cached = plan_request(self.rules, load.request.num_prompt_tokens,
                                   replay_slack=self.settings.replay_slack).decode_cached_blocks()
+            for transfer in load.plan.groups:
+                # The slack the leader receives includes the runs at its prefill-side
+                # junction, which only the prefill engine could plan: it is published too.
+                cached.setdefault(transfer.group, set()).update(transfer.slack)
             hit = self.rules.lookup_hit(cached, shared, request.num_tokens)
             if hit > best_hit:
                 best, best_hit = leader_id, hit
