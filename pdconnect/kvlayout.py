@@ -4,16 +4,21 @@ vLLM registers one KV cache tensor per layer, and where a block's bytes live dep
 the attention backend: the CPU backend packs a block into one range
 (`[num_blocks, kv_heads, block_size, 2*head_size]`), flash-attn splits it into a K and
 a V range (`[2, num_blocks, block_size, kv_heads, head_size]`), FlashInfer keeps it whole
-(`[num_blocks, 2, ...]`), the HND permutations reorder the strides, MLA has no K/V split.
-Rather than a table of backends, `TensorLayout` describes any strided tensor and derives
-a block's segments from its shape and strides, so a new backend needs no code here.
+(`[num_blocks, 2, ...]`), the HND permutations reorder the strides, MLA has no K/V split,
+and vLLM 0.33's layer-interleaved layouts (`VLLM_KV_CACHE_LAYOUT=BHLNC`: one buffer per
+group, `[blocks, heads, layers, tokens, content]` in memory) leave each head's share of a
+layer's block between the other layers' shares. Rather than a table of backends,
+`TensorLayout` describes any strided tensor and derives a block's segments from its shape
+and strides, so a new backend needs no code here.
 
-Terms: the *block dim* indexes blocks; dims whose stride is larger than the block dim's
-are *outer* (each index of them is a separate segment of a block); dims with smaller
-strides are *inner* and must form one contiguous run (a segment). A block's *packed
-bytes* are its segments concatenated in memory order; two layouts are compatible when
-every element of a block sits at the same packed offset in both, whatever the segment
-boundaries.
+Terms: the *block dim* indexes blocks. A *segment* is the largest contiguous run of a
+block: the innermost dims (smallest strides) as long as each stride is the product of the
+sizes inside it. Every other dim is *outer*: each index of it is a separate segment —
+dims with a stride above the block dim's (flash-attn's K/V plane) and dims inside a block
+whose next run is not adjacent (BHLNC's heads, with the other layers in between) alike.
+A block's *packed bytes* are its segments concatenated in memory order; two layouts are
+compatible when every element of a block sits at the same packed offset in both,
+whatever the segment boundaries.
 
 Speed: a pull of thousands of blocks over dozens of layers is computed per request on
 the decode engine's transport thread, so the arithmetic is done once per layout (the
@@ -189,26 +194,26 @@ def _geometry_of(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int
                           "sizes must be positive and strides non-negative")
     _check_no_overlap(shape, strides)
     # Dims of size 1 have arbitrary strides and address nothing; leave them out.
-    dims = [d for d in range(len(shape)) if d != block_dim and shape[d] > 1]
+    dims = sorted((d for d in range(len(shape)) if d != block_dim and shape[d] > 1),
+                  key=lambda d: -strides[d])
     block_stride = strides[block_dim]
-    inner = sorted((d for d in dims if strides[d] < block_stride), key=lambda d: -strides[d])
-    outer = sorted((d for d in dims if strides[d] > block_stride), key=lambda d: -strides[d])
-    # Contiguity of the inner dims: from the innermost out, each stride is the product of
-    # the sizes inside it.
+    # The segment: from the innermost dim out, while each stride is the product of the
+    # sizes inside it. What stops the run may lie inside the block (BHLNC: a head's next
+    # run belongs to another layer) or outside it (flash-attn's K/V plane); either way
+    # each index of the remaining dims is a separate segment. No overlap (checked above)
+    # keeps the block dim itself out of the run whenever it has more than one block.
     segment_elems = 1
-    for d in reversed(inner):
-        if strides[d] != segment_elems:
-            raise LayoutError(
-                f"the part of a block inside dim {block_dim} is not contiguous: dim {d} has "
-                f"stride {strides[d]}, contiguity needs {segment_elems} (shape {shape}, "
-                f"strides {strides})"
-            )
-        segment_elems *= shape[d]
+    split = len(dims)
+    while split and strides[dims[split - 1]] == segment_elems:
+        split -= 1
+        segment_elems *= shape[dims[split]]
+    inner, outer = dims[split:], dims[:split]  # both by decreasing stride
     segments = math.prod(shape[d] for d in outer)
     if segments > _MAX_SEGMENTS_PER_BLOCK:
         raise LayoutError(
             f"block_dim {block_dim} of shape {shape}, strides {strides} would cut each block "
-            f"into {segments} segments: is it really the block dim?"
+            f"into {segments} segments of {segment_elems} elements (more than "
+            f"{_MAX_SEGMENTS_PER_BLOCK}): is it really the block dim?"
         )
     offsets = tuple(
         sum(i * strides[d] for i, d in zip(index, outer)) * itemsize

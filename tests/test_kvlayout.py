@@ -49,6 +49,21 @@ def _flash_attn_blocks_outermost(num_blocks: int) -> torch.Tensor:
     return torch.empty(num_blocks, 2, HEADS, BLOCK, HEAD).permute(1, 0, 3, 2, 4)
 
 
+LAYERS = 3  # layers sharing one allocation in vLLM 0.33's layer-interleaved layouts
+
+
+def _bhlnc_all_layers(num_blocks: int) -> torch.Tensor:
+    """vLLM 0.33's BHLNC cache (VLLM_KV_CACHE_LAYOUT=BHLNC) for one group: `[B, H, L, N, C]`
+    in memory, K and V packed in C."""
+    return torch.empty(num_blocks, HEADS, LAYERS, BLOCK, 2 * HEAD)
+
+
+def _bhlnc(num_blocks: int, layer: int = 1) -> torch.Tensor:
+    # One layer's [B, H, N, C] view, as vLLM registers it: each head's share of a block
+    # lies between the other layers' shares, so a block is one segment per head.
+    return _bhlnc_all_layers(num_blocks)[:, :, layer]
+
+
 def _mla(num_blocks: int) -> torch.Tensor:
     return torch.empty(num_blocks, BLOCK, 4 * HEAD)
 
@@ -60,6 +75,7 @@ CUDA_LAYOUTS: dict[str, tuple[Callable[[int], torch.Tensor], int]] = {
     "flashinfer_hnd": (_flashinfer_hnd, 1),
     "flash_attn_blocks_outermost": (_flash_attn_blocks_outermost, 1),
     "mla": (_mla, 1),
+    "bhlnc": (_bhlnc, HEADS),
 }
 
 
@@ -71,12 +87,14 @@ def _layout(make: Callable[[int], torch.Tensor], num_blocks: int = NUM_BLOCKS) -
     return tensor, TensorLayout.of(tensor, block_dim=block_dim)
 
 
-def _element_indices(layout: TensorLayout, segments: list[tuple[int, int]]) -> list[int]:
-    """Storage element indices covered by byte segments."""
+def _element_indices(storage_addr: int, itemsize: int,
+                     segments: list[tuple[int, int]]) -> list[int]:
+    """Storage element indices covered by byte segments (counted from the storage's
+    start, not the view's: a layer's view of a shared buffer starts inside it)."""
     indices: list[int] = []
     for addr, length in segments:
-        first = (addr - layout.base_addr) // layout.itemsize
-        indices.extend(range(first, first + length // layout.itemsize))
+        first = (addr - storage_addr) // itemsize
+        indices.extend(range(first, first + length // itemsize))
     return indices
 
 
@@ -100,12 +118,12 @@ def test_block_segments_cover_exactly_the_block_cuda_layout_on_cpu_tensor(name: 
     # Each element holds its own storage index, so a block's elements name the exact
     # memory the block occupies.
     storage = torch.arange(tensor.untyped_storage().nbytes() // 4, dtype=torch.int32)
-    tensor = storage.as_strided(tensor.shape, tensor.stride())
+    tensor = storage.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
     layout = TensorLayout.of(tensor, block_dim=layout.block_dim)
     assert layout.segments_per_block == segments_per_block
     for block in range(NUM_BLOCKS):
         segments = layout.block_segments(block)
-        covered = _element_indices(layout, segments)
+        covered = _element_indices(tensor.untyped_storage().data_ptr(), layout.itemsize, segments)
         expected = tensor.select(layout.block_dim, block).flatten().tolist()
         assert sorted(covered) == sorted(expected)
         assert len(covered) == len(set(covered))  # no byte pulled twice
@@ -131,6 +149,59 @@ def test_pull_ranges_move_blocks_between_backends_cuda_layout_on_cpu_tensor(
                            remote.select(remote_layout.block_dim, remote_block))
     untouched = local.select(local_layout.block_dim, 2)
     assert not untouched.any()
+
+
+@pytest.mark.parametrize("local_name,remote_name", [
+    ("bhlnc", "bhlnc"), ("bhlnc", "lbhnc"), ("lbhnc", "bhlnc"),
+])
+def test_pull_ranges_move_interleaved_layer_blocks_cuda_layout_on_cpu_tensor(
+        local_name: str, remote_name: str) -> None:
+    """vLLM 0.33's BHLNC against itself and against the layer-compact LBHNC (the CPU
+    backend's `[blocks, heads, tokens, 2*head]` per layer), every layer of a group.
+
+    Checked element by element on the tensors themselves (`select` over each layer's
+    view), not through the layouts: every pulled block equals its source in every
+    layer, and nothing else in either buffer changes — neither blocks outside the pairs
+    nor, when only one layer is pulled, the other layers' slices between its heads.
+    """
+    def layer_views(name: str, num_blocks: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if name == "bhlnc":
+            whole = _bhlnc_all_layers(num_blocks)
+            return whole, [whole[:, :, layer] for layer in range(LAYERS)]
+        whole = torch.empty(LAYERS, num_blocks, HEADS, BLOCK, 2 * HEAD)  # [L, B, H, N, C]
+        return whole, list(whole.unbind(0))
+
+    local_whole, local = layer_views(local_name, NUM_BLOCKS)
+    remote_whole, remote = layer_views(remote_name, NUM_BLOCKS + 2)
+    remote_whole.copy_(torch.randn(remote_whole.shape))
+    remote_before = remote_whole.clone()
+    local_layouts = [TensorLayout.of(view, block_dim=0) for view in local]
+    remote_layouts = [TensorLayout.of(view, block_dim=0) for view in remote]
+    pairs = [(0, 3), (1, 4), (4, 0), (5, 7)]
+    for only in (None, 1):
+        local_whole.zero_()
+        layers = range(LAYERS) if only is None else [only]
+        ranges = pull_ranges_for_layers([local_layouts[i] for i in layers],
+                                        [remote_layouts[i] for i in layers], pairs)
+        for local_addr, remote_addr, length in ranges:
+            ctypes.memmove(local_addr, remote_addr, length)
+        for layer in range(LAYERS):
+            for block in range(NUM_BLOCKS):
+                source = dict(pairs).get(block)
+                if layer in layers and source is not None:
+                    assert torch.equal(local[layer][block], remote[layer][source])
+                else:
+                    assert not local[layer][block].any(), (layer, block)
+        assert torch.equal(remote_whole, remote_before)
+
+
+def test_interleaved_layout_against_another_element_order_is_refused() -> None:
+    # BHLNC's heads are outside its tokens; LBNHC ([L, B, N, H, C]) has tokens outside
+    # heads: a byte copy between them would scramble heads.
+    _, bhlnc = _layout(_bhlnc)
+    lbnhc = torch.empty(LAYERS, NUM_BLOCKS, BLOCK, HEADS, 2 * HEAD).permute(0, 1, 3, 2, 4)[1]
+    with pytest.raises(LayoutError, match="element order inside a block differs"):
+        pull_ranges(bhlnc, TensorLayout.of(lbnhc, block_dim=0), [(0, 0)])
 
 
 def test_pull_ranges_coalesce_runs_of_blocks_per_kv_plane_cuda_layout_on_cpu_tensor() -> None:
@@ -164,11 +235,28 @@ def test_incompatible_layouts_are_refused_naming_the_mismatch() -> None:
         pull_ranges(cpu, cpu, [(0, 6)])
 
 
-def test_block_with_non_contiguous_inside_is_refused() -> None:
-    # Half of the last dim: rows inside a block have gaps, so no segment is contiguous.
-    tensor = torch.empty(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)[..., :HEAD]
-    with pytest.raises(LayoutError, match="not contiguous: dim 2 has stride 16, contiguity needs"):
-        TensorLayout.of(tensor, block_dim=0)
+def test_block_with_gaps_inside_is_one_segment_per_contiguous_run() -> None:
+    """A view whose rows have gaps (only K of the CPU backend's packed K|V): each row of
+    each head is its own segment, the gaps (V) are neither addressed nor pulled.
+
+    The same rule as BHLNC's heads: what stops the contiguous run inside a block makes
+    more segments, it is not refused (it was before vLLM 0.33's interleaved layouts).
+    """
+    whole = torch.arange(NUM_BLOCKS * HEADS * BLOCK * 2 * HEAD, dtype=torch.float32).reshape(
+        NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
+    keys = whole[..., :HEAD]
+    layout = TensorLayout.of(keys, block_dim=0)
+    assert layout.segments_per_block == HEADS * BLOCK
+    assert layout.bytes_per_block == HEADS * BLOCK * HEAD * 4
+    for block in range(NUM_BLOCKS):
+        covered = _element_indices(whole.data_ptr(), 4, layout.block_segments(block))
+        assert covered == keys[block].flatten().long().tolist()  # memory order, K only
+    other = torch.zeros_like(whole)
+    for local_addr, remote_addr, length in pull_ranges(
+            TensorLayout.of(other[..., :HEAD], block_dim=0), layout, [(1, 2)]):
+        ctypes.memmove(local_addr, remote_addr, length)
+    assert torch.equal(other[1, ..., :HEAD], keys[2])
+    assert not other[1, ..., HEAD:].any() and not other[[0, *range(2, NUM_BLOCKS)]].any()
 
 
 def test_overlapping_strides_are_refused() -> None:
@@ -185,9 +273,9 @@ def test_block_dim_is_located_only_when_unambiguous() -> None:
 def test_layout_travels_as_msgspec_and_is_validated_on_arrival() -> None:
     _, layout = _layout(_flash_attn_hnd)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(layout), type=TensorLayout) == layout
-    broken = msgspec.msgpack.encode({"base_addr": 1, "shape": [4, 8], "strides": [16, 2],
+    broken = msgspec.msgpack.encode({"base_addr": 1, "shape": [4, 8], "strides": [4, 1],
                                      "itemsize": 2, "block_dim": 0})
-    with pytest.raises(msgspec.ValidationError, match="not contiguous"):
+    with pytest.raises(msgspec.ValidationError, match="overlaps itself"):
         msgspec.msgpack.decode(broken, type=TensorLayout)
 
 

@@ -3,8 +3,8 @@
 `kvlayout` derives byte ranges from cached geometry with numpy broadcasting, and
 `coalesce` merges them vectorized; both are checked here against plain element-by-element
 and range-by-range Python written for this test, on several layouts (CPU, flash-attn NHD
-and HND, FlashInfer, MLA, mixed layers), so a fast path that drifts from the meaning of
-a layout fails loudly. No transport and no torch: layouts are described by hand.
+and HND, FlashInfer, MLA, vLLM 0.33's layer-interleaved BHLNC, mixed layers), so a fast
+path that drifts from the meaning of a layout fails loudly. No transport and no torch: layouts are described by hand.
 """
 
 from __future__ import annotations
@@ -41,6 +41,23 @@ def _permuted(base: int, shape: tuple[int, ...], order: tuple[int, ...], itemsiz
                         itemsize, block_dim)
 
 
+LAYERS = 3  # layers sharing one allocation in the interleaved layouts
+
+
+def _bhlnc(base: int, n: int, layer: int = 0) -> TensorLayout:
+    """Layer `layer`'s `[B, H, N, C]` view of vLLM 0.33's BHLNC cache (VLLM_KV_CACHE_LAYOUT).
+
+    Every layer of a group shares one buffer laid out `[B, H, L, N, C]` in memory, so a
+    layer's slice of one head of one block sits between the other layers' slices: a
+    block of a layer is one separate range per head. Written out by hand from that
+    memory order, not through `_permuted`, so the test does not share its arithmetic.
+    """
+    c = 2 * HEAD  # K and V packed in the content dim, as in vLLM 0.33's [B, H, N, C] views
+    itemsize = 2
+    return TensorLayout(base + layer * TOKENS * c * itemsize, (n, HEADS, TOKENS, c),
+                        (HEADS * LAYERS * TOKENS * c, LAYERS * TOKENS * c, c, 1), itemsize, 0)
+
+
 # name -> (make(base, num_blocks), the logical block shape every backend agrees on)
 LAYOUTS = {
     # [blocks, heads, tokens, 2*head]: the CPU backend, K and V packed in the last dim.
@@ -59,6 +76,9 @@ LAYOUTS = {
     # flash-attn's logical shape over HND memory with the block dim outermost.
     "flash_attn_blocks_outermost": lambda base, n: _permuted(base, (n, 2, HEADS, TOKENS, HEAD),
                                                              (1, 0, 3, 2, 4), 2, 1),
+    # [B, H, L, N, C] in memory, the middle layer's view: heads of a block interleaved
+    # with the other layers' (the same logical block as "cpu", i.e. vLLM 0.33's LBHNC).
+    "bhlnc": lambda base, n: _bhlnc(base, n, layer=1),
 }
 
 # Pairs whose blocks hold the same elements in the same packed order.
@@ -67,6 +87,7 @@ COMPATIBLE = [
     ("flashinfer", "flash_attn"), ("flash_attn_hnd", "flashinfer_hnd"),
     ("flashinfer_hnd", "flash_attn_blocks_outermost"),
     ("flash_attn_blocks_outermost", "flash_attn_hnd"),
+    ("bhlnc", "bhlnc"), ("bhlnc", "cpu"), ("cpu", "bhlnc"),
 ]
 
 
@@ -129,6 +150,36 @@ def test_several_layers_of_mixed_layouts_match_the_reference_layer_by_layer() ->
     for coalesced in (True, False):
         ranges = pull_ranges_for_layers(local, remote, pairs, coalesced=coalesced)
         assert _byte_map(list(ranges)) == expected
+
+
+def test_interleaved_layers_of_one_buffer_are_pulled_without_touching_each_other() -> None:
+    """BHLNC: every layer of a group in one buffer, a block of a layer split per head.
+
+    All layers pulled: every element lands where the reference puts it, and since the
+    layers of one head are adjacent in memory, a run of consecutive blocks on both sides
+    coalesces into one range. One layer pulled: only its own bytes are written, not the
+    other layers' slices between its heads.
+    """
+    local = [_bhlnc(1 << 20, BLOCKS, layer) for layer in range(LAYERS)]
+    remote = [_bhlnc(1 << 30, BLOCKS + 3, layer) for layer in range(LAYERS)]
+    block_bytes = HEADS * LAYERS * TOKENS * 2 * HEAD * 2  # every layer's share of a block
+    for pairs in (_pairs(3, 4, BLOCKS, BLOCKS + 3), [(1, 4), (2, 5), (3, 6)]):
+        expected: dict[int, int] = {}
+        for mine, theirs in zip(local, remote):
+            expected.update(_reference_byte_map(mine, theirs, pairs))
+        for coalesced in (True, False):
+            ranges = list(pull_ranges_for_layers(local, remote, pairs, coalesced=coalesced))
+            assert _byte_map(ranges) == expected
+            if not coalesced:
+                assert len(ranges) == LAYERS * len(pairs) * HEADS  # one range per head
+    contiguous = pull_ranges_for_layers(local, remote, [(1, 4), (2, 5), (3, 6)])
+    assert contiguous == [(local[0].base_addr + block_bytes, remote[0].base_addr + 4 * block_bytes,
+                           3 * block_bytes)]
+    only_middle = _byte_map(list(pull_ranges(local[1], remote[1], [(2, 5)])))
+    assert only_middle == _reference_byte_map(local[1], remote[1], [(2, 5)])
+    neighbours = _reference_byte_map(local[0], remote[0], [(2, 5)]) | _reference_byte_map(
+        local[2], remote[2], [(2, 5)])
+    assert not only_middle.keys() & neighbours.keys()
 
 
 def test_uncoalesced_ranges_come_layer_then_pair_then_piece() -> None:
