@@ -4,7 +4,8 @@
 `coalesce` merges them vectorized; both are checked here against plain element-by-element
 and range-by-range Python written for this test, on several layouts (CPU, flash-attn NHD
 and HND, FlashInfer, MLA, vLLM 0.33's layer-interleaved BHLNC, mixed layers), so a fast
-path that drifts from the meaning of a layout fails loudly. No transport and no torch: layouts are described by hand.
+path that drifts from the meaning of a layout fails loudly. No transport and no torch:
+layouts are described by hand.
 """
 
 from __future__ import annotations
