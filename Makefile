@@ -119,6 +119,11 @@ bench-router: install router-ref
 	@mkdir -p results
 	$(PY) -m pdconnect.bench.router --json results/bench-router.json
 
+# Decode-side coalescing on vs off on fresh local P/D engines, same prompts, against a
+# colocated reference engine; writes results/bench-coalesce/ (TRANSPORT=nixl works too).
+bench-coalesce: install
+	$(PY) -m pdconnect.bench.coalesce --transport $(TRANSPORT)
+
 # Container images the manifests name, built from deploy/images/ with the repository root
 # as context (deploy/README.md, "Images"). The defaults are the names the overlays use;
 # `make images REGISTRY=registry.internal/ml TAG=0.2.0 CONTAINER=podman` for your own.
