@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
+from connectors.cache_binding import CacheBound
 from connectors.metadata import PullSpec
 from connectors.plan_checks import PlanRejected, check_plan
 from connectors.replay_slack import plan_request
@@ -47,8 +48,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-    from connectors.vllm_adapter import BlockPoolOps, CacheRules
 
 __all__ = ["Consumer", "claimant_of"]
 
@@ -95,7 +94,7 @@ class _Load:
         return [b for by_index in self.shadows.values() for b in by_index.values()]
 
 
-class Consumer:
+class Consumer(CacheBound):
     """Decode-side state; every method runs on the scheduler thread.
 
     The notifier's callbacks run on its threads and only enqueue; the queue is drained
@@ -110,8 +109,6 @@ class Consumer:
         self.settings = settings
         self.compat_digest = compat_digest
         self.stats = stats
-        self._rules: CacheRules | None = None
-        self._ops: BlockPoolOps | None = None
         self._incoming: dict[str, _Incoming] = {}
         self._by_lease: dict[str, str] = {}  # lease id -> request id, while incoming
         self._loads: dict[str, _Load] = {}
@@ -126,19 +123,6 @@ class Consumer:
             on_reply=self._on_reply,
             on_failure=self._on_failure,
         )
-
-    def bind(self, rules: CacheRules, ops: BlockPoolOps) -> None:
-        self._rules, self._ops = rules, ops
-
-    @property
-    def rules(self) -> CacheRules:
-        assert self._rules is not None, "bind_kv_cache_manager was not called"
-        return self._rules
-
-    @property
-    def ops(self) -> BlockPoolOps:
-        assert self._ops is not None, "bind_kv_cache_manager was not called"
-        return self._ops
 
     def close(self) -> None:
         self._notifier.close()

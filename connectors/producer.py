@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from vllm.v1.request import RequestStatus
 
+from connectors.cache_binding import CacheBound
 from connectors.geometry import consecutive_runs
 from connectors.identity import prompt_digest
 from connectors.leases import ClaimAnswer, LeaseTable, new_lease_id
@@ -39,8 +40,6 @@ from pdconnect.protocol import Ack, BlockRun, Claim, Done, GroupTransfer, Heartb
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request
-
-    from connectors.vllm_adapter import BlockPoolOps, CacheRules
 
 __all__ = ["Producer"]
 
@@ -65,7 +64,7 @@ class _Producing:
         return [(g, i) for g, indices in self.slack.items() for i in indices if (g, i) not in self.held]
 
 
-class Producer:
+class Producer(CacheBound):
     """Prefill-side state; scheduler-thread methods except `answer` (side-channel thread)."""
 
     def __init__(
@@ -77,22 +76,7 @@ class Producer:
         self.stats = stats
         self.leases: LeaseTable[list[KVCacheBlock]] = LeaseTable(settings.lease_seconds)
         self._producing: dict[str, _Producing] = {}
-        self._rules: CacheRules | None = None
-        self._ops: BlockPoolOps | None = None
         self.port = settings.side_channel_port
-
-    def bind(self, rules: CacheRules, ops: BlockPoolOps) -> None:
-        self._rules, self._ops = rules, ops
-
-    @property
-    def rules(self) -> CacheRules:
-        assert self._rules is not None, "bind_kv_cache_manager was not called"
-        return self._rules
-
-    @property
-    def ops(self) -> BlockPoolOps:
-        assert self._ops is not None, "bind_kv_cache_manager was not called"
-        return self._ops
 
     def blocks_held(self) -> int:
         """Blocks this half holds an extra reference on (slack being held or lent)."""
