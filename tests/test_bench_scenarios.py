@@ -12,6 +12,7 @@ connector) as the multi-turn reference — and drive it through `pdconnect bench
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -21,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from pdconnect.bench import cli
+from pdconnect.bench import cli, coalesce, demo
+from pdconnect.bench.coalesce import sibling_roles, ttft_by_role
 from pdconnect.bench.cluster import Cluster, ManagedProcess, PrefixCacheCounters, vllm_server, warm_up
 from pdconnect.bench.loadgen import RoleCounters, RunResult, StepResult, render_prompt
 from pdconnect.bench.local_pd import (
@@ -64,11 +66,98 @@ def test_same_seed_same_prompts_so_on_and_off_runs_see_one_workload() -> None:
 
 
 def test_probe_siblings_share_their_prefix_and_the_overlap_step_runs_them_together() -> None:
-    first, serial, overlap, after = ProbeScenario(prefix_len=32, suffix_len=8, overlap=3).steps(TokenSource())
+    steps = ProbeScenario(prefix_len=32, suffix_len=8, overlap=3, long_suffix_len=20).steps(TokenSource())
+    first, serial, overlap, after, *long_suffix = steps
     [xa], [xb], [yc] = first.prompts, serial.prompts, after.prompts
     assert xa[:32] == xb[:32] and xa[32:] != xb[32:]
-    assert len(overlap.prompts) == 3 and overlap.concurrency == 3
+    assert len(overlap.prompts) == 3 and overlap.concurrency == 3 and overlap.groups == (0, 0, 0)
     assert {p[:32] for p in overlap.prompts} == {yc[:32]} and yc[:32] != xa[:32]
+    # Three serial siblings of a fresh prefix, each with its own suffix longer than the short ones.
+    assert [s.name for s in long_suffix] == ["long suffix z+a s20", "long suffix z+b", "long suffix z+c"]
+    zs = [p for s in long_suffix for p in s.prompts]
+    assert len(zs) == 3 and all(len(p) == 52 and s.concurrency == 1 for p, s in zip(zs, long_suffix))
+    assert len({p[:32] for p in zs}) == 1 and len({p[32:] for p in zs}) == 3 and zs[0][:32] not in (xa[:32], yc[:32])
+    # The long-suffix steps come last: without them every earlier prompt is the same.
+    assert ProbeScenario(prefix_len=32, suffix_len=8, overlap=3, long_suffix_len=0).steps(TokenSource()) == steps[:4]
+
+
+def test_grouped_steps_name_each_prompts_prefix_group_through_the_shuffle() -> None:
+    [step] = SharedPrefixScenario(groups=3, prompts_per_group=4, system_prompt_len=16, question_len=4,
+                                  concurrency=8).steps(TokenSource(seed=5))
+    assert sorted(step.groups) == [0] * 4 + [1] * 4 + [2] * 4
+    assert step.groups != tuple(sorted(step.groups))  # shuffled, and the groups followed
+    by_group: dict[int, set[tuple[int, ...]]] = {}
+    for group, prompt in zip(step.groups, step.prompts, strict=True):
+        by_group.setdefault(group, set()).add(prompt[:16])
+    assert all(len(prefixes) == 1 for prefixes in by_group.values()) and len(
+        {next(iter(p)) for p in by_group.values()}) == 3
+
+
+def _grouped(groups: tuple[int, ...], sent: tuple[float, ...], ttft: tuple[float | None, ...]) -> StepResult:
+    ok = sum(t is not None for t in ttft)
+    return StepResult(scenario="shared-prefix", step="g", requests=len(groups), concurrency=4, output_len=1, ok=ok,
+                      fallbacks=0, prompt_tokens=0, output_tokens=0, duration_s=1.0,
+                      ttft_s=tuple(t for t in ttft if t is not None), decode=RoleCounters(engines=1),
+                      prefill=RoleCounters(engines=1), groups=groups, sent_s=sent, request_ttft_s=ttft)
+
+
+def test_sibling_roles_tell_a_groups_first_request_from_siblings_beside_it_and_after_it() -> None:
+    # Group 0: sent at 0 (first token at 1.0), 0.5 (beside it), 2.0 (after it). Group 1:
+    # its first failed, so a sibling sent after it cannot know the load was published.
+    step = _grouped(groups=(0, 1, 0, 0, 1), sent=(0.0, 0.1, 0.5, 2.0, 3.0), ttft=(1.0, None, 0.7, 0.2, 0.3))
+    assert sibling_roles(step) == ["first", None, "concurrent", "later", "concurrent"]
+    assert ttft_by_role([step]) == {"first": [1.0], "concurrent": [0.7, 0.3], "later": [0.2]}
+    # Steps without groups (serial probe rows, multi-turn) have no roles.
+    plain = dataclasses.replace(step, groups=(), sent_s=())
+    assert sibling_roles(plain) == [None] * 5
+
+
+def _probe_run(label: str, hits: dict[str, float]) -> RunResult:
+    steps = tuple(StepResult(scenario="probe", step=name, requests=1, concurrency=1, output_len=1, ok=1,
+                             fallbacks=0, prompt_tokens=1088, output_tokens=1, duration_s=1.0, ttft_s=(0.1,),
+                             decode=RoleCounters(engines=1, cache=PrefixCacheCounters(1088.0, hit, 1088.0, 0.0)),
+                             prefill=RoleCounters(engines=1))
+                  for name, hit in hits.items())
+    return RunResult(label=label, steps=steps)
+
+
+def test_demo_fails_when_the_overlapping_or_the_long_suffix_siblings_miss_the_decode_cache() -> None:
+    names = ["serial sibling x+b", "overlapping y+a y+b", "long suffix z+b", "long suffix z+c"]
+    off = _probe_run("slack off", dict.fromkeys(names, 0.0))
+    ok, verdict = demo._verdict(_probe_run("slack on", dict(zip(names, [896.0, 896.0, 0.0, 1024.0]))), off)
+    assert ok and "overlapping y+a y+b 896, long suffix z+c 1024" in verdict
+    # Serial siblings hit, but the overlapping pair pulled everything: not good enough any more.
+    ok, verdict = demo._verdict(_probe_run("slack on", dict(zip(names, [896.0, 0.0, 0.0, 1024.0]))), off)
+    assert not ok and verdict.endswith("no decode-local hit with slack on for: overlapping")
+    ok, verdict = demo._verdict(_probe_run("slack on", dict(zip(names, [896.0, 896.0, 0.0, 0.0]))), off)
+    assert not ok and verdict.endswith("for: long suffix z+c")
+
+
+def _coalesce_run(label: str, decode_hits: float, reference_hits: float | None) -> RunResult:
+    step = _grouped(groups=(0, 0), sent=(0.0, 0.1), ttft=(0.5, 0.9))
+    decode = RoleCounters(engines=1, cache=PrefixCacheCounters(2176.0, decode_hits, 2176.0, 2176.0 - decode_hits),
+                          coalesced_waits=1.0 if decode_hits else 0.0)
+    reference = (RoleCounters() if reference_hits is None else
+                 RoleCounters(engines=1, cache=PrefixCacheCounters(2176.0, reference_hits, 0.0, 0.0)))
+    step = dataclasses.replace(step, prompt_tokens=2176, decode=decode, reference=reference)
+    return RunResult(label=label, steps=(step,))
+
+
+def test_bench_coalesce_meets_its_goal_only_when_decode_hits_90_percent_of_serial_siblings() -> None:
+    off = _coalesce_run("coalesce off", 0.0, None)
+    ok, verdict = coalesce._verdict(_coalesce_run("coalesce on", 896.0, 896.0), off)
+    assert ok and "896 of the serial siblings' 896 tokens (100%" in verdict
+    ok, verdict = coalesce._verdict(_coalesce_run("coalesce on", 768.0, 896.0), off)
+    assert not ok and "86%" in verdict
+    on = _coalesce_run("coalesce on", 896.0, 896.0)
+    hits = coalesce.format_hits(on, off).splitlines()[2]
+    assert re.split(r"\s{2,}", hits)[2:] == ["896", "0", "896", "100%", "1280", "2176", "0.59x", "1", "0"]
+    groups = coalesce.format_groups(on, off, SharedPrefixScenario(
+        groups=1, prompts_per_group=2, system_prompt_len=1024, question_len=64, concurrency=2))
+    # One group of two 1088-token prompts: one prefix + the suffixes is 1152 tokens, serial
+    # siblings pull 2176 - 896 = 1280.
+    assert re.split(r"\s{2,}", groups.splitlines()[2]) == ["coalesce on", "1280", "1152", "1.11x", "1280", "1.00x"]
+    assert "concurrent" in coalesce.format_roles(on, off)
 
 
 def test_text_prompts_spell_one_tiny_tokenizer_word_per_token_id() -> None:
@@ -218,19 +307,30 @@ def _bench(local_pd: LocalPD, tmp_path: Path, scenario: str, *options: str) -> l
 
 
 @pytest.mark.engine
-def test_probe_sibling_hits_the_decode_cache_after_a_remote_load(local_pd: LocalPD, tmp_path: Path) -> None:
+def test_probe_sibling_hits_the_decode_cache_after_a_remote_load(
+    local_pd: LocalPD, colocated: ManagedProcess, tmp_path: Path
+) -> None:
+    # The colocated engine replays every step one request at a time: what serial siblings hit.
     steps = _bench(local_pd, tmp_path, "probe", "--prefix-len", str(PREFIX), "--suffix-len", str(SUFFIX),
-                   "--output-len", "4")
-    first, serial, overlap, after = ({k: s[k] for k in ("step", "decode_local_hit_tokens",
-                                                         "decode_external_hit_tokens")} for s in steps)
+                   "--output-len", "4", "--long-suffix-len", "300", "--reference", colocated.base_url,
+                   "--reference-concurrency", "1")
+    first, serial, overlap, after, *long_suffix = ({k: s[k] for k in (
+        "step", "decode_local_hit_tokens", "decode_external_hit_tokens", "reference_local_hit_tokens")}
+        for s in steps)
     prompt = PREFIX + SUFFIX
     assert (first["decode_local_hit_tokens"], first["decode_external_hit_tokens"]) == (0, prompt)
     assert (serial["decode_local_hit_tokens"], serial["decode_external_hit_tokens"]) == (
         SIBLING_HIT, prompt - SIBLING_HIT)
     assert after["decode_local_hit_tokens"] == SIBLING_HIT
-    # The overlapping pair: how much the second finds depends on whether the first had
-    # published when it was admitted; never more than a sibling's hit each.
-    assert overlap["decode_local_hit_tokens"] in (0, SIBLING_HIT, 2 * SIBLING_HIT)
+    # The overlapping pair: with coalescing the second waits for the first's load (or
+    # arrives after it) and hits what a serial sibling does, never pulling the prefix again.
+    assert overlap["decode_local_hit_tokens"] == overlap["reference_local_hit_tokens"] == SIBLING_HIT
+    # Long suffixes: z+b hits nothing on either engine; z+c hits at the shared-prefix
+    # junction, on decode as on the colocated engine.
+    assert [s["step"] for s in long_suffix] == ["long suffix z+a s300", "long suffix z+b", "long suffix z+c"]
+    assert [s["decode_local_hit_tokens"] for s in long_suffix] == [
+        s["reference_local_hit_tokens"] for s in long_suffix]
+    assert long_suffix[2]["decode_local_hit_tokens"] > 0
     assert steps[0]["decode"]["slack_blocks_published"] > 0
 
 

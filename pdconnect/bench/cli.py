@@ -57,6 +57,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                        help="a colocated engine (same model and flags, no KV connector): every step's "
                             "prompts are replayed on it after the deployment served them, and its local "
                             "prefix-cache hit is shown beside decode's")
+    where.add_argument("--reference-concurrency", type=int, metavar="N",
+                       help="requests the reference replays at once (default: as the step sends them; "
+                            "1 = what serial siblings hit, the figure coalescing is held to)")
     how = parser.add_argument_group("requests")
     how.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                      help="token-id prompts, or words 'wN' (one token each on the tiny models)")
@@ -150,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(scenario, MultiTurnScenario) and args.prompt_format != "ids":
             raise ValueError("multi-turn sends token ids: each turn appends the answer's generated ids, "
                              "which words would not spell back exactly")
+        if args.reference_concurrency is not None and args.reference_concurrency < 1:
+            raise ValueError(f"--reference-concurrency must be >= 1, got {args.reference_concurrency}")
         seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
         tokens = TokenSource.parse_range(args.token_range, seed=seed)
         model = args.model or _served_model(args.router, timeout=30.0)
@@ -159,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     deployment = Deployment(router=args.router, prefill_metrics=tuple(args.prefill_metrics),
                             decode_metrics=tuple(args.decode_metrics), model=model,
                             prompt_format=args.prompt_format, request_timeout_s=args.timeout,
-                            reference=args.reference)
+                            reference=args.reference, reference_concurrency=args.reference_concurrency)
     label = args.label or f"{scenario.name} via {deployment.router}"
     try:
         run = asyncio.run(_run(deployment, scenario, tokens, args.warmups, args.progress, label))

@@ -11,6 +11,8 @@ over the engines of a role:
 - decode external hit: `vllm:external_prefix_cache_hits` on decode engines (pulled KV);
 - prefill-local hit: `vllm:prefix_cache_hits` on prefill engines;
 - `pdconnect:slack_blocks_published` on decode engines (our connector only);
+- `pdconnect:coalesced_waits` on decode engines: requests that waited for a sibling's
+  load in flight instead of pulling the same blocks (our connector only);
 - with a reference (a colocated engine: same model and flags, no connector), every
   step's prompts are sent to it as well, after the deployment served them, and its own
   `vllm:prefix_cache_hits` is what decode's local hit should equal.
@@ -80,6 +82,9 @@ class Deployment:
     request_timeout_s: float = 600.0
     # A colocated engine's base URL: requests and counters both go there.
     reference: str | None = None
+    # How many requests at once the reference replays (None: as the step sends them).
+    # 1 measures what serial siblings hit, the figure coalescing is held to.
+    reference_concurrency: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "router", self.router.rstrip("/"))
@@ -87,6 +92,8 @@ class Deployment:
         object.__setattr__(self, "decode_metrics", tuple(_engine_base(u) for u in self.decode_metrics))
         if self.reference is not None:
             object.__setattr__(self, "reference", _engine_base(self.reference))
+        if self.reference_concurrency is not None and self.reference_concurrency < 1:
+            raise ValueError(f"reference_concurrency must be >= 1, got {self.reference_concurrency}")
 
 
 def render_prompt(prompt: Prompt, prompt_format: PromptFormat) -> list[int] | str:
@@ -131,6 +138,9 @@ class RoleCounters:
     transfer_failures: float = 0.0
     # Time the connector spent pulling (sum over loads): tells transfer cost from the rest of TTFT.
     transfer_seconds: float = 0.0
+    # Requests that waited for a sibling's load (coalescing), and waits that timed out.
+    coalesced_waits: float = 0.0
+    coalesce_timeouts: float = 0.0
 
     @classmethod
     def from_snapshot(cls, snapshot: MetricsSnapshot, engines: int) -> RoleCounters:
@@ -142,6 +152,8 @@ class RoleCounters:
             transfers=snapshot.total("pdconnect:transfers"),
             transfer_failures=snapshot.total("pdconnect:transfer_failures"),
             transfer_seconds=snapshot.total("pdconnect:transfer_seconds_sum"),
+            coalesced_waits=snapshot.total("pdconnect:coalesced_waits"),
+            coalesce_timeouts=snapshot.total("pdconnect:coalesce_timeouts"),
         )
 
     def __sub__(self, other: RoleCounters) -> RoleCounters:
@@ -181,6 +193,8 @@ class RequestResult:
     error: str | None = None
     # The generated token ids, when asked for (conversation steps, reference runs).
     output_ids: tuple[int, ...] = ()
+    # time.perf_counter() when the request was sent.
+    sent_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -206,6 +220,12 @@ class StepResult:
     reference: RoleCounters = RoleCounters()
     # How many of the step's answers the reference generated identically (None: no reference).
     reference_same_outputs: int | None = None
+    # Per request, in prompt order: its shared-prefix group (the step's `groups`; empty
+    # when it has none), when it was sent (seconds after the step began) and its TTFT
+    # (None: it failed). Who ran beside whom is read from these (`sibling_roles`).
+    groups: tuple[int, ...] = ()
+    sent_s: tuple[float, ...] = ()
+    request_ttft_s: tuple[float | None, ...] = ()
 
     @property
     def failed(self) -> int:
@@ -346,7 +366,9 @@ class LoadGenerator:
         if reference is not None:
             # After the deployment served the step, so the two never compete for the CPU.
             before = RoleCounters.from_snapshot(await self._scrape([reference]), 1)
-            replayed = await self._send_all(step, label=f"{scenario}: {step.name} (reference)",
+            replay = step if self.deployment.reference_concurrency is None else dataclasses.replace(
+                step, concurrency=self.deployment.reference_concurrency)
+            replayed = await self._send_all(replay, label=f"{scenario}: {step.name} (reference)",
                                             target=reference, want_ids=True)
             reference_counters = RoleCounters.from_snapshot(await self._scrape([reference]), 1) - before
             same = sum(r.ok and q.ok and r.output_ids == q.output_ids for r, q in zip(results, replayed, strict=True))
@@ -369,6 +391,9 @@ class LoadGenerator:
             turn=step.turn,
             reference=reference_counters,
             reference_same_outputs=same,
+            groups=step.groups,
+            sent_s=tuple(r.sent_at - started for r in results),
+            request_ttft_s=tuple(r.ttft_s if r.ok else None for r in results),
         )
 
     async def _send_all(self, step: Step, label: str, *, target: str | None = None,
@@ -423,7 +448,7 @@ class LoadGenerator:
                 if resp.status != 200:
                     text = (await resp.text())[:300]
                     return RequestResult(False, time.perf_counter() - started, fallback=fallback,
-                                         error=f"HTTP {resp.status}: {text}")
+                                         error=f"HTTP {resp.status}: {text}", sent_at=started)
                 async for raw in resp.content:
                     line = raw.strip()
                     if not line.startswith(b"data:"):
@@ -434,7 +459,7 @@ class LoadGenerator:
                     event = json.loads(data)
                     if "error" in event:
                         return RequestResult(False, time.perf_counter() - started, ttft, fallback=fallback,
-                                             error=f"stream error: {event['error']}")
+                                             error=f"stream error: {event['error']}", sent_at=started)
                     if ttft is None and event.get("choices"):
                         ttft = time.perf_counter() - started
                     for choice in event.get("choices") or ():
@@ -442,7 +467,7 @@ class LoadGenerator:
                     usage = event.get("usage") or usage
         except (aiohttp.ClientError, TimeoutError) as exc:
             return RequestResult(False, time.perf_counter() - started, ttft,
-                                 error=f"{type(exc).__name__}: {exc}")
+                                 error=f"{type(exc).__name__}: {exc}", sent_at=started)
         error = None if ttft is not None else "stream ended without a token"
         if error is None and want_ids and not output_ids:
             error = "no token_ids in the stream: the server ignored return_token_ids"
@@ -455,6 +480,7 @@ class LoadGenerator:
             fallback=fallback,
             error=error,
             output_ids=tuple(output_ids),
+            sent_at=started,
         )
 
 

@@ -18,7 +18,8 @@ from pdconnect.bench.cluster import Cluster, ManagedProcess, router_server, vllm
 from pdconnect.bench.loadgen import Deployment, PromptFormat
 from pdconnect.bench.tinymodel import TinyModelSpec, ensure_target_and_draft
 
-__all__ = ["BLOCK_SIZE", "MODEL_NAME", "SPEC", "LocalPD", "LocalPDConfig", "engine_args", "start_local_pd"]
+__all__ = ["BLOCK_SIZE", "MODEL_NAME", "SPEC", "LocalPD", "LocalPDConfig", "engine_args", "start_colocated",
+           "start_local_pd"]
 
 MODEL_NAME = "tiny"
 SPEC = TinyModelSpec(kind="hybrid-llama", num_layers=4, sliding_window=64)
@@ -28,10 +29,12 @@ Transport = Literal["mooncake", "nixl"]
 
 @dataclass(frozen=True)
 class LocalPDConfig:
-    """What varies between local deployments: the transport and the A/B switch."""
+    """What varies between local deployments: the transport and the A/B switches."""
 
     transport: Transport = "mooncake"
     replay_slack: bool = True
+    # Decode: siblings of a load in flight wait for it instead of pulling it again.
+    coalesce: bool = True
     # Every engine and router timeout: a P/D request on 2 shared cores can be slow.
     request_timeout_s: float = 300.0
     kv_cache_gib: int = 1
@@ -41,7 +44,7 @@ class LocalPDConfig:
         # into start-up, and plans carry the bound port. A port picked free beforehand
         # lies in the ephemeral range and was taken by then on a busy machine.
         extra: dict[str, Any] = {"transport": self.transport, "side_channel_port": 0,
-                                 "replay_slack": self.replay_slack}
+                                 "replay_slack": self.replay_slack, "coalesce": self.coalesce}
         if self.transport == "mooncake":
             extra["protocol"] = "tcp"  # no RDMA NIC here; rdma would silently fall back
         return {"kv_connector": "PDConnector", "kv_role": role, "kv_connector_extra_config": extra}
@@ -108,3 +111,15 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd",
               "--decode-first-byte-timeout", timeout, "--decode-timeout", timeout],
     ))
     return LocalPD(config, prefill, decode, router)
+
+
+def start_colocated(cluster: Cluster, name: str = "colocated", spec: TinyModelSpec = SPEC) -> ManagedProcess:
+    """Start (without waiting) one engine with the deployment's model and flags but no connector.
+
+    It is the reference: what one colocated engine hits on the same prompts is what the
+    decode engine's own cache should hit. Wait for it with `cluster.wait_healthy` and
+    `warm_up` it (the same first-forward reason as the P/D engines).
+    """
+    target, draft = ensure_target_and_draft(spec)
+    return cluster.start(vllm_server(name, target, port=cluster.free_port(), served_model_name=MODEL_NAME,
+                                     args=engine_args(draft)))

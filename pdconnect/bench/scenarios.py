@@ -6,7 +6,10 @@ ids; `pdconnect.bench.loadgen` sends them as ids or renders them as words.
 
 - `ProbeScenario`, the fixed-engine probe: a first remote load of a cold prompt `x+a`,
   the serial sibling `x+b` (must hit locally on decode), two siblings of a fresh `y`
-  sent together (both must load), and `y+c` after them (must hit locally).
+  sent together (with coalescing the second waits for the first's load and hits
+  locally), `y+c` after them (must hit locally), and three serial siblings of a fresh
+  `z` whose suffixes are longer than a block (the third hits at the shared-prefix
+  junction, as a colocated engine does).
 - `PrefixRepetitionScenario`: vLLM's `prefix_repetition` dataset
   (`PrefixRepetitionRandomDataset`): `num_prefixes` random prefixes, each followed by
   random suffixes, `num_prefixes * (num_requests // num_prefixes)` requests, shuffled.
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 __all__ = [
     "PrefixRepetitionScenario",
@@ -78,7 +81,8 @@ class TokenSource:
         """An independent source seeded from this one: deterministic, disjoint in practice."""
         return TokenSource(seed=self._rng.getrandbits(64), low=self.low, high=self.high)
 
-    def shuffle(self, items: list[Prompt]) -> None:
+    def shuffle(self, items: list[Any]) -> None:
+        # The permutation depends only on the list's length and the generator.
         self._rng.shuffle(items)
 
 
@@ -88,6 +92,10 @@ class Step:
 
     Engine counters are read before and after each step, so a step's hit figures are
     its own; steps of one scenario run one after the other.
+
+    `groups`, when given, names each prompt's shared-prefix group (same number = same
+    prefix): the report uses it to tell a group's first request from the siblings that
+    ran beside it (what coalescing makes wait) and those sent after it.
 
     `turn` marks conversation steps: 0 = none; 1 = the opening turn (prompt i starts
     conversation i); k > 1 = prompt i is only the new question of conversation i, sent
@@ -100,12 +108,15 @@ class Step:
     output_len: int
     concurrency: int = 1
     turn: int = 0
+    groups: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.output_len < 1:
             raise ValueError(f"step {self.name!r}: concurrency and output_len must be >= 1")
         if self.turn < 0:
             raise ValueError(f"step {self.name!r}: turn must be >= 0")
+        if self.groups and len(self.groups) != len(self.prompts):
+            raise ValueError(f"step {self.name!r}: {len(self.groups)} groups for {len(self.prompts)} prompts")
 
 
 class Scenario(Protocol):
@@ -132,8 +143,17 @@ class ProbeScenario:
 
     With replay slack, `x+b` and `y+c` hit on decode what one colocated engine would
     (for a block-aligned prefix of N tokens: N - A, the EAGLE drop taking one aligned
-    block); without it they hit 0 and pull everything again. The overlapping pair is
-    the race: both are admitted before either has published, so both load.
+    block); without it they hit 0 and pull everything again. The overlapping siblings
+    reach the decode engine while the first one's load is in flight: with coalescing
+    the others wait for it and hit what a serial sibling hits; without, each pulls
+    everything.
+
+    The long-suffix siblings `z+a`, `z+b`, `z+c` (suffixes of `long_suffix_len`, longer
+    than a block; 0 leaves them out), one after the other: `z+a`'s replay boundary lies
+    in its own suffix, so `z+b` finds no sliding-window run inside the prefix and hits
+    0, on a colocated engine too; vLLM then keeps `z+b`'s blocks at the shared-prefix
+    junction (where its full-attention hit ended), so `z+c` hits there. On decode that
+    takes the junction runs in the plan.
     """
 
     name: ClassVar[str] = "probe"
@@ -142,9 +162,13 @@ class ProbeScenario:
     output_len: int = 16
     # Siblings of `y` sent at once in the overlap step.
     overlap: int = 2
+    # Suffix of the `z` siblings; above one block (the cache-hit alignment) to test the junction.
+    long_suffix_len: int = 300
 
     def __post_init__(self) -> None:
         _check_positive(self, "prefix_len", "suffix_len", "output_len", "overlap")
+        if self.long_suffix_len < 0:
+            raise ValueError(f"ProbeScenario.long_suffix_len must be >= 0, got {self.long_suffix_len}")
 
     def prompt_len(self) -> int:
         return self.prefix_len + self.suffix_len
@@ -156,26 +180,40 @@ class ProbeScenario:
         x, y = tokens.ids(self.prefix_len), tokens.ids(self.prefix_len)
         together = tuple(sibling(y) for _ in range(self.overlap))
         letters = [chr(ord("a") + i) for i in range(self.overlap + 1)]
-        return [
+        steps = [
             Step("first remote load x+a", (sibling(x),), self.output_len),
             Step("serial sibling x+b", (sibling(x),), self.output_len),
             Step("overlapping " + " ".join(f"y+{c}" for c in letters[:-1]), together, self.output_len,
-                 concurrency=self.overlap),
+                 concurrency=self.overlap, groups=(0,) * self.overlap),
             Step(f"after overlap y+{letters[-1]}", (sibling(y),), self.output_len),
         ]
+        if self.long_suffix_len:
+            # Drawn after everything above, so adding these steps changed no earlier prompt.
+            z = tokens.ids(self.prefix_len)
+            for i, letter in enumerate("abc"):
+                name = f"long suffix z+{letter}" + (f" s{self.long_suffix_len}" if i == 0 else "")
+                steps.append(Step(name, (z + tokens.ids(self.long_suffix_len),), self.output_len))
+        return steps
 
 
-def _grouped_prompts(
-    tokens: TokenSource, groups: int, per_group: int, prefix_len: int, suffix_len: int, shuffle: bool,
-) -> tuple[Prompt, ...]:
-    """`groups` random prefixes, each with `per_group` random suffixes; optionally shuffled."""
+def _grouped_step(
+    name: str, tokens: TokenSource, groups: int, per_group: int, prefix_len: int, suffix_len: int,
+    shuffle: bool, output_len: int, concurrency: int,
+) -> Step:
+    """`groups` random prefixes, each with `per_group` random suffixes; optionally shuffled.
+
+    Each prompt keeps its group number. The shuffle draws as the plain prompt shuffle did,
+    so a seed gives the same prompts as before groups were recorded.
+    """
     prompts: list[Prompt] = []
     for _ in range(groups):
         prefix = tokens.ids(prefix_len)
         prompts += [prefix + tokens.ids(suffix_len) for _ in range(per_group)]
+    order = list(range(len(prompts)))
     if shuffle:
-        tokens.shuffle(prompts)
-    return tuple(prompts)
+        tokens.shuffle(order)
+    return Step(name, tuple(prompts[i] for i in order), output_len, concurrency,
+                groups=tuple(i // per_group for i in order))
 
 
 @dataclass(frozen=True)
@@ -204,11 +242,10 @@ class PrefixRepetitionScenario:
 
     def steps(self, tokens: TokenSource) -> list[Step]:
         per_prefix = self.num_requests // self.num_prefixes
-        prompts = _grouped_prompts(tokens, self.num_prefixes, per_prefix, self.prefix_len,
-                                   self.suffix_len, self.shuffle)
         name = (f"{self.num_prefixes}x{per_prefix} p{self.prefix_len}+s{self.suffix_len} "
                 f"c{self.concurrency} out{self.output_len}")
-        return [Step(name, prompts, self.output_len, self.concurrency)]
+        return [_grouped_step(name, tokens, self.num_prefixes, per_prefix, self.prefix_len, self.suffix_len,
+                              self.shuffle, self.output_len, self.concurrency)]
 
 
 @dataclass(frozen=True)
@@ -232,11 +269,10 @@ class SharedPrefixScenario:
         return self.system_prompt_len + self.question_len
 
     def steps(self, tokens: TokenSource) -> list[Step]:
-        prompts = _grouped_prompts(tokens, self.groups, self.prompts_per_group, self.system_prompt_len,
-                                   self.question_len, self.shuffle)
         name = (f"{self.groups}x{self.prompts_per_group} sys{self.system_prompt_len}+q{self.question_len} "
                 f"c{self.concurrency} out{self.output_len}")
-        return [Step(name, prompts, self.output_len, self.concurrency)]
+        return [_grouped_step(name, tokens, self.groups, self.prompts_per_group, self.system_prompt_len,
+                              self.question_len, self.shuffle, self.output_len, self.concurrency)]
 
 
 @dataclass(frozen=True)
