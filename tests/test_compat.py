@@ -58,7 +58,8 @@ def test_gpu_extra_pins_the_transports_the_compat_venv_tested():
     assert f"nixl=={_extra_pin('gpu', 'nixl')}\n" in constraints
     # The CUDA Mooncake wheel cannot be imported without libcuda: the compat venv tests the
     # non-CUDA build of the same release, which has the same Python API.
-    assert f"mooncake-transfer-engine-non-cuda=={_extra_pin('gpu', 'mooncake-transfer-engine')}\n" in constraints
+    mooncake = _extra_pin('gpu', 'mooncake-transfer-engine-cuda13')
+    assert f"mooncake-transfer-engine-non-cuda=={mooncake}\n" in constraints
 
 
 def test_pdconnect_plan_command_prints_the_worked_example():
