@@ -210,6 +210,62 @@ def test_cuda_engine_is_vllm_0_33_with_the_gpu_extra_of_this_version() -> None:
     assert re.search(r"^vllm==0\.33\.0$", pins, re.M), "the constraints must keep the base image's vLLM"
 
 
+# The CUDA major each CUDA-linked transport wheel is built for. Their metadata does not
+# say it (no CUDA requirement), so it was read with `readelf -d` on the wheels' .so files
+# (NEEDED libcudart.so.N; deploy/README.md, "CUDA wheels") and is recorded here: a wheel
+# not listed fails the test below until someone reads it.
+WHEEL_CUDA_MAJOR = {
+    "mooncake-transfer-engine": 12,         # 0.3.13.post1: engine.so needs libcudart.so.12
+    "mooncake-transfer-engine-cuda13": 13,  # 0.3.13.post1: libcudart.so.13
+    "nixl-cu12": 12,                        # 1.5.1: UCX and NIXL plugins need libcudart.so.12
+    "nixl-cu13": 13,                        # 1.5.1: libcudart.so.13
+}
+# Wheels that follow torch's CUDA major rather than fix one: vLLM is the reference, and the
+# `nixl` meta package loads nixl-cu<torch's major> at import (nixl_meta_utils).
+FOLLOWS_TORCH = {"vllm", "nixl"}
+
+
+def cuda_mismatches(requirements: list[str], torch_major: int) -> list[str]:
+    """Requirements built for another CUDA major than torch's, or whose major is unknown."""
+    problems = []
+    for requirement in requirements:
+        name = re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0].lower()
+        if name in FOLLOWS_TORCH:
+            continue
+        major = WHEEL_CUDA_MAJOR.get(name)
+        if major is None:
+            problems.append(f"{requirement}: CUDA major unknown (read its .so NEEDED entries, "
+                            "record it in WHEEL_CUDA_MAJOR)")
+        elif major != torch_major:
+            problems.append(f"{requirement}: built for CUDA {major}, vLLM's torch is CUDA {torch_major}")
+    return problems
+
+
+def test_gpu_wheels_match_the_cuda_major_of_vllms_torch() -> None:
+    """The gpu extra and the engine-cuda image's pins: every CUDA-linked wheel is built for
+    the CUDA major of the torch that vLLM pins (a CUDA 12 Mooncake under vLLM 0.33's CUDA 13
+    torch fails to import: libcudart.so.12 is missing).
+
+    torch's major comes from constraints-compat.txt, the resolved install of the same vLLM
+    (`make test-compat`): its nvidia-cuda-runtime pin, offline."""
+    gpu = PYPROJECT["project"]["optional-dependencies"]["gpu"]
+    pins = [line.strip() for line in (IMAGES / "constraints-gpu.txt").read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+    resolved = (REPO / "constraints-compat.txt").read_text()
+    [vllm] = [r for r in gpu if r.startswith("vllm==")]
+    assert re.search(rf"^{re.escape(vllm)}$", resolved, re.M), (
+        f"constraints-compat.txt must resolve the gpu extra's {vllm} to know its torch")
+    runtime = re.search(r"^nvidia-cuda-runtime==(\d+)\.", resolved, re.M)
+    assert runtime, "constraints-compat.txt pins no nvidia-cuda-runtime: cannot tell torch's CUDA"
+    torch_major = int(runtime.group(1))
+    assert cuda_mismatches(gpu + pins, torch_major) == []
+    # The nixl meta package's backend for that major is pinned: the NIXL that runs is known.
+    assert f"nixl-cu{torch_major}" in {re.split(r"==", p)[0] for p in pins}
+    # And the check does catch the wheel this test was written for.
+    assert cuda_mismatches(["mooncake-transfer-engine==0.3.13.post1"], 13) == [
+        "mooncake-transfer-engine==0.3.13.post1: built for CUDA 12, vLLM's torch is CUDA 13"]
+
+
 # ----------------------------------------------------------------------- make images
 
 
