@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export VLLM_CACHE_ROOT ?= $(CURDIR)/build/vllm-cache
 export UCX_MODULES ?= ^ib
 
-.PHONY: images gpu-check install compat-install test-compat test test-fast test-transport test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench clean
+.PHONY: images gpu-check install compat-install test-compat test test-fast test-transport test-faults test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench clean
 
 install: $(STAMP)
 
@@ -97,6 +97,11 @@ test-fast: install deploy-tools
 # Only the real two-process transport tests.
 test-transport: install
 	$(PY) -m pytest -q -m transport $(PYTEST_ARGS)
+
+# Only the engine-level fault suite (issue 10): crashes, disconnects, stray side-channel
+# messages and bad plans on real P/D engines over both transports.
+test-faults: install
+	$(PY) -m pytest -q -m faults tests/test_faults_engines.py $(PYTEST_ARGS)
 
 test-deploy: install deploy-tools
 	$(PY) -m pytest -q tests/test_deploy.py $(PYTEST_ARGS)

@@ -287,6 +287,17 @@ class Cluster:
                     self._procs.remove(proc)
         _stop_groups(procs, self.stop_timeout_s)
 
+    def kill(self, proc: ManagedProcess) -> None:
+        """SIGKILL a process group at once, no TERM first (fault tests: a crash, not a
+        shutdown), and wait until the group is gone so its ports are free again."""
+        with self._lock:
+            if proc in self._procs:
+                self._procs.remove(proc)
+        _signal_group(proc.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=5.0)
+        _wait_group_gone(proc.popen.pid, timeout_s=10.0)
+
     @property
     def processes(self) -> tuple[ManagedProcess, ...]:
         return tuple(self._procs)
