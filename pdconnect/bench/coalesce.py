@@ -7,10 +7,11 @@ flight at once, then the probe (its overlapping siblings and long-suffix sibling
 
 What coalescing is held to (issue 9): decode-local hit >= 90 % of what serial siblings
 would hit, and tokens pulled per prefix group about one prefix plus the suffixes. "What
-serial siblings would hit" is measured, not planned: a colocated engine (same model and
-flags, no connector) booted beside the first deployment replays every step's prompts one
-at a time, and its own `vllm:prefix_cache_hits` is the figure. Its prompts and hits do not
-depend on the deployment, so one replay serves both runs.
+serial siblings would hit" is measured, not planned: first, a colocated engine (same model and
+flags, no connector) alone is sent the same prompts one at a time, and its own
+`vllm:prefix_cache_hits` per step is the figure. Its prompts and hits do not depend on
+the deployment, so one reference run serves both, and it runs by itself so that at most
+two engines share the machine at any time.
 
 What the wait costs: a request's role in its prefix group is read from the client's
 clock (`sibling_roles`): the group's *first* request, *concurrent* siblings (sent before
@@ -29,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pdconnect.bench.cluster import Cluster, ManagedProcess, StartupError, default_build_dir, warm_up
-from pdconnect.bench.loadgen import LoadGenerator, RunResult, StepResult, percentile, run_scenario
+from pdconnect.bench.cluster import Cluster, StartupError, default_build_dir, warm_up
+from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, StepResult, percentile, run_scenario
 from pdconnect.bench.local_pd import (
     BLOCK_SIZE, MODEL_NAME, SPEC, LocalPDConfig, start_colocated, start_local_pd,
 )
@@ -60,6 +61,12 @@ class CoalescePlan:
                                          long_suffix_len=300)
     seed: int = 2027
     warmups: int = 1
+    # Every engine's per-step token budget: 8192 lets the prefill engine compute up to 7 of
+    # the 8 in flight in one step (vLLM's 2048 fits one 1088-token prompt and part of
+    # another), so siblings reach the decode engine together, as on a loaded cluster, and
+    # not one by one behind the prefill queue, which would make every load finish before
+    # the next sibling arrives (coalescing then has nothing to do; measured: 0 races).
+    max_num_batched_tokens: int = 8192
 
     @property
     def scenarios(self) -> tuple[Scenario, ...]:
@@ -209,37 +216,59 @@ def _say(message: str) -> None:
     print(f"[bench-coalesce] {message}", flush=True)
 
 
-async def _measure(generator: LoadGenerator, plan: CoalescePlan) -> tuple[list[StepResult], str | None]:
+async def _measure(generator: LoadGenerator, plan: CoalescePlan, serial: bool = False,
+                   ) -> tuple[list[StepResult], str | None]:
     steps: list[StepResult] = []
-    tokens = TokenSource(seed=plan.seed)  # same seed in both runs: the same prompts
+    tokens = TokenSource(seed=plan.seed)  # same seed in every run: the same prompts
     async with generator:
         for scenario in plan.scenarios:
-            steps += await run_scenario(generator, scenario, tokens, plan.warmups)
-        transport = await generator.transport()
+            steps += await run_scenario(generator, scenario, tokens, plan.warmups, serial=serial)
+        transport = await generator.transport() if generator.deployment.decode_metrics else None
     return steps, transport
+
+
+SETTINGS = {"model": "tiny hybrid Llama + EAGLE3", "block_size": BLOCK_SIZE, "sliding_window": SPEC.sliding_window,
+            "max_num_batched_tokens": CoalescePlan.max_num_batched_tokens}
+
+
+def _reference(cluster: Cluster, plan: CoalescePlan) -> RunResult:
+    """The colocated engine alone, every prompt one at a time: what serial siblings hit."""
+    _say("reference: one colocated engine (same model and flags, no connector), prompts one at a time")
+    started = time.monotonic()
+    engine = start_colocated(cluster, name="coalesce-colocated", max_num_batched_tokens=plan.max_num_batched_tokens)
+    try:
+        cluster.wait_healthy([engine])
+        warm_up(engine.base_url, MODEL_NAME)
+        _say(f"up in {time.monotonic() - started:.0f}s")
+        # Its hits are read as "decode" counters: it is the engine that serves.
+        deployment = Deployment(router=engine.base_url, decode_metrics=(engine.base_url,), model=MODEL_NAME)
+        steps, _ = asyncio.run(_measure(LoadGenerator(deployment), plan, serial=True))
+    finally:
+        cluster.stop(engine)
+    return RunResult(label="colocated, serial", steps=tuple(steps),
+                     settings={**SETTINGS, "seed": plan.seed, "serial": True})
+
+
+def _with_reference(run: RunResult, reference: RunResult) -> RunResult:
+    """`run` with the colocated engine's per-step counters as each step's reference."""
+    steps = tuple(replace(step, reference=ref.decode)
+                  for step, ref in zip(run.steps, reference.steps, strict=True))
+    return replace(run, steps=steps)
 
 
 def _run(cluster: Cluster, plan: CoalescePlan, coalesce: bool, transport: str) -> RunResult:
     state = "on" if coalesce else "off"
-    config = LocalPDConfig(transport=transport, coalesce=coalesce)  # type: ignore[arg-type]
-    _say(f"coalescing {state.upper()}: starting a fresh prefill and decode engine"
-         + (" and the colocated reference engine" if coalesce else ""))
+    config = LocalPDConfig(transport=transport, coalesce=coalesce,  # type: ignore[arg-type]
+                           max_num_batched_tokens=plan.max_num_batched_tokens)
+    _say(f"coalescing {state.upper()}: starting a fresh prefill and decode engine, then the router")
     started = time.monotonic()
-    reference: ManagedProcess | None = start_colocated(cluster, name="coalesce-colocated") if coalesce else None
     local = start_local_pd(cluster, config, name=f"coalesce-{state}")
-    deployment = local.deployment()
-    if reference is not None:
-        cluster.wait_healthy([reference])
-        warm_up(reference.base_url, MODEL_NAME)
-        # One at a time: the reference measures what serial siblings hit.
-        deployment = replace(deployment, reference=reference.base_url, reference_concurrency=1)
     _say(f"up in {time.monotonic() - started:.0f}s; running shared-prefix and the probe")
     try:
-        steps, used = asyncio.run(_measure(LoadGenerator(deployment), plan))
+        steps, used = asyncio.run(_measure(LoadGenerator(local.deployment()), plan))
     finally:
-        cluster.stop(*local.processes, *([reference] if reference is not None else []))
-    settings = {"transport": transport, "coalesce": coalesce, "model": "tiny hybrid Llama + EAGLE3",
-                "block_size": BLOCK_SIZE, "sliding_window": SPEC.sliding_window, "seed": plan.seed}
+        cluster.stop(*local.processes)
+    settings = {**SETTINGS, "transport": transport, "coalesce": coalesce, "seed": plan.seed}
     return RunResult(label=f"coalesce {state}", steps=tuple(steps), settings=settings, transport=used)
 
 
@@ -273,8 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[RunResult] = []
     try:
         with Cluster(log_dir=args.out / "logs") as cluster:
+            reference = _reference(cluster, plan)
+            print("\n" + format_run(reference) + "\n", flush=True)
             for coalesce in (True, False):
-                run = _run(cluster, plan, coalesce, args.transport)
+                run = _with_reference(_run(cluster, plan, coalesce, args.transport), reference)
                 print("\n" + format_run(run) + "\n", flush=True)
                 runs.append(run)
     except (KeyboardInterrupt, SystemExit) as exc:
@@ -285,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     on, off = runs
     print("coalescing on vs off: same prompts, fresh engines each, measured in this one run. serial hit = "
-          "a colocated engine's\nprefix-cache hit on the same prompts replayed one at a time; pulled = "
+          "a colocated engine's\nprefix-cache hit on the same prompts sent one at a time; pulled = "
           "decode's external hit tokens;\nwaits = requests the decode engine made wait for a sibling's load\n")
     print(format_hits(on, off) + "\n")
     print("tokens pulled per prefix group (shared-prefix)")
@@ -300,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("Hit and pulled tokens are exact; TTFT on a shared 2-core machine swings run to run.\n")
     ok, verdict = _verdict(on, off)
     json_path = args.out / "bench-coalesce.json"
-    write_json(json_path, runs, extra={"goal_met": ok})
+    write_json(json_path, runs, extra={"goal_met": ok, "reference": reference.to_json()})
     print(verdict)
     print(f"[bench-coalesce] results: {json_path}; finished in {time.monotonic() - began:.0f}s")
     return 0 if ok else 1

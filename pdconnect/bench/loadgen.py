@@ -486,9 +486,16 @@ class LoadGenerator:
 
 async def run_scenario(
     generator: LoadGenerator, scenario: Scenario, tokens: TokenSource, warmups: int = 0,
+    *, serial: bool = False,
 ) -> list[StepResult]:
-    """Warm up with `warmups` unrelated prompts of the scenario's shape, then run its steps."""
+    """Warm up with `warmups` unrelated prompts of the scenario's shape, then run its steps.
+
+    `serial`: every step one request at a time, same prompts (a colocated engine measured
+    this way gives what serial siblings hit).
+    """
     steps = scenario.steps(tokens)
+    if serial:
+        steps = [dataclasses.replace(step, concurrency=1) for step in steps]
     if warmups > 0:
         # A forked source: the warm-ups never share a prefix with the measured prompts,
         # and the measured prompts do not depend on how many warm-ups there were.

