@@ -11,7 +11,9 @@ hit the decode engine's *own* prefix cache as much as it would hit a colocated e
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -39,13 +41,21 @@ class Setup:
     spec: TinyModelSpec
     block_size: int
     transport: str
+    eagle: bool = True
+
+    @property
+    def reference_key(self) -> str:
+        return f"{self.spec.kind}-{'eagle' if self.eagle else 'plain'}"
 
 
 SETUPS = [
     Setup("llama-mooncake", SPEC, 128, "mooncake"),
     Setup("llama-nixl", SPEC, 128, "nixl"),
+    Setup("llama-mooncake-no-eagle", SPEC, 128, "mooncake", eagle=False),
     Setup("mimo-v2-mooncake", DSV4_LIKE_MIMO_V2, 64, "mooncake"),
 ]
+# Real traffic shapes (issue: long suffixes, concurrent siblings, multi-turn) run on these.
+TRAFFIC_SETUPS = ("llama-mooncake", "llama-nixl", "llama-mooncake-no-eagle")
 
 
 @dataclass(frozen=True)
@@ -80,22 +90,23 @@ def references(cluster: Cluster) -> dict[str, ManagedProcess]:
 @pytest.fixture(scope="module", params=SETUPS, ids=lambda setup: setup.name)
 def pair(request: pytest.FixtureRequest, cluster: Cluster, references: dict[str, ManagedProcess]) -> Iterator[Pair]:
     setup: Setup = request.param
-    target, draft = ensure_model(setup.spec), ensure_model(setup.spec.with_kind("eagle3-draft"))
+    target = ensure_model(setup.spec)
+    draft = ensure_model(setup.spec.with_kind("eagle3-draft")) if setup.eagle else None
 
     def server(name: str, kv: dict | None) -> ManagedProcess:
         return cluster.start(vllm_server(name, target, port=cluster.free_port(), served_model_name=MODEL_NAME,
                                          args=engine_args(draft, kv, block_size=setup.block_size)))
 
     started = []
-    if setup.spec.kind not in references:
-        references[setup.spec.kind] = server(f"single-{setup.spec.kind}", None)
-        started.append(references[setup.spec.kind])
+    if setup.reference_key not in references:
+        references[setup.reference_key] = server(f"single-{setup.reference_key}", None)
+        started.append(references[setup.reference_key])
     prefill = server(f"prefill-{setup.name}", pd_kv_transfer("kv_producer", setup.transport))
     decode = server(f"decode-{setup.name}", pd_kv_transfer("kv_consumer", setup.transport))
     cluster.wait_healthy([*started, prefill, decode])
     for proc in (*started, prefill, decode):
         warm_up(proc.base_url, MODEL_NAME)
-    yield Pair(setup, references[setup.spec.kind], prefill, decode)
+    yield Pair(setup, references[setup.reference_key], prefill, decode)
     cluster.stop(prefill)
     cluster.stop(decode)
 
@@ -169,3 +180,126 @@ def test_malformed_transfer_params_fail_the_request_and_the_engine_keeps_serving
     assert fetch_metrics(pair.decode.base_url, http).total("pdconnect:bad_transfer_params") >= 1
     again = serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, 4)
     assert len(again.tokens) == 4
+
+
+# --- real traffic: long suffixes, concurrent siblings, multi-turn chat ----------------------
+
+LONG_SUFFIX = 300
+CHAT_SYSTEM, CHAT_QUESTION, CHAT_TURNS = 1100, 300, 4
+
+
+def _traffic_only(pair: Pair) -> None:
+    if pair.setup.name not in TRAFFIC_SETUPS:
+        pytest.skip("traffic shapes run on the block-128 Llama setups (both transports, EAGLE on and off)")
+
+
+def _colocated(http: httpx.Client, pair: Pair, prompt: list[int]) -> tuple[int, dict]:
+    """One request on the colocated reference: its local hit and its answer."""
+    before = PrefixCacheCounters.scrape(pair.single.base_url, http)
+    body = completed(completion(http, pair.single.base_url, prompt, DECODE_TOKENS, logprobs=1))
+    return int((PrefixCacheCounters.scrape(pair.single.base_url, http) - before).hits), body
+
+
+def _assert_pools_back_to_baseline(http: httpx.Client, pair: Pair) -> None:
+    """Nothing held by the connector and no block in use once every request ended."""
+    deadline = time.monotonic() + 10
+    for proc in (pair.prefill, pair.decode):
+        while True:
+            metrics = fetch_metrics(proc.base_url, http)
+            held, used = metrics.total("pdconnect:blocks_held"), metrics.total("vllm:kv_cache_usage_perc")
+            if (held, used) == (0, 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert (held, used) == (0, 0), (proc.name, held, used)
+
+
+def _same_answer(served: dict, alone: dict) -> None:
+    """Same tokens; logprobs equal up to float32 rounding. The decode engine computes a
+    prompt's last token in another batch than the colocated engine (and EAGLE's
+    acceptance then shapes later batches differently), which moves the 7th digit."""
+    assert token_ids(served) == token_ids(alone)
+    assert (served["choices"][0]["logprobs"]["token_logprobs"]
+            == pytest.approx(alone["choices"][0]["logprobs"]["token_logprobs"], rel=1e-5, abs=1e-5))
+
+
+def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
+        pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]) -> None:
+    _traffic_only(pair)
+    prefix = prompt_ids(seed=pair.seed(31), length=1100)
+    siblings = [prefix + prompt_ids(seed=pair.seed(32 + i), length=LONG_SUFFIX) for i in range(3)]
+
+    reference = [_colocated(http, pair, prompt) for prompt in siblings]
+    served = [serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
+              for prompt in siblings]
+
+    assert reference[2][0] > 0  # the third sibling hits at the junction the second left
+    assert [int(s.decode.hits) for s in served] == [hit for hit, _ in reference]
+    for done, (_, alone) in zip(served, reference):
+        _same_answer(done.body, alone)
+    _report(capsys, f"{pair.setup.name} long-suffix siblings", colocated=[h for h, _ in reference],
+            decode_local=[int(s.decode.hits) for s in served], pulled=[int(s.decode.external_hits) for s in served])
+    _assert_pools_back_to_baseline(http, pair)
+
+
+def test_concurrent_siblings_each_hit_what_a_serial_sibling_would(
+        pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]) -> None:
+    _traffic_only(pair)
+    # 1200 + 64: the first sibling's replay run covers blocks the second fully shares, so
+    # a serial sibling hits (1100 + 64 would hit 0 even colocated: the run ends past 1100).
+    prefix = prompt_ids(seed=pair.seed(41), length=1200)
+    siblings = [prefix + prompt_ids(seed=pair.seed(42 + i), length=SIBLING_EXTRA) for i in range(4)]
+    reference = [_colocated(http, pair, prompt) for prompt in siblings]
+    serial_hit = reference[1][0]
+    before = PrefixCacheCounters.scrape(pair.decode.base_url, http)
+
+    with ThreadPoolExecutor(len(siblings)) as pool:
+        served = list(pool.map(
+            lambda p: serve_pd(http, pair.prefill.base_url, pair.decode.base_url, p, DECODE_TOKENS, logprobs=1),
+            siblings))
+
+    decode = PrefixCacheCounters.scrape(pair.decode.base_url, http) - before
+    assert serial_hit > 0
+    assert decode.hits == (len(siblings) - 1) * serial_hit  # every follower, not only a later one
+    assert decode.external_hits == sum(map(len, siblings)) - decode.hits  # the prefix is pulled once
+    for done, (_, alone) in zip(served, reference):
+        assert done.tokens == token_ids(alone)
+    _report(capsys, f"{pair.setup.name} 4 concurrent siblings", serial_sibling_hit=serial_hit,
+            decode_local_total=int(decode.hits), pulled_total=int(decode.external_hits))
+    _assert_pools_back_to_baseline(http, pair)
+
+
+def _chat(serve: Callable[[list[int]], tuple[int, dict]], seed: int) -> list[int]:
+    """A conversation of CHAT_TURNS turns: each prompt is the last one, its answer and a new
+    question; returns the local hit of every turn."""
+    prompt = prompt_ids(seed=seed, length=CHAT_SYSTEM)
+    hits = []
+    for turn in range(CHAT_TURNS):
+        prompt = prompt + prompt_ids(seed=seed + 1 + turn, length=CHAT_QUESTION)
+        hit, body = serve(prompt)
+        hits.append(hit)
+        prompt = prompt + token_ids(body)
+    return hits
+
+
+def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
+        pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]) -> None:
+    _traffic_only(pair)
+    answers: dict[int, dict] = {}
+
+    def colocated(prompt: list[int]) -> tuple[int, dict]:
+        hit, body = _colocated(http, pair, prompt)
+        answers[len(prompt)] = body
+        return hit, body
+
+    def pd(prompt: list[int]) -> tuple[int, dict]:
+        done = serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
+        _same_answer(done.body, answers[len(prompt)])
+        return int(done.decode.hits), done.body
+
+    reference = _chat(colocated, pair.seed(51))
+    served = _chat(pd, pair.seed(51))
+
+    assert sum(reference[1:]) > 0
+    assert served == reference
+    _report(capsys, f"{pair.setup.name} multi-turn", colocated=reference, decode_local=served)
+    _assert_pools_back_to_baseline(http, pair)
