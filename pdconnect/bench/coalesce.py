@@ -61,12 +61,11 @@ class CoalescePlan:
                                          long_suffix_len=300)
     seed: int = 2027
     warmups: int = 1
-    # Every engine's per-step token budget: 8192 lets the prefill engine compute up to 7 of
-    # the 8 in flight in one step (vLLM's 2048 fits one 1088-token prompt and part of
-    # another), so siblings reach the decode engine together, as on a loaded cluster, and
-    # not one by one behind the prefill queue, which would make every load finish before
-    # the next sibling arrives (coalescing then has nothing to do; measured: 0 races).
-    max_num_batched_tokens: int = 8192
+    # Every engine's per-step token budget (None: vLLM's 2048, as in the demo). 8192 was
+    # tried so that the prefill engine would finish concurrent siblings together and send
+    # them to decode at once: it did not (0 waits in both runs, where 2048 gave 5 in the
+    # coalescing-on run), so the default stays.
+    max_num_batched_tokens: int | None = None
 
     @property
     def scenarios(self) -> tuple[Scenario, ...]:
@@ -196,7 +195,8 @@ def _share(on: RunResult) -> tuple[float, float]:
 
 
 def _cost(on: RunResult, off: RunResult) -> str:
-    """One line per comparison that prices the wait, from the shared-prefix step."""
+    """One line that prices the wait: TTFT p50 per role, pooled over every grouped step
+    (shared-prefix and the probe's overlapping siblings), in both runs."""
     a = ttft_by_role([s for s in on.steps if s.groups])
     b = ttft_by_role([s for s in off.steps if s.groups])
     p50 = {(run, role): percentile(pool[role], 50) for run, pool in (("on", a), ("off", b)) for role in ROLES}
@@ -283,7 +283,14 @@ def _verdict(on: RunResult, off: RunResult) -> tuple[bool, str]:
         return False, line + "\nFAIL: " + "; ".join(problems)
     if serial <= 0 or hit < GOAL_SHARE * serial:
         return False, line + f"\nBELOW GOAL: decode-local hit under {GOAL_SHARE:.0%} of serial siblings'"
-    return True, line + "\nGOAL MET: coalesced siblings hit what serial siblings hit"
+    waits = sum(s.decode.coalesced_waits for s in on.steps)
+    if waits == 0:
+        # Met, but vacuously: every sibling reached decode after its prefix was published.
+        return True, line + ("\nGOAL MET, NOT EXERCISED: no request waited for a sibling's load in this run "
+                             "(every sibling reached decode after its prefix was published), so on and off "
+                             "saw the same hits")
+    return True, line + (f"\nGOAL MET: coalesced siblings hit what serial siblings hit "
+                         f"({waits:.0f} requests waited for a sibling's load)")
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
