@@ -3,7 +3,7 @@
 Engines: a colocated reference (no connector) shared by everything, and per transport
 (mooncake with `kv_load_failure_policy` "fail", nixl with "recompute", so both documented
 outcomes are exercised) a prefill engine and a decode engine with `--max-num-seqs 1`
-(one slot: a long request makes the next one queue), a short lease (3 s, heartbeat 1 s)
+(one slot: a long request makes the next one queue), a short lease (6 s, heartbeat 1 s)
 and a side-channel secret. Each set starts once and is reused; a test that kills an
 engine leaves it dead and the next test that needs it restarts it (`EngineSet.live`).
 
@@ -51,9 +51,13 @@ pytestmark = [pytest.mark.engine, pytest.mark.faults]
 
 SECRET = "pdconnect-fault-suite-secret"
 SECRET_ENV = "PDCONNECT_FAULTS_SECRET"
-LEASE_S = 3.0
+# Short enough that a queued request outlives several leases in seconds, long enough that
+# a few seconds of CPU starvation (other engines on these 2 shared cores) cannot cost a
+# lease: with lease 3 s and 3 s side-channel timeouts, a load average of 20 lost leases
+# of live requests (correctly failed, but failed).
+LEASE_S = 6.0
 HEARTBEAT_S = 1.0
-HANDSHAKE_TIMEOUT_S = 3.0
+HANDSHAKE_TIMEOUT_S = 2.0
 TRANSFER_TIMEOUT_S = 10.0
 # What a failed or refused load does, per transport: both documented outcomes get run.
 POLICY = {"mooncake": "fail", "nixl": "recompute"}
@@ -358,8 +362,8 @@ def test_lease_survives_a_wait_in_the_decode_queue(pd: EngineSet, http: httpx.Cl
     result: list[Answer] = []
     waiter = threading.Thread(target=lambda: result.append(decode_with(http, pd, prompt, plan)), daemon=True)
     waiter.start()
-    # Three leases long, prefill serves other prompts: blocks freed at expiry would be reused.
-    wait_until = time.monotonic() + 3 * LEASE_S
+    # Two leases long, prefill serves other prompts: blocks freed at expiry would be reused.
+    wait_until = time.monotonic() + 2 * LEASE_S
     others = 0
     while time.monotonic() < wait_until:
         completion(http, pd.prefill.base_url, prompt_ids(pd.seed(100 + others), PROMPT_TOKENS), 4).raise_for_status()
@@ -373,7 +377,7 @@ def test_lease_survives_a_wait_in_the_decode_queue(pd: EngineSet, http: httpx.Cl
     [answer] = result
     row.wrong_tokens += wrong(answer, expected)
     expired = counter(http, pd.prefill, "pdconnect:lease_expiries") - expiries_before
-    row.outcome = f"{describe(answer)} after {3 * LEASE_S:.0f}s queued, {others} prompts on P, {int(expired)} expiries"
+    row.outcome = f"{describe(answer)} after {2 * LEASE_S:.0f}s queued, {others} prompts on P, {int(expired)} expiries"
     try:
         assert answer.served, f"the queued request failed: {answer.error}"
         assert answer.tokens == expected, "served tokens differ from the colocated reference"
@@ -512,11 +516,23 @@ def test_client_disconnect_through_the_router(pd: EngineSet, http: httpx.Client,
             _hang_up(_raw_request(router, body, send_all=False))
             row.outcome = "hung up mid-body"
         elif phase == "during prefill":
+            prompt_tokens_before = _gauge(http, pd.prefill, "vllm:prompt_tokens")
             sock = _raw_request(router, body)
-            _wait_for("the prefill engine to run the request",
-                      lambda: _gauge(http, pd.prefill, "vllm:num_requests_running") >= 1)
+            # The prefill lasts a fraction of a second and /metrics is polled: hang up as soon
+            # as P has the request, or (a poll too late) once it has computed it.
+            seen: list[str] = []
+
+            def on_prefill() -> bool:
+                metrics = fetch_metrics(pd.prefill.base_url, http)
+                if metrics.total("vllm:num_requests_running") + metrics.total("vllm:num_requests_waiting") >= 1:
+                    seen.append("while P ran it")
+                elif metrics.total("vllm:prompt_tokens") > prompt_tokens_before:
+                    seen.append("just after P computed it")
+                return bool(seen)
+
+            _wait_for("the prefill engine to take the request", on_prefill)
             _hang_up(sock)
-            row.outcome = "hung up while P ran it"
+            row.outcome = f"hung up {seen[0]}"
         elif phase == "queued for the pull":
             started, streamed = threading.Event(), []
             holder = threading.Thread(target=_hold_the_slot, args=(pd.decode.base_url, started, stop, streamed),
@@ -807,7 +823,8 @@ def test_fuzzed_transfer_params_never_serve_wrong_tokens(pd: EngineSet, http: ht
         results.append((name, expectation, answer))
         row.wrong_tokens += wrong(answer, want)
     failed = sum(not a.served for _, _, a in results)
-    row.outcome = f"{failed} failed, {len(results) - failed} served (policy fail)"
+    served = sorted({n for n, _, a in results if a.served})
+    row.outcome = f"{failed} failed, {len(results) - failed} served ({', '.join(served)})"
     try:
         wrong_served = [n for (n, _, a), want in zip(results, expected) if a.served and a.tokens != want]
         assert not wrong_served, f"served with wrong tokens: {wrong_served}"
@@ -845,7 +862,7 @@ def test_decode_killed_mid_load_and_restarted(pd: EngineSet, http: httpx.Client)
     row.wrong_tokens += wrong(answer, expected)
     # Nobody heartbeats any more: prefill frees at lease expiry, without any request of its own.
     left = settle(http, pd, pd.prefill)
-    row.outcome = f"client got {describe(answer)}; P freed by lease"
+    row.outcome = f"killed 50 ms into the decode leg: client got {describe(answer)}; P freed by lease; restarted D serves"
     pd.live()
     try:
         assert left[pd.prefill.name] == 0, f"prefill still holds {left} after the decode engine died"
@@ -868,7 +885,7 @@ def test_prefill_killed_mid_transfer(pd: EngineSet, http: httpx.Client) -> None:
     answer = _send_then_kill(http, pd, prompt, plan, pd.prefill)
     took = time.monotonic() - began
     row.wrong_tokens += wrong(answer, expected)
-    row.outcome = f"{describe(answer)} (policy {pd.policy}) after {took:.1f}s"
+    row.outcome = f"killed 50 ms into the decode leg: {describe(answer)} (policy {pd.policy}) after {took:.1f}s"
     row.leaked_p = "P dead"
     try:
         outcome_ok(answer, pd, expected)
