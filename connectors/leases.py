@@ -71,7 +71,7 @@ class LeaseTable(Generic[Held]):
     def claim(self, lease_id: str, claimant: str, plan_digest: str) -> ClaimAnswer:
         """Take the lease for `claimant`, or confirm it holds it; extends the lease."""
         with self._lock:
-            lease = self._live(lease_id, time.monotonic())
+            lease = self._live(lease_id)
             if lease is None:
                 return ClaimAnswer.UNKNOWN
             if lease.plan_digest != plan_digest:
@@ -88,7 +88,7 @@ class LeaseTable(Generic[Held]):
         unknown = []
         with self._lock:
             for some_id in ids:
-                lease = self._live(self._by_request.get(some_id, some_id), now)
+                lease = self._live(self._by_request.get(some_id, some_id))
                 if lease is None:
                     unknown.append(some_id)
                 else:
@@ -109,9 +109,13 @@ class LeaseTable(Generic[Held]):
             self._retire(lease, why)
             return True
 
-    def expire(self) -> int:
-        """End every lease past its expiry (scheduler thread); returns how many."""
-        now = time.monotonic()
+    def expire(self, now: float | None = None) -> int:
+        """End every lease past its expiry at `now` (scheduler thread); returns how many.
+
+        `now` is the side channel's `drained_at` where there is one: a heartbeat still
+        queued behind a starved serving thread must not lose its lease.
+        """
+        now = time.monotonic() if now is None else now
         with self._lock:
             expired = [lease for lease in self._by_lease.values() if lease.expires_at <= now]
             for lease in expired:
@@ -132,13 +136,11 @@ class LeaseTable(Generic[Held]):
         with self._lock:
             return [lease.held for lease in self._by_lease.values()] + [lease.held for lease in self._ended]
 
-    def _live(self, lease_id: str, now: float) -> Lease[Held] | None:
-        lease = self._by_lease.get(lease_id)
-        if lease is not None and lease.expires_at <= now:
-            # Expired but not yet collected: it is gone for every asker from now on.
-            self._retire(lease, "lease expired")
-            return None
-        return lease
+    def _live(self, lease_id: str) -> Lease[Held] | None:
+        # Past its expiry but not yet collected by `expire`, a lease still holds its
+        # blocks, so "held" stays true; a late heartbeat (the serving thread was starved)
+        # keeps it. Only `expire` decides that a peer went silent.
+        return self._by_lease.get(lease_id)
 
     def _retire(self, lease: Lease[Held], why: str) -> None:
         del self._by_lease[lease.lease_id]

@@ -135,9 +135,13 @@ class Producer(CacheBound):
                 if index < len(table) and not table[index].is_null:
                     producing.held[(group_id, index)] = self.ops.hold([table[index]])[0]
 
-    def collect_ended(self) -> list[str]:
-        """Free the blocks of leases that ended; returns their request ids for the workers."""
-        self.leases.expire()
+    def collect_ended(self, silent_since: float | None = None) -> list[str]:
+        """Free the blocks of leases that ended; returns their request ids for the workers.
+
+        `silent_since`: the instant up to which the side channel handled every message
+        (`SideChannelServer.drained_at`); leases expire against it, not against now.
+        """
+        self.leases.expire(silent_since)
         ended = self.leases.take_ended()
         for lease in ended:
             if lease.ended_because == "lease expired":

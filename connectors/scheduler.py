@@ -141,7 +141,7 @@ class PDScheduler:
         release: list[str] = []
         if self.producer is not None:
             self.producer.hold_new_slack()
-            release = self.producer.collect_ended()
+            release = self.producer.collect_ended(self._server.drained_at if self._server is not None else None)
         pulls = self.consumer.take_pulls() if self.consumer is not None else []
         return PDConnectorMetadata(pulls=pulls, release=release)
 

@@ -129,6 +129,7 @@ class SideChannelServer:
             raise SideChannelError(f"cannot bind side channel on {host}:{port}: {exc}") from None
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
+        self._drained_at = time.monotonic()
         self._thread = threading.Thread(target=self._serve, name="pdconnect-sidechannel", daemon=True)
         self._thread.start()
         logger.info("side channel listening on %s%s", self.address,
@@ -140,8 +141,12 @@ class SideChannelServer:
         try:
             while not self._stop.is_set():
                 try:
+                    polled_at = time.monotonic()
                     if poller.poll(100):
                         self._serve_one(self._socket.recv_multipart())
+                    else:
+                        # Nothing was waiting: every message sent before `polled_at` is answered.
+                        self._drained_at = polled_at
                 except Exception:  # nothing may end this loop but close()
                     self._counters.add("serve_errors")
                     logger.exception("side channel: error while serving a message; still serving")
@@ -150,6 +155,16 @@ class SideChannelServer:
         finally:
             self._socket.close()
             self._context.term()
+
+    @property
+    def drained_at(self) -> float:
+        """The latest `time.monotonic()` before which every arrived message was handled.
+
+        A starved serving thread (a long forward pass holding the GIL on the same process)
+        leaves messages queued; whoever judges a peer silent (lease expiry) must not count
+        time past this instant against it.
+        """
+        return self._drained_at
 
     def _serve_one(self, frames: list[bytes]) -> None:
         # A ROUTER socket prepends the sender's identity; a DEALER peer sends one frame.

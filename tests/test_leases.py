@@ -59,12 +59,24 @@ def test_blocks_are_handed_back_only_after_the_lease_left_the_table():
     table.open("r1", "L1", "plan", [7, 8])
     time.sleep(0.1)
 
-    # An asker sees it gone at once, before the scheduler thread collected it...
-    assert table.claim("L1", "c", "plan") is ClaimAnswer.UNKNOWN
+    assert table.take_ended() == []  # overdue, but nobody has judged the peer silent yet
+    assert table.expire() == 1
+    assert table.claim("L1", "c", "plan") is ClaimAnswer.UNKNOWN  # gone for every asker...
     ended = table.take_ended()
     # ...and the blocks come out of `ended` exactly once, for the scheduler thread to free.
     assert [(lease.held, lease.ended_because) for lease in ended] == [([7, 8], "lease expired")]
     assert table.take_ended() == [] and table.expire() == 0
+
+
+def test_a_heartbeat_that_waited_behind_a_starved_server_keeps_its_lease():
+    table = _table(seconds=0.05)
+    table.open("r1", "L1", "plan", [1])
+    drained_at = time.monotonic()  # the serving thread last emptied its queue here...
+    time.sleep(0.1)  # ...then starved while the lease ran out and a heartbeat queued up
+
+    assert table.expire(now=drained_at) == 0  # not silent: its heartbeat is still queued
+    assert table.beat(["L1"]) == []  # the late heartbeat is answered and extends it
+    assert table.expire(now=time.monotonic()) == 0
 
 
 def test_heartbeats_keep_a_lease_alive_and_name_what_is_gone():
@@ -75,6 +87,7 @@ def test_heartbeats_keep_a_lease_alive_and_name_what_is_gone():
         assert table.beat(["L1"]) == []
     assert table.expire() == 0
     time.sleep(0.4)
+    assert table.expire() == 1
     assert table.beat(["L1"]) == ["L1"]
 
 
@@ -95,3 +108,34 @@ def test_concurrent_claims_leave_exactly_one_claimant():
 
 def test_lease_ids_are_never_reused():
     assert len({new_lease_id() for _ in range(10_000)}) == 10_000
+
+
+def test_the_side_channel_reports_when_it_last_drained_its_queue():
+    import threading as _threading
+
+    from pdconnect.protocol import Ack, Heartbeat
+    from pdconnect.sidechannel import SideChannelClient, SideChannelServer
+
+    release = _threading.Event()
+
+    def slow(message):  # a serving thread that cannot run, as under a GIL-holding forward pass
+        release.wait(5)
+        return Ack()
+
+    server = SideChannelServer("127.0.0.1", 0, slow)
+    try:
+        time.sleep(0.3)
+        before = server.drained_at
+        client = SideChannelClient(server.address, None, timeout=5)
+        answer: list[object] = []
+        sender = _threading.Thread(target=lambda: answer.append(client.request(Heartbeat(request_ids=["L"]))))
+        sender.start()
+        time.sleep(0.5)
+        assert server.drained_at - before < 0.3  # stuck while a message waits
+        release.set()
+        sender.join(5)
+        time.sleep(0.3)
+        assert server.drained_at > before + 0.5 and answer  # caught up once it could serve
+        client.close()
+    finally:
+        server.close()

@@ -43,7 +43,8 @@ def _valid_plan(request: Request) -> TransferPlan:
     return TransferPlan(
         remote_engine_id="p", remote_request_id="r", remote_host="127.0.0.1", remote_port=5700,
         compat_hash=COMPAT, num_prompt_tokens=request.num_prompt_tokens,
-        lease_expires_at=time.time() + 60, groups=groups, lease_id="L", prompt_digest=prompt_digest(request),
+        # Far ahead: the module is built at collection time, possibly minutes before it runs.
+        lease_expires_at=time.time() + 86_400, groups=groups, lease_id="L", prompt_digest=prompt_digest(request),
     )
 
 
