@@ -71,7 +71,9 @@ class LeaseTable(Generic[Held]):
     def claim(self, lease_id: str, claimant: str, plan_digest: str) -> ClaimAnswer:
         """Take the lease for `claimant`, or confirm it holds it; extends the lease."""
         with self._lock:
-            lease = self._live(lease_id)
+            # Past its expiry but not yet collected by `expire`, a lease still holds its blocks:
+            # "held" stays true, and a late heartbeat keeps it. Only `expire` judges silence.
+            lease = self._by_lease.get(lease_id)
             if lease is None:
                 return ClaimAnswer.UNKNOWN
             if lease.plan_digest != plan_digest:
@@ -88,7 +90,7 @@ class LeaseTable(Generic[Held]):
         unknown = []
         with self._lock:
             for some_id in ids:
-                lease = self._live(self._by_request.get(some_id, some_id))
+                lease = self._by_lease.get(self._by_request.get(some_id, some_id))
                 if lease is None:
                     unknown.append(some_id)
                 else:
@@ -135,12 +137,6 @@ class LeaseTable(Generic[Held]):
     def held(self) -> list[Held]:
         with self._lock:
             return [lease.held for lease in self._by_lease.values()] + [lease.held for lease in self._ended]
-
-    def _live(self, lease_id: str) -> Lease[Held] | None:
-        # Past its expiry but not yet collected by `expire`, a lease still holds its
-        # blocks, so "held" stays true; a late heartbeat (the serving thread was starved)
-        # keeps it. Only `expire` decides that a peer went silent.
-        return self._by_lease.get(lease_id)
 
     def _retire(self, lease: Lease[Held], why: str) -> None:
         del self._by_lease[lease.lease_id]

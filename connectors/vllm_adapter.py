@@ -339,20 +339,6 @@ class CacheRules:
         assert rules.sliding_window is not None
         return SlidingWindowManager._contiguous_blocks_for_hit(rules.sliding_window, rules.block_size, rules.eagle)
 
-    def reachable_mask(self, group_id: int, end_block: int, boundaries: Sequence[int]) -> list[bool] | None:
-        """Which of blocks [0, end_block) the core would publish (None: all of them)."""
-        manager = self._coordinator.single_type_managers[group_id]
-        return manager.reachable_block_mask(
-            start_block=0,
-            end_block=end_block,
-            alignment_tokens=manager.cache_hit_alignment_tokens,
-            kv_cache_spec=manager.kv_cache_spec,
-            use_eagle=manager.use_eagle,
-            retention_interval=self.retention_interval,
-            reachable_boundaries=boundaries,
-            dcp_world_size=manager.dcp_world_size,
-        )
-
     def lookup_hit(self, cached: Mapping[int, set[int]], shared_tokens: int, num_tokens: int) -> int:
         """The hit vLLM's own lookup returns for a request of `num_tokens` tokens whose first
         `shared_tokens` match content of which `cached` (group -> logical block indices) is
