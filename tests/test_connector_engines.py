@@ -19,7 +19,15 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from pdconnect.bench.cluster import Cluster, ManagedProcess, PrefixCacheCounters, fetch_metrics, vllm_server, warm_up
+from pdconnect.bench.cluster import (
+    Cluster,
+    ManagedProcess,
+    PrefixCacheCounters,
+    engine_client,
+    fetch_metrics,
+    vllm_server,
+    warm_up,
+)
 from pdconnect.bench.tinymodel import DSV4_LIKE_MIMO_V2, TinyModelSpec, ensure_model
 from tests.engine_support import (
     MODEL_NAME, REQUEST_TIMEOUT_S, SPEC, completed, completion, engine_args, pd_kv_transfer, prompt_ids,
@@ -54,8 +62,18 @@ SETUPS = [
     Setup("llama-mooncake-no-eagle", SPEC, 128, "mooncake", eagle=False),
     Setup("mimo-v2-mooncake", DSV4_LIKE_MIMO_V2, 64, "mooncake"),
 ]
-# Real traffic shapes (issue: long suffixes, concurrent siblings, multi-turn) run on these.
-TRAFFIC_SETUPS = ("llama-mooncake", "llama-nixl", "llama-mooncake-no-eagle")
+
+
+def on_setups(*names: str) -> pytest.MarkDecorator:
+    """Run a test on these setups only (the module's engines, reused: same ids)."""
+    chosen = [setup for setup in SETUPS if setup.name in names]
+    assert len(chosen) == len(names), f"unknown setup in {names}"
+    return pytest.mark.parametrize("pair", chosen, indirect=True, ids=lambda setup: setup.name)
+
+
+# Real traffic shapes (issue: long suffixes, concurrent siblings, multi-turn) run on the
+# block-128 Llama setups: both transports, EAGLE on and off.
+on_traffic_setups = on_setups("llama-mooncake", "llama-nixl", "llama-mooncake-no-eagle")
 
 
 @dataclass(frozen=True)
@@ -113,7 +131,7 @@ def pair(request: pytest.FixtureRequest, cluster: Cluster, references: dict[str,
 
 @pytest.fixture(scope="module")
 def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+    with engine_client(REQUEST_TIMEOUT_S) as client:
         yield client
 
 
@@ -166,10 +184,9 @@ def test_the_transport_really_in_use_is_exported(pair: Pair, http: httpx.Client)
     assert metrics.total("pdconnect:transport_info", transport=expected) == 1
 
 
+@on_setups("llama-mooncake")  # the failure path does not depend on the model or transport
 def test_malformed_transfer_params_fail_the_request_and_the_engine_keeps_serving(
         pair: Pair, http: httpx.Client) -> None:
-    if pair.setup.name != "llama-mooncake":
-        pytest.skip("the failure path does not depend on the model or transport")
     prompt = prompt_ids(seed=pair.seed(24), length=300)
     broken = {"do_remote_prefill": True, "remote_engine_id": "nobody", "remote_port": "not-a-port"}
 
@@ -186,11 +203,6 @@ def test_malformed_transfer_params_fail_the_request_and_the_engine_keeps_serving
 
 LONG_SUFFIX = 300
 CHAT_SYSTEM, CHAT_QUESTION, CHAT_TURNS = 1100, 300, 4
-
-
-def _traffic_only(pair: Pair) -> None:
-    if pair.setup.name not in TRAFFIC_SETUPS:
-        pytest.skip("traffic shapes run on the block-128 Llama setups (both transports, EAGLE on and off)")
 
 
 def _colocated(http: httpx.Client, pair: Pair, prompt: list[int]) -> tuple[int, dict]:
@@ -222,9 +234,9 @@ def _same_answer(served: dict, alone: dict) -> None:
             == pytest.approx(alone["choices"][0]["logprobs"]["token_logprobs"], rel=1e-5, abs=1e-5))
 
 
+@on_traffic_setups
 def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
         pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]) -> None:
-    _traffic_only(pair)
     prefix = prompt_ids(seed=pair.seed(31), length=1100)
     siblings = [prefix + prompt_ids(seed=pair.seed(32 + i), length=LONG_SUFFIX) for i in range(3)]
 
@@ -241,9 +253,9 @@ def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
     _assert_pools_back_to_baseline(http, pair)
 
 
+@on_traffic_setups
 def test_concurrent_siblings_each_hit_what_a_serial_sibling_would(
         pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]) -> None:
-    _traffic_only(pair)
     # 1200 + 64: the first sibling's replay run covers blocks the second fully shares, so
     # a serial sibling hits (1100 + 64 would hit 0 even colocated: the run ends past 1100).
     prefix = prompt_ids(seed=pair.seed(41), length=1200)
@@ -281,9 +293,9 @@ def _chat(serve: Callable[[list[int]], tuple[int, dict]], seed: int) -> list[int
     return hits
 
 
+@on_traffic_setups
 def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
         pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]) -> None:
-    _traffic_only(pair)
     answers: dict[int, dict] = {}
 
     def colocated(prompt: list[int]) -> tuple[int, dict]:

@@ -31,6 +31,7 @@ from pdconnect.bench.cluster import (
     PrefixCacheCounters,
     ProcessSpec,
     StartupError,
+    engine_client,
     vllm_server,
     warm_up,
 )
@@ -183,7 +184,7 @@ def pd_pair(booting: Booting) -> PDPair:
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
+    with engine_client(REQUEST_TIMEOUT_S) as http:
         yield http
 
 

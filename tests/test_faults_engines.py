@@ -39,7 +39,7 @@ import pytest
 import zmq
 
 from pdconnect.bench.cluster import (
-    Cluster, ManagedProcess, default_build_dir, fetch_metrics, router_server, vllm_server, warm_up,
+    Cluster, ManagedProcess, default_build_dir, engine_client, fetch_metrics, router_server, vllm_server, warm_up,
 )
 from pdconnect.bench.tinymodel import ensure_model
 from pdconnect.envelope import Envelope, encode_message
@@ -211,7 +211,7 @@ mooncake_only = pytest.mark.parametrize("engine_set", ["mooncake"], indirect=Tru
 
 @pytest.fixture(scope="module")
 def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+    with engine_client(REQUEST_TIMEOUT_S) as client:
         yield client
 
 
@@ -342,7 +342,7 @@ def _hold_the_slot(url: str, started: threading.Event, stop: threading.Event, to
     """Stream one long decode-only request until `stop`; closing the stream aborts it."""
     payload = {"model": MODEL_NAME, "prompt": prompt_ids(7, 16), "max_tokens": 4000, "temperature": 0.0,
                "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client, \
+    with engine_client(REQUEST_TIMEOUT_S) as client, \
             client.stream("POST", f"{url}/v1/completions", json=payload) as response:
         for line in response.iter_lines():
             if line.startswith("data: "):

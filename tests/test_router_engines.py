@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from pdconnect.bench.cluster import (
-    Cluster, ManagedProcess, PrefixCacheCounters, ProcessSpec, fetch_metrics, vllm_server, warm_up,
+    Cluster, ManagedProcess, PrefixCacheCounters, ProcessSpec, engine_client, fetch_metrics, vllm_server, warm_up,
 )
 from pdconnect.bench.tinymodel import ensure_model
 from tests.engine_support import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, pd_kv_transfer, prompt_ids
@@ -115,7 +115,7 @@ def reference_router(engines: Engines) -> str:
 
 @pytest.fixture(scope="module")
 def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=TIMEOUT_S) as client:
+    with engine_client(TIMEOUT_S) as client:
         yield client
 
 

@@ -45,7 +45,7 @@ def test_one_connection_carries_many_requests_and_compressed_answers_are_inflate
         engine = FakeEngine(chunks=3)
         engine.faults.gzip = gzip_answers
         await engine.start()
-        pool = UpstreamPool(1.0)
+        pool = UpstreamPool(1.0, keepalive=30.0)
         try:
             for _ in range(3):
                 status, data = await _exchange(pool, engine, {"prompt": "a b", "stream": True})
@@ -64,7 +64,7 @@ def test_a_connection_dropped_mid_stream_is_an_upstream_error() -> None:
         engine = FakeEngine(chunks=8)
         engine.faults.drop_after_chunks = 2
         await engine.start()
-        pool = UpstreamPool(1.0)
+        pool = UpstreamPool(1.0, keepalive=30.0)
         try:
             with pytest.raises(UpstreamError):
                 await _exchange(pool, engine, {"prompt": "a b", "stream": True})
@@ -99,7 +99,7 @@ def test_a_pooled_connection_the_engine_closed_while_idle_is_not_reused() -> Non
         engine = FakeEngine(chunks=2)
         await engine.start()
         port = int(engine.url.rsplit(":", 1)[1])
-        pool = UpstreamPool(1.0)
+        pool = UpstreamPool(1.0, keepalive=30.0)
         try:
             assert (await _exchange(pool, engine, {"prompt": "a b"}))[0] == 200
             await engine.close()  # the engine restarts: its side of the idle connection closes
@@ -112,4 +112,55 @@ def test_a_pooled_connection_the_engine_closed_while_idle_is_not_reused() -> Non
         finally:
             pool.close()
             await engine.close()
+    _run_on_both_loops(scenario)
+
+
+async def _closing_at_keepalive(idle_limit: float) -> tuple[asyncio.Server, str]:
+    """A server that, like uvicorn at its keep-alive timeout, drops a connection idle for
+    `idle_limit` seconds; a request arriving on it then gets no answer (the race, made
+    certain: in real life the request and the close cross on the wire)."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if loop.time() - last > idle_limit:
+                    break
+                writer.write(answer)
+                await writer.drain()
+                last = loop.time()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+@pytest.mark.parametrize("keepalive", [0.2, 30.0], ids=["below-engine-keepalive", "above-engine-keepalive"])
+def test_an_idle_connection_is_given_up_before_the_engine_closes_it(keepalive: float) -> None:
+    async def scenario() -> None:
+        server, url = await _closing_at_keepalive(idle_limit=0.5)
+        pool = UpstreamPool(1.0, keepalive=keepalive)
+        try:
+            async with asyncio.timeout(HANG):
+                resp = await pool.post(url, "/v1/completions", b"{}", {})
+                assert resp.status == 200 and await resp.read() == b"{}"
+                resp.release()
+                await asyncio.sleep(0.7)  # idle past the server's limit
+                if keepalive < 0.5:
+                    resp = await pool.post(url, "/v1/completions", b"{}", {})
+                    assert resp.status == 200 and await resp.read() == b"{}"
+                    resp.release()
+                else:  # a pool that keeps connections longer than the engine sends into the close
+                    with pytest.raises(UpstreamError):
+                        await pool.post(url, "/v1/completions", b"{}", {})
+        finally:
+            pool.close()
+            server.close()
     _run_on_both_loops(scenario)

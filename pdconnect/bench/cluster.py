@@ -103,6 +103,18 @@ def free_port(exclude: Iterable[int] = ()) -> int:
     raise RuntimeError("no free TCP port found")
 
 
+# vLLM's API server (uvicorn) closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+# seconds (5 by default), and httpx keeps one for 5 s too: a request sent on a pooled
+# connection just as the server closes it fails with "connection reset by peer". A client
+# that gives connections up well before the server does never sends on a closing one.
+ENGINE_KEEPALIVE_S = 2.0
+
+
+def engine_client(timeout: float) -> httpx.Client:
+    """An httpx client for talking to vLLM engines: pooled, but never past their keep-alive."""
+    return httpx.Client(timeout=timeout, limits=httpx.Limits(keepalive_expiry=ENGINE_KEEPALIVE_S))
+
+
 @dataclass(frozen=True)
 class ProcessSpec:
     """How to start one process and how to know it is ready.
@@ -248,7 +260,7 @@ class Cluster:
         """
         pending = [p for p in procs if p.spec.health_url is not None]
         last_report = 0.0
-        with httpx.Client(timeout=2.0) as client:
+        with engine_client(2.0) as client:
             while pending:
                 for proc in list(pending):
                     elapsed = time.monotonic() - proc.started_at

@@ -40,7 +40,7 @@ import httpx
 import msgspec
 from tqdm import tqdm
 
-from pdconnect.bench.cluster import MetricsSnapshot, PrefixCacheCounters, fetch_metrics
+from pdconnect.bench.cluster import MetricsSnapshot, PrefixCacheCounters, engine_client, fetch_metrics
 from pdconnect.bench.scenarios import Prompt, Scenario, Step, TokenSource, warmup_step
 from pdconnect.bench.tinymodel import FIRST_WORD_ID
 
@@ -298,7 +298,7 @@ class LoadGenerator:
         self._conversations: list[Prompt] = []
 
     async def __aenter__(self) -> LoadGenerator:
-        self._scraper = httpx.Client(timeout=30.0)
+        self._scraper = engine_client(30.0)
         timeout = aiohttp.ClientTimeout(total=self.deployment.request_timeout_s)
         # No per-host connection cap below the step's concurrency; a large read buffer so a
         # long SSE line never trips aiohttp's line limit.

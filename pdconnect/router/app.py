@@ -143,7 +143,7 @@ class Router:
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         config = self.config
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=max(1, int(config.dns_interval)))
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.upstream_keepalive, ttl_dns_cache=max(1, int(config.dns_interval)))
         # Engines are asked for identity encoding; one that compresses anyway (or a hop
         # between) is inflated here, so clients never get bytes their headers do not describe.
         # No cookie jar: engines set no cookies, and filtering one costs every request.
@@ -151,7 +151,7 @@ class Router:
                                         headers={"Accept-Encoding": "identity"})
         self._session = session
         releaser = PrefillReleaser(self._secret, config.release_timeout, self.metrics)
-        upstream = UpstreamPool(config.connect_timeout)
+        upstream = UpstreamPool(config.connect_timeout, config.upstream_keepalive)
         feed = self._kv_events_feed() if config.policy == "kv-aware" else None
         self._flow = PDFlow(config, self.registry, upstream, self.metrics, releaser,
                             make_policy(config.policy, config.affinity_load_factor, config.affinity_vnodes, feed),

@@ -114,6 +114,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     tokenizer: str | None = None
 
     connect_timeout: float = 2.0
+    # Idle pooled connections to engines are closed after this many seconds: below the
+    # engines' own keep-alive (vLLM's uvicorn closes after VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+    # 5 s by default), so a request is never sent on a connection the engine is closing.
+    upstream_keepalive: float = 4.0
     prefill_timeout: float = 60.0
     # Streaming: until the decode engine's first chunk (includes its KV pull).
     decode_first_byte_timeout: float = 60.0
@@ -152,7 +156,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:
-        for name in ("dns_interval", "connect_timeout", "prefill_timeout",
+        for name in ("dns_interval", "connect_timeout", "upstream_keepalive", "prefill_timeout",
                      "decode_first_byte_timeout", "decode_timeout", "stream_idle_timeout",
                      "health_timeout", "breaker_cooldown", "release_timeout", "body_read_timeout"):
             if getattr(self, name) <= 0:

@@ -212,23 +212,34 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 
 
 class _EnginePool:
-    """Idle keep-alive connections to one engine (`scheme://host:port`)."""
+    """Idle keep-alive connections to one engine (`scheme://host:port`).
 
-    def __init__(self, origin: str, keep: int) -> None:
+    A connection idle for `keepalive` seconds is closed rather than reused: the engine
+    closes idle connections on its own clock (uvicorn's keep-alive), and a request written
+    just as it does is lost with the connection.
+    """
+
+    def __init__(self, origin: str, keep: int, keepalive: float) -> None:
         parts = urlsplit(origin)
         self.host = parts.hostname or ""
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if parts.scheme == "https" else None
         self.host_header = parts.netloc.encode()
-        self._idle: list[UpstreamResponse] = []
+        # (connection, when it went idle), oldest first.
+        self._idle: list[tuple[UpstreamResponse, float]] = []
         self._keep = keep
+        self._keepalive = keepalive
 
     async def get(self, connect_timeout: float) -> UpstreamResponse:
+        loop = asyncio.get_running_loop()
+        stale_before = loop.time() - self._keepalive
         while self._idle:
-            conn = self._idle.pop()
+            conn, idle_since = self._idle.pop()
+            if idle_since < stale_before:
+                self.close()  # this one and every older one
+                break
             if conn.reusable:
                 return conn
-        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_timeout):
                 transport, protocol = await loop.create_connection(lambda: UpstreamResponse(self), self.host,
@@ -241,16 +252,15 @@ class _EnginePool:
 
     def put(self, conn: UpstreamResponse) -> None:
         if len(self._idle) < self._keep:
-            self._idle.append(conn)
+            self._idle.append((conn, asyncio.get_running_loop().time()))
         else:
             conn.close()
 
     def forget(self, conn: UpstreamResponse) -> None:
-        if conn in self._idle:
-            self._idle.remove(conn)
+        self._idle = [entry for entry in self._idle if entry[0] is not conn]
 
     def close(self) -> None:
-        for conn in self._idle:
+        for conn, _ in self._idle:
             conn.close()
         self._idle.clear()
 
@@ -258,8 +268,9 @@ class _EnginePool:
 class UpstreamPool:
     """Pools by engine origin; `post` opens (or reuses) a connection and sends one request."""
 
-    def __init__(self, connect_timeout: float, keep_per_engine: int = 256) -> None:
+    def __init__(self, connect_timeout: float, keepalive: float, keep_per_engine: int = 256) -> None:
         self._connect_timeout = connect_timeout
+        self._keepalive = keepalive
         self._keep = keep_per_engine
         self._pools: dict[str, _EnginePool] = {}
 
@@ -267,7 +278,7 @@ class UpstreamPool:
         """The response, its status and headers read; the body is the caller's to read."""
         pool = self._pools.get(origin)
         if pool is None:
-            pool = self._pools[origin] = _EnginePool(origin, self._keep)
+            pool = self._pools[origin] = _EnginePool(origin, self._keep, self._keepalive)
         head = [f"POST {path} HTTP/1.1\r\n".encode(), b"Host: ", pool.host_header,
                 b"\r\nAccept-Encoding: identity\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
         for name, value in headers.items():
