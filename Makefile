@@ -131,6 +131,14 @@ bench-router: install router-ref
 bench-coalesce: install
 	$(PY) -m pdconnect.bench.coalesce --transport $(TRANSPORT)
 
+# 2 prefill + 2 decode engines, four routers in turn (ours kv-aware and prefix-affinity,
+# vllm-router cache_aware and consistent_hash), caches emptied between: decode-local hits,
+# TTFT and per-engine load on prefix-repetition and multi-turn (TRANSPORT=nixl works too).
+.PHONY: bench-routing
+bench-routing: install router-ref
+	@mkdir -p results
+	$(PY) -m pdconnect.bench.routing --transport $(TRANSPORT) --json results/bench-routing.json
+
 # Container images the manifests name, built from deploy/images/ with the repository root
 # as context (deploy/README.md, "Images"). The defaults are the names the overlays use;
 # `make images REGISTRY=registry.internal/ml TAG=0.2.0 CONTAINER=podman` for your own.
