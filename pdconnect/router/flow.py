@@ -432,40 +432,46 @@ class PDFlow:
                      first: bytes, merger: UsageMerger | None,
                      headers: CIMultiDict[str]) -> tuple[web.StreamResponse, bool | None]:
         """Stream the decode answer to the client. Returns the response and the engine's verdict."""
-        out = web.StreamResponse(status=resp.status, headers=headers)
+        out = _CoalescingStreamResponse(status=resp.status, headers=headers)
         # Always framed: whatever the engine leaves half-written is held back, never sent.
         rewriter = SseRewriter(merger)
         idle = self._stream_idle
         try:
             await out.prepare(http)
-            await out.write(rewriter.feed(first))
-            self._metrics.first_token(call.endpoint.label, time.perf_counter() - call.started)
-            broke: str | None = None
+            chunk, broke, timed = first, None, True
             while True:
+                data = rewriter.feed(chunk)
+                if resp.exhausted:
+                    break  # the engine's whole answer is here: `data` goes out with the end
+                await out.write(data)
+                if timed:
+                    self._metrics.first_token(call.endpoint.label, time.perf_counter() - call.started)
+                    timed = False
                 try:
                     chunk = await resp.chunk(idle)
                 except (UpstreamError, TimeoutError) as exc:
-                    broke = type(exc).__name__
+                    data, broke = b"", type(exc).__name__
                     break
                 if not chunk:
+                    data = b""
                     break
-                chunk = rewriter.feed(chunk)
-                if chunk:
-                    await out.write(chunk)
             if broke is None and rewriter.complete:
                 resp.release()
                 trace.outcome = "ok_fallback" if trace.fallback else "ok"
-                await out.write_eof()
+                # The last bytes and the chunked terminator in one write (with the headers
+                # too when the answer came in one read): each write wakes the client.
+                await out.write_eof(data)
+                if timed:
+                    self._metrics.first_token(call.endpoint.label, time.perf_counter() - call.started)
                 return out, True
-            # Bytes already reached the client, so no retry: drop any half event and end
+            # The client may already have bytes, so no retry: drop any half event and end
             # the stream with a whole error event and [DONE], the way vLLM reports errors.
             resp.close()
             partial = rewriter.drop_partial()
             trace.outcome = "decode_dropped"
             reason = broke or ("ended mid-event" if partial else "ended without [DONE]")
             logger.warning("decode stream from %s broke: %s", engine.url, reason)
-            await out.write(_stream_error(f"decode engine stream broke: {reason}"))
-            await out.write_eof()
+            await out.write_eof(data + _stream_error(f"decode engine stream broke: {reason}"))
             return out, False
         except ConnectionResetError:
             # The client left mid-stream: closing our side aborts the decode request.
@@ -544,6 +550,19 @@ class PDFlow:
             headers["X-PDConnect-Decode"] = engine.url
             headers["X-PDConnect-Prefill"] = trace.prefilled.engine.url if trace.prefilled else "none"
         return headers
+
+
+class _CoalescingStreamResponse(web.StreamResponse):
+    """A stream whose status line and headers leave with its first bytes, in one write.
+
+    aiohttp's StreamResponse writes the headers on `prepare()`, a write (and a wake-up of
+    the client) of their own; its `Response` buffers them until the body. This flag (an
+    aiohttp 3.12+ class attribute; older versions ignore it and send at `prepare()`) asks
+    for the same on a stream. The first chunk follows `prepare()` at once, so no client
+    waits longer for its headers.
+    """
+
+    _send_headers_immediately = False
 
 
 def load_tokenizer(path: str) -> Any:

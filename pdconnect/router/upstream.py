@@ -111,6 +111,12 @@ class UpstreamResponse(asyncio.Protocol):
         self._error = self._error or UpstreamError("connection closed")
 
     @property
+    def exhausted(self) -> bool:
+        """The whole response arrived and every byte of it was handed over: the last
+        `chunk()` was the last one (so its caller can finish the client's answer with it)."""
+        return self._complete and not self._chunks
+
+    @property
     def reusable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing() and self._error is None
 
