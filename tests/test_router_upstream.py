@@ -164,3 +164,85 @@ def test_an_idle_connection_is_given_up_before_the_engine_closes_it(keepalive: f
             pool.close()
             server.close()
     _run_on_both_loops(scenario)
+
+
+async def _dripping(first_after: float, gap: float, events: int, then_stall: bool) -> tuple[asyncio.Server, str]:
+    """A server answering every request with a chunked stream: headers and the first event
+    after `first_after` seconds, then `events` more, `gap` seconds apart, then the end (or
+    silence, `then_stall`)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            await asyncio.sleep(first_after)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"6\r\ndata:\n\r\n")
+            for _ in range(events):
+                await asyncio.sleep(gap)
+                writer.write(b"6\r\ndata:\n\r\n")
+            if then_stall:
+                await asyncio.sleep(HANG)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def _drain(resp: UpstreamResponse, idle: float | None) -> int:
+    received = 0
+    while data := await resp.chunk(idle):
+        received += data.count(b"data:")
+    return received
+
+
+def test_a_stream_outlives_its_idle_limit_while_bytes_keep_coming_and_a_stall_times_out() -> None:
+    async def scenario() -> None:
+        for stall in (False, True):
+            server, url = await _dripping(first_after=0.0, gap=0.1, events=6, then_stall=stall)
+            pool = UpstreamPool(1.0, keepalive=30.0)
+            try:
+                async with asyncio.timeout(HANG):
+                    resp = await pool.post(url, "/v1/completions", b"{}", {})
+                    if stall:  # 6 gaps under the limit, then silence longer than it
+                        with pytest.raises(TimeoutError):
+                            await _drain(resp, idle=0.35)
+                        resp.close()
+                    else:  # the whole stream takes longer than one idle limit
+                        assert await _drain(resp, idle=0.35) == 7
+                        resp.release()
+            finally:
+                pool.close()
+                server.close()
+    _run_on_both_loops(scenario)
+
+
+def test_the_exchange_deadline_bounds_the_answer_until_cleared() -> None:
+    async def scenario() -> None:
+        server, url = await _dripping(first_after=0.0, gap=0.1, events=6, then_stall=False)
+        slow, slow_url = await _dripping(first_after=HANG, gap=0.0, events=0, then_stall=False)
+        pool = UpstreamPool(1.0, keepalive=30.0)
+        try:
+            async with asyncio.timeout(HANG):
+                with pytest.raises(TimeoutError):  # no answer within the deadline
+                    await pool.post(slow_url, "/v1/completions", b"{}", {}, timeout=0.2)
+                resp = await pool.post(url, "/v1/completions", b"{}", {}, timeout=0.25)
+                with pytest.raises(TimeoutError):  # the stream runs past the exchange's deadline
+                    await _drain(resp, idle=None)
+                resp.close()
+                resp = await pool.post(url, "/v1/completions", b"{}", {}, timeout=0.25)
+                first = await resp.chunk()
+                resp.clear_deadline()  # the first bytes are here: only the idle limit holds now
+                assert first.count(b"data:") + await _drain(resp, idle=0.35) == 7
+                resp.release()
+        finally:
+            pool.close()
+            server.close()
+            slow.close()
+    _run_on_both_loops(scenario)

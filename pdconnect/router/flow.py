@@ -494,14 +494,16 @@ class PDFlow:
         """
         resp: UpstreamResponse | None = None
         try:
-            async with asyncio.timeout(deadline):
-                resp = await self._upstream.post(engine.url, call.endpoint.value, body, headers or call.headers)
-                if resp.status >= 400:
-                    await self._raise_for_status(resp)
-                data = await (resp.read() if whole else resp.chunk())
-                if not data:
-                    raise _AttemptFailed("dropped", "connection closed before the first byte")
-                return resp, data
+            # The deadline rides on the connection (one timer), not on asyncio.timeout.
+            resp = await self._upstream.post(engine.url, call.endpoint.value, body, headers or call.headers,
+                                             timeout=deadline)
+            if resp.status >= 400:
+                await self._raise_for_status(resp)
+            data = await (resp.read() if whole else resp.chunk())
+            if not data:
+                raise _AttemptFailed("dropped", "connection closed before the first byte")
+            resp.clear_deadline()  # a stream goes on under the idle limit alone
+            return resp, data
         except _AttemptFailed:
             _close(resp)
             raise

@@ -13,12 +13,22 @@ cancelled caller, a response left unread) closes it, which is also how an engine
 that its caller left (vLLM aborts a request whose connection closes). Reads stop when
 more than `_HIGH_WATER` bytes wait unread, so a slow client cannot make the router
 buffer an engine's whole stream.
+
+Time limits cost one timer per exchange, not one per wait: `post(..., timeout)` bounds
+the whole exchange (connect, headers, whatever body the caller reads before
+`clear_deadline()`), `chunk(idle)` bounds each wait for the next bytes; a single
+`TimerHandle` per connection serves both and, when it fires early (a stream's waits
+move on), re-arms itself for the limit now in force. `asyncio.timeout` per call, or
+a `call_later` per streamed chunk, was a timer, a task lookup and (CPython 3.11) a
+`getpid()` syscall in `get_running_loop()` each time. The loop is looked up once per
+pool for the same reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import ssl
 import zlib
 from urllib.parse import urlsplit
@@ -28,6 +38,9 @@ import httptools
 __all__ = ["UpstreamError", "ConnectFailed", "UpstreamResponse", "UpstreamPool"]
 
 _HIGH_WATER = 1 << 20
+# A limit within this of its end counts as reached: uvloop's clock and timers tick in
+# milliseconds, so a timer may fire a hair before the instant it was set for.
+_SLACK = 0.001
 _WBITS = {b"gzip": 16 + zlib.MAX_WBITS, b"x-gzip": 16 + zlib.MAX_WBITS, b"deflate": 32 + zlib.MAX_WBITS}
 
 
@@ -44,6 +57,7 @@ class UpstreamResponse(asyncio.Protocol):
 
     def __init__(self, pool: _EnginePool) -> None:
         self._pool = pool
+        self._loop = pool.loop
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._chunks: collections.deque[bytes] = collections.deque()
@@ -58,13 +72,27 @@ class UpstreamResponse(asyncio.Protocol):
         self._complete = False
         self._keep_alive = False
         self._inflater: zlib._Decompress | None = None
+        # Time limits (loop clock): the exchange's deadline, the current wait's idle limit
+        # and when that wait began; one timer enforces whichever ends first.
+        self._expires = math.inf
+        self._idle: float | None = None
+        self._wait_began = 0.0
+        self._timer: asyncio.TimerHandle | None = None
 
     # --- the caller's side ----------------------------------------------------------------
 
-    def send(self, head: bytes, body: bytes) -> None:
+    def send(self, head: bytes, body: bytes, expires: float = math.inf) -> None:
+        """Write one request; every wait for its answer fails with TimeoutError once the
+        loop clock passes `expires`, until `clear_deadline()`."""
         assert self._transport is not None
         self._reset()
+        self._expires = expires
         self._transport.write(head + body)
+
+    def clear_deadline(self) -> None:
+        """The exchange's deadline no longer applies (the caller has what it was for);
+        waits are bounded by `chunk(idle)` alone from here."""
+        self._expires = math.inf
 
     async def start(self) -> None:
         """Wait for the status line and headers."""
@@ -99,6 +127,7 @@ class UpstreamResponse(asyncio.Protocol):
 
     def release(self) -> None:
         """Done with this response: pool the connection if it can carry another request."""
+        self._disarm()
         if (self._complete and not self._chunks and self._error is None and self._transport is not None
                 and not self._transport.is_closing() and self._keep_alive):
             self._pool.put(self)
@@ -106,6 +135,7 @@ class UpstreamResponse(asyncio.Protocol):
             self.close()
 
     def close(self) -> None:
+        self._disarm()
         if self._transport is not None:
             self._transport.close()
         self._error = self._error or UpstreamError("connection closed")
@@ -120,25 +150,50 @@ class UpstreamResponse(asyncio.Protocol):
     def reusable(self) -> bool:
         return self._transport is not None and not self._transport.is_closing() and self._error is None
 
-    async def _wait(self, timeout: float | None = None) -> None:
+    async def _wait(self, idle: float | None = None) -> None:
         if self._error is not None:
             raise self._error
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         waiter = self._waiter = loop.create_future()
-        # A timer on the waiter, not asyncio.timeout: this runs once per streamed chunk.
-        timer = loop.call_later(timeout, _expire, waiter) if timeout is not None else None
+        self._idle = idle
+        if idle is not None or self._expires != math.inf:
+            self._wait_began = loop.time()
+            if self._timer is None:
+                self._timer = loop.call_at(self._limit(), self._on_timer)
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+
+    def _limit(self) -> float:
+        """When the current wait must end (loop clock)."""
+        if self._idle is None:
+            return self._expires
+        return min(self._expires, self._wait_began + self._idle)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits now; the next wait arms a timer of its own
+        limit = self._limit()
+        if limit - _SLACK <= self._loop.time():
+            waiter.set_exception(TimeoutError())
+        elif limit != math.inf:
+            self._timer = self._loop.call_at(limit, self._on_timer)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     def _reset(self) -> None:
+        self._disarm()
+        self._idle = None
         self._parser = httptools.HttpResponseParser(self)
         self._chunks.clear()
         self._buffered = 0
@@ -212,11 +267,6 @@ class UpstreamResponse(asyncio.Protocol):
         self._wake()
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
-
-
 class _EnginePool:
     """Idle keep-alive connections to one engine (`scheme://host:port`).
 
@@ -225,7 +275,8 @@ class _EnginePool:
     just as it does is lost with the connection.
     """
 
-    def __init__(self, origin: str, keep: int, keepalive: float) -> None:
+    def __init__(self, origin: str, keep: int, keepalive: float, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
         parts = urlsplit(origin)
         self.host = parts.hostname or ""
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -235,10 +286,24 @@ class _EnginePool:
         self._idle: list[tuple[UpstreamResponse, float]] = []
         self._keep = keep
         self._keepalive = keepalive
+        # Request line and fixed headers per path, built once.
+        self._heads: dict[str, bytes] = {}
 
-    async def get(self, connect_timeout: float) -> UpstreamResponse:
-        loop = asyncio.get_running_loop()
-        stale_before = loop.time() - self._keepalive
+    def head(self, path: str) -> bytes:
+        """`POST path`, Host and Accept-Encoding, ending with the `Content-Length: ` name."""
+        head = self._heads.get(path)
+        if head is None:
+            head = self._heads[path] = (f"POST {path} HTTP/1.1\r\nHost: ".encode() + self.host_header
+                                        + b"\r\nAccept-Encoding: identity\r\nContent-Length: ")
+        return head
+
+    async def get(self, connect_timeout: float, expires: float = math.inf) -> UpstreamResponse:
+        """An idle connection, or a new one within `connect_timeout` and before `expires`
+        (TimeoutError when `expires` is what ran out: the caller's deadline, not the engine's
+        connect, failed)."""
+        loop = self.loop
+        now = loop.time()
+        stale_before = now - self._keepalive
         while self._idle:
             conn, idle_since = self._idle.pop()
             if idle_since < stale_before:
@@ -246,11 +311,16 @@ class _EnginePool:
                 break
             if conn.reusable:
                 return conn
+        deadline_binds = expires - now < connect_timeout
         try:
-            async with asyncio.timeout(connect_timeout):
+            async with asyncio.timeout(min(connect_timeout, expires - now)):
                 transport, protocol = await loop.create_connection(lambda: UpstreamResponse(self), self.host,
                                                                    self.port, ssl=self.ssl)
-        except (OSError, TimeoutError) as exc:
+        except TimeoutError:
+            if deadline_binds:
+                raise
+            raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: TimeoutError") from None
+        except OSError as exc:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc or type(exc).__name__}") from None
         # uvloop may call connection_made only after create_connection returned.
         protocol.attach(transport)
@@ -258,7 +328,7 @@ class _EnginePool:
 
     def put(self, conn: UpstreamResponse) -> None:
         if len(self._idle) < self._keep:
-            self._idle.append((conn, asyncio.get_running_loop().time()))
+            self._idle.append((conn, self.loop.time()))
         else:
             conn.close()
 
@@ -279,21 +349,30 @@ class UpstreamPool:
         self._keepalive = keepalive
         self._keep = keep_per_engine
         self._pools: dict[str, _EnginePool] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def post(self, origin: str, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        """The response, its status and headers read; the body is the caller's to read."""
+    async def post(self, origin: str, path: str, body: bytes, headers: dict[str, str],
+                   timeout: float | None = None) -> UpstreamResponse:
+        """The response, its status and headers read; the body is the caller's to read.
+
+        `timeout` bounds the whole exchange: connecting, the answer's headers, and every
+        read of its body until the response's `clear_deadline()` (TimeoutError).
+        """
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        expires = math.inf if timeout is None else loop.time() + timeout
         pool = self._pools.get(origin)
         if pool is None:
-            pool = self._pools[origin] = _EnginePool(origin, self._keep, self._keepalive)
-        head = [f"POST {path} HTTP/1.1\r\n".encode(), b"Host: ", pool.host_header,
-                b"\r\nAccept-Encoding: identity\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
+            pool = self._pools[origin] = _EnginePool(origin, self._keep, self._keepalive, loop)
+        head = [pool.head(path), str(len(body)).encode(), b"\r\n"]
         for name, value in headers.items():
             head.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
         head.append(b"\r\n")
-        conn = await pool.get(self._connect_timeout)
+        conn = await pool.get(self._connect_timeout, expires)
         # No resend on another connection if this one fails: the engine may have seen the
         # request (a decode may have claimed its plan); the flow decides what to retry.
-        conn.send(b"".join(head), body)
+        conn.send(b"".join(head), body, expires)
         try:
             await conn.start()
         except BaseException:
