@@ -35,27 +35,53 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
         inflater = zlib.decompressobj(_WBITS[encoding])
     else:
         raise UnsupportedEncoding(f"Content-Encoding {encoding!r} is not supported (gzip, deflate, identity)")
-    parts: list[bytes] = []
-    received = produced = 0
+    sink = _Sink(limit, inflater, encoding)
+    content = request.content
+    if content.is_eof():
+        # The whole body came in with the headers (most requests): nothing to wait for,
+        # so no deadline to arm.
+        sink.add(content.read_nowait())
+        return sink.body()
     try:
         async with asyncio.timeout(timeout):
-            while chunk := await request.content.readany():
-                received += len(chunk)
-                if received > limit:
-                    raise BodyTooLarge(f"request body is over the {limit}-byte limit")
-                if inflater is not None:
-                    # Never ask for more than one byte past the limit: the bomb stays small.
-                    chunk = inflater.decompress(chunk, limit + 1 - produced)
-                    if inflater.unconsumed_tail:
-                        raise BodyTooLarge(f"request body inflates to more than the {limit}-byte limit")
-                produced += len(chunk)
-                if produced > limit:
-                    raise BodyTooLarge(f"request body inflates to more than the {limit}-byte limit")
-                parts.append(chunk)
+            while chunk := await content.readany():
+                sink.add(chunk)
     except TimeoutError:
         raise BodyTimeout(f"request body not received within {timeout}s") from None
-    except zlib.error as exc:
-        raise BadRequest(f"request body is not valid {encoding}: {exc}") from None
-    if inflater is not None and not inflater.eof:
-        raise BadRequest(f"request body is truncated {encoding} data")
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return sink.body()
+
+
+class _Sink:
+    """The body so far: counted on the wire and after inflating, both within `limit`."""
+
+    def __init__(self, limit: int, inflater: zlib._Decompress | None, encoding: str) -> None:
+        self._limit = limit
+        self._inflater = inflater
+        self._encoding = encoding
+        self._parts: list[bytes] = []
+        self._received = 0
+        self._produced = 0
+
+    def add(self, chunk: bytes) -> None:
+        limit = self._limit
+        self._received += len(chunk)
+        if self._received > limit:
+            raise BodyTooLarge(f"request body is over the {limit}-byte limit")
+        if self._inflater is not None:
+            try:
+                # Never ask for more than one byte past the limit: the bomb stays small.
+                chunk = self._inflater.decompress(chunk, limit + 1 - self._produced)
+            except zlib.error as exc:
+                raise BadRequest(f"request body is not valid {self._encoding}: {exc}") from None
+            if self._inflater.unconsumed_tail:
+                raise BodyTooLarge(f"request body inflates to more than the {limit}-byte limit")
+        self._produced += len(chunk)
+        if self._produced > limit:
+            raise BodyTooLarge(f"request body inflates to more than the {limit}-byte limit")
+        self._parts.append(chunk)
+
+    def body(self) -> bytes:
+        if self._inflater is not None and not self._inflater.eof:
+            raise BadRequest(f"request body is truncated {self._encoding} data")
+        parts = self._parts
+        return parts[0] if len(parts) == 1 else b"".join(parts)
