@@ -109,8 +109,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
     kv_events_endpoints: dict[str, list[str]] = {}
-    # kv-aware needs a request's token ids: a tokenizer.json (or a directory holding one)
-    # for text prompts; without it only token-id prompts route by real hits.
+    # kv-aware needs a request's token ids: the model's directory (tokenizer.json,
+    # tokenizer_config.json, its chat template) for text and chat prompts, or a bare
+    # tokenizer.json for text only; without it only token-id prompts route by real hits.
     tokenizer: str | None = None
 
     connect_timeout: float = 2.0
@@ -271,8 +272,9 @@ def _parser() -> argparse.ArgumentParser:
     _add(routing, "kv-events-port", "kv-aware: port of every engine's vLLM KV events publisher", type=int)
     _add(routing, "kv-events-replay-port", "kv-aware: port of every engine's KV events replay socket",
          type=int)
-    _add(routing, "tokenizer", "kv-aware: tokenizer.json (or its directory) to turn text prompts into "
-         "token ids", metavar="PATH")
+    _add(routing, "tokenizer", "kv-aware: the model's directory (tokenizer.json, tokenizer_config.json, chat "
+         "template) to turn text and chat prompts into the engine's token ids; a bare tokenizer.json serves "
+         "text only; without it such prompts are placed by prefix affinity", metavar="PATH")
     _add(routing, "affinity-prefix-chars", "characters of prompt text hashed for the affinity key", type=int)
     _add(routing, "affinity-prefix-tokens", "token ids hashed for the affinity key", type=int)
     _add(routing, "affinity-load-factor", "no engine takes more than this times the mean load", type=float)

@@ -1,7 +1,9 @@
 """The life of one request: parse, prefill leg, decode leg, relay; retries, fallback, abort.
 
 Read top to bottom in `PDFlow.handle`:
-1. parse the client's body and hash its leading chunk (the affinity key);
+1. parse the client's body and hash its leading chunk (the affinity key); for the
+   kv-aware policy also compute the prompt's token ids as the engine will (chat rendered
+   with the model's template, `chat_template`), or leave the request to the key;
 2. prefill: the body with `max_tokens=1`, `stream=false` and
    `kv_transfer_params={"do_remote_decode": true}` to the key's prefill engine; on error
    or timeout the next engine, and when all failed, decode-only fallback (the decode
@@ -34,9 +36,11 @@ from typing import Any
 import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
+from prometheus_client import Counter
 
 from pdconnect.protocol import ProtocolError, decode_plan
 from pdconnect.router.body import read_body
+from pdconnect.router.chat_template import NotRendered, PromptTokenizer
 from pdconnect.router.config import RouterConfig
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
@@ -236,7 +240,19 @@ class PDFlow:
         # also under a limit on the silence between two chunks.
         self._stream_idle = config.stream_idle_timeout
         self._wants_tokens = config.policy == "kv-aware"
-        self._tokenizer = load_tokenizer(config.tokenizer) if self._wants_tokens and config.tokenizer else None
+        self._tokenizer: PromptTokenizer | None = None
+        if self._wants_tokens and config.tokenizer:
+            self._tokenizer = PromptTokenizer.load(config.tokenizer)
+            if self._tokenizer.template is None:
+                logger.warning("kv-aware: no usable chat template in %s; chat requests are placed by prefix "
+                               "affinity", config.tokenizer)
+        # Not in RouterMetrics: only a kv-aware flow has prompts to turn into token ids.
+        self._prompt_results = Counter(
+            "pdconnect_router_kv_aware_prompts",
+            "kv-aware: requests whose prompt token ids the router computed (result=ok), or could not "
+            "(result=the reason: no_tokenizer, no_chat_template, unsupported_request, unsupported_message, "
+            "template_error, tokenizer_error), placed by prefix affinity instead",
+            ["endpoint", "result"], registry=metrics.registry) if self._wants_tokens else None
 
     # --- the request, top to bottom -------------------------------------------------------
 
@@ -282,20 +298,46 @@ class PDFlow:
             forward["Authorization"] = headers["Authorization"]
         key = affinity_key(body, endpoint is Endpoint.CHAT, self._config.affinity_prefix_chars,
                            self._config.affinity_prefix_tokens)
-        tokens = self._tokens(fields) if self._wants_tokens else None
+        tokens = self._tokens(endpoint, fields, body) if self._wants_tokens else None
         return Call(endpoint=endpoint, body=body, raw=raw, tokens=tokens, request_id=request_id, stream=fields.stream,
                     key=key, headers=forward, started=started)
 
-    def _tokens(self, fields: _Prompt | _Chat) -> Sequence[int] | None:
-        """The prompt's token ids (a single prompt), tokenizing text when a tokenizer is set."""
+    def _tokens(self, endpoint: Endpoint, fields: _Prompt | _Chat, body: dict[str, Any]) -> Sequence[int] | None:
+        """The ids the engine will compute for the prompt, or None (prefix affinity places
+        the request); each outcome is counted. Never an error: the engine renders for itself."""
+        assert self._prompt_results is not None
+        try:
+            tokens = self._prompt_tokens(fields, body)
+        except NotRendered as exc:
+            self._prompt_results.labels(endpoint.label, exc.reason).inc()
+            logger.debug("kv-aware: no token ids for a %s request: %s", endpoint.label, exc)
+            return None
+        except Exception as exc:  # a tokenizer bug must not fail the request either
+            self._prompt_results.labels(endpoint.label, "tokenizer_error").inc()
+            logger.warning("kv-aware: tokenizing a %s request failed: %r", endpoint.label, exc)
+            return None
+        self._prompt_results.labels(endpoint.label, "ok").inc()
+        return tokens
+
+    def _prompt_tokens(self, fields: _Prompt | _Chat, body: dict[str, Any]) -> Sequence[int]:
+        if body.get("cache_salt") is not None:
+            # A salt changes every block hash; the index matches content only.
+            raise NotRendered("unsupported_request", "`cache_salt` is set")
         if isinstance(fields, _Chat):
-            return None  # the chat template lives in the engine; affinity decides
+            if self._tokenizer is None:
+                raise NotRendered("no_tokenizer", "no --tokenizer")
+            return self._tokenizer.chat(body)
         prompt = fields.prompt
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             return prompt  # type: ignore[return-value]
-        if isinstance(prompt, str) and self._tokenizer is not None:
-            return self._tokenizer.encode(prompt).ids  # type: ignore[no-any-return]
-        return None
+        if not isinstance(prompt, str):
+            raise NotRendered("unsupported_request", "a batch of prompts")
+        if self._tokenizer is None:
+            raise NotRendered("no_tokenizer", "no --tokenizer")
+        add_special_tokens = body.get("add_special_tokens", True)  # vLLM's default for completions
+        if not isinstance(add_special_tokens, bool):
+            raise NotRendered("unsupported_request", "`add_special_tokens` is not a boolean")
+        return self._tokenizer.text(prompt, add_special_tokens)
 
     # --- prefill leg ----------------------------------------------------------------------
 
@@ -565,15 +607,6 @@ class _CoalescingStreamResponse(web.StreamResponse):
     """
 
     _send_headers_immediately = False
-
-
-def load_tokenizer(path: str) -> Any:
-    """A `tokenizers.Tokenizer` from a tokenizer.json or a directory holding one."""
-    from pathlib import Path
-
-    from tokenizers import Tokenizer  # only the kv-aware policy with text prompts needs it
-    file = Path(path)
-    return Tokenizer.from_file(str(file / "tokenizer.json" if file.is_dir() else file))
 
 
 def _blame(suspects: list[Engine]) -> None:

@@ -16,9 +16,10 @@ and a key only moves while its engine is over the bound.
 
 `kv-aware` knows instead of guessing: from each engine's KV events (`kvevents`) it
 computes the prefix each engine really caches for the request's tokens and puts the
-longest hit first among the engines under the same load bound; with no tokens (chat,
-or text without `--tokenizer`), no fresh index, or no hit anywhere, it is prefix
-affinity.
+longest hit first among the engines under the same load bound. The tokens are the ids
+the engine will compute (`chat_template`: text tokenized, chat rendered with the model's
+template); with none (no `--tokenizer`, a request the router cannot render), no fresh
+index, or no hit anywhere, it is prefix affinity.
 
 Every policy returns the routable engines in preference order; the flow tries them in
 that order, so a retry goes to the key's next engine on the ring and stays stable.

@@ -1,0 +1,164 @@
+"""kv-aware routing of chat requests end to end: a router with `--tokenizer` (the tiny
+generated model's directory) in front of FAKE engines, one of which reports through a
+FAKE publisher (vLLM's own event classes) that it caches the chat's rendered prompt.
+
+The ids that engine reports are transformers' `apply_chat_template` on the same
+directory, not the router's own rendering. Requests the router cannot render (tools, a
+template that raises) and text without a tokenizer are served by prefix affinity, and
+each outcome is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+import pytest_asyncio
+import zmq
+
+from pdconnect.bench.fake_engine import FakeCluster
+from pdconnect.bench.tinymodel import TinyModelSpec, ensure_model
+from pdconnect.router import RunningRouter, load_config, start_router
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+pytestmark = pytest.mark.asyncio
+
+BS = 4
+HANG = 15.0
+CHAT = {"model": "tiny", "max_tokens": 2, "messages": [
+    {"role": "system", "content": "w1 w2 w3 w4 w5 w6 w7 w8"},
+    {"role": "user", "content": "w9 w10 w11 w12 w13 w14 w15 w16"},
+]}
+
+
+def _stored(tokens: list[int]) -> Any:
+    """vLLM's BlockStored for every full block of `tokens`."""
+    blocks = len(tokens) // BS
+    return kv_events.BlockStored(
+        block_hashes=[f"b{i}".encode() for i in range(blocks)], parent_block_hash=None,
+        token_ids=tokens[:blocks * BS], block_size=BS, lora_id=None, medium="GPU", lora_name=None,
+        group_idx=0, kv_cache_spec_kind="full_attention", kv_cache_spec_sliding_window=None)
+
+
+@dataclass
+class KvSetup:
+    fakes: FakeCluster
+    router: RunningRouter
+    http: aiohttp.ClientSession
+    publishers: dict[str, Any]
+
+    def count(self, name: str, **labels: str) -> float:
+        return self.router.router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    async def decode_engine(self, path: str, body: dict[str, Any]) -> str:
+        async with asyncio.timeout(HANG), self.http.post(self.router.url + path, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return resp.headers["X-PDConnect-Decode"]
+
+    async def publish(self, url: str, tokens: list[int]) -> None:
+        """Until the router applied it: a SUB socket joins asynchronously."""
+        batch = msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=0.0, events=[_stored(tokens)]))
+        applied = lambda: self.count("pdconnect_router_kv_events_total", result="ok")  # noqa: E731
+        seq = 0
+        async with asyncio.timeout(HANG):
+            while applied() == 0:
+                self.publishers[url].send_multipart([b"", seq.to_bytes(8, "big"), batch])
+                seq += 1
+                await asyncio.sleep(0.02)
+
+
+@pytest_asyncio.fixture
+async def kv_router() -> AsyncIterator[Any]:
+    made: list[KvSetup] = []
+    context = zmq.Context()
+
+    async def factory(**options: Any) -> KvSetup:
+        fakes = await FakeCluster.start(prefill=1, decode=2)
+        publishers = {url: context.socket(zmq.PUB) for url in fakes.decode_urls}
+        endpoints = {url: [f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"]
+                     for url, sock in publishers.items()}
+        router = await start_router(load_config({
+            "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
+            "policy": "kv-aware", "kv_events_endpoints": endpoints, **options}))
+        made.append(KvSetup(fakes, router, aiohttp.ClientSession(), publishers))
+        return made[-1]
+
+    yield factory
+    for s in made:
+        await s.http.close()
+        await s.router.close()
+        await s.fakes.close()
+    context.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir() -> Path:
+    return ensure_model(TinyModelSpec(kind="hybrid-llama"))
+
+
+def _transformers_ids(directory: Path, messages: list[dict[str, Any]]) -> list[int]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(directory)).apply_chat_template(
+        messages, tokenize=True, return_dict=False, add_generation_prompt=True)
+    return list(ids)
+
+
+async def test_chat_is_routed_to_the_engine_that_caches_its_rendered_prompt(kv_router, tiny_dir: Path) -> None:
+    s: KvSetup = await kv_router(tokenizer=str(tiny_dir))
+    by_affinity = await s.decode_engine("/v1/chat/completions", CHAT)
+    assert await s.decode_engine("/v1/chat/completions", CHAT) == by_affinity
+    other = next(url for url in s.fakes.decode_urls if url != by_affinity)
+    await s.publish(other, _transformers_ids(tiny_dir, CHAT["messages"]))
+    assert await s.decode_engine("/v1/chat/completions", CHAT) == other
+    assert s.count("pdconnect_router_kv_aware_prompts_total", endpoint="chat", result="ok") == 3
+
+
+async def test_chat_the_router_cannot_render_is_served_by_affinity_and_counted(kv_router, tiny_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    raising = tmp_path / "raising"
+    shutil.copytree(tiny_dir, raising, ignore=shutil.ignore_patterns("*.safetensors"))
+    (raising / "chat_template.jinja").write_text("{{ raise_exception('this template refuses everything') }}")
+    s: KvSetup = await kv_router(tokenizer=str(raising))
+    tools = {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    for body in (CHAT, tools):
+        by_affinity = await s.decode_engine("/v1/chat/completions", body)
+        assert await s.decode_engine("/v1/chat/completions", body) == by_affinity
+    assert s.count("pdconnect_router_kv_aware_prompts_total", endpoint="chat", result="template_error") == 2
+    assert s.count("pdconnect_router_kv_aware_prompts_total", endpoint="chat", result="unsupported_request") == 2
+    # Both reached the engines unchanged: the engine renders (and refuses) for itself.
+    decode_bodies = [seen.body for engine in s.fakes.decode for seen in engine.seen]
+    assert sum("tools" in b for b in decode_bodies) == 2
+
+
+async def test_without_a_tokenizer_text_and_chat_are_served_by_affinity_and_counted(kv_router) -> None:
+    s: KvSetup = await kv_router()
+    completion = {"model": "tiny", "prompt": "w1 w2 w3 w4 w5 w6 w7 w8", "max_tokens": 2}
+    await s.decode_engine("/v1/completions", completion)
+    await s.decode_engine("/v1/completions", {**completion, "prompt": list(range(10, 20))})
+    await s.decode_engine("/v1/chat/completions", CHAT)
+    assert s.count("pdconnect_router_kv_aware_prompts_total", endpoint="completions", result="no_tokenizer") == 1
+    assert s.count("pdconnect_router_kv_aware_prompts_total", endpoint="completions", result="ok") == 1
+    assert s.count("pdconnect_router_kv_aware_prompts_total", endpoint="chat", result="no_tokenizer") == 1
+
+
+async def test_a_tokenizer_file_routes_text_and_leaves_chat_to_affinity(kv_router, tiny_dir: Path) -> None:
+    s: KvSetup = await kv_router(tokenizer=str(tiny_dir / "tokenizer.json"))
+    completion = {"model": "tiny", "prompt": "w1 w2 w3 w4 w5 w6 w7 w8", "max_tokens": 2}
+    by_affinity = await s.decode_engine("/v1/completions", completion)
+    other = next(url for url in s.fakes.decode_urls if url != by_affinity)
+    from tokenizers import Tokenizer
+
+    await s.publish(other, Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).encode(completion["prompt"]).ids)
+    assert await s.decode_engine("/v1/completions", completion) == other
+    await s.decode_engine("/v1/chat/completions", CHAT)
+    assert s.count("pdconnect_router_kv_aware_prompts_total", endpoint="chat", result="no_chat_template") == 1
+    assert json.loads(json.dumps(CHAT)) == CHAT  # the module's body was not modified by the router
