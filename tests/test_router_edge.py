@@ -11,6 +11,7 @@ No timing is asserted; a generous deadline only turns a hang into a failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import hmac
 import json
@@ -108,6 +109,74 @@ async def test_body_that_never_finishes_is_cut_by_the_read_deadline(make) -> Non
         s.router.url, post_head(s.router.url, "/v1/completions", "Content-Length: 1000\r\n"), b'{"prompt": "')
     assert status == 408
     assert_openai_error(body, 408)
+
+
+# --- request head deadline ---------------------------------------------------------------------
+
+def _parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, _, value in (l.partition(":") for l in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+async def test_a_request_head_trickled_byte_by_byte_is_cut_by_the_header_deadline(make) -> None:
+    """Slowloris: a header byte every 50 ms keeps the connection busy forever unless the
+    whole head has a deadline. The router answers 408 (OpenAI error JSON) and closes."""
+    s: Setup = await make(header_read_timeout=0.3)
+    parts = urlsplit(s.router.url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        answer = asyncio.ensure_future(reader.read())  # everything until the router closes
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: slow\r\nX-Slow: ")
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 5.0  # far past the deadline: an open connection here is the bug
+        with contextlib.suppress(ConnectionError):
+            while not answer.done() and loop.time() < give_up:
+                writer.write(b"a")
+                await writer.drain()
+                await asyncio.sleep(0.05)
+        assert answer.done(), "the connection is still open long after the header deadline"
+        status, headers, body = _parse_response(await answer)
+    finally:
+        writer.close()
+    assert status == 408 and headers["connection"] == "close"
+    assert_openai_error(body, 408)
+    assert s.count("pdconnect_router_header_timeouts_total") == 1
+    assert s.p[0].seen == [] and s.d[0].seen == []
+
+
+async def test_the_header_deadline_spares_slow_bodies_idle_keepalive_and_long_streams(make) -> None:
+    """Only the head has the deadline: a body may take longer (it has its own), an idle
+    keep-alive connection waits for its next request, and a stream outlasts it."""
+    s: Setup = await make(header_read_timeout=0.3, body_read_timeout=5.0)
+    parts = urlsplit(s.router.url)
+    body = json.dumps(COMPLETION).encode()
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        async def answer() -> tuple[int, bytes]:
+            status_line = await reader.readline()
+            headers: dict[str, str] = {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode().partition(":")
+                headers[name.strip().lower()] = value.strip()
+            return int(status_line.split()[1]), await reader.readexactly(int(headers["content-length"]))
+
+        async with asyncio.timeout(HANG):
+            writer.write(post_head(s.router.url, "/v1/completions", f"Content-Length: {len(body)}\r\n"))
+            for i in range(0, len(body), len(body) // 4 + 1):  # the body over ~0.6 s
+                await asyncio.sleep(0.15)
+                writer.write(body[i:i + len(body) // 4 + 1])
+            assert (await answer())[0] == 200
+            await asyncio.sleep(0.6)  # idle between requests: keep-alive's business
+            writer.write(post_head(s.router.url, "/v1/completions", f"Content-Length: {len(body)}\r\n") + body)
+            assert (await answer())[0] == 200
+    finally:
+        writer.close()
+    s.d[0].faults.delay = 0.6
+    status, _, streamed = await s.post("/v1/completions", {**COMPLETION, "stream": True})
+    assert status == 200 and sse_events(streamed)[-1] == "[DONE]"
+    assert s.count("pdconnect_router_header_timeouts_total") == 0
 
 
 # --- admin API ------------------------------------------------------------------------------

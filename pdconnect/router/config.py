@@ -146,6 +146,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # deflate), all of it within this many seconds.
     max_body_bytes: int = 4 * 1024 * 1024
     body_read_timeout: float = 30.0
+    # A request's head (request line and headers) must arrive whole within this many
+    # seconds of its first byte, on every request of a connection: a client trickling
+    # header bytes would otherwise hold a connection (and a file descriptor) forever.
+    # The wait for a request's first byte is aiohttp's keep-alive timeout.
+    header_read_timeout: float = 10.0
     # Admin endpoints (/admin/engines) exist only with a token, or when explicitly open;
     # with `admin_port` they are served only there (on `admin_host`, loopback by default).
     admin_token_env: str | None = None
@@ -159,7 +164,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def __post_init__(self) -> None:
         for name in ("dns_interval", "connect_timeout", "upstream_keepalive", "prefill_timeout",
                      "decode_first_byte_timeout", "decode_timeout", "stream_idle_timeout",
-                     "health_timeout", "breaker_cooldown", "release_timeout", "body_read_timeout"):
+                     "health_timeout", "breaker_cooldown", "release_timeout", "body_read_timeout",
+                     "header_read_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.health_interval < 0:
@@ -293,6 +299,9 @@ def _parser() -> argparse.ArgumentParser:
     _add(flow, "side-channel-secret-env", "environment variable holding the side-channel secret", metavar="NAME")
     _add(flow, "max-body-bytes", "largest request body, as sent and once inflated", type=int, metavar="BYTES")
     _add(flow, "body-read-timeout", "seconds to receive a whole request body", **seconds)
+    _add(flow, "header-read-timeout", "seconds to receive a request's whole head (request line and headers) "
+         "from its first byte, on every request of a connection; the connection is closed after a 408",
+         **seconds)
     health = p.add_argument_group("health")
     _add(health, "health-interval", "seconds between /health polls; 0 = off", **seconds)
     _add(health, "health-timeout", "seconds per /health poll", **seconds)
