@@ -16,7 +16,7 @@ from pdconnect.bench.loadgen import RoleCounters, StepResult
 from pdconnect.bench.routing import (
     VARIANTS, EngineFigures, EngineSpec, ScenarioRun, consistency_problems, format_ratios, format_routing_table,
     goal_verdicts, in_flight_by_engine, kv_events_config, load_bound, parse_args, pdconnect_router_args,
-    plan_from_args, requests_in_flight, router_kv_events_config, vllm_router_argv,
+    plan_from_args, requests_in_flight, requests_served, router_kv_events_config, vllm_router_argv,
 )
 from pdconnect.router.config import parse_args as parse_router_args
 
@@ -91,6 +91,14 @@ def test_engine_load_is_running_plus_waiting_from_vllm_gauges() -> None:
     assert requests_in_flight(snapshot) == 3
 
 
+def test_requests_served_count_every_finish_reason() -> None:
+    snapshot = MetricsSnapshot.parse(
+        '# TYPE vllm:request_success counter\n'
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 7.0\n'
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 2.0\n')
+    assert requests_served(snapshot) == 9
+
+
 def test_router_load_is_read_per_engine_url() -> None:
     snapshot = MetricsSnapshot.parse(
         '# TYPE pdconnect_router_engine_in_flight gauge\n'
@@ -152,7 +160,8 @@ def _run(key: str, scenario: str, d_local: float, *, ok: int = 16, requests: int
     specs = _engines()
     router = router_loads if variant.ours else None
     engines = tuple(EngineFigures(role=s.role, name=s.name, url=s.url, cache=PrefixCacheCounters(0, 0, 0, 0),
-                                  max_in_flight=load, router_max_in_flight=None if router is None else router[i])
+                                  max_in_flight=load, router_max_in_flight=None if router is None else router[i],
+                                  requests=(8, 8, 11, 5)[i])
                     for i, (s, load) in enumerate(zip(specs, loads, strict=True)))
     step = _step(requests, ok, d_local, 17408 - d_local, 5000, (0.1, 0.2, 0.3, 0.4, 0.5),
                  errors=("HTTP 500: boom",) if ok < requests else ())
@@ -171,7 +180,9 @@ def test_table_has_one_row_per_variant_and_scenario_with_loads_per_engine_and_ou
     assert len(lines) == 2 + 4
     assert "D-local hit" in lines[0] and "TTFT p90" in lines[0] and "bound P/D" in lines[0]
     kv, _, vllm_row, _ = lines[2:]
-    assert "pdconnect kv-aware" in kv and "10752" in kv and "16/0" in kv and "1/1 2/2" in kv and "3/3" in kv
+    assert "pdconnect kv-aware" in kv and "10752" in kv and "16/0" in kv and "3/3" in kv
+    # Where requests went, the load vLLM saw, and our router's own count, per engine.
+    assert "8/8 11/5" in kv and kv.count("1/1 2/2") == 2
     assert "300 ms" in kv and "460 ms" in kv  # p50, p90 of 100..500 ms
     assert "vllm-router cache_aware" in vllm_row and vllm_row.rstrip().endswith("-")
 

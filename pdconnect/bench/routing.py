@@ -60,7 +60,7 @@ __all__ = [
     "VARIANTS", "EngineSpec", "RoutingPlan", "ScenarioRun", "Variant", "consistency_problems", "format_ratios",
     "format_routing_table", "goal_verdicts", "in_flight_by_engine", "kv_events_config", "load_bound", "main",
     "parse_args", "pdconnect_router_args", "plan_from_args", "requests_in_flight", "router_kv_events_config",
-    "vllm_router_argv",
+    "requests_served", "vllm_router_argv",
 ]
 
 Role = Literal["prefill", "decode"]
@@ -205,10 +205,14 @@ def pdconnect_router_args(variant: Variant, *, tokenizer: Path, load_factor: flo
 
     `--tokenizer` for both policies so text prompts route by real hits under kv-aware
     (token-id prompts need none); no fallback, so a request that cannot be served P/D
-    fails instead of being measured as decode-only.
+    fails instead of being measured as decode-only. Health polls are patient (10 s, 3
+    misses): with 1 s / 2 s / 2 misses a first run marked all four engines down at once
+    while they were busy on 2 shared cores, and a benchmark of placement must not measure
+    spills to engines wrongly thought down (vllm-router polls every 60 s by default).
     """
     args = ["--policy", variant.policy, "--tokenizer", str(tokenizer),
-            "--affinity-load-factor", str(load_factor), "--no-fallback", "--health-interval", "1",
+            "--affinity-load-factor", str(load_factor), "--no-fallback",
+            "--health-interval", "5", "--health-timeout", "10", "--health-failures", "3",
             "--prefill-timeout", str(timeout_s), "--decode-first-byte-timeout", str(timeout_s),
             "--decode-timeout", str(timeout_s)]
     if config is not None:
@@ -239,6 +243,11 @@ def requests_in_flight(snapshot: MetricsSnapshot) -> int:
     """vLLM's own view of its load: requests running plus waiting (a decode request waiting
     for its KV pull counts as waiting)."""
     return int(snapshot.total("vllm:num_requests_running") + snapshot.total("vllm:num_requests_waiting"))
+
+
+def requests_served(snapshot: MetricsSnapshot) -> int:
+    """Requests the engine finished, whatever the reason (`vllm:request_success`)."""
+    return int(snapshot.total("vllm:request_success"))
 
 
 def in_flight_by_engine(snapshot: MetricsSnapshot) -> dict[str, int]:
@@ -317,6 +326,8 @@ class EngineFigures:
     max_in_flight: int
     # Our router's own count for this engine (None: vllm-router, which exposes none).
     router_max_in_flight: int | None = None
+    # Requests the engine finished (`vllm:request_success`): where the router sent them.
+    requests: int = 0
 
 
 @dataclass(frozen=True)
@@ -368,6 +379,9 @@ class ScenarioRun:
     def loads(self, role: Role, router: bool = False) -> list[int | None]:
         return [e.router_max_in_flight if router else e.max_in_flight for e in self.engines if e.role == role]
 
+    def placed(self, role: Role) -> list[int | None]:
+        return [e.requests for e in self.engines if e.role == role]
+
     def over_bound(self, router: bool) -> list[str]:
         """Engines whose highest load exceeded the bound (empty without a bound)."""
         if self.bound is None:
@@ -384,7 +398,8 @@ class ScenarioRun:
             "prefill_local_hit_tokens": self.prefill_local,
             "ttft_p50_s": self.ttft(50), "ttft_p90_s": self.ttft(90),
             "in_flight_source": "max over samples of vllm:num_requests_running + vllm:num_requests_waiting; "
-                                "router_max_in_flight: pdconnect_router_engine_in_flight",
+                                "router_max_in_flight: pdconnect_router_engine_in_flight; requests: "
+                                "vllm:request_success",
             "load_bound": self.bound, "load_samples": self.load_samples,
             "engines": [{**dataclasses.asdict(e), "cache": dataclasses.asdict(e.cache)} for e in self.engines],
             "router_counters": self.router_counters,
@@ -430,12 +445,13 @@ def format_routing_table(runs: Sequence[ScenarioRun]) -> str:
             r.variant, r.scenario, f"{r.ok}/{r.failed}",
             f"{r.decode_local:.0f}", f"{r.pulled:.0f}", f"{r.prefill_local:.0f}",
             _ms(r.ttft(50)), _ms(r.ttft(90)),
-            _loads(r.loads("prefill")), _loads(r.loads("decode")),
+            f"{_loads(r.placed('prefill'))} {_loads(r.placed('decode'))}",
+            f"{_loads(r.loads('prefill'))} {_loads(r.loads('decode'))}",
             f"{_loads(r.loads('prefill', router=True))} {_loads(r.loads('decode', router=True))}" if ours else "-",
             f"{r.bound['prefill']}/{r.bound['decode']}" if ours and r.bound else "-",
         ])
     headers = ("variant", "scenario", "ok/failed", "D-local hit", "pulled", "P-local hit", "TTFT p50", "TTFT p90",
-               "max in-flight P0/P1", "D0/D1", "router's P0/P1 D0/D1", "bound P/D")
+               "served P0/P1 D0/D1", "max in-flight", "router's in-flight", "bound P/D")
     return format_table(headers, rows, left=2)
 
 
@@ -635,23 +651,25 @@ async def _run_scenario(variant: Variant, router: ManagedProcess, engines: Engin
                             prompt_format=prompt_format, request_timeout_s=REQUEST_TIMEOUT_S)
     urls = [s.url for s in engines]
     with engine_client(30.0) as client:
-        before = {url: PrefixCacheCounters.scrape(url, client) for url in urls}
+        before = {url: fetch_metrics(url, client) for url in urls}
         counters_before = _router_counters(router.base_url, client) if variant.ours else {}
         async with LoadGenerator(deployment) as generator:
             with LoadSampler(urls, router.base_url if variant.ours else None, plan.sample_interval_s) as sampler:
                 # No warm-up here (one ran through this router already): the steps are exactly
                 # what `pdconnect bench <scenario> --seed <seed> --warmups 0` sends.
                 steps = await run_scenario(generator, scenario, TokenSource(seed=seed), warmups=0)
-        after = {url: PrefixCacheCounters.scrape(url, client) for url in urls}
+        after = {url: fetch_metrics(url, client) for url in urls}
         counters = ({k: v - counters_before[k] for k, v in _router_counters(router.base_url, client).items()}
                     if variant.ours else {})
     concurrency = int(getattr(scenario, "concurrency"))
     bound = ({role: load_bound(plan.load_factor, concurrency, len(engines.urls(role))) for role in ROLES}
              if variant.ours else None)
     figures = tuple(EngineFigures(
-        role=s.role, name=s.name, url=s.url, cache=after[s.url] - before[s.url],
+        role=s.role, name=s.name, url=s.url,
+        cache=PrefixCacheCounters.from_snapshot(after[s.url]) - PrefixCacheCounters.from_snapshot(before[s.url]),
         max_in_flight=sampler.engine_max[s.url],
-        router_max_in_flight=sampler.router_max.get(s.url) if variant.ours else None) for s in engines)
+        router_max_in_flight=sampler.router_max.get(s.url) if variant.ours else None,
+        requests=requests_served(after[s.url]) - requests_served(before[s.url])) for s in engines)
     return ScenarioRun(variant=variant.label, scenario=scenario.name, concurrency=concurrency, steps=tuple(steps),
                        engines=figures, bound=bound, router_counters=counters, load_samples=sampler.samples)
 
@@ -749,10 +767,12 @@ def plan_from_args(args: argparse.Namespace) -> RoutingPlan:
 LEGEND = (
     "D-local hit = prompt tokens the decode engines served from their own prefix cache; pulled = tokens the\n"
     "connector loaded from a prefill engine; P-local hit = the prefill engines' own hits (engines' /metrics).\n"
-    "TTFT at the client (prefill leg and KV pull included). max in-flight = highest vllm:num_requests_running\n"
-    "+ vllm:num_requests_waiting seen per engine, sampled every {interval} s; router's = our router's own\n"
-    "pdconnect_router_engine_in_flight, the count its policy bounds; bound = ceil(load factor {factor} x\n"
-    "concurrency / engines), what our policies promise (vllm-router promises none: figures only)."
+    "TTFT at the client (prefill leg and KV pull included). served = requests each engine finished\n"
+    "(vllm:request_success). max in-flight = highest vllm:num_requests_running + vllm:num_requests_waiting\n"
+    "seen per engine, sampled every {interval} s (vLLM refreshes them after each engine step, so a prefill that\n"
+    "completes in one step never shows); router's in-flight = our router's own pdconnect_router_engine_in_flight,\n"
+    "the count its policy bounds, sampled likewise; bound = ceil(load factor {factor} x concurrency / engines),\n"
+    "what our policies promise (vllm-router promises none: figures only)."
 )
 
 
