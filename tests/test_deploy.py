@@ -8,8 +8,9 @@ with `kubectl kustomize`; the rendered objects are then checked
 - by what our software will do with them: the `--kv-transfer-config` each engine gets
   (after the kubelet's `$(VAR)` expansion) parses with `pdconnect.config`, the whole
   engine command line parses with vLLM's own `serve` parser, the router's with the
-  router's own parser, and the Service names, ports and timings they name match the
-  objects they point at.
+  router's own parser, and the Service names, ports, timings and model files they name
+  match the objects they point at (the router's `--tokenizer` is the engines' model,
+  from the same claim or generator, on a volume it mounts).
 
 kubectl, kubernetes-validate and checkov live in the tools venv `.venv-deploy` (they
 pin packages that would fight vLLM's); the module is skipped only if that venv is
@@ -614,6 +615,96 @@ def test_kv_aware_router_listens_where_every_engine_publishes_its_kv_events(rend
             assert events[key] == f"tcp://*:{port}", f"{component}: {key} {events[key]}"
         assert container_port(container, "kv-events") == config.kv_events_port
         assert container_port(container, "kv-replay") == config.kv_events_replay_port
+
+
+def _engine_config_file(render: Render, workload: dict[str, Any]) -> dict[str, Any]:
+    """The engine's `vllm serve --config` file, read from the ConfigMap mounted there."""
+    container = _container(workload)
+    path = one_flag(expanded_argv(render, workload, container), "--config")
+    volumes = {v["name"]: v for v in _pod(workload)["volumes"]}
+    for mount in container.get("volumeMounts", []):
+        source = volumes[mount["name"]].get("configMap")
+        if source is not None and path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            cm = render.get("ConfigMap", source["name"])
+            assert cm is not None, f"ConfigMap {source['name']} missing"
+            return yaml.safe_load(cm["data"][path[len(mount["mountPath"].rstrip("/")) + 1:]])
+    pytest.fail(f"--config {path} is not on a mounted ConfigMap")
+
+
+def path_origin(render: Render, workload: dict[str, Any], container: dict[str, Any],
+                path: str) -> tuple[Any, ...]:
+    """Where the files at `path` in `container` come from, comparable across pods: a
+    claim and the path inside it, or the init container that writes them into an
+    emptyDir (image, command) and the path inside the volume. AssertionError when `path`
+    is on no mounted volume, or on one nothing fills."""
+    pod = _pod(workload)
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+
+    def mount_of(c: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+        best = None
+        for m in c.get("volumeMounts", []):
+            root = m["mountPath"].rstrip("/")
+            if (path == root or path.startswith(root + "/")) and (best is None or len(root) > len(best[1])):
+                best = (m, root)
+        return best
+
+    found = mount_of(container)
+    assert found is not None, f"{path} is on no volume {container['name']} mounts"
+    mount, root = found
+    inside = "/".join(p for p in (mount.get("subPath", ""), path[len(root):].strip("/")) if p)
+    volume = volumes[mount["name"]]
+    if "persistentVolumeClaim" in volume:
+        return ("claim", volume["persistentVolumeClaim"]["claimName"], inside)
+    assert "emptyDir" in volume, f"{path}: volume {mount['name']} is neither a claim nor an emptyDir"
+    writers = []
+    for init in pod.get("initContainers", []):
+        init_mount = next((m for m in init.get("volumeMounts", []) if m["name"] == mount["name"]), None)
+        argv = init.get("command", []) + init.get("args", [])
+        if init_mount is None or init_mount.get("readOnly"):
+            continue
+        outputs = flag_values(argv, "--out")
+        init_path = init_mount["mountPath"].rstrip("/") + "/" + inside
+        if any(init_path == out.rstrip("/") or init_path.startswith(out.rstrip("/") + "/") for out in outputs):
+            writers.append(("generated", init["image"], tuple(argv), inside))
+    assert len(writers) == 1, f"{path}: {len(writers)} init containers write it into emptyDir {mount['name']}"
+    return writers[0]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_router_reads_the_engines_tokenizer_from_a_volume_it_mounts(render_of, target: str) -> None:
+    """kv-aware routes text and chat by real hits only with the model's tokenizer and chat
+    template: --tokenizer must hold what the engines load their tokenizer from (vLLM's
+    `tokenizer`, else `model`), on a read-only volume of the router pod filled from the
+    same place (the same claim and path, or the same generator)."""
+    render = render_of(target)
+    config = router_config(render)
+    assert config.tokenizer, "no --tokenizer: kv-aware would place every text and chat request by affinity"
+    router = render.router()
+    container = _container(router)
+    origin = path_origin(render, router, container, config.tokenizer)
+    mount = next(m for m in container["volumeMounts"] if config.tokenizer.startswith(m["mountPath"]))
+    assert mount.get("readOnly") is True, "the router must not be able to change the model"
+    for component, workload in render.engines().items():
+        args = _engine_config_file(render, workload)
+        engine_path = args.get("tokenizer") or args["model"]
+        assert path_origin(render, workload, _container(workload), engine_path) == origin, component
+
+
+def test_a_router_tokenizer_that_is_not_the_engines_is_caught(render_of) -> None:
+    """The check above bites: a path on no volume, and the right path on another claim."""
+    render = render_of("overlays/mooncake-rdma-h20")
+    router = copy.deepcopy(render.router())
+    container = _container(router)
+    tokenizer = router_config(render).tokenizer
+    assert tokenizer is not None
+    with pytest.raises(AssertionError, match="on no volume"):
+        path_origin(render, router, container, "/nowhere/model")
+    for volume in _pod(router)["volumes"]:
+        if "persistentVolumeClaim" in volume:
+            volume["persistentVolumeClaim"]["claimName"] = "other-models"
+    engine = render.engines()["decode"]
+    assert path_origin(render, router, container, tokenizer) != path_origin(
+        render, engine, _container(engine), _engine_config_file(render, engine)["model"])
 
 
 @pytest.mark.parametrize("target", TARGETS)
