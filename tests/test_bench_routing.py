@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,8 @@ import pytest
 from pdconnect.bench.cluster import MetricsSnapshot, PrefixCacheCounters
 from pdconnect.bench.loadgen import RoleCounters, StepResult
 from pdconnect.bench.routing import (
-    VARIANTS, EngineFigures, EngineSpec, ScenarioRun, consistency_problems, format_ratios, format_routing_table,
+    VARIANTS, EngineFigures, EngineSpec, EventsView, ScenarioRun, consistency_problems, format_events_view,
+    format_ratios, format_routing_table,
     goal_verdicts, in_flight_by_engine, kv_events_config, load_bound, parse_args, pdconnect_router_args,
     plan_from_args, requests_in_flight, requests_served, router_kv_events_config, vllm_router_argv,
 )
@@ -226,3 +228,59 @@ def test_json_record_carries_the_figures_and_the_load_source() -> None:
     assert [e["router_max_in_flight"] for e in data["engines"]] == [0, 1, 2, 3]
     assert math.isclose(data["ttft_p90_s"], 0.46)
     json.dumps(data)
+
+
+# --- what kv-aware can see ----------------------------------------------------------------------
+
+def test_events_view_reports_what_the_routers_own_index_makes_of_the_published_events() -> None:
+    """Fed what a decode engine publishes after a remote load with replay slack (the full-attention
+    blocks from the start, the sliding-window run from the window tail only, its parent a block
+    that engine never stored), the view shows per group what the router's index holds and drops,
+    and the hit it reports: the same as an index fed the batch directly."""
+    import msgspec
+    import zmq
+
+    from pdconnect.router.kvindex import BlockStored, EngineKVIndex, KVEventBatch
+
+    tokens = list(range(100, 100 + 4 * 128))
+    full = BlockStored(block_hashes=[1, 2, 3, 4], token_ids=tokens, block_size=128, group_idx=1,
+                       kv_cache_spec_kind="full_attention")
+    window = BlockStored(block_hashes=[3, 4], parent_block_hash=2, token_ids=tokens[256:], block_size=128,
+                         group_idx=0, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=64)
+    batch = KVEventBatch(ts=0.0, events=[window, full])
+    reference = EngineKVIndex()
+    reference.apply(batch)
+    encode = msgspec.msgpack.Encoder().encode
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    port = publisher.bind_to_random_port("tcp://127.0.0.1")
+    spec = EngineSpec("decode", 0, 8200, port, port + 1)
+    seq = 0
+
+    def publish(batch: KVEventBatch) -> None:
+        nonlocal seq
+        publisher.send_multipart([b"", seq.to_bytes(8, "big"), encode(batch)])
+        seq += 1
+
+    try:
+        with EventsView([spec]) as view:
+            while view.summary([])[spec.name]["batches"] == 0:  # SUB joins asynchronously
+                publish(KVEventBatch(ts=0.0, events=[]))
+                time.sleep(0.02)
+            heard = view.summary([])[spec.name]["batches"]
+            publish(batch)
+            while view.summary([])[spec.name]["batches"] == heard:
+                time.sleep(0.02)
+            seen = view.summary([tokens])[spec.name]
+    finally:
+        publisher.close(linger=0)
+        context.term()
+    assert seen["groups"] == [{"group": g, "sliding_window": gi.sliding_window, "blocks": len(gi.present),
+                               "orphan_stores": gi.orphans} for g, gi in sorted(reference.groups.items())]
+    assert seen["groups"][1] == {"group": 1, "sliding_window": None, "blocks": 4, "orphan_stores": 0}
+    assert seen["index_hit_tokens"] == reference.hit_tokens(tokens)
+    run = _run("kv-aware", "prefix-repetition", 896)
+    [decode0] = [e for e in run.engines if e.name == spec.name]
+    table = format_events_view({spec.name: seen}, run)
+    assert "g1 full 4/0" in table and "index hit" in table and table.splitlines()[-1].split()[-1] == "0"
+    assert decode0.cache.hits == 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -43,24 +44,29 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+import msgspec
+import zmq
 
 from pdconnect.bench.cluster import (
     Cluster, ManagedProcess, MetricsSnapshot, PrefixCacheCounters, ProcessSpec, StartupError, default_build_dir,
     engine_client, fetch_metrics, router_server, vllm_server, warm_up,
 )
-from pdconnect.bench.loadgen import Deployment, LoadGenerator, PromptFormat, RunResult, StepResult, percentile, \
-    run_scenario
+from pdconnect.bench.loadgen import (
+    Deployment, LoadGenerator, PromptFormat, RunResult, StepResult, percentile, run_scenario,
+)
 from pdconnect.bench.local_pd import BLOCK_SIZE, MODEL_NAME, SPEC, LocalPDConfig, Transport, engine_args
 from pdconnect.bench.report import format_table, write_json
-from pdconnect.bench.scenarios import MultiTurnScenario, PrefixRepetitionScenario, Scenario, TokenSource, \
-    warmup_step
+from pdconnect.bench.scenarios import (
+    MultiTurnScenario, PrefixRepetitionScenario, Scenario, TokenSource, warmup_step,
+)
 from pdconnect.bench.tinymodel import ensure_target_and_draft
+from pdconnect.router.kvindex import EngineKVIndex, decode_batch
 
 __all__ = [
-    "VARIANTS", "EngineSpec", "RoutingPlan", "ScenarioRun", "Variant", "consistency_problems", "format_ratios",
-    "format_routing_table", "goal_verdicts", "in_flight_by_engine", "kv_events_config", "load_bound", "main",
-    "parse_args", "pdconnect_router_args", "plan_from_args", "requests_in_flight", "router_kv_events_config",
-    "requests_served", "vllm_router_argv",
+    "VARIANTS", "EngineSpec", "EventsView", "RoutingPlan", "ScenarioRun", "Variant", "consistency_problems",
+    "format_events_view", "format_ratios", "format_routing_table", "goal_verdicts", "in_flight_by_engine",
+    "kv_events_config", "load_bound", "main", "parse_args", "pdconnect_router_args", "plan_from_args",
+    "requests_in_flight", "requests_served", "router_kv_events_config", "vllm_router_argv",
 ]
 
 Role = Literal["prefill", "decode"]
@@ -311,6 +317,87 @@ class LoadSampler:
                     self.router_max[url] = max(self.router_max[url], load)
 
 
+class EventsView:
+    """What a KV-event index makes of each engine's events: the router's own `kvindex`, fed from the
+    same ZMQ streams kv-aware subscribes to, so the bench can show what that policy can see.
+
+    One SUB socket and index per engine, applied in a thread each; `summary` reads them under
+    a lock. Only the PUB stream (no replay): it is started before the caches are reset, so
+    everything after the reset is heard.
+    """
+
+    def __init__(self, engines: Sequence[EngineSpec]) -> None:
+        self._engines = tuple(engines)
+        self._context = zmq.Context()
+        self._lock = threading.Lock()
+        self._indexes = {e.name: EngineKVIndex() for e in engines}
+        self._batches = {e.name: 0 for e in engines}
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(e,), name=f"events-{e.name}", daemon=True)
+                         for e in engines]
+
+    def __enter__(self) -> EventsView:
+        for thread in self._threads:
+            thread.start()
+        time.sleep(0.5)  # a SUB socket hears nothing published before it joined
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        self._context.destroy(linger=0)
+
+    def _run(self, engine: EngineSpec) -> None:
+        socket = self._context.socket(zmq.SUB)
+        try:
+            socket.setsockopt(zmq.SUBSCRIBE, b"")
+            socket.connect(f"tcp://127.0.0.1:{engine.events_port}")
+            while not self._stop.is_set():
+                if not socket.poll(200):
+                    continue
+                frames = socket.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                try:
+                    batch = decode_batch(frames[2])
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                with self._lock:
+                    self._indexes[engine.name].apply(batch)
+                    self._batches[engine.name] += 1
+        except zmq.ZMQError:
+            return  # the context was destroyed under us: stopping
+        finally:
+            socket.close(linger=0)
+
+    def summary(self, prompts: Sequence[Sequence[int]]) -> dict[str, dict[str, Any]]:
+        """Per engine: batches heard, each KV cache group's indexed blocks and the stores the
+        index dropped (their parent block never seen), and the hit it reports, summed over
+        `prompts`."""
+        with self._lock:
+            return {e.name: {
+                "role": e.role, "batches": self._batches[e.name],
+                "groups": [{"group": g, "sliding_window": gi.sliding_window, "blocks": len(gi.present),
+                            "orphan_stores": gi.orphans}
+                           for g, gi in sorted(self._indexes[e.name].groups.items())],
+                "index_hit_tokens": sum(self._indexes[e.name].hit_tokens(list(p)) for p in prompts),
+            } for e in self._engines}
+
+
+def format_events_view(view: dict[str, dict[str, Any]], run: ScenarioRun) -> str:
+    """The index's view beside what each engine really hit during the scenario."""
+    real = {e.name: e.cache.hits for e in run.engines}
+    rows = []
+    for name, v in view.items():
+        groups = "  ".join(
+            f"g{g['group']} {'sw' + str(g['sliding_window']) if g['sliding_window'] else 'full'} "
+            f"{g['blocks']}/{g['orphan_stores']}" for g in v["groups"])
+        rows.append([name, str(v["batches"]), groups or "-", f"{v['index_hit_tokens']:.0f}", f"{real[name]:.0f}"])
+    return format_table(("engine", "batches", "groups: blocks indexed/stores dropped", "index hit", "real hit"),
+                        rows, left=3)
+
+
 # ---------------------------------------------------------------------------------------
 # Results
 
@@ -344,6 +431,8 @@ class ScenarioRun:
     # Our router's counters over the scenario (affinity keep/move/new, KV event batches).
     router_counters: dict[str, float] = field(default_factory=dict)
     load_samples: int = 0
+    # kv-aware only: what the KV-event index saw at the end (`EventsView.summary`).
+    events_view: dict[str, dict[str, Any]] | None = None
 
     @property
     def requests(self) -> int:
@@ -402,7 +491,7 @@ class ScenarioRun:
                                 "vllm:request_success",
             "load_bound": self.bound, "load_samples": self.load_samples,
             "engines": [{**dataclasses.asdict(e), "cache": dataclasses.asdict(e.cache)} for e in self.engines],
-            "router_counters": self.router_counters,
+            "router_counters": self.router_counters, "events_view": self.events_view,
             "over_bound_vllm_gauges": self.over_bound(router=False),
             "over_bound_router_gauge": self.over_bound(router=True),
         }
@@ -684,10 +773,16 @@ async def _router_warm_up(router: ManagedProcess) -> None:
 
 def run_variant(cluster: Cluster, variant: Variant, engines: Engines, plan: RoutingPlan, out: Path,
                 tokenizer: Path) -> tuple[list[ScenarioRun], dict[str, dict[str, float]]]:
-    """Reset and verify the caches, start the variant's router, run both scenarios, stop it."""
-    resets = reset_prefix_caches(engines)
-    router = start_router(cluster, variant, engines, plan, out, tokenizer)
-    try:
+    """Reset and verify the caches, start the variant's router, run both scenarios, stop it.
+
+    Under kv-aware, an `EventsView` listens to the same event streams throughout, and its
+    view at the end of prefix-repetition (whose prompts are all known up front) is kept.
+    """
+    with contextlib.ExitStack() as stack:
+        view = stack.enter_context(EventsView(engines.specs)) if variant.policy == "kv-aware" else None
+        resets = reset_prefix_caches(engines)
+        router = start_router(cluster, variant, engines, plan, out, tokenizer)
+        stack.callback(cluster.stop, router)
         asyncio.run(_router_warm_up(router))
         runs = []
         for scenario, seed, prompt_format in plan.scenarios:
@@ -695,9 +790,11 @@ def run_variant(cluster: Cluster, variant: Variant, engines: Engines, plan: Rout
             run = asyncio.run(_run_scenario(variant, router, engines, plan, scenario, seed, prompt_format))
             _say(f"  {scenario.name}: {run.ok}/{run.requests} ok, decode-local hit {run.decode_local:.0f}, "
                  f"pulled {run.pulled:.0f} ({time.monotonic() - started:.0f}s)")
+            if view is not None and isinstance(scenario, PrefixRepetitionScenario):
+                prompts = [p for step in scenario.steps(TokenSource(seed=seed)) for p in step.prompts]
+                time.sleep(1.0)  # the last stores' events are still on their way
+                run = dataclasses.replace(run, events_view=view.summary(prompts))
             runs.append(run)
-    finally:
-        cluster.stop(router)
     return runs, resets
 
 
@@ -822,6 +919,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_routing_table(runs) + "\n")
     print("decode-local hit tokens, ratio of two variants on the same prompts (same engines, caches emptied between)")
     print(format_ratios(runs) + "\n")
+    for run in runs:
+        if run.events_view is not None:
+            print(f"what kv-aware can see: a KV-event index per engine (pdconnect.router.kvindex, fed from the same "
+                  f"ZMQ streams)\nat the end of {run.scenario} under {run.variant}; index hit = tokens it says the "
+                  f"engine could serve,\nsummed over the scenario's {run.requests} prompts; real hit = the engine's "
+                  "own prefix-cache hits during the scenario")
+            print(format_events_view(run.events_view, run) + "\n")
     problems = consistency_problems(runs)
     for line in goal_verdicts(runs):
         print(line)
