@@ -87,10 +87,8 @@ test-compat: $(COMPAT_STAMP)
 	PDCONNECT_VLLM_SUITE=compat VLLM_TARGET_DEVICE=cpu $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not engine" \
 		$(COMPAT_TESTS) $(COMPAT_PYTEST_ARGS)
 
-# The engine-level fault suite runs alone (`make test-faults`): on 2 shared cores two of its
-# cases still lose a lease to CPU starvation now and then (the load is refused, correctly).
 test: install deploy-tools router-ref test-compat
-	$(PY) -m pytest -q -m "not faults" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Everything but the real-engine tests, for a quick loop while editing.
 test-fast: install deploy-tools
@@ -100,7 +98,7 @@ test-fast: install deploy-tools
 test-transport: install
 	$(PY) -m pytest -q -m transport $(PYTEST_ARGS)
 
-# Only the engine-level fault suite (issue 10): crashes, disconnects, stray side-channel
+# Only the engine-level fault suite (also part of `make test`): crashes, disconnects, stray side-channel
 # messages and bad plans on real P/D engines over both transports.
 test-faults: install
 	$(PY) -m pytest -q -m faults tests/test_faults_engines.py $(PYTEST_ARGS)
