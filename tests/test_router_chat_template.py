@@ -201,6 +201,7 @@ def test_router_renders_chat_to_the_text_and_ids_vllm_computes(model_dirs, vllm_
     assert router.template is not None
     assert router.template.render(body)[0] == text
     assert router.chat(body) == ids
+    assert router.text_off_gil(*router.chat_text(body)) == ids  # the long-prompt path
 
 
 def test_every_case_is_rendered_by_vllm_somewhere(model_dirs, vllm_reference) -> None:

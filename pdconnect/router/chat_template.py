@@ -52,7 +52,8 @@ import jinja2.sandbox
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ["NotRendered", "ChatTemplate", "PromptTokenizer", "load_template_source"]
+__all__ = ["NotRendered", "ChatTemplate", "PromptTokenizer", "load_template_source", "special_tokens_of",
+           "detect_content_format"]
 
 ContentFormat = Literal["string", "openai"]
 
@@ -284,6 +285,7 @@ def _cut_after_final_message(text: str, final_text: str) -> str:
 # the tree means "string" there too.
 
 def detect_content_format(template: jinja2.nodes.Template) -> ContentFormat:
+    """"openai" when the parsed template loops over a message's content, else "string"."""
     try:
         next(_content_loops(template))
     except StopIteration:
@@ -458,11 +460,22 @@ class PromptTokenizer:
             return cls(tokenizer, None, f"the chat template in {path} does not compile: {exc}")
 
     def text(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `prompt`. Holds the GIL throughout: for short prompts."""
         return self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids  # type: ignore[no-any-return]
+
+    def text_off_gil(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """The same ids through the batch encoder, which releases the GIL while it works:
+        for long prompts on a worker thread, so the event loop keeps serving meanwhile."""
+        [encoding] = self._tokenizer.encode_batch([prompt], add_special_tokens=add_special_tokens)
+        return encoding.ids  # type: ignore[no-any-return]
+
+    def chat_text(self, body: Mapping[str, Any]) -> tuple[str, bool]:
+        """The prompt text vLLM renders for this chat request and whether it adds special
+        tokens when tokenizing it; NotRendered when not reproduced here."""
+        if self.template is None:
+            raise NotRendered("no_chat_template", self._missing)
+        return self.template.render(body)
 
     def chat(self, body: Mapping[str, Any]) -> list[int]:
         """The ids vLLM computes for this chat request; NotRendered when unknown here."""
-        if self.template is None:
-            raise NotRendered("no_chat_template", self._missing)
-        text, add_special_tokens = self.template.render(body)
-        return self.text(text, add_special_tokens)
+        return self.text(*self.chat_text(body))

@@ -23,6 +23,7 @@ from `metrics.OUTCOMES`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import functools
 import logging
@@ -170,6 +171,11 @@ class _Trace:
         self.prefilled: Prefilled | None = None
 
 
+# Longer prompts are tokenized on a worker thread, whose batch encoder releases the GIL:
+# inline, a long prompt would stall every other request on the loop (a 1 MB prompt took
+# ~0.4 s on these machines); a short one costs less inline than the thread hop.
+_INLINE_TOKENIZE_CHARS = 8192
+
 _OUTCOME_OF_ERROR: dict[type[RouterError], str] = {
     BadRequest: "bad_request",
     NoEngineAvailable: "no_engine",
@@ -253,6 +259,7 @@ class PDFlow:
             "(result=the reason: no_tokenizer, no_chat_template, unsupported_request, unsupported_message, "
             "template_error, tokenizer_error), placed by prefix affinity instead",
             ["endpoint", "result"], registry=metrics.registry) if self._wants_tokens else None
+        self._tokenize_pool: ThreadPoolExecutor | None = None  # made on the first long prompt
 
     # --- the request, top to bottom -------------------------------------------------------
 
@@ -262,6 +269,8 @@ class PDFlow:
         try:
             raw = await read_body(http, self._config.max_body_bytes, self._config.body_read_timeout)
             call = self._parse(raw, endpoint, http.headers, started)
+            if self._wants_tokens:
+                call = dataclasses.replace(call, tokens=await self._tokens(call))
             if not any(engine.routable for engine in self._registry.engines(Role.DECODE)):
                 raise NoEngineAvailable(Role.DECODE.value)  # before P computes for nobody
             trace.prefilled = await self._prefill(call, trace)
@@ -298,38 +307,52 @@ class PDFlow:
             forward["Authorization"] = headers["Authorization"]
         key = affinity_key(body, endpoint is Endpoint.CHAT, self._config.affinity_prefix_chars,
                            self._config.affinity_prefix_tokens)
-        tokens = self._tokens(endpoint, fields, body) if self._wants_tokens else None
-        return Call(endpoint=endpoint, body=body, raw=raw, tokens=tokens, request_id=request_id, stream=fields.stream,
+        return Call(endpoint=endpoint, body=body, raw=raw, request_id=request_id, stream=fields.stream,
                     key=key, headers=forward, started=started)
 
-    def _tokens(self, endpoint: Endpoint, fields: _Prompt | _Chat, body: dict[str, Any]) -> Sequence[int] | None:
+    async def _tokens(self, call: Call) -> Sequence[int] | None:
         """The ids the engine will compute for the prompt, or None (prefix affinity places
         the request); each outcome is counted. Never an error: the engine renders for itself."""
         assert self._prompt_results is not None
+        label = call.endpoint.label
         try:
-            tokens = self._prompt_tokens(fields, body)
+            prompt = self._prompt(call)
+            if not isinstance(prompt, tuple):
+                tokens = prompt
+            elif len(prompt[0]) <= _INLINE_TOKENIZE_CHARS:
+                assert self._tokenizer is not None
+                tokens = self._tokenizer.text(*prompt)
+            else:
+                assert self._tokenizer is not None
+                if self._tokenize_pool is None:
+                    self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdconnect-tokenize")
+                tokens = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize_pool, self._tokenizer.text_off_gil, *prompt)
         except NotRendered as exc:
-            self._prompt_results.labels(endpoint.label, exc.reason).inc()
-            logger.debug("kv-aware: no token ids for a %s request: %s", endpoint.label, exc)
+            self._prompt_results.labels(label, exc.reason).inc()
+            logger.debug("kv-aware: no token ids for a %s request: %s", label, exc)
             return None
         except Exception as exc:  # a tokenizer bug must not fail the request either
-            self._prompt_results.labels(endpoint.label, "tokenizer_error").inc()
-            logger.warning("kv-aware: tokenizing a %s request failed: %r", endpoint.label, exc)
+            self._prompt_results.labels(label, "tokenizer_error").inc()
+            logger.warning("kv-aware: tokenizing a %s request failed: %r", label, exc)
             return None
-        self._prompt_results.labels(endpoint.label, "ok").inc()
+        self._prompt_results.labels(label, "ok").inc()
         return tokens
 
-    def _prompt_tokens(self, fields: _Prompt | _Chat, body: dict[str, Any]) -> Sequence[int]:
+    def _prompt(self, call: Call) -> Sequence[int] | tuple[str, bool]:
+        """The prompt's ids when the client sent ids, else its text (chat: rendered) and
+        whether the engine adds special tokens; NotRendered when the router cannot tell."""
+        body = call.body  # the types were checked by _parse
         if body.get("cache_salt") is not None:
             # A salt changes every block hash; the index matches content only.
             raise NotRendered("unsupported_request", "`cache_salt` is set")
-        if isinstance(fields, _Chat):
+        if call.endpoint is Endpoint.CHAT:
             if self._tokenizer is None:
                 raise NotRendered("no_tokenizer", "no --tokenizer")
-            return self._tokenizer.chat(body)
-        prompt = fields.prompt
+            return self._tokenizer.chat_text(body)
+        prompt = body["prompt"]
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            return prompt  # type: ignore[return-value]
+            return prompt
         if not isinstance(prompt, str):
             raise NotRendered("unsupported_request", "a batch of prompts")
         if self._tokenizer is None:
@@ -337,7 +360,7 @@ class PDFlow:
         add_special_tokens = body.get("add_special_tokens", True)  # vLLM's default for completions
         if not isinstance(add_special_tokens, bool):
             raise NotRendered("unsupported_request", "`add_special_tokens` is not a boolean")
-        return self._tokenizer.text(prompt, add_special_tokens)
+        return prompt, add_special_tokens
 
     # --- prefill leg ----------------------------------------------------------------------
 
