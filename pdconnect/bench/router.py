@@ -5,8 +5,13 @@ at once, a decode that streams `--chunks` events at once), three ways to reach t
 
 - direct: the client itself calls prefill, then decode with the returned params — the
   P/D flow with no router, the floor every router is measured against;
-- pdconnect: `pdconnect router` (this package), default policy;
+- pdconnect: `pdconnect router` (this package);
 - vllm-router: the Rust P/D router from PyPI (`--vllm-pd-disaggregation`), the reference.
+
+Both routers run the same kind of policy (`--policy`): round-robin on both (default: the
+router's own cost, no routing logic), or affinity (our prefix-affinity against its
+consistent_hash). With one engine per role the choice routes nothing differently; it
+only decides what each router computes per request, so the two must match.
 
 Latency: sequential streamed completions, interleaved across targets in small blocks so
 machine noise hits all of them alike; added latency = a router's percentile minus the
@@ -46,6 +51,9 @@ from pdconnect.bench.cluster import Cluster, ProcessSpec
 __all__ = ["main"]
 
 _DONE = b"data: [DONE]\n\n"
+
+# --policy: (ours, vllm-router's) of one kind.
+_POLICIES = {"round-robin": ("round-robin", "round_robin"), "affinity": ("prefix-affinity", "consistent_hash")}
 
 
 Call = Callable[[aiohttp.ClientSession, bytes], Awaitable[None]]
@@ -228,6 +236,7 @@ def _report(targets: list[Target], figures: dict[str, dict[str, float | int | No
                 "errors", "not_prefill_then_decode") else f"{'':>{width}}"
         rows.append(f"{'ours/vllm-router':<18}{cells}")
     lines = [f"router bench: fake P/D engines, streamed completions of {args.chunks} chunks, "
+             f"{args.policy} policy on both routers ({' vs '.join(_POLICIES[args.policy])}), "
              f"{args.requests} sequential requests per target for latency, "
              f"{args.concurrency} concurrent clients x {args.duration:.0f}s x 2 rounds for rate, "
              f"{os.cpu_count()} CPUs shared with the fakes and the load generator; "
@@ -271,11 +280,13 @@ def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
                                                        "--name", name, "--chunks", str(args.chunks)),
                                health_url=f"http://127.0.0.1:{port}/health", base_url=f"http://127.0.0.1:{port}")
         prefill, decode = cluster.launch(fake("fake-prefill"), fake("fake-decode"))
+        ours_policy, ref_policy = _POLICIES[args.policy]
         ours_port = cluster.free_port()
         specs = [ProcessSpec(
             name="pdconnect",
             argv=_python("-m", "pdconnect.cli", "router", "--host", "127.0.0.1", "--port", str(ours_port),
-                         "--prefill", prefill.base_url, "--decode", decode.base_url, "--log-level", "warning"),
+                         "--prefill", prefill.base_url, "--decode", decode.base_url, "--log-level", "warning",
+                         "--policy", ours_policy),
             health_url=f"http://127.0.0.1:{ours_port}/health", base_url=f"http://127.0.0.1:{ours_port}")]
         reference = Path(args.reference)
         if reference.is_file():
@@ -284,7 +295,7 @@ def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
                 name="vllm-router",
                 argv=(str(reference), "--vllm-pd-disaggregation", "--prefill", prefill.base_url,
                       "--decode", decode.base_url, "--host", "127.0.0.1", "--port", str(ref_port),
-                      "--policy", "round_robin", "--prometheus-port", str(metrics_port), "--log-level", "warning"),
+                      "--policy", ref_policy, "--prometheus-port", str(metrics_port), "--log-level", "warning"),
                 health_url=f"http://127.0.0.1:{ref_port}/health", base_url=f"http://127.0.0.1:{ref_port}"))
         routers = cluster.launch(*specs)
         targets = [Target("direct", _direct(prefill.base_url, decode.base_url, client_body, prefill_body))]
@@ -305,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=16, help="events each decode answer streams")
     parser.add_argument("--requests", type=int, default=500, help="sequential requests per target (latency)")
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--policy", choices=sorted(_POLICIES), default="round-robin",
+                        help="the same kind of routing policy on both routers")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per target and round (rate)")
     parser.add_argument("--reference", default=os.environ.get("PDCONNECT_VLLM_ROUTER", ".venv-router-ref/bin/vllm-router"),
                         help="the vllm-router executable")
