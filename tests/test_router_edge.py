@@ -179,6 +179,23 @@ async def test_the_header_deadline_spares_slow_bodies_idle_keepalive_and_long_st
     assert s.count("pdconnect_router_header_timeouts_total") == 0
 
 
+async def test_an_idle_client_connection_is_closed_after_the_keepalive(make) -> None:
+    """A client that sends one request and then nothing holds a descriptor only for the
+    keep-alive (aiohttp's own default is an hour: idle clients could exhaust the limit)."""
+    s: Setup = await make(client_keepalive=0.3)
+    parts = urlsplit(s.router.url)
+    body = json.dumps(COMPLETION).encode()
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        async with asyncio.timeout(HANG):
+            writer.write(post_head(s.router.url, "/v1/completions", f"Content-Length: {len(body)}\r\n") + body)
+            assert (await reader.readline()).split()[1] == b"200"
+            while await reader.read(65536):  # the answer, then the close: EOF
+                pass
+    finally:
+        writer.close()
+
+
 # --- admin API ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:9/internal", "http://127.0.0.1:9/?q=1", "http://u:p@127.0.0.1:9",

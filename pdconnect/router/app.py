@@ -411,10 +411,10 @@ class _Runner(web.AppRunner):
 
 
 async def _serve(app: web.Application, host: str, port: int, head_timeout: float,
-                 on_head_timeout: Callable[[], None]) -> tuple[web.AppRunner, str]:
+                 on_head_timeout: Callable[[], None], keepalive: float) -> tuple[web.AppRunner, str]:
     # auto_decompress off: request bodies are inflated by `body.read_body`, within the limit.
     runner = _Runner(app, head_timeout, on_head_timeout, handler_cancellation=True, access_log=None,
-                     auto_decompress=False)
+                     auto_decompress=False, keepalive_timeout=keepalive)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     bound_host, bound_port = runner.addresses[0][:2]
@@ -425,7 +425,7 @@ async def start_router(config: RouterConfig, resolver: Resolver = resolve_addres
     """Serve `config` on config.host:config.port (port 0 picks a free one) until `close()`;
     the admin app too, on admin_host:admin_port, when it has a port of its own."""
     router = Router(config, resolver)
-    head = (config.header_read_timeout, router.header_timeouts.inc)
+    head = (config.header_read_timeout, router.header_timeouts.inc, config.client_keepalive)
     runner, url = await _serve(router.build_app(), config.host, config.port, *head)
     running = RunningRouter(router=router, runner=runner, url=url)
     admin = router.build_admin_app()

@@ -149,8 +149,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # A request's head (request line and headers) must arrive whole within this many
     # seconds of its first byte, on every request of a connection: a client trickling
     # header bytes would otherwise hold a connection (and a file descriptor) forever.
-    # The wait for a request's first byte is aiohttp's keep-alive timeout.
+    # The wait for a request's first byte is the keep-alive below.
     header_read_timeout: float = 10.0
+    # A client connection idle this many seconds between requests is closed (aiohttp's
+    # own default is an hour: idle clients would hold descriptors until the limit).
+    client_keepalive: float = 75.0
     # Admin endpoints (/admin/engines) exist only with a token, or when explicitly open;
     # with `admin_port` they are served only there (on `admin_host`, loopback by default).
     admin_token_env: str | None = None
@@ -165,7 +168,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         for name in ("dns_interval", "connect_timeout", "upstream_keepalive", "prefill_timeout",
                      "decode_first_byte_timeout", "decode_timeout", "stream_idle_timeout",
                      "health_timeout", "breaker_cooldown", "release_timeout", "body_read_timeout",
-                     "header_read_timeout"):
+                     "header_read_timeout", "client_keepalive"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.health_interval < 0:
@@ -287,6 +290,8 @@ def _parser() -> argparse.ArgumentParser:
     _add(routing, "affinity-vnodes", "points per engine on the hash ring", type=int)
     flow = p.add_argument_group("request flow")
     _add(flow, "connect-timeout", "seconds to connect to an engine", **seconds)
+    _add(flow, "upstream-keepalive", "seconds an idle engine connection is kept for reuse; below the engines' "
+         "own keep-alive (vLLM: 5 s)", **seconds)
     _add(flow, "prefill-timeout", "seconds for a whole prefill answer", **seconds)
     _add(flow, "decode-first-byte-timeout", "streams: seconds until decode's first chunk", **seconds)
     _add(flow, "decode-timeout", "non-streaming: seconds for the whole decode (not retried)", **seconds)
@@ -302,6 +307,7 @@ def _parser() -> argparse.ArgumentParser:
     _add(flow, "header-read-timeout", "seconds to receive a request's whole head (request line and headers) "
          "from its first byte, on every request of a connection; the connection is closed after a 408",
          **seconds)
+    _add(flow, "client-keepalive", "seconds a client connection may sit idle between requests", **seconds)
     health = p.add_argument_group("health")
     _add(health, "health-interval", "seconds between /health polls; 0 = off", **seconds)
     _add(health, "health-timeout", "seconds per /health poll", **seconds)
