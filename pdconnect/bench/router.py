@@ -13,10 +13,11 @@ router's own cost, no routing logic), or affinity (our prefix-affinity against i
 consistent_hash). With one engine per role the choice routes nothing differently; it
 only decides what each router computes per request, so the two must match.
 
-Latency: sequential streamed completions, interleaved across targets in small blocks so
-machine noise hits all of them alike; added latency = a router's percentile minus the
-direct one. Peak rate: a closed loop of `--concurrency` clients for `--duration` seconds
-per target, two interleaved rounds, best round kept. CPU per request: the router
+Latency: sequential streamed completions, interleaved across targets in small blocks, in
+an order that rotates every round, so machine noise hits all of them alike; added
+latency = a router's percentile minus the direct one. Peak rate: a closed loop of
+`--concurrency` clients for `--duration` seconds per target, two rounds (the second in
+reverse order), best round kept. CPU per request: the router
 process's user+system CPU over a rate round divided by its requests.
 
 A request counts only if its stream ended with `[DONE]` *and* it really went prefill
@@ -152,8 +153,10 @@ def _direct(prefill_url: str, decode_url: str, client_body: Callable[[bytes], by
 
 
 async def _latency(targets: list[Target], http: aiohttp.ClientSession, requests: int, block: int) -> None:
-    for _ in range(max(1, requests // block)):
-        for target in targets:
+    for round_ in range(max(1, requests // block)):
+        # The order rotates each round: no target always runs first, or right after another.
+        turn = round_ % len(targets)
+        for target in targets[turn:] + targets[:turn]:
             for _ in range(block):
                 rid = target.next_id()
                 start = time.perf_counter()
@@ -257,8 +260,8 @@ async def _measure(targets: list[Target], args: argparse.Namespace) -> None:
             for _ in range(50):
                 await target.call(http, target.next_id())
         await _latency(targets, http, args.requests, block=25)
-        for _ in range(2):
-            for target in targets:
+        for round_ in range(2):
+            for target in targets if round_ == 0 else targets[::-1]:
                 await _rate(target, http, args.concurrency, args.duration)
 
 
