@@ -75,10 +75,54 @@ def test_hybrid_hit_needs_the_window_tail_of_the_sliding_group_too() -> None:
 
 
 def test_a_store_whose_parent_was_never_seen_is_not_indexed() -> None:
-    index = EngineKVIndex()
+    index = EngineKVIndex(max_pending=3)
     _publish(index, _stored(range(2, 4), 0, "full_attention"))  # blocks 0, 1 missed
     assert index.hit_tokens(TOKENS) == 0
-    assert index.groups[0].orphans == 1
+    assert len(index.groups[0].pending) == 2 and index.groups[0].orphans == 0
+    _publish(index, _stored(range(5, 7), 0, "full_attention"))  # more than max_pending wait
+    assert len(index.groups[0].pending) == 3 and index.groups[0].orphans == 1
+    assert index.hit_tokens(TOKENS) == 0
+
+
+def _window_tail(blocks: range, group: int, window: int) -> object:
+    """A sliding group's store as vLLM sends it: the token range of `blocks`, hashes only
+    for the last `window` tokens' blocks (the rest null or masked), and vLLM's hashes are
+    the request's, shared by every group of the block size (`b{i}`, no group tag)."""
+    tail = range(max(blocks.start, blocks.stop - window // BS), blocks.stop)
+    return kv_events.BlockStored(
+        block_hashes=[f"b{i}".encode() for i in tail],
+        parent_block_hash=f"b{blocks.start - 1}".encode() if blocks.start else None,
+        token_ids=TOKENS[blocks.start * BS:blocks.stop * BS], block_size=BS, lora_id=None, medium="GPU",
+        lora_name=None, group_idx=group, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=window)
+
+
+def _full(blocks: range, group: int = 0) -> object:
+    return kv_events.BlockStored(
+        block_hashes=[f"b{i}".encode() for i in blocks],
+        parent_block_hash=f"b{blocks.start - 1}".encode() if blocks.start else None,
+        token_ids=TOKENS[blocks.start * BS:blocks.stop * BS], block_size=BS, lora_id=None, medium="GPU",
+        lora_name=None, group_idx=group, kv_cache_spec_kind="full_attention")
+
+
+def test_window_tail_hashes_are_keyed_at_their_own_positions_through_the_full_group() -> None:
+    # Before: the two tail hashes were paired with the range's first two blocks, so the
+    # index called a 2-block prefix cached (wrong) and the 6-block one not (wrong).
+    index = EngineKVIndex()
+    _publish(index, _full(range(0, 6)), _window_tail(range(0, 6), 1, 2 * BS))
+    assert index.hit_tokens(TOKENS[:6 * BS]) == 6 * BS
+    assert index.hit_tokens(TOKENS[:2 * BS]) == 0  # block 0 and 1 of the sliding group are gone
+
+
+def test_a_window_run_published_before_its_full_attention_blocks_waits_for_them() -> None:
+    # A decode engine publishing a pulled window tail (replay slack) whose parent it never
+    # stored, one batch before the full-attention blocks of the same prompt.
+    index = EngineKVIndex()
+    _publish(index, _window_tail(range(3, 5), 1, 2 * BS))
+    assert index.hit_tokens(TOKENS) == 0 and len(index.groups[1].pending) == 2
+    _publish(index, _full(range(0, 6)))
+    assert index.groups[1].pending == {} and index.groups[1].orphans == 0
+    assert index.hit_tokens(TOKENS[:5 * BS]) == 5 * BS
+    assert index.hit_tokens(TOKENS[:6 * BS]) == 5 * BS  # block 5's window tail (4, 5) is not all there
 
 
 # --- the kv-aware policy end to end: FAKE engines, a FAKE publisher with vLLM's classes ------
@@ -169,3 +213,64 @@ async def test_a_sequence_gap_without_replay_drops_the_index_until_it_is_rebuilt
         assert feed.hit_tokens(sub.url, TOKENS) == 2 * BS
     finally:
         await feed.close()
+
+
+# --- against vLLM's own KV cache manager: what the events say vs what its lookup finds ------
+
+def _real_manager(geometry: Any, num_blocks: int) -> Any:
+    from connectors.vllm_adapter import build_kv_cache_manager
+    return build_kv_cache_manager(geometry, num_blocks=num_blocks, max_model_len=4096, enable_kv_cache_events=True)
+
+
+def _real_request(request_id: str, tokens: list[int], hash_block_size: int) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+    init_none_hash(sha256)
+    return Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=SamplingParams(max_tokens=1),
+                   pooling_params=None, block_hasher=get_request_block_hasher(hash_block_size, sha256))
+
+
+def _serve_prompt(manager: Any, request: Any, chunk: int) -> None:
+    """What the scheduler does for a prompt: look it up, allocate and compute it chunk by
+    chunk (sliding-window blocks behind the window are freed as it goes), then free it."""
+    blocks, hit, _ = manager.get_computed_blocks(request)
+    computed, first = hit, True
+    while computed < request.num_tokens:
+        step = min(chunk, request.num_tokens - computed)
+        assert manager.allocate_slots(request, step, num_new_computed_tokens=hit if first else 0,
+                                      new_computed_blocks=blocks if first else None) is not None
+        computed, first = computed + step, False
+        request.num_computed_tokens = computed
+    manager.free(request)
+
+
+@pytest.mark.parametrize("chunk", [10_000, 48], ids=["whole-prompt", "chunked-prefill"])
+def test_the_index_finds_what_vllms_own_lookup_finds_on_a_hybrid_model(chunk: int) -> None:
+    """Prompts served by a real vLLM KVCacheManager (full attention + sliding window, events
+    on): for every later sibling, the index built from the published events alone must
+    report the hit vLLM's own lookup gives. vLLM leaves the sliding group's out-of-window
+    and masked blocks out of a store's hashes while its token range covers them all."""
+    import random
+
+    from connectors.geometry import Geometry, GroupGeometry
+
+    bs = 16
+    geometry = Geometry((GroupGeometry("full_attention", bs), GroupGeometry("sliding_window", bs, 32)))
+    manager = _real_manager(geometry, num_blocks=400)
+    index = EngineKVIndex()
+    rng = random.Random(5)
+    prefix = [rng.randrange(1000, 30000) for _ in range(300)]
+    served = 0
+    for i in range(12):
+        shared = rng.choice([0, 40, 100, 160, 230, 300])
+        tokens = prefix[:shared] + [rng.randrange(1000, 30000) for _ in range(rng.choice([5, 40, 90]))]
+        probe = _real_request(f"probe{i}", tokens, bs)
+        _, real_hit, _ = manager.get_computed_blocks(probe)
+        # vLLM looks up at most num_tokens - 1 tokens (one must be computed for logits).
+        assert index.hit_tokens(tokens[:len(tokens) - 1]) == real_hit, f"sibling {i} sharing {shared} tokens"
+        served += real_hit > 0
+        _serve_prompt(manager, _real_request(f"r{i}", tokens, bs), chunk)
+        _publish(index, *manager.take_events())
+    assert served >= 4  # the comparison covered real hits, not only misses

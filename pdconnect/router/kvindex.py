@@ -11,6 +11,16 @@ blocks by *content*: a chain key per block = hash(parent's chain key, the block'
 ids), learned from the `token_ids` and `parent_block_hash` every store event carries, and
 computed the same way for a request's tokens.
 
+A store's `token_ids` cover its whole block range, but its `block_hashes` leave out the
+blocks a group did not cache: a sliding-window group's blocks behind the window (null)
+and those its lookup never consults (masked). Which positions the hashes stand for is
+then unknown. It need not be: vLLM hashes a request's blocks once, for all groups of a
+block size (the group is not mixed in), so a hash another group of the engine has keyed
+names the same content. Such hashes are keyed through the other groups, at once or when
+the other group's store arrives (a decode engine may publish a sliding-window run one
+batch before the full-attention blocks); until then they wait, bounded, and a hash that
+never resolves is dropped and counted.
+
 Hybrid models: every KV cache group (full attention, sliding window, ...) is indexed on
 its own, and a prefix of L tokens is a hit only if *every* group can serve it: a full
 attention group needs all blocks before L, a sliding-window group only the blocks that
@@ -94,25 +104,20 @@ class GroupIndex:
     sliding_window: int | None = None
     by_hash: dict[BlockHash, int] = field(default_factory=dict)
     present: dict[int, int] = field(default_factory=dict)
-    orphans: int = 0  # stores whose parent block was never seen (events missed)
+    # Stored hashes whose content key is not known yet (see the module docstring), oldest first.
+    pending: dict[BlockHash, None] = field(default_factory=dict)
+    orphans: int = 0  # stored hashes dropped without a content key (events missed)
 
-    def store(self, event: BlockStored) -> None:
-        if event.parent_block_hash is None:
-            parent = 0
-        elif (known := self.by_hash.get(event.parent_block_hash)) is not None:
-            parent = known
-        else:
-            self.orphans += 1
+    def add(self, block_hash: BlockHash, key: int) -> None:
+        self.pending.pop(block_hash, None)
+        if block_hash in self.by_hash:
             return
-        keys = chain_keys(event.token_ids, self.block_size, parent)
-        for block_hash, key in zip(event.block_hashes, keys):
-            if block_hash in self.by_hash:
-                continue
-            self.by_hash[block_hash] = key
-            self.present[key] = self.present.get(key, 0) + 1
+        self.by_hash[block_hash] = key
+        self.present[key] = self.present.get(key, 0) + 1
 
     def remove(self, block_hashes: list[BlockHash]) -> None:
         for block_hash in block_hashes:
+            self.pending.pop(block_hash, None)
             key = self.by_hash.pop(block_hash, None)
             if key is None:
                 continue
@@ -121,6 +126,14 @@ class GroupIndex:
                 self.present[key] = left
             else:
                 del self.present[key]
+
+    def wait_for_key(self, block_hash: BlockHash, limit: int) -> None:
+        if block_hash in self.by_hash:
+            return
+        self.pending[block_hash] = None
+        while len(self.pending) > limit:
+            del self.pending[next(iter(self.pending))]
+            self.orphans += 1
 
     def serves(self, keys: list[int], tokens: int) -> bool:
         """Can this group serve the first `tokens` tokens (a multiple of block_size)?"""
@@ -136,8 +149,11 @@ class EngineKVIndex:
     """Every group of one engine, fed by its event batches."""
 
     groups: dict[int, GroupIndex] = field(default_factory=dict)
+    # Hashes waiting for a content key, per group: enough for a few long prompts' runs.
+    max_pending: int = 4096
 
     def apply(self, batch: KVEventBatch) -> None:
+        stored = False
         for event in batch.events:
             if isinstance(event, BlockStored):
                 group = self.groups.get(event.group_idx or 0)
@@ -147,13 +163,45 @@ class EngineKVIndex:
                     sliding = (event.kv_cache_spec_kind or "").startswith("sliding_window")
                     window = event.kv_cache_spec_sliding_window if sliding else None
                     group = self.groups[event.group_idx or 0] = GroupIndex(event.block_size, window)
-                group.store(event)
+                self._store(group, event)
+                stored = True
             elif isinstance(event, BlockRemoved):
                 group = self.groups.get(event.group_idx or 0)
                 if group is not None:
                     group.remove(event.block_hashes)
             else:
                 self.groups.clear()
+        if stored and any(group.pending for group in self.groups.values()):
+            self._resolve_pending()
+
+    def _key_of(self, block_size: int, block_hash: BlockHash) -> int | None:
+        """The content key any group of this block size has for `block_hash`."""
+        for group in self.groups.values():
+            if group.block_size == block_size and (key := group.by_hash.get(block_hash)) is not None:
+                return key
+        return None
+
+    def _store(self, group: GroupIndex, event: BlockStored) -> None:
+        """Index one store; hashes whose position is unknown wait for another group's key."""
+        size = group.block_size
+        parent = 0 if event.parent_block_hash is None else self._key_of(size, event.parent_block_hash)
+        if parent is not None and len(event.block_hashes) == len(event.token_ids) // size:
+            # Every block of the range is listed: positions, hence content keys, are known.
+            for block_hash, key in zip(event.block_hashes, chain_keys(event.token_ids, size, parent)):
+                group.add(block_hash, key)
+            return
+        for block_hash in event.block_hashes:
+            key = self._key_of(size, block_hash)
+            if key is None:
+                group.wait_for_key(block_hash, self.max_pending)
+            else:
+                group.add(block_hash, key)
+
+    def _resolve_pending(self) -> None:
+        for group in self.groups.values():
+            for block_hash in list(group.pending):
+                if (key := self._key_of(group.block_size, block_hash)) is not None:
+                    group.add(block_hash, key)
 
     def hit_tokens(self, tokens: Sequence[int], keys: dict[int, list[int]] | None = None) -> int:
         """The longest prefix of `tokens` every group can serve (0 before any event).
