@@ -27,8 +27,8 @@ import dataclasses
 import enum
 import functools
 import logging
+import os
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,9 +66,11 @@ class Endpoint(enum.Enum):
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
 
-    @property
-    def label(self) -> str:
-        return "chat" if self is Endpoint.CHAT else "completions"
+    def __init__(self, path: str) -> None:
+        # Plain attributes, read several times per request: `.value` and properties go
+        # through enum's Python-level descriptors on CPython 3.11.
+        self.path = path
+        self.label = "chat" if path == "/v1/chat/completions" else "completions"
 
 
 class _Prompt(msgspec.Struct):
@@ -246,6 +248,9 @@ class PDFlow:
         # also under a limit on the silence between two chunks.
         self._stream_idle = config.stream_idle_timeout
         self._wants_tokens = config.policy == "kv-aware"
+        # Only these policies (and the affinity tracker, which needs one of them) read the
+        # key: the others are spared hashing every prompt.
+        self._wants_key = config.policy in ("prefix-affinity", "kv-aware")
         self._tokenizer: PromptTokenizer | None = None
         if self._wants_tokens and config.tokenizer:
             self._tokenizer = PromptTokenizer.load(config.tokenizer)
@@ -301,12 +306,13 @@ class PDFlow:
             raise BadRequest(f"invalid request: {exc}") from None
         if isinstance(fields, _Chat) and not fields.messages:
             raise BadRequest("invalid request: `messages` must not be empty")
-        request_id = headers.get("X-Request-Id") or uuid.uuid4().hex
+        # 128 random bits as 32 hex digits, like uuid4().hex without building a UUID.
+        request_id = headers.get("X-Request-Id") or os.urandom(16).hex()
         forward = {"X-Request-Id": request_id, "Content-Type": "application/json"}
         if "Authorization" in headers:
             forward["Authorization"] = headers["Authorization"]
         key = affinity_key(body, endpoint is Endpoint.CHAT, self._config.affinity_prefix_chars,
-                           self._config.affinity_prefix_tokens)
+                           self._config.affinity_prefix_tokens) if self._wants_key else None
         return Call(endpoint=endpoint, body=body, raw=raw, request_id=request_id, stream=fields.stream,
                     key=key, headers=forward, started=started)
 
@@ -560,7 +566,7 @@ class PDFlow:
         resp: UpstreamResponse | None = None
         try:
             # The deadline rides on the connection (one timer), not on asyncio.timeout.
-            resp = await self._upstream.post(engine.url, call.endpoint.value, body, headers or call.headers,
+            resp = await self._upstream.post(engine.url, call.endpoint.path, body, headers or call.headers,
                                              timeout=deadline)
             if resp.status >= 400:
                 await self._raise_for_status(resp)
