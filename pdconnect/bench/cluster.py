@@ -82,16 +82,29 @@ def default_build_dir() -> Path:
     return Path.cwd() / "build"
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(exclude: Iterable[int] = ()) -> int:
     """A TCP port free right now on 127.0.0.1, not in `exclude`.
 
     The port is released before the caller binds it, so another program could take it
     in between; random probing (rather than asking the kernel for port 0 each time)
-    keeps ports handed out by one cluster apart even before their servers bind.
+    keeps ports handed out by one cluster apart even before their servers bind. Ports
+    come from below the kernel's ephemeral range, which every bind to port 0 and every
+    outgoing connection draws from (an engine's KV-event port was once taken that way
+    during its start-up).
     """
     taken = set(exclude)
+    low = _ephemeral_low()
+    first, last = (max(1024, low - 12000), low - 1) if low > 2048 else (20000, 60000)
     for _ in range(200):
-        port = random.randint(20000, 60000)
+        port = random.randint(first, last)
         if port in taken:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
