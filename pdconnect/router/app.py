@@ -14,6 +14,7 @@ aiohttp's keep-alive timeout, each request's head must arrive within
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -440,6 +441,11 @@ async def _run_until_signalled(config: RouterConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     running = await start_router(config)
+    # Everything built so far (modules, the app, the config) lives as long as the process:
+    # out of the collector's sight, a full collection scans what requests left behind, not
+    # ~50k start-up objects (a 10-25 ms stall of every request in flight, every few seconds
+    # under load, measured on 2 shared cores).
+    gc.freeze()
     logger.info("listening on %s%s", running.url,
                 f", admin on {running.admin_url}" if running.admin_url else "")
     try:
