@@ -3,15 +3,29 @@
 Per-engine gauges (health, in-flight, failures) are read from the engine registry at
 scrape time by a collector, so the request path never touches them and a removed
 engine's series disappear with it.
+
+What every request updates (its outcome, its latencies, placements) is counted in
+`_LoopCounter` / `_LoopHistogram`: plain numbers, updated only from the event loop
+thread, rendered at scrape time exactly as prometheus_client's Counter and Histogram
+render (same series, `_created` included). prometheus_client takes a lock per counter
+increment and per bucket, and walks the buckets one by one: about half of a request's
+metric cost. Anything updated off the loop (release results, from the release pool's
+threads) stays a prometheus_client metric.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import bisect
+import math
+import time
+from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import metrics as _prometheus_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from pdconnect.router.engines import EngineRegistry
 from pdconnect.router.health import BreakerState
@@ -62,35 +76,131 @@ class _EngineCollector(Collector):
         yield from (healthy, breaker_open, in_flight, failures, opens)
 
 
+def _created_series() -> bool:
+    """Whether prometheus_client emits `_created` series (PROMETHEUS_DISABLE_CREATED_SERIES)."""
+    return bool(getattr(_prometheus_metrics, "_use_created", True))
+
+
+class _CounterChild:
+    __slots__ = ("value", "created")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class _LoopCounter(Collector):
+    """A labelled counter for the event loop thread only; renders as prometheus_client's."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], _CounterChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _CounterChild:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = _CounterChild()
+        return child
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        created = _created_series()
+        for values, child in self._children.items():
+            family.add_metric(values, child.value, created=child.created if created else None)
+        yield family
+
+
+class _HistogramChild:
+    __slots__ = ("bounds", "counts", "sum", "created")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds  # ends with +Inf
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, value: float) -> None:
+        # The first bound >= value: prometheus' `le` bucket.
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class _LoopHistogram(Collector):
+    """A histogram (labelled or not) for the event loop thread only; renders as
+    prometheus_client's. Unlabelled, it has its one series from the start, as theirs."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
+                 registry: CollectorRegistry) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._bounds = (*buckets, math.inf) if buckets[-1] != math.inf else tuple(buckets)
+        self._children: dict[tuple[str, ...], _HistogramChild] = {}
+        if not self._labelnames:
+            self.labels()
+        registry.register(self)
+
+    def labels(self, *values: str) -> _HistogramChild:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = _HistogramChild(self._bounds)
+        return child
+
+    def observe(self, value: float) -> None:
+        """For an unlabelled histogram."""
+        self._children[()].observe(value)
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        created = _created_series()
+        for values, child in self._children.items():
+            cumulative, buckets = 0.0, []
+            for bound, count in zip(child.bounds, child.counts):
+                cumulative += count
+                buckets.append((floatToGoString(bound), cumulative))
+            family.add_metric(values, buckets, child.sum)
+            if created:
+                family.samples.append(Sample(self._name + "_created", dict(zip(self._labelnames, values)),
+                                             child.created, None, None))
+        yield family
+
+
 class RouterMetrics:
     """All router metrics; `render()` is the `/metrics` body."""
 
     def __init__(self, engines: EngineRegistry) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pdconnect_router_requests", "Requests by endpoint and final outcome",
-                                ["endpoint", "outcome"], registry=r)
-        self.prefill_seconds = Histogram("pdconnect_router_prefill_seconds",
-                                         "Prefill leg, successful attempt, send to parsed answer",
-                                         buckets=_LATENCY_BUCKETS, registry=r)
-        self.decode_seconds = Histogram("pdconnect_router_decode_seconds",
-                                        "Decode leg, send to last byte relayed",
-                                        buckets=_LATENCY_BUCKETS, registry=r)
-        self.request_seconds = Histogram("pdconnect_router_request_seconds",
-                                         "Whole request as the router saw it", ["endpoint"],
-                                         buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft_seconds = Histogram("pdconnect_router_time_to_first_token_seconds",
-                                      "Streaming requests: arrival to first decode chunk relayed",
-                                      ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        # Updated by every request, on the loop thread: the lock-free kind.
+        self.requests = _LoopCounter("pdconnect_router_requests", "Requests by endpoint and final outcome",
+                                     ["endpoint", "outcome"], r)
+        self.prefill_seconds = _LoopHistogram("pdconnect_router_prefill_seconds",
+                                              "Prefill leg, successful attempt, send to parsed answer",
+                                              [], _LATENCY_BUCKETS, r)
+        self.decode_seconds = _LoopHistogram("pdconnect_router_decode_seconds",
+                                             "Decode leg, send to last byte relayed", [], _LATENCY_BUCKETS, r)
+        self.request_seconds = _LoopHistogram("pdconnect_router_request_seconds",
+                                              "Whole request as the router saw it", ["endpoint"],
+                                              _LATENCY_BUCKETS, r)
+        self.ttft_seconds = _LoopHistogram("pdconnect_router_time_to_first_token_seconds",
+                                           "Streaming requests: arrival to first decode chunk relayed",
+                                           ["endpoint"], _LATENCY_BUCKETS, r)
         self.retries = Counter("pdconnect_router_retries", "Attempts sent to another engine after a failure",
                                ["role", "reason"], registry=r)
         self.fallbacks = Counter("pdconnect_router_fallbacks",
                                  "Requests served decode-only (local prefill) instead of P/D", ["reason"],
                                  registry=r)
-        self.affinity = Counter("pdconnect_router_affinity",
-                                "Prefix-affinity placements: keep (same engine as the key's last "
-                                "request), move (another engine), new (key not seen recently)",
-                                ["role", "outcome"], registry=r)
+        self.affinity = _LoopCounter("pdconnect_router_affinity",
+                                     "Prefix-affinity placements: keep (same engine as the key's last "
+                                     "request), move (another engine), new (key not seen recently)",
+                                     ["role", "outcome"], r)
         self.releases = Counter("pdconnect_router_prefill_releases",
                                 "Release notices sent to prefill engines (client gone, decode failed)",
                                 ["result"], registry=r)
@@ -99,10 +209,10 @@ class RouterMetrics:
                                  "KV event batches applied (ok), gaps, replays and errors (kv-aware policy)",
                                  ["result"], registry=r)
         r.register(_EngineCollector(engines))
-        # Labelled children, looked up once: `labels()` takes a lock and builds a tuple.
-        self._ends: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
-        self._ttft: dict[str, Histogram] = {}
-        self._placements: dict[tuple[str, str], Counter] = {}
+        # Labelled children, looked up once per label set.
+        self._ends: dict[tuple[str, str], tuple[_CounterChild, _HistogramChild]] = {}
+        self._ttft: dict[str, _HistogramChild] = {}
+        self._placements: dict[tuple[str, str], _CounterChild] = {}
 
     def request_done(self, endpoint: str, outcome: str, seconds: float) -> None:
         children = self._ends.get((endpoint, outcome))
