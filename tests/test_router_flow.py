@@ -173,6 +173,39 @@ async def test_streaming_relays_every_event_and_true_usage(make, path: str, requ
                    endpoint="chat" if "chat" in path else "completions") == 1
 
 
+async def test_a_stream_sends_its_status_line_and_headers_with_its_first_bytes(
+        make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each write to the client is a syscall and a wake-up of the client: the head goes
+    out with the first events, never alone (aiohttp's StreamResponse writes it alone)."""
+    from aiohttp import http_writer
+
+    s = await make()
+    port = int(s.router.url.rsplit(":", 1)[1])
+    writes: list[bytes] = []
+    write, writelines = http_writer.StreamWriter._write, http_writer.StreamWriter._writelines
+
+    def to_client(writer: Any) -> bool:  # the fakes run in this process too
+        transport = writer.transport
+        return transport is not None and transport.get_extra_info("sockname")[1] == port
+
+    def counted_write(self: Any, chunk: bytes) -> None:
+        if to_client(self):
+            writes.append(bytes(chunk))
+        write(self, chunk)
+
+    def counted_writelines(self: Any, chunks: Any) -> None:
+        chunks = list(chunks)
+        if to_client(self):
+            writes.append(b"".join(chunks))
+        writelines(self, chunks)
+
+    monkeypatch.setattr(http_writer.StreamWriter, "_write", counted_write)
+    monkeypatch.setattr(http_writer.StreamWriter, "_writelines", counted_writelines)
+    status, _, raw = await s.post("/v1/completions", {**COMPLETION, "stream": True})
+    assert status == 200 and sse_events(raw)[-1] == "[DONE]"
+    assert writes[0].startswith(b"HTTP/1.1 200") and b"data: " in writes[0]
+
+
 async def test_models_and_health_and_metrics_endpoints(make) -> None:
     s = await make()
     async with s.http.get(s.router.url + "/v1/models") as resp:
