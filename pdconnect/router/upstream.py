@@ -218,6 +218,16 @@ class UpstreamResponse(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"engine sent malformed HTTP: {exc}"))
+            return
+        # The callbacks only record; the waiter is woken once per read here. httptools calls
+        # on_body once per chunk of a chunked body, so a stream's read of many events made
+        # as many wake-ups (and pause checks) before.
+        if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._pool.forget(self)
@@ -244,7 +254,6 @@ class UpstreamResponse(asyncio.Protocol):
         if encoding in _WBITS:
             self._inflater = zlib.decompressobj(_WBITS[encoding])
         self._headers_done = True
-        self._wake()
 
     def on_body(self, body: bytes) -> None:
         if self._inflater is not None:
@@ -257,14 +266,9 @@ class UpstreamResponse(asyncio.Protocol):
                 return
         self._chunks.append(body)
         self._buffered += len(body)
-        if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
-            self._paused = True
-            self._transport.pause_reading()
-        self._wake()
 
     def on_message_complete(self) -> None:
         self._complete = True
-        self._wake()
 
 
 class _EnginePool:
