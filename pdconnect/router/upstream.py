@@ -31,6 +31,7 @@ import collections
 import math
 import ssl
 import zlib
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -59,13 +60,15 @@ class UpstreamResponse(asyncio.Protocol):
         self._pool = pool
         self._loop = pool.loop
         self._transport: asyncio.Transport | None = None
-        self._parser = httptools.HttpResponseParser(self)
         self._chunks: collections.deque[bytes] = collections.deque()
-        self._buffered = 0
+        # httptools' body callback is the deque's own append (httptools looks its callbacks
+        # up when a parser is made): no Python frame per chunk of a chunked body, and an
+        # SSE stream has one per event. Bytes are counted, and inflated, when taken (`chunk`).
+        self.on_body: Callable[[bytes], None] = self._chunks.append
+        self._parser = httptools.HttpResponseParser(self)
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
-        self._header_name = b""
         self.status = 0
         self.headers: dict[bytes, bytes] = {}
         self._headers_done = False
@@ -102,21 +105,30 @@ class UpstreamResponse(asyncio.Protocol):
     async def chunk(self, idle: float | None = None) -> bytes:
         """All body bytes that arrived since the last call (at least one); b"" once the
         response is complete. TimeoutError after `idle` seconds without a byte."""
-        while not self._chunks:
-            if self._complete:
-                return b""
-            await self._wait(idle)
-        # Everything that is here, in one piece: one write to the client instead of many.
-        if len(self._chunks) == 1:
-            data = self._chunks.popleft()
-        else:
-            data = b"".join(self._chunks)
-            self._chunks.clear()
-        self._buffered -= len(data)
-        if self._paused and self._buffered < _HIGH_WATER // 2 and self._transport is not None:
-            self._paused = False
-            self._transport.resume_reading()
-        return data
+        while True:
+            while not self._chunks:
+                if self._complete:
+                    return b""
+                await self._wait(idle)
+            # Everything that is here, in one piece: one write to the client instead of many.
+            if len(self._chunks) == 1:
+                data = self._chunks.popleft()
+            else:
+                data = b"".join(self._chunks)
+                self._chunks.clear()
+            if self._paused and self._transport is not None:
+                self._paused = False
+                self._transport.resume_reading()
+            if self._inflater is None:
+                return data
+            try:
+                data = self._inflater.decompress(data)
+            except zlib.error as exc:
+                error = UpstreamError(f"engine sent a corrupt compressed body: {exc}")
+                self._fail(error)
+                raise error from None
+            if data:  # compressed bytes may inflate to nothing yet
+                return data
 
     async def read(self) -> bytes:
         """The whole (rest of the) body."""
@@ -196,7 +208,6 @@ class UpstreamResponse(asyncio.Protocol):
         self._idle = None
         self._parser = httptools.HttpResponseParser(self)
         self._chunks.clear()
-        self._buffered = 0
         self.status = 0
         self.headers = {}
         self._headers_done = False
@@ -222,7 +233,7 @@ class UpstreamResponse(asyncio.Protocol):
         # The callbacks only record; the waiter is woken once per read here. httptools calls
         # on_body once per chunk of a chunked body, so a stream's read of many events made
         # as many wake-ups (and pause checks) before.
-        if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
+        if not self._paused and self._transport is not None and sum(map(len, self._chunks)) > _HIGH_WATER:
             self._paused = True
             self._transport.pause_reading()
         waiter = self._waiter
@@ -254,18 +265,6 @@ class UpstreamResponse(asyncio.Protocol):
         if encoding in _WBITS:
             self._inflater = zlib.decompressobj(_WBITS[encoding])
         self._headers_done = True
-
-    def on_body(self, body: bytes) -> None:
-        if self._inflater is not None:
-            try:
-                body = self._inflater.decompress(body)
-            except zlib.error as exc:
-                self._fail(UpstreamError(f"engine sent a corrupt compressed body: {exc}"))
-                return
-            if not body:
-                return
-        self._chunks.append(body)
-        self._buffered += len(body)
 
     def on_message_complete(self) -> None:
         self._complete = True
