@@ -65,6 +65,9 @@ class UpstreamResponse(asyncio.Protocol):
         # up when a parser is made): no Python frame per chunk of a chunked body, and an
         # SSE stream has one per event. Bytes are counted, and inflated, when taken (`chunk`).
         self.on_body: Callable[[bytes], None] = self._chunks.append
+        # Likewise for headers: stored as sent, lower-cased once they are all here.
+        self._raw_headers: dict[bytes, bytes] = {}
+        self.on_header: Callable[[bytes, bytes], None] = self._raw_headers.__setitem__
         self._parser = httptools.HttpResponseParser(self)
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
@@ -210,6 +213,7 @@ class UpstreamResponse(asyncio.Protocol):
         self._chunks.clear()
         self.status = 0
         self.headers = {}
+        self._raw_headers.clear()
         self._headers_done = False
         self._complete = False
         self._keep_alive = False
@@ -254,10 +258,8 @@ class UpstreamResponse(asyncio.Protocol):
 
     # --- httptools callbacks ----------------------------------------------------------------
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.lower()] = value
-
     def on_headers_complete(self) -> None:
+        self.headers = {name.lower(): value for name, value in self._raw_headers.items()}
         self.status = self._parser.get_status_code()
         # Read here: httptools forgets it once the message is complete.
         self._keep_alive = self._parser.should_keep_alive()
