@@ -246,3 +246,37 @@ def test_the_exchange_deadline_bounds_the_answer_until_cleared() -> None:
             server.close()
             slow.close()
     _run_on_both_loops(scenario)
+
+
+def test_an_unread_stream_pauses_the_engine_connection_until_the_caller_reads() -> None:
+    """A slow client must not make the router buffer an engine's whole stream: past the
+    high-water mark the connection stops reading, and resumes once the caller takes it."""
+    piece, pieces = b"x" * 65536, 64  # 4 MiB, well past the 1 MiB mark
+
+    async def scenario() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(pieces):
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        pool = UpstreamPool(1.0, keepalive=30.0)
+        try:
+            async with asyncio.timeout(HANG):
+                resp = await pool.post(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
+                                       "/v1/completions", b"{}", {})
+                while not resp._paused:  # nobody reads: the mark is reached
+                    await asyncio.sleep(0.01)
+                assert len(await resp.read()) == len(piece) * pieces
+                assert not resp._paused
+                resp.release()
+        finally:
+            pool.close()
+            server.close()
+    _run_on_both_loops(scenario)

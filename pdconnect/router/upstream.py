@@ -61,6 +61,7 @@ class UpstreamResponse(asyncio.Protocol):
         self._loop = pool.loop
         self._transport: asyncio.Transport | None = None
         self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0  # bytes read since the caller last took the body (its upper bound)
         # httptools' body callback is the deque's own append (httptools looks its callbacks
         # up when a parser is made): no Python frame per chunk of a chunked body, and an
         # SSE stream has one per event. Bytes are counted, and inflated, when taken (`chunk`).
@@ -119,6 +120,7 @@ class UpstreamResponse(asyncio.Protocol):
             else:
                 data = b"".join(self._chunks)
                 self._chunks.clear()
+            self._buffered = 0
             if self._paused and self._transport is not None:
                 self._paused = False
                 self._transport.resume_reading()
@@ -211,6 +213,7 @@ class UpstreamResponse(asyncio.Protocol):
         self._idle = None
         self._parser = httptools.HttpResponseParser(self)
         self._chunks.clear()
+        self._buffered = 0
         self.status = 0
         self.headers = {}
         self._raw_headers.clear()
@@ -237,7 +240,8 @@ class UpstreamResponse(asyncio.Protocol):
         # The callbacks only record; the waiter is woken once per read here. httptools calls
         # on_body once per chunk of a chunked body, so a stream's read of many events made
         # as many wake-ups (and pause checks) before.
-        if not self._paused and self._transport is not None and sum(map(len, self._chunks)) > _HIGH_WATER:
+        self._buffered += len(data)
+        if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
             self._paused = True
             self._transport.pause_reading()
         waiter = self._waiter
