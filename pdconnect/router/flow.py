@@ -36,7 +36,6 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-from multidict import CIMultiDict
 from prometheus_client import Counter
 
 from pdconnect.protocol import ProtocolError, decode_plan
@@ -143,9 +142,11 @@ def decode_body(call: Call, params: dict[str, Any] | None) -> bytes:
     if "kv_transfer_params" not in call.body:
         if params is None:
             return call.raw
-        end = call.raw.rstrip().rfind(b"}")  # the body decoded as an object: it ends with "}"
+        # The body decoded as an object: its last "}" closes it (only whitespace may follow).
+        end = call.raw.rfind(b"}")
         comma = b"," if call.body else b""
-        return call.raw[:end] + comma + b'"kv_transfer_params":' + _json_encode(params) + b"}"
+        # One copy of a possibly long prompt (slicing bytes, then concatenating, made three).
+        return b"".join((memoryview(call.raw)[:end], comma, b'"kv_transfer_params":', _json_encode(params), b"}"))
     body = dict(call.body)
     if params is None:
         body.pop("kv_transfer_params", None)
@@ -501,7 +502,7 @@ class PDFlow:
     async def _relay(self, http: web.Request, call: Call, trace: _Trace, engine: Engine,
                      resp: UpstreamResponse,
                      first: bytes, merger: UsageMerger | None,
-                     headers: CIMultiDict[str]) -> tuple[web.StreamResponse, bool | None]:
+                     headers: dict[str, str]) -> tuple[web.StreamResponse, bool | None]:
         """Stream the decode answer to the client. Returns the response and the engine's verdict."""
         out = _CoalescingStreamResponse(status=resp.status, headers=headers)
         # Always framed: whatever the engine leaves half-written is held back, never sent.
@@ -613,8 +614,9 @@ class PDFlow:
             self._metrics.placement(role.value, self._affinity[role].observe(call.key, engine.url))
 
     def _response_headers(self, call: Call, trace: _Trace, engine: Engine,
-                          resp: UpstreamResponse) -> CIMultiDict[str]:
-        headers: CIMultiDict[str] = CIMultiDict()
+                          resp: UpstreamResponse) -> dict[str, str]:
+        # A plain dict: aiohttp's responses copy whatever they are given into a CIMultiDict.
+        headers: dict[str, str] = {}
         headers["Content-Type"] = resp.headers.get(b"content-type", b"application/json").decode()
         headers["X-Request-Id"] = call.request_id
         if trace.fallback:
