@@ -1,0 +1,21 @@
+"""bench-router's interleaving: a router's latency block is slower right after some other
+target's block, so no target may always follow the same one."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pdconnect.bench.router import round_orders
+
+
+def test_latency_rounds_let_every_target_follow_every_other_equally_often() -> None:
+    orders = round_orders(3)
+    assert sorted(orders) == sorted({tuple(o) for o in orders}) and len(orders) == 6  # every order once
+    sequence = [target for order in orders for target in order]
+    follows = Counter(zip(sequence, sequence[1:] + sequence[:1]))  # the cycle repeats
+    assert all(a != b for a, b in follows)  # never a target after itself, junctions included
+    assert set(follows.values()) == {3} and len(follows) == 6
+
+
+def test_two_targets_alternate_which_goes_first() -> None:
+    assert round_orders(2) == [(0, 1), (1, 0)]
