@@ -35,13 +35,19 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
         inflater = zlib.decompressobj(_WBITS[encoding])
     else:
         raise UnsupportedEncoding(f"Content-Encoding {encoding!r} is not supported (gzip, deflate, identity)")
-    sink = _Sink(limit, inflater, encoding)
     content = request.content
     if content.is_eof():
         # The whole body came in with the headers (most requests): nothing to wait for,
-        # so no deadline to arm.
+        # so no deadline to arm; uncompressed, only its size to check.
+        if inflater is None:
+            body = content.read_nowait()
+            if len(body) > limit:
+                raise BodyTooLarge(f"request body is over the {limit}-byte limit")
+            return body
+        sink = _Sink(limit, inflater, encoding)
         sink.add(content.read_nowait())
         return sink.body()
+    sink = _Sink(limit, inflater, encoding)
     try:
         async with asyncio.timeout(timeout):
             while chunk := await content.readany():
