@@ -306,13 +306,9 @@ class _EnginePool:
                                         + b"\r\nAccept-Encoding: identity\r\nContent-Length: ")
         return head
 
-    async def get(self, connect_timeout: float, expires: float = math.inf) -> UpstreamResponse:
-        """An idle connection, or a new one within `connect_timeout` and before `expires`
-        (TimeoutError when `expires` is what ran out: the caller's deadline, not the engine's
-        connect, failed)."""
-        loop = self.loop
-        now = loop.time()
-        stale_before = now - self._keepalive
+    def take(self) -> UpstreamResponse | None:
+        """An idle connection still fit to carry a request, if any (no await: the common case)."""
+        stale_before = self.loop.time() - self._keepalive
         while self._idle:
             conn, idle_since = self._idle.pop()
             if idle_since < stale_before:
@@ -320,6 +316,13 @@ class _EnginePool:
                 break
             if conn.reusable:
                 return conn
+        return None
+
+    async def connect(self, connect_timeout: float, expires: float = math.inf) -> UpstreamResponse:
+        """A new connection within `connect_timeout` and before `expires` (TimeoutError when
+        `expires` is what ran out: the caller's deadline, not the engine's connect, failed)."""
+        loop = self.loop
+        now = loop.time()
         deadline_binds = expires - now < connect_timeout
         try:
             async with asyncio.timeout(min(connect_timeout, expires - now)):
@@ -378,7 +381,7 @@ class UpstreamPool:
         for name, value in headers.items():
             head.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
         head.append(b"\r\n")
-        conn = await pool.get(self._connect_timeout, expires)
+        conn = pool.take() or await pool.connect(self._connect_timeout, expires)
         # No resend on another connection if this one fails: the engine may have seen the
         # request (a decode may have claimed its plan); the flow decides what to retry.
         conn.send(b"".join(head), body, expires)
