@@ -59,6 +59,9 @@ SECRET_ENV = "PDCONNECT_FAULTS_SECRET"
 # more than twice the longest stall seen.
 LEASE_S = 15.0
 HEARTBEAT_S = 1.0
+# Long requests queued ahead of the P/D request in the queued-lease case: each decodes
+# ~4000 tokens, which a quiet machine does in about the 2 x LEASE_S the case waits.
+SLOT_HOLDERS = 3
 HANDSHAKE_TIMEOUT_S = 2.0
 TRANSFER_TIMEOUT_S = 10.0
 # What a failed or refused load does, per transport: both documented outcomes get run.
@@ -356,10 +359,20 @@ def test_lease_survives_a_wait_in_the_decode_queue(pd: EngineSet, http: httpx.Cl
     prompt = prompt_ids(pd.seed(1), PROMPT_TOKENS)
     expected = reference(http, pd, prompt)
     expiries_before = counter(http, pd.prefill, "pdconnect:lease_expiries")
+    # One long request holds decode's only slot; on a fast machine it can end within the
+    # wait below, so more queue behind it (first come, first served: the P/D request, sent
+    # last, waits for all of them). Stopped, each closes at its first token in turn.
     started, stop, streamed = threading.Event(), threading.Event(), []
-    holder = threading.Thread(target=_hold_the_slot, args=(pd.decode.base_url, started, stop, streamed), daemon=True)
-    holder.start()
-    assert started.wait(REQUEST_TIMEOUT_S), "the long request never started streaming"
+    holders = []
+    for queued in range(SLOT_HOLDERS):
+        holders.append(threading.Thread(target=_hold_the_slot, daemon=True,
+                                        args=(pd.decode.base_url, started, stop, streamed)))
+        holders[-1].start()
+        if queued == 0:
+            assert started.wait(REQUEST_TIMEOUT_S), "the long request never started streaming"
+        else:
+            _wait_for(f"{queued} long request(s) to queue on decode",
+                      lambda: _gauge(http, pd.decode, "vllm:num_requests_waiting") >= queued)
     plan = prefill_plan(http, pd, prompt)
     result: list[Answer] = []
     waiter = threading.Thread(target=lambda: result.append(decode_with(http, pd, prompt, plan)), daemon=True)
@@ -373,7 +386,8 @@ def test_lease_survives_a_wait_in_the_decode_queue(pd: EngineSet, http: httpx.Cl
     assert waiter.is_alive(), ("the P/D request finished while the long request held decode's only slot: "
                                "the fault was not set up")
     stop.set()
-    holder.join(REQUEST_TIMEOUT_S)
+    for holder in holders:
+        holder.join(REQUEST_TIMEOUT_S)
     waiter.join(REQUEST_TIMEOUT_S)
     assert result, "the queued P/D request did not finish"
     [answer] = result
