@@ -211,7 +211,8 @@ class UpstreamResponse(asyncio.Protocol):
     def _reset(self) -> None:
         self._disarm()
         self._idle = None
-        self._parser = httptools.HttpResponseParser(self)
+        # The parser carries on to the next response: a connection is reused only after a
+        # complete keep-alive response, where llhttp expects the next message anyway.
         self._chunks.clear()
         self._buffered = 0
         self.status = 0
