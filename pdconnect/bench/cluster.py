@@ -168,12 +168,15 @@ class ManagedProcess:
     def is_running(self) -> bool:
         return self.popen.poll() is None
 
-    def log_tail(self, lines: int = 60) -> str:
+    def log_text(self) -> str:
+        """Everything the process has written so far (stdout and stderr together)."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            return self.log_path.read_text(errors="replace")
         except OSError as exc:
             return f"<cannot read {self.log_path}: {exc}>"
-        return "\n".join(text.splitlines()[-lines:])
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
 
 
 class Cluster:
