@@ -21,18 +21,22 @@ from pdconnect.bench.routing import (
     plan_from_args, requests_in_flight, requests_served, router_kv_events_config, vllm_router_argv,
 )
 from pdconnect.router.config import parse_args as parse_router_args
+from pdconnect.router.policy import LoadBound
 
 
 # --- the load bound ---------------------------------------------------------------------------
 
 def test_load_bound_is_the_factor_times_the_mean_of_what_the_client_keeps_in_flight() -> None:
-    assert load_bound(1.5, concurrency=4, engines=2) == 3  # ceil(1.5 * 4 / 2)
-    assert load_bound(1.25, concurrency=8, engines=2) == 5
-    # Never more than the client ever has in flight: with 2 at once, 2 is no constraint.
-    assert load_bound(1.5, concurrency=2, engines=2) == 2
-    assert load_bound(3.0, concurrency=2, engines=2) == 2
+    assert load_bound(LoadBound(1.5, floor=1), concurrency=4, engines=2) == 3  # ceil(1.5 * 4 / 2)
+    assert load_bound(LoadBound(1.25, floor=1), concurrency=8, engines=2) == 5
+    assert load_bound(LoadBound(1.5, floor=1), concurrency=2, engines=2) == 2
+    assert load_bound(LoadBound(3.0, floor=1), concurrency=2, engines=2) == 2  # never above the concurrency
+    # The floor: below it the factor's bound does not apply; above it, it does.
+    assert load_bound(LoadBound(1.5, floor=8), concurrency=4, engines=2) == 4
+    assert load_bound(LoadBound(1.5, floor=8), concurrency=12, engines=2) == 9
+    assert load_bound(LoadBound(1.5, floor=8), concurrency=10, engines=2) == 8
     with pytest.raises(ValueError):
-        load_bound(1.5, concurrency=0, engines=2)
+        load_bound(LoadBound(), concurrency=0, engines=2)
 
 
 # --- process arguments --------------------------------------------------------------------------
@@ -55,19 +59,19 @@ def test_kv_aware_router_config_names_every_engines_own_endpoints_and_is_accepte
     assert set(data["kv_events_endpoints"]) == {e.url for e in engines}
     path = tmp_path / "router.json"
     path.write_text(json.dumps(data))
-    args = pdconnect_router_args(VARIANTS["kv-aware"], tokenizer=tmp_path, load_factor=1.5, config=path)
+    args = pdconnect_router_args(VARIANTS["kv-aware"], tokenizer=tmp_path, load=LoadBound(1.5, 6), config=path)
     # What cluster.router_server puts before them, then ours: the router's own parser accepts it all.
     config = parse_router_args(["--prefill", *[e.url for e in engines[:2]], "--decode",
                                 *[e.url for e in engines[2:]], *args])
     assert config.policy == "kv-aware" and config.tokenizer == str(tmp_path)
     assert config.kv_events_endpoints["http://127.0.0.1:8101"] == ["tcp://127.0.0.1:9102", "tcp://127.0.0.1:9103"]
-    assert config.affinity_load_factor == 1.5 and config.fallback is False
+    assert config.affinity_load_factor == 1.5 and config.affinity_min_load == 6 and config.fallback is False
 
 
 def test_affinity_router_gets_the_tokenizer_and_no_events_config(tmp_path: Path) -> None:
-    args = pdconnect_router_args(VARIANTS["affinity"], tokenizer=tmp_path, load_factor=2.0, config=None)
+    args = pdconnect_router_args(VARIANTS["affinity"], tokenizer=tmp_path, load=LoadBound(2.0, 3), config=None)
     config = parse_router_args(["--decode", "http://127.0.0.1:8200", *args])
-    assert config.policy == "prefix-affinity" and config.affinity_load_factor == 2.0
+    assert config.policy == "prefix-affinity" and config.affinity_load_factor == 2.0 and config.affinity_min_load == 3
     assert "--config" not in args and config.tokenizer == str(tmp_path)
 
 
@@ -117,23 +121,25 @@ def test_defaults_run_both_scenarios_through_all_four_variants_with_seeds_s_and_
     (pr, pr_seed, pr_format), (mt, mt_seed, mt_format) = plan.scenarios
     assert (pr.name, mt.name) == ("prefix-repetition", "multi-turn")
     assert mt_seed == pr_seed + 1 and mt_format == "ids"
-    # More prefixes than decode engines, and enough in flight for the bound to bite.
-    assert pr.num_prefixes > 2 and load_bound(plan.load_factor, pr.concurrency, 2) < pr.concurrency
+    # More prefixes than decode engines, and the router's own load bound.
+    assert pr.num_prefixes > 2 and plan.load == LoadBound()
 
 
 def test_scenario_sizes_and_variants_come_from_the_command_line() -> None:
     plan = plan_from_args(parse_args([
         "--variants", "affinity", "cache-aware", "--seed", "7", "--prompt-format", "text",
         "--prefix-repetition-num-requests", "32", "--prefix-repetition-concurrency", "8",
-        "--multi-turn-turns", "5", "--no-prefix-repetition-shuffle", "--affinity-load-factor", "1.25"]))
+        "--multi-turn-turns", "5", "--no-prefix-repetition-shuffle", "--affinity-load-factor", "1.25",
+        "--affinity-min-load", "2"]))
     assert plan.variants == ("affinity", "cache-aware") and plan.seed == 7
     assert plan.prefix_repetition.num_requests == 32 and plan.prefix_repetition.concurrency == 8
     assert plan.prefix_repetition.shuffle is False and plan.multi_turn.turns == 5
     assert plan.prefix_repetition_format == "text" and plan.scenarios[1][2] == "ids"
-    assert plan.load_factor == 1.25
+    assert plan.load == LoadBound(1.25, 2)
 
 
-@pytest.mark.parametrize("argv", [["--affinity-load-factor", "0.9"], ["--sample-interval", "0"],
+@pytest.mark.parametrize("argv", [["--affinity-load-factor", "0.9"], ["--affinity-min-load", "0"],
+                                  ["--sample-interval", "0"],
                                   ["--multi-turn-question-len-jitter", "500"]])
 def test_impossible_plans_are_refused(argv: list[str]) -> None:
     with pytest.raises(ValueError):

@@ -1,5 +1,6 @@
 """Prefix affinity: siblings (same long prefix, new suffix) stay on one engine, and the
-bounded-load ring keeps every engine within `load_factor` x its share while they do.
+bounded-load ring keeps every engine within `load_factor` x its share while they do
+(above the bound's floor: below it a burst of siblings stays together).
 
 4 decode engines, 64 prefix groups. The policy is exercised directly with real `Engine`
 objects (their `in_flight` is the load the bound reads), then through the HTTP router
@@ -21,13 +22,16 @@ from pdconnect.router import load_config, start_router
 from pdconnect.router.engines import Engine, Role
 from pdconnect.router.health import CircuitBreaker
 from pdconnect.router.policy import (
-    AffinityTracker, LeastLoaded, PrefixAffinity, RoundRobin, affinity_key, render_messages,
+    AffinityTracker, LeastLoaded, LoadBound, PrefixAffinity, RoundRobin, affinity_key, render_messages,
 )
 
 ENGINES = 4
 GROUPS = 64
 SIBLINGS = 6
 FACTOR = 1.25
+# The ring's own properties are tested on the plain bounded-load ring (floor 1); the
+# floor has tests of its own.
+PLAIN = LoadBound(FACTOR, floor=1)
 PREFIX_CHARS = 256
 
 
@@ -81,7 +85,7 @@ def test_token_id_prompts_use_their_leading_ids() -> None:
 
 def test_without_load_every_sibling_lands_on_its_groups_engine_and_groups_spread() -> None:
     pool = engines()
-    policy = PrefixAffinity(FACTOR, vnodes=160)
+    policy = PrefixAffinity(PLAIN, vnodes=160)
     home: dict[int, set[str]] = defaultdict(set)
     for group in range(GROUPS):
         for k in range(SIBLINGS):
@@ -92,10 +96,11 @@ def test_without_load_every_sibling_lands_on_its_groups_engine_and_groups_spread
     print(f"\ngroups per engine: {sorted(per_engine.values())}")
 
 
-def test_held_requests_never_push_an_engine_past_the_bound_and_move_only_when_home_is_full() -> None:
+@pytest.mark.parametrize("floor", [1, 8])
+def test_held_requests_never_push_an_engine_past_the_bound_and_move_only_when_home_is_full(floor: int) -> None:
     """All 64 x 6 requests arrive while every earlier one is still in flight."""
     pool = engines()
-    policy = PrefixAffinity(FACTOR, vnodes=160)
+    policy = PrefixAffinity(LoadBound(FACTOR, floor), vnodes=160)
     order = [(g, k) for k in range(SIBLINGS) for g in range(GROUPS)]
     random.Random(7).shuffle(order)
     homes = _homes(pool)
@@ -124,7 +129,7 @@ def test_realistic_concurrency_trades_togetherness_for_balance_by_the_factor(fac
     that engine is at the bound; how often that happens is what the factor buys.
     """
     pool = engines()
-    policy = PrefixAffinity(factor, vnodes=160)
+    policy = PrefixAffinity(LoadBound(factor, floor=1), vnodes=160)
     tracker = AffinityTracker()
     order = [(g, k) for g in range(GROUPS) for k in range(SIBLINGS)]
     random.Random(11).shuffle(order)
@@ -151,9 +156,50 @@ def test_realistic_concurrency_trades_togetherness_for_balance_by_the_factor(fac
         assert kept >= 0.95
 
 
+def _burst(policy: PrefixAffinity, pool: tuple[Engine, ...], group: int, size: int) -> Counter[str]:
+    """`size` siblings of one group arrive while every earlier one is still in flight."""
+    placed: Counter[str] = Counter()
+    for k in range(size):
+        chosen = policy.order(pool, key_of(sibling(group, k)))[0]
+        chosen.in_flight += 1
+        placed[chosen.url] += 1
+    return placed
+
+
+def test_a_burst_of_siblings_up_to_the_floor_stays_on_its_engine() -> None:
+    """4 siblings at once on 2 idle engines: the plain ring (bound ceil(1.25 * 4 / 2) = 3)
+    sends the fourth away from the engine that will cache their prefix; with the floor
+    the burst stays whole, up to `floor` siblings."""
+    group = 9
+    plain = _burst(PrefixAffinity(PLAIN, vnodes=160), engines(2), group, 4)
+    assert sorted(plain.values()) == [1, 3]
+    floored = _burst(PrefixAffinity(LoadBound(FACTOR, floor=4), vnodes=160), engines(2), group, 4)
+    assert list(floored.values()) == [4]
+    default = LoadBound()
+    assert list(_burst(PrefixAffinity(default, vnodes=160), engines(2), group, default.floor).values()) == [default.floor]
+    # One more than the floor on two engines: the factor's bound is still below the
+    # floor, so the extra sibling is the first to spill.
+    assert sorted(_burst(PrefixAffinity(LoadBound(FACTOR, floor=4), vnodes=160), engines(2), group, 5).values()) == [1, 4]
+
+
+def test_above_the_floor_the_factor_bounds_every_engine() -> None:
+    """40 siblings of one hot prefix held at once on 4 engines: no engine past
+    max(floor, ceil(1.25 * 40 / 4)) = 13, whatever the floor below that."""
+    for floor in (1, 8):
+        pool = engines()
+        _burst(PrefixAffinity(LoadBound(FACTOR, floor), vnodes=160), pool, 3, 40)
+        assert max(e.in_flight for e in pool) == 13
+
+
+def test_load_bound_limit() -> None:
+    assert LoadBound(1.5, floor=1).limit(total=3, engines=2) == 3
+    assert LoadBound(1.5, floor=8).limit(total=3, engines=2) == 8
+    assert LoadBound(1.5, floor=8).limit(total=99, engines=2) == 75
+
+
 def test_unhealthy_home_sends_its_keys_to_the_next_engine_and_back() -> None:
     pool = engines()
-    policy = PrefixAffinity(FACTOR, vnodes=160)
+    policy = PrefixAffinity(PLAIN, vnodes=160)
     key = key_of(sibling(5, 0))
     home, second = policy.order(pool, key)[:2]
     home.probe_ok = False
@@ -163,7 +209,7 @@ def test_unhealthy_home_sends_its_keys_to_the_next_engine_and_back() -> None:
 
 
 def test_adding_an_engine_moves_only_the_keys_it_takes_over() -> None:
-    old_policy, new_policy = PrefixAffinity(FACTOR, vnodes=160), PrefixAffinity(FACTOR, vnodes=160)
+    old_policy, new_policy = PrefixAffinity(PLAIN, vnodes=160), PrefixAffinity(PLAIN, vnodes=160)
     before = engines(4)
     after = (*before, Engine(url="http://decode-4.svc:8000", role=Role.DECODE,
                              breaker=CircuitBreaker(3, 10.0), probe_ok=True))
@@ -190,7 +236,7 @@ def test_least_loaded_and_round_robin() -> None:
 def _homes(pool: tuple[Engine, ...]) -> Callable[[int], Engine]:
     """Where a key goes when nothing is busy: its home on the ring."""
     idle = tuple(Engine(url=e.url, role=e.role, breaker=e.breaker, probe_ok=True) for e in pool)
-    policy = PrefixAffinity(FACTOR, vnodes=160)
+    policy = PrefixAffinity(PLAIN, vnodes=160)
     return lambda key: policy.order(idle, key)[0]
 
 

@@ -61,6 +61,7 @@ from pdconnect.bench.scenarios import (
 )
 from pdconnect.bench.tinymodel import ensure_target_and_draft
 from pdconnect.router.kvindex import EngineKVIndex, decode_batch
+from pdconnect.router.policy import LoadBound
 
 __all__ = [
     "VARIANTS", "EngineSpec", "EventsView", "RoutingPlan", "ScenarioRun", "Variant", "consistency_problems",
@@ -71,8 +72,6 @@ __all__ = [
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
-# The router's default; passed explicitly so the bound we check is the one it applies.
-DEFAULT_LOAD_FACTOR = 1.5
 REQUEST_TIMEOUT_S = 300.0
 VLLM_ROUTER = Path(os.environ.get("PDCONNECT_VLLM_ROUTER", ".venv-router-ref/bin/vllm-router"))
 ROUTER_IN_FLIGHT = "pdconnect_router_engine_in_flight"
@@ -119,8 +118,9 @@ class RoutingPlan:
     """The workload and the knobs: CPU scale by default, under ~10 minutes on 2 shared cores.
 
     prefix-repetition: 4 prefixes of 8 blocks, 4 siblings each, 4 in flight — more
-    prefixes than decode engines and enough concurrency that the load bound (1.5 x mean
-    of 4 in flight over 2 engines = 3) can bite. multi-turn: 4 conversations, 3 turns,
+    prefixes than decode engines, and bursts of siblings: the factor alone (1.5 x mean of
+    4 in flight over 2 engines = 3) would split a burst of 4, the router's default floor
+    of 8 in flight keeps it whole, as vllm-router's cache_aware does. multi-turn: 4 conversations, 3 turns,
     2 at once, questions longer than a block: every turn extends what one decode engine
     served the turn before.
     """
@@ -136,7 +136,8 @@ class RoutingPlan:
     transport: Transport = "mooncake"
     # Multi-turn always sends ids (answers are appended as generated ids).
     prefix_repetition_format: PromptFormat = "ids"
-    load_factor: float = DEFAULT_LOAD_FACTOR
+    # The router's defaults, passed explicitly so the bound we check is the one it applies.
+    load: LoadBound = LoadBound()
     sample_interval_s: float = 0.25
 
     @property
@@ -146,18 +147,18 @@ class RoutingPlan:
                 (self.multi_turn, self.seed + 1, "ids"))
 
 
-def load_bound(factor: float, concurrency: int, engines: int) -> int:
+def load_bound(load: LoadBound, concurrency: int, engines: int) -> int:
     """The most requests our policies let one engine of a role hold.
 
     A request goes to an engine only while its in-flight count is below
-    `ceil(factor * (total + 1) / engines)`, `total` being the role's in-flight requests
-    before it; the client keeps at most `concurrency` in flight, so `total + 1 <=
-    concurrency` and no engine ever holds more than `ceil(factor * concurrency / engines)`
-    (nor, trivially, more than `concurrency`).
+    `load.limit(total, engines)`, `total` being the role's in-flight requests before it;
+    the limit grows with `total`, and the client keeps at most `concurrency` in flight,
+    so `total + 1 <= concurrency` and no engine ever holds more than
+    `load.limit(concurrency - 1, engines)` (nor, trivially, more than `concurrency`).
     """
     if engines < 1 or concurrency < 1:
         raise ValueError(f"need engines >= 1 and concurrency >= 1, got {engines}, {concurrency}")
-    return min(concurrency, math.ceil(factor * concurrency / engines))
+    return min(concurrency, load.limit(concurrency - 1, engines))
 
 
 # ---------------------------------------------------------------------------------------
@@ -205,7 +206,7 @@ def router_kv_events_config(engines: Sequence[EngineSpec]) -> dict[str, Any]:
                                     for e in engines}}
 
 
-def pdconnect_router_args(variant: Variant, *, tokenizer: Path, load_factor: float, config: Path | None,
+def pdconnect_router_args(variant: Variant, *, tokenizer: Path, load: LoadBound, config: Path | None,
                           timeout_s: float = REQUEST_TIMEOUT_S) -> list[str]:
     """`pdconnect router` options after the engines (see `cluster.router_server`).
 
@@ -217,7 +218,7 @@ def pdconnect_router_args(variant: Variant, *, tokenizer: Path, load_factor: flo
     spills to engines wrongly thought down (vllm-router polls every 60 s by default).
     """
     args = ["--policy", variant.policy, "--tokenizer", str(tokenizer),
-            "--affinity-load-factor", str(load_factor), "--no-fallback",
+            "--affinity-load-factor", str(load.factor), "--affinity-min-load", str(load.floor), "--no-fallback",
             "--health-interval", "5", "--health-timeout", "10", "--health-failures", "3",
             "--prefill-timeout", str(timeout_s), "--decode-first-byte-timeout", str(timeout_s),
             "--decode-timeout", str(timeout_s)]
@@ -709,7 +710,7 @@ def start_router(cluster: Cluster, variant: Variant, engines: Engines, plan: Rou
             config.parent.mkdir(parents=True, exist_ok=True)
             config.write_text(json.dumps(router_kv_events_config(engines.specs), indent=2) + "\n")
         spec = router_server(f"routing-{variant.key}", port=port, prefill=prefill, decode=decode,
-                             args=pdconnect_router_args(variant, tokenizer=tokenizer, load_factor=plan.load_factor,
+                             args=pdconnect_router_args(variant, tokenizer=tokenizer, load=plan.load,
                                                         config=config))
     else:
         if not VLLM_ROUTER.is_file():
@@ -751,7 +752,7 @@ async def _run_scenario(variant: Variant, router: ManagedProcess, engines: Engin
         counters = ({k: v - counters_before[k] for k, v in _router_counters(router.base_url, client).items()}
                     if variant.ours else {})
     concurrency = int(getattr(scenario, "concurrency"))
-    bound = ({role: load_bound(plan.load_factor, concurrency, len(engines.urls(role))) for role in ROLES}
+    bound = ({role: load_bound(plan.load, concurrency, len(engines.urls(role))) for role in ROLES}
              if variant.ours else None)
     figures = tuple(EngineFigures(
         role=s.role, name=s.name, url=s.url,
@@ -817,8 +818,11 @@ def _parser() -> argparse.ArgumentParser:
                         metavar="VARIANT", help=f"routers to compare, in order (default: all: {' '.join(VARIANTS)})")
     parser.add_argument("--prompt-format", choices=("ids", "text"), default=plan.prefix_repetition_format,
                         help="prefix-repetition's prompts: token ids or words (multi-turn always sends ids)")
-    parser.add_argument("--affinity-load-factor", type=float, default=plan.load_factor,
+    parser.add_argument("--affinity-load-factor", type=float, default=plan.load.factor,
                         help="given to our router; the load bound checked is this x the mean (default: %(default)s)")
+    parser.add_argument("--affinity-min-load", type=int, default=plan.load.floor, metavar="N",
+                        help="given to our router; the load bound never drops below N in flight "
+                             "(default: %(default)s)")
     parser.add_argument("--sample-interval", type=float, default=plan.sample_interval_s, metavar="SECONDS",
                         help="how often the engines' in-flight gauges are read (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=default_build_dir().parent / "results" / "bench-routing.json",
@@ -853,11 +857,14 @@ def plan_from_args(args: argparse.Namespace) -> RoutingPlan:
         scenarios[attr] = cls(**values)
     if args.affinity_load_factor < 1.0:
         raise ValueError(f"--affinity-load-factor must be >= 1, got {args.affinity_load_factor}")
+    if args.affinity_min_load < 1:
+        raise ValueError(f"--affinity-min-load must be >= 1, got {args.affinity_min_load}")
     if args.sample_interval <= 0:
         raise ValueError(f"--sample-interval must be positive, got {args.sample_interval}")
     variants = tuple(dict.fromkeys(args.variants))
     return RoutingPlan(seed=args.seed, variants=variants, transport=args.transport,
-                       prefix_repetition_format=args.prompt_format, load_factor=args.affinity_load_factor,
+                       prefix_repetition_format=args.prompt_format,
+                       load=LoadBound(args.affinity_load_factor, args.affinity_min_load),
                        sample_interval_s=args.sample_interval, **scenarios)
 
 
@@ -868,8 +875,9 @@ LEGEND = (
     "(vllm:request_success). max in-flight = highest vllm:num_requests_running + vllm:num_requests_waiting\n"
     "seen per engine, sampled every {interval} s (vLLM refreshes them after each engine step, so a prefill that\n"
     "completes in one step never shows); router's in-flight = our router's own pdconnect_router_engine_in_flight,\n"
-    "the count its policy bounds, sampled likewise; bound = ceil(load factor {factor} x concurrency / engines),\n"
-    "what our policies promise (vllm-router promises none: figures only)."
+    "the count its policy bounds, sampled likewise; bound = max(min load {floor}, ceil(load factor {factor} x\n"
+    "concurrency / engines)), at most the concurrency: what our policies promise (vllm-router promises none:\n"
+    "figures only)."
 )
 
 
@@ -880,7 +888,8 @@ def _settings(plan: RoutingPlan, tokenizer: Path) -> dict[str, Any]:
         "prefix_repetition": dataclasses.asdict(plan.prefix_repetition),
         "multi_turn": dataclasses.asdict(plan.multi_turn),
         "prefix_repetition_seed": plan.seed, "multi_turn_seed": plan.seed + 1,
-        "prefix_repetition_format": plan.prefix_repetition_format, "affinity_load_factor": plan.load_factor,
+        "prefix_repetition_format": plan.prefix_repetition_format, "affinity_load_factor": plan.load.factor,
+        "affinity_min_load": plan.load.floor,
         "sample_interval_s": plan.sample_interval_s, "variants": [VARIANTS[k].label for k in plan.variants],
     }
 
@@ -915,7 +924,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (StartupError, RuntimeError, httpx.HTTPError) as exc:
         print(f"\n[bench-routing] FAILED: {exc}\n[bench-routing] logs in {args.out / 'logs'}", file=sys.stderr)
         return 1
-    print("\n" + LEGEND.format(interval=plan.sample_interval_s, factor=plan.load_factor) + "\n")
+    print("\n" + LEGEND.format(interval=plan.sample_interval_s, factor=plan.load.factor, floor=plan.load.floor) + "\n")
     print(format_routing_table(runs) + "\n")
     print("decode-local hit tokens, ratio of two variants on the same prompts (same engines, caches emptied between)")
     print(format_ratios(runs) + "\n")

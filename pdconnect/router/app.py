@@ -41,7 +41,7 @@ from pdconnect.router.flow import Endpoint, PDFlow, PrefillReleaser
 from pdconnect.router.health import CircuitBreaker, HealthMonitor
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.kvevents import KVEventsFeed, events_endpoint
-from pdconnect.router.policy import LeastLoaded, make_policy
+from pdconnect.router.policy import LeastLoaded, LoadBound, make_policy
 from pdconnect.router.upstream import UpstreamPool
 
 __all__ = ["Router", "RunningRouter", "start_router", "main"]
@@ -170,9 +170,10 @@ class Router:
         releaser = PrefillReleaser(self._secret, config.release_timeout, self.metrics)
         upstream = UpstreamPool(config.connect_timeout, config.upstream_keepalive)
         feed = self._kv_events_feed() if config.policy == "kv-aware" else None
+        load = LoadBound(config.affinity_load_factor, config.affinity_min_load)
         self._flow = PDFlow(config, self.registry, upstream, self.metrics, releaser,
-                            make_policy(config.policy, config.affinity_load_factor, config.affinity_vnodes, feed),
-                            make_policy(config.policy, config.affinity_load_factor, config.affinity_vnodes, feed))
+                            make_policy(config.policy, load, config.affinity_vnodes, feed),
+                            make_policy(config.policy, load, config.affinity_vnodes, feed))
         tasks: list[asyncio.Task[None]] = []
         monitor = None
         if config.health_interval > 0:

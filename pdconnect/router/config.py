@@ -102,6 +102,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # flight: 1.25 keeps 72% of siblings together, 1.5 90%, 2.0 99%); a decode engine's
     # cache miss costs a full KV transfer, so the default leans to togetherness.
     affinity_load_factor: float = 1.5
+    # ... but no engine counts as loaded below this many requests in flight: a decode
+    # engine batches a burst of siblings for about the cost of one sequence, and each
+    # sibling split off pays a full KV pull elsewhere (policy.LoadBound).
+    affinity_min_load: int = 8
     affinity_vnodes: int = 160
     # kv-aware: engines publish vLLM KV events (--kv-events-config) on this port of their
     # own address, with a replay socket on the second port; or explicitly per engine URL
@@ -174,7 +178,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if self.health_interval < 0:
             raise ConfigError("health_interval must be >= 0 (0 turns active polling off)")
         for name in ("prefill_attempts", "decode_attempts", "health_failures", "breaker_failures",
-                     "affinity_prefix_chars", "affinity_prefix_tokens", "affinity_vnodes", "max_body_bytes"):
+                     "affinity_prefix_chars", "affinity_prefix_tokens", "affinity_vnodes", "affinity_min_load",
+                     "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.affinity_load_factor < 1.0:
@@ -287,6 +292,8 @@ def _parser() -> argparse.ArgumentParser:
     _add(routing, "affinity-prefix-chars", "characters of prompt text hashed for the affinity key", type=int)
     _add(routing, "affinity-prefix-tokens", "token ids hashed for the affinity key", type=int)
     _add(routing, "affinity-load-factor", "no engine takes more than this times the mean load", type=float)
+    _add(routing, "affinity-min-load", "in-flight requests below which no engine counts as loaded (a burst of "
+         "siblings stays on the engine that caches their prefix)", type=int)
     _add(routing, "affinity-vnodes", "points per engine on the hash ring", type=int)
     flow = p.add_argument_group("request flow")
     _add(flow, "connect-timeout", "seconds to connect to an engine", **seconds)

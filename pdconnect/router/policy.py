@@ -12,7 +12,11 @@ A pure hash ring lets one hot prefix swamp an engine. The ring therefore uses
 consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): an
 engine whose in-flight count reached `ceil(factor * (total + 1) / n)` is skipped and
 the walk goes on clockwise, so no engine exceeds its share by more than `factor`,
-and a key only moves while its engine is over the bound.
+and a key only moves while its engine is over the bound. That bound never drops below
+a floor (`LoadBound.floor`): with a handful of requests in flight, `factor` times the
+mean is one or two requests, and a burst of siblings would be split although the engine
+batches them for about the cost of one sequence, while every split sibling pays a full
+KV pull on the engine it spills to. Above the floor the factor rules.
 
 `kv-aware` knows instead of guessing: from each engine's KV events (`kvevents`) it
 computes the prefix each engine really caches for the request's tokens and puts the
@@ -33,12 +37,13 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdconnect.router.engines import Engine
 
 __all__ = [
-    "RoutingPolicy", "PrefixAffinity", "LeastLoaded", "RoundRobin", "KvAware", "make_policy",
+    "RoutingPolicy", "LoadBound", "PrefixAffinity", "LeastLoaded", "RoundRobin", "KvAware", "make_policy",
     "affinity_key", "render_messages", "AffinityTracker",
 ]
 
@@ -159,13 +164,31 @@ class _Ring:
         return [self.engines[i] for i in seen]
 
 
+@dataclass(frozen=True)
+class LoadBound:
+    """How many in-flight requests one engine of a role may hold before its keys spill.
+
+    `limit(total, n)` = max(floor, ceil(factor * (total + 1) / n)) for `total` requests
+    already in flight on `n` engines: no engine exceeds `factor` times its share once the
+    role holds more than `floor * n / factor` requests, and none is counted as loaded
+    below `floor` (see the module doc). factor >= 1 and floor >= 1 (floor 1: the plain
+    bounded-load ring).
+    """
+
+    factor: float = 1.5
+    floor: int = 8
+
+    def limit(self, total: int, engines: int) -> int:
+        return max(self.floor, math.ceil(self.factor * (total + 1) / engines))
+
+
 class PrefixAffinity:
     """Consistent hashing with bounded loads over one role's engines (see module doc)."""
 
     name = "prefix-affinity"
 
-    def __init__(self, load_factor: float, vnodes: int) -> None:
-        self.load_factor = load_factor
+    def __init__(self, load: LoadBound, vnodes: int) -> None:
+        self.load = load
         self._vnodes = vnodes
         self._ring: _Ring | None = None
         self._fallback = LeastLoaded()
@@ -177,8 +200,7 @@ class PrefixAffinity:
 
     def bound(self, live: Sequence[Engine]) -> int:
         """The most in-flight requests one engine may hold before the next one is placed."""
-        total = sum(e.in_flight for e in live)
-        return math.ceil(self.load_factor * (total + 1) / len(live))
+        return self.load.limit(sum(e.in_flight for e in live), len(live))
 
     def order(self, engines: tuple[Engine, ...], key: int | None,
               tokens: Sequence[int] | None = None) -> list[Engine]:
@@ -191,7 +213,7 @@ class PrefixAffinity:
         for i, engine in enumerate(walk):
             if engine.in_flight < bound:
                 return [engine, *walk[:i], *walk[i + 1:]]
-        return walk  # unreachable for factor >= 1; kept total for safety
+        return walk  # unreachable for factor, floor >= 1; kept total for safety
 
 
 class HitSource(Protocol):
@@ -203,9 +225,9 @@ class KvAware:
 
     name = "kv-aware"
 
-    def __init__(self, hits: HitSource, load_factor: float, vnodes: int) -> None:
+    def __init__(self, hits: HitSource, load: LoadBound, vnodes: int) -> None:
         self._hits = hits
-        self._affinity = PrefixAffinity(load_factor, vnodes)
+        self._affinity = PrefixAffinity(load, vnodes)
 
     def order(self, engines: tuple[Engine, ...], key: int | None,
               tokens: Sequence[int] | None = None) -> list[Engine]:
@@ -226,13 +248,13 @@ class KvAware:
         return [best, *(e for e in ranked if e is not best)]
 
 
-def make_policy(name: str, load_factor: float, vnodes: int, hits: HitSource | None = None) -> RoutingPolicy:
+def make_policy(name: str, load: LoadBound, vnodes: int, hits: HitSource | None = None) -> RoutingPolicy:
     if name == "kv-aware":
         if hits is None:
             raise ValueError("the kv-aware policy needs a KV events feed")
-        return KvAware(hits, load_factor, vnodes)
+        return KvAware(hits, load, vnodes)
     if name == "prefix-affinity":
-        return PrefixAffinity(load_factor, vnodes)
+        return PrefixAffinity(load, vnodes)
     if name == "least-loaded":
         return LeastLoaded()
     if name == "round-robin":
