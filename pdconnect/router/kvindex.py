@@ -153,7 +153,7 @@ class EngineKVIndex:
     max_pending: int = 4096
 
     def apply(self, batch: KVEventBatch) -> None:
-        stored = False
+        keyed: list[tuple[int, BlockHash, int]] = []  # (block size, hash, key) this batch taught
         for event in batch.events:
             if isinstance(event, BlockStored):
                 group = self.groups.get(event.group_idx or 0)
@@ -163,16 +163,15 @@ class EngineKVIndex:
                     sliding = (event.kv_cache_spec_kind or "").startswith("sliding_window")
                     window = event.kv_cache_spec_sliding_window if sliding else None
                     group = self.groups[event.group_idx or 0] = GroupIndex(event.block_size, window)
-                self._store(group, event)
-                stored = True
+                self._store(group, event, keyed)
             elif isinstance(event, BlockRemoved):
                 group = self.groups.get(event.group_idx or 0)
                 if group is not None:
                     group.remove(event.block_hashes)
             else:
                 self.groups.clear()
-        if stored and any(group.pending for group in self.groups.values()):
-            self._resolve_pending()
+        if keyed and any(group.pending for group in self.groups.values()):
+            self._resolve_pending(keyed)
 
     def _key_of(self, block_size: int, block_hash: BlockHash) -> int | None:
         """The content key any group of this block size has for `block_hash`."""
@@ -181,14 +180,16 @@ class EngineKVIndex:
                 return key
         return None
 
-    def _store(self, group: GroupIndex, event: BlockStored) -> None:
-        """Index one store; hashes whose position is unknown wait for another group's key."""
+    def _store(self, group: GroupIndex, event: BlockStored, keyed: list[tuple[int, BlockHash, int]]) -> None:
+        """Index one store; hashes whose position is unknown wait for another group's key.
+        The hashes it learns a content key for are appended to `keyed`."""
         size = group.block_size
         parent = 0 if event.parent_block_hash is None else self._key_of(size, event.parent_block_hash)
         if parent is not None and len(event.block_hashes) == len(event.token_ids) // size:
             # Every block of the range is listed: positions, hence content keys, are known.
             for block_hash, key in zip(event.block_hashes, chain_keys(event.token_ids, size, parent)):
                 group.add(block_hash, key)
+                keyed.append((size, block_hash, key))
             return
         for block_hash in event.block_hashes:
             key = self._key_of(size, block_hash)
@@ -197,10 +198,15 @@ class EngineKVIndex:
             else:
                 group.add(block_hash, key)
 
-    def _resolve_pending(self) -> None:
+    def _resolve_pending(self, keyed: list[tuple[int, BlockHash, int]]) -> None:
+        """Give waiting hashes the keys this batch taught: only those can newly resolve
+        (a key known before was handed out when the hash arrived), so the cost follows
+        the batch, not the number waiting."""
         for group in self.groups.values():
-            for block_hash in list(group.pending):
-                if (key := self._key_of(group.block_size, block_hash)) is not None:
+            if not group.pending:
+                continue
+            for size, block_hash, key in keyed:
+                if size == group.block_size and block_hash in group.pending:
                     group.add(block_hash, key)
 
     def hit_tokens(self, tokens: Sequence[int], keys: dict[int, list[int]] | None = None) -> int:
