@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.request import RequestStatus
 
 from connectors.cache_binding import CacheBound
+from connectors.leases import CLAIM_ATTEMPTS
 from connectors.metadata import PullSpec
 from connectors.plan_checks import PlanRejected, check_plan
 from connectors.replay_slack import plan_request
@@ -76,6 +77,7 @@ class _Incoming:
     failure: str | None
     claim: ClaimState = ClaimState.PENDING
     claimed_at: float = field(default_factory=time.monotonic)
+    claim_attempts: int = 0
     local_tokens: int = 0
     waiting_on: str | None = None  # the request id of the load this one waits for
     wait_started: float = 0.0
@@ -114,7 +116,8 @@ class Consumer(CacheBound):
         self._loads: dict[str, _Load] = {}
         self._new_pulls: list[PullSpec] = []
         self._settled: set[str] = set()  # loads ended (done sent) for requests still running
-        self._replies: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()  # (lease id, why lost)
+        # (lease id, why lost or "", whether the prefill engine may not have seen the claim)
+        self._replies: queue.SimpleQueue[tuple[str, str, bool]] = queue.SimpleQueue()
         self._notifier = PeerNotifier(
             secret=secret,
             timeout_seconds=settings.handshake_timeout_seconds,
@@ -135,24 +138,28 @@ class Consumer(CacheBound):
     def _on_reply(self, address: str, sent: Message, reply: Message) -> None:
         if isinstance(reply, Ack) and isinstance(sent, (Claim, Heartbeat)):
             if isinstance(sent, Claim) and not reply.unknown:
-                self._replies.put((sent.lease_id, ""))
+                self._replies.put((sent.lease_id, "", False))
             for lease_id in reply.unknown:
-                self._replies.put((lease_id, f"the prefill engine at {address} no longer holds the blocks"))
+                self._replies.put((lease_id, f"the prefill engine at {address} no longer holds the blocks", False))
 
-    def _on_failure(self, address: str, sent: Message, reason: str) -> None:
+    def _on_failure(self, address: str, sent: Message, reason: str, unanswered: bool) -> None:
         if isinstance(sent, Claim):
-            self._replies.put((sent.lease_id, f"claim refused or unanswered by {address}: {reason}"))
+            self._replies.put((sent.lease_id, f"claim refused or unanswered by {address}: {reason}", unanswered))
 
     def _take_replies(self) -> None:
         while True:
             try:
-                lease_id, lost = self._replies.get_nowait()
+                lease_id, lost, unanswered = self._replies.get_nowait()
             except queue.Empty:
                 return
             incoming = self._incoming.get(self._by_lease.get(lease_id, ""))
             if incoming is None or incoming.claim is ClaimState.LOST:
                 continue
-            if lost:
+            if lost and unanswered and incoming.claim_attempts < CLAIM_ATTEMPTS:
+                self.stats.count("claim_retries")
+                logger.warning("request %s: %s; claiming again", incoming.request.request_id, lost)
+                self._claim(incoming)
+            elif lost:
                 self.stats.count("leases_lost")
                 assert incoming.plan is not None
                 self._notifier.unwatch(incoming.plan.side_channel, lease_id)
@@ -179,10 +186,16 @@ class Consumer(CacheBound):
             incoming.claim = ClaimState.LOST
             return
         self._by_lease[plan.lease_id] = request_id
-        claimant = claimant_of(self.engine_id, request_id)
-        self._notifier.send(plan.side_channel, Claim(lease_id=plan.lease_id, claimant=claimant,
-                                                     plan_digest=plan.digest()))
+        self._claim(incoming)
         self._notifier.watch(plan.side_channel, plan.lease_id)
+
+    def _claim(self, incoming: _Incoming) -> None:
+        assert incoming.plan is not None
+        incoming.claim_attempts += 1
+        plan = incoming.plan
+        self._notifier.send(plan.side_channel, Claim(
+            lease_id=plan.lease_id, claimant=claimant_of(self.engine_id, incoming.request.request_id),
+            plan_digest=plan.digest()))
 
     def _check(self, request: Request) -> tuple[TransferPlan | None, str | None]:
         try:
@@ -214,7 +227,9 @@ class Consumer(CacheBound):
             self.arrive(request)
             incoming = self._incoming[request_id]
         if incoming.claim is ClaimState.PENDING:
-            if time.monotonic() - incoming.claimed_at < 2 * self.settings.handshake_timeout_seconds:
+            # The notifier answers every attempt within the handshake timeout; this is the
+            # backstop should a reply never be reported.
+            if time.monotonic() - incoming.claimed_at < (CLAIM_ATTEMPTS + 1) * self.settings.handshake_timeout_seconds:
                 return None, False  # ask again next step; the request holds no blocks meanwhile
             incoming.claim = ClaimState.LOST
             incoming.failure = "the prefill engine did not answer the claim"

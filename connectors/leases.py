@@ -16,11 +16,21 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, TypeVar
 
-__all__ = ["ClaimAnswer", "Lease", "LeaseTable", "new_lease_id"]
+from pdconnect.protocol import Ack, Claim
+from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError
+
+__all__ = ["CLAIM_ATTEMPTS", "ClaimAnswer", "Lease", "LeaseTable", "confirm_claim", "new_lease_id"]
+
+# A claim the prefill engine did not answer within the handshake timeout is sent once
+# more before its load fails. Silence proves nothing about the lease (a prefill engine
+# on busy cores answered a claim 5 s late, after the lease had been held all along),
+# and a claim is idempotent for its claimant; a refusal is final.
+CLAIM_ATTEMPTS = 2
 
 Held = TypeVar("Held")
 
@@ -144,3 +154,26 @@ class LeaseTable(Generic[Held]):
             del self._by_request[lease.request_id]
         lease.ended_because = why
         self._ended.append(lease)
+
+
+def confirm_claim(client: SideChannelClient, claim: Claim, retrying: Callable[[NoAnswer], None]) -> str | None:
+    """Claim a lease on the prefill engine (decode side, any thread but the scheduler's);
+    None when the engine confirms it holds the lease for this claimant, else why not.
+
+    An unanswered attempt is made again, up to `CLAIM_ATTEMPTS` (`retrying` is told each
+    time); a refusal or a reply naming the lease unknown is final.
+    """
+    for attempt in range(1, CLAIM_ATTEMPTS + 1):
+        try:
+            reply = client.request(claim)
+        except NoAnswer as exc:
+            if attempt == CLAIM_ATTEMPTS:
+                return f"could not confirm the prefill engine still held the blocks: {exc}"
+            retrying(exc)
+            continue
+        except SideChannelError as exc:
+            return f"could not confirm the prefill engine still held the blocks: {exc}"
+        if not isinstance(reply, Ack) or claim.lease_id in reply.unknown:
+            return "the prefill engine no longer held the blocks when the read ended"
+        return None
+    raise AssertionError("unreachable: CLAIM_ATTEMPTS >= 1")

@@ -40,6 +40,7 @@ COUNTERS: dict[str, str] = {
     "notification_failures": "Heartbeat/done/release notices that did not reach the prefill engine",
     "bad_transfer_params": "Decode requests with malformed or mismatched kv_transfer_params",
     "leases_lost": "Decode loads failed because the prefill engine no longer held (or refused) the lease",
+    "claim_retries": "Lease claims sent again because the prefill engine did not answer in time",
     "coalesced_waits": "Decode requests that waited for a sibling's load instead of pulling the same blocks",
     "coalesce_timeouts": "Decode requests that stopped waiting for a sibling's load after coalesce_wait_seconds",
     "notifier_callback_errors": "Errors raised while handling a prefill engine's reply to a notice (logged)",

@@ -30,12 +30,13 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from connectors.compat import compat_info
+from connectors.leases import confirm_claim
 from connectors.metadata import PDConnectorMetadata, PDHandshakeMetadata, PullSpec, decode_layouts, encode_layouts
 from connectors.stats import PDConnectorStats, StatsRecorder
 from pdconnect.config import ConnectorSettings
 from pdconnect.kvlayout import LayoutError, TensorLayout, locate_block_dim, pull_ranges_for_layers
-from pdconnect.protocol import Ack, Claim, Handshake, HandshakeReply
-from pdconnect.sidechannel import SideChannelClient, SideChannelError
+from pdconnect.protocol import Claim, Handshake, HandshakeReply
+from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError
 from pdconnect.transfer import (
     MemoryRegion,
     Transfer,
@@ -202,14 +203,12 @@ class PDWorker:
         if client is None:
             client = self._claim_clients[spec.side_channel] = SideChannelClient(
                 spec.side_channel, self._secret, self.settings.handshake_timeout_seconds)
-        try:
-            reply = client.request(Claim(lease_id=spec.lease_id, claimant=spec.claimant,
-                                          plan_digest=spec.plan_digest))
-        except SideChannelError as exc:
-            return f"could not confirm the prefill engine still held the blocks: {exc}"
-        if not isinstance(reply, Ack) or spec.lease_id in reply.unknown:
-            return "the prefill engine no longer held the blocks when the read ended"
-        return None
+        def retrying(exc: NoAnswer) -> None:
+            self.stats.count("claim_retries")
+            logger.warning("request %s: %s; confirming again", spec.request_id, exc)
+
+        claim = Claim(lease_id=spec.lease_id, claimant=spec.claimant, plan_digest=spec.plan_digest)
+        return confirm_claim(client, claim, retrying)
 
     def _handshake(self, spec: PullSpec) -> _Remote:
         assert self._transport is not None

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdconnect.protocol import Heartbeat, Message
-from pdconnect.sidechannel import SideChannelClient, SideChannelError
+from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError
 
 __all__ = ["PeerNotifier"]
 
@@ -33,7 +33,10 @@ logger = logging.getLogger("pdconnect.notifier")
 
 Count = Callable[[str, int], None]
 OnReply = Callable[[str, Message, Message], None]
-OnFailure = Callable[[str, Message, str], None]
+# (address, message, reason, unanswered): unanswered is True when the peer may never have
+# seen the message (no answer in time, or not sent), False when it refused or answered
+# something unusable; a caller may resend only the former.
+OnFailure = Callable[[str, Message, str, bool], None]
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ class PeerNotifier:
     heartbeat still queued behind a slow peer is not queued twice). Replies go to
     `on_reply(address, sent, reply)` (including an `Ack` whose `unknown` lists ids the
     peer no longer holds); timeouts, refusals and errors go to
-    `on_failure(address, sent, reason)` and are counted as "notification_failures".
+    `on_failure(address, sent, reason, unanswered)` and are counted as
+    "notification_failures".
     Callbacks run on notifier threads; an exception they raise is logged and counted
     as "notifier_callback_errors". Anything else unexpected is "notifier_errors".
 
@@ -229,7 +233,8 @@ class PeerNotifier:
         remaining = item.deadline - time.monotonic()
         if remaining <= 0:
             self._failed(address, message,
-                         f"not sent: {address} did not take earlier messages within {self._timeout:.1f}s")
+                         f"not sent: {address} did not take earlier messages within {self._timeout:.1f}s",
+                         unanswered=True)
             return
         own = client is None
         if own:
@@ -237,23 +242,23 @@ class PeerNotifier:
         try:
             reply = client.request(message, timeout=remaining, cancel=self._stop)
         except SideChannelError as exc:
-            self._failed(address, message, str(exc))
+            self._failed(address, message, str(exc), unanswered=isinstance(exc, NoAnswer))
             return
         except Exception as exc:  # e.g. a message that cannot be encoded: this message only
             logger.exception("notifier could not send %s to %s", type(message).__name__, address)
-            self._failed(address, message, f"{type(exc).__name__}: {exc}")
+            self._failed(address, message, f"{type(exc).__name__}: {exc}", unanswered=False)
             return
         finally:
             if own:
                 client.close()
         self._callback(self._on_reply, address, message, reply)
 
-    def _failed(self, address: str, message: Message, reason: str) -> None:
+    def _failed(self, address: str, message: Message, reason: str, *, unanswered: bool) -> None:
         if self._stop.is_set():
             return  # closing: the request was abandoned, not refused
         self._count("notification_failures")
         logger.warning("could not deliver %s to %s: %s", type(message).__name__, address, reason)
-        self._callback(self._on_failure, address, message, reason)
+        self._callback(self._on_failure, address, message, reason, unanswered)
 
     def _callback(self, callback: Callable[..., None] | None, *args: object) -> None:
         if callback is None:

@@ -27,8 +27,8 @@ from pdconnect.envelope import DEFAULT_MAX_AGE_SECONDS, EnvelopeError, ReplayGua
 from pdconnect.protocol import Ack, Message, ProtocolError, Refusal, Release
 
 __all__ = [
-    "DEFAULT_MAX_MESSAGE_BYTES", "SERVER_COUNTERS", "SideChannelError", "SideChannelServer", "SideChannelClient",
-    "is_loopback_host", "release_remote",
+    "DEFAULT_MAX_MESSAGE_BYTES", "SERVER_COUNTERS", "NoAnswer", "SideChannelError", "SideChannelServer",
+    "SideChannelClient", "is_loopback_host", "release_remote",
 ]
 
 logger = logging.getLogger("pdconnect.sidechannel")
@@ -54,6 +54,11 @@ SERVER_COUNTERS = (
 
 class SideChannelError(RuntimeError):
     """The peer did not answer in time, refused, or answered something unexpected."""
+
+
+class NoAnswer(SideChannelError):
+    """No reply within the deadline: the peer may be slow, gone, or may never have seen
+    the message, so unlike a refusal this says nothing about what the peer decided."""
 
 
 def is_loopback_host(host: str) -> bool:
@@ -277,7 +282,7 @@ class SideChannelClient:
                 # The reply may still arrive later; a fresh socket cannot confuse it with
                 # the answer to the next request.
                 self._reset()
-                raise SideChannelError(f"no answer from {self.address} within {seconds:.1f}s")
+                raise NoAnswer(f"no answer from {self.address} within {seconds:.1f}s")
             step = remaining if cancel is None else min(remaining, 0.1)
             if socket.poll(max(1, int(step * 1000)), zmq.POLLIN):
                 return socket.recv()

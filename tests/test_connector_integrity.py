@@ -10,6 +10,8 @@ position should, and both pools return to their starting free counts.
 from __future__ import annotations
 
 import copy
+import os
+import signal
 import time
 from typing import Any
 
@@ -229,6 +231,77 @@ def test_first_token_stop_still_hands_off(prefill, decode, clean):
     done = decode.result("q8")
     assert done.finish_reason == "length" and done.external_cached_tokens == PROMPT
     assert_cache_holds_only_true_kv(decode, tokens)
+
+
+# --- a prefill engine that answers late ----------------------------------------------------
+
+# A long lease and a short handshake timeout: the prefill engine can be frozen for longer
+# than decode waits for one answer while its lease stays valid throughout.
+SLOW_PEER = {**BASE, "lease_seconds": 6.0, "heartbeat_seconds": 2.0, "handshake_timeout_seconds": 1.0}
+
+
+@pytest.fixture(scope="module")
+def slow_prefill():
+    engine = RemoteEngine(role="kv_producer", extra=SLOW_PEER, engine_id="prefill-slow", num_blocks=300)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def patient_decode():
+    engine = SimEngine(role="kv_consumer", extra=SLOW_PEER, engine_id="decode-patient")
+    yield engine
+    engine.shutdown()
+
+
+def test_a_claim_the_prefill_engine_answers_late_is_sent_again(slow_prefill, patient_decode, caplog):
+    """The prefill process is stopped (SIGSTOP: what a starved process looks like) for 1.5
+    handshake timeouts while decode claims its lease: the first claim goes unanswered,
+    which proves nothing about the lease, so decode claims once more and loads. Before,
+    one unanswered claim failed the request (reproduced in a bench on 2 busy cores)."""
+    tokens = random_tokens(PROMPT, seed=120)
+    params = slow_prefill.prefill("slow1", tokens).kv_transfer_params
+    os.kill(slow_prefill.process.pid, signal.SIGSTOP)
+    try:
+        patient_decode.add("slow1", tokens, params)
+        patient_decode.run_until(lambda: "claiming again" in caplog.text, timeout=10)
+        time.sleep(0.3)  # the second claim is on its way
+    finally:
+        os.kill(slow_prefill.process.pid, signal.SIGCONT)
+    done = patient_decode.result("slow1")
+
+    assert done.finish_reason == "length" and done.external_cached_tokens == PROMPT
+    assert_cache_holds_only_true_kv(patient_decode, tokens)
+    patient_decode.drain()
+    slow_prefill.wait_idle(timeout=15)
+    assert slow_prefill.call("free_blocks") == slow_prefill.start_free_blocks
+    assert patient_decode.free_blocks() == patient_decode.start_free_blocks
+    assert patient_decode.connector.scheduler_half.blocks_held() == 0
+
+
+def test_a_prefill_engine_silent_past_every_attempt_fails_the_load(slow_prefill, patient_decode, caplog):
+    """Frozen for longer than both attempts: the load fails and nothing is published;
+    once the prefill engine runs again its lease ends (decode's Done, or its expiry if
+    that too went unanswered) and both pools return to where they were."""
+    tokens = random_tokens(PROMPT, seed=121)
+    params = slow_prefill.prefill("slow2", tokens).kv_transfer_params
+    os.kill(slow_prefill.process.pid, signal.SIGSTOP)
+    try:
+        patient_decode.add("slow2", tokens, params)
+        done = patient_decode.result("slow2", timeout=20)
+    finally:
+        os.kill(slow_prefill.process.pid, signal.SIGCONT)
+
+    assert done.finish_reason == "error"
+    assert "claiming again" in caplog.text
+    assert patient_decode.cached_blocks(tokens, 1) == {}
+    patient_decode.drain()
+    slow_prefill.wait_idle(timeout=15)
+    deadline = time.monotonic() + 2 * SLOW_PEER["lease_seconds"] + 2
+    while slow_prefill.call("free_blocks") != slow_prefill.start_free_blocks and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert slow_prefill.call("free_blocks") == slow_prefill.start_free_blocks
+    assert patient_decode.free_blocks() == patient_decode.start_free_blocks
 
 
 # --- fuzzed kv_transfer_params -----------------------------------------------------------

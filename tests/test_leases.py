@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
-from connectors.leases import ClaimAnswer, LeaseTable, new_lease_id
+from connectors.leases import CLAIM_ATTEMPTS, ClaimAnswer, LeaseTable, confirm_claim, new_lease_id
+from pdconnect.protocol import Ack, Claim, Message, Refusal
+from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelServer
 
 
 def _table(seconds: float = 60.0) -> LeaseTable[list[int]]:
@@ -139,3 +142,69 @@ def test_the_side_channel_reports_when_it_last_drained_its_queue():
         client.close()
     finally:
         server.close()
+
+
+# --- confirming a claim from the decode side ---------------------------------------------
+
+class _Peer:
+    """A real side-channel server whose handler answers claims as told, counting them."""
+
+    def __init__(self, answer: Callable[[int], Message]) -> None:
+        self.calls = 0
+        self._answer = answer
+        self.server = SideChannelServer("127.0.0.1", 0, self._handle)
+
+    def _handle(self, message: Message) -> Message:
+        self.calls += 1
+        return self._answer(self.calls)
+
+    @property
+    def address(self) -> str:
+        return f"tcp://127.0.0.1:{self.server.port}"
+
+
+CLAIM = Claim(lease_id="lease-1", claimant="decode/r1", plan_digest="d")
+TIMEOUT = 0.5
+
+
+def _confirm(answer: Callable[[int], Message]) -> tuple[str | None, int, int]:
+    """(confirm_claim's verdict, claims the peer saw, retries announced)."""
+    peer = _Peer(answer)
+    retries: list[NoAnswer] = []
+    client = SideChannelClient(peer.address, None, TIMEOUT)
+    try:
+        verdict = confirm_claim(client, CLAIM, retries.append)
+    finally:
+        client.close()
+        peer.server.close()
+    return verdict, peer.calls, len(retries)
+
+
+def _late_then_ack(call: int) -> Message:
+    if call == 1:
+        # A starved prefill engine: this answer comes after the first attempt's deadline,
+        # and the second attempt's in time (one serving thread: it waits behind this one).
+        time.sleep(1.5 * TIMEOUT)
+    return Ack()
+
+
+def test_a_claim_answered_too_late_is_confirmed_by_the_next_attempt() -> None:
+    verdict, calls, retries = _confirm(_late_then_ack)
+    assert verdict is None and calls == 2 and retries == 1
+
+
+def test_a_claim_never_answered_fails_after_every_attempt() -> None:
+    def silent(call: int) -> Message:
+        time.sleep(3 * TIMEOUT)
+        return Ack()
+
+    verdict, _, retries = _confirm(silent)
+    assert verdict is not None and "no answer" in verdict
+    assert retries == CLAIM_ATTEMPTS - 1
+
+
+def test_a_refusal_or_an_unknown_lease_is_final() -> None:
+    verdict, calls, retries = _confirm(lambda call: Refusal(reason="lease is claimed by another decode request"))
+    assert verdict is not None and "claimed by another" in verdict and calls == 1 and retries == 0
+    verdict, calls, retries = _confirm(lambda call: Ack(unknown=["lease-1"]))
+    assert verdict == "the prefill engine no longer held the blocks when the read ended" and calls == 1

@@ -32,6 +32,7 @@ class _Events:
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self.log: list[tuple[str, str, Message, object]] = []
+        self.unanswered: list[bool] = []  # each failure's flag, in order
         self.counts: Counter[str] = Counter()
 
     def count(self, name: str, amount: int) -> None:
@@ -42,8 +43,9 @@ class _Events:
     def on_reply(self, address: str, sent: Message, reply: Message) -> None:
         self._add(("reply", address, sent, reply))
 
-    def on_failure(self, address: str, sent: Message, reason: str) -> None:
+    def on_failure(self, address: str, sent: Message, reason: str, unanswered: bool) -> None:
         self._add(("failure", address, sent, reason))
+        self.unanswered.append(unanswered)
 
     def _add(self, event: tuple[str, str, Message, object]) -> None:
         with self._changed:
@@ -126,6 +128,8 @@ def test_messages_queued_behind_a_hung_engine_all_fail_and_the_queue_drains():
         events.wait_for(lambda: len(events.of("failure", hung)) == len(sent))
         assert [e[2] for e in events.of("failure", hung)] == sent  # in order, each reported once
         assert events.counts["notification_failures"] == len(sent)
+        # The peer never answered any of them: each may be sent again (a claim is).
+        assert events.unanswered == [True] * len(sent)
 
 
 def test_a_malformed_address_fails_that_message_only():
@@ -138,6 +142,7 @@ def test_a_malformed_address_fails_that_message_only():
         events.wait_for(lambda: len(events.of("failure", bad)) == 2 and events.of("reply", live.address))
         assert all("Invalid argument" in e[3] for e in events.of("failure", bad))
         assert events.counts["notification_failures"] == 2 and events.counts["notifier_errors"] == 0
+        assert events.unanswered == [False, False]  # resending would fail the same way
 
 
 def test_a_refusal_is_a_failure_with_the_peers_reason():
@@ -146,6 +151,7 @@ def test_a_refusal_is_a_failure_with_the_peers_reason():
         notifier.send(live.address, Done(request_ids=["r"]))
         events.wait_for(lambda: events.of("failure", live.address))
         assert "authentication failed" in events.of("failure", live.address)[0][3]
+        assert events.unanswered == [False]  # the peer decided: no resend
 
 
 def test_callback_and_counter_errors_do_not_end_delivery():
@@ -157,9 +163,9 @@ def test_callback_and_counter_errors_do_not_end_delivery():
         events.on_reply(address, sent, reply)
         raise RuntimeError("reply callback bug")
 
-    def on_failure(address: str, sent: Message, reason: str) -> None:
+    def on_failure(address: str, sent: Message, reason: str, unanswered: bool) -> None:
         calls["failure"] += 1
-        events.on_failure(address, sent, reason)
+        events.on_failure(address, sent, reason, unanswered)
         raise RuntimeError("failure callback bug")
 
     def count(name: str, amount: int) -> None:
