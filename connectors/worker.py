@@ -128,6 +128,9 @@ class PDWorker:
             device_name=self.settings.device_name,
             require_rdma=self.settings.require_rdma,
             nixl_progress_delay_us=self.settings.nixl_progress_delay_us,
+            # A stalled session is dropped and the read made again within the same
+            # transfer timeout: a third of it leaves room for the second read.
+            mooncake_stall_seconds=self.settings.transfer_timeout_seconds / 3,
         )
         self._transport.register([MemoryRegion(addr, length) for addr, length in sorted(regions)])
         self.stats = StatsRecorder(f"{self._transport.name}/{self._transport.effective_protocol}")

@@ -294,3 +294,62 @@ def test_transports_never_import_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# --- a Mooncake TCP session that stops making progress -----------------------------------
+
+STALL_S = 2  # whole seconds: Mooncake reads its TCP timeouts as integers
+
+
+def _stalled_reader(metadata: bytes, pool_addr: int, pipe: Any) -> None:
+    """A decode side in a process of its own: Mooncake's TCP timeouts are process-wide
+    (set from the first transport), so this one must be the first in its process."""
+    transport = create_transport("mooncake", host="127.0.0.1", protocol="tcp", mooncake_stall_seconds=STALL_S)
+    buffer = Buffer(POOL_BYTES)
+    transport.register([buffer.region])
+    transport.connect(PEER, metadata)
+    remote = kv_layout(pool_addr, POOL_BLOCKS)
+    ranges = pull_ranges(kv_layout(buffer.addr, POOL_BLOCKS), remote, [(i, 3 * i + 1) for i in range(8)])
+    pipe.send(transport.pull(PEER, ranges, timeout=20).wait(30).name)  # connected and warm
+    pipe.recv()  # the peer is frozen now
+    start = time.monotonic()
+    transfer = transport.pull(PEER, ranges, timeout=20)
+    state = transfer.wait(30)
+    pipe.send((state.name, time.monotonic() - start, transfer.error,
+               [(remote_addr, n) for _, remote_addr, n in ranges],
+               digest(buffer, [(local, n) for local, _, n in ranges])))
+    transport.close()
+
+
+def test_mooncake_read_on_a_stalled_session_is_made_again_on_a_fresh_one() -> None:
+    """The peer is frozen for one and a half stall timeouts: Mooncake drops the session
+    that made no progress and the read is made again, on a fresh connection, which the
+    thawed peer serves, with the right bytes. Before, the read failed at the first drop
+    (the bench's stall: a read on a just-opened connection that never progressed)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with LoopbackPeer("mooncake", POOL_BYTES, protocol="tcp") as peer:
+        parent, child = context.Pipe()
+        reader = context.Process(target=_stalled_reader, args=(peer.ready.metadata, peer.ready.pool_addr, child),
+                                 daemon=True)
+        reader.start()
+        try:
+            assert parent.poll(60) and parent.recv() == "DONE"
+            pid = peer.process.pid
+            assert pid is not None
+            _freeze(pid)
+            try:
+                parent.send("go")
+                time.sleep(1.5 * STALL_S)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert parent.poll(60)
+            state, elapsed, error, remote_ranges, pulled = parent.recv()
+            assert state == "DONE", error
+            assert elapsed >= STALL_S  # the first read really was dropped
+            assert pulled == peer.digest(remote_ranges)
+        finally:
+            reader.join(30)
+            if reader.is_alive():
+                reader.kill()

@@ -24,18 +24,22 @@ TRANSPORT_KINDS = ("mooncake", "nixl")
 
 def create_transport(kind: str, *, host: str, protocol: str = "rdma", device_name: str = "",
                      require_rdma: bool = False,
-                     nixl_progress_delay_us: int | None = None) -> Transport[Any]:
+                     nixl_progress_delay_us: int | None = None,
+                     mooncake_stall_seconds: float | None = None) -> Transport[Any]:
     """A started transport of `kind` ("mooncake" | "nixl"); raises TransferError.
 
     `host` is the address peers reach us at; `protocol`, `device_name`,
     `require_rdma` and `nixl_progress_delay_us` (None: the transport's default) mean what
-    `ConnectorSettings` says. The libraries are imported only here, so a process that
-    never creates a transport never loads them.
+    `ConnectorSettings` says; `mooncake_stall_seconds` (None: the default) is how long a
+    Mooncake TCP session may make no progress before a read is made again on a fresh
+    one. The libraries are imported only here, so a process that never creates a
+    transport never loads them.
     """
     if kind == "mooncake":
-        from pdconnect.transfer.mooncake import MooncakeTransport
+        from pdconnect.transfer.mooncake import DEFAULT_STALL_SECONDS, MooncakeTransport
         return MooncakeTransport(host=host, protocol=protocol, device_name=device_name,
-                                 require_rdma=require_rdma)
+                                 require_rdma=require_rdma,
+                                 stall_seconds=mooncake_stall_seconds or DEFAULT_STALL_SECONDS)
     if kind == "nixl":
         from pdconnect.transfer.nixl import NixlTransport
         return NixlTransport(host=host, protocol=protocol, device_name=device_name,

@@ -15,11 +15,21 @@ What Mooncake does on its own, and what we do about it:
   `Transfer` watches that thread. The read ends at Mooncake's own timeout
   (`MC_TRANSFER_TIMEOUT`, default 30 s) at the latest; until then a timed-out pull is
   FAILED but not `quiescent`.
+- Its TCP sessions can stall: on a loaded host a read on a just-opened connection made
+  no progress for the whole 30 s (no status frame from the peer) while the next read, on
+  a fresh connection, took milliseconds. So a TCP session that makes no progress for
+  `stall_seconds` is dropped (`MC_TCP_PROGRESS_TIMEOUT_SEC`, `MC_TCP_STATUS_TIMEOUT_SEC`,
+  unless the operator set them) and a failed read is made once more, on a fresh
+  connection, while the pull's deadline allows. Reading again is safe: the destination
+  is this request's own blocks, rewritten whole, and the lease is confirmed after the
+  read, not before.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,11 +55,20 @@ _FORCE = {
 
 _METADATA_SERVER = "P2PHANDSHAKE"
 
+# Seconds without progress after which a TCP session is dropped and the read made again.
+DEFAULT_STALL_SECONDS = 10.0
+_READ_ATTEMPTS = 2
 
-def engine_env(protocol: str) -> dict[str, str | None]:
+
+def _stall_env(stall_seconds: float) -> dict[str, str]:
+    seconds = str(max(1, math.ceil(stall_seconds)))  # Mooncake reads whole seconds
+    return {"MC_TCP_PROGRESS_TIMEOUT_SEC": seconds, "MC_TCP_STATUS_TIMEOUT_SEC": seconds}
+
+
+def engine_env(protocol: str, stall_seconds: float = DEFAULT_STALL_SECONDS) -> dict[str, str | None]:
     """The variables our engine starts under for `protocol` (None: unset), defaults
     included; a benchmark gives a bare engine the same, so only the API differs."""
-    return {**_TCP_QUEUE_LIMITS, **_FORCE[protocol]}
+    return {**_TCP_QUEUE_LIMITS, **_stall_env(stall_seconds), **_FORCE[protocol]}
 
 
 class MooncakeTransport(Transport[str]):
@@ -58,7 +77,8 @@ class MooncakeTransport(Transport[str]):
     name = "mooncake"
 
     def __init__(self, *, host: str, protocol: str = "rdma", device_name: str = "",
-                 require_rdma: bool = False, connect_timeout: float = 5.0) -> None:
+                 require_rdma: bool = False, connect_timeout: float = 5.0,
+                 stall_seconds: float = DEFAULT_STALL_SECONDS) -> None:
         super().__init__()
         if protocol not in _FORCE:
             raise TransferError(f"mooncake protocol must be 'rdma' or 'tcp', got {protocol!r}")
@@ -71,7 +91,7 @@ class MooncakeTransport(Transport[str]):
                 f"the mooncake transport needs the mooncake-transfer-engine package "
                 f"(mooncake-transfer-engine-non-cuda on hosts without CUDA): {exc}"
             ) from None
-        env_defaults(_TCP_QUEUE_LIMITS)
+        env_defaults({**_TCP_QUEUE_LIMITS, **_stall_env(stall_seconds)})
         self._connect_timeout = connect_timeout
         self._engine, self.effective_protocol = _start_engine(
             TransferEngine, host, protocol, device_name, require_rdma)
@@ -149,7 +169,13 @@ class _MooncakeTransfer(Transfer):
 
     def _run(self, engine: Any, args: tuple[str, list[int], list[int], list[int]]) -> None:
         try:
-            self._rc = engine.batch_transfer_sync_read(*args)
+            for attempt in range(1, _READ_ATTEMPTS + 1):
+                self._rc = engine.batch_transfer_sync_read(*args)
+                # Never past the deadline: a pull that timed out must become quiescent.
+                if self._rc == 0 or attempt == _READ_ATTEMPTS or time.monotonic() >= self._deadline:
+                    break
+                LOG.warning("transfer %s: mooncake read returned %s; reading again on a fresh connection",
+                            self.description, self._rc)
         except BaseException as exc:  # reported through poll(), which must not raise
             self._exc = exc
         finally:
