@@ -176,10 +176,12 @@ def test_a_burst_of_siblings_up_to_the_floor_stays_on_its_engine() -> None:
     floored = _burst(PrefixAffinity(LoadBound(FACTOR, floor=4), vnodes=160), engines(2), group, 4)
     assert list(floored.values()) == [4]
     default = LoadBound()
-    assert list(_burst(PrefixAffinity(default, vnodes=160), engines(2), group, default.floor).values()) == [default.floor]
+    whole = _burst(PrefixAffinity(default, vnodes=160), engines(2), group, default.floor)
+    assert list(whole.values()) == [default.floor]
     # One more than the floor on two engines: the factor's bound is still below the
     # floor, so the extra sibling is the first to spill.
-    assert sorted(_burst(PrefixAffinity(LoadBound(FACTOR, floor=4), vnodes=160), engines(2), group, 5).values()) == [1, 4]
+    spilled = _burst(PrefixAffinity(LoadBound(FACTOR, floor=4), vnodes=160), engines(2), group, 5)
+    assert sorted(spilled.values()) == [1, 4]
 
 
 def test_above_the_floor_the_factor_bounds_every_engine() -> None:
@@ -195,6 +197,12 @@ def test_load_bound_limit() -> None:
     assert LoadBound(1.5, floor=1).limit(total=3, engines=2) == 3
     assert LoadBound(1.5, floor=8).limit(total=3, engines=2) == 8
     assert LoadBound(1.5, floor=8).limit(total=99, engines=2) == 75
+
+
+@pytest.mark.parametrize(("factor", "floor"), [(0.9, 8), (1.5, 0)])
+def test_a_load_bound_that_could_refuse_every_engine_is_refused(factor: float, floor: int) -> None:
+    with pytest.raises(ValueError):
+        LoadBound(factor, floor)
 
 
 def test_unhealthy_home_sends_its_keys_to_the_next_engine_and_back() -> None:

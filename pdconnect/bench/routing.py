@@ -855,16 +855,13 @@ def plan_from_args(args: argparse.Namespace) -> RoutingPlan:
         values = {f.name: getattr(args, _scenario_flag(cls, f.name)[2:].replace("-", "_"))
                   for f in dataclasses.fields(scenario)}
         scenarios[attr] = cls(**values)
-    if args.affinity_load_factor < 1.0:
-        raise ValueError(f"--affinity-load-factor must be >= 1, got {args.affinity_load_factor}")
-    if args.affinity_min_load < 1:
-        raise ValueError(f"--affinity-min-load must be >= 1, got {args.affinity_min_load}")
+    load = LoadBound(args.affinity_load_factor, args.affinity_min_load)  # ValueError for an impossible bound
     if args.sample_interval <= 0:
         raise ValueError(f"--sample-interval must be positive, got {args.sample_interval}")
     variants = tuple(dict.fromkeys(args.variants))
     return RoutingPlan(seed=args.seed, variants=variants, transport=args.transport,
                        prefix_repetition_format=args.prompt_format,
-                       load=LoadBound(args.affinity_load_factor, args.affinity_min_load),
+                       load=load,
                        sample_interval_s=args.sample_interval, **scenarios)
 
 

@@ -178,6 +178,12 @@ class LoadBound:
     factor: float = 1.5
     floor: int = 8
 
+    def __post_init__(self) -> None:
+        if self.factor < 1.0:
+            raise ValueError(f"the load factor must be >= 1, got {self.factor}")
+        if self.floor < 1:
+            raise ValueError(f"the minimum load must be >= 1, got {self.floor}")
+
     def limit(self, total: int, engines: int) -> int:
         return max(self.floor, math.ceil(self.factor * (total + 1) / engines))
 
