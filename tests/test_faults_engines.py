@@ -2,8 +2,9 @@
 
 Engines: a colocated reference (no connector) shared by everything, and per transport
 (mooncake with `kv_load_failure_policy` "fail", nixl with "recompute", so both documented
-outcomes are exercised) a prefill engine and a decode engine with `--max-num-seqs 1`
-(one slot: a long request makes the next one queue), a short lease (15 s, heartbeat 1 s)
+outcomes are exercised) a prefill engine and a decode engine with `--max-num-seqs 1` and
+priority scheduling (one slot: urgent requests keep the next one queued for as long as a
+test wants), a short lease (15 s, heartbeat 1 s)
 and a side-channel secret. Each set starts once and is reused; a test that kills an
 engine leaves it dead and the next test that needs it restarts it (`EngineSet.live`).
 
@@ -59,9 +60,16 @@ SECRET_ENV = "PDCONNECT_FAULTS_SECRET"
 # more than twice the longest stall seen.
 LEASE_S = 15.0
 HEARTBEAT_S = 1.0
-# Long requests queued ahead of the P/D request in the queued-lease case: each decodes
-# ~4000 tokens, which a quiet machine does in about the 2 x LEASE_S the case waits.
+# Requests that keep decode's one slot busy in the queued-lease case. Each thread sends
+# long urgent requests (HOLDER_PRIORITY, ahead of the default 0) back to back until told
+# to stop, so whenever one ends the others are still waiting ahead of the P/D request:
+# the wait lasts as long as the test says, however fast the machine decodes. Before, the
+# three long requests were sent once, FCFS: on a faster CI machine the first ended within
+# 30 s and nothing queued behind it; with short urgent requests, a test process starved
+# for 4 s re-sent too late and the P/D request took the slot in between.
 SLOT_HOLDERS = 3
+HOLDER_PRIORITY = -1
+HOLDER_TOKENS = 4000
 HANDSHAKE_TIMEOUT_S = 2.0
 TRANSFER_TIMEOUT_S = 10.0
 # What a failed or refused load does, per transport: both documented outcomes get run.
@@ -179,8 +187,10 @@ class Fleet:
             self.reference = self._server("faults-reference", None)
             started.append(self.reference)
         prefill = self._server(f"faults-prefill-{transport}", kv("kv_producer"))
-        # One sequence slot: a long request makes the next one wait in the queue (case 1).
-        decode = self._server(f"faults-decode-{transport}", kv("kv_consumer"), ["--max-num-seqs", "1"])
+        # One sequence slot, and urgent requests ahead of default ones: the next request waits
+        # in the queue for as long as urgent ones keep coming (case 1).
+        decode = self._server(f"faults-decode-{transport}", kv("kv_consumer"),
+                              ["--max-num-seqs", "1", "--scheduling-policy", "priority"])
         self.cluster.wait_healthy([*started, prefill, decode])
         for proc in (*started, prefill, decode):
             warm_up(proc.base_url, MODEL_NAME)
@@ -340,18 +350,37 @@ def counter(http: httpx.Client, proc: ManagedProcess, name: str) -> float:
 # --- 1. lease kept while the decode request waits in the queue ----------------------------
 
 
-def _hold_the_slot(url: str, started: threading.Event, stop: threading.Event, tokens: list[int]) -> None:
-    """Stream one long decode-only request until `stop`; closing the stream aborts it."""
-    payload = {"model": MODEL_NAME, "prompt": prompt_ids(7, 16), "max_tokens": 4000, "temperature": 0.0,
-               "ignore_eos": True, "stream": True}
-    with engine_client(REQUEST_TIMEOUT_S) as client, \
-            client.stream("POST", f"{url}/v1/completions", json=payload) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                tokens.append(1)
-                started.set()
-            if stop.is_set():
-                return
+def _hold_the_slot(url: str, started: threading.Event, stop: threading.Event) -> None:
+    """Send urgent decode-only requests back to back until `stop`; at the first token after
+    it, the stream is closed, which aborts its request."""
+    payload = {"model": MODEL_NAME, "prompt": prompt_ids(7, 16), "max_tokens": HOLDER_TOKENS,
+               "temperature": 0.0, "ignore_eos": True, "stream": True, "priority": HOLDER_PRIORITY}
+    with engine_client(REQUEST_TIMEOUT_S) as client:
+        while not stop.is_set():
+            with client.stream("POST", f"{url}/v1/completions", json=payload) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        started.set()
+                    if stop.is_set():
+                        return
+
+
+def _keep_the_slot_busy(http: httpx.Client, pd: EngineSet, stop: threading.Event) -> list[threading.Thread]:
+    """SLOT_HOLDERS threads sending urgent requests: one holds decode's only slot, the
+    others wait ahead of any default-priority request sent from now until `stop`."""
+    started = threading.Event()
+    holders = []
+    for queued in range(SLOT_HOLDERS):
+        holders.append(threading.Thread(target=_hold_the_slot, daemon=True,
+                                        args=(pd.decode.base_url, started, stop)))
+        holders[-1].start()
+        if queued == 0:
+            assert started.wait(REQUEST_TIMEOUT_S), "the urgent request never started streaming"
+        else:
+            _wait_for(f"{queued} urgent request(s) to queue on decode",
+                      lambda: _gauge(http, pd.decode, "vllm:num_requests_waiting") >= queued)
+    return holders
 
 
 def test_lease_survives_a_wait_in_the_decode_queue(pd: EngineSet, http: httpx.Client) -> None:
@@ -359,20 +388,8 @@ def test_lease_survives_a_wait_in_the_decode_queue(pd: EngineSet, http: httpx.Cl
     prompt = prompt_ids(pd.seed(1), PROMPT_TOKENS)
     expected = reference(http, pd, prompt)
     expiries_before = counter(http, pd.prefill, "pdconnect:lease_expiries")
-    # One long request holds decode's only slot; on a fast machine it can end within the
-    # wait below, so more queue behind it (first come, first served: the P/D request, sent
-    # last, waits for all of them). Stopped, each closes at its first token in turn.
-    started, stop, streamed = threading.Event(), threading.Event(), []
-    holders = []
-    for queued in range(SLOT_HOLDERS):
-        holders.append(threading.Thread(target=_hold_the_slot, daemon=True,
-                                        args=(pd.decode.base_url, started, stop, streamed)))
-        holders[-1].start()
-        if queued == 0:
-            assert started.wait(REQUEST_TIMEOUT_S), "the long request never started streaming"
-        else:
-            _wait_for(f"{queued} long request(s) to queue on decode",
-                      lambda: _gauge(http, pd.decode, "vllm:num_requests_waiting") >= queued)
+    stop = threading.Event()
+    holders = _keep_the_slot_busy(http, pd, stop)
     plan = prefill_plan(http, pd, prompt)
     result: list[Answer] = []
     waiter = threading.Thread(target=lambda: result.append(decode_with(http, pd, prompt, plan)), daemon=True)
@@ -526,7 +543,7 @@ def test_client_disconnect_through_the_router(pd: EngineSet, http: httpx.Client,
     prompt = prompt_ids(pd.seed(10 + index), 3000 if phase == "during prefill" else PROMPT_TOKENS)
     body = {"model": MODEL_NAME, "prompt": prompt, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "max_tokens": 2000 if phase == "during decode stream" else DECODE_TOKENS}
-    stop, holder = threading.Event(), None
+    stop = threading.Event()
     try:
         if phase == "before prefill":
             _hang_up(_raw_request(router, body, send_all=False))
@@ -550,18 +567,15 @@ def test_client_disconnect_through_the_router(pd: EngineSet, http: httpx.Client,
             _hang_up(sock)
             row.outcome = f"hung up {seen[0]}"
         elif phase == "queued for the pull":
-            started, streamed = threading.Event(), []
-            holder = threading.Thread(target=_hold_the_slot, args=(pd.decode.base_url, started, stop, streamed),
-                                      daemon=True)
-            holder.start()
-            assert started.wait(REQUEST_TIMEOUT_S), "the long request never started streaming"
+            holders = _keep_the_slot_busy(http, pd, stop)
             sock = _raw_request(router, body)
             _wait_for("the request to wait on decode",
-                      lambda: _gauge(http, pd.decode, "vllm:num_requests_waiting") >= 1)
+                      lambda: _gauge(http, pd.decode, "vllm:num_requests_waiting") >= SLOT_HOLDERS)
             _hang_up(sock)
             time.sleep(HEARTBEAT_S)  # let the router's abort reach decode while it still waits
             stop.set()
-            holder.join(REQUEST_TIMEOUT_S)
+            for holder in holders:
+                holder.join(REQUEST_TIMEOUT_S)
             row.outcome = "hung up with the plan claimed, queued on D"
         else:
             sock = _raw_request(router, body)
