@@ -164,7 +164,8 @@ class _Peer:
 
 
 CLAIM = Claim(lease_id="lease-1", claimant="decode/r1", plan_digest="d")
-TIMEOUT = 0.5
+# The late answer leaves the second attempt 0.75 s: room for a loaded machine's scheduling.
+TIMEOUT = 1.0
 
 
 def _confirm(answer: Callable[[int], Message]) -> tuple[str | None, int, int]:
@@ -184,7 +185,7 @@ def _late_then_ack(call: int) -> Message:
     if call == 1:
         # A starved prefill engine: this answer comes after the first attempt's deadline,
         # and the second attempt's in time (one serving thread: it waits behind this one).
-        time.sleep(1.5 * TIMEOUT)
+        time.sleep(1.25 * TIMEOUT)
     return Ack()
 
 
