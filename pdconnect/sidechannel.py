@@ -279,6 +279,10 @@ class SideChannelClient:
                 self._reset()
                 raise SideChannelError(f"request to {self.address} cancelled")
             if remaining <= 0:
+                # A thread that was not scheduled (a busy engine on few cores) can wake past
+                # its deadline with the answer already waiting: that is an answer, not silence.
+                if socket.poll(0, zmq.POLLIN):
+                    return socket.recv()
                 # The reply may still arrive later; a fresh socket cannot confuse it with
                 # the answer to the next request.
                 self._reset()

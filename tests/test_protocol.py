@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import msgspec
 import pytest
 
@@ -169,6 +172,38 @@ def test_side_channel_serves_answers_and_times_out_on_a_dead_peer():
         server.close()
     with pytest.raises(SideChannelError, match="no answer"):
         release_remote(server.address, ["r1"], "x", secret=b"k", timeout=0.3)
+
+
+def test_an_answer_that_arrived_in_time_is_taken_by_a_client_that_woke_late(monkeypatch):
+    """The client's thread is descheduled right after sending (a busy engine on few cores)
+    and wakes past its deadline with the answer waiting in its socket: that is an answer,
+    not silence. Before, the deadline was checked before the socket and the request
+    failed with "no answer" (seen as heartbeats "not delivered" to an idle prefill)."""
+    import pdconnect.sidechannel as sidechannel
+
+    server = SideChannelServer("127.0.0.1", 0, lambda m: Ack(unknown=list(m.request_ids)))
+    client = SideChannelClient(server.address, timeout=1.0)
+    clock = {"reads": 0}
+    real = time.monotonic
+    caller = threading.get_ident()
+
+    def starved_clock() -> float:
+        if threading.get_ident() != caller:  # the server's thread keeps the real clock
+            return real()
+        clock["reads"] += 1
+        if clock["reads"] == 2:  # the first look at the deadline, after the send
+            time.sleep(0.5)  # the answer arrives while this thread is not running
+            return real() + 5.0
+        return real()
+
+    try:
+        client.request(Heartbeat(request_ids=["warm"]))  # connected
+        monkeypatch.setattr(sidechannel.time, "monotonic", starved_clock)
+        assert client.request(Heartbeat(request_ids=["late"])) == Ack(unknown=["late"])
+    finally:
+        monkeypatch.undo()
+        client.close()
+        server.close()
 
 
 def test_a_handler_error_is_a_refusal_not_a_dead_server():
