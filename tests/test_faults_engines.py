@@ -20,6 +20,7 @@ The last test prints the fault table (fault, outcome, leaked blocks, wrong token
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -63,11 +64,12 @@ HEARTBEAT_S = 1.0
 # Requests that keep decode's one slot busy in the queued-lease case. Each thread sends
 # long urgent requests (HOLDER_PRIORITY, ahead of the default 0) back to back until told
 # to stop, so whenever one ends the others are still waiting ahead of the P/D request:
-# the wait lasts as long as the test says, however fast the machine decodes. Before, the
+# the wait lasts as long as the test says, however fast the machine decodes (four, as a
+# loaded CI machine once sent each request ~15 s late). Before, the
 # three long requests were sent once, FCFS: on a faster CI machine the first ended within
 # 30 s and nothing queued behind it; with short urgent requests, a test process starved
 # for 4 s re-sent too late and the P/D request took the slot in between.
-SLOT_HOLDERS = 3
+SLOT_HOLDERS = 4
 HOLDER_PRIORITY = -1
 HOLDER_TOKENS = 4000
 HANDSHAKE_TIMEOUT_S = 2.0
@@ -354,7 +356,7 @@ def counter(http: httpx.Client, proc: ManagedProcess, name: str) -> float:
 # --- 1. lease kept while the decode request waits in the queue ----------------------------
 
 
-def _hold_the_slot(url: str, started: threading.Event, stop: threading.Event) -> None:
+def _hold_the_slot(url: str, stop: threading.Event) -> None:
     """Send urgent decode-only requests back to back until `stop`; at the first token after
     it, the stream is closed, which aborts its request."""
     payload = {"model": MODEL_NAME, "prompt": prompt_ids(7, 16), "max_tokens": HOLDER_TOKENS,
@@ -363,28 +365,37 @@ def _hold_the_slot(url: str, started: threading.Event, stop: threading.Event) ->
         while not stop.is_set():
             with client.stream("POST", f"{url}/v1/completions", json=payload) as response:
                 response.raise_for_status()
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        started.set()
+                for _ in response.iter_lines():
                     if stop.is_set():
                         return
 
 
-def _keep_the_slot_busy(http: httpx.Client, pd: EngineSet, stop: threading.Event) -> list[threading.Thread]:
+@contextlib.contextmanager
+def _slot_kept_busy(http: httpx.Client, pd: EngineSet) -> Iterator[threading.Event]:
     """SLOT_HOLDERS threads sending urgent requests: one holds decode's only slot, the
-    others wait ahead of any default-priority request sent from now until `stop`."""
-    started = threading.Event()
-    holders = []
-    for queued in range(SLOT_HOLDERS):
-        holders.append(threading.Thread(target=_hold_the_slot, daemon=True,
-                                        args=(pd.decode.base_url, started, stop)))
-        holders[-1].start()
-        if queued == 0:
-            assert started.wait(REQUEST_TIMEOUT_S), "the urgent request never started streaming"
-        else:
-            _wait_for(f"{queued} urgent request(s) to queue on decode",
-                      lambda: _gauge(http, pd.decode, "vllm:num_requests_waiting") >= queued)
-    return holders
+    others wait ahead of any default-priority request, until the yielded event is set or
+    the block ends (a failed assertion must not leave decode busy for the next tests).
+    Ready once decode holds every holder: the state is stable whatever the machine's
+    speed, so the wait is a bound, not a race (a CI run sent each request ~15 s late and
+    missed a 30 s window for "the second one queued")."""
+    stop = threading.Event()
+    holders = [threading.Thread(target=_hold_the_slot, daemon=True, args=(pd.decode.base_url, stop))
+               for _ in range(SLOT_HOLDERS)]
+    for holder in holders:
+        holder.start()
+    try:
+        _wait_for(f"{SLOT_HOLDERS} urgent requests on decode", lambda: _queued_on_decode(http, pd) >= SLOT_HOLDERS,
+                  REQUEST_TIMEOUT_S)
+        yield stop
+    finally:
+        stop.set()
+        for holder in holders:
+            holder.join(REQUEST_TIMEOUT_S)
+
+
+def _queued_on_decode(http: httpx.Client, pd: EngineSet) -> float:
+    metrics = fetch_metrics(pd.decode.base_url, http)
+    return metrics.total("vllm:num_requests_running") + metrics.total("vllm:num_requests_waiting")
 
 
 def test_lease_survives_a_wait_in_the_decode_queue(pd: EngineSet, http: httpx.Client) -> None:
@@ -392,23 +403,21 @@ def test_lease_survives_a_wait_in_the_decode_queue(pd: EngineSet, http: httpx.Cl
     prompt = prompt_ids(pd.seed(1), PROMPT_TOKENS)
     expected = reference(http, pd, prompt)
     expiries_before = counter(http, pd.prefill, "pdconnect:lease_expiries")
-    stop = threading.Event()
-    holders = _keep_the_slot_busy(http, pd, stop)
-    plan = prefill_plan(http, pd, prompt)
     result: list[Answer] = []
-    waiter = threading.Thread(target=lambda: result.append(decode_with(http, pd, prompt, plan)), daemon=True)
-    waiter.start()
-    # Two leases long, prefill serves other prompts: blocks freed at expiry would be reused.
-    wait_until = time.monotonic() + 2 * LEASE_S
-    others = 0
-    while time.monotonic() < wait_until:
-        completion(http, pd.prefill.base_url, prompt_ids(pd.seed(100 + others), PROMPT_TOKENS), 4).raise_for_status()
-        others += 1
-    assert waiter.is_alive(), ("the P/D request finished while the long request held decode's only slot: "
-                               "the fault was not set up")
-    stop.set()
-    for holder in holders:
-        holder.join(REQUEST_TIMEOUT_S)
+    with _slot_kept_busy(http, pd) as stop:
+        plan = prefill_plan(http, pd, prompt)
+        waiter = threading.Thread(target=lambda: result.append(decode_with(http, pd, prompt, plan)), daemon=True)
+        waiter.start()
+        # Two leases long, prefill serves other prompts: blocks freed at expiry would be reused.
+        wait_until = time.monotonic() + 2 * LEASE_S
+        others = 0
+        while time.monotonic() < wait_until:
+            completion(http, pd.prefill.base_url, prompt_ids(pd.seed(100 + others), PROMPT_TOKENS),
+                       4).raise_for_status()
+            others += 1
+        assert waiter.is_alive(), ("the P/D request finished while urgent requests held decode's only slot: "
+                                   "the fault was not set up")
+        stop.set()
     waiter.join(REQUEST_TIMEOUT_S)
     assert result, "the queued P/D request did not finish"
     [answer] = result
@@ -547,7 +556,6 @@ def test_client_disconnect_through_the_router(pd: EngineSet, http: httpx.Client,
     prompt = prompt_ids(pd.seed(10 + index), 3000 if phase == "during prefill" else PROMPT_TOKENS)
     body = {"model": MODEL_NAME, "prompt": prompt, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "max_tokens": 2000 if phase == "during decode stream" else DECODE_TOKENS}
-    stop = threading.Event()
     try:
         if phase == "before prefill":
             _hang_up(_raw_request(router, body, send_all=False))
@@ -571,15 +579,12 @@ def test_client_disconnect_through_the_router(pd: EngineSet, http: httpx.Client,
             _hang_up(sock)
             row.outcome = f"hung up {seen[0]}"
         elif phase == "queued for the pull":
-            holders = _keep_the_slot_busy(http, pd, stop)
-            sock = _raw_request(router, body)
-            _wait_for("the request to wait on decode",
-                      lambda: _gauge(http, pd.decode, "vllm:num_requests_waiting") >= SLOT_HOLDERS)
-            _hang_up(sock)
-            time.sleep(HEARTBEAT_S)  # let the router's abort reach decode while it still waits
-            stop.set()
-            for holder in holders:
-                holder.join(REQUEST_TIMEOUT_S)
+            with _slot_kept_busy(http, pd):
+                sock = _raw_request(router, body)
+                _wait_for("the request to wait on decode",
+                          lambda: _queued_on_decode(http, pd) >= SLOT_HOLDERS + 1, REQUEST_TIMEOUT_S)
+                _hang_up(sock)
+                time.sleep(HEARTBEAT_S)  # let the router's abort reach decode while it still waits
             row.outcome = "hung up with the plan claimed, queued on D"
         else:
             sock = _raw_request(router, body)
@@ -602,7 +607,6 @@ def test_client_disconnect_through_the_router(pd: EngineSet, http: httpx.Client,
         row.outcome += f"; next request {describe(answer)}"
         assert answer.served and answer.tokens == expected, answer
     finally:
-        stop.set()
         assert_settled(http, pd, row)
 
 
