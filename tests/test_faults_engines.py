@@ -64,11 +64,11 @@ HEARTBEAT_S = 1.0
 # Requests that keep decode's one slot busy in the queued-lease case. Each thread sends
 # long urgent requests (HOLDER_PRIORITY, ahead of the default 0) back to back until told
 # to stop, so whenever one ends the others are still waiting ahead of the P/D request:
-# the wait lasts as long as the test says, however fast the machine decodes (four, as a
-# loaded CI machine once sent each request ~15 s late). Before, the
-# three long requests were sent once, FCFS: on a faster CI machine the first ended within
-# 30 s and nothing queued behind it; with short urgent requests, a test process starved
-# for 4 s re-sent too late and the P/D request took the slot in between.
+# the wait lasts as long as the test says, however fast the machine decodes. Four, as a
+# loaded CI machine once sent each request ~15 s late. Before, three long requests were
+# sent once, FCFS: on a faster CI machine the first ended within 30 s and nothing queued
+# behind it; with short urgent requests, a test process starved for 4 s re-sent too late
+# and the P/D request took the slot in between.
 SLOT_HOLDERS = 4
 HOLDER_PRIORITY = -1
 HOLDER_TOKENS = 4000
