@@ -3,7 +3,8 @@
 Two channels carry these types:
 - the side channel (zmq, `pdconnect.sidechannel`): handshake, claims, heartbeats, done
   and release notices, each wrapped in `pdconnect.envelope`'s envelope (protocol
-  version and, with a shared secret, nonce, time and an HMAC);
+  version, message id, the id a reply answers and, with a shared secret, time and an
+  HMAC);
 - `kv_transfer_params` (JSON inside the OpenAI request/response): the `TransferPlan` a
   prefill engine returns and a decode engine consumes, passed through by the router.
 
@@ -24,7 +25,8 @@ __all__ = [
     "Claim", "Done", "Release", "Ack", "Refusal", "Message", "decode_plan", "is_remote_decode_request",
 ]
 
-PROTOCOL_VERSION = 1
+# 2: replies name the request they answer (`Envelope.reply_to`, signed with the rest).
+PROTOCOL_VERSION = 2
 
 
 class ProtocolError(ValueError):

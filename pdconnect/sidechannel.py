@@ -2,9 +2,19 @@
 
 The prefill engine runs one `SideChannelServer` (a ROUTER socket served by a daemon
 thread); decode workers, decode schedulers and the router talk to it through
-`SideChannelClient` (a DEALER socket with a deadline on every request, recreated
-after a timeout so a lost reply can never wedge the next request). Messages travel in
-the envelope of `pdconnect.envelope` (version; with a secret, HMAC, nonce and time).
+`SideChannelClient` (a DEALER socket with a deadline on every request). Messages travel
+in the envelope of `pdconnect.envelope` (version and message id; a reply names the
+request it answers; with a secret, HMAC and time).
+
+A client keeps its connection across timeouts, and that is what makes a stalled peer
+safe to talk to. A prefill engine on busy cores can stop running for seconds (its
+side-channel thread starved of the GIL, or the whole process of the CPU); requests sent
+on an open connection wait in its socket buffers and are all handled when it runs
+again, so every heartbeat still extends its lease. A client that reconnected after each
+timeout lost them instead: a new connection needs the stalled peer's handshake before
+it carries anything, and closing it unsent dropped the message (see
+docs/handoff-integrity.md, "A stalled prefill engine"). Late answers then arrive on the
+same connection; the client takes only the answer naming its current request.
 
 The server never touches engine state itself: its handler must be thread-safe (the
 connector's handler only enqueues events for the scheduler thread or reads immutable
@@ -23,7 +33,9 @@ from collections.abc import Callable
 
 import zmq
 
-from pdconnect.envelope import DEFAULT_MAX_AGE_SECONDS, EnvelopeError, ReplayGuard, decode_message, encode_message
+from pdconnect.envelope import (
+    DEFAULT_MAX_AGE_SECONDS, EnvelopeError, ReplayGuard, encode_message, new_nonce, open_envelope, request_id_of,
+)
 from pdconnect.protocol import Ack, Message, ProtocolError, Refusal, Release
 
 __all__ = [
@@ -40,6 +52,11 @@ Handler = Callable[[Message], Message]
 # tens of thousands of ids per message while zmq cuts anything bigger before Python
 # allocates it (the reply direction, with transport metadata, is not limited).
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+
+# Requests a client lets wait unread in a stalled server's socket (a heartbeat a second
+# and a claim or two per request): beyond this a request fails as "not sent", so a
+# peer that stalls for minutes does not face an unbounded backlog when it wakes.
+UNREAD_REQUESTS = 64
 
 # Every counter the server keeps, present from the start so exporters see zeros.
 SERVER_COUNTERS = (
@@ -185,20 +202,22 @@ class SideChannelServer:
         self._socket.send_multipart([identity, *delimiter, encode_message(refusal, self._secret)])
 
     def _answer(self, data: bytes) -> bytes:
+        # Every answer names the request it answers, refusals too: the client waits for it.
+        reply_to = request_id_of(data)
         try:
-            message = decode_message(data, self._secret, replay_guard=self._guard)
+            message = open_envelope(data, self._secret, replay_guard=self._guard).message
         except EnvelopeError as exc:
             self._counters.add(f"refused_{exc.kind}")
             logger.warning("side channel refused a message: %s", exc)
-            return encode_message(Refusal(reason=str(exc)), self._secret)
+            return encode_message(Refusal(reason=str(exc)), self._secret, reply_to=reply_to)
         self._counters.add("received")
         try:
-            return encode_message(self._handler(message), self._secret)
+            return encode_message(self._handler(message), self._secret, reply_to=reply_to)
         except Exception:  # a handler bug must not kill the serving thread
             self._counters.add("handler_errors")
             logger.exception("side channel handler failed on %s", type(message).__name__)
             # The exception text stays in our log: it may name local state.
-            return encode_message(Refusal(reason="internal error"), self._secret)
+            return encode_message(Refusal(reason="internal error"), self._secret, reply_to=reply_to)
 
     def counts(self) -> dict[str, int]:
         """A snapshot of the server's counters (`SERVER_COUNTERS`), e.g. for metrics."""
@@ -217,6 +236,10 @@ class SideChannelServer:
 class SideChannelClient:
     """Sends one message at a time to a server and waits for its reply, with a deadline.
 
+    One connection for the client's life (see the module docstring): a request that timed
+    out stays sent, and its late answer is recognised by the id it names and dropped.
+    Nothing is queued while the server is unreachable (`zmq.IMMEDIATE`): a request that
+    could not go out by its deadline fails as "not sent" and is never delivered later.
     Every failure, including a zmq error on a malformed address, is a SideChannelError.
     """
 
@@ -232,6 +255,9 @@ class SideChannelClient:
         if self._socket is None:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.IMMEDIATE, 1)
+            # Requests a stalled server has not read yet; beyond this, "not sent".
+            socket.setsockopt(zmq.SNDHWM, UNREAD_REQUESTS)
             try:
                 socket.connect(self.address)
             except zmq.ZMQError:
@@ -257,43 +283,68 @@ class SideChannelClient:
         seconds = self._timeout if timeout is None else timeout
         with self._lock:
             try:
-                data = self._exchange(message, seconds, cancel)
+                reply = self._exchange(message, seconds, cancel)
             except zmq.ZMQError as exc:
                 self._reset()
                 raise SideChannelError(f"cannot talk to {self.address}: {exc}") from None
-        try:
-            reply = decode_message(data, self._secret)
-        except ProtocolError as exc:
-            raise SideChannelError(f"bad reply from {self.address}: {exc}") from None
         if isinstance(reply, Refusal):
             raise SideChannelError(f"{self.address} refused {type(message).__name__}: {reply.reason}")
         return reply
 
-    def _exchange(self, message: Message, seconds: float, cancel: threading.Event | None) -> bytes:
+    def _exchange(self, message: Message, seconds: float, cancel: threading.Event | None) -> Message:
         socket = self._connected()
-        socket.send(encode_message(message, self._secret))
         deadline = time.monotonic() + seconds
+        request_id = new_nonce()
+        data = encode_message(message, self._secret, nonce=request_id)
+        while not _sent(socket, data):  # not connected yet, or the server's backlog is full
+            if not self._poll(socket, zmq.POLLOUT, deadline, cancel):
+                raise NoAnswer(f"not sent: no connection to {self.address} took it within {seconds:.1f}s")
         while True:
-            remaining = deadline - time.monotonic()
-            if cancel is not None and cancel.is_set():
-                self._reset()
-                raise SideChannelError(f"request to {self.address} cancelled")
-            if remaining <= 0:
-                # A thread that was not scheduled (a busy engine on few cores) can wake past
-                # its deadline with the answer already waiting: that is an answer, not silence.
-                if socket.poll(0, zmq.POLLIN):
-                    return socket.recv()
-                # The reply may still arrive later; a fresh socket cannot confuse it with
-                # the answer to the next request.
-                self._reset()
+            if not self._poll(socket, zmq.POLLIN, deadline, cancel):
                 raise NoAnswer(f"no answer from {self.address} within {seconds:.1f}s")
+            reply = self._answer_to(request_id, socket.recv())
+            if reply is not None:
+                return reply
+
+    def _poll(self, socket: zmq.Socket, event: int, deadline: float, cancel: threading.Event | None) -> bool:
+        """Wait for `event` until `deadline` (in 0.1 s steps when cancellable); False if it did not come.
+
+        A thread that was not scheduled (a busy engine on few cores) can wake past its
+        deadline with the answer already waiting: it still looks once, and that counts.
+        """
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise SideChannelError(f"request to {self.address} cancelled")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return bool(socket.poll(0, event))
             step = remaining if cancel is None else min(remaining, 0.1)
-            if socket.poll(max(1, int(step * 1000)), zmq.POLLIN):
-                return socket.recv()
+            if socket.poll(max(1, int(step * 1000)), event):
+                return True
+
+    def _answer_to(self, request_id: bytes, data: bytes) -> Message | None:
+        """The reply in `data` if it answers `request_id`; None for a late answer to an
+        earlier request (dropped); SideChannelError if it cannot be read."""
+        try:
+            opened = open_envelope(data, self._secret)
+        except ProtocolError as exc:  # its id cannot be trusted either: whichever it is, it is bad
+            raise SideChannelError(f"bad reply from {self.address}: {exc}") from None
+        if opened.reply_to != request_id:
+            logger.debug("side channel: dropped a late answer from %s", self.address)
+            return None
+        return opened.message
 
     def close(self) -> None:
         with self._lock:
             self._reset()
+
+
+def _sent(socket: zmq.Socket, data: bytes) -> bool:
+    try:
+        socket.send(data, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
 
 
 def release_remote(

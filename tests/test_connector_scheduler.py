@@ -216,7 +216,7 @@ def _tampered(params: dict, **changes) -> dict:
     ("unknown engine", lambda p: _tampered(p, remote_engine_id="prefill-999"), "differs from the plan lent"),
     ("bad block ids", lambda p: _tampered(p, groups=[{**g, "runs": [{"start": r["start"], "block_ids": [10**6] * len(r["block_ids"])} for r in g["runs"]]} for g in p["groups"]]), "differs from the plan lent"),
     ("index past the prompt", lambda p: _tampered(p, groups=[{**g, "runs": [{"start": 10**4, "block_ids": [1]}]} for g in p["groups"]]), "the prompt has"),
-    ("prefill unreachable", lambda p: _tampered(p, remote_engine_id="prefill-gone", remote_port=1), "no answer"),
+    ("prefill unreachable", lambda p: _tampered(p, remote_engine_id="prefill-gone", remote_port=1), "not sent: no connection"),
 ])
 def test_bad_transfer_params_end_the_request_with_an_error_and_leak_nothing(
         prefill, decode, clean, caplog, label, tamper, reason):

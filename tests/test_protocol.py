@@ -10,7 +10,9 @@ import pytest
 
 from pdconnect.config import ConfigError, ConnectorSettings, parse_kv_transfer_config
 from pdconnect.envelope import EnvelopeError, ReplayGuard, decode_message, encode_message
-from pdconnect.protocol import Ack, CompatInfo, Done, GroupCompat, Heartbeat, ProtocolError, Release, decode_plan
+from pdconnect.protocol import (
+    PROTOCOL_VERSION, Ack, CompatInfo, Done, GroupCompat, Heartbeat, ProtocolError, Release, decode_plan,
+)
 from pdconnect.sidechannel import SideChannelClient, SideChannelError, SideChannelServer, release_remote
 
 PLAN = {
@@ -85,15 +87,21 @@ class _Clock:
 
 
 def test_every_signed_envelope_carries_a_fresh_nonce_and_time_under_the_mac():
-    first, second = (msgspec.msgpack.decode(encode_message(Ack(), secret=b"k", now=100.0)) for _ in range(2))
-    assert first["nonce"] != second["nonce"] and first["sent_at"] == 100.0
-    # Moving the time or changing the nonce of a captured message breaks its MAC.
-    for field, value in (("sent_at", 200.0), ("nonce", second["nonce"]), ("version", 2)):
+    first, second = (msgspec.msgpack.decode(encode_message(Ack(), secret=b"k", now=100.0, reply_to=b"r" * 16))
+                     for _ in range(2))
+    assert first["nonce"] != second["nonce"] and first["sent_at"] == 100.0 and first["reply_to"] == b"r" * 16
+    # Moving the time, changing the nonce or the request answered breaks the MAC: a genuine
+    # answer to one request cannot be passed off as the answer to another.
+    for field, value in (("sent_at", 200.0), ("nonce", second["nonce"]), ("reply_to", b"s" * 16),
+                         ("version", PROTOCOL_VERSION + 1)):
         forged = msgspec.msgpack.encode({**first, field: value})
-        with pytest.raises(ProtocolError, match="authentication failed|version 2"):
+        with pytest.raises(ProtocolError, match=f"authentication failed|version {PROTOCOL_VERSION + 1}"):
             decode_message(forged, secret=b"k")
-    # Without a secret an envelope is only versioned: nothing to sign, nothing to stamp.
-    assert set(msgspec.msgpack.decode(encode_message(Ack()))) == {"version", "body"}
+    stripped = msgspec.msgpack.encode({k: v for k, v in first.items() if k != "reply_to"})
+    with pytest.raises(ProtocolError, match="authentication failed"):
+        decode_message(stripped, secret=b"k")
+    # Without a secret an envelope is versioned and has an id: nothing to sign, nothing to stamp.
+    assert set(msgspec.msgpack.decode(encode_message(Ack()))) == {"version", "body", "nonce"}
 
 
 def test_the_replay_guard_refuses_replays_and_messages_outside_the_window():
@@ -170,7 +178,7 @@ def test_side_channel_serves_answers_and_times_out_on_a_dead_peer():
             release_remote(server.address, ["r1"], "x", secret=b"wrong")
     finally:
         server.close()
-    with pytest.raises(SideChannelError, match="no answer"):
+    with pytest.raises(SideChannelError, match="not sent: no connection"):
         release_remote(server.address, ["r1"], "x", secret=b"k", timeout=0.3)
 
 

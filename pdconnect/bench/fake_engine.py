@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from pdconnect.protocol import Ack, Message, Release
+from pdconnect.protocol import PROTOCOL_VERSION, Ack, Message, Release
 from pdconnect.sidechannel import SideChannelServer
 
 __all__ = ["FakeFaults", "FakeEngine", "FakeCluster", "Seen"]
@@ -225,7 +225,7 @@ class FakeEngine:
             "remote_engine_id": self.name, "remote_request_id": request_id or f"fake-plan-{len(self.plans)}",
             "remote_host": host, "remote_port": port, "compat_hash": "fake",
             "num_prompt_tokens": max(1, prompt_tokens), "lease_expires_at": time.time() + 60.0,
-            "groups": [], "do_remote_prefill": True, "do_remote_decode": False, "pdconnect": 1,
+            "groups": [], "do_remote_prefill": True, "do_remote_decode": False, "pdconnect": PROTOCOL_VERSION,
         }
         self.plans.append(answer["kv_transfer_params"])
         return web.Response(body=_encode(answer), content_type="application/json")
