@@ -129,7 +129,7 @@ class PDWorker:
             require_rdma=self.settings.require_rdma,
             nixl_progress_delay_us=self.settings.nixl_progress_delay_us,
             # A stalled session is dropped and the read made again within the same
-            # transfer timeout: a third of it leaves room for the second read.
+            # transfer timeout: a third of it leaves room for at least two more reads.
             mooncake_stall_seconds=self.settings.transfer_timeout_seconds / 3,
         )
         self._transport.register([MemoryRegion(addr, length) for addr, length in sorted(regions)])

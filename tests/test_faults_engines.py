@@ -45,7 +45,7 @@ from pdconnect.bench.cluster import (
 )
 from pdconnect.bench.tinymodel import ensure_model
 from pdconnect.envelope import Envelope, encode_message
-from pdconnect.protocol import Ack, Claim, Heartbeat, Release, decode_plan
+from pdconnect.protocol import PROTOCOL_VERSION, Ack, Claim, Heartbeat, Release, decode_plan
 from pdconnect.sidechannel import SideChannelClient, SideChannelError
 from tests.engine_support import MODEL_NAME, SPEC, completion, engine_args, pd_kv_transfer, prompt_ids, token_ids
 
@@ -356,18 +356,26 @@ def counter(http: httpx.Client, proc: ManagedProcess, name: str) -> float:
 # --- 1. lease kept while the decode request waits in the queue ----------------------------
 
 
-def _hold_the_slot(url: str, stop: threading.Event) -> None:
+def _hold_the_slot(url: str, stop: threading.Event, errors: list[str]) -> None:
     """Send urgent decode-only requests back to back until `stop`; at the first token after
-    it, the stream is closed, which aborts its request."""
+    it, the stream is closed, which aborts its request. A request that fails is recorded
+    in `errors` and sent again: a holder that gave up would hand the slot to the request
+    under test (a CI run saw decode hold 2-3 holders instead of 4 for two minutes)."""
     payload = {"model": MODEL_NAME, "prompt": prompt_ids(7, 16), "max_tokens": HOLDER_TOKENS,
                "temperature": 0.0, "ignore_eos": True, "stream": True, "priority": HOLDER_PRIORITY}
     with engine_client(REQUEST_TIMEOUT_S) as client:
+        # A queued holder gets no byte until the ones ahead of it are done, however long.
+        client.timeout = httpx.Timeout(REQUEST_TIMEOUT_S, read=None)
         while not stop.is_set():
-            with client.stream("POST", f"{url}/v1/completions", json=payload) as response:
-                response.raise_for_status()
-                for _ in response.iter_lines():
-                    if stop.is_set():
-                        return
+            try:
+                with client.stream("POST", f"{url}/v1/completions", json=payload) as response:
+                    response.raise_for_status()
+                    for _ in response.iter_lines():
+                        if stop.is_set():
+                            return
+            except httpx.HTTPError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                stop.wait(0.5)
 
 
 @contextlib.contextmanager
@@ -379,13 +387,19 @@ def _slot_kept_busy(http: httpx.Client, pd: EngineSet) -> Iterator[threading.Eve
     speed, so the wait is a bound, not a race (a CI run sent each request ~15 s late and
     missed a 30 s window for "the second one queued")."""
     stop = threading.Event()
-    holders = [threading.Thread(target=_hold_the_slot, daemon=True, args=(pd.decode.base_url, stop))
+    errors: list[str] = []
+    holders = [threading.Thread(target=_hold_the_slot, daemon=True, args=(pd.decode.base_url, stop, errors))
                for _ in range(SLOT_HOLDERS)]
     for holder in holders:
         holder.start()
     try:
-        _wait_for(f"{SLOT_HOLDERS} urgent requests on decode", lambda: _queued_on_decode(http, pd) >= SLOT_HOLDERS,
-                  REQUEST_TIMEOUT_S)
+        try:
+            _wait_for(f"{SLOT_HOLDERS} urgent requests on decode",
+                      lambda: _queued_on_decode(http, pd) >= SLOT_HOLDERS, REQUEST_TIMEOUT_S)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc} (decode holds {_queued_on_decode(http, pd):.0f}; "
+                                 f"{sum(h.is_alive() for h in holders)} holders running; "
+                                 f"their errors: {errors[-4:]})") from None
         yield stop
     finally:
         stop.set()
@@ -831,7 +845,7 @@ def _mutations() -> list[tuple[str, str, Callable[[dict[str, Any], random.Random
         ("remote port elsewhere", "fail", field("remote_port", lambda r: r.randrange(20000, 60000))),
         ("remote port invalid", "fail", field("remote_port", lambda r: r.choice([0, -1, 70000]))),
         ("remote host bogus", "fail", field("remote_host", lambda r: r.choice(["256.0.0.1", "no such host!", ""]))),
-        ("protocol version", "fail", field("pdconnect", lambda r: 2)),
+        ("protocol version", "fail", field("pdconnect", lambda r: PROTOCOL_VERSION + 1)),
         ("required key missing", "fail", missing), ("required key wrong type", "fail", wrong_type),
         ("block ids wrong type", "fail", run_type), ("groups wrong shape", "fail", groups_type),
         ("unknown key", "fail", unknown_key),

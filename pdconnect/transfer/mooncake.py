@@ -19,14 +19,17 @@ What Mooncake does on its own, and what we do about it:
   no progress for the whole 30 s (no status frame from the peer) while the next read, on
   a fresh connection, took milliseconds. So a TCP session that makes no progress for
   `stall_seconds` is dropped (`MC_TCP_PROGRESS_TIMEOUT_SEC`, `MC_TCP_STATUS_TIMEOUT_SEC`,
-  unless the operator set them) and a failed read is made once more, on a fresh
-  connection, while the pull's deadline allows. Reading again is safe: the destination
-  is this request's own blocks, rewritten whole, and the lease is confirmed after the
-  read, not before.
+  unless the operator set them) and a failed read is made again, on a fresh
+  connection, for as long as the pull's deadline allows: a prefill engine stopped for
+  longer than two stall periods (seen: ~14 s on a loaded CI host, all its processes at
+  once) then still delivers within the transfer timeout. Reading again is safe: the
+  destination is this request's own blocks, rewritten whole, and the lease is confirmed
+  after the read, not before.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -57,7 +60,8 @@ _METADATA_SERVER = "P2PHANDSHAKE"
 
 # Seconds without progress after which a TCP session is dropped and the read made again.
 DEFAULT_STALL_SECONDS = 10.0
-_READ_ATTEMPTS = 2
+# Between two reads: a peer that is gone refuses at once, and must not make us spin.
+_REREAD_PAUSE_SECONDS = 0.5
 
 
 def _stall_env(stall_seconds: float) -> dict[str, str]:
@@ -169,13 +173,14 @@ class _MooncakeTransfer(Transfer):
 
     def _run(self, engine: Any, args: tuple[str, list[int], list[int], list[int]]) -> None:
         try:
-            for attempt in range(1, _READ_ATTEMPTS + 1):
+            for attempt in itertools.count(1):
                 self._rc = engine.batch_transfer_sync_read(*args)
                 # Never past the deadline: a pull that timed out must become quiescent.
-                if self._rc == 0 or attempt == _READ_ATTEMPTS or time.monotonic() >= self._deadline:
+                if self._rc == 0 or time.monotonic() + _REREAD_PAUSE_SECONDS >= self._deadline:
                     break
-                LOG.warning("transfer %s: mooncake read returned %s; reading again on a fresh connection",
-                            self.description, self._rc)
+                LOG.warning("transfer %s: mooncake read %d returned %s; reading again on a fresh connection",
+                            self.description, attempt, self._rc)
+                time.sleep(_REREAD_PAUSE_SECONDS)
         except BaseException as exc:  # reported through poll(), which must not raise
             self._exc = exc
         finally:
