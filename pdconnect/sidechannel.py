@@ -8,13 +8,14 @@ request it answers; with a secret, HMAC and time).
 
 A client keeps its connection across timeouts, and that is what makes a stalled peer
 safe to talk to. A prefill engine on busy cores can stop running for seconds (its
-side-channel thread starved of the GIL, or the whole process of the CPU); requests sent
-on an open connection wait in its socket buffers and are all handled when it runs
-again, so every heartbeat still extends its lease. A client that reconnected after each
-timeout lost them instead: a new connection needs the stalled peer's handshake before
-it carries anything, and closing it unsent dropped the message (see
-docs/handoff-integrity.md, "A stalled prefill engine"). Late answers then arrive on the
-same connection; the client takes only the answer naming its current request.
+side-channel thread starved of the GIL, or all its processes held by a loaded host:
+seen for 6 to 35 s on a 2-core CI machine); requests sent on an open connection wait in
+its socket buffers and are all handled when it runs again, so every heartbeat still
+extends its lease. A client that reconnected after each timeout lost them instead: a
+new connection needs the stalled peer's handshake before it carries anything, and
+closing it unsent dropped the message (see docs/handoff-integrity.md, "A stalled
+prefill engine"). Late answers then arrive on the same connection; the client takes
+only the answer naming its current request.
 
 The server never touches engine state itself: its handler must be thread-safe (the
 connector's handler only enqueues events for the scheduler thread or reads immutable
