@@ -198,6 +198,17 @@ def test_peer_killed_before_pull_fails_within_the_timeout(own: Decode) -> None:
     assert elapsed < 5 + SLACK
 
 
+def test_a_gone_peer_fails_the_pull_long_before_its_deadline(own: Decode) -> None:
+    """A peer that is gone refuses at once: that is not a stall, and waiting out a 20 s
+    deadline for it would only hold the request's blocks. (Mooncake reads a stalled
+    session again until the deadline; a refused read is made again once, not until then.)"""
+    assert own.transport.pull(PEER, own.ranges([(0, 0)]), timeout=10).wait(20) is TransferState.DONE
+    own.peer.kill()
+    transfer, state, elapsed = _pull_and_wait(own, own.ranges([(1, 1), (2, 2)]), timeout=20)
+    assert state is TransferState.FAILED and transfer.error
+    assert elapsed < 5, f"a gone peer took {elapsed:.1f} s to fail a pull"
+
+
 def test_peer_killed_mid_pull_never_hangs_nor_delivers_wrong_bytes(own: Decode) -> None:
     # Every block, scattered so nothing coalesces: thousands of descriptors in flight.
     pairs = [(i, (37 * i + 5) % POOL_BLOCKS) for i in range(POOL_BLOCKS)]

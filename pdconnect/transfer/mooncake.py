@@ -19,10 +19,12 @@ What Mooncake does on its own, and what we do about it:
   no progress for the whole 30 s (no status frame from the peer) while the next read, on
   a fresh connection, took milliseconds. So a TCP session that makes no progress for
   `stall_seconds` is dropped (`MC_TCP_PROGRESS_TIMEOUT_SEC`, `MC_TCP_STATUS_TIMEOUT_SEC`,
-  unless the operator set them) and a failed read is made again, on a fresh
-  connection, for as long as the pull's deadline allows: a prefill engine stopped for
-  longer than two stall periods (seen: ~14 s on a loaded CI host, all its processes at
-  once) then still delivers within the transfer timeout. Reading again is safe: the
+  unless the operator set them) and a read that failed that way is made again, on a
+  fresh connection, for as long as the pull's deadline allows: a prefill engine stopped
+  for longer than two stall periods (seen: ~14 s on a loaded CI host, all its processes
+  at once) then still delivers within the transfer timeout. A read that failed at once
+  (refused, or cut off: the peer is gone or restarting) is made again only once, so a
+  gone peer fails the pull in moments, not at its deadline. Reading again is safe: the
   destination is this request's own blocks, rewritten whole, and the lease is confirmed
   after the read, not before.
 """
@@ -60,8 +62,11 @@ _METADATA_SERVER = "P2PHANDSHAKE"
 
 # Seconds without progress after which a TCP session is dropped and the read made again.
 DEFAULT_STALL_SECONDS = 10.0
-# Between two reads: a peer that is gone refuses at once, and must not make us spin.
-_REREAD_PAUSE_SECONDS = 0.5
+# A failed read that took less than this was refused or cut off, not dropped for a stall:
+# Mooncake's stall timeouts are whole seconds, at least 1.
+_STALL_FLOOR_SECONDS = 1.0
+# Reads that failed at once, after which the peer counts as gone.
+_QUICK_FAILURES = 2
 
 
 def _stall_env(stall_seconds: float) -> dict[str, str]:
@@ -173,14 +178,20 @@ class _MooncakeTransfer(Transfer):
 
     def _run(self, engine: Any, args: tuple[str, list[int], list[int], list[int]]) -> None:
         try:
+            quick_failures = 0
             for attempt in itertools.count(1):
+                started = time.monotonic()
                 self._rc = engine.batch_transfer_sync_read(*args)
+                ended = time.monotonic()
                 # Never past the deadline: a pull that timed out must become quiescent.
-                if self._rc == 0 or time.monotonic() + _REREAD_PAUSE_SECONDS >= self._deadline:
+                if self._rc == 0 or ended >= self._deadline:
                     break
-                LOG.warning("transfer %s: mooncake read %d returned %s; reading again on a fresh connection",
-                            self.description, attempt, self._rc)
-                time.sleep(_REREAD_PAUSE_SECONDS)
+                if ended - started < _STALL_FLOOR_SECONDS:
+                    quick_failures += 1
+                    if quick_failures == _QUICK_FAILURES:
+                        break
+                LOG.warning("transfer %s: mooncake read %d returned %s after %.1f s; reading again on a fresh "
+                            "connection", self.description, attempt, self._rc, ended - started)
         except BaseException as exc:  # reported through poll(), which must not raise
             self._exc = exc
         finally:
