@@ -102,13 +102,23 @@ def test_concurrent_siblings_pull_the_prefix_once_and_hit_like_serial_siblings(p
     assert decode.counter("coalesced_waits") >= SIBLINGS - 1
 
 
-def test_without_coalescing_every_concurrent_sibling_pulls_everything(prefill, decode_uncoalesced, clean):
+def test_without_coalescing_concurrent_siblings_pull_the_prefix_again(prefill, decode_uncoalesced, colocated, clean):
+    """The control: nobody waits for a sibling's load, so the siblings admitted while the
+    first load runs pull the whole prefix again. Each is admitted when its claim is
+    answered, and claims are answered one after another: on a loaded host the last one can
+    come back after the first loads were published (a CI run: hits [0, 0, 0, 4864]), and
+    then it rightly hits what a serial sibling hits. The second claim always comes back
+    before the first load ends, since that load is confirmed by a claim queued behind it."""
     siblings = _siblings(seed=22)
+    reference = _colocated_hits(colocated, siblings, "ref22")
 
     results = _arrive_together(prefill, decode_uncoalesced, siblings, "c22")
 
-    assert [done.local_cached_tokens for done in results] == [0] * SIBLINGS
-    assert sum(done.external_cached_tokens for done in results) == sum(map(len, siblings))
+    hits = [done.local_cached_tokens for done in results]
+    assert decode_uncoalesced.counter("coalesced_waits") == 0
+    assert hits[0] == 0 and all(hit in (0, reference[1]) for hit in hits), (hits, reference)
+    assert hits.count(0) >= 2, f"no two siblings pulled the prefix at once: {hits}"
+    assert sum(done.external_cached_tokens for done in results) == sum(map(len, siblings)) - sum(hits)
 
 
 def test_an_aborted_leader_lets_its_follower_pull_by_itself(prefill, decode, clean):
