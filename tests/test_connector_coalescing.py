@@ -107,8 +107,9 @@ def test_without_coalescing_concurrent_siblings_pull_the_prefix_again(prefill, d
     first load runs pull the whole prefix again. Each is admitted when its claim is
     answered, and claims are answered one after another: on a loaded host the last one can
     come back after the first loads were published (a CI run: hits [0, 0, 0, 4864]), and
-    then it rightly hits what a serial sibling hits. The second claim always comes back
-    before the first load ends, since that load is confirmed by a claim queued behind it."""
+    then it rightly hits what a serial sibling hits. The second claim comes back before the
+    first load ends: it is sent as soon as the first claim is answered, while the first
+    load still has a scheduler step, its pull and its own confirming claim ahead of it."""
     siblings = _siblings(seed=22)
     reference = _colocated_hits(colocated, siblings, "ref22")
 
