@@ -379,10 +379,10 @@ def _hold_the_slot(url: str, stop: threading.Event, errors: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def _slot_kept_busy(http: httpx.Client, pd: EngineSet) -> Iterator[threading.Event]:
+def _slot_kept_busy(http: httpx.Client, pd: EngineSet) -> Iterator[None]:
     """SLOT_HOLDERS threads sending urgent requests: one holds decode's only slot, the
-    others wait ahead of any default-priority request, until the yielded event is set or
-    the block ends (a failed assertion must not leave decode busy for the next tests).
+    others wait ahead of any default-priority request, until the block ends, however it
+    ends (a failed assertion must not leave decode busy for the next tests).
     Ready once decode holds every holder: the state is stable whatever the machine's
     speed, so the wait is a bound, not a race (a CI run sent each request ~15 s late and
     missed a 30 s window for "the second one queued")."""
@@ -400,7 +400,7 @@ def _slot_kept_busy(http: httpx.Client, pd: EngineSet) -> Iterator[threading.Eve
             raise AssertionError(f"{exc} (decode holds {_queued_on_decode(http, pd):.0f}; "
                                  f"{sum(h.is_alive() for h in holders)} holders running; "
                                  f"their errors: {errors[-4:]})") from None
-        yield stop
+        yield
     finally:
         stop.set()
         for holder in holders:
@@ -418,7 +418,7 @@ def test_lease_survives_a_wait_in_the_decode_queue(pd: EngineSet, http: httpx.Cl
     expected = reference(http, pd, prompt)
     expiries_before = counter(http, pd.prefill, "pdconnect:lease_expiries")
     result: list[Answer] = []
-    with _slot_kept_busy(http, pd) as stop:
+    with _slot_kept_busy(http, pd):
         plan = prefill_plan(http, pd, prompt)
         waiter = threading.Thread(target=lambda: result.append(decode_with(http, pd, prompt, plan)), daemon=True)
         waiter.start()
@@ -431,7 +431,6 @@ def test_lease_survives_a_wait_in_the_decode_queue(pd: EngineSet, http: httpx.Cl
             others += 1
         assert waiter.is_alive(), ("the P/D request finished while urgent requests held decode's only slot: "
                                    "the fault was not set up")
-        stop.set()
     waiter.join(REQUEST_TIMEOUT_S)
     assert result, "the queued P/D request did not finish"
     [answer] = result
@@ -558,10 +557,6 @@ def _wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> No
         time.sleep(0.02)
 
 
-def _gauge(http: httpx.Client, proc: ManagedProcess, name: str) -> float:
-    return fetch_metrics(proc.base_url, http).total(name)
-
-
 @pytest.mark.parametrize("phase", ["before prefill", "during prefill", "queued for the pull", "during decode stream"])
 def test_client_disconnect_through_the_router(pd: EngineSet, http: httpx.Client, phase: str) -> None:
     row = Row(f"client disconnect {phase}", pd.transport, "")
@@ -575,7 +570,7 @@ def test_client_disconnect_through_the_router(pd: EngineSet, http: httpx.Client,
             _hang_up(_raw_request(router, body, send_all=False))
             row.outcome = "hung up mid-body"
         elif phase == "during prefill":
-            prompt_tokens_before = _gauge(http, pd.prefill, "vllm:prompt_tokens")
+            prompt_tokens_before = counter(http, pd.prefill, "vllm:prompt_tokens")
             sock = _raw_request(router, body)
             # The prefill lasts a fraction of a second and /metrics is polled: hang up as soon
             # as P has the request, or (a poll too late) once it has computed it.
