@@ -9,12 +9,13 @@ What Mooncake does on its own, and what we do about it:
 - Its TCP transport refuses batches of more than 1024 pending transfers per peer by
   default; the connector moves thousands of small blocks, so we raise the limits
   (unless the operator set them).
-- Its Python binding has no non-blocking status for a multi-descriptor batch
-  (`transfer_check_status` looks at the first descriptor only), so each pull runs the
-  blocking batch read on a worker thread (the binding releases the GIL) and the
-  `Transfer` watches that thread. The read ends at Mooncake's own timeout
-  (`MC_TRANSFER_TIMEOUT`, default 30 s) at the latest; until then a timed-out pull is
-  FAILED but not `quiescent`.
+- Its Python binding waits for a batch (`batch_transfer_sync_read`,
+  `get_batch_transfer_status`) by polling the status in a loop that never sleeps, a core
+  busy for the whole read; its non-blocking `transfer_check_status` reports only a batch's
+  first descriptor. So each range is submitted as a batch of one and the batches are polled
+  without blocking, like NIXL's requests: no thread of ours spins beside Mooncake's I/O
+  thread. A read ends at Mooncake's own timeout (`MC_TRANSFER_TIMEOUT`, default 30 s) at
+  the latest; until then a timed-out pull is FAILED but not `quiescent`.
 - Its TCP sessions can stall: on a loaded host a read on a just-opened connection made
   no progress for the whole 30 s (no status frame from the peer) while the next read, on
   a fresh connection, took milliseconds. So a TCP session that makes no progress for
@@ -31,8 +32,8 @@ What Mooncake does on its own, and what we do about it:
 
 from __future__ import annotations
 
-import itertools
 import math
+from collections import deque
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -159,61 +160,130 @@ class MooncakeTransport(Transport[str]):
 
 
 class _MooncakeTransfer(Transfer):
-    """One blocking `batch_transfer_sync_read`, run on its own thread."""
+    """One asynchronous Mooncake batch per range, polled without blocking.
+
+    Why not one `batch_transfer_sync_read`: the binding waits for it by calling the batch
+    status in a loop without sleeping or yielding, so every pull kept a core busy from
+    submit to completion (for a stalled read, until Mooncake's timeout) while the engine's
+    own threads and Mooncake's I/O thread, the one that moves the bytes, waited for CPU.
+    `transfer_check_status` answers at once, but only for a batch's first descriptor, so
+    each range is a batch of one: its status is the range's status.
+
+    Submitting can block (the first read from a peer opens its segment with a handshake
+    that a frozen peer leaves unanswered), so submissions run on a short-lived thread of
+    the pull's own, never on the poller's; polls only ask Mooncake how batches stand.
+
+    A range whose batch failed after a stall drop (`_STALL_FLOOR_SECONDS` or more) is read
+    again, on a fresh connection, until the pull's deadline; a range that failed at once
+    counts towards `_QUICK_FAILURES`, after which the peer is taken for gone and nothing
+    more is submitted. The pull is quiescent once nothing is being submitted and no batch
+    is outstanding: Mooncake's own session timeouts end every batch, so that always comes.
+    """
 
     def __init__(self, engine: Any, session: str, ranges: Sequence[Range], timeout: float,
                  description: str) -> None:
         super().__init__(description, timeout)
-        self._rc: int | None = None
-        self._exc: BaseException | None = None
-        self._finished = threading.Event()
+        self._engine = engine
+        self._session = session
         if isinstance(ranges, RangeTable):
             local, remote, length = ranges.table.T.tolist()
         else:
             local, remote, length = ([r[i] for r in ranges] for i in range(3))
-        args = (session, local, remote, length)
-        self._thread = threading.Thread(target=self._run, args=(engine, args), daemon=True,
-                                        name=f"pdconnect-{description}")
-        self._thread.start()
+        self._ranges: list[tuple[int, int, int]] = list(zip(local, remote, length))
+        self._attempts = [0] * len(self._ranges)
+        self._lock = threading.Lock()
+        # Under the lock: range index -> (batch id, when submitted) for every batch not yet
+        # ended; ranges waiting for the submitter; whether it runs; the first failure.
+        self._outstanding: dict[int, tuple[int, float]] = {}
+        self._to_submit: deque[int] = deque(range(len(self._ranges)))
+        self._submitting = False
+        self._failure: str | None = None
+        self._done = 0
+        self._quick_failures = 0
+        self._start_submitter()
 
-    def _run(self, engine: Any, args: tuple[str, list[int], list[int], list[int]]) -> None:
+    def _start_submitter(self) -> None:
+        with self._lock:
+            if self._submitting or not self._to_submit:
+                return
+            self._submitting = True
+        threading.Thread(target=self._submit_queued, daemon=True, name=f"pdconnect-{self.description}").start()
+
+    def _submit_queued(self) -> None:
         try:
-            quick_failures = 0
-            for attempt in itertools.count(1):
-                started = time.monotonic()
-                self._rc = engine.batch_transfer_sync_read(*args)
-                ended = time.monotonic()
-                # Never past the deadline: a pull that timed out must become quiescent.
-                if self._rc == 0 or ended >= self._deadline:
-                    break
-                if ended - started < _STALL_FLOOR_SECONDS:
-                    quick_failures += 1
-                    if quick_failures == _QUICK_FAILURES:
-                        break
-                LOG.warning("transfer %s: mooncake read %d returned %s after %.1f s; reading again on a fresh "
-                            "connection", self.description, attempt, self._rc, ended - started)
+            while True:
+                with self._lock:
+                    if not self._to_submit or self._failure is not None:
+                        self._to_submit.clear()
+                        return
+                    index = self._to_submit.popleft()
+                local, remote, length = self._ranges[index]
+                self._attempts[index] += 1
+                batch = self._engine.batch_transfer_async_read(self._session, [local], [remote], [length])
+                with self._lock:
+                    if batch == 0:  # the binding's failure sentinel: the segment could not be opened
+                        self._failure = self._failure or f"mooncake could not start a read from {self._session}"
+                    else:
+                        self._outstanding[index] = (batch, time.monotonic())
         except BaseException as exc:  # reported through poll(), which must not raise
-            self._exc = exc
+            with self._lock:
+                self._failure = self._failure or f"mooncake batch read raised {exc!r}"
         finally:
-            self._finished.set()
+            with self._lock:
+                self._submitting = False
 
     def _status(self) -> tuple[TransferState, str | None]:
-        if not self._finished.is_set():
-            return TransferState.PENDING, None
-        if self._exc is not None:
-            return TransferState.FAILED, f"mooncake batch read raised {self._exc!r}"
-        if self._rc == 0:
-            return TransferState.DONE, None
-        return TransferState.FAILED, (
-            f"mooncake batch read returned {self._rc}: peer unreachable, connection lost or "
-            "Mooncake's own timeout (its log on stderr says which)"
-        )
+        self._check_outstanding()
+        with self._lock:
+            if self._failure is not None:
+                return TransferState.FAILED, self._failure
+            if self._done == len(self._ranges):
+                return TransferState.DONE, None
+        return TransferState.PENDING, None
+
+    def _check_outstanding(self) -> None:
+        """Ask Mooncake about every outstanding batch, once; queue failed ranges again."""
+        with self._lock:
+            outstanding = list(self._outstanding.items())
+        now = time.monotonic()
+        again = []
+        for index, (batch, submitted) in outstanding:
+            code = self._engine.transfer_check_status(batch)
+            if code == 0 or code == -2:  # running; -2: past Mooncake's timeout, not yet ended
+                continue
+            with self._lock:  # 1 and -1 have freed the batch inside the binding
+                del self._outstanding[index]
+                if code == 1:
+                    self._done += 1
+                    continue
+                if self._failure is not None:
+                    continue
+                if now - submitted < _STALL_FLOOR_SECONDS:
+                    self._quick_failures += 1
+                    if self._quick_failures >= _QUICK_FAILURES:
+                        self._failure = (f"mooncake reads from {self._session} failed at once "
+                                         f"{self._quick_failures} times: peer unreachable or gone "
+                                         "(its log on stderr says which)")
+                        continue
+                if now >= self._deadline:
+                    self._failure = "a mooncake read failed and the pull's deadline has passed"
+                    continue
+                self._to_submit.append(index)
+                again.append((index, now - submitted))
+        for index, took in again:
+            LOG.warning("transfer %s: mooncake read of range %d failed after %.1f s (attempt %d); reading it "
+                        "again on a fresh connection", self.description, index, took, self._attempts[index])
+        if again:
+            self._start_submitter()
 
     def _release(self) -> bool:
-        return self._finished.is_set()
+        # Nothing can be cancelled: the local ranges are untouched once every batch ended.
+        self._check_outstanding()
+        with self._lock:
+            return not self._submitting and not self._outstanding
 
     def _idle(self, seconds: float) -> None:
-        self._finished.wait(seconds)
+        time.sleep(seconds)
 
 
 def _start_engine(factory: Callable[[], Any], host: str, protocol: str, device_name: str,
