@@ -176,7 +176,10 @@ class PDPromMetrics(KVConnectorPromMetrics):
             self._histogram_cls(
                 name="pdconnect:transfer_seconds",
                 documentation="Duration of one request's KV load (handshake excluded)",
-                buckets=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
+                # Fine below 100 ms, where a healthy pull lands, so percentiles read from
+                # the buckets compare transports (benchmarks/handoff.py does).
+                buckets=[0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+                         0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0],
                 labelnames=labelnames,
             ),
             per_engine_labelvalues,
