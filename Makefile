@@ -110,24 +110,24 @@ test-deploy: install deploy-tools
 TRANSPORT ?= mooncake
 
 demo: install
-	$(PY) -m pdconnect.bench.demo --transport $(TRANSPORT)
+	$(PY) -m benchmarks.demo --transport $(TRANSPORT)
 
 bench-plan: install
 	@mkdir -p results
-	$(PY) -m pdconnect.bench.plan --json results/bench-plan.json
+	$(PY) -m benchmarks.planner --json results/bench-plan.json
 
 bench-transfer: install
 	@mkdir -p results
-	$(PY) -m pdconnect.bench.transfer --json results/bench-transfer.json
+	$(PY) -m benchmarks.transfer_speed --json results/bench-transfer.json
 
 bench-router: install router-ref
 	@mkdir -p results
-	$(PY) -m pdconnect.bench.router --json results/bench-router.json
+	$(PY) -m benchmarks.router_overhead --json results/bench-router.json
 
 # Decode-side coalescing on vs off on fresh local P/D engines, same prompts, against a
 # colocated reference engine; writes results/bench-coalesce/ (TRANSPORT=nixl works too).
 bench-coalesce: install
-	$(PY) -m pdconnect.bench.coalesce --transport $(TRANSPORT)
+	$(PY) -m benchmarks.sibling_waits --transport $(TRANSPORT)
 
 # 2 prefill + 2 decode engines, four routers in turn (ours kv-aware and prefix-affinity,
 # vllm-router cache_aware and consistent_hash), caches emptied between: decode-local hits,
@@ -135,7 +135,7 @@ bench-coalesce: install
 .PHONY: bench-routing
 bench-routing: install router-ref
 	@mkdir -p results
-	$(PY) -m pdconnect.bench.routing --transport $(TRANSPORT) --json results/bench-routing.json
+	$(PY) -m benchmarks.routing --transport $(TRANSPORT) --json results/bench-routing.json
 
 # Container images the manifests name, built from deploy/images/ with the repository root
 # as context (deploy/README.md, "Images"). The defaults are the names the overlays use;

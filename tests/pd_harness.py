@@ -38,8 +38,8 @@ from connectors.geometry import Geometry, GroupGeometry
 from connectors.pd_connector import PDConnector
 from connectors.vllm_adapter import build_kv_cache_config
 from connectors.worker import PDWorker
-from pdconnect.bench.tinymodel import TinyModelSpec, ensure_target_and_draft
 from pdconnect.config import ConnectorSettings
+from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_target_and_draft
 
 # DeepSeek-V4-like: different block sizes per group, which no tiny CPU model gives us.
 GEOMETRY = Geometry((

@@ -8,8 +8,8 @@ import sys
 MODULES = [
     "pdconnect.cli", "pdconnect.config", "pdconnect.protocol", "pdconnect.envelope", "pdconnect.sidechannel",
     "pdconnect.notifier",
-    "pdconnect.kvlayout", "pdconnect.transfer", "pdconnect.router.app", "pdconnect.bench.cluster",
-    "pdconnect.bench.tinymodel",
+    "pdconnect.kvlayout", "pdconnect.transfer", "pdconnect.router.app", "pdconnect.testbed.processes",
+    "pdconnect.testbed.tinymodel",
 ]
 
 

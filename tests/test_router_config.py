@@ -81,7 +81,7 @@ def free_port() -> int:
 
 
 def test_pdconnect_router_command_serves_and_stops_on_sigterm() -> None:
-    fake = subprocess.Popen([sys.executable, "-m", "pdconnect.bench.fake_engine", "--side-channel"],
+    fake = subprocess.Popen([sys.executable, "-m", "pdconnect.testbed.fake_engine", "--side-channel"],
                             stdout=subprocess.PIPE, text=True)
     router = None
     try:

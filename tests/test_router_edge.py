@@ -1,5 +1,5 @@
 """The router's edge against hostile or careless clients and engines, on FAKE engines
-(`pdconnect.bench.fake_engine`): body limits (plain, chunked, gzip bombs), slow bodies,
+(`pdconnect.testbed.fake_engine`): body limits (plain, chunked, gzip bombs), slow bodies,
 the admin API's URL and token rules, OpenAI error JSON for everything the router itself
 refuses, well-formed streams whatever the engine left half-written, compressing
 engines, `Authorization` on every engine call, request validation before any engine

@@ -1,4 +1,4 @@
-"""The router's request flow against FAKE engines (`pdconnect.bench.fake_engine`): the P/D
+"""The router's request flow against FAKE engines (`pdconnect.testbed.fake_engine`): the P/D
 happy paths, and every fault the issue names — engine down, slow, answering 500, dropping
 the connection before or during the stream, the client leaving — each ending with its
 documented outcome, no request hanging, and aborts reaching the engines.
@@ -20,9 +20,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from pdconnect.bench.fake_engine import FakeCluster, FakeEngine
 from pdconnect.router import RunningRouter, load_config, start_router
 from pdconnect.router.engines import Role
+from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
 
 pytestmark = pytest.mark.asyncio
 

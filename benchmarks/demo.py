@@ -22,14 +22,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdconnect.bench.cluster import Cluster, StartupError, default_build_dir
 from pdconnect.bench.loadgen import LoadGenerator, RunResult, StepResult, run_scenario
-from pdconnect.bench.local_pd import BLOCK_SIZE, SPEC, LocalPDConfig, start_local_pd
-from pdconnect.bench.report import format_comparison, format_run, write_chart, write_json
-from pdconnect.bench.scenarios import (
-    MultiTurnScenario, PrefixRepetitionScenario, ProbeScenario, Scenario, TokenSource,
+from pdconnect.bench.report import (
+    format_comparison,
+    format_run,
+    write_chart,
+    write_json,
 )
-from pdconnect.bench.tinymodel import ensure_target_and_draft
+from pdconnect.bench.scenarios import (
+    MultiTurnScenario,
+    PrefixRepetitionScenario,
+    ProbeScenario,
+    Scenario,
+    TokenSource,
+)
+from pdconnect.testbed.local_pd import LocalPDConfig, start_local_pd
+from pdconnect.testbed.paths import default_build_dir
+from pdconnect.testbed.processes import Cluster, StartupError
+from pdconnect.testbed.recipes import BLOCK_SIZE, SPEC
+from pdconnect.testbed.tinymodel import ensure_target_and_draft
 
 __all__ = ["DemoPlan", "main"]
 
@@ -131,7 +142,7 @@ def _verdict(on: RunResult, off: RunResult) -> tuple[bool, str]:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pdconnect.bench.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--transport", choices=("mooncake", "nixl"), default="mooncake")
     parser.add_argument("--out", type=Path, default=default_build_dir().parent / "results" / "demo",
                         help="where demo.json, demo.png and the process logs go (default: results/demo)")

@@ -47,21 +47,49 @@ import httpx
 import msgspec
 import zmq
 
-from pdconnect.bench.cluster import (
-    Cluster, ManagedProcess, MetricsSnapshot, PrefixCacheCounters, ProcessSpec, StartupError, default_build_dir,
-    engine_client, fetch_metrics, router_server, vllm_server, warm_up,
-)
 from pdconnect.bench.loadgen import (
-    Deployment, LoadGenerator, PromptFormat, RunResult, StepResult, percentile, run_scenario,
+    Deployment,
+    LoadGenerator,
+    PromptFormat,
+    RunResult,
+    StepResult,
+    percentile,
+    run_scenario,
 )
-from pdconnect.bench.local_pd import BLOCK_SIZE, MODEL_NAME, SPEC, LocalPDConfig, Transport, engine_args
 from pdconnect.bench.report import format_table, write_json
 from pdconnect.bench.scenarios import (
-    MultiTurnScenario, PrefixRepetitionScenario, Scenario, TokenSource, warmup_step,
+    MultiTurnScenario,
+    PrefixRepetitionScenario,
+    Scenario,
+    TokenSource,
+    warmup_step,
 )
-from pdconnect.bench.tinymodel import ensure_target_and_draft
+from pdconnect.bench.scrape import (
+    MetricsSnapshot,
+    PrefixCacheCounters,
+    engine_client,
+    fetch_metrics,
+)
 from pdconnect.router.kvindex import EngineKVIndex, decode_batch
 from pdconnect.router.policy import LoadBound
+from pdconnect.testbed.local_pd import LocalPDConfig, Transport
+from pdconnect.testbed.paths import default_build_dir
+from pdconnect.testbed.processes import (
+    Cluster,
+    ManagedProcess,
+    ProcessSpec,
+    StartupError,
+)
+from pdconnect.testbed.recipes import (
+    BLOCK_SIZE,
+    MODEL_NAME,
+    SPEC,
+    engine_args,
+    router_server,
+    vllm_server,
+    warm_up,
+)
+from pdconnect.testbed.tinymodel import ensure_target_and_draft
 
 __all__ = [
     "VARIANTS", "EngineSpec", "EventsView", "RoutingPlan", "ScenarioRun", "Variant", "consistency_problems",
@@ -808,7 +836,7 @@ def _scenario_flag(scenario: type[Any], name: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pdconnect.bench.routing",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.routing",
                                      description=(__doc__ or "").splitlines()[0])
     plan = RoutingPlan()
     parser.add_argument("--transport", choices=("mooncake", "nixl"), default=plan.transport)

@@ -32,7 +32,7 @@ A second table (NIXL) sweeps the serving agent's progress-thread delay
 (`nixl_progress_delay_us`): the serving process's idle CPU against our read rate and
 the first read after connecting (which waits on the server's wire-up progress).
 
-    python -m pdconnect.bench.transfer [--transport mooncake|nixl|all] [--repeats 24]
+    python -m benchmarks.transfer_speed [--transport mooncake|nixl|all] [--repeats 24]
                                        [--delays 0,50,200,1000,5000] [--json PATH]
 """
 
@@ -56,7 +56,11 @@ import numpy as np
 
 from pdconnect.kvlayout import TensorLayout, pull_ranges
 from pdconnect.transfer import (
-    TRANSPORT_KINDS, TransferState, Transport, create_transport, decode_metadata,
+    TRANSPORT_KINDS,
+    TransferState,
+    Transport,
+    create_transport,
+    decode_metadata,
 )
 from pdconnect.transfer._host import scoped_env
 from pdconnect.transfer.loopback import Buffer, LoopbackPeer, digest

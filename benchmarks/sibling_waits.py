@@ -30,13 +30,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pdconnect.bench.cluster import Cluster, StartupError, default_build_dir, warm_up
-from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, StepResult, percentile, run_scenario
-from pdconnect.bench.local_pd import (
-    BLOCK_SIZE, MODEL_NAME, SPEC, LocalPDConfig, start_colocated, start_local_pd,
+from pdconnect.bench.loadgen import (
+    Deployment,
+    LoadGenerator,
+    RunResult,
+    StepResult,
+    percentile,
+    run_scenario,
 )
 from pdconnect.bench.report import format_run, format_table, write_json
-from pdconnect.bench.scenarios import ProbeScenario, Scenario, SharedPrefixScenario, TokenSource
+from pdconnect.bench.scenarios import (
+    ProbeScenario,
+    Scenario,
+    SharedPrefixScenario,
+    TokenSource,
+)
+from pdconnect.testbed.local_pd import LocalPDConfig, start_colocated, start_local_pd
+from pdconnect.testbed.paths import default_build_dir
+from pdconnect.testbed.processes import Cluster, StartupError
+from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, warm_up
 
 __all__ = ["CoalescePlan", "Role", "main", "sibling_roles"]
 
@@ -294,7 +306,7 @@ def _verdict(on: RunResult, off: RunResult) -> tuple[bool, str]:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pdconnect.bench.coalesce",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sibling_waits",
                                      description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--transport", choices=("mooncake", "nixl"), default="mooncake")
     parser.add_argument("--out", type=Path, default=default_build_dir().parent / "results" / "bench-coalesce",
