@@ -38,8 +38,8 @@ from connectors.metadata import (
     decode_layouts,
     encode_layouts,
 )
+from connectors.settings import ConnectorSettings
 from connectors.stats import PDConnectorStats, StatsRecorder
-from pdconnect.config import ConnectorSettings
 from pdconnect.kvlayout import (
     LayoutError,
     TensorLayout,

@@ -6,7 +6,7 @@ with `kubectl kustomize`; the rendered objects are then checked
 - against the Kubernetes API schemas of a current release (kubernetes-validate, strict:
   a misspelt field fails) and by checkov's policies, every skip carrying its reason;
 - by what our software will do with them: the `--kv-transfer-config` each engine gets
-  (after the kubelet's `$(VAR)` expansion) parses with `pdconnect.config`, the whole
+  (after the kubelet's `$(VAR)` expansion) parses with `connectors.settings`, the whole
   engine command line parses with vLLM's own `serve` parser, the router's with the
   router's own parser, and the Service names, ports, timings and model files they name
   match the objects they point at (the router's `--tokenizer` is the engines' model,
@@ -31,7 +31,7 @@ import msgspec
 import pytest
 import yaml
 
-from pdconnect.config import ConnectorSettings, parse_kv_transfer_config
+from connectors.settings import ConnectorSettings, parse_kv_transfer_config
 from pdconnect.router.config import RouterConfig
 from pdconnect.router.config import parse_args as parse_router_args
 
@@ -408,7 +408,7 @@ def test_checkov_passes_or_skips_with_a_reason(checkov_report, target: str) -> N
 @pytest.mark.parametrize("target", TARGETS)
 def test_engine_kv_transfer_config_parses(render_of, target: str) -> None:
     """After $(VAR) expansion, each engine's --kv-transfer-config is what
-    pdconnect.config accepts, for the role its component says."""
+    connectors.settings accepts, for the role its component says."""
     render = render_of(target)
     for component, workload in render.engines().items():
         container = _container(workload)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 MODULES = [
-    "pdconnect.cli", "pdconnect.config", "pdconnect.protocol", "pdconnect.envelope", "pdconnect.sidechannel",
+    "pdconnect.cli", "connectors.settings", "pdconnect.protocol", "pdconnect.envelope", "pdconnect.sidechannel",
     "pdconnect.notifier",
     "pdconnect.kvlayout", "pdconnect.transfer", "pdconnect.router.app", "pdconnect.testbed.processes",
     "pdconnect.testbed.tinymodel",

@@ -17,7 +17,7 @@ import random
 import msgspec
 import pytest
 
-from pdconnect.config import ConnectorSettings
+from connectors.settings import ConnectorSettings
 from pdconnect.kvlayout import (
     LayoutError,
     TensorLayout,
