@@ -23,18 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdconnect.bench.loadgen import LoadGenerator, RunResult, StepResult, run_scenario
-from pdconnect.bench.report import (
-    format_comparison,
-    format_run,
-    write_chart,
-    write_json,
-)
+from pdconnect.bench.report import format_comparison, format_run, write_chart, write_json
 from pdconnect.bench.scenarios import (
-    MultiTurnScenario,
-    PrefixRepetitionScenario,
-    ProbeScenario,
-    Scenario,
-    TokenSource,
+    MultiTurnScenario, PrefixRepetitionScenario, ProbeScenario, Scenario, TokenSource,
 )
 from pdconnect.testbed.local_pd import LocalPDConfig, start_local_pd
 from pdconnect.testbed.paths import default_build_dir

@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported here: vLLM is heavy, and `pdconnect` itself never needs it.
     from connectors.geometry import Geometry, GroupGeometry
-    from connectors.kvsim import Engine, random_tokens
     from connectors.replay_slack import plan_request
     from connectors.vllm_adapter import CacheRules
+    from connectors.kvsim import Engine, random_tokens
 
     geometries = {
         "FA256/SWA64/w128": (256, 64, 128),

@@ -48,47 +48,19 @@ import msgspec
 import zmq
 
 from pdconnect.bench.loadgen import (
-    Deployment,
-    LoadGenerator,
-    PromptFormat,
-    RunResult,
-    StepResult,
-    percentile,
-    run_scenario,
+    Deployment, LoadGenerator, PromptFormat, RunResult, StepResult, percentile, run_scenario,
 )
 from pdconnect.bench.report import format_table, write_json
 from pdconnect.bench.scenarios import (
-    MultiTurnScenario,
-    PrefixRepetitionScenario,
-    Scenario,
-    TokenSource,
-    warmup_step,
+    MultiTurnScenario, PrefixRepetitionScenario, Scenario, TokenSource, warmup_step,
 )
-from pdconnect.bench.scrape import (
-    MetricsSnapshot,
-    PrefixCacheCounters,
-    engine_client,
-    fetch_metrics,
-)
+from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters, engine_client, fetch_metrics
 from pdconnect.router.kvindex import EngineKVIndex, decode_batch
 from pdconnect.router.policy import LoadBound
 from pdconnect.testbed.local_pd import LocalPDConfig, Transport
 from pdconnect.testbed.paths import default_build_dir
-from pdconnect.testbed.processes import (
-    Cluster,
-    ManagedProcess,
-    ProcessSpec,
-    StartupError,
-)
-from pdconnect.testbed.recipes import (
-    BLOCK_SIZE,
-    MODEL_NAME,
-    SPEC,
-    engine_args,
-    router_server,
-    vllm_server,
-    warm_up,
-)
+from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec, StartupError
+from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, router_server, vllm_server, warm_up
 from pdconnect.testbed.tinymodel import ensure_target_and_draft
 
 __all__ = [

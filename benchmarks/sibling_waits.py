@@ -30,21 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pdconnect.bench.loadgen import (
-    Deployment,
-    LoadGenerator,
-    RunResult,
-    StepResult,
-    percentile,
-    run_scenario,
-)
+from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, StepResult, percentile, run_scenario
 from pdconnect.bench.report import format_run, format_table, write_json
-from pdconnect.bench.scenarios import (
-    ProbeScenario,
-    Scenario,
-    SharedPrefixScenario,
-    TokenSource,
-)
+from pdconnect.bench.scenarios import ProbeScenario, Scenario, SharedPrefixScenario, TokenSource
 from pdconnect.testbed.local_pd import LocalPDConfig, start_colocated, start_local_pd
 from pdconnect.testbed.paths import default_build_dir
 from pdconnect.testbed.processes import Cluster, StartupError

@@ -56,11 +56,7 @@ import numpy as np
 
 from pdconnect.kvlayout import TensorLayout, pull_ranges
 from pdconnect.transfer import (
-    TRANSPORT_KINDS,
-    TransferState,
-    Transport,
-    create_transport,
-    decode_metadata,
+    TRANSPORT_KINDS, TransferState, Transport, create_transport, decode_metadata,
 )
 from pdconnect.transfer._host import scoped_env
 from pdconnect.transfer.loopback import Buffer, LoopbackPeer, digest

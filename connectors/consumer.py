@@ -43,17 +43,7 @@ from connectors.replay_slack import plan_request
 from connectors.settings import ConnectorSettings
 from connectors.stats import StatsRecorder
 from pdconnect.notifier import PeerNotifier
-from pdconnect.protocol import (
-    Ack,
-    Claim,
-    Done,
-    Heartbeat,
-    Message,
-    ProtocolError,
-    Release,
-    TransferPlan,
-    decode_plan,
-)
+from pdconnect.protocol import Ack, Claim, Done, Heartbeat, Message, ProtocolError, Release, TransferPlan, decode_plan
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock

@@ -19,12 +19,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 from connectors.replay_slack import RequestPlan, plan_request
-from connectors.vllm_adapter import (
-    BlockPoolOps,
-    CacheRules,
-    Geometry,
-    build_kv_cache_manager,
-)
+from connectors.vllm_adapter import BlockPoolOps, CacheRules, Geometry, build_kv_cache_manager
 
 init_none_hash(sha256)
 

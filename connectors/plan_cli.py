@@ -7,12 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from connectors.geometry import (
-    Geometry,
-    GroupGeometry,
-    UnsupportedLayout,
-    consecutive_runs,
-)
+from connectors.geometry import Geometry, GroupGeometry, UnsupportedLayout, consecutive_runs
 
 if TYPE_CHECKING:
     from connectors.replay_slack import RequestPlan

@@ -19,13 +19,7 @@ from connectors.producer import Producer
 from connectors.settings import ConnectorSettings
 from connectors.stats import PDConnectorStats, StatsRecorder
 from connectors.vllm_adapter import BlockPoolOps, CacheRules
-from pdconnect.protocol import (
-    Handshake,
-    HandshakeReply,
-    Message,
-    Refusal,
-    is_remote_decode_request,
-)
+from pdconnect.protocol import Handshake, HandshakeReply, Message, Refusal, is_remote_decode_request
 from pdconnect.sidechannel import SideChannelServer
 
 if TYPE_CHECKING:

@@ -39,13 +39,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from connectors.geometry import (
-    Geometry,
-    GroupGeometry,
-    GroupKind,
-    UnsupportedLayout,
-    consecutive_runs,
-)
+from connectors.geometry import Geometry, GroupGeometry, GroupKind, UnsupportedLayout, consecutive_runs
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

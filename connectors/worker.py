@@ -31,31 +31,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from connectors.compat import compat_info
 from connectors.leases import confirm_claim
-from connectors.metadata import (
-    PDConnectorMetadata,
-    PDHandshakeMetadata,
-    PullSpec,
-    decode_layouts,
-    encode_layouts,
-)
+from connectors.metadata import PDConnectorMetadata, PDHandshakeMetadata, PullSpec, decode_layouts, encode_layouts
 from connectors.settings import ConnectorSettings
 from connectors.stats import PDConnectorStats, StatsRecorder
-from pdconnect.kvlayout import (
-    LayoutError,
-    TensorLayout,
-    locate_block_dim,
-    pull_ranges_for_layers,
-)
+from pdconnect.kvlayout import LayoutError, TensorLayout, locate_block_dim, pull_ranges_for_layers
 from pdconnect.protocol import Claim, Handshake, HandshakeReply
 from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError
 from pdconnect.transfer import (
-    MemoryRegion,
-    Transfer,
-    TransferError,
-    TransferState,
-    Transport,
-    create_transport,
-    merge_range_groups,
+    MemoryRegion, Transfer, TransferError, TransferState, Transport, create_transport, merge_range_groups,
 )
 
 if TYPE_CHECKING:

@@ -35,13 +35,7 @@ from collections.abc import Callable
 import zmq
 
 from pdconnect.envelope import (
-    DEFAULT_MAX_AGE_SECONDS,
-    EnvelopeError,
-    ReplayGuard,
-    encode_message,
-    new_nonce,
-    open_envelope,
-    request_id_of,
+    DEFAULT_MAX_AGE_SECONDS, EnvelopeError, ReplayGuard, encode_message, new_nonce, open_envelope, request_id_of,
 )
 from pdconnect.protocol import Ack, Message, ProtocolError, Refusal, Release
 

@@ -108,20 +108,12 @@ BLOCK_PAIRS = [(0, 5), (7, 0), (36, 17), (3, 36), (20, 21)]
 def check_layouts(torch: Any, device: str) -> list[str]:
     """Failures (empty: all passed) of kvlayout on vLLM 0.33's own KV allocations."""
     from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-        compute_layout_strides,
+        FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, compute_layout_strides,
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    from pdconnect.kvlayout import (
-        TensorLayout,
-        locate_block_dim,
-        pull_ranges_for_layers,
-    )
+    from pdconnect.kvlayout import TensorLayout, locate_block_dim, pull_ranges_for_layers
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     failures: list[str] = []
@@ -207,22 +199,9 @@ def check_engines(transport: str, backend: str) -> EngineRun:
     import httpx
 
     from pdconnect.bench.scrape import PrefixCacheCounters
-    from pdconnect.testbed.engine_calls import (
-        REQUEST_TIMEOUT_S,
-        completed,
-        completion,
-        prompt_ids,
-        serve_pd,
-        token_ids,
-    )
+    from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S, completed, completion, prompt_ids, serve_pd, token_ids
     from pdconnect.testbed.processes import Cluster
-    from pdconnect.testbed.recipes import (
-        MODEL_NAME,
-        SPEC,
-        pd_kv_transfer,
-        vllm_server,
-        warm_up,
-    )
+    from pdconnect.testbed.recipes import MODEL_NAME, SPEC, pd_kv_transfer, vllm_server, warm_up
     from pdconnect.testbed.tinymodel import ensure_target_and_draft
 
     target, draft = ensure_target_and_draft(SPEC)

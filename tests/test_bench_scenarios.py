@@ -26,32 +26,16 @@ from benchmarks import demo, sibling_waits
 from benchmarks.sibling_waits import sibling_roles, ttft_by_role
 from pdconnect.bench import cli
 from pdconnect.bench.loadgen import (
-    DEFAULT_FIRST_WORD_ID,
-    Deployment,
-    RoleCounters,
-    RunResult,
-    StepResult,
-    render_prompt,
+    DEFAULT_FIRST_WORD_ID, Deployment, RoleCounters, RunResult, StepResult, render_prompt,
 )
 from pdconnect.bench.report import compare, format_comparison, format_run, write_json
 from pdconnect.bench.scenarios import (
-    MultiTurnScenario,
-    PrefixRepetitionScenario,
-    ProbeScenario,
-    SharedPrefixScenario,
-    TokenSource,
+    MultiTurnScenario, PrefixRepetitionScenario, ProbeScenario, SharedPrefixScenario, TokenSource,
 )
 from pdconnect.bench.scrape import PrefixCacheCounters
 from pdconnect.testbed.local_pd import LocalPD, LocalPDConfig, start_local_pd
 from pdconnect.testbed.processes import Cluster, ManagedProcess
-from pdconnect.testbed.recipes import (
-    BLOCK_SIZE,
-    MODEL_NAME,
-    SPEC,
-    engine_args,
-    vllm_server,
-    warm_up,
-)
+from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, vllm_server, warm_up
 from pdconnect.testbed.tinymodel import FIRST_WORD_ID, ensure_target_and_draft
 
 PREFIX = 1024  # 8 blocks of 128

@@ -13,26 +13,10 @@ from typing import Any
 import pytest
 
 from benchmarks.routing import (
-    VARIANTS,
-    EngineFigures,
-    EngineSpec,
-    EventsView,
-    ScenarioRun,
-    consistency_problems,
-    format_events_view,
-    format_ratios,
-    format_routing_table,
-    goal_verdicts,
-    in_flight_by_engine,
-    kv_events_config,
-    load_bound,
-    parse_args,
-    pdconnect_router_args,
-    setup_from_args,
-    requests_in_flight,
-    requests_served,
-    router_kv_events_config,
-    vllm_router_argv,
+    VARIANTS, EngineFigures, EngineSpec, EventsView, ScenarioRun, consistency_problems, format_events_view,
+    format_ratios, format_routing_table, goal_verdicts, in_flight_by_engine, kv_events_config, load_bound,
+    parse_args, pdconnect_router_args, setup_from_args, requests_in_flight, requests_served,
+    router_kv_events_config, vllm_router_argv,
 )
 from pdconnect.bench.loadgen import RoleCounters, StepResult
 from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters

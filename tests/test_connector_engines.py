@@ -20,23 +20,9 @@ import httpx
 import pytest
 
 from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_metrics
-from pdconnect.testbed.engine_calls import (
-    REQUEST_TIMEOUT_S,
-    completed,
-    completion,
-    prompt_ids,
-    serve_pd,
-    token_ids,
-)
+from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S, completed, completion, prompt_ids, serve_pd, token_ids
 from pdconnect.testbed.processes import Cluster, ManagedProcess
-from pdconnect.testbed.recipes import (
-    MODEL_NAME,
-    SPEC,
-    engine_args,
-    pd_kv_transfer,
-    vllm_server,
-    warm_up,
-)
+from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server, warm_up
 from pdconnect.testbed.tinymodel import DSV4_LIKE_MIMO_V2, TinyModelSpec, ensure_model
 
 pytestmark = pytest.mark.engine

@@ -15,11 +15,7 @@ import pytest
 import torch
 
 from pdconnect.kvlayout import (
-    BLOCK_DIM_SENTINEL,
-    LayoutError,
-    TensorLayout,
-    locate_block_dim,
-    pull_ranges,
+    BLOCK_DIM_SENTINEL, LayoutError, TensorLayout, locate_block_dim, pull_ranges,
     pull_ranges_for_layers,
 )
 

@@ -9,30 +9,12 @@ import msgspec
 import pytest
 
 from connectors.settings import ConnectorSettings, parse_kv_transfer_config
-from pdconnect.envelope import (
-    EnvelopeError,
-    ReplayGuard,
-    decode_message,
-    encode_message,
-)
+from pdconnect.envelope import EnvelopeError, ReplayGuard, decode_message, encode_message
 from pdconnect.errors import ConfigError
 from pdconnect.protocol import (
-    PROTOCOL_VERSION,
-    Ack,
-    CompatInfo,
-    Done,
-    GroupCompat,
-    Heartbeat,
-    ProtocolError,
-    Release,
-    decode_plan,
+    PROTOCOL_VERSION, Ack, CompatInfo, Done, GroupCompat, Heartbeat, ProtocolError, Release, decode_plan,
 )
-from pdconnect.sidechannel import (
-    SideChannelClient,
-    SideChannelError,
-    SideChannelServer,
-    release_remote,
-)
+from pdconnect.sidechannel import SideChannelClient, SideChannelError, SideChannelServer, release_remote
 
 PLAN = {
     "remote_engine_id": "p0", "remote_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": 5700,

@@ -21,13 +21,7 @@ from pdconnect.router import load_config, start_router
 from pdconnect.router.engines import Engine, Role
 from pdconnect.router.health import CircuitBreaker
 from pdconnect.router.policy import (
-    AffinityTracker,
-    LeastLoaded,
-    LoadBound,
-    PrefixAffinity,
-    RoundRobin,
-    affinity_key,
-    render_messages,
+    AffinityTracker, LeastLoaded, LoadBound, PrefixAffinity, RoundRobin, affinity_key, render_messages,
 )
 from pdconnect.testbed.fake_engine import FakeCluster
 

@@ -20,12 +20,7 @@ from typing import Any
 
 import pytest
 
-from pdconnect.router.chat_template import (
-    ChatTemplate,
-    NotRendered,
-    PromptTokenizer,
-    special_tokens_of,
-)
+from pdconnect.router.chat_template import ChatTemplate, NotRendered, PromptTokenizer, special_tokens_of
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
 
 pytest.importorskip("vllm")
@@ -169,9 +164,7 @@ class VllmReference:
     def render(self, directory: Path, body: dict[str, Any]) -> tuple[str, list[int]] | None:
         """(prompt text, prompt ids), or None where vLLM refuses the request."""
         import jinja2
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionRequest,
-        )
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.exceptions import VLLMClientError
 

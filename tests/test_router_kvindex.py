@@ -12,11 +12,7 @@ import pytest
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
 from pdconnect.router.kvindex import (  # noqa: E402
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EngineKVIndex,
-    decode_batch,
+    AllBlocksCleared, BlockRemoved, BlockStored, EngineKVIndex, decode_batch,
 )
 
 BS = 4

@@ -25,15 +25,8 @@ import pytest
 
 from pdconnect.kvlayout import TensorLayout, pull_ranges
 from pdconnect.transfer import (
-    TRANSPORT_KINDS,
-    PeerInfo,
-    RangeTable,
-    Transfer,
-    TransferError,
-    TransferState,
-    Transport,
-    create_transport,
-    merge_ranges,
+    TRANSPORT_KINDS, PeerInfo, RangeTable, Transfer, TransferError, TransferState, Transport,
+    create_transport, merge_ranges,
 )
 from pdconnect.transfer._host import rdma_devices
 from pdconnect.transfer.loopback import Buffer, LoopbackPeer, digest

@@ -18,19 +18,8 @@ import msgspec
 import pytest
 
 from connectors.settings import ConnectorSettings
-from pdconnect.kvlayout import (
-    LayoutError,
-    TensorLayout,
-    pull_ranges,
-    pull_ranges_for_layers,
-)
-from pdconnect.transfer import (
-    RangeTable,
-    TransferError,
-    create_transport,
-    merge_range_groups,
-    merge_ranges,
-)
+from pdconnect.kvlayout import LayoutError, TensorLayout, pull_ranges, pull_ranges_for_layers
+from pdconnect.transfer import RangeTable, TransferError, create_transport, merge_range_groups, merge_ranges
 
 BLOCKS, HEADS, TOKENS, HEAD = 6, 2, 4, 3
 

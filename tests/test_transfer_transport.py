@@ -5,14 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pdconnect.transfer import (
-    MemoryRegion,
-    PeerInfo,
-    TransferError,
-    create_transport,
-    decode_metadata,
-    merge_ranges,
-)
+from pdconnect.transfer import MemoryRegion, PeerInfo, TransferError, create_transport, decode_metadata, merge_ranges
 from pdconnect.transfer.transport import METADATA_VERSION
 
 

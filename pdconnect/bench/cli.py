@@ -34,12 +34,7 @@ import msgspec
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, run_scenario
 from pdconnect.bench.report import format_comparison, format_run, write_json
 from pdconnect.bench.scenarios import (
-    MultiTurnScenario,
-    PrefixRepetitionScenario,
-    ProbeScenario,
-    Scenario,
-    SharedPrefixScenario,
-    TokenSource,
+    MultiTurnScenario, PrefixRepetitionScenario, ProbeScenario, Scenario, SharedPrefixScenario, TokenSource,
 )
 
 __all__ = ["SCENARIOS", "main"]

@@ -41,12 +41,7 @@ import msgspec
 from tqdm import tqdm
 
 from pdconnect.bench.scenarios import Prompt, Scenario, Step, TokenSource, warmup_step
-from pdconnect.bench.scrape import (
-    MetricsSnapshot,
-    PrefixCacheCounters,
-    engine_client,
-    fetch_metrics,
-)
+from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters, engine_client, fetch_metrics
 
 __all__ = [
     "Deployment",

@@ -34,23 +34,13 @@ from pdconnect.router.config import ConfigError, RouterConfig, engine_origin, pa
 from pdconnect.router.discovery import DnsDiscovery, Resolver, resolve_addresses
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
-    AdminUnauthorized,
-    BadRequest,
-    BodyTimeout,
-    BodyTooLarge,
-    DecodeFailed,
-    DecodeTimeout,
-    EngineRejected,
-    NoEngineAvailable,
-    PrefillFailed,
-    RouterError,
-    UnknownEngine,
-    UnsupportedEncoding,
+    AdminUnauthorized, BadRequest, BodyTimeout, BodyTooLarge, DecodeFailed, DecodeTimeout, EngineRejected,
+    NoEngineAvailable, PrefillFailed, RouterError, UnknownEngine, UnsupportedEncoding,
 )
 from pdconnect.router.flow import Endpoint, PDFlow, PrefillReleaser
 from pdconnect.router.health import CircuitBreaker, HealthMonitor
-from pdconnect.router.kvevents import KVEventsFeed, events_endpoint
 from pdconnect.router.metrics import RouterMetrics
+from pdconnect.router.kvevents import KVEventsFeed, events_endpoint
 from pdconnect.router.policy import LeastLoaded, LoadBound, make_policy
 from pdconnect.router.upstream import UpstreamPool
 

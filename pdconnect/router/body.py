@@ -15,12 +15,7 @@ import zlib
 
 from aiohttp import web
 
-from pdconnect.router.errors import (
-    BadRequest,
-    BodyTimeout,
-    BodyTooLarge,
-    UnsupportedEncoding,
-)
+from pdconnect.router.errors import BadRequest, BodyTimeout, BodyTooLarge, UnsupportedEncoding
 
 __all__ = ["read_body"]
 

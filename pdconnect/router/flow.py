@@ -29,8 +29,8 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,27 +44,12 @@ from pdconnect.router.chat_template import NotRendered, PromptTokenizer
 from pdconnect.router.config import RouterConfig
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
-    BadRequest,
-    DecodeFailed,
-    DecodeTimeout,
-    EngineRejected,
-    NoEngineAvailable,
-    PrefillFailed,
+    BadRequest, DecodeFailed, DecodeTimeout, EngineRejected, NoEngineAvailable, PrefillFailed,
     RouterError,
 )
 from pdconnect.router.metrics import RouterMetrics
-from pdconnect.router.policy import (
-    AffinityTracker,
-    PrefixAffinity,
-    RoutingPolicy,
-    affinity_key,
-)
-from pdconnect.router.upstream import (
-    ConnectFailed,
-    UpstreamError,
-    UpstreamPool,
-    UpstreamResponse,
-)
+from pdconnect.router.upstream import ConnectFailed, UpstreamError, UpstreamPool, UpstreamResponse
+from pdconnect.router.policy import AffinityTracker, PrefixAffinity, RoutingPolicy, affinity_key
 from pdconnect.router.usage import SseRewriter, UsageMerger
 from pdconnect.sidechannel import release_remote
 

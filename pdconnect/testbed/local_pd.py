@@ -12,20 +12,8 @@ from typing import Any, Literal
 
 from pdconnect.bench.loadgen import Deployment, PromptFormat
 from pdconnect.testbed.processes import Cluster, ManagedProcess
-from pdconnect.testbed.recipes import (
-    MODEL_NAME,
-    SPEC,
-    engine_args,
-    pd_kv_transfer,
-    router_server,
-    vllm_server,
-    warm_up,
-)
-from pdconnect.testbed.tinymodel import (
-    FIRST_WORD_ID,
-    TinyModelSpec,
-    ensure_target_and_draft,
-)
+from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, router_server, vllm_server, warm_up
+from pdconnect.testbed.tinymodel import FIRST_WORD_ID, TinyModelSpec, ensure_target_and_draft
 
 __all__ = ["LocalPD", "LocalPDConfig", "Transport", "start_colocated", "start_local_pd"]
 

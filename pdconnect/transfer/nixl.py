@@ -46,14 +46,7 @@ from typing import Any
 from pdconnect.transfer._host import env_defaults, rdma_devices
 from pdconnect.transfer.ranges import Range, range_table
 from pdconnect.transfer.transport import (
-    LOG,
-    FailedTransfer,
-    MemoryRegion,
-    PeerInfo,
-    Transfer,
-    TransferError,
-    TransferState,
-    Transport,
+    LOG, FailedTransfer, MemoryRegion, PeerInfo, Transfer, TransferError, TransferState, Transport,
 )
 
 __all__ = ["NixlTransport", "load_nixl_api", "xfer_tables"]
