@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 from pdconnect.router.engines import Role
-from tests.test_router_flow import CHAT, COMPLETION, HANG, Setup, make, sse_events  # noqa: F401
+from tests.router_support import CHAT, COMPLETION, HANG, Setup, sse_events
 
 pytestmark = pytest.mark.asyncio
 
