@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export VLLM_CACHE_ROOT ?= $(CURDIR)/build/vllm-cache
 export UCX_MODULES ?= ^ib
 
-.PHONY: images gpu-check install compat-install test-compat test test-fast test-transport test-faults test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench clean
+.PHONY: images gpu-check install compat-install test-compat test test-fast test-transport test-faults test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench-coalesce bench-routing clean
 
 install: $(STAMP)
 
@@ -64,8 +64,10 @@ $(ROUTER_REF_STAMP):
 COMPAT_VENV ?= .venv-compat
 UV_VERSION := 0.13.9
 COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell cat pyproject.toml constraints-compat.txt | sha1sum | cut -c1-12)
+# test_router_chat_template: the router renders chats as the deployments' vLLM does.
 COMPAT_TESTS := tests/test_compat.py tests/test_replay_slack.py tests/test_vllm_adapter.py \
-	tests/test_junctions.py tests/test_plan_cli.py tests/test_connector_scheduler.py
+	tests/test_junctions.py tests/test_plan_cli.py tests/test_connector_scheduler.py \
+	tests/test_router_chat_template.py
 COMPAT_PYTEST_ARGS ?=
 
 compat-install: $(COMPAT_STAMP)
@@ -106,36 +108,37 @@ test-faults: install
 test-deploy: install deploy-tools
 	$(PY) -m pytest -q tests/test_deploy.py $(PYTEST_ARGS)
 
+# The experiments live in benchmarks/ (run from this checkout, not installed): python -m benchmarks.X.
 # `make demo TRANSPORT=nixl` moves the KV over NIXL instead of Mooncake.
 TRANSPORT ?= mooncake
 
 demo: install
-	$(PY) -m pdconnect.bench.demo --transport $(TRANSPORT)
+	$(PY) -m benchmarks.demo --transport $(TRANSPORT)
 
 bench-plan: install
 	@mkdir -p results
-	$(PY) -m pdconnect.bench.plan --json results/bench-plan.json
+	$(PY) -m benchmarks.planner --json results/bench-plan.json
 
 bench-transfer: install
 	@mkdir -p results
-	$(PY) -m pdconnect.bench.transfer --json results/bench-transfer.json
+	$(PY) -m benchmarks.transfer_speed --json results/bench-transfer.json
 
 bench-router: install router-ref
 	@mkdir -p results
-	$(PY) -m pdconnect.bench.router --json results/bench-router.json
+	$(PY) -m benchmarks.router_overhead --json results/bench-router.json
 
-# Decode-side coalescing on vs off on fresh local P/D engines, same prompts, against a
-# colocated reference engine; writes results/bench-coalesce/ (TRANSPORT=nixl works too).
+# Decode-side coalescing (siblings wait for a load in flight) on vs off on fresh local P/D
+# engines, same prompts, against a colocated reference engine; writes results/bench-coalesce/
+# (TRANSPORT=nixl works too).
 bench-coalesce: install
-	$(PY) -m pdconnect.bench.coalesce --transport $(TRANSPORT)
+	$(PY) -m benchmarks.sibling_waits --transport $(TRANSPORT)
 
 # 2 prefill + 2 decode engines, four routers in turn (ours kv-aware and prefix-affinity,
 # vllm-router cache_aware and consistent_hash), caches emptied between: decode-local hits,
 # TTFT and per-engine load on prefix-repetition and multi-turn (TRANSPORT=nixl works too).
-.PHONY: bench-routing
 bench-routing: install router-ref
 	@mkdir -p results
-	$(PY) -m pdconnect.bench.routing --transport $(TRANSPORT) --json results/bench-routing.json
+	$(PY) -m benchmarks.routing --transport $(TRANSPORT) --json results/bench-routing.json
 
 # Container images the manifests name, built from deploy/images/ with the repository root
 # as context (deploy/README.md, "Images"). The defaults are the names the overlays use;

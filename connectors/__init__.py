@@ -1,1 +1,14 @@
-"""The vLLM side of pdconnect: the PDConnector, its scheduler and worker halves, the planner."""
+"""The vLLM side of pdconnect: the PDConnector, its scheduler and worker halves, the planner.
+
+- `plugin`: vLLM's entry point; `pd_connector`: the class vLLM loads.
+- `settings`: the connector's settings, parsed from `kv_connector_extra_config`.
+- `scheduler`, `producer`, `consumer`, `leases`: the scheduler half and its prefill and
+  decode state machines; `worker`: the worker half that registers KV and runs pulls.
+- `replay_slack`: the planner (which blocks a request moves); `plan_checks`: decode's
+  checks of a received `TransferPlan`; `plan_cli`: `pdconnect plan`.
+- `geometry`, `compat`, `identity`, `metadata`, `cache_binding`, `vllm_adapter`: the
+  KV geometry, what two engines must agree on, a prompt's digest, what the halves tell
+  each other, and the one module that names vLLM's KV-cache internals.
+- `stats`: the connector's counters; `kvsim`: vLLM's KV managers driven without an
+  engine (tests, benchmarks).
+"""

@@ -40,8 +40,8 @@ from connectors.leases import CLAIM_ATTEMPTS
 from connectors.metadata import PullSpec
 from connectors.plan_checks import PlanRejected, check_plan
 from connectors.replay_slack import plan_request
+from connectors.settings import ConnectorSettings
 from connectors.stats import StatsRecorder
-from pdconnect.config import ConnectorSettings
 from pdconnect.notifier import PeerNotifier
 from pdconnect.protocol import Ack, Claim, Done, Heartbeat, Message, ProtocolError, Release, TransferPlan, decode_plan
 

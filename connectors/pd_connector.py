@@ -2,7 +2,7 @@
 
 Usable by name (`"kv_connector": "PDConnector"`, registered by our vLLM plugin) or by
 module path (`"kv_connector_module_path": "connectors.pd_connector"`). Settings come
-from `kv_connector_extra_config`, parsed once into `pdconnect.config.ConnectorSettings`;
+from `kv_connector_extra_config`, parsed once into `connectors.settings.ConnectorSettings`;
 an unknown key or bad value stops the engine at start-up with the key's name.
 """
 
@@ -24,9 +24,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connectors.metadata import PDConnectorMetadata
 from connectors.scheduler import PDScheduler
+from connectors.settings import ConnectorSettings
 from connectors.stats import PDConnectorStats, PDPromMetrics
 from connectors.worker import PDWorker
-from pdconnect.config import ConnectorSettings
 
 if TYPE_CHECKING:
     import torch

@@ -33,8 +33,8 @@ from connectors.geometry import consecutive_runs
 from connectors.identity import prompt_digest
 from connectors.leases import ClaimAnswer, LeaseTable, new_lease_id
 from connectors.replay_slack import plan_request
+from connectors.settings import ConnectorSettings
 from connectors.stats import StatsRecorder
-from pdconnect.config import ConnectorSettings
 from pdconnect.protocol import Ack, BlockRun, Claim, Done, GroupTransfer, Heartbeat, Message, Refusal, Release, TransferPlan
 
 if TYPE_CHECKING:

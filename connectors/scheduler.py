@@ -16,9 +16,9 @@ from connectors.compat import compat_info
 from connectors.consumer import Consumer
 from connectors.metadata import PDConnectorMetadata, PDHandshakeMetadata
 from connectors.producer import Producer
+from connectors.settings import ConnectorSettings
 from connectors.stats import PDConnectorStats, StatsRecorder
 from connectors.vllm_adapter import BlockPoolOps, CacheRules
-from pdconnect.config import ConnectorSettings
 from pdconnect.protocol import Handshake, HandshakeReply, Message, Refusal, is_remote_decode_request
 from pdconnect.sidechannel import SideChannelServer
 

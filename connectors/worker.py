@@ -5,7 +5,7 @@ tensor by its real shape and strides (`pdconnect.kvlayout`), so the CPU layout (
 packed in one block range) and the CUDA layouts (K and V planes, HND permutations) need
 no special cases. A decode worker handshakes once per prefill engine over the side
 channel (its TP rank talks to the same rank), then pulls each request's block pairs in
-one coalesced batch. Pulls start after the forward pass is launched and are polled each
+one merged batch. Pulls start after the forward pass is launched and are polled each
 step, so the forward pass never waits on the network; the workers report each pull
 exactly once, when it is finished and the transport no longer writes into its blocks.
 
@@ -32,19 +32,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from connectors.compat import compat_info
 from connectors.leases import confirm_claim
 from connectors.metadata import PDConnectorMetadata, PDHandshakeMetadata, PullSpec, decode_layouts, encode_layouts
+from connectors.settings import ConnectorSettings
 from connectors.stats import PDConnectorStats, StatsRecorder
-from pdconnect.config import ConnectorSettings
 from pdconnect.kvlayout import LayoutError, TensorLayout, locate_block_dim, pull_ranges_for_layers
 from pdconnect.protocol import Claim, Handshake, HandshakeReply
 from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError
 from pdconnect.transfer import (
-    MemoryRegion,
-    Transfer,
-    TransferError,
-    TransferState,
-    Transport,
-    coalesce_groups,
-    create_transport,
+    MemoryRegion, Transfer, TransferError, TransferState, Transport, create_transport, merge_range_groups,
 )
 
 if TYPE_CHECKING:
@@ -175,11 +169,11 @@ class PDWorker:
         for group_id, pairs in spec.block_pairs.items():
             try:
                 parts.append(pull_ranges_for_layers(self._layouts[group_id], remote.layouts[group_id], pairs,
-                                                    coalesced=False))
+                                                    merged=False))
             except LayoutError as exc:
                 raise LoadError(f"group {group_id}: {exc}") from None
-        # One coalescing pass over every group's numpy table: no per-range tuples.
-        ranges = coalesce_groups(parts)
+        # One merging pass over every group's numpy table: no per-range tuples.
+        ranges = merge_range_groups(parts)
         posted = time.monotonic()  # after the handshake: the metric times the transfer alone
         transfer = self._transport.pull(remote.peer, ranges, timeout=self.settings.transfer_timeout_seconds)
         return transfer, ranges.total_bytes, posted

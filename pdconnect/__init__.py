@@ -1,1 +1,18 @@
-"""pdconnect: the parts of the P/D service that need no vLLM (protocol, transports, router, tools)."""
+"""pdconnect: the parts of the P/D service that need no vLLM (protocol, transports, router, tools).
+
+The product:
+- `protocol`, `envelope`, `sidechannel`, `notifier`: what engines and the router say to
+  each other, and how it travels (zmq request/reply, signed envelopes, queued notices).
+- `kvlayout`: KV tensors' shapes and strides to byte ranges; `transfer`: moving them.
+- `router`: the P/D router (`pdconnect router`).
+- `errors`: `ConfigError`, the one settings error.
+- `cli`: the `pdconnect` command; its `plan` subcommand is the one place that reaches
+  `connectors` (by name, imported only when chosen).
+
+Around it:
+- `bench`: `pdconnect bench`, the operator's tool that measures a running deployment.
+- `testbed`: the local rig (processes, tiny models, a fake engine) shared by tests,
+  `make demo` and `benchmarks/`; installed for the cpu-smoke images, never deployed.
+
+The vLLM side, the connector itself, is the `connectors` package.
+"""

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pdconnect.transfer.base import RangeTable, coalesce_table
+from pdconnect.transfer.ranges import RangeTable, merge_table
 
 __all__ = [
     "BLOCK_DIM_SENTINEL", "LayoutError", "TensorLayout", "locate_block_dim", "pull_ranges",
@@ -136,25 +136,25 @@ def locate_block_dim(shape: Sequence[int], num_blocks: int) -> int:
 
 
 def pull_ranges(local: TensorLayout, remote: TensorLayout,
-                block_pairs: Iterable[tuple[int, int]], *, coalesced: bool = True) -> RangeTable:
+                block_pairs: Iterable[tuple[int, int]], *, merged: bool = True) -> RangeTable:
     """`(local_addr, remote_addr, length)` copies bringing remote blocks into local ones.
 
     `block_pairs` holds `(local_block, remote_block)`. Raises LayoutError naming what
     differs when the layouts do not hold a block's elements in the same order.
-    `coalesced=False` keeps one range per piece of each block, in block-pair order
-    (what a client without coalescing would send; benchmarks compare the two).
+    `merged=False` keeps one range per piece of each block, in block-pair order
+    (what a client without merging would send; benchmarks compare the two).
     """
-    return RangeTable(_pull_table([local], [remote], block_pairs, coalesced=coalesced,
+    return RangeTable(_pull_table([local], [remote], block_pairs, merged=merged,
                                   name_layer=False))
 
 
 def pull_ranges_for_layers(local: Sequence[TensorLayout], remote: Sequence[TensorLayout],
                            block_pairs: Iterable[tuple[int, int]], *,
-                           coalesced: bool = True) -> RangeTable:
-    """`pull_ranges` over every layer (same block ids in each), coalesced once."""
+                           merged: bool = True) -> RangeTable:
+    """`pull_ranges` over every layer (same block ids in each), merged once."""
     if len(local) != len(remote):
         raise LayoutError(f"layer count differs: local {len(local)} vs remote {len(remote)}")
-    return RangeTable(_pull_table(local, remote, block_pairs, coalesced=coalesced,
+    return RangeTable(_pull_table(local, remote, block_pairs, merged=merged,
                                   name_layer=True))
 
 
@@ -244,11 +244,11 @@ def _check_no_overlap(shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
 
 
 def _pull_table(local: Sequence[TensorLayout], remote: Sequence[TensorLayout],
-                block_pairs: Iterable[tuple[int, int]], *, coalesced: bool,
+                block_pairs: Iterable[tuple[int, int]], *, merged: bool,
                 name_layer: bool) -> Any:
     """The (N, 3) int64 table of `(local_addr, remote_addr, length)` for every layer.
 
-    Row order, uncoalesced: layer, then block pair, then piece within the block.
+    Row order, unmerged: layer, then block pair, then piece within the block.
     Consecutive layers with the same pair of geometries (the usual case: every layer of
     a KV cache group) are computed in one broadcast.
     """
@@ -280,7 +280,7 @@ def _pull_table(local: Sequence[TensorLayout], remote: Sequence[TensorLayout],
     if key is not None:
         parts.append(_broadcast(np, key, run, local_ids, remote_ids))
     table = np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.int64)
-    return coalesce_table(table) if coalesced else table
+    return merge_table(table) if merged else table
 
 
 def _same_geometry(a: tuple[TensorLayout, TensorLayout],

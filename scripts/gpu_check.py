@@ -19,14 +19,14 @@ torch, or not vLLM 0.33):
 2. **engines** — for each transport (NIXL, Mooncake) and attention backend
    (FLASH_ATTN, FLASHINFER): a prefill and a decode engine with `PDConnector` and one
    colocated engine, all on the one GPU, the tiny hybrid Llama with its EAGLE3 draft
-   (`pdconnect.bench.tinymodel`). `x+a` then the sibling `x+b` go prefill-then-decode;
+   (`pdconnect.testbed.tinymodel`). `x+a` then the sibling `x+b` go prefill-then-decode;
    the same two prompts go to the colocated engine. Decode must pull all of `x+a`, hit
    locally on `x+b` exactly what the colocated engine hits there (and more than
    nothing), and generate the colocated engine's tokens.
 
-The engines are started with `pdconnect.bench.cluster` and driven with the request
-helpers of `tests/engine_support.py` (the CPU suite's own), so the GPU run checks what
-the CPU tests check, on CUDA.
+The engines are started and driven with the CPU suite's own rig (`pdconnect.testbed`:
+the tiny-engine recipe, `Cluster`, the request helpers of `engine_calls`), so the GPU
+run checks what the CPU tests check, on CUDA.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
 # Refused (no GPU, wrong stack), as opposed to 1: a check ran and failed.
 EXIT_REFUSED = 2
 TRANSPORTS = ("nixl", "mooncake")
@@ -189,7 +188,7 @@ class EngineRun:
 def _gpu_args(draft: Path, kv_transfer: dict[str, Any] | None, backend: str) -> list[str]:
     """The CPU suite's engine flags, with a GPU dtype (FlashAttention takes no float32),
     the backend asked for, and a share of the one GPU for each of the three engines."""
-    from tests.engine_support import engine_args
+    from pdconnect.testbed.recipes import engine_args
 
     args = engine_args(draft, kv_transfer)
     args[args.index("--dtype") + 1] = "bfloat16"
@@ -199,12 +198,11 @@ def _gpu_args(draft: Path, kv_transfer: dict[str, Any] | None, backend: str) -> 
 def check_engines(transport: str, backend: str) -> EngineRun:
     import httpx
 
-    from pdconnect.bench.cluster import Cluster, PrefixCacheCounters, vllm_server, warm_up
-    from pdconnect.bench.local_pd import SPEC
-    from pdconnect.bench.tinymodel import ensure_target_and_draft
-    from tests.engine_support import (
-        MODEL_NAME, REQUEST_TIMEOUT_S, completed, completion, pd_kv_transfer, prompt_ids, serve_pd, token_ids,
-    )
+    from pdconnect.bench.scrape import PrefixCacheCounters
+    from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S, completed, completion, prompt_ids, serve_pd, token_ids
+    from pdconnect.testbed.processes import Cluster
+    from pdconnect.testbed.recipes import MODEL_NAME, SPEC, pd_kv_transfer, vllm_server, warm_up
+    from pdconnect.testbed.tinymodel import ensure_target_and_draft
 
     target, draft = ensure_target_and_draft(SPEC)
     # Mooncake's TCP lanes reject batches of thousands of small blocks by default (ENV.md).
@@ -277,8 +275,6 @@ def main(argv: list[str] | None = None) -> int:
     except Refused as exc:
         print(f"gpu-check: refused: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    # tests.engine_support is imported from the checkout, not installed.
-    sys.path.insert(0, str(REPO))
     print(f"gpu-check: {torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
           f"vLLM {vllm_version}", flush=True)
     failures: list[str] = []

@@ -36,10 +36,10 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from connectors.geometry import Geometry, GroupGeometry
 from connectors.pd_connector import PDConnector
+from connectors.settings import ConnectorSettings
 from connectors.vllm_adapter import build_kv_cache_config
 from connectors.worker import PDWorker
-from pdconnect.bench.tinymodel import TinyModelSpec, ensure_target_and_draft
-from pdconnect.config import ConnectorSettings
+from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_target_and_draft
 
 # DeepSeek-V4-like: different block sizes per group, which no tiny CPU model gives us.
 GEOMETRY = Geometry((

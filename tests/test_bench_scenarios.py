@@ -22,18 +22,21 @@ from typing import Any
 
 import pytest
 
-from pdconnect.bench import cli, coalesce, demo
-from pdconnect.bench.coalesce import sibling_roles, ttft_by_role
-from pdconnect.bench.cluster import Cluster, ManagedProcess, PrefixCacheCounters, vllm_server, warm_up
-from pdconnect.bench.loadgen import RoleCounters, RunResult, StepResult, render_prompt
-from pdconnect.bench.local_pd import (
-    BLOCK_SIZE, MODEL_NAME, SPEC, LocalPD, LocalPDConfig, engine_args, start_local_pd,
+from benchmarks import demo, sibling_waits
+from benchmarks.sibling_waits import sibling_roles, ttft_by_role
+from pdconnect.bench import cli
+from pdconnect.bench.loadgen import (
+    DEFAULT_FIRST_WORD_ID, Deployment, RoleCounters, RunResult, StepResult, render_prompt,
 )
 from pdconnect.bench.report import compare, format_comparison, format_run, write_json
 from pdconnect.bench.scenarios import (
     MultiTurnScenario, PrefixRepetitionScenario, ProbeScenario, SharedPrefixScenario, TokenSource,
 )
-from pdconnect.bench.tinymodel import ensure_target_and_draft
+from pdconnect.bench.scrape import PrefixCacheCounters
+from pdconnect.testbed.local_pd import LocalPD, LocalPDConfig, start_local_pd
+from pdconnect.testbed.processes import Cluster, ManagedProcess
+from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, vllm_server, warm_up
+from pdconnect.testbed.tinymodel import FIRST_WORD_ID, ensure_target_and_draft
 
 PREFIX = 1024  # 8 blocks of 128
 SUFFIX = 64
@@ -145,19 +148,19 @@ def _coalesce_run(label: str, decode_hits: float, reference_hits: float | None) 
 
 def test_bench_coalesce_meets_its_goal_only_when_decode_hits_90_percent_of_serial_siblings() -> None:
     off = _coalesce_run("coalesce off", 0.0, None)
-    ok, verdict = coalesce._verdict(_coalesce_run("coalesce on", 896.0, 896.0), off)
+    ok, verdict = sibling_waits._verdict(_coalesce_run("coalesce on", 896.0, 896.0), off)
     assert ok and "896 of the serial siblings' 896 tokens (100%" in verdict
-    ok, verdict = coalesce._verdict(_coalesce_run("coalesce on", 768.0, 896.0), off)
+    ok, verdict = sibling_waits._verdict(_coalesce_run("coalesce on", 768.0, 896.0), off)
     assert not ok and "86%" in verdict
     on = _coalesce_run("coalesce on", 896.0, 896.0)
-    hits = coalesce.format_hits(on, off).splitlines()[2]
+    hits = sibling_waits.format_hits(on, off).splitlines()[2]
     assert re.split(r"\s{2,}", hits)[2:] == ["896", "0", "896", "100%", "1280", "2176", "0.59x", "1", "0"]
-    groups = coalesce.format_groups(on, off, SharedPrefixScenario(
+    groups = sibling_waits.format_groups(on, off, SharedPrefixScenario(
         groups=1, prompts_per_group=2, system_prompt_len=1024, question_len=64, concurrency=2))
     # One group of two 1088-token prompts: one prefix + the suffixes is 1152 tokens, serial
     # siblings pull 2176 - 896 = 1280.
     assert re.split(r"\s{2,}", groups.splitlines()[2]) == ["coalesce on", "1280", "1152", "1.11x", "1280", "1.00x"]
-    assert "concurrent" in coalesce.format_roles(on, off)
+    assert "concurrent" in sibling_waits.format_roles(on, off)
 
 
 def test_text_prompts_spell_one_tiny_tokenizer_word_per_token_id() -> None:
@@ -165,6 +168,14 @@ def test_text_prompts_spell_one_tiny_tokenizer_word_per_token_id() -> None:
     assert render_prompt((7, 8), "ids") == [7, 8]
     with pytest.raises(ValueError, match="token ids >= 7"):
         render_prompt((3,), "text")
+    assert render_prompt((12, 13), "text", first_word_id=10) == "w2 w3"
+
+
+def test_the_default_text_rendering_is_the_tiny_models_vocabulary() -> None:
+    """`pdconnect bench` does not import the test rig; its default word offset must still be
+    the one the tiny models' tokenizer is built with (and what local deployments pass)."""
+    assert DEFAULT_FIRST_WORD_ID == FIRST_WORD_ID
+    assert Deployment(router="http://127.0.0.1:1").first_word_id == FIRST_WORD_ID
 
 
 def test_multi_turn_opens_each_conversation_once_and_later_turns_carry_only_new_questions() -> None:

@@ -19,20 +19,11 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from pdconnect.bench.cluster import (
-    Cluster,
-    ManagedProcess,
-    PrefixCacheCounters,
-    engine_client,
-    fetch_metrics,
-    vllm_server,
-    warm_up,
-)
-from pdconnect.bench.tinymodel import DSV4_LIKE_MIMO_V2, TinyModelSpec, ensure_model
-from tests.engine_support import (
-    MODEL_NAME, REQUEST_TIMEOUT_S, SPEC, completed, completion, engine_args, pd_kv_transfer, prompt_ids,
-    serve_pd, token_ids,
-)
+from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_metrics
+from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S, completed, completion, prompt_ids, serve_pd, token_ids
+from pdconnect.testbed.processes import Cluster, ManagedProcess
+from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server, warm_up
+from pdconnect.testbed.tinymodel import DSV4_LIKE_MIMO_V2, TinyModelSpec, ensure_model
 
 pytestmark = pytest.mark.engine
 

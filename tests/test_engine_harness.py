@@ -24,21 +24,11 @@ from typing import Any
 import httpx
 import pytest
 
-from pdconnect.bench.cluster import (
-    Cluster,
-    ManagedProcess,
-    MetricsSnapshot,
-    PrefixCacheCounters,
-    ProcessSpec,
-    StartupError,
-    engine_client,
-    vllm_server,
-    warm_up,
-)
-from pdconnect.bench.tinymodel import ensure_target_and_draft
-from tests.engine_support import (
-    BLOCK_SIZE, MODEL_NAME, SPEC, PDResult, completed, completion, engine_args, prompt_ids, serve_pd, token_ids,
-)
+from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters, engine_client
+from pdconnect.testbed.engine_calls import PDResult, completed, completion, prompt_ids, serve_pd, token_ids
+from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec, StartupError
+from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, vllm_server, warm_up
+from pdconnect.testbed.tinymodel import ensure_target_and_draft
 
 engine = pytest.mark.engine
 

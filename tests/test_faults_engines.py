@@ -40,14 +40,15 @@ import msgspec
 import pytest
 import zmq
 
-from pdconnect.bench.cluster import (
-    Cluster, ManagedProcess, default_build_dir, engine_client, fetch_metrics, router_server, vllm_server, warm_up,
-)
-from pdconnect.bench.tinymodel import ensure_model
+from pdconnect.bench.scrape import engine_client, fetch_metrics
 from pdconnect.envelope import Envelope, encode_message
 from pdconnect.protocol import PROTOCOL_VERSION, Ack, Claim, Heartbeat, Release, decode_plan
 from pdconnect.sidechannel import SideChannelClient, SideChannelError
-from tests.engine_support import MODEL_NAME, SPEC, completion, engine_args, pd_kv_transfer, prompt_ids, token_ids
+from pdconnect.testbed.engine_calls import completion, prompt_ids, token_ids
+from pdconnect.testbed.paths import default_build_dir
+from pdconnect.testbed.processes import Cluster, ManagedProcess
+from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, router_server, vllm_server, warm_up
+from pdconnect.testbed.tinymodel import ensure_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.faults]
 

@@ -30,11 +30,11 @@ from typing import Any
 
 import pytest
 
-# The deploy tests' render helpers and fixtures (kubectl kustomize from .venv-deploy);
-# importing the fixtures makes them this module's fixtures too.
-from tests.test_deploy import (  # noqa: F401
-    DEPLOY, OVERLAYS, REPO, Render, _pod, _tool, render_of, rendered_dir, renders,
-)
+# The deploy checks' render helpers (kubectl kustomize from .venv-deploy); their fixtures
+# (`render_of`, ...) are in conftest.py.
+from tests.deploy_support import DEPLOY, OVERLAYS, REPO, Render, deploy_tool, pod_spec, require_tools_venv
+
+require_tools_venv()
 
 IMAGES = DEPLOY / "images"
 DOCKERFILES = sorted(IMAGES.glob("*.Dockerfile"))
@@ -156,7 +156,7 @@ def extras_of_local_install(target: str) -> set[str] | None:
 
 
 def hadolint(path: Path) -> list[dict[str, Any]]:
-    proc = subprocess.run([_tool("hadolint"), "--no-color", "--format", "json", str(path)],
+    proc = subprocess.run([deploy_tool("hadolint"), "--no-color", "--format", "json", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip(), f"hadolint printed nothing (rc {proc.returncode}): {proc.stderr}"
     findings: list[dict[str, Any]] = json.loads(proc.stdout)
@@ -295,7 +295,7 @@ def _containers(render: Render) -> list[tuple[dict[str, Any], dict[str, Any], bo
     """(workload, container, is_init) for every container of every workload."""
     out = []
     for workload in render.workloads():
-        pod = _pod(workload)
+        pod = pod_spec(workload)
         out += [(workload, c, True) for c in pod.get("initContainers", [])]
         out += [(workload, c, False) for c in pod["containers"]]
     return out
@@ -374,7 +374,7 @@ def test_a_command_the_image_lacks_is_caught() -> None:
 @pytest.mark.parametrize("target", SHIPPED)
 def test_image_user_fits_the_pod_security_context(render_of, target: str) -> None:
     for workload, container, _ in _containers(render_of(target)):
-        pod_context = _pod(workload).get("securityContext", {})
+        pod_context = pod_spec(workload).get("securityContext", {})
         context = {**pod_context, **container.get("securityContext", {})}
         user = final_user(parse_dockerfile(BUILDS[container["image"]]))
         image_uid = user.split(":")[0] if user else "0"

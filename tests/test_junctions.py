@@ -22,7 +22,7 @@ from connectors.kvsim import Engine, PrefillDecodePair, random_tokens
 from connectors.plan_cli import main as plan_main
 from connectors.replay_slack import plan_request
 from connectors.vllm_adapter import CacheRules, Geometry, GroupGeometry
-from tests.test_replay_slack import GEOMETRIES
+from tests.geometries import GEOMETRIES
 
 SWA = 1
 SIBLINGS = 4  # x+a, x+b, x+c, x+d

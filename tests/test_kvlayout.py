@@ -204,7 +204,7 @@ def test_interleaved_layout_against_another_element_order_is_refused() -> None:
         pull_ranges(bhlnc, TensorLayout.of(lbnhc, block_dim=0), [(0, 0)])
 
 
-def test_pull_ranges_coalesce_runs_of_blocks_per_kv_plane_cuda_layout_on_cpu_tensor() -> None:
+def test_pull_ranges_merge_runs_of_blocks_per_kv_plane_cuda_layout_on_cpu_tensor() -> None:
     local, local_layout = _layout(_flash_attn)
     remote, remote_layout = _layout(_flash_attn, num_blocks=NUM_BLOCKS + 4)
     ranges = pull_ranges(local_layout, remote_layout, [(b, b + 2) for b in range(4)])

@@ -8,8 +8,9 @@ import time
 import msgspec
 import pytest
 
-from pdconnect.config import ConfigError, ConnectorSettings, parse_kv_transfer_config
+from connectors.settings import ConnectorSettings, parse_kv_transfer_config
 from pdconnect.envelope import EnvelopeError, ReplayGuard, decode_message, encode_message
+from pdconnect.errors import ConfigError
 from pdconnect.protocol import (
     PROTOCOL_VERSION, Ack, CompatInfo, Done, GroupCompat, Heartbeat, ProtocolError, Release, decode_plan,
 )

@@ -14,6 +14,7 @@ import pytest
 from connectors.replay_slack import plan_request
 from connectors.vllm_adapter import CacheRules, Geometry, GroupGeometry
 from connectors.kvsim import Engine, random_tokens
+from tests.geometries import GEOMETRIES
 
 SWA = 1  # group id of the sliding-window group in every geometry below
 
@@ -25,12 +26,6 @@ def _geometry(fa: int, swa: int, window: int, eagle: bool) -> Geometry:
     ))
 
 
-GEOMETRIES = {
-    "fa256-swa64-w128": (256, 64, 128),   # DeepSeek-V4-like, the design's worked example
-    "fa128-swa32-w64": (128, 32, 64),
-    "window-over-alignment": (128, 32, 320),
-    "equal-blocks-128-w64": (128, 128, 64),  # the CPU engine's geometry
-}
 FIXED_LENGTHS = [5119, 5120, 5131, 5376, 5377]
 SAMPLED_LENGTHS = sorted(random.Random(20261129).sample(range(300, 65_601), 4))
 LENGTHS = FIXED_LENGTHS + SAMPLED_LENGTHS

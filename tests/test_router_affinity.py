@@ -17,13 +17,13 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
-from pdconnect.bench.fake_engine import FakeCluster
 from pdconnect.router import load_config, start_router
 from pdconnect.router.engines import Engine, Role
 from pdconnect.router.health import CircuitBreaker
 from pdconnect.router.policy import (
     AffinityTracker, LeastLoaded, LoadBound, PrefixAffinity, RoundRobin, affinity_key, render_messages,
 )
+from pdconnect.testbed.fake_engine import FakeCluster
 
 ENGINES = 4
 GROUPS = 64

@@ -24,9 +24,9 @@ import pytest
 import pytest_asyncio
 import zmq
 
-from pdconnect.bench.fake_engine import FakeCluster
-from pdconnect.bench.tinymodel import TinyModelSpec, ensure_model
 from pdconnect.router import RunningRouter, load_config, start_router
+from pdconnect.testbed.fake_engine import FakeCluster
+from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 pytestmark = pytest.mark.asyncio

@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import vllm  # noqa: F401  (both suites have vLLM: an ImportError fails, never skips)
 
-from pdconnect.bench.tinymodel import TinyModelSpec, ensure_model
 from pdconnect.router.chat_template import ChatTemplate, NotRendered, PromptTokenizer, special_tokens_of
-
-pytest.importorskip("vllm")
+from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
 
 # Meta-Llama-3-8B-Instruct's template, verbatim.
 LLAMA3 = (

@@ -81,7 +81,7 @@ def free_port() -> int:
 
 
 def test_pdconnect_router_command_serves_and_stops_on_sigterm() -> None:
-    fake = subprocess.Popen([sys.executable, "-m", "pdconnect.bench.fake_engine", "--side-channel"],
+    fake = subprocess.Popen([sys.executable, "-m", "pdconnect.testbed.fake_engine", "--side-channel"],
                             stdout=subprocess.PIPE, text=True)
     router = None
     try:
@@ -137,3 +137,13 @@ def test_every_setting_can_be_given_on_the_command_line() -> None:
     files_only = {"kv_events_endpoints"}
     flags = {action.dest for action in _parser()._actions if action.option_strings}
     assert set(RouterConfig.__struct_fields__) - files_only - flags == set()
+
+
+def test_the_router_and_the_connector_raise_one_config_error() -> None:
+    """One class for every bad setting: a caller catching it need not know who complained."""
+    from connectors.settings import ConnectorSettings
+    from pdconnect.errors import ConfigError as SharedConfigError
+
+    assert ConfigError is SharedConfigError
+    with pytest.raises(ConfigError, match="side_channel_port"):
+        ConnectorSettings(side_channel_port=70000)

@@ -1,5 +1,5 @@
 """The router's edge against hostile or careless clients and engines, on FAKE engines
-(`pdconnect.bench.fake_engine`): body limits (plain, chunked, gzip bombs), slow bodies,
+(`pdconnect.testbed.fake_engine`): body limits (plain, chunked, gzip bombs), slow bodies,
 the admin API's URL and token rules, OpenAI error JSON for everything the router itself
 refuses, well-formed streams whatever the engine left half-written, compressing
 engines, `Authorization` on every engine call, request validation before any engine
@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 from pdconnect.router.engines import Role
-from tests.test_router_flow import CHAT, COMPLETION, HANG, Setup, make, sse_events  # noqa: F401
+from tests.router_support import CHAT, COMPLETION, HANG, Setup, sse_events
 
 pytestmark = pytest.mark.asyncio
 

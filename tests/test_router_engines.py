@@ -22,11 +22,11 @@ from typing import Any
 import httpx
 import pytest
 
-from pdconnect.bench.cluster import (
-    Cluster, ManagedProcess, PrefixCacheCounters, ProcessSpec, engine_client, fetch_metrics, vllm_server, warm_up,
-)
-from pdconnect.bench.tinymodel import ensure_model
-from tests.engine_support import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, pd_kv_transfer, prompt_ids
+from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_metrics
+from pdconnect.testbed.engine_calls import prompt_ids
+from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec
+from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server, warm_up
+from pdconnect.testbed.tinymodel import ensure_model
 
 pytestmark = pytest.mark.engine
 

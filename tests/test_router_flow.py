@@ -1,4 +1,4 @@
-"""The router's request flow against FAKE engines (`pdconnect.bench.fake_engine`): the P/D
+"""The router's request flow against FAKE engines (`pdconnect.testbed.fake_engine`): the P/D
 happy paths, and every fault the issue names — engine down, slow, answering 500, dropping
 the connection before or during the stream, the client leaving — each ending with its
 documented outcome, no request hanging, and aborts reaching the engines.
@@ -12,93 +12,16 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import pytest
-import pytest_asyncio
 
-from pdconnect.bench.fake_engine import FakeCluster, FakeEngine
-from pdconnect.router import RunningRouter, load_config, start_router
+from pdconnect.router import load_config, start_router
 from pdconnect.router.engines import Role
+from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
+from tests.router_support import CHAT, COMPLETION, HANG, eventually, sse_events
 
 pytestmark = pytest.mark.asyncio
-
-HANG = 15.0  # seconds: far beyond any configured timeout; only a hang reaches it
-
-
-@dataclass
-class Setup:
-    fakes: FakeCluster
-    router: RunningRouter
-    http: aiohttp.ClientSession
-
-    @property
-    def p(self) -> list[FakeEngine]:
-        return self.fakes.prefill
-
-    @property
-    def d(self) -> list[FakeEngine]:
-        return self.fakes.decode
-
-    def count(self, name: str, **labels: str) -> float:
-        value = self.router.router.metrics.registry.get_sample_value(name, labels)
-        return value or 0.0
-
-    async def post(self, path: str, body: dict[str, Any], **kw: Any) -> tuple[int, dict[str, str], bytes]:
-        async with asyncio.timeout(HANG):
-            async with self.http.post(self.router.url + path, json=body, **kw) as resp:
-                return resp.status, dict(resp.headers), await resp.read()
-
-
-async def _setup(prefill: int = 1, decode: int = 1, **options: Any) -> Setup:
-    fakes = await FakeCluster.start(prefill, decode)
-    config = load_config({"host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls,
-                          "decode": fakes.decode_urls, "prefill_timeout": 1.0,
-                          "decode_first_byte_timeout": 1.0, "decode_timeout": 1.0,
-                          "stream_idle_timeout": 1.0, "connect_timeout": 0.5, **options})
-    router = await start_router(config)
-    return Setup(fakes, router, aiohttp.ClientSession())
-
-
-@pytest_asyncio.fixture
-async def make() -> AsyncIterator[Callable[..., Awaitable[Setup]]]:
-    made: list[Setup] = []
-
-    async def factory(prefill: int = 1, decode: int = 1, **options: Any) -> Setup:
-        made.append(await _setup(prefill, decode, **options))
-        return made[-1]
-
-    yield factory
-    for s in made:
-        await s.http.close()
-        await s.router.close()
-        await s.fakes.close()
-
-
-async def eventually(condition: Callable[[], bool], what: str) -> None:
-    """Wait for something that happens after the response (abort, release) — or fail."""
-    async with asyncio.timeout(HANG):
-        while not condition():
-            await asyncio.sleep(0.01)
-    assert condition(), what
-
-
-def sse_events(raw: bytes) -> list[Any]:
-    events = []
-    for block in raw.decode().split("\n\n"):
-        if block.startswith("data: "):
-            payload = block[6:]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
-
-
-COMPLETION = {"model": "fake-model", "prompt": "the quick brown fox jumps", "max_tokens": 4}
-CHAT = {"model": "fake-model", "max_tokens": 4,
-        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]}
-
 
 # --- the P/D flow --------------------------------------------------------------------------
 

@@ -146,8 +146,8 @@ async def test_kv_aware_routes_to_the_engine_that_really_caches_the_prompt_and_t
     import aiohttp
     import zmq
 
-    from pdconnect.bench.fake_engine import FakeCluster
     from pdconnect.router import load_config, start_router
+    from pdconnect.testbed.fake_engine import FakeCluster
 
     fakes = await FakeCluster.start(prefill=1, decode=2)
     context = zmq.Context()

@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 import uvloop
 
-from pdconnect.bench.fake_engine import FakeCluster, FakeEngine
 from pdconnect.router import load_config, start_router
 from pdconnect.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
 
 HANG = 15.0
 

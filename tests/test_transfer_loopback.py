@@ -26,11 +26,11 @@ import pytest
 from pdconnect.kvlayout import TensorLayout, pull_ranges
 from pdconnect.transfer import (
     TRANSPORT_KINDS, PeerInfo, RangeTable, Transfer, TransferError, TransferState, Transport,
-    coalesce, create_transport,
+    create_transport, merge_ranges,
 )
 from pdconnect.transfer._host import rdma_devices
-from pdconnect.transfer.base import METADATA_VERSION
 from pdconnect.transfer.loopback import Buffer, LoopbackPeer, digest
+from pdconnect.transfer.transport import METADATA_VERSION
 
 pytestmark = [pytest.mark.transport, pytest.mark.timeout(120)]
 
@@ -158,10 +158,10 @@ def test_pull_refuses_ranges_outside_registered_memory(shared: Decode) -> None:
     # The numpy-backed ranges kvlayout returns are checked just the same, range by range.
     inside = [(local + 64 * i, remote + 64 * i, 32) for i in range(100)]
     with pytest.raises(TransferError, match=f"local range \\[{local + POOL_BYTES - 8:#x}, "):
-        shared.transport.pull(PEER, coalesce([*inside, (local + POOL_BYTES - 8, remote, 16)]),
+        shared.transport.pull(PEER, merge_ranges([*inside, (local + POOL_BYTES - 8, remote, 16)]),
                               timeout=1)
     with pytest.raises(TransferError, match=f"remote range \\[{remote - 16:#x}, "):
-        shared.transport.pull(PEER, coalesce([(local, remote - 16, 16), *inside[1:]]),
+        shared.transport.pull(PEER, merge_ranges([(local, remote - 16, 16), *inside[1:]]),
                               timeout=1)
 
 
@@ -210,7 +210,7 @@ def test_a_gone_peer_fails_the_pull_long_before_its_deadline(own: Decode) -> Non
 
 
 def test_peer_killed_mid_pull_never_hangs_nor_delivers_wrong_bytes(own: Decode) -> None:
-    # Every block, scattered so nothing coalesces: thousands of descriptors in flight.
+    # Every block, scattered so nothing merges: thousands of descriptors in flight.
     pairs = [(i, (37 * i + 5) % POOL_BLOCKS) for i in range(POOL_BLOCKS)]
     ranges = own.ranges(pairs)
     expected = own.peer.digest([(remote, n) for _, remote, n in ranges])

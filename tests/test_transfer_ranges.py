@@ -1,7 +1,7 @@
 """The pull path's range arithmetic, checked against references written independently.
 
 `kvlayout` derives byte ranges from cached geometry with numpy broadcasting, and
-`coalesce` merges them vectorized; both are checked here against plain element-by-element
+`merge_ranges` merges them vectorized; both are checked here against plain element-by-element
 and range-by-range Python written for this test, on several layouts (CPU, flash-attn NHD
 and HND, FlashInfer, MLA, vLLM 0.33's layer-interleaved BHLNC, mixed layers), so a fast
 path that drifts from the meaning of a layout fails loudly. No transport and no torch:
@@ -17,11 +17,9 @@ import random
 import msgspec
 import pytest
 
-from pdconnect.config import ConnectorSettings
+from connectors.settings import ConnectorSettings
 from pdconnect.kvlayout import LayoutError, TensorLayout, pull_ranges, pull_ranges_for_layers
-from pdconnect.transfer import (
-    RangeTable, TransferError, coalesce, coalesce_groups, create_transport,
-)
+from pdconnect.transfer import RangeTable, TransferError, create_transport, merge_range_groups, merge_ranges
 
 BLOCKS, HEADS, TOKENS, HEAD = 6, 2, 4, 3
 
@@ -128,14 +126,14 @@ def _pairs(seed: int, count: int, local_blocks: int, remote_blocks: int) -> list
 
 
 @pytest.mark.parametrize("local_name,remote_name", COMPATIBLE)
-@pytest.mark.parametrize("coalesced", [True, False])
+@pytest.mark.parametrize("merged", [True, False])
 def test_pull_ranges_copy_every_element_to_its_place(local_name: str, remote_name: str,
-                                                     coalesced: bool) -> None:
+                                                     merged: bool) -> None:
     local = LAYOUTS[local_name](1 << 20, BLOCKS)
     remote = LAYOUTS[remote_name](1 << 30, BLOCKS + 3)
     for seed in range(3):
         pairs = _pairs(seed, 4, BLOCKS, BLOCKS + 3)
-        ranges = pull_ranges(local, remote, pairs, coalesced=coalesced)
+        ranges = pull_ranges(local, remote, pairs, merged=merged)
         assert _byte_map(list(ranges)) == _reference_byte_map(local, remote, pairs)
 
 
@@ -148,8 +146,8 @@ def test_several_layers_of_mixed_layouts_match_the_reference_layer_by_layer() ->
     expected: dict[int, int] = {}
     for mine, theirs in zip(local, remote):
         expected.update(_reference_byte_map(mine, theirs, pairs))
-    for coalesced in (True, False):
-        ranges = pull_ranges_for_layers(local, remote, pairs, coalesced=coalesced)
+    for merged in (True, False):
+        ranges = pull_ranges_for_layers(local, remote, pairs, merged=merged)
         assert _byte_map(list(ranges)) == expected
 
 
@@ -158,7 +156,7 @@ def test_interleaved_layers_of_one_buffer_are_pulled_without_touching_each_other
 
     All layers pulled: every element lands where the reference puts it, and since the
     layers of one head are adjacent in memory, a run of consecutive blocks on both sides
-    coalesces into one range. One layer pulled: only its own bytes are written, not the
+    merges into one range. One layer pulled: only its own bytes are written, not the
     other layers' slices between its heads.
     """
     local = [_bhlnc(1 << 20, BLOCKS, layer) for layer in range(LAYERS)]
@@ -168,10 +166,10 @@ def test_interleaved_layers_of_one_buffer_are_pulled_without_touching_each_other
         expected: dict[int, int] = {}
         for mine, theirs in zip(local, remote):
             expected.update(_reference_byte_map(mine, theirs, pairs))
-        for coalesced in (True, False):
-            ranges = list(pull_ranges_for_layers(local, remote, pairs, coalesced=coalesced))
+        for merged in (True, False):
+            ranges = list(pull_ranges_for_layers(local, remote, pairs, merged=merged))
             assert _byte_map(ranges) == expected
-            if not coalesced:
+            if not merged:
                 assert len(ranges) == LAYERS * len(pairs) * HEADS  # one range per head
     contiguous = pull_ranges_for_layers(local, remote, [(1, 4), (2, 5), (3, 6)])
     assert contiguous == [(local[0].base_addr + block_bytes, remote[0].base_addr + 4 * block_bytes,
@@ -183,16 +181,16 @@ def test_interleaved_layers_of_one_buffer_are_pulled_without_touching_each_other
     assert not only_middle.keys() & neighbours.keys()
 
 
-def test_uncoalesced_ranges_come_layer_then_pair_then_piece() -> None:
-    """What a client without coalescing sends: one range per block piece, in order."""
+def test_unmerged_ranges_come_layer_then_pair_then_piece() -> None:
+    """What a client without merging sends: one range per block piece, in order."""
     local = [LAYOUTS["cpu"](1 << 20, BLOCKS), LAYOUTS["cpu"](2 << 20, BLOCKS)]
     remote = [LAYOUTS["cpu"](1 << 30, BLOCKS), LAYOUTS["cpu"](2 << 30, BLOCKS)]
     pairs = [(3, 0), (1, 5), (2, 2)]
     block_bytes = HEADS * TOKENS * 2 * HEAD * 2
     expected = [(mine.base_addr + lb * block_bytes, theirs.base_addr + rb * block_bytes,
                  block_bytes) for mine, theirs in zip(local, remote) for lb, rb in pairs]
-    assert pull_ranges_for_layers(local, remote, pairs, coalesced=False) == expected
-    assert pull_ranges_for_layers(local, remote, [], coalesced=False) == []
+    assert pull_ranges_for_layers(local, remote, pairs, merged=False) == expected
+    assert pull_ranges_for_layers(local, remote, [], merged=False) == []
 
 
 def test_errors_still_name_the_layer_and_the_block() -> None:
@@ -206,7 +204,7 @@ def test_errors_still_name_the_layer_and_the_block() -> None:
         pull_ranges(cpu, cpu, [(0, -1)])
 
 
-def _reference_coalesce(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+def _reference_merge(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     """Merge, one range at a time, what is adjacent on both sides (overlap: ValueError)."""
     out: list[list[int]] = []
     for local, remote, length in sorted(r for r in ranges if r[2] > 0):
@@ -219,7 +217,7 @@ def _reference_coalesce(ranges: list[tuple[int, int, int]]) -> list[tuple[int, i
     return [(a, b, c) for a, b, c in out]
 
 
-def test_coalesce_matches_a_range_by_range_reference() -> None:
+def test_merge_ranges_matches_a_range_by_range_reference() -> None:
     rng = random.Random(5)
     for _ in range(300):
         # Slots of 64 bytes, some adjacent on both sides, some on one side only, some empty.
@@ -230,39 +228,39 @@ def test_coalesce_matches_a_range_by_range_reference() -> None:
             ranges.append((4096 + 64 * slot, (1 << 20) + 64 * remote_slot,
                            rng.choice([64, 64, 64, 0])))
         rng.shuffle(ranges)
-        assert coalesce(ranges) == _reference_coalesce(ranges)
+        assert merge_ranges(ranges) == _reference_merge(ranges)
 
 
-def test_coalesce_groups_equals_coalescing_the_concatenation() -> None:
+def test_merge_range_groups_equals_merging_the_concatenation() -> None:
     """The per-KV-cache-group form the worker can use: same answer, no tuples in between."""
     full = [LAYOUTS["flash_attn"]((i + 1) << 24, BLOCKS) for i in range(2)]
     window = [LAYOUTS["cpu"]((i + 5) << 24, BLOCKS) for i in range(2)]
     groups = [pull_ranges_for_layers(full, full, [(b, b) for b in range(4)]),
               pull_ranges_for_layers(window, window, [(4, 2), (5, 3)])]
-    merged = coalesce_groups(groups)
-    assert merged == _reference_coalesce([r for group in groups for r in group])
+    merged = merge_range_groups(groups)
+    assert merged == _reference_merge([r for group in groups for r in group])
     assert merged.total_bytes == sum(length for *_, length in merged)
-    assert coalesce_groups([]) == []
+    assert merge_range_groups([]) == []
 
 
-def test_coalesce_refuses_ranges_that_are_not_triples() -> None:
+def test_merge_ranges_refuses_ranges_that_are_not_triples() -> None:
     with pytest.raises(ValueError, match="triples; 2 ranges hold 7 numbers"):
-        coalesce([(0x1000, 0x2000, 64), (0x3000, 0x4000, 64, 1)])  # type: ignore[list-item]
+        merge_ranges([(0x1000, 0x2000, 64), (0x3000, 0x4000, 64, 1)])  # type: ignore[list-item]
 
 
-def test_coalesce_refuses_overlapping_destinations() -> None:
+def test_merge_ranges_refuses_overlapping_destinations() -> None:
     with pytest.raises(ValueError, match=r"destination ranges overlap: \[0x1000, \+64\) and "
                                          r"\[0x1020, \+64\)"):
-        coalesce([(0x1020, 0, 64), (0x1000, 0x9000, 64)])
+        merge_ranges([(0x1020, 0, 64), (0x1000, 0x9000, 64)])
 
 
 def test_range_table_reads_like_a_list_and_cannot_change() -> None:
-    ranges = coalesce([(300, 30, 10), (100, 10, 10), (110, 25, 5)])
+    ranges = merge_ranges([(300, 30, 10), (100, 10, 10), (110, 25, 5)])
     assert isinstance(ranges, RangeTable)
     assert ranges == [(100, 10, 10), (110, 25, 5), (300, 30, 10)]
     assert ranges[0] == (100, 10, 10) and ranges[1:] == [(110, 25, 5), (300, 30, 10)]
     assert all(type(x) is int for r in ranges for x in r)
-    assert coalesce(ranges) == ranges  # coalescing twice changes nothing
+    assert merge_ranges(ranges) == ranges  # merging twice changes nothing
     with pytest.raises(ValueError):
         ranges.table[0, 2] = 1 << 20  # what the transport validated is what it posts
     assert pickle.loads(pickle.dumps(list(ranges))) == ranges

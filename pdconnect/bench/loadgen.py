@@ -40,9 +40,8 @@ import httpx
 import msgspec
 from tqdm import tqdm
 
-from pdconnect.bench.cluster import MetricsSnapshot, PrefixCacheCounters, engine_client, fetch_metrics
 from pdconnect.bench.scenarios import Prompt, Scenario, Step, TokenSource, warmup_step
-from pdconnect.bench.tinymodel import FIRST_WORD_ID
+from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters, engine_client, fetch_metrics
 
 __all__ = [
     "Deployment",
@@ -57,6 +56,10 @@ __all__ = [
 ]
 
 PromptFormat = Literal["ids", "text"]
+# Text prompts render id `i` as the word `w{i - first_word_id}`. 7 is where words start in
+# the tiny test models' tokenizer (after 4 special and 3 role tokens); a test checks that
+# `pdconnect.testbed.tinymodel.FIRST_WORD_ID` agrees.
+DEFAULT_FIRST_WORD_ID = 7
 FALLBACK_HEADER = "X-PDConnect-Fallback"
 # Steps with fewer requests finish too quickly for a progress bar to say anything.
 PROGRESS_MIN_REQUESTS = 8
@@ -79,6 +82,8 @@ class Deployment:
     decode_metrics: tuple[str, ...] = ()
     model: str = "tiny"
     prompt_format: PromptFormat = "ids"
+    # Text prompts: the id rendered as the word `w0` (see `render_prompt`).
+    first_word_id: int = DEFAULT_FIRST_WORD_ID
     request_timeout_s: float = 600.0
     # A colocated engine's base URL: requests and counters both go there.
     reference: str | None = None
@@ -96,15 +101,16 @@ class Deployment:
             raise ValueError(f"reference_concurrency must be >= 1, got {self.reference_concurrency}")
 
 
-def render_prompt(prompt: Prompt, prompt_format: PromptFormat) -> list[int] | str:
-    """Token ids as they are, or as words `wN` (one token each in the tiny models' tokenizer;
-    on a real tokenizer a word is a few tokens, and equal word prefixes stay equal token
-    prefixes because words are whitespace-separated)."""
+def render_prompt(prompt: Prompt, prompt_format: PromptFormat,
+                  first_word_id: int = DEFAULT_FIRST_WORD_ID) -> list[int] | str:
+    """Token ids as they are, or as words `w{id - first_word_id}` (one token each in the tiny
+    models' tokenizer; on a real tokenizer a word is a few tokens, and equal word prefixes
+    stay equal token prefixes because words are whitespace-separated)."""
     if prompt_format == "ids":
         return list(prompt)
-    if min(prompt) < FIRST_WORD_ID:
-        raise ValueError(f"text prompts need token ids >= {FIRST_WORD_ID}")
-    return " ".join(f"w{i - FIRST_WORD_ID}" for i in prompt)
+    if min(prompt) < first_word_id:
+        raise ValueError(f"text prompts need token ids >= {first_word_id}")
+    return " ".join(f"w{i - first_word_id}" for i in prompt)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -429,7 +435,7 @@ class LoadGenerator:
         d = self.deployment
         body = {
             "model": d.model,
-            "prompt": render_prompt(prompt, d.prompt_format),
+            "prompt": render_prompt(prompt, d.prompt_format, d.first_word_id),
             "max_tokens": output_len,
             "temperature": 0.0,
             "ignore_eos": True,  # random weights emit EOS now and then; fix the length

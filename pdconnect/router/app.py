@@ -340,7 +340,8 @@ class _HeadDeadlineHandler(RequestHandler):
     pipelined request is being written, and the connection closes.
 
     Relies on `RequestHandler` internals of aiohttp 3.14 (`_request_count`, `_messages`,
-    `_current_request`); tests/test_router_edge.py would catch a change.
+    `_current_request`); tests/test_router_aiohttp_internals.py fails when they move, and
+    pyproject.toml allows only the aiohttp series they were read from.
     """
 
     __slots__ = ("_head_timer", "_body")

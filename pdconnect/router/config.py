@@ -12,18 +12,16 @@ import argparse
 import os
 import tomllib
 from pathlib import Path
-from urllib.parse import urlsplit
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
+
+from pdconnect.errors import ConfigError
 
 __all__ = ["ConfigError", "RouterConfig", "DnsTarget", "parse_args", "load_config", "engine_origin"]
 
 Policy = Literal["kv-aware", "prefix-affinity", "least-loaded", "round-robin"]
-
-
-class ConfigError(ValueError):
-    """A router option is unknown, mistyped or out of range."""
 
 
 class DnsTarget(msgspec.Struct, frozen=True):

@@ -504,7 +504,7 @@ class PDFlow:
                      first: bytes, merger: UsageMerger | None,
                      headers: dict[str, str]) -> tuple[web.StreamResponse, bool | None]:
         """Stream the decode answer to the client. Returns the response and the engine's verdict."""
-        out = _CoalescingStreamResponse(status=resp.status, headers=headers)
+        out = _HeadersWithBodyResponse(status=resp.status, headers=headers)
         # Always framed: whatever the engine leaves half-written is held back, never sent.
         rewriter = SseRewriter(merger)
         idle = self._stream_idle
@@ -627,7 +627,7 @@ class PDFlow:
         return headers
 
 
-class _CoalescingStreamResponse(web.StreamResponse):
+class _HeadersWithBodyResponse(web.StreamResponse):
     """A stream whose status line and headers leave with its first bytes, in one write.
 
     aiohttp's StreamResponse writes the headers on `prepare()`, a write (and a wake-up of

@@ -1,22 +1,29 @@
 """Moving KV bytes between engines: one `Transport` interface, Mooncake and NIXL behind it.
 
-The public surface is here; `base` documents the contract, `mooncake` and `nixl`
-implement it. Neither this package nor its users need torch: memory is raw addresses.
+The public surface is here (and `create_transport`, which picks an implementation):
+
+- `transport`: the contract (`Transport`, `Transfer`, `MemoryRegion`, peer metadata),
+  its invariants enforced in the base classes.
+- `ranges`: the byte-range arithmetic (`Range`, `RangeTable`, `merge_ranges`).
+- `mooncake`, `nixl`: the two implementations; `loopback`: a peer process serving
+  registered memory, for tests and benchmarks; `_host`: host facts (RDMA devices, env).
+
+Neither this package nor its users need torch: memory is raw addresses.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pdconnect.transfer.base import (
-    MemoryRegion, PeerInfo, Range, RangeTable, Transfer, TransferError, TransferState, Transport,
-    coalesce, coalesce_groups, decode_metadata,
+from pdconnect.transfer.ranges import Range, RangeTable, merge_range_groups, merge_ranges
+from pdconnect.transfer.transport import (
+    MemoryRegion, PeerInfo, Transfer, TransferError, TransferState, Transport, decode_metadata,
 )
 
 __all__ = [
     "TRANSPORT_KINDS", "MemoryRegion", "PeerInfo", "Range", "RangeTable", "Transfer", "TransferError",
-    "TransferState", "Transport", "coalesce", "coalesce_groups", "create_transport",
-    "decode_metadata",
+    "TransferState", "Transport", "create_transport", "decode_metadata", "merge_range_groups",
+    "merge_ranges",
 ]
 
 TRANSPORT_KINDS = ("mooncake", "nixl")

@@ -40,10 +40,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdconnect.transfer._host import env_defaults, rdma_devices, scoped_env
-from pdconnect.transfer.base import (
-    LOG, MemoryRegion, PeerInfo, Range, RangeTable, Transfer, TransferError, TransferState,
-    Transport,
-)
+from pdconnect.transfer.ranges import Range, RangeTable
+from pdconnect.transfer.transport import LOG, MemoryRegion, PeerInfo, Transfer, TransferError, TransferState, Transport
 
 __all__ = ["MooncakeTransport", "engine_env"]
 

@@ -44,9 +44,9 @@ from types import ModuleType
 from typing import Any
 
 from pdconnect.transfer._host import env_defaults, rdma_devices
-from pdconnect.transfer.base import (
-    LOG, FailedTransfer, MemoryRegion, PeerInfo, Range, Transfer, TransferError, TransferState,
-    Transport, range_table,
+from pdconnect.transfer.ranges import Range, range_table
+from pdconnect.transfer.transport import (
+    LOG, FailedTransfer, MemoryRegion, PeerInfo, Transfer, TransferError, TransferState, Transport,
 )
 
 __all__ = ["NixlTransport", "load_nixl_api", "xfer_tables"]

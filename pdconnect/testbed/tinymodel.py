@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from pdconnect.bench.cluster import default_build_dir
+from pdconnect.testbed.paths import default_build_dir
 
 if TYPE_CHECKING:
     import torch
@@ -487,7 +487,7 @@ def _stamp_matches(path: Path, spec: TinyModelSpec) -> bool:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     defaults = TinyModelSpec(kind="hybrid-llama")
     parser = argparse.ArgumentParser(
-        prog="python -m pdconnect.bench.tinymodel",
+        prog="python -m pdconnect.testbed.tinymodel",
         description="Generate a tiny local model with seeded random weights (idempotent).",
     )
     parser.add_argument("--kind", choices=MODEL_KINDS, required=True)

@@ -30,15 +30,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pdconnect.bench.cluster import Cluster, StartupError, default_build_dir, warm_up
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, StepResult, percentile, run_scenario
-from pdconnect.bench.local_pd import (
-    BLOCK_SIZE, MODEL_NAME, SPEC, LocalPDConfig, start_colocated, start_local_pd,
-)
 from pdconnect.bench.report import format_run, format_table, write_json
 from pdconnect.bench.scenarios import ProbeScenario, Scenario, SharedPrefixScenario, TokenSource
+from pdconnect.testbed.local_pd import LocalPDConfig, start_colocated, start_local_pd
+from pdconnect.testbed.paths import default_build_dir
+from pdconnect.testbed.processes import Cluster, StartupError
+from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, warm_up
 
-__all__ = ["CoalescePlan", "Role", "main", "sibling_roles"]
+__all__ = ["SiblingWaitSetup", "Role", "main", "sibling_roles"]
 
 Role = str  # "first" | "concurrent" | "later"
 ROLES: tuple[Role, ...] = ("first", "concurrent", "later")
@@ -47,7 +47,7 @@ GOAL_SHARE = 0.90
 
 
 @dataclass(frozen=True)
-class CoalescePlan:
+class SiblingWaitSetup:
     """The workload: CPU scale, concurrency 8, several siblings of each prefix in flight.
 
     A 1024-token prefix is 8 blocks of 128; EAGLE's lookup drops one aligned block, so a
@@ -216,37 +216,37 @@ def _say(message: str) -> None:
     print(f"[bench-coalesce] {message}", flush=True)
 
 
-async def _measure(generator: LoadGenerator, plan: CoalescePlan, serial: bool = False,
+async def _measure(generator: LoadGenerator, setup: SiblingWaitSetup, serial: bool = False,
                    ) -> tuple[list[StepResult], str | None]:
     steps: list[StepResult] = []
-    tokens = TokenSource(seed=plan.seed)  # same seed in every run: the same prompts
+    tokens = TokenSource(seed=setup.seed)  # same seed in every run: the same prompts
     async with generator:
-        for scenario in plan.scenarios:
-            steps += await run_scenario(generator, scenario, tokens, plan.warmups, serial=serial)
+        for scenario in setup.scenarios:
+            steps += await run_scenario(generator, scenario, tokens, setup.warmups, serial=serial)
         transport = await generator.transport() if generator.deployment.decode_metrics else None
     return steps, transport
 
 
 SETTINGS = {"model": "tiny hybrid Llama + EAGLE3", "block_size": BLOCK_SIZE, "sliding_window": SPEC.sliding_window,
-            "max_num_batched_tokens": CoalescePlan.max_num_batched_tokens}
+            "max_num_batched_tokens": SiblingWaitSetup.max_num_batched_tokens}
 
 
-def _reference(cluster: Cluster, plan: CoalescePlan) -> RunResult:
+def _reference(cluster: Cluster, setup: SiblingWaitSetup) -> RunResult:
     """The colocated engine alone, every prompt one at a time: what serial siblings hit."""
     _say("reference: one colocated engine (same model and flags, no connector), prompts one at a time")
     started = time.monotonic()
-    engine = start_colocated(cluster, name="coalesce-colocated", max_num_batched_tokens=plan.max_num_batched_tokens)
+    engine = start_colocated(cluster, name="coalesce-colocated", max_num_batched_tokens=setup.max_num_batched_tokens)
     try:
         cluster.wait_healthy([engine])
         warm_up(engine.base_url, MODEL_NAME)
         _say(f"up in {time.monotonic() - started:.0f}s")
         # Its hits are read as "decode" counters: it is the engine that serves.
         deployment = Deployment(router=engine.base_url, decode_metrics=(engine.base_url,), model=MODEL_NAME)
-        steps, _ = asyncio.run(_measure(LoadGenerator(deployment), plan, serial=True))
+        steps, _ = asyncio.run(_measure(LoadGenerator(deployment), setup, serial=True))
     finally:
         cluster.stop(engine)
     return RunResult(label="colocated, serial", steps=tuple(steps),
-                     settings={**SETTINGS, "seed": plan.seed, "serial": True})
+                     settings={**SETTINGS, "seed": setup.seed, "serial": True})
 
 
 def _with_reference(run: RunResult, reference: RunResult) -> RunResult:
@@ -256,19 +256,19 @@ def _with_reference(run: RunResult, reference: RunResult) -> RunResult:
     return replace(run, steps=steps)
 
 
-def _run(cluster: Cluster, plan: CoalescePlan, coalesce: bool, transport: str) -> RunResult:
+def _run(cluster: Cluster, setup: SiblingWaitSetup, coalesce: bool, transport: str) -> RunResult:
     state = "on" if coalesce else "off"
     config = LocalPDConfig(transport=transport, coalesce=coalesce,  # type: ignore[arg-type]
-                           max_num_batched_tokens=plan.max_num_batched_tokens)
+                           max_num_batched_tokens=setup.max_num_batched_tokens)
     _say(f"coalescing {state.upper()}: starting a fresh prefill and decode engine, then the router")
     started = time.monotonic()
     local = start_local_pd(cluster, config, name=f"coalesce-{state}")
     _say(f"up in {time.monotonic() - started:.0f}s; running shared-prefix and the probe")
     try:
-        steps, used = asyncio.run(_measure(LoadGenerator(local.deployment()), plan))
+        steps, used = asyncio.run(_measure(LoadGenerator(local.deployment()), setup))
     finally:
         cluster.stop(*local.processes)
-    settings = {**SETTINGS, "transport": transport, "coalesce": coalesce, "seed": plan.seed}
+    settings = {**SETTINGS, "transport": transport, "coalesce": coalesce, "seed": setup.seed}
     return RunResult(label=f"coalesce {state}", steps=tuple(steps), settings=settings, transport=used)
 
 
@@ -294,7 +294,7 @@ def _verdict(on: RunResult, off: RunResult) -> tuple[bool, str]:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pdconnect.bench.coalesce",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sibling_waits",
                                      description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--transport", choices=("mooncake", "nixl"), default="mooncake")
     parser.add_argument("--out", type=Path, default=default_build_dir().parent / "results" / "bench-coalesce",
@@ -304,15 +304,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    plan = CoalescePlan()
+    setup = SiblingWaitSetup()
     began = time.monotonic()
     runs: list[RunResult] = []
     try:
         with Cluster(log_dir=args.out / "logs") as cluster:
-            reference = _reference(cluster, plan)
+            reference = _reference(cluster, setup)
             print("\n" + format_run(reference) + "\n", flush=True)
             for coalesce in (True, False):
-                run = _with_reference(_run(cluster, plan, coalesce, args.transport), reference)
+                run = _with_reference(_run(cluster, setup, coalesce, args.transport), reference)
                 print("\n" + format_run(run) + "\n", flush=True)
                 runs.append(run)
     except (KeyboardInterrupt, SystemExit) as exc:
@@ -327,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "decode's external hit tokens;\nwaits = requests the decode engine made wait for a sibling's load\n")
     print(format_hits(on, off) + "\n")
     print("tokens pulled per prefix group (shared-prefix)")
-    print(format_groups(on, off, plan.shared_prefix) + "\n")
+    print(format_groups(on, off, setup.shared_prefix) + "\n")
     print("TTFT per step (client side, prefill leg and KV pull included)")
     print(format_ttft(on, off) + "\n")
     print("TTFT by sibling role: first = the group's first request; concurrent = sent before an earlier "

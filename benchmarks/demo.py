@@ -22,20 +22,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdconnect.bench.cluster import Cluster, StartupError, default_build_dir
 from pdconnect.bench.loadgen import LoadGenerator, RunResult, StepResult, run_scenario
-from pdconnect.bench.local_pd import BLOCK_SIZE, SPEC, LocalPDConfig, start_local_pd
 from pdconnect.bench.report import format_comparison, format_run, write_chart, write_json
 from pdconnect.bench.scenarios import (
     MultiTurnScenario, PrefixRepetitionScenario, ProbeScenario, Scenario, TokenSource,
 )
-from pdconnect.bench.tinymodel import ensure_target_and_draft
+from pdconnect.testbed.local_pd import LocalPDConfig, start_local_pd
+from pdconnect.testbed.paths import default_build_dir
+from pdconnect.testbed.processes import Cluster, StartupError
+from pdconnect.testbed.recipes import BLOCK_SIZE, SPEC
+from pdconnect.testbed.tinymodel import ensure_target_and_draft
 
-__all__ = ["DemoPlan", "main"]
+__all__ = ["DemoSetup", "main"]
 
 
 @dataclass(frozen=True)
-class DemoPlan:
+class DemoSetup:
     """The demo's workload: small enough for 2 cores, long enough prompts for the effect.
 
     A 1024-token prefix is 8 blocks of 128; with EAGLE the lookup drops one aligned
@@ -55,18 +57,18 @@ class DemoPlan:
     warmups: int = 1
 
 
-async def _measure(generator: LoadGenerator, plan: DemoPlan) -> tuple[list[StepResult], str | None]:
+async def _measure(generator: LoadGenerator, setup: DemoSetup) -> tuple[list[StepResult], str | None]:
     steps: list[StepResult] = []
     # One token source per run from the same seed: both runs send identical prompts.
-    tokens = TokenSource(seed=plan.seed)
+    tokens = TokenSource(seed=setup.seed)
     async with generator:
-        for scenario in plan.scenarios:
-            steps += await run_scenario(generator, scenario, tokens, plan.warmups)
+        for scenario in setup.scenarios:
+            steps += await run_scenario(generator, scenario, tokens, setup.warmups)
         transport = await generator.transport()
     return steps, transport
 
 
-def _run(cluster: Cluster, config: LocalPDConfig, plan: DemoPlan, index: int) -> RunResult:
+def _run(cluster: Cluster, config: LocalPDConfig, setup: DemoSetup, index: int) -> RunResult:
     state = "on" if config.replay_slack else "off"
     label = f"slack {state}"
     _say(f"run {index}/2, replay slack {state.upper()}: starting a prefill and a decode engine "
@@ -76,12 +78,12 @@ def _run(cluster: Cluster, config: LocalPDConfig, plan: DemoPlan, index: int) ->
     _say(f"deployment up in {time.monotonic() - started:.0f}s; router {local.router.base_url}; "
          "running the probe, prefix_repetition and multi-turn")
     try:
-        steps, transport = asyncio.run(_measure(LoadGenerator(local.deployment()), plan))
+        steps, transport = asyncio.run(_measure(LoadGenerator(local.deployment()), setup))
     finally:
         cluster.stop(*local.processes)
     settings = {"transport": config.transport, "replay_slack": config.replay_slack,
                 "model": "tiny hybrid Llama + EAGLE3", "block_size": BLOCK_SIZE,
-                "sliding_window": SPEC.sliding_window, "seed": plan.seed}
+                "sliding_window": SPEC.sliding_window, "seed": setup.seed}
     return RunResult(label=label, steps=tuple(steps), settings=settings, transport=transport)
 
 
@@ -102,7 +104,7 @@ def _say(message: str) -> None:
 
 # Probe rows that must hit on decode with slack on (issue 9): the overlapping siblings
 # (coalescing: the second waits for the first's load, then hits locally) and the third
-# long-suffix sibling (the junction runs the plan now carries). Matched by name prefix.
+# long-suffix sibling (the junction runs the transfer plan now carries). Matched by name prefix.
 MUST_HIT_STEPS = ("overlapping ", "long suffix z+c")
 
 
@@ -131,7 +133,7 @@ def _verdict(on: RunResult, off: RunResult) -> tuple[bool, str]:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pdconnect.bench.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--transport", choices=("mooncake", "nixl"), default="mooncake")
     parser.add_argument("--out", type=Path, default=default_build_dir().parent / "results" / "demo",
                         help="where demo.json, demo.png and the process logs go (default: results/demo)")
@@ -140,7 +142,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    plan = DemoPlan()
+    setup = DemoSetup()
     began = time.monotonic()
     _say("tiny hybrid Llama (4 layers: sliding window 64 + full attention) with an EAGLE3 draft, "
          f"{BLOCK_SIZE}-token blocks; generating it if needed")
@@ -150,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with Cluster(log_dir=args.out / "logs") as cluster:
             for index, slack in enumerate((True, False), start=1):
-                run = _run(cluster, LocalPDConfig(transport=args.transport, replay_slack=slack), plan, index)
+                run = _run(cluster, LocalPDConfig(transport=args.transport, replay_slack=slack), setup, index)
                 print(("\n" + LEGEND + "\n" if index == 1 else "") + "\n" + format_run(run) + "\n", flush=True)
                 runs.append(run)
     except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C, or SIGTERM (the Cluster raises SystemExit)

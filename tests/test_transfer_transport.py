@@ -1,32 +1,30 @@
-"""Range coalescing and peer metadata decoding: the transport-independent rules."""
+"""Range merging and peer metadata decoding: the transport-independent rules."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from pdconnect.transfer import (
-    MemoryRegion, PeerInfo, TransferError, coalesce, create_transport, decode_metadata,
-)
-from pdconnect.transfer.base import METADATA_VERSION
+from pdconnect.transfer import MemoryRegion, PeerInfo, TransferError, create_transport, decode_metadata, merge_ranges
+from pdconnect.transfer.transport import METADATA_VERSION
 
 
 def test_ranges_adjacent_on_both_sides_merge_into_one_descriptor() -> None:
     ranges = [(0x2000, 0x9000, 0x1000), (0x1000, 0x8000, 0x1000), (0x3000, 0xA000, 0x800)]
-    assert coalesce(ranges) == [(0x1000, 0x8000, 0x2800)]
+    assert merge_ranges(ranges) == [(0x1000, 0x8000, 0x2800)]
 
 
 def test_ranges_adjacent_on_one_side_only_stay_apart() -> None:
     local_only = [(0x1000, 0x8000, 0x1000), (0x2000, 0x9800, 0x1000)]
     remote_only = [(0x1000, 0x8000, 0x1000), (0x2800, 0x9000, 0x1000)]
-    assert coalesce(local_only) == local_only
-    assert coalesce(remote_only) == remote_only
+    assert merge_ranges(local_only) == local_only
+    assert merge_ranges(remote_only) == remote_only
 
 
 def test_empty_ranges_vanish_and_overlapping_destinations_are_refused() -> None:
-    assert coalesce([(0x1000, 0x8000, 0)]) == []
+    assert merge_ranges([(0x1000, 0x8000, 0)]) == []
     with pytest.raises(ValueError, match="destination ranges overlap"):
-        coalesce([(0x1000, 0x8000, 0x1000), (0x1800, 0x20000, 0x1000)])
+        merge_ranges([(0x1000, 0x8000, 0x1000), (0x1800, 0x20000, 0x1000)])
 
 
 def test_metadata_decoding_names_what_is_wrong() -> None:

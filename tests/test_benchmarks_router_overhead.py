@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pdconnect.bench.router import round_orders
+from benchmarks.router_overhead import round_orders
 
 
 def test_latency_rounds_let_every_target_follow_every_other_equally_often() -> None:

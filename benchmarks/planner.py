@@ -25,7 +25,7 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdconnect.bench.plan", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.planner", description=__doc__)
     parser.add_argument("--prompt-tokens", type=int, default=65_536)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")

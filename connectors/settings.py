@@ -2,7 +2,8 @@
 
 vLLM hands the connector an untyped dict; everything downstream reads this object
 instead, so a typo in a deployment fails at engine start with the key's name rather
-than silently falling back to a default.
+than silently falling back to a default. Imports no vLLM: the deploy checks parse the
+manifests' `--kv-transfer-config` with it. `ConfigError` is `pdconnect.errors`'.
 """
 
 from __future__ import annotations
@@ -13,13 +14,10 @@ from typing import Literal
 import msgspec
 
 from pdconnect.envelope import DEFAULT_MAX_AGE_SECONDS
+from pdconnect.errors import ConfigError
 from pdconnect.sidechannel import DEFAULT_MAX_MESSAGE_BYTES, is_loopback_host
 
 __all__ = ["ConfigError", "ConnectorSettings", "parse_kv_transfer_config"]
-
-
-class ConfigError(ValueError):
-    """A connector setting is unknown, mistyped or out of range."""
 
 
 class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

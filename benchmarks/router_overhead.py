@@ -1,6 +1,6 @@
 """`make bench-router`: what the router adds to a request, and how many it can pass, next to vllm-router.
 
-One run, one set of FAKE engines (`pdconnect.bench.fake_engine`: a prefill that answers
+One run, one set of FAKE engines (`pdconnect.testbed.fake_engine`: a prefill that answers
 at once, a decode that streams `--chunks` events at once), three ways to reach them:
 
 - direct: the client itself calls prefill, then decode with the returned params — the
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import sys
@@ -43,12 +44,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import itertools
-
 import aiohttp
 import msgspec
 
-from pdconnect.bench.cluster import Cluster, ProcessSpec
+from pdconnect.testbed.processes import Cluster, ProcessSpec
 
 __all__ = ["main"]
 
@@ -317,7 +316,7 @@ def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
     with Cluster(progress=sys.stderr) as cluster:
         def fake(name: str) -> ProcessSpec:
             port = cluster.free_port()
-            return ProcessSpec(name=name, argv=_python("-m", "pdconnect.bench.fake_engine", "--port", str(port),
+            return ProcessSpec(name=name, argv=_python("-m", "pdconnect.testbed.fake_engine", "--port", str(port),
                                                        "--name", name, "--chunks", str(args.chunks)),
                                health_url=f"http://127.0.0.1:{port}/health", base_url=f"http://127.0.0.1:{port}")
         prefill, decode = cluster.launch(fake("fake-prefill"), fake("fake-decode"))
@@ -353,7 +352,7 @@ def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdconnect.bench.router", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.router_overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=16, help="events each decode answer streams")
     parser.add_argument("--requests", type=int, default=2000,
                         help="sequential requests per target (latency; p99 is the 20th slowest of 2000)")

