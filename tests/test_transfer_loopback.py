@@ -2,20 +2,25 @@
 
 The "prefill" side is a spawned child (`pdconnect.transfer.loopback`) serving a pool
 of random bytes; this test process is the "decode" side and pulls from it. Failure
-tests kill or freeze the child and prove the pull ends, FAILED, by its deadline.
+tests kill or freeze the child and prove the pull ends, FAILED, by its deadline. The
+last tests check that a pull shares the host: waiting on a frozen peer costs no core, and
+a reader stopped mid-transfer stalls no other reader of the same peer.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -366,3 +371,96 @@ def test_mooncake_read_on_a_stalled_session_is_made_again_until_the_deadline(fro
             reader.join(30)
             if reader.is_alive():
                 reader.kill()
+
+
+# --- sharing the host: waiting costs no core, one stalled reader stalls no other ---
+
+def _process_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def test_a_mooncake_pull_waiting_on_a_frozen_peer_leaves_the_cores_to_others() -> None:
+    """The peer is frozen for 3 s while a pull waits on it: this process spends a small
+    part of that time on the CPU (polls), not a core's worth. Mooncake's blocking batch
+    read spent ~100% of a core here (its status loop never sleeps). (NIXL needs no such
+    test: over loopback UCX reads a stopped peer's memory directly, so nothing waits.)"""
+    kind = "mooncake"
+    with LoopbackPeer(kind, POOL_BYTES, protocol="tcp") as peer:
+        transport = create_transport(kind, host="127.0.0.1")
+        buffer = Buffer(POOL_BYTES)
+        try:
+            transport.register([buffer.region])
+            transport.connect(PEER, peer.ready.metadata)
+            layouts = (kv_layout(buffer.addr, POOL_BYTES // BLOCK_BYTES),
+                       kv_layout(peer.ready.pool_addr, peer.ready.pool_size // BLOCK_BYTES))
+            warm = pull_ranges(*layouts, [(0, 0)])
+            assert transport.pull(PEER, warm, timeout=20).wait(30) is TransferState.DONE
+            pid = peer.process.pid
+            assert pid is not None
+            ranges = pull_ranges(*layouts, [(i, i) for i in range(1, 65)])
+            _freeze(pid)
+            try:
+                wall, cpu = time.monotonic(), _process_cpu_seconds()
+                transfer = transport.pull(PEER, ranges, timeout=60)
+                state = transfer.wait(3.0)
+                wall, cpu = time.monotonic() - wall, _process_cpu_seconds() - cpu
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert state is TransferState.PENDING  # still waiting on the frozen peer
+            assert cpu < 0.25 * wall, f"waiting {wall:.1f} s on a frozen peer took {cpu:.2f} s of CPU"
+            assert transfer.wait(60) is TransferState.DONE  # the thawed peer serves it
+            assert digest(buffer, [(local, n) for local, _, n in ranges]) == peer.digest(
+                [(remote, n) for _, remote, n in ranges])
+        finally:
+            transport.close()
+
+
+def _stopped_reader(kind: str, metadata: bytes, pool_addr: int, pool_size: int, pipe: Connection) -> None:
+    """A second decode: connects, says so, then pulls the whole pool over and over."""
+    transport = create_transport(kind, host="127.0.0.1")
+    buffer = Buffer(pool_size)
+    transport.register([buffer.region])
+    transport.connect(PEER, metadata)
+    everything = [(buffer.addr, pool_addr, pool_size)]
+    pipe.send("connected")
+    while True:
+        transport.pull(PEER, everything, timeout=600).wait(600)
+
+
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+def test_a_reader_that_stops_mid_transfer_stalls_no_other_reader(kind: str) -> None:
+    """A second decode process is stopped (SIGSTOP) while it pulls the whole pool, so its
+    reads stop half-way and its sockets fill; this process's pulls from the same prefill
+    side are still served, with the right bytes, each long before its deadline."""
+    context = multiprocessing.get_context("spawn")
+    with LoopbackPeer(kind, POOL_BYTES, protocol="tcp") as peer:
+        parent, child = context.Pipe()
+        reader = context.Process(target=_stopped_reader, daemon=True,
+                                 args=(kind, peer.ready.metadata, peer.ready.pool_addr, peer.ready.pool_size, child))
+        reader.start()
+        transport = create_transport(kind, host="127.0.0.1")
+        buffer = Buffer(POOL_BYTES)
+        try:
+            assert parent.poll(60) and parent.recv() == "connected"
+            time.sleep(0.5)  # well inside its endless reads
+            assert reader.pid is not None
+            _freeze(reader.pid)
+            transport.register([buffer.region])
+            transport.connect(PEER, peer.ready.metadata)
+            layouts = (kv_layout(buffer.addr, POOL_BYTES // BLOCK_BYTES),
+                       kv_layout(peer.ready.pool_addr, peer.ready.pool_size // BLOCK_BYTES))
+            for round_ in range(3):
+                ranges = pull_ranges(*layouts, [(i, i) for i in range(round_ * 8, round_ * 8 + 8)])
+                started = time.monotonic()
+                transfer = transport.pull(PEER, ranges, timeout=30)
+                assert transfer.wait(40) is TransferState.DONE, transfer.error
+                assert time.monotonic() - started < 15, "a stopped reader held up another reader's pull"
+                assert digest(buffer, [(local, n) for local, _, n in ranges]) == peer.digest(
+                    [(remote, n) for _, remote, n in ranges])
+        finally:
+            if reader.pid is not None:
+                os.kill(reader.pid, signal.SIGCONT)
+            reader.kill()
+            reader.join(10)
+            transport.close()
