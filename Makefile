@@ -13,7 +13,7 @@ export UCX_MODULES ?= ^ib
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints-cpu.txt
-	@# Mooncake's wheel links libibverbs; its recommended providers break NIXL (ENV.md).
+	@# Mooncake's wheel links libibverbs; its recommended providers (ibverbs-providers) make NIXL segfault at exit.
 	@dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1; }
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip==25.3

@@ -102,7 +102,7 @@ def _say(message: str) -> None:
     print(f"[demo] {message}", flush=True)
 
 
-# Probe rows that must hit on decode with slack on (issue 9): the overlapping siblings
+# Probe rows that must hit on decode with slack on: the overlapping siblings
 # (coalescing: the second waits for the first's load, then hits locally) and the third
 # long-suffix sibling (the junction runs the transfer plan now carries). Matched by name prefix.
 MUST_HIT_STEPS = ("overlapping ", "long suffix z+c")

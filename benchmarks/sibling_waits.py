@@ -5,7 +5,7 @@ identical but for the decode connector's `"coalesce"` setting, receive the same 
 (same seed): sglang's `generated-shared-prefix` with several siblings of each prefix in
 flight at once, then the probe (its overlapping siblings and long-suffix siblings).
 
-What coalescing is held to (issue 9): decode-local hit >= 90 % of what serial siblings
+What coalescing is held to: decode-local hit >= 90 % of what serial siblings
 would hit, and tokens pulled per prefix group about one prefix plus the suffixes. "What
 serial siblings would hit" is measured, not planned: first, a colocated engine (same model and
 flags, no connector) alone is sent the same prompts one at a time, and its own

@@ -205,7 +205,7 @@ def check_engines(transport: str, backend: str) -> EngineRun:
     from pdconnect.testbed.tinymodel import ensure_target_and_draft
 
     target, draft = ensure_target_and_draft(SPEC)
-    # Mooncake's TCP lanes reject batches of thousands of small blocks by default (ENV.md).
+    # Mooncake's TCP lanes reject batches of thousands of small blocks by default; raised as the connector raises them.
     env = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}
     failures: list[str] = []
     with Cluster() as cluster, httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:

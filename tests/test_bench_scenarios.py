@@ -397,6 +397,6 @@ def test_multi_turn_conversations_grow_and_decode_hits_what_a_colocated_engine_h
     # engine finds in its cache (whole blocks of the previous prompt and answer).
     assert hits[0] == (0, 0), hits
     assert all(reference > 0 and reference % BLOCK_SIZE == 0 for _, reference in hits[1:]), hits
-    # What the scenario is for (issue 9): decode serves from its own cache what the
+    # What the scenario is for: decode serves from its own cache what the
     # colocated engine does, turn after turn (measured: 0/0, 512/512, 1024/1024).
     assert all(decode == reference for decode, reference in hits), hits

@@ -62,7 +62,7 @@ def on_setups(*names: str) -> pytest.MarkDecorator:
     return pytest.mark.parametrize("pair", chosen, indirect=True, ids=lambda setup: setup.name)
 
 
-# Real traffic shapes (issue: long suffixes, concurrent siblings, multi-turn) run on the
+# Real traffic shapes (long suffixes, concurrent siblings, multi-turn) run on the
 # block-128 Llama setups: both transports, EAGLE on and off.
 on_traffic_setups = on_setups("llama-mooncake", "llama-nixl", "llama-mooncake-no-eagle")
 

@@ -7,7 +7,7 @@ nothing it started survives it, a failed start shows why, counters sum over labe
 The engine tests share three servers that boot in parallel once per module: a colocated
 reference engine and a P/D pair joined by vLLM's in-tree NixlConnector (host buffers on
 CPU), the stand-in for our connector. Every engine runs with HMA (sliding + full + draft
-KV groups), EAGLE3, float32 and 128-token blocks, so the numbers are the ones DESIGN.md
+KV groups), EAGLE3, float32 and 128-token blocks, so the numbers are the ones docs/replay-slack.md
 reasons about.
 """
 

