@@ -241,17 +241,22 @@ def write_chart(path: Path, runs: Sequence[RunResult], title: str) -> bool:
     panels = (("decode-local hit tokens", "decode_local_hits", 1.0),
               ("decode external hit tokens", "decode_external_hits", 1.0),
               ("TTFT mean (ms)", "ttft_mean_s", 1000.0))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
-    width = 0.8 / max(len(runs), 1)
+    # Horizontal bars: scenario names ("multi-turn turn 2", "prefix-repetition") are long,
+    # and as x-axis labels under grouped bars they ran into each other. One label column,
+    # shared by the panels, reads at any number of scenarios.
+    height = 0.8 / max(len(runs), 1)
+    fig, axes = plt.subplots(1, len(panels), sharey=True,
+                             figsize=(4.2 * len(panels), 1.2 + 0.5 * len(scenarios) * max(len(runs), 1) ** 0.5))
     for ax, (label, attr, scale) in zip(axes, panels, strict=True):
         for i, (run, total) in enumerate(zip(runs, totals, strict=True)):
             values = [getattr(total[s], attr) * scale if s in total else 0.0 for s in scenarios]
-            positions = [x + (i - (len(runs) - 1) / 2) * width for x in range(len(scenarios))]
-            bars = ax.bar(positions, [0.0 if math.isnan(v) else v for v in values], width, label=run.label)
-            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+            positions = [y + (i - (len(runs) - 1) / 2) * height for y in range(len(scenarios))]
+            bars = ax.barh(positions, [0.0 if math.isnan(v) else v for v in values], height, label=run.label)
+            ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
         ax.set_title(label, fontsize=10)
-        ax.set_xticks(range(len(scenarios)), scenarios, fontsize=8)
-        ax.margins(y=0.15)
+        ax.set_yticks(range(len(scenarios)), scenarios, fontsize=8)
+        ax.margins(x=0.2)
+    axes[0].invert_yaxis()  # first scenario on top, as in the tables
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
