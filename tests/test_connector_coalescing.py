@@ -99,7 +99,12 @@ def test_concurrent_siblings_pull_the_prefix_once_and_hit_like_serial_siblings(p
     print(f"[coalescing] reference hits {reference}; decode hits "
           f"{[d.local_cached_tokens for d in (leader, *followers)]}; pulled {pulled} tokens "
           f"(one prefix + suffixes = {X_LEN + SIBLINGS * SUFFIX})")
-    assert decode.counter("coalesced_waits") >= SIBLINGS - 1
+    # A follower admitted while the first load runs waits for it; one admitted after that
+    # load was published hits the published blocks at once. Both hit what a serial sibling
+    # hits and pull only their suffix (asserted above); how many waited depends on how
+    # fast the pull was (all three with Mooncake's old blocking read, two once it stopped
+    # spinning a core). At least one overlapped the load, or coalescing was not exercised.
+    assert decode.counter("coalesced_waits") >= 1
 
 
 def test_without_coalescing_concurrent_siblings_pull_the_prefix_again(prefill, decode_uncoalesced, colocated, clean):
