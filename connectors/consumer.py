@@ -173,7 +173,7 @@ class Consumer(CacheBound):
 
     def wants(self, request: Request) -> bool:
         params = request.kv_transfer_params
-        return bool(params) and params.get("do_remote_prefill") is True  # type: ignore[union-attr]
+        return params is not None and params.get("do_remote_prefill") is True
 
     def arrive(self, request: Request) -> None:
         """First sight of a P/D request: check its plan, claim the lease, keep it alive."""
@@ -254,9 +254,7 @@ class Consumer(CacheBound):
             return False
         if incoming.waiting_on is not None:
             leader = self._loads.get(incoming.waiting_on)
-            still_loading = leader is not None and not leader.aborted and (
-                leader.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
-            if not still_loading:
+            if leader is None or leader.aborted or leader.request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 incoming.waiting_on = None
                 return False
             if time.monotonic() - incoming.wait_started >= self.settings.coalesce_wait_seconds:

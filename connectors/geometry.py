@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["GroupKind", "UnsupportedLayout", "GroupGeometry", "Geometry", "consecutive_runs"]
+__all__ = ["Geometry", "GroupGeometry", "GroupKind", "UnsupportedLayout", "consecutive_runs"]
 
 GroupKind = Literal["full_attention", "sliding_window"]
 

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pdconnect.kvlayout import TensorLayout
 
-__all__ = ["PullSpec", "PDConnectorMetadata", "PDHandshakeMetadata", "encode_layouts", "decode_layouts"]
+__all__ = ["PDConnectorMetadata", "PDHandshakeMetadata", "PullSpec", "decode_layouts", "encode_layouts"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,8 @@ class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 
 _layouts_encoder = msgspec.msgpack.Encoder()
-_layouts_decoder = msgspec.msgpack.Decoder(dict[int, list[TensorLayout]])
+_layouts_decoder: msgspec.msgpack.Decoder[dict[int, list[TensorLayout]]] = msgspec.msgpack.Decoder(
+    dict[int, list[TensorLayout]])
 
 
 def encode_layouts(layouts: dict[int, list[TensorLayout]]) -> bytes:

@@ -146,7 +146,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         return half.take_stats()
 
     def shutdown(self) -> None:
-        (self._scheduler or self._worker).shutdown()  # type: ignore[union-attr]
+        half = self._scheduler or self._worker
+        assert half is not None
+        half.shutdown()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PDConnectorStats:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from connectors.geometry import Geometry, GroupGeometry, UnsupportedLayout, consecutive_runs
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, as for any bad input below
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, as for any bad input below
         self.exit(2, f"pdconnect plan: error: {message}\n")
 
 
@@ -93,14 +93,15 @@ def _table(report: dict[str, Any]) -> str:
         f"replay boundaries {report['replay_boundaries']}" + (f", junction {junction}" if junction else ""),
         f"{'group':<16}{'block':>6}  {'tail (core keeps)':<20}{'slack':<22}{'transfer':<26}publish on decode",
     ]
-    for g in report["groups"]:
-        lines.append(
-            f"{g['kind']:<16}{g['block_size']:>6}  {_ranges(g['tail_blocks']):<20}{_ranges(g['slack_blocks']):<22}"
-            f"{_ranges(g['transfer_blocks']):<26}{_ranges(g['publish_blocks'])}"
-        )
+    lines.extend(
+        f"{g['kind']:<16}{g['block_size']:>6}  {_ranges(g['tail_blocks']):<20}{_ranges(g['slack_blocks']):<22}"
+        f"{_ranges(g['transfer_blocks']):<26}{_ranges(g['publish_blocks'])}"
+        for g in report["groups"]
+    )
     lines.append(
         f"decode-local hit of a sibling: {report['expected_sibling_hit_tokens']} tokens "
-        f"(resend {report['expected_resend_hit_tokens']}; stock tail-only transfer: {report['stock_sibling_hit_tokens']})"
+        f"(resend {report['expected_resend_hit_tokens']}; "
+        f"stock tail-only transfer: {report['stock_sibling_hit_tokens']})"
     )
     if junction:
         lines.append(

@@ -7,6 +7,8 @@ of ours is imported until an engine is configured with `kv_connector: PDConnecto
 
 from __future__ import annotations
 
+import contextlib
+
 CONNECTOR_NAME = "PDConnector"
 CONNECTOR_MODULE = "connectors.pd_connector"
 
@@ -14,7 +16,5 @@ CONNECTOR_MODULE = "connectors.pd_connector"
 def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    try:
+    with contextlib.suppress(ValueError):  # already registered by an earlier load of the plugins in this process
         KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
-    except ValueError:
-        pass  # already registered by an earlier load of the plugins in this process

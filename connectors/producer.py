@@ -35,7 +35,18 @@ from connectors.leases import ClaimAnswer, LeaseTable, new_lease_id
 from connectors.replay_slack import plan_request
 from connectors.settings import ConnectorSettings
 from connectors.stats import StatsRecorder
-from pdconnect.protocol import Ack, BlockRun, Claim, Done, GroupTransfer, Heartbeat, Message, Refusal, Release, TransferPlan
+from pdconnect.protocol import (
+    Ack,
+    BlockRun,
+    Claim,
+    Done,
+    GroupTransfer,
+    Heartbeat,
+    Message,
+    Refusal,
+    Release,
+    TransferPlan,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock

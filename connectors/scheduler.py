@@ -149,7 +149,8 @@ class PDScheduler:
         if self.consumer is not None:
             self.consumer.update_connector_output(output)
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request,
+                         block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         if self.consumer is not None:
             self.consumer.request_finished(request)
         if self.producer is not None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
+from prometheus_client import Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -19,6 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
+
+_Metric = TypeVar("_Metric", Gauge, Counter, Histogram)
 
 __all__ = ["COUNTERS", "GAUGES", "PDConnectorStats", "PDPromMetrics", "StatsRecorder"]
 
@@ -154,6 +157,11 @@ class StatsRecorder:
         return None if stats.is_empty() else stats
 
 
+def _per_engine(metric: _Metric, per_engine_labelvalues: dict[int, list[object]]) -> dict[int, _Metric]:
+    """vLLM's `create_metric_per_engine`, typed: the children of a histogram are histograms."""
+    return cast("dict[int, _Metric]", create_metric_per_engine(metric, per_engine_labelvalues))
+
+
 class PDPromMetrics(KVConnectorPromMetrics):
     """Prometheus series for `PDConnectorStats`, one child per engine."""
 
@@ -165,15 +173,20 @@ class PDPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # vLLM types each of its classes as any of the three kinds (a dict type cannot say that
+        # metric_types maps each kind to a class of that kind, its own or Ray's wrapper).
+        counter_cls = cast("type[Counter]", self._counter_cls)
+        gauge_cls = cast("type[Gauge]", self._gauge_cls)
+        histogram_cls = cast("type[Histogram]", self._histogram_cls)
         self._counters = {
-            name: create_metric_per_engine(
-                self._counter_cls(name=f"pdconnect:{name}", documentation=doc, labelnames=labelnames),
+            name: _per_engine(
+                counter_cls(name=f"pdconnect:{name}", documentation=doc, labelnames=labelnames),
                 per_engine_labelvalues,
             )
             for name, doc in COUNTERS.items()
         }
-        self._seconds = create_metric_per_engine(
-            self._histogram_cls(
+        self._seconds = _per_engine(
+            histogram_cls(
                 name="pdconnect:transfer_seconds",
                 documentation="Duration of one request's KV load (handshake excluded)",
                 # Fine below 100 ms, where a healthy pull lands, so percentiles read from
@@ -184,8 +197,8 @@ class PDPromMetrics(KVConnectorPromMetrics):
             ),
             per_engine_labelvalues,
         )
-        self._bytes = create_metric_per_engine(
-            self._histogram_cls(
+        self._bytes = _per_engine(
+            histogram_cls(
                 name="pdconnect:transfer_bytes",
                 documentation="Bytes of one request's KV load",
                 buckets=[2 ** (10 + 2 * i) for i in range(13)],
@@ -193,16 +206,16 @@ class PDPromMetrics(KVConnectorPromMetrics):
             ),
             per_engine_labelvalues,
         )
-        self._transport = self._gauge_cls(
+        self._transport = gauge_cls(
             name="pdconnect:transport_info",
             documentation="The transport really in use (1 for the active transport/protocol pair)",
             labelnames=[*labelnames, "transport"],
             multiprocess_mode="mostrecent",
         )
         self._gauges = {
-            name: create_metric_per_engine(
-                self._gauge_cls(name=f"pdconnect:{name}", documentation=doc, labelnames=labelnames,
-                                multiprocess_mode="mostrecent"),
+            name: _per_engine(
+                gauge_cls(name=f"pdconnect:{name}", documentation=doc, labelnames=labelnames,
+                          multiprocess_mode="mostrecent"),
                 per_engine_labelvalues,
             )
             for name, doc in GAUGES.items()

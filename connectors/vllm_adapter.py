@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from vllm.v1.core.block_pool import BlockPool
@@ -28,7 +28,7 @@ from vllm.v1.core.kv_cache_coordinator import (
     replay_boundaries,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, resolve_block_hashes
+from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock, resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -45,8 +45,15 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = [
-    "GroupKind", "UnsupportedLayout", "GroupGeometry", "Geometry", "CacheRules",
-    "BlockPoolOps", "build_kv_cache_config", "build_kv_cache_manager", "group_kind",
+    "BlockPoolOps",
+    "CacheRules",
+    "Geometry",
+    "GroupGeometry",
+    "GroupKind",
+    "UnsupportedLayout",
+    "build_kv_cache_config",
+    "build_kv_cache_manager",
+    "group_kind",
 ]  # geometry types re-exported: callers that already pay for vLLM import them from here
 
 def group_kind(spec: KVCacheSpec) -> GroupKind:
@@ -58,15 +65,24 @@ def group_kind(spec: KVCacheSpec) -> GroupKind:
     raise UnsupportedLayout(f"KV cache spec {type(spec).__name__} is not supported by pdconnect")
 
 
+class _SpecFields(TypedDict):
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+
 def _spec(group: GroupGeometry) -> KVCacheSpec:
     # Head geometry does not affect any block arithmetic; it only sizes pages.
-    common = dict(block_size=group.block_size, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    common: _SpecFields = {"block_size": group.block_size, "num_kv_heads": 1, "head_size": 64, "dtype": torch.float16}
     if group.kind == "sliding_window":
+        window = group.sliding_window
+        assert window is not None  # GroupGeometry requires one of a sliding-window group
         if not group.prefix_cacheable:
             # The one sliding window vLLM does not prefix-cache: DeepSeek-V4.1's bounded
             # replay (the spec itself says so, through `prefix_cacheable`).
-            return SlidingWindowMLASpec(sliding_window=group.sliding_window, bounded_replay=True, **common)
-        return SlidingWindowSpec(sliding_window=group.sliding_window, **common)
+            return SlidingWindowMLASpec(sliding_window=window, bounded_replay=True, **common)
+        return SlidingWindowSpec(sliding_window=window, **common)
     if not group.prefix_cacheable:
         raise UnsupportedLayout("vLLM has no non-cacheable full-attention group pdconnect could plan")
     return FullAttentionSpec(**common)
@@ -200,8 +216,8 @@ class _ProbeRequest:
         return self.num_prompt_tokens
 
 
-def _probe_hash(fine_index: int, shared: bool) -> bytes:
-    return bytes([shared]) + fine_index.to_bytes(8, "big")
+def _probe_hash(fine_index: int, shared: bool) -> BlockHash:
+    return BlockHash(bytes([shared]) + fine_index.to_bytes(8, "big"))
 
 
 def _decode_probe_hash(block_hash: bytes) -> tuple[bool, int]:
@@ -308,9 +324,10 @@ class CacheRules:
             raise ValueError(f"a prompt needs at least one token, got {num_prompt_tokens}")
         probe = self._cache_probe_coordinator()
         pool = _RecordingPool(self.hash_block_size, self.num_hash_lookahead_tokens)
-        probe.block_pool = pool  # type: ignore[assignment]
+        # The recording pool stands in for vLLM's BlockPool (duck-typed, see its docstring).
+        probe.block_pool = pool  # type: ignore[assignment]  # a stand-in BlockPool
         for manager in probe.single_type_managers:
-            manager.block_pool = pool  # type: ignore[assignment]
+            manager.block_pool = pool  # type: ignore[assignment]  # a stand-in BlockPool
         request = _ProbeRequest(
             request_id="pdconnect-cache-probe",
             num_prompt_tokens=num_prompt_tokens,
@@ -318,7 +335,7 @@ class CacheRules:
             block_hashes=[None] * (num_prompt_tokens // self.hash_block_size),
         )
         try:
-            probe.cache_blocks(request, num_prompt_tokens)  # type: ignore[arg-type]
+            probe.cache_blocks(request, num_prompt_tokens)  # type: ignore[arg-type]  # a stand-in Request
         finally:
             # The probe keeps per-request bookkeeping like any manager; drop it so the
             # next prompt starts from nothing cached.
@@ -347,12 +364,12 @@ class CacheRules:
         view = _IndexedCacheView(
             self.hash_block_size, [g.block_size for g in self.groups], cached, self.num_hash_lookahead_tokens
         )
-        probe.block_pool = view  # type: ignore[assignment]
+        probe.block_pool = view  # type: ignore[assignment]  # a stand-in BlockPool
         for manager in probe.single_type_managers:
-            manager.block_pool = view  # type: ignore[assignment]
+            manager.block_pool = view  # type: ignore[assignment]  # a stand-in BlockPool
         hashes = [_probe_hash(i, (i + 1) * self.hash_block_size <= shared_tokens)
                   for i in range(num_tokens // self.hash_block_size)]
-        _, hit, _ = probe.find_longest_cache_hit(hashes, num_tokens - 1)  # type: ignore[arg-type]
+        _, hit, _ = probe.find_longest_cache_hit(hashes, num_tokens - 1)
         return hit
 
     def _probe_coordinator(self) -> KVCacheCoordinator:
@@ -370,7 +387,8 @@ class CacheRules:
         # swapped for a probe view, which must never happen to the live one.
         live = self._coordinator
         # Only a vLLM that has lookahead hashes takes the argument; 0 is its default.
-        lookahead = {"num_hash_lookahead_tokens": n} if (n := self.num_hash_lookahead_tokens) else {}
+        # (Any: the keyword may be absent from the signature being checked against.)
+        lookahead: dict[str, Any] = {"num_hash_lookahead_tokens": n} if (n := self.num_hash_lookahead_tokens) else {}
         return get_kv_cache_coordinator(
             kv_cache_config=live.kv_cache_config,
             max_model_len=1 << 30,

@@ -38,7 +38,13 @@ from pdconnect.kvlayout import LayoutError, TensorLayout, locate_block_dim, pull
 from pdconnect.protocol import Claim, Handshake, HandshakeReply
 from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError
 from pdconnect.transfer import (
-    MemoryRegion, Transfer, TransferError, TransferState, Transport, create_transport, merge_range_groups,
+    MemoryRegion,
+    Transfer,
+    TransferError,
+    TransferState,
+    Transport,
+    create_transport,
+    merge_range_groups,
 )
 
 if TYPE_CHECKING:
@@ -288,7 +294,7 @@ class PDWorker:
             return None
         try:
             transfer, nbytes, posted = pull.submitted.result()
-        except Exception as exc:  # handshake refused, bad address, layout mismatch, library error
+        except Exception as exc:  # noqa: BLE001 - refused handshake, bad address, layout, library: a failed pull
             return self._failed(spec, str(exc) or repr(exc))
         state = transfer.poll()
         if state is TransferState.PENDING:

@@ -77,8 +77,8 @@ class Opened(NamedTuple):
 
 
 # Created once: decoding is validation, and `Message` is whatever union protocol.py defines.
-_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
-_message_decoder = msgspec.msgpack.Decoder(Message)
+_envelope_decoder: msgspec.msgpack.Decoder[Envelope] = msgspec.msgpack.Decoder(Envelope)
+_message_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
 _encoder = msgspec.msgpack.Encoder()
 _MAC_DOMAIN = b"pdconnect-side-channel\x00"
 

@@ -331,7 +331,7 @@ def _pieces_of(local_shape: tuple[int, ...], local_strides: tuple[int, ...], loc
     arrays = tuple(np.array(column, dtype=np.int64) for column in zip(*pieces))
     for array in arrays:
         array.flags.writeable = False
-    return arrays  # type: ignore[return-value]
+    return arrays  # type: ignore[return-value]  # three columns: `pieces` are (local, remote, length)
 
 
 @dataclass(frozen=True)

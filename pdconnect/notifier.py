@@ -237,10 +237,9 @@ class PeerNotifier:
                          unanswered=True)
             return
         own = client is None
-        if own:
-            client = SideChannelClient(address, self._secret, self._timeout)
+        sender = SideChannelClient(address, self._secret, self._timeout) if client is None else client
         try:
-            reply = client.request(message, timeout=remaining, cancel=self._stop)
+            reply = sender.request(message, timeout=remaining, cancel=self._stop)
         except SideChannelError as exc:
             self._failed(address, message, str(exc), unanswered=isinstance(exc, NoAnswer))
             return
@@ -250,7 +249,7 @@ class PeerNotifier:
             return
         finally:
             if own:
-                client.close()
+                sender.close()
         self._callback(self._on_reply, address, message, reply)
 
     def _failed(self, address: str, message: Message, reason: str, *, unanswered: bool) -> None:

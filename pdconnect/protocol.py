@@ -20,9 +20,24 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 __all__ = [
-    "PROTOCOL_VERSION", "ProtocolError", "CompatInfo", "GroupCompat", "BlockRun",
-    "GroupTransfer", "TransferPlan", "Handshake", "HandshakeReply", "Heartbeat",
-    "Claim", "Done", "Release", "Ack", "Refusal", "Message", "decode_plan", "is_remote_decode_request",
+    "PROTOCOL_VERSION",
+    "Ack",
+    "BlockRun",
+    "Claim",
+    "CompatInfo",
+    "Done",
+    "GroupCompat",
+    "GroupTransfer",
+    "Handshake",
+    "HandshakeReply",
+    "Heartbeat",
+    "Message",
+    "ProtocolError",
+    "Refusal",
+    "Release",
+    "TransferPlan",
+    "decode_plan",
+    "is_remote_decode_request",
 ]
 
 # 2: replies name the request they answer (`Envelope.reply_to`, signed with the rest).
@@ -34,13 +49,16 @@ class ProtocolError(ValueError):
 
 
 class _Strict(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Base of every wire type: immutable, unknown fields rejected."""
+    """Base of every wire type: immutable, unknown fields rejected.
+
+    msgspec hands the options down to subclasses, but a type checker reads `frozen` per
+    class: each subclass says `frozen=True` again (it changes nothing at run time)."""
 
 
 # --- compatibility -----------------------------------------------------------------
 
 
-class GroupCompat(_Strict):
+class GroupCompat(_Strict, frozen=True):
     """What must match, per KV cache group, for one engine's blocks to be another's."""
 
     kind: Literal["full_attention", "sliding_window"]
@@ -50,7 +68,7 @@ class GroupCompat(_Strict):
     page_bytes: int
 
 
-class CompatInfo(_Strict):
+class CompatInfo(_Strict, frozen=True):
     """Everything two engines must agree on before a block can move between them.
 
     Compared field by field so a refusal names what differs, not just "hash mismatch".
@@ -87,14 +105,14 @@ class CompatInfo(_Strict):
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class BlockRun(_Strict):
+class BlockRun(_Strict, frozen=True):
     """Consecutive logical blocks `start, start+1, ...` held on P in `block_ids`."""
 
     start: NonNegative
     block_ids: list[NonNegative]
 
 
-class GroupTransfer(_Strict):
+class GroupTransfer(_Strict, frozen=True):
     """One KV cache group's share of a plan: every block P holds for D, by logical index.
 
     `slack` lists the logical indices beyond the window tail (sliding-window groups):
@@ -111,7 +129,7 @@ class GroupTransfer(_Strict):
         return {run.start + i: bid for run in self.runs for i, bid in enumerate(run.block_ids)}
 
 
-class TransferPlan(_Strict):
+class TransferPlan(_Strict, frozen=True):
     """What a prefill engine returns in `kv_transfer_params` for the decode engine.
 
     Invariant: every block named here is held on P, under lease `lease_id`, until D
@@ -174,17 +192,17 @@ def decode_plan(params: dict[str, Any]) -> TransferPlan:
 
 def is_remote_decode_request(params: dict[str, Any] | None) -> bool:
     """True for the prefill leg of a P/D request (the router sets `do_remote_decode`)."""
-    return bool(params) and params.get("do_remote_decode") is True  # type: ignore[union-attr]
+    return params is not None and params.get("do_remote_decode") is True
 
 
 # --- side-channel messages -----------------------------------------------------------
 
 
-class _Msg(_Strict, tag_field="type"):
+class _Msg(_Strict, frozen=True, tag_field="type"):
     """Base of side-channel messages; `type` names the kind on the wire."""
 
 
-class Handshake(_Msg, tag="handshake"):
+class Handshake(_Msg, frozen=True, tag="handshake"):
     """A decode worker asks the prefill engine for one TP rank's transport details."""
 
     engine_id: str
@@ -192,7 +210,7 @@ class Handshake(_Msg, tag="handshake"):
     compat: CompatInfo
 
 
-class HandshakeReply(_Msg, tag="handshake_reply"):
+class HandshakeReply(_Msg, frozen=True, tag="handshake_reply"):
     """Transport metadata and per-layer KV layouts of one prefill TP rank."""
 
     engine_id: str
@@ -204,7 +222,7 @@ class HandshakeReply(_Msg, tag="handshake_reply"):
     layouts: bytes
 
 
-class Heartbeat(_Msg, tag="heartbeat"):
+class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
     """The decode engine still wants these leases' blocks: extend them.
 
     Ids are lease ids (or, from older peers, prefill request ids); the `Ack` lists in
@@ -214,7 +232,7 @@ class Heartbeat(_Msg, tag="heartbeat"):
     request_ids: list[str]
 
 
-class Claim(_Msg, tag="claim"):
+class Claim(_Msg, frozen=True, tag="claim"):
     """A decode request takes the loan of a plan's blocks, or confirms it still holds it.
 
     Sent when decode first sees the request and again after its pull has read the
@@ -229,7 +247,7 @@ class Claim(_Msg, tag="claim"):
     plan_digest: str
 
 
-class Done(_Msg, tag="done"):
+class Done(_Msg, frozen=True, tag="done"):
     """The decode engine finished pulling (or gave up): P may free these blocks.
 
     With `claimant` set, a lease claimed by somebody else is left alone: a refused
@@ -241,7 +259,7 @@ class Done(_Msg, tag="done"):
     claimant: str | None = None
 
 
-class Release(_Msg, tag="release"):
+class Release(_Msg, frozen=True, tag="release"):
     """Free these requests' blocks now (client gone, decode aborted)."""
 
     request_ids: list[str]
@@ -249,13 +267,13 @@ class Release(_Msg, tag="release"):
     claimant: str | None = None
 
 
-class Ack(_Msg, tag="ack"):
+class Ack(_Msg, frozen=True, tag="ack"):
     """Accepted. `unknown` lists request ids the prefill engine does not hold."""
 
     unknown: list[str] = []
 
 
-class Refusal(_Msg, tag="refusal"):
+class Refusal(_Msg, frozen=True, tag="refusal"):
     """The peer refused the message; `reason` says why in words for the log."""
 
     reason: str

@@ -35,13 +35,25 @@ from collections.abc import Callable
 import zmq
 
 from pdconnect.envelope import (
-    DEFAULT_MAX_AGE_SECONDS, EnvelopeError, ReplayGuard, encode_message, new_nonce, open_envelope, request_id_of,
+    DEFAULT_MAX_AGE_SECONDS,
+    EnvelopeError,
+    ReplayGuard,
+    encode_message,
+    new_nonce,
+    open_envelope,
+    request_id_of,
 )
 from pdconnect.protocol import Ack, Message, ProtocolError, Refusal, Release
 
 __all__ = [
-    "DEFAULT_MAX_MESSAGE_BYTES", "SERVER_COUNTERS", "NoAnswer", "SideChannelError", "SideChannelServer",
-    "SideChannelClient", "is_loopback_host", "release_remote",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "SERVER_COUNTERS",
+    "NoAnswer",
+    "SideChannelClient",
+    "SideChannelError",
+    "SideChannelServer",
+    "is_loopback_host",
+    "release_remote",
 ]
 
 logger = logging.getLogger("pdconnect.sidechannel")

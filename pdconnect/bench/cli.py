@@ -34,7 +34,12 @@ import msgspec
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, run_scenario
 from pdconnect.bench.report import format_comparison, format_run, write_json
 from pdconnect.bench.scenarios import (
-    MultiTurnScenario, PrefixRepetitionScenario, ProbeScenario, Scenario, SharedPrefixScenario, TokenSource,
+    MultiTurnScenario,
+    PrefixRepetitionScenario,
+    ProbeScenario,
+    Scenario,
+    SharedPrefixScenario,
+    TokenSource,
 )
 
 __all__ = ["SCENARIOS", "main"]
@@ -137,6 +142,7 @@ async def _run(deployment: Deployment, scenario: Scenario, tokens: TokenSource, 
     async with LoadGenerator(deployment, progress=progress) as generator:
         steps = await run_scenario(generator, scenario, tokens, warmups)
         transport = await generator.transport() if deployment.decode_metrics else None
+    # Every scenario is a dataclass; the Scenario protocol cannot say so.
     settings = {"scenario": scenario.name, **dataclasses.asdict(scenario),  # type: ignore[call-overload]
                 "router": deployment.router, "model": deployment.model,
                 "prompt_format": deployment.prompt_format, "seed": tokens.seed,

@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import aiohttp
 import httpx
@@ -69,7 +69,7 @@ MAX_ERRORS_KEPT = 5
 def _engine_base(url: str) -> str:
     """An engine's base URL from either its base or its `/metrics` URL."""
     url = url.rstrip("/")
-    return url[: -len("/metrics")] if url.endswith("/metrics") else url
+    return url.removesuffix("/metrics")
 
 
 @dataclass(frozen=True)
@@ -303,7 +303,7 @@ class LoadGenerator:
         # Each open conversation so far (prompt + answer of its last turn), by index.
         self._conversations: list[Prompt] = []
 
-    async def __aenter__(self) -> LoadGenerator:
+    async def __aenter__(self) -> Self:
         self._scraper = engine_client(30.0)
         timeout = aiohttp.ClientTimeout(total=self.deployment.request_timeout_s)
         # No per-host connection cap below the step's concurrency; a large read buffer so a
@@ -338,7 +338,7 @@ class LoadGenerator:
 
     async def warm_up(self, step: Step) -> None:
         """Send `step` unmeasured (to the reference too); a failure means something is not serving."""
-        targets = [None] if self.deployment.reference is None else [None, self.deployment.reference]
+        targets: list[str | None] = [None] if self.deployment.reference is None else [None, self.deployment.reference]
         for target in targets:
             results = await self._send_all(step, label="warm-up", target=target)
             failed = [r.error for r in results if not r.ok]
@@ -506,7 +506,4 @@ async def run_scenario(
         # A forked source: the warm-ups never share a prefix with the measured prompts,
         # and the measured prompts do not depend on how many warm-ups there were.
         await generator.warm_up(warmup_step(tokens.fork(), warmups, scenario.prompt_len()))
-    results = []
-    for step in steps:
-        results.append(await generator.run_step(scenario.name, step))
-    return results
+    return [await generator.run_step(scenario.name, step) for step in steps]

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 __all__ = [
+    "MultiTurnScenario",
     "PrefixRepetitionScenario",
     "ProbeScenario",
-    "MultiTurnScenario",
     "Scenario",
     "SharedPrefixScenario",
     "Step",

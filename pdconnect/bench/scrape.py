@@ -78,10 +78,8 @@ class MetricsSnapshot:
 
 def fetch_metrics(base_url: str, client: httpx.Client | None = None) -> MetricsSnapshot:
     """Scrape `{base_url}/metrics`."""
-    if client is None:
-        response = httpx.get(f"{base_url}/metrics", timeout=10.0)
-    else:
-        response = client.get(f"{base_url}/metrics")
+    url = f"{base_url}/metrics"
+    response = httpx.get(url, timeout=10.0) if client is None else client.get(url)
     response.raise_for_status()
     return MetricsSnapshot.parse(response.text)
 

@@ -17,5 +17,13 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
 from pdconnect.router.app import Router, RunningRouter, main, start_router
 from pdconnect.router.config import ConfigError, RouterConfig, load_config, parse_args
 
-__all__ = ["Router", "RunningRouter", "main", "start_router", "ConfigError", "RouterConfig",
-           "load_config", "parse_args"]
+__all__ = [
+    "ConfigError",
+    "Router",
+    "RouterConfig",
+    "RunningRouter",
+    "load_config",
+    "main",
+    "parse_args",
+    "start_router",
+]

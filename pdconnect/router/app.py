@@ -34,17 +34,27 @@ from pdconnect.router.config import ConfigError, RouterConfig, engine_origin, pa
 from pdconnect.router.discovery import DnsDiscovery, Resolver, resolve_addresses
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
-    AdminUnauthorized, BadRequest, BodyTimeout, BodyTooLarge, DecodeFailed, DecodeTimeout, EngineRejected,
-    NoEngineAvailable, PrefillFailed, RouterError, UnknownEngine, UnsupportedEncoding,
+    AdminUnauthorized,
+    BadRequest,
+    BodyTimeout,
+    BodyTooLarge,
+    DecodeFailed,
+    DecodeTimeout,
+    EngineRejected,
+    NoEngineAvailable,
+    PrefillFailed,
+    RouterError,
+    UnknownEngine,
+    UnsupportedEncoding,
 )
 from pdconnect.router.flow import Endpoint, PDFlow, PrefillReleaser
 from pdconnect.router.health import CircuitBreaker, HealthMonitor
-from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.kvevents import KVEventsFeed, events_endpoint
+from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.policy import LeastLoaded, LoadBound, make_policy
 from pdconnect.router.upstream import UpstreamPool
 
-__all__ = ["Router", "RunningRouter", "start_router", "main"]
+__all__ = ["Router", "RunningRouter", "main", "start_router"]
 
 logger = logging.getLogger("pdconnect.router")
 
@@ -160,7 +170,8 @@ class Router:
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         config = self.config
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.upstream_keepalive, ttl_dns_cache=max(1, int(config.dns_interval)))
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.upstream_keepalive,
+                                         ttl_dns_cache=max(1, int(config.dns_interval)))
         # Engines are asked for identity encoding; one that compresses anyway (or a hop
         # between) is inflated here, so clients never get bytes their headers do not describe.
         # No cookie jar: engines set no cookies, and filtering one costs every request.
@@ -251,8 +262,8 @@ class Router:
                                              timeout=aiohttp.ClientTimeout(total=self.config.health_timeout)) as resp:
                     body = await resp.read()
                     if resp.status < 500:
-                        return web.Response(status=resp.status, body=body,
-                                            headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
+                        content_type = resp.headers.get("Content-Type", "application/json")
+                        return web.Response(status=resp.status, body=body, headers={"Content-Type": content_type})
             except (aiohttp.ClientError, TimeoutError):
                 continue
         raise NoEngineAvailable(Role.DECODE.value)
@@ -344,7 +355,7 @@ class _HeadDeadlineHandler(RequestHandler):
     pyproject.toml allows only the aiohttp series they were read from.
     """
 
-    __slots__ = ("_head_timer", "_body")
+    __slots__ = ("_body", "_head_timer")
 
     def __init__(self, manager: _HeadDeadlineServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -359,6 +370,7 @@ class _HeadDeadlineHandler(RequestHandler):
             self._stop_head_timer()
             self._body = self._messages[-1][1] if self._messages else None
         elif in_head and data and self._head_timer is None and not (self._force_close or self._close):
+            # aiohttp types it as its Server; ours made this handler.
             manager: _HeadDeadlineServer = self._manager  # type: ignore[assignment]
             self._head_timer = self._loop.call_later(manager.head_timeout, self._head_timed_out)
 

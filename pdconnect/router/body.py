@@ -23,7 +23,7 @@ __all__ = ["read_body"]
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": 32 + zlib.MAX_WBITS}
 
 
-async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
+async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:  # noqa: ASYNC109 - raises BodyTimeout
     """The (inflated) body, at most `limit` bytes both on the wire and after inflating."""
     declared = request.content_length
     if declared is not None and declared > limit:

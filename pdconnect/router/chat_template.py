@@ -52,8 +52,14 @@ import jinja2.sandbox
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ["NotRendered", "ChatTemplate", "PromptTokenizer", "load_template_source", "special_tokens_of",
-           "detect_content_format"]
+__all__ = [
+    "ChatTemplate",
+    "NotRendered",
+    "PromptTokenizer",
+    "detect_content_format",
+    "load_template_source",
+    "special_tokens_of",
+]
 
 ContentFormat = Literal["string", "openai"]
 
@@ -87,7 +93,7 @@ class _GenerationBlocks(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` renders its body: transformers marks assistant
     tokens with it (for training masks), which changes nothing in the text."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 - jinja2's Extension declares it `tags: set[str]`
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -95,7 +101,7 @@ class _GenerationBlocks(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller: Any) -> str:
-        return caller()  # type: ignore[no-any-return]
+        return caller()
 
 
 def _raise_exception(message: str) -> None:
@@ -109,7 +115,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 
 def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
+    return datetime.now().strftime(format)  # noqa: DTZ005 - local time, as transformers' strftime_now
 
 
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
@@ -155,7 +161,7 @@ class ChatTemplate:
             text = self.compiled.render(messages=conversation, tools=None, documents=variables.pop("documents", None),
                                         add_generation_prompt=add_generation_prompt,
                                         **{**self.special_tokens, **variables})
-        except Exception as exc:  # the template's own raise_exception, sandbox refusals, type errors
+        except Exception as exc:  # noqa: BLE001 - the template's raise_exception, sandbox, type errors
             raise NotRendered("template_error", f"{type(exc).__name__}: {exc}") from None
         if continue_final:
             text = _cut_after_final_message(text, final_text)
@@ -290,7 +296,7 @@ def detect_content_format(template: jinja2.nodes.Template) -> ContentFormat:
         next(_content_loops(template))
     except StopIteration:
         return "string"
-    except Exception:
+    except Exception:  # noqa: BLE001 - as vLLM's detection: a template it cannot walk is "string"
         return "string"
     return "openai"
 
@@ -369,8 +375,8 @@ def _content_loops(root: jinja2.nodes.Node) -> Iterator[str]:
             assert isinstance(loop.target, jinja2.nodes.Name)
             yield loop.target.name
             continue
-        params = params_by_loop.get(id(loop))
-        if isinstance(loop.iter, jinja2.nodes.Name) and params is not None and loop.iter.name in params:
+        loop_params = params_by_loop.get(id(loop))
+        if isinstance(loop.iter, jinja2.nodes.Name) and loop_params is not None and loop.iter.name in loop_params:
             assert isinstance(loop.target, jinja2.nodes.Name)
             yield loop.target.name
             continue
@@ -461,13 +467,13 @@ class PromptTokenizer:
 
     def text(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """The ids of `prompt`. Holds the GIL throughout: for short prompts."""
-        return self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids  # type: ignore[no-any-return]
+        return self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
 
     def text_off_gil(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """The same ids through the batch encoder, which releases the GIL while it works:
         for long prompts on a worker thread, so the event loop keeps serving meanwhile."""
         [encoding] = self._tokenizer.encode_batch([prompt], add_special_tokens=add_special_tokens)
-        return encoding.ids  # type: ignore[no-any-return]
+        return encoding.ids
 
     def chat_text(self, body: Mapping[str, Any]) -> tuple[str, bool]:
         """The prompt text vLLM renders for this chat request and whether it adds special

@@ -19,7 +19,7 @@ import msgspec
 
 from pdconnect.errors import ConfigError
 
-__all__ = ["ConfigError", "RouterConfig", "DnsTarget", "parse_args", "load_config", "engine_origin"]
+__all__ = ["ConfigError", "DnsTarget", "RouterConfig", "engine_origin", "load_config", "parse_args"]
 
 Policy = Literal["kv-aware", "prefix-affinity", "least-loaded", "round-robin"]
 
@@ -245,8 +245,8 @@ def _read_file(path: str) -> dict[str, Any]:
 
 
 def _default(name: str) -> Any:
-    return RouterConfig.__struct_defaults__[RouterConfig.__struct_fields__.index(name) -
-                                            (len(RouterConfig.__struct_fields__) - len(RouterConfig.__struct_defaults__))]
+    fields, defaults = RouterConfig.__struct_fields__, RouterConfig.__struct_defaults__
+    return defaults[fields.index(name) - (len(fields) - len(defaults))]
 
 
 def _add(group: Any, name: str, help: str, **kw: Any) -> None:

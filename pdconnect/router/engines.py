@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from pdconnect.router.health import CircuitBreaker
 
-__all__ = ["Role", "Engine", "EngineRegistry"]
+__all__ = ["Engine", "EngineRegistry", "Role"]
 
 logger = logging.getLogger("pdconnect.router.engines")
 
@@ -84,7 +84,7 @@ class EngineRegistry:
         # Without active polling an engine is presumed up and only the breaker guards it.
         self._initial_probe: bool | None = None if probed else True
         self._by_url: dict[Role, dict[str, Engine]] = {role: {} for role in Role}
-        self._snapshot: dict[Role, tuple[Engine, ...]] = {role: () for role in Role}
+        self._snapshot: dict[Role, tuple[Engine, ...]] = dict.fromkeys(Role, ())
         self.on_added: list[Callable[[Engine], None]] = []
         self.on_removed: list[Callable[[Engine], None]] = []
 

@@ -7,9 +7,18 @@ status code, so the mapping from cause to status lives in exactly one table.
 from __future__ import annotations
 
 __all__ = [
-    "RouterError", "BadRequest", "NoEngineAvailable", "PrefillFailed", "DecodeFailed",
-    "DecodeTimeout", "EngineRejected", "AdminUnauthorized", "UnknownEngine", "BodyTooLarge",
-    "BodyTimeout", "UnsupportedEncoding",
+    "AdminUnauthorized",
+    "BadRequest",
+    "BodyTimeout",
+    "BodyTooLarge",
+    "DecodeFailed",
+    "DecodeTimeout",
+    "EngineRejected",
+    "NoEngineAvailable",
+    "PrefillFailed",
+    "RouterError",
+    "UnknownEngine",
+    "UnsupportedEncoding",
 ]
 
 

@@ -29,8 +29,8 @@ import functools
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,16 +44,21 @@ from pdconnect.router.chat_template import NotRendered, PromptTokenizer
 from pdconnect.router.config import RouterConfig
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
-    BadRequest, DecodeFailed, DecodeTimeout, EngineRejected, NoEngineAvailable, PrefillFailed,
+    BadRequest,
+    DecodeFailed,
+    DecodeTimeout,
+    EngineRejected,
+    NoEngineAvailable,
+    PrefillFailed,
     RouterError,
 )
 from pdconnect.router.metrics import RouterMetrics
-from pdconnect.router.upstream import ConnectFailed, UpstreamError, UpstreamPool, UpstreamResponse
 from pdconnect.router.policy import AffinityTracker, PrefixAffinity, RoutingPolicy, affinity_key
+from pdconnect.router.upstream import ConnectFailed, UpstreamError, UpstreamPool, UpstreamResponse
 from pdconnect.router.usage import SseRewriter, UsageMerger
 from pdconnect.sidechannel import release_remote
 
-__all__ = ["Endpoint", "Call", "PDFlow", "PrefillReleaser", "prefill_body", "decode_body"]
+__all__ = ["Call", "Endpoint", "PDFlow", "PrefillReleaser", "decode_body", "prefill_body"]
 
 logger = logging.getLogger("pdconnect.router.flow")
 
@@ -166,7 +171,7 @@ class _AttemptFailed(Exception):
 class _Trace:
     """What happened to one request, for its metrics and response headers."""
 
-    __slots__ = ("outcome", "fallback", "prefilled")
+    __slots__ = ("fallback", "outcome", "prefilled")
 
     def __init__(self) -> None:
         self.outcome = "bad_request"
@@ -302,7 +307,8 @@ class PDFlow:
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
         try:
-            fields = msgspec.convert(body, _Chat if endpoint is Endpoint.CHAT else _Prompt)
+            fields: _Chat | _Prompt = (msgspec.convert(body, _Chat) if endpoint is Endpoint.CHAT
+                                       else msgspec.convert(body, _Prompt))
         except msgspec.ValidationError as exc:
             raise BadRequest(f"invalid request: {exc}") from None
         if isinstance(fields, _Chat) and not fields.messages:
@@ -339,7 +345,7 @@ class PDFlow:
             self._prompt_results.labels(label, exc.reason).inc()
             logger.debug("kv-aware: no token ids for a %s request: %s", label, exc)
             return None
-        except Exception as exc:  # a tokenizer bug must not fail the request either
+        except Exception as exc:  # noqa: BLE001 - a tokenizer bug must not fail the request either
             self._prompt_results.labels(label, "tokenizer_error").inc()
             logger.warning("kv-aware: tokenizing a %s request failed: %r", label, exc)
             return None

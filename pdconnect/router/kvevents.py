@@ -109,7 +109,7 @@ class KVEventsFeed:
                     await self._receive(sub, frames)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # a helper task: never let it die silently
+            except Exception as exc:  # noqa: BLE001 - a helper task: never let it die silently
                 self._count("error")
                 logger.warning("kv events from %s (%s): %r; reconnecting", sub.url, sub.endpoint, exc)
                 self._reset(sub)

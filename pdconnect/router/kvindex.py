@@ -38,8 +38,16 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch", "decode_batch",
-           "GroupIndex", "EngineKVIndex", "chain_keys"]
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EngineKVIndex",
+    "GroupIndex",
+    "KVEventBatch",
+    "chain_keys",
+    "decode_batch",
+]
 
 BlockHash = bytes | int
 
@@ -77,7 +85,7 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     data_parallel_rank: int | None = None
 
 
-_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_decoder: msgspec.msgpack.Decoder[KVEventBatch] = msgspec.msgpack.Decoder(KVEventBatch)
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
@@ -192,11 +200,11 @@ class EngineKVIndex:
                 keyed.append((size, block_hash, key))
             return
         for block_hash in event.block_hashes:
-            key = self._key_of(size, block_hash)
-            if key is None:
+            known = self._key_of(size, block_hash)
+            if known is None:
                 group.wait_for_key(block_hash, self.max_pending)
             else:
-                group.add(block_hash, key)
+                group.add(block_hash, known)
 
     def _resolve_pending(self, keyed: list[tuple[int, BlockHash, int]]) -> None:
         """Give waiting hashes the keys this batch taught: only those can newly resolve

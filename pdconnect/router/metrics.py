@@ -30,7 +30,7 @@ from prometheus_client.utils import floatToGoString
 from pdconnect.router.engines import EngineRegistry
 from pdconnect.router.health import BreakerState
 
-__all__ = ["RouterMetrics", "OUTCOMES"]
+__all__ = ["OUTCOMES", "RouterMetrics"]
 
 # Every request ends with exactly one of these (label `outcome` of requests_total).
 OUTCOMES = (
@@ -82,7 +82,7 @@ def _created_series() -> bool:
 
 
 class _CounterChild:
-    __slots__ = ("value", "created")
+    __slots__ = ("created", "value")
 
     def __init__(self) -> None:
         self.value = 0.0
@@ -118,7 +118,7 @@ class _LoopCounter(Collector):
 
 
 class _HistogramChild:
-    __slots__ = ("bounds", "counts", "sum", "created")
+    __slots__ = ("bounds", "counts", "created", "sum")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds  # ends with +Inf

@@ -43,8 +43,16 @@ from typing import Any, Protocol
 from pdconnect.router.engines import Engine
 
 __all__ = [
-    "RoutingPolicy", "LoadBound", "PrefixAffinity", "LeastLoaded", "RoundRobin", "KvAware", "make_policy",
-    "affinity_key", "render_messages", "AffinityTracker",
+    "AffinityTracker",
+    "KvAware",
+    "LeastLoaded",
+    "LoadBound",
+    "PrefixAffinity",
+    "RoundRobin",
+    "RoutingPolicy",
+    "affinity_key",
+    "make_policy",
+    "render_messages",
 ]
 
 

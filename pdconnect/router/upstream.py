@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["UpstreamError", "ConnectFailed", "UpstreamResponse", "UpstreamPool"]
+__all__ = ["ConnectFailed", "UpstreamError", "UpstreamPool", "UpstreamResponse"]
 
 _HIGH_WATER = 1 << 20
 # A limit within this of its end counts as reached: uvloop's clock and timers tick in
@@ -230,7 +230,7 @@ class UpstreamResponse(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
-        self._transport = transport  # type: ignore[assignment]
+        self._transport = transport  # type: ignore[assignment]  # uvloop's: see above
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -365,7 +365,8 @@ class UpstreamPool:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def post(self, origin: str, path: str, body: bytes, headers: dict[str, str],
-                   timeout: float | None = None) -> UpstreamResponse:
+                   timeout: float | None = None,  # noqa: ASYNC109 - outlives the call
+                   ) -> UpstreamResponse:
         """The response, its status and headers read; the body is the caller's to read.
 
         `timeout` bounds the whole exchange: connecting, the answer's headers, and every

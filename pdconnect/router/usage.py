@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["UsageMerger", "SseRewriter"]
+__all__ = ["SseRewriter", "UsageMerger"]
 
 _DONE = b"data: [DONE]\n\n"
 _decode = msgspec.json.decode

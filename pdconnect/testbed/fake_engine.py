@@ -33,7 +33,7 @@ from aiohttp import web
 from pdconnect.protocol import PROTOCOL_VERSION, Ack, Message, Release
 from pdconnect.sidechannel import SideChannelServer
 
-__all__ = ["FakeFaults", "FakeEngine", "FakeCluster", "Seen"]
+__all__ = ["FakeCluster", "FakeEngine", "FakeFaults", "Seen"]
 
 _encode = msgspec.json.encode
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import IO, Any
+from typing import IO, Any, Self
 
 import httpx
 
@@ -161,7 +161,7 @@ class Cluster:
 
     # -- lifecycle -------------------------------------------------------------------
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         # SIGTERM would otherwise kill the owner without unwinding, leaving servers
         # behind; turning it into SystemExit runs __exit__. Only the main thread may
         # install handlers, and a handler someone else installed is left alone.
@@ -209,7 +209,7 @@ class Cluster:
         with open(log_path, "wb") as log:
             log.write(f"$ {' '.join(spec.argv)}\n".encode())
             log.flush()
-            popen = subprocess.Popen(  # noqa: S603 - argv is built by our own code
+            popen = subprocess.Popen(
                 list(spec.argv),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -217,7 +217,7 @@ class Cluster:
                 env=env,
                 cwd=spec.cwd,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - one prctl(), no lock taken
             )
         proc = ManagedProcess(spec, popen, log_path, time.monotonic())
         with self._lock:

@@ -17,7 +17,13 @@ from typing import Any
 
 from pdconnect.transfer.ranges import Range, RangeTable, merge_range_groups, merge_ranges
 from pdconnect.transfer.transport import (
-    MemoryRegion, PeerInfo, Transfer, TransferError, TransferState, Transport, decode_metadata,
+    MemoryRegion,
+    PeerInfo,
+    Transfer,
+    TransferError,
+    TransferState,
+    Transport,
+    decode_metadata,
 )
 
 __all__ = [

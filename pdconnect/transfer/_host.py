@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["rdma_devices", "env_defaults", "scoped_env"]
+__all__ = ["env_defaults", "rdma_devices", "scoped_env"]
 
 _SYSFS_RDMA = Path("/sys/class/infiniband")
 

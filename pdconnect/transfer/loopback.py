@@ -10,6 +10,7 @@ transport libraries run threads that a fork would leave half-copied.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import mmap
@@ -19,7 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 
@@ -54,7 +55,7 @@ class Buffer:
 
     def bytes_at(self, addr: int, length: int) -> bytes:
         offset = addr - self.addr
-        if not (0 <= offset and offset + length <= self.size):
+        if not (offset >= 0 and offset + length <= self.size):
             raise ValueError(f"[{addr:#x}, +{length}) is outside this buffer")
         return self._map[offset:offset + length]
 
@@ -116,16 +117,14 @@ class LoopbackPeer:
 
     def close(self) -> None:
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(OSError):
                 self._pipe.send(("stop", None))
-            except OSError:
-                pass
             self.process.join(10)
         if self.process.is_alive():
             self.kill()
         self._pipe.close()
 
-    def __enter__(self) -> LoopbackPeer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -150,7 +149,7 @@ def _serve(job: _Serve, pipe: Connection) -> None:
         transport.register([pool.region])
         pipe.send(("ready", PeerReady(transport.metadata(), pool.addr, pool.size,
                                       transport.effective_protocol)))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the peer process reports any start-up failure to its parent
         pipe.send(("error", repr(exc)))
         return
     while True:

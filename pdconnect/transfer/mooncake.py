@@ -33,9 +33,9 @@ What Mooncake does on its own, and what we do about it:
 from __future__ import annotations
 
 import math
-from collections import deque
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -223,7 +223,7 @@ class _MooncakeTransfer(Transfer):
                         self._failure = self._failure or f"mooncake could not start a read from {self._session}"
                     else:
                         self._outstanding[index] = (batch, time.monotonic())
-        except BaseException as exc:  # reported through poll(), which must not raise
+        except BaseException as exc:  # noqa: BLE001 - a helper thread: reported through poll(), which must not raise
             with self._lock:
                 self._failure = self._failure or f"mooncake batch read raised {exc!r}"
         finally:

@@ -46,7 +46,14 @@ from typing import Any
 from pdconnect.transfer._host import env_defaults, rdma_devices
 from pdconnect.transfer.ranges import Range, range_table
 from pdconnect.transfer.transport import (
-    LOG, FailedTransfer, MemoryRegion, PeerInfo, Transfer, TransferError, TransferState, Transport,
+    LOG,
+    FailedTransfer,
+    MemoryRegion,
+    PeerInfo,
+    Transfer,
+    TransferError,
+    TransferState,
+    Transport,
 )
 
 __all__ = ["NixlTransport", "load_nixl_api", "xfer_tables"]
@@ -126,7 +133,7 @@ class NixlTransport(Transport[str]):
         puller = self._pulling_agent()
         try:
             remote = puller.add_remote_agent(info.endpoint)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own untyped errors: a TransferError
             raise TransferError(f"peer {peer}: NIXL rejected its agent metadata: {exc}") \
                 from None
         return remote.decode() if isinstance(remote, bytes) else str(remote)
@@ -141,7 +148,7 @@ class NixlTransport(Transport[str]):
                 "READ", puller.get_xfer_descs(local, _MEM), puller.get_xfer_descs(remote, _MEM),
                 handle)
             state = puller.transfer(xfer)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own untyped errors: a failed transfer
             state, error = "ERR", f"nixl could not start the read: {exc}"
         else:
             error = "nixl refused to post the read"
@@ -156,7 +163,7 @@ class NixlTransport(Transport[str]):
             return  # another of our names still reads from that agent
         try:
             self._puller.remove_remote_agent(handle)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - closing: a failure is logged, not raised
             LOG.warning("nixl: removing remote agent %s (peer %s) failed: %s", handle, peer, exc)
 
     def _close(self) -> None:
@@ -196,14 +203,14 @@ def _create_agent(api: ModuleType, name: str, *, progress_delay_us: int | None) 
     try:
         with _progress_thread_delay(api, progress_delay_us or 0):
             return api.nixl_agent(name, config)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - NIXL raises its own untyped errors: a TransferError
         raise TransferError(f"nixl: could not create a UCX agent: {exc}") from None
 
 
 def _register_with(agent: Any, regions: Sequence[MemoryRegion]) -> None:
     try:
         agent.register_memory([(r.addr, r.length, 0, "") for r in regions], _MEM)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - NIXL raises its own untyped errors: a TransferError
         raise TransferError(f"nixl refused to register {len(regions)} region(s): {exc}") \
             from None
 
@@ -227,7 +234,7 @@ def xfer_tables(ranges: Sequence[Range]) -> tuple[Any, Any]:
 def _release_quietly(agent: Any, xfer: Any) -> bool:
     try:
         agent.release_xfer_handle(xfer)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - NIXL raises while the handle is still busy: tried again later
         LOG.debug("nixl: transfer handle not released yet: %s", exc)
         return False
     return True

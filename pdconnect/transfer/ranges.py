@@ -51,14 +51,14 @@ class RangeTable(Sequence[Range]):
 
     def __iter__(self) -> Iterator[Range]:
         # Three column lists zipped: about twice as fast as a tuple per row of `tolist()`.
-        return zip(*self.table.T.tolist())  # type: ignore[return-value]
+        return zip(*self.table.T.tolist())
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, RangeTable):
             other = list(other)
         return isinstance(other, (list, tuple)) and list(self) == list(other)
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as list; typeshed's is a method
 
     def __repr__(self) -> str:
         return f"RangeTable({list(self)!r})"

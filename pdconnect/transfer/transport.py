@@ -42,7 +42,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from pdconnect.transfer.ranges import Range, RangeTable, range_table
+from pdconnect.transfer.ranges import Range, RangeTable
 
 __all__ = [
     "LOG", "METADATA_VERSION", "DoneTransfer", "FailedTransfer", "MemoryRegion", "PeerInfo",
@@ -99,7 +99,7 @@ class PeerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     regions: tuple[MemoryRegion, ...]
 
 
-_METADATA_DECODER = msgspec.msgpack.Decoder(PeerInfo)
+_METADATA_DECODER: msgspec.msgpack.Decoder[PeerInfo] = msgspec.msgpack.Decoder(PeerInfo)
 _METADATA_ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -192,7 +192,7 @@ class Transfer(ABC):
         if self._state is TransferState.PENDING:
             try:
                 state, error = self._status()
-            except Exception as exc:  # the contract is "never raises": a library bug is a failure
+            except Exception as exc:  # noqa: BLE001 - the contract is "never raises": a library bug is a failure
                 state, error = TransferState.FAILED, f"status check raised {exc!r}"
             if state is TransferState.PENDING and time.monotonic() > self._deadline:
                 state, error = TransferState.FAILED, f"timed out after {self._timeout:g} s"
@@ -229,7 +229,7 @@ class Transfer(ABC):
             return
         try:
             self._quiescent = self._release()
-        except Exception as exc:  # as in poll: a library bug must not escape
+        except Exception as exc:  # noqa: BLE001 - as in poll: a library bug must not escape
             LOG.warning("transfer %s: releasing its resources raised %r", self.description, exc)
 
     def _idle(self, seconds: float) -> None:
