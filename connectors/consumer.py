@@ -104,7 +104,11 @@ class Consumer(CacheBound):
     """
 
     def __init__(
-        self, engine_id: str, settings: ConnectorSettings, compat_digest: str, secret: bytes | None,
+        self,
+        engine_id: str,
+        settings: ConnectorSettings,
+        compat_digest: str,
+        secret: bytes | None,
         stats: StatsRecorder,
     ) -> None:
         self.engine_id = engine_id
@@ -193,9 +197,14 @@ class Consumer(CacheBound):
         assert incoming.plan is not None
         incoming.claim_attempts += 1
         plan = incoming.plan
-        self._notifier.send(plan.side_channel, Claim(
-            lease_id=plan.lease_id, claimant=claimant_of(self.engine_id, incoming.request.request_id),
-            plan_digest=plan.digest()))
+        self._notifier.send(
+            plan.side_channel,
+            Claim(
+                lease_id=plan.lease_id,
+                claimant=claimant_of(self.engine_id, incoming.request.request_id),
+                plan_digest=plan.digest(),
+            ),
+        )
 
     def _check(self, request: Request) -> tuple[TransferPlan | None, str | None]:
         try:
@@ -259,9 +268,12 @@ class Consumer(CacheBound):
                 return False
             if time.monotonic() - incoming.wait_started >= self.settings.coalesce_wait_seconds:
                 self.stats.count("coalesce_timeouts")
-                logger.warning("request %s: gave up waiting for the load of %s after %.1f s",
-                               incoming.request.request_id, leader.request.request_id,
-                               self.settings.coalesce_wait_seconds)
+                logger.warning(
+                    "request %s: gave up waiting for the load of %s after %.1f s",
+                    incoming.request.request_id,
+                    leader.request.request_id,
+                    self.settings.coalesce_wait_seconds,
+                )
                 incoming.waiting_on = None
                 incoming.wait_started = -1.0  # never wait again
                 return False
@@ -273,8 +285,9 @@ class Consumer(CacheBound):
             return False
         incoming.waiting_on, incoming.wait_started = leader_id, time.monotonic()
         self.stats.count("coalesced_waits")
-        logger.info("request %s: waits for the load of %s, which shares its prefix",
-                    incoming.request.request_id, leader_id)
+        logger.info(
+            "request %s: waits for the load of %s, which shares its prefix", incoming.request.request_id, leader_id
+        )
         return True
 
     def _best_leader(self, request: Request, num_computed_tokens: int) -> str | None:
@@ -287,8 +300,9 @@ class Consumer(CacheBound):
             shared = _shared_hashes(request.block_hashes, load.request.block_hashes) * hash_tokens
             if shared <= best_hit:
                 continue
-            cached = plan_request(self.rules, load.request.num_prompt_tokens,
-                                  replay_slack=self.settings.replay_slack).decode_cached_blocks()
+            cached = plan_request(
+                self.rules, load.request.num_prompt_tokens, replay_slack=self.settings.replay_slack
+            ).decode_cached_blocks()
             for transfer in load.plan.groups:
                 # The slack the leader receives includes the runs at its prefill-side
                 # junction, which only the prefill engine could plan: it is published too.
@@ -319,17 +333,19 @@ class Consumer(CacheBound):
             pairs[group_id].extend((block.block_id, wanted_slack[(group_id, i)]) for i, block in by_index.items())
             kinds["slack"] += len(by_index)
         self._loads[request.request_id] = _Load(request, plan, shadows)
-        self._new_pulls.append(PullSpec(
-            request_id=request.request_id,
-            remote_engine_id=plan.remote_engine_id,
-            side_channel=plan.side_channel,
-            compat_hash=plan.compat_hash,
-            block_pairs=dict(pairs),
-            blocks_by_kind=dict(kinds),
-            lease_id=plan.lease_id,
-            claimant=claimant_of(self.engine_id, request.request_id),
-            plan_digest=plan.digest(),
-        ))
+        self._new_pulls.append(
+            PullSpec(
+                request_id=request.request_id,
+                remote_engine_id=plan.remote_engine_id,
+                side_channel=plan.side_channel,
+                compat_hash=plan.compat_hash,
+                block_pairs=dict(pairs),
+                blocks_by_kind=dict(kinds),
+                lease_id=plan.lease_id,
+                claimant=claimant_of(self.engine_id, request.request_id),
+                plan_digest=plan.digest(),
+            )
+        )
 
     def _forget_incoming(self, request_id: str) -> _Incoming | None:
         incoming = self._incoming.pop(request_id, None)
@@ -373,8 +389,9 @@ class Consumer(CacheBound):
         if self.ops.num_free_blocks() < len(wanted):
             # The slack only helps later siblings; never let it starve this request's own load.
             self.stats.count("slack_skipped_pool_full")
-            logger.warning("request %s: no room for %d slack blocks, loading without them",
-                           request.request_id, len(wanted))
+            logger.warning(
+                "request %s: no room for %d slack blocks, loading without them", request.request_id, len(wanted)
+            )
             return {}
         shadows: dict[int, dict[int, KVCacheBlock]] = defaultdict(dict)
         for (group_id, index), block in zip(wanted, self.ops.allocate(len(wanted))):
@@ -383,13 +400,15 @@ class Consumer(CacheBound):
 
     def _queue_failed(self, request: Request, plan: TransferPlan | None, reason: str) -> None:
         self._loads[request.request_id] = _Load(request, plan, {})
-        self._new_pulls.append(PullSpec(
-            request_id=request.request_id,
-            remote_engine_id=plan.remote_engine_id if plan else "",
-            side_channel=plan.side_channel if plan else "",
-            compat_hash=plan.compat_hash if plan else "",
-            fail_reason=reason,
-        ))
+        self._new_pulls.append(
+            PullSpec(
+                request_id=request.request_id,
+                remote_engine_id=plan.remote_engine_id if plan else "",
+                side_channel=plan.side_channel if plan else "",
+                compat_hash=plan.compat_hash if plan else "",
+                fail_reason=reason,
+            )
+        )
 
     def take_pulls(self) -> list[PullSpec]:
         self._take_replies()
@@ -416,13 +435,20 @@ class Consumer(CacheBound):
         # Published blocks stay cached when freed: they become evictable prefix-cache entries.
         self.ops.release(load.shadow_blocks())
         if load.plan is not None:
-            self._tell_prefill(load.plan, request_id, Done(
-                request_ids=[load.plan.lease_id], ok=ok,
-                claimant=claimant_of(self.engine_id, request_id)))
+            self._tell_prefill(
+                load.plan,
+                request_id,
+                Done(request_ids=[load.plan.lease_id], ok=ok, claimant=claimant_of(self.engine_id, request_id)),
+            )
         if not load.aborted:
             self._settled.add(request_id)  # done or failed: this request never loads again
-        logger.info("request %s: load %s, %d of %d slack blocks published", request_id,
-                    "done" if ok else "failed", published, len(load.shadow_blocks()))
+        logger.info(
+            "request %s: load %s, %d of %d slack blocks published",
+            request_id,
+            "done" if ok else "failed",
+            published,
+            len(load.shadow_blocks()),
+        )
 
     def _publish(self, load: _Load) -> int:
         published = 0
@@ -432,8 +458,11 @@ class Consumer(CacheBound):
                 published += self.ops.publish(load.request, group_id, block_size, by_index)
             except Exception:  # a plan that slipped past the checks must not kill the scheduler
                 self.stats.count("bad_transfer_params")
-                logger.exception("request %s: could not publish slack of group %d; left unpublished",
-                                 load.request.request_id, group_id)
+                logger.exception(
+                    "request %s: could not publish slack of group %d; left unpublished",
+                    load.request.request_id,
+                    group_id,
+                )
         return published
 
     def _tell_prefill(self, plan: TransferPlan, request_id: str, message: Message) -> None:
@@ -450,9 +479,15 @@ class Consumer(CacheBound):
             self._settled.discard(request_id)
         elif incoming is not None and incoming.plan is not None:
             # Never loaded (aborted while queued): the prefill engine holds blocks for nobody.
-            self._tell_prefill(incoming.plan, request_id, Release(
-                request_ids=[incoming.plan.lease_id], reason="decode request ended before its load",
-                claimant=claimant_of(self.engine_id, request_id)))
+            self._tell_prefill(
+                incoming.plan,
+                request_id,
+                Release(
+                    request_ids=[incoming.plan.lease_id],
+                    reason="decode request ended before its load",
+                    claimant=claimant_of(self.engine_id, request_id),
+                ),
+            )
 
     def _abort_load(self, request_id: str, load: _Load) -> None:
         load.aborted = True

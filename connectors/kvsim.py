@@ -76,7 +76,8 @@ class Engine:
         while remaining > 0:
             step = remaining if chunk is None else min(chunk, remaining)
             allocated = self.manager.allocate_slots(
-                request, step,
+                request,
+                step,
                 num_new_computed_tokens=hit if first else 0,
                 new_computed_blocks=blocks if first else None,
             )
@@ -119,7 +120,8 @@ class Engine:
         request.shared_prefix_boundary = boundary
         external = request.num_prompt_tokens - hit
         allocated = self.manager.allocate_slots(
-            request, 0,
+            request,
+            0,
             num_new_computed_tokens=hit,
             new_computed_blocks=blocks,
             num_external_computed_tokens=external,
@@ -130,8 +132,11 @@ class Engine:
         if publish_slack:
             ops = self.ops
             for group in plan.groups:
-                wanted = [i for i in group.publish_blocks
-                          if not ops.is_cached_for(request, group.group_id, group.block_size, i)]
+                wanted = [
+                    i
+                    for i in group.publish_blocks
+                    if not ops.is_cached_for(request, group.group_id, group.block_size, i)
+                ]
                 shadows = ops.allocate(len(wanted))
                 ops.publish(request, group.group_id, group.block_size, dict(zip(wanted, shadows)))
                 ops.release(shadows)
@@ -174,10 +179,16 @@ class PrefillDecodePair:
     junctions: bool = True
 
     @classmethod
-    def create(cls, geometry: Geometry, num_tokens: int, chunk: int | None = None, junctions: bool = True
-               ) -> PrefillDecodePair:
-        return cls(Engine.create(geometry, num_tokens), Engine.create(geometry, num_tokens),
-                   CacheRules.for_geometry(geometry), chunk, junctions)
+    def create(
+        cls, geometry: Geometry, num_tokens: int, chunk: int | None = None, junctions: bool = True
+    ) -> PrefillDecodePair:
+        return cls(
+            Engine.create(geometry, num_tokens),
+            Engine.create(geometry, num_tokens),
+            CacheRules.for_geometry(geometry),
+            chunk,
+            junctions,
+        )
 
     def serve(self, request_id: str, tokens: list[int]) -> ServedRequest:
         on_prefill = self.prefill.new_request(request_id, tokens)
@@ -186,7 +197,8 @@ class PrefillDecodePair:
         plan = plan_request(self.rules, len(tokens), shared_prefix_tokens=junction)
         unheld = {
             group.group_id: tuple(
-                i for i in group.publish_blocks
+                i
+                for i in group.publish_blocks
                 if not self.prefill.ops.is_cached_for(on_prefill, group.group_id, group.block_size, i)
             )
             for group in plan.groups

@@ -69,7 +69,8 @@ class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 _layouts_encoder = msgspec.msgpack.Encoder()
 _layouts_decoder: msgspec.msgpack.Decoder[dict[int, list[TensorLayout]]] = msgspec.msgpack.Decoder(
-    dict[int, list[TensorLayout]])
+    dict[int, list[TensorLayout]]
+)
 
 
 def encode_layouts(layouts: dict[int, list[TensorLayout]]) -> bytes:

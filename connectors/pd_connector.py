@@ -156,7 +156,10 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_prom_metrics(
-        cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict,
+        labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> PDPromMetrics:
         return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -42,8 +42,10 @@ def check_plan(
     if not plan.prompt_digest:
         raise PlanRejected("the plan does not name its prompt")
     if plan.num_prompt_tokens != request.num_prompt_tokens:
-        raise PlanRejected(f"prefill engine computed {plan.num_prompt_tokens} prompt tokens, "
-                           f"this request has {request.num_prompt_tokens}")
+        raise PlanRejected(
+            f"prefill engine computed {plan.num_prompt_tokens} prompt tokens, "
+            f"this request has {request.num_prompt_tokens}"
+        )
     if plan.prompt_digest != prompt_digest(request):
         raise PlanRejected("the plan was made for another prompt (prompt digest differs)")
     if plan.lease_expires_at <= (time.time() if now is None else now):
@@ -58,8 +60,9 @@ def check_plan(
         for run in transfer.runs:
             indices = range(run.start, run.start + len(run.block_ids))
             if indices.stop > num_blocks:
-                raise PlanRejected(f"group {transfer.group}: blocks up to {indices.stop - 1}, "
-                                   f"the prompt has {num_blocks}")
+                raise PlanRejected(
+                    f"group {transfer.group}: blocks up to {indices.stop - 1}, the prompt has {num_blocks}"
+                )
             if seen.intersection(indices):
                 raise PlanRejected(f"group {transfer.group}: a block index appears twice")
             seen.update(indices)
@@ -73,8 +76,10 @@ def check_plan(
         full_blocks = plan.num_prompt_tokens // group.block_size
         for index in transfer.slack:
             if index >= full_blocks:
-                raise PlanRejected(f"group {transfer.group}: slack block {index} is not a full "
-                                   f"block of the prompt ({full_blocks} full blocks)")
+                raise PlanRejected(
+                    f"group {transfer.group}: slack block {index} is not a full "
+                    f"block of the prompt ({full_blocks} full blocks)"
+                )
             if index not in seen:
                 raise PlanRejected(f"group {transfer.group}: slack block {index} is not held")
         if len(set(transfer.slack)) != len(transfer.slack):

@@ -24,13 +24,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--swa-block-size", type=int, required=True, help="sliding-window group block size (tokens)")
     p.add_argument("--window", type=int, required=True, help="sliding window (tokens)")
     p.add_argument("--prompt-tokens", type=int, required=True, help="prompt length N (tokens)")
-    p.add_argument("--eagle", action=argparse.BooleanOptionalAction, default=True,
-                   help="EAGLE/MTP speculative decoding (the lookup drops one aligned block)")
-    p.add_argument("--shared-prefix-tokens", type=int, default=None, metavar="J",
-                   help="the request's shared-prefix junction (vLLM's Request.shared_prefix_boundary: where an "
-                        "earlier sibling's full-attention hit ran past the sliding window's); its runs are planned too")
-    p.add_argument("--retention-interval", type=int, default=0,
-                   help="vLLM prefix_cache_retention_interval (0 = replay boundaries only, the default; -1 = dense)")
+    p.add_argument(
+        "--eagle",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="EAGLE/MTP speculative decoding (the lookup drops one aligned block)",
+    )
+    p.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=None,
+        metavar="J",
+        help="the request's shared-prefix junction (vLLM's Request.shared_prefix_boundary: where an "
+        "earlier sibling's full-attention hit ran past the sliding window's); its runs are planned too",
+    )
+    p.add_argument(
+        "--retention-interval",
+        type=int,
+        default=0,
+        help="vLLM prefix_cache_retention_interval (0 = replay boundaries only, the default; -1 = dense)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -48,8 +61,10 @@ def _geometry(args: argparse.Namespace) -> Geometry:
         raise UnsupportedLayout(f"--prompt-tokens {args.prompt_tokens} is shorter than one block ({one_block})")
     retention = None if args.retention_interval == -1 else args.retention_interval
     return Geometry(
-        (GroupGeometry("full_attention", args.fa_block_size, eagle=args.eagle),
-         GroupGeometry("sliding_window", args.swa_block_size, args.window, eagle=args.eagle)),
+        (
+            GroupGeometry("full_attention", args.fa_block_size, eagle=args.eagle),
+            GroupGeometry("sliding_window", args.swa_block_size, args.window, eagle=args.eagle),
+        ),
         retention_interval=retention,
     )
 
@@ -125,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     junction = args.shared_prefix_tokens
     plan = plan_request(rules, args.prompt_tokens, shared_prefix_tokens=junction, expected_hits=True)
-    stock = plan_request(rules, args.prompt_tokens, shared_prefix_tokens=junction, replay_slack=False,
-                         expected_hits=True)
+    stock = plan_request(
+        rules, args.prompt_tokens, shared_prefix_tokens=junction, replay_slack=False, expected_hits=True
+    )
     report = plan_as_dict(plan, stock)
     print(json.dumps(report) if args.json else _table(report))
     return 0

@@ -78,9 +78,7 @@ class _Producing:
 class Producer(CacheBound):
     """Prefill-side state; scheduler-thread methods except `answer` (side-channel thread)."""
 
-    def __init__(
-        self, engine_id: str, settings: ConnectorSettings, compat_digest: str, stats: StatsRecorder
-    ) -> None:
+    def __init__(self, engine_id: str, settings: ConnectorSettings, compat_digest: str, stats: StatsRecorder) -> None:
         self.engine_id = engine_id
         self.settings = settings
         self.compat_digest = compat_digest
@@ -111,8 +109,9 @@ class Producer(CacheBound):
             why = "decode done" if message.ok else "decode gave up"
             return Ack(unknown=[i for i in message.request_ids if not self.leases.end(i, why, message.claimant)])
         if isinstance(message, Release):
-            ended = [i for i in message.request_ids if self.leases.end(i, f"released: {message.reason}",
-                                                                        message.claimant)]
+            ended = [
+                i for i in message.request_ids if self.leases.end(i, f"released: {message.reason}", message.claimant)
+            ]
             self.stats.count("releases", len(ended))
             return Ack(unknown=[i for i in message.request_ids if i not in ended])
         return Refusal(reason=f"unexpected message {type(message).__name__}")
@@ -126,8 +125,9 @@ class Producer(CacheBound):
         if self.settings.replay_slack:
             # vLLM's own lookup has just set the request's shared-prefix junction; the runs
             # kept below it let the next sibling of this prefix hit on decode too.
-            plan = plan_request(self.rules, request.num_prompt_tokens,
-                                shared_prefix_tokens=self.rules.shared_prefix_tokens(request))
+            plan = plan_request(
+                self.rules, request.num_prompt_tokens, shared_prefix_tokens=self.rules.shared_prefix_tokens(request)
+            )
             slack = {g.group_id: g.slack_blocks for g in plan.groups if g.slack_blocks}
         self._producing[request.request_id] = _Producing(request, slack)
 
@@ -213,9 +213,13 @@ class Producer(CacheBound):
                 kept.extend(run)
                 continue
             self.stats.count("slack_runs_dropped")
-            logger.warning("request %s: slack blocks %s of group %d were evicted before they could "
-                           "be held; the decode engine will miss that replay point",
-                           producing.request.request_id, run, group_id)
+            logger.warning(
+                "request %s: slack blocks %s of group %d were evicted before they could "
+                "be held; the decode engine will miss that replay point",
+                producing.request.request_id,
+                run,
+                group_id,
+            )
             for i in run:
                 if (block := producing.held.pop((group_id, i), None)) is not None:
                     self.ops.release([block])

@@ -158,7 +158,8 @@ def plan_request(
         expected_sibling_hit_tokens=rules.lookup_hit(on_decode, num_prompt_tokens, longer),
         expected_resend_hit_tokens=rules.lookup_hit(on_decode, num_prompt_tokens, num_prompt_tokens),
         expected_junction_hit_tokens=(
-            None if junction is None
+            None
+            if junction is None
             else rules.lookup_hit(on_decode, min(junction + rules.alignment, num_prompt_tokens), longer)
         ),
     )

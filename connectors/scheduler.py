@@ -40,9 +40,7 @@ class PDScheduler:
     except the side-channel handler (`_answer`), which reads immutable data or the
     producer's lease table."""
 
-    def __init__(
-        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings
-    ) -> None:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings) -> None:
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         self.engine_id: str = transfer.engine_id or ""
@@ -61,7 +59,10 @@ class PDScheduler:
             base = settings.side_channel_port
             port = base + vllm_config.parallel_config.data_parallel_rank if base else 0
             self._server = SideChannelServer(
-                settings.side_channel_host, port, self._answer, secret,
+                settings.side_channel_host,
+                port,
+                self._answer,
+                secret,
                 max_message_bytes=settings.side_channel_max_message_bytes,
                 max_age_seconds=settings.side_channel_max_age_seconds,
                 allow_insecure=settings.allow_insecure_side_channel,
@@ -100,8 +101,11 @@ class PDScheduler:
         if message.compat != self.compat:
             self.stats.count("handshake_refusals")
             fields = [d.split(":", 1)[0] for d in self.compat.differences(message.compat)]
-            logger.warning("refused handshake from %s: incompatible (%s)", message.engine_id,
-                           "; ".join(self.compat.differences(message.compat)))
+            logger.warning(
+                "refused handshake from %s: incompatible (%s)",
+                message.engine_id,
+                "; ".join(self.compat.differences(message.compat)),
+            )
             # Name what differs, never our values: the asker is not trusted yet.
             return Refusal(reason=f"incompatible engines: {', '.join(fields)} differ")
         worker = self._handshakes.get(message.tp_rank)
@@ -149,8 +153,9 @@ class PDScheduler:
         if self.consumer is not None:
             self.consumer.update_connector_output(output)
 
-    def request_finished(self, request: Request,
-                         block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if self.consumer is not None:
             self.consumer.request_finished(request)
         if self.producer is not None:

@@ -76,8 +76,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     nixl_progress_delay_us: int = 200
 
     def __post_init__(self) -> None:
-        for name in ("lease_seconds", "heartbeat_seconds", "handshake_timeout_seconds",
-                     "transfer_timeout_seconds", "coalesce_wait_seconds"):
+        for name in (
+            "lease_seconds",
+            "heartbeat_seconds",
+            "handshake_timeout_seconds",
+            "transfer_timeout_seconds",
+            "coalesce_wait_seconds",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_seconds >= self.lease_seconds:
@@ -91,8 +96,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
             raise ConfigError("set either secret or secret_env, not both")
         if self.side_channel_max_message_bytes <= 0 or self.side_channel_max_age_seconds <= 0:
             raise ConfigError("side_channel_max_message_bytes and side_channel_max_age_seconds must be positive")
-        if (self.secret is None and self.secret_env is None and not self.allow_insecure_side_channel
-                and not is_loopback_host(self.side_channel_host)):
+        if (
+            self.secret is None
+            and self.secret_env is None
+            and not self.allow_insecure_side_channel
+            and not is_loopback_host(self.side_channel_host)
+        ):
             raise ConfigError(
                 f"side_channel_host {self.side_channel_host!r} is reachable from other machines: set "
                 "secret_env (or secret), or allow_insecure_side_channel on an isolated network"

@@ -114,8 +114,9 @@ class PDConnectorStats(KVConnectorStats):
         return summary
 
     def is_empty(self) -> bool:
-        return not (self.data["counters"] or self.data.get("gauges") or self.data["transfer_seconds"]
-                    or self.data["transport"])
+        return not (
+            self.data["counters"] or self.data.get("gauges") or self.data["transfer_seconds"] or self.data["transport"]
+        )
 
 
 class StatsRecorder:
@@ -191,8 +192,29 @@ class PDPromMetrics(KVConnectorPromMetrics):
                 documentation="Duration of one request's KV load (handshake excluded)",
                 # Fine below 100 ms, where a healthy pull lands, so percentiles read from
                 # the buckets compare transports (benchmarks/handoff.py does).
-                buckets=[0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
-                         0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0],
+                buckets=[
+                    0.0005,
+                    0.001,
+                    0.002,
+                    0.003,
+                    0.005,
+                    0.0075,
+                    0.01,
+                    0.015,
+                    0.02,
+                    0.03,
+                    0.05,
+                    0.075,
+                    0.1,
+                    0.15,
+                    0.25,
+                    0.5,
+                    1.0,
+                    2.5,
+                    5.0,
+                    10.0,
+                    30.0,
+                ],
                 labelnames=labelnames,
             ),
             per_engine_labelvalues,
@@ -214,8 +236,9 @@ class PDPromMetrics(KVConnectorPromMetrics):
         )
         self._gauges = {
             name: _per_engine(
-                gauge_cls(name=f"pdconnect:{name}", documentation=doc, labelnames=labelnames,
-                          multiprocess_mode="mostrecent"),
+                gauge_cls(
+                    name=f"pdconnect:{name}", documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent"
+                ),
                 per_engine_labelvalues,
             )
             for name, doc in GAUGES.items()

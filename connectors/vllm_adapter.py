@@ -56,6 +56,7 @@ __all__ = [
     "group_kind",
 ]  # geometry types re-exported: callers that already pay for vLLM import them from here
 
+
 def group_kind(spec: KVCacheSpec) -> GroupKind:
     """Classify a vLLM spec; sliding-window specs first (some subclass full attention)."""
     if isinstance(spec, SlidingWindowSpec):
@@ -237,14 +238,16 @@ class CacheRules:
         groups = []
         for gid, (group, manager) in enumerate(zip(config.kv_cache_groups, coordinator.single_type_managers)):
             spec = group.kv_cache_spec
-            groups.append(GroupRules(
-                group_id=gid,
-                kind=group_kind(spec),
-                block_size=manager.block_size,
-                sliding_window=getattr(spec, "sliding_window", None),
-                eagle=bool(getattr(manager, "use_eagle", False)),
-                prefix_cacheable=spec.prefix_cacheable,
-            ))
+            groups.append(
+                GroupRules(
+                    group_id=gid,
+                    kind=group_kind(spec),
+                    block_size=manager.block_size,
+                    sliding_window=getattr(spec, "sliding_window", None),
+                    eagle=bool(getattr(manager, "use_eagle", False)),
+                    prefix_cacheable=spec.prefix_cacheable,
+                )
+            )
         self.groups: tuple[GroupRules, ...] = tuple(groups)
         self._probe: KVCacheCoordinator | None = None
         self._cache_probe: KVCacheCoordinator | None = None
@@ -367,8 +370,10 @@ class CacheRules:
         probe.block_pool = view  # type: ignore[assignment]  # a stand-in BlockPool
         for manager in probe.single_type_managers:
             manager.block_pool = view  # type: ignore[assignment]  # a stand-in BlockPool
-        hashes = [_probe_hash(i, (i + 1) * self.hash_block_size <= shared_tokens)
-                  for i in range(num_tokens // self.hash_block_size)]
+        hashes = [
+            _probe_hash(i, (i + 1) * self.hash_block_size <= shared_tokens)
+            for i in range(num_tokens // self.hash_block_size)
+        ]
         _, hit, _ = probe.find_longest_cache_hit(hashes, num_tokens - 1)
         return hit
 

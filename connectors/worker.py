@@ -134,9 +134,15 @@ class PDWorker:
         )
         self._transport.register([MemoryRegion(addr, length) for addr, length in sorted(regions)])
         self.stats = StatsRecorder(f"{self._transport.name}/{self._transport.effective_protocol}")
-        logger.info("rank %d: registered %d KV tensors (%d regions, %.1f MiB) with %s over %s",
-                    self.tp_rank, len(kv_caches), len(regions), sum(n for _, n in regions) / 2**20,
-                    self._transport.name, self._transport.effective_protocol)
+        logger.info(
+            "rank %d: registered %d KV tensors (%d regions, %.1f MiB) with %s over %s",
+            self.tp_rank,
+            len(kv_caches),
+            len(regions),
+            sum(n for _, n in regions) / 2**20,
+            self._transport.name,
+            self._transport.effective_protocol,
+        )
 
     @staticmethod
     def _layout(tensor: torch.Tensor, num_blocks: int, name: str) -> TensorLayout:
@@ -174,8 +180,9 @@ class PDWorker:
         parts = []
         for group_id, pairs in spec.block_pairs.items():
             try:
-                parts.append(pull_ranges_for_layers(self._layouts[group_id], remote.layouts[group_id], pairs,
-                                                    merged=False))
+                parts.append(
+                    pull_ranges_for_layers(self._layouts[group_id], remote.layouts[group_id], pairs, merged=False)
+                )
             except LayoutError as exc:
                 raise LoadError(f"group {group_id}: {exc}") from None
         # One merging pass over every group's numpy table: no per-range tuples.
@@ -205,7 +212,9 @@ class PDWorker:
         client = self._claim_clients.get(spec.side_channel)
         if client is None:
             client = self._claim_clients[spec.side_channel] = SideChannelClient(
-                spec.side_channel, self._secret, self.settings.handshake_timeout_seconds)
+                spec.side_channel, self._secret, self.settings.handshake_timeout_seconds
+            )
+
         def retrying(exc: NoAnswer) -> None:
             self.stats.count("claim_retries")
             logger.warning("request %s: %s; confirming again", spec.request_id, exc)
@@ -228,8 +237,10 @@ class PDWorker:
             raise LoadError(f"{spec.side_channel} answered {type(reply).__name__} to a handshake")
         if reply.engine_id != spec.remote_engine_id:
             self.stats.count("handshake_refusals")
-            raise LoadError(f"unknown engine: {spec.side_channel} is engine {reply.engine_id!r}, "
-                            f"the plan names {spec.remote_engine_id!r}")
+            raise LoadError(
+                f"unknown engine: {spec.side_channel} is engine {reply.engine_id!r}, "
+                f"the plan names {spec.remote_engine_id!r}"
+            )
         if reply.compat != self.compat:
             self.stats.count("handshake_refusals")
             raise LoadError("incompatible prefill engine: " + "; ".join(self.compat.differences(reply.compat)))
@@ -239,8 +250,14 @@ class PDWorker:
             self._transport.connect(peer, reply.transport_metadata)
         except TransferError as exc:
             raise LoadError(f"cannot connect {self._transport.name} to {peer}: {exc}") from None
-        logger.info("rank %d: connected to prefill engine %s via %s (handshake %.3f s, connect %.3f s)",
-                    self.tp_rank, peer, reply.transport, answered - started, time.monotonic() - answered)
+        logger.info(
+            "rank %d: connected to prefill engine %s via %s (handshake %.3f s, connect %.3f s)",
+            self.tp_rank,
+            peer,
+            reply.transport,
+            answered - started,
+            time.monotonic() - answered,
+        )
         return _Remote(peer, decode_layouts(reply.layouts))
 
     def transfer_results(self) -> KVConnectorTransferResults:
@@ -256,8 +273,11 @@ class PDWorker:
                 outcomes = self._polling.result()
             except Exception as exc:  # a poll round that broke: fail what it was polling
                 logger.exception("rank %d: a poll round failed", self.tp_rank)
-                outcomes = {r: self._failed(p.spec, f"poll failed: {exc}", forget=False)
-                            for r, p in self._pulls.items() if p.submitted is not None and p.submitted.done()}
+                outcomes = {
+                    r: self._failed(p.spec, f"poll failed: {exc}", forget=False)
+                    for r, p in self._pulls.items()
+                    if p.submitted is not None and p.submitted.done()
+                }
             self._polling = None
         for request_id, pull in list(self._pulls.items()):
             if pull.failure is not None:
@@ -270,8 +290,9 @@ class PDWorker:
         done = {r for r, ok in outcomes.items() if ok}
         failed = set(outcomes) - done
         sending, self._released = self._released, set()
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=done | failed,
-                                          failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=done | failed, failed_recving=failed
+        )
 
     def _poll(self, pulls: list[_Pull]) -> dict[str, bool]:
         """One poll round on the transport thread: request id -> outcome, for ended pulls."""
@@ -316,8 +337,7 @@ class PDWorker:
     def _failed(self, spec: PullSpec, reason: str, forget: bool = True) -> bool:
         if forget:
             self._forget(spec)
-        logger.error("request %s: KV load from %s failed: %s", spec.request_id,
-                     spec.remote_engine_id or "?", reason)
+        logger.error("request %s: KV load from %s failed: %s", spec.request_id, spec.remote_engine_id or "?", reason)
         return False
 
     def take_stats(self) -> PDConnectorStats | None:

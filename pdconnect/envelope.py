@@ -31,8 +31,17 @@ import msgspec
 from pdconnect.protocol import PROTOCOL_VERSION, Message, ProtocolError
 
 __all__ = [
-    "DEFAULT_MAX_AGE_SECONDS", "NONCE_BYTES", "Envelope", "EnvelopeError", "Opened", "ReplayGuard",
-    "decode_message", "encode_message", "new_nonce", "open_envelope", "request_id_of",
+    "DEFAULT_MAX_AGE_SECONDS",
+    "NONCE_BYTES",
+    "Envelope",
+    "EnvelopeError",
+    "Opened",
+    "ReplayGuard",
+    "decode_message",
+    "encode_message",
+    "new_nonce",
+    "open_envelope",
+    "request_id_of",
 ]
 
 # Also the clock skew tolerated between peers, in both directions.
@@ -92,8 +101,13 @@ def _mac(secret: bytes, version: int, nonce: bytes, sent_at: float, reply_to: by
     # Fixed-width or length-prefixed fields before the body: no two (nonce, time,
     # reply_to, body) tuples share an input.
     answered = b"" if reply_to is None else reply_to
-    header = (struct.pack(">q", version) + nonce + struct.pack(">d", sent_at)
-              + struct.pack(">?H", reply_to is not None, len(answered)) + answered)
+    header = (
+        struct.pack(">q", version)
+        + nonce
+        + struct.pack(">d", sent_at)
+        + struct.pack(">?H", reply_to is not None, len(answered))
+        + answered
+    )
     return hmac.new(secret, _MAC_DOMAIN + header + body, hashlib.sha256).digest()
 
 
@@ -170,8 +184,9 @@ def encode_message(
         return _encoder.encode(Envelope(version=PROTOCOL_VERSION, body=body, nonce=nonce, reply_to=reply_to))
     sent_at = time.time() if now is None else now
     mac = _mac(secret, PROTOCOL_VERSION, nonce, sent_at, reply_to, body)
-    return _encoder.encode(Envelope(version=PROTOCOL_VERSION, body=body, mac=mac, nonce=nonce, sent_at=sent_at,
-                                    reply_to=reply_to))
+    return _encoder.encode(
+        Envelope(version=PROTOCOL_VERSION, body=body, mac=mac, nonce=nonce, sent_at=sent_at, reply_to=reply_to)
+    )
 
 
 def decode_message(data: bytes, secret: bytes | None = None, *, replay_guard: ReplayGuard | None = None) -> Message:
@@ -204,7 +219,9 @@ def open_envelope(data: bytes, secret: bytes | None = None, *, replay_guard: Rep
         raise EnvelopeError("version", f"unsupported side-channel protocol version {envelope.version}")
     if secret is not None:
         if (
-            envelope.mac is None or envelope.nonce is None or envelope.sent_at is None
+            envelope.mac is None
+            or envelope.nonce is None
+            or envelope.sent_at is None
             or len(envelope.nonce) != NONCE_BYTES
             or not hmac.compare_digest(
                 envelope.mac,

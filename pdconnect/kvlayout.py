@@ -43,7 +43,11 @@ import msgspec
 from pdconnect.transfer.ranges import RangeTable, merge_table
 
 __all__ = [
-    "BLOCK_DIM_SENTINEL", "LayoutError", "TensorLayout", "locate_block_dim", "pull_ranges",
+    "BLOCK_DIM_SENTINEL",
+    "LayoutError",
+    "TensorLayout",
+    "locate_block_dim",
+    "pull_ranges",
     "pull_ranges_for_layers",
 ]
 
@@ -91,8 +95,7 @@ class TensorLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @classmethod
     def of(cls, tensor: _TensorLike, *, block_dim: int) -> TensorLayout:
         """The layout of a live tensor (torch or anything with the same accessors)."""
-        return cls(tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()),
-                   tensor.element_size(), block_dim)
+        return cls(tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size(), block_dim)
 
     @property
     def num_blocks(self) -> int:
@@ -115,8 +118,7 @@ class TensorLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def _check_block(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
-            raise LayoutError(f"block {block_id} out of range: the layout has "
-                              f"{self.num_blocks} blocks")
+            raise LayoutError(f"block {block_id} out of range: the layout has {self.num_blocks} blocks")
 
 
 def locate_block_dim(shape: Sequence[int], num_blocks: int) -> int:
@@ -135,8 +137,9 @@ def locate_block_dim(shape: Sequence[int], num_blocks: int) -> int:
     return hits[0]
 
 
-def pull_ranges(local: TensorLayout, remote: TensorLayout,
-                block_pairs: Iterable[tuple[int, int]], *, merged: bool = True) -> RangeTable:
+def pull_ranges(
+    local: TensorLayout, remote: TensorLayout, block_pairs: Iterable[tuple[int, int]], *, merged: bool = True
+) -> RangeTable:
     """`(local_addr, remote_addr, length)` copies bringing remote blocks into local ones.
 
     `block_pairs` holds `(local_block, remote_block)`. Raises LayoutError naming what
@@ -144,18 +147,20 @@ def pull_ranges(local: TensorLayout, remote: TensorLayout,
     `merged=False` keeps one range per piece of each block, in block-pair order
     (what a client without merging would send; benchmarks compare the two).
     """
-    return RangeTable(_pull_table([local], [remote], block_pairs, merged=merged,
-                                  name_layer=False))
+    return RangeTable(_pull_table([local], [remote], block_pairs, merged=merged, name_layer=False))
 
 
-def pull_ranges_for_layers(local: Sequence[TensorLayout], remote: Sequence[TensorLayout],
-                           block_pairs: Iterable[tuple[int, int]], *,
-                           merged: bool = True) -> RangeTable:
+def pull_ranges_for_layers(
+    local: Sequence[TensorLayout],
+    remote: Sequence[TensorLayout],
+    block_pairs: Iterable[tuple[int, int]],
+    *,
+    merged: bool = True,
+) -> RangeTable:
     """`pull_ranges` over every layer (same block ids in each), merged once."""
     if len(local) != len(remote):
         raise LayoutError(f"layer count differs: local {len(local)} vs remote {len(remote)}")
-    return RangeTable(_pull_table(local, remote, block_pairs, merged=merged,
-                                  name_layer=True))
+    return RangeTable(_pull_table(local, remote, block_pairs, merged=merged, name_layer=True))
 
 
 # --- geometry -------------------------------------------------------------------------
@@ -165,17 +170,16 @@ def pull_ranges_for_layers(local: Sequence[TensorLayout], remote: Sequence[Tenso
 class _Geometry:
     """A layout's block structure in bytes, derived once from shape and strides."""
 
-    block_stride: int                 # bytes from block b to block b+1
+    block_stride: int  # bytes from block b to block b+1
     segment_offsets: tuple[int, ...]  # each segment's start, from the block's start
     segment_bytes: int
-    block_shape: tuple[int, ...]      # the shape without the block dim
-    packed_strides: tuple[int, ...]   # per non-block dim: element stride in packed bytes
+    block_shape: tuple[int, ...]  # the shape without the block dim
+    packed_strides: tuple[int, ...]  # per non-block dim: element stride in packed bytes
 
 
 def _geometry(layout: TensorLayout) -> _Geometry:
     # tuple(): a layout built by hand may hold lists, which the memo cannot key on.
-    return _geometry_of(tuple(layout.shape), tuple(layout.strides), layout.itemsize,
-                        layout.block_dim)
+    return _geometry_of(tuple(layout.shape), tuple(layout.strides), layout.itemsize, layout.block_dim)
 
 
 # Memoized: a pure function of immutable values, and every layer of a model shares a few
@@ -183,19 +187,18 @@ def _geometry(layout: TensorLayout) -> _Geometry:
 # what makes a pull's arithmetic cheap. Bounded, so a process seeing many peers cannot
 # grow it without limit.
 @functools.lru_cache(maxsize=256)
-def _geometry_of(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int,
-                 block_dim: int) -> _Geometry:
+def _geometry_of(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, block_dim: int) -> _Geometry:
     if len(shape) != len(strides):
         raise LayoutError(f"shape {shape} and strides {strides} differ in length")
     if not 0 <= block_dim < len(shape):
         raise LayoutError(f"block_dim {block_dim} is not a dim of shape {shape}")
     if itemsize <= 0 or any(n <= 0 for n in shape) or any(s < 0 for s in strides):
-        raise LayoutError(f"itemsize {itemsize}, shape {shape}, strides {strides}: "
-                          "sizes must be positive and strides non-negative")
+        raise LayoutError(
+            f"itemsize {itemsize}, shape {shape}, strides {strides}: sizes must be positive and strides non-negative"
+        )
     _check_no_overlap(shape, strides)
     # Dims of size 1 have arbitrary strides and address nothing; leave them out.
-    dims = sorted((d for d in range(len(shape)) if d != block_dim and shape[d] > 1),
-                  key=lambda d: -strides[d])
+    dims = sorted((d for d in range(len(shape)) if d != block_dim and shape[d] > 1), key=lambda d: -strides[d])
     block_stride = strides[block_dim]
     # The segment: from the innermost dim out, while each stride is the product of the
     # sizes inside it. What stops the run may lie inside the block (BHLNC: a head's next
@@ -226,8 +229,7 @@ def _geometry_of(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int
         run *= shape[d]
     block_shape = tuple(n for d, n in enumerate(shape) if d != block_dim)
     packed_strides = tuple(packed.get(d, 0) for d in range(len(shape)) if d != block_dim)
-    return _Geometry(block_stride * itemsize, offsets, segment_elems * itemsize,
-                     block_shape, packed_strides)
+    return _Geometry(block_stride * itemsize, offsets, segment_elems * itemsize, block_shape, packed_strides)
 
 
 def _check_no_overlap(shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
@@ -235,17 +237,24 @@ def _check_no_overlap(shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
     extent = 1
     for stride, size in sorted((s, n) for s, n in zip(strides, shape) if n > 1):
         if stride < extent:
-            raise LayoutError(f"shape {shape} with strides {strides} overlaps itself: "
-                              f"a dim of size {size} has stride {stride} < {extent}")
+            raise LayoutError(
+                f"shape {shape} with strides {strides} overlaps itself: "
+                f"a dim of size {size} has stride {stride} < {extent}"
+            )
         extent = stride * size
 
 
 # --- matching two layouts ---------------------------------------------------------------
 
 
-def _pull_table(local: Sequence[TensorLayout], remote: Sequence[TensorLayout],
-                block_pairs: Iterable[tuple[int, int]], *, merged: bool,
-                name_layer: bool) -> Any:
+def _pull_table(
+    local: Sequence[TensorLayout],
+    remote: Sequence[TensorLayout],
+    block_pairs: Iterable[tuple[int, int]],
+    *,
+    merged: bool,
+    name_layer: bool,
+) -> Any:
     """The (N, 3) int64 table of `(local_addr, remote_addr, length)` for every layer.
 
     Row order, unmerged: layer, then block pair, then piece within the block.
@@ -254,12 +263,16 @@ def _pull_table(local: Sequence[TensorLayout], remote: Sequence[TensorLayout],
     """
     import numpy as np
 
-    pairs = np.array(block_pairs if isinstance(block_pairs, Sequence) else list(block_pairs),
-                     dtype=np.int64).reshape(-1, 2)
+    pairs = np.array(block_pairs if isinstance(block_pairs, Sequence) else list(block_pairs), dtype=np.int64).reshape(
+        -1, 2
+    )
     local_ids, remote_ids = pairs[:, 0], pairs[:, 1]
     # Every layer gets the same block ids: their extremes decide all the range checks.
-    extremes = ((int(local_ids.min()), int(local_ids.max()), int(remote_ids.min()),
-                 int(remote_ids.max())) if len(pairs) else None)
+    extremes = (
+        (int(local_ids.min()), int(local_ids.max()), int(remote_ids.min()), int(remote_ids.max()))
+        if len(pairs)
+        else None
+    )
     parts = []
     run: list[tuple[int, int]] = []  # (local base, remote base) of layers sharing `key`
     key: tuple[TensorLayout, TensorLayout] | None = None
@@ -283,24 +296,28 @@ def _pull_table(local: Sequence[TensorLayout], remote: Sequence[TensorLayout],
     return merge_table(table) if merged else table
 
 
-def _same_geometry(a: tuple[TensorLayout, TensorLayout],
-                   b: tuple[TensorLayout, TensorLayout]) -> bool:
-    return all(x.shape == y.shape and x.strides == y.strides and x.itemsize == y.itemsize
-               and x.block_dim == y.block_dim for x, y in zip(a, b))
+def _same_geometry(a: tuple[TensorLayout, TensorLayout], b: tuple[TensorLayout, TensorLayout]) -> bool:
+    return all(
+        x.shape == y.shape and x.strides == y.strides and x.itemsize == y.itemsize and x.block_dim == y.block_dim
+        for x, y in zip(a, b)
+    )
 
 
-def _broadcast(np: Any, key: tuple[TensorLayout, TensorLayout], bases: list[tuple[int, int]],
-               local_ids: Any, remote_ids: Any) -> Any:
+def _broadcast(
+    np: Any, key: tuple[TensorLayout, TensorLayout], bases: list[tuple[int, int]], local_ids: Any, remote_ids: Any
+) -> Any:
     """Rows for layers sharing `key`'s geometries: base + block * stride + piece offset."""
     mine, theirs = key
     local_offsets, remote_offsets, lengths = _pieces(mine, theirs)
     base = np.array(bases, dtype=np.int64).reshape(-1, 1, 1, 2)
     shape = (len(bases), len(local_ids), len(lengths))
     table = np.empty((*shape, 3), dtype=np.int64)
-    table[..., 0] = (base[..., 0] + (local_ids * _geometry(mine).block_stride)[None, :, None]
-                     + local_offsets[None, None, :])
-    table[..., 1] = (base[..., 1] + (remote_ids * _geometry(theirs).block_stride)[None, :, None]
-                     + remote_offsets[None, None, :])
+    table[..., 0] = (
+        base[..., 0] + (local_ids * _geometry(mine).block_stride)[None, :, None] + local_offsets[None, None, :]
+    )
+    table[..., 1] = (
+        base[..., 1] + (remote_ids * _geometry(theirs).block_stride)[None, :, None] + remote_offsets[None, None, :]
+    )
     table[..., 2] = lengths[None, None, :]
     return table.reshape(-1, 3)
 
@@ -308,26 +325,41 @@ def _broadcast(np: Any, key: tuple[TensorLayout, TensorLayout], bases: list[tupl
 def _pieces(local: TensorLayout, remote: TensorLayout) -> tuple[Any, Any, Any]:
     """`_matching_pieces` of two layouts as int64 arrays (local offsets, remote offsets,
     lengths), memoized on their geometries."""
-    return _pieces_of(tuple(local.shape), tuple(local.strides), local.itemsize, local.block_dim,
-                      tuple(remote.shape), tuple(remote.strides), remote.itemsize,
-                      remote.block_dim)
+    return _pieces_of(
+        tuple(local.shape),
+        tuple(local.strides),
+        local.itemsize,
+        local.block_dim,
+        tuple(remote.shape),
+        tuple(remote.strides),
+        remote.itemsize,
+        remote.block_dim,
+    )
 
 
 # Memoized like `_geometry_of`, for the same reason; the arrays are read-only because
 # every caller shares them.
 @functools.lru_cache(maxsize=256)
-def _pieces_of(local_shape: tuple[int, ...], local_strides: tuple[int, ...], local_itemsize: int,
-               local_block_dim: int, remote_shape: tuple[int, ...],
-               remote_strides: tuple[int, ...], remote_itemsize: int,
-               remote_block_dim: int) -> tuple[Any, Any, Any]:
+def _pieces_of(
+    local_shape: tuple[int, ...],
+    local_strides: tuple[int, ...],
+    local_itemsize: int,
+    local_block_dim: int,
+    remote_shape: tuple[int, ...],
+    remote_strides: tuple[int, ...],
+    remote_itemsize: int,
+    remote_block_dim: int,
+) -> tuple[Any, Any, Any]:
     import numpy as np
 
     local = _Dims(local_shape, local_strides, local_itemsize, local_block_dim)
     remote = _Dims(remote_shape, remote_strides, remote_itemsize, remote_block_dim)
-    pieces = _matching_pieces(local, _geometry_of(local_shape, local_strides, local_itemsize,
-                                                  local_block_dim),
-                              remote, _geometry_of(remote_shape, remote_strides, remote_itemsize,
-                                                   remote_block_dim))
+    pieces = _matching_pieces(
+        local,
+        _geometry_of(local_shape, local_strides, local_itemsize, local_block_dim),
+        remote,
+        _geometry_of(remote_shape, remote_strides, remote_itemsize, remote_block_dim),
+    )
     arrays = tuple(np.array(column, dtype=np.int64) for column in zip(*pieces))
     for array in arrays:
         array.flags.writeable = False
@@ -344,19 +376,21 @@ class _Dims:
     block_dim: int
 
 
-def _matching_pieces(local: _Dims, mine: _Geometry, remote: _Dims,
-                     theirs: _Geometry) -> list[tuple[int, int, int]]:
+def _matching_pieces(local: _Dims, mine: _Geometry, remote: _Dims, theirs: _Geometry) -> list[tuple[int, int, int]]:
     """`(local_offset, remote_offset, length)` within one block, covering it exactly.
 
     Where one side splits a block into more segments than the other (flash-attn's K and
     V planes against a whole block), segments are cut at both sides' boundaries.
     """
     if local.itemsize != remote.itemsize:
-        raise LayoutError(f"element size differs: local {local.itemsize} B vs remote "
-                          f"{remote.itemsize} B (different KV cache dtypes)")
+        raise LayoutError(
+            f"element size differs: local {local.itemsize} B vs remote {remote.itemsize} B (different KV cache dtypes)"
+        )
     if mine.block_shape != theirs.block_shape:
-        raise LayoutError(f"block shape differs: local {mine.block_shape} vs remote "
-                          f"{theirs.block_shape} (shape {local.shape} vs {remote.shape})")
+        raise LayoutError(
+            f"block shape differs: local {mine.block_shape} vs remote "
+            f"{theirs.block_shape} (shape {local.shape} vs {remote.shape})"
+        )
     if mine.packed_strides != theirs.packed_strides:
         raise LayoutError(
             f"element order inside a block differs (per-block segments: local "
@@ -364,11 +398,17 @@ def _matching_pieces(local: _Dims, mine: _Geometry, remote: _Dims,
             f"{mine.packed_strides} vs {theirs.packed_strides}): a byte copy would scramble "
             "heads or tokens (e.g. an HND layout against an NHD one)"
         )
-    cuts = sorted({*range(0, _packed_bytes(mine), mine.segment_bytes),
-                   *range(0, _packed_bytes(theirs), theirs.segment_bytes),
-                   _packed_bytes(mine)})
-    return [(_address_in_block(mine, start), _address_in_block(theirs, start), end - start)
-            for start, end in itertools.pairwise(cuts)]
+    cuts = sorted(
+        {
+            *range(0, _packed_bytes(mine), mine.segment_bytes),
+            *range(0, _packed_bytes(theirs), theirs.segment_bytes),
+            _packed_bytes(mine),
+        }
+    )
+    return [
+        (_address_in_block(mine, start), _address_in_block(theirs, start), end - start)
+        for start, end in itertools.pairwise(cuts)
+    ]
 
 
 def _packed_bytes(geometry: _Geometry) -> int:

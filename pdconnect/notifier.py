@@ -162,8 +162,9 @@ class PeerNotifier:
         # Messages to one address keep their order except across this boundary (an
         # address that overflowed may get a worker of its own once others retire).
         self._count("notifier_overflow")
-        logger.warning("notifier: more than %d prefill engines at once; %s shares the overflow queue",
-                       self._max_peers, address)
+        logger.warning(
+            "notifier: more than %d prefill engines at once; %s shares the overflow queue", self._max_peers, address
+        )
         if self._overflow is None:
             self._overflow = self._started(_Peer(None))
         return self._overflow.queue
@@ -232,9 +233,12 @@ class PeerNotifier:
             message = Heartbeat(request_ids=ids)
         remaining = item.deadline - time.monotonic()
         if remaining <= 0:
-            self._failed(address, message,
-                         f"not sent: {address} did not take earlier messages within {self._timeout:.1f}s",
-                         unanswered=True)
+            self._failed(
+                address,
+                message,
+                f"not sent: {address} did not take earlier messages within {self._timeout:.1f}s",
+                unanswered=True,
+            )
             return
         own = client is None
         sender = SideChannelClient(address, self._secret, self._timeout) if client is None else client

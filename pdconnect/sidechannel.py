@@ -75,8 +75,12 @@ UNREAD_REQUESTS = 64
 SERVER_COUNTERS = (
     "received",  # messages that passed the envelope checks and reached the handler
     "refused_frames",  # not exactly one frame after the peer's identity (e.g. a REQ socket)
-    "refused_malformed", "refused_version", "refused_unauthenticated", "refused_stale",
-    "refused_replayed", "refused_overloaded",  # the envelope checks, by `EnvelopeError.kind`
+    "refused_malformed",
+    "refused_version",
+    "refused_unauthenticated",
+    "refused_stale",
+    "refused_replayed",
+    "refused_overloaded",  # the envelope checks, by `EnvelopeError.kind`
     "handler_errors",  # the handler raised or answered something unencodable
     "serve_errors",  # anything else that went wrong in one round of the serving loop
 )
@@ -167,8 +171,11 @@ class SideChannelServer:
         self._drained_at = time.monotonic()
         self._thread = threading.Thread(target=self._serve, name="pdconnect-sidechannel", daemon=True)
         self._thread.start()
-        logger.info("side channel listening on %s%s", self.address,
-                    "" if secret is not None else " (no secret: messages are not authenticated)")
+        logger.info(
+            "side channel listening on %s%s",
+            self.address,
+            "" if secret is not None else " (no secret: messages are not authenticated)",
+        )
 
     def _serve(self) -> None:
         poller = zmq.Poller()

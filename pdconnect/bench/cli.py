@@ -53,34 +53,69 @@ SCENARIOS: dict[str, type[Any]] = {
 def _add_common(parser: argparse.ArgumentParser) -> None:
     where = parser.add_argument_group("deployment")
     where.add_argument("--router", required=True, metavar="URL", help="the router (OpenAI-compatible)")
-    where.add_argument("--prefill-metrics", nargs="+", action="extend", default=[], metavar="URL",
-                       help="prefill engines' base or /metrics URLs (counters summed over them)")
-    where.add_argument("--decode-metrics", nargs="+", action="extend", default=[], metavar="URL",
-                       help="decode engines' base or /metrics URLs")
+    where.add_argument(
+        "--prefill-metrics",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="URL",
+        help="prefill engines' base or /metrics URLs (counters summed over them)",
+    )
+    where.add_argument(
+        "--decode-metrics",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="URL",
+        help="decode engines' base or /metrics URLs",
+    )
     where.add_argument("--model", help="served model name (default: the router's first /v1/models entry)")
-    where.add_argument("--reference", metavar="URL",
-                       help="a colocated engine (same model and flags, no KV connector): every step's "
-                            "prompts are replayed on it after the deployment served them, and its local "
-                            "prefix-cache hit is shown beside decode's")
-    where.add_argument("--reference-concurrency", type=int, metavar="N",
-                       help="requests the reference replays at once (default: as the step sends them; "
-                            "1 = what serial siblings hit, the figure coalescing is held to)")
+    where.add_argument(
+        "--reference",
+        metavar="URL",
+        help="a colocated engine (same model and flags, no KV connector): every step's "
+        "prompts are replayed on it after the deployment served them, and its local "
+        "prefix-cache hit is shown beside decode's",
+    )
+    where.add_argument(
+        "--reference-concurrency",
+        type=int,
+        metavar="N",
+        help="requests the reference replays at once (default: as the step sends them; "
+        "1 = what serial siblings hit, the figure coalescing is held to)",
+    )
     how = parser.add_argument_group("requests")
-    how.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
-                     help="token-id prompts, or words 'wN' (one token each on the tiny models)")
-    how.add_argument("--token-range", default="16:1000", metavar="LOW:HIGH",
-                     help="random token ids are drawn from [LOW, HIGH) (default: %(default)s)")
-    how.add_argument("--seed", type=int,
-                     help="same seed, same prompts (default: a fresh one, printed and saved): reuse it "
-                          "only against fresh engines, or the prompts meet their own cached prefixes")
-    how.add_argument("--warmups", type=int, default=1,
-                     help="unmeasured requests with unrelated prompts first (default: %(default)s)")
+    how.add_argument(
+        "--prompt-format",
+        choices=("ids", "text"),
+        default="ids",
+        help="token-id prompts, or words 'wN' (one token each on the tiny models)",
+    )
+    how.add_argument(
+        "--token-range",
+        default="16:1000",
+        metavar="LOW:HIGH",
+        help="random token ids are drawn from [LOW, HIGH) (default: %(default)s)",
+    )
+    how.add_argument(
+        "--seed",
+        type=int,
+        help="same seed, same prompts (default: a fresh one, printed and saved): reuse it "
+        "only against fresh engines, or the prompts meet their own cached prefixes",
+    )
+    how.add_argument(
+        "--warmups", type=int, default=1, help="unmeasured requests with unrelated prompts first (default: %(default)s)"
+    )
     how.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per request")
     out = parser.add_argument_group("output")
     out.add_argument("--json", type=Path, metavar="PATH", help="also write the results here")
     out.add_argument("--label", help="the run's name in the table and JSON")
-    out.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                     help="progress bars (default: on a terminal, for steps of 8+ requests)")
+    out.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bars (default: on a terminal, for steps of 8+ requests)",
+    )
 
 
 def _add_scenario_options(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
@@ -88,8 +123,9 @@ def _add_scenario_options(parser: argparse.ArgumentParser, cls: type[Any]) -> No
     for f in dataclasses.fields(cls):
         flag = f"--{f.name.replace('_', '-')}"
         if f.type in ("bool", bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=f"default: {f.default}")
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=f"default: {f.default}"
+            )
         else:
             group.add_argument(flag, type=int, default=f.default, metavar="N", help=f"default: {f.default}")
 
@@ -98,16 +134,19 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdconnect bench",
         description="Run one benchmark scenario against a running P/D deployment: requests through the "
-                    "router, prefix-cache hits from the engines' /metrics.")
+        "router, prefix-cache hits from the engines' /metrics.",
+    )
     sub = parser.add_subparsers(dest="scenario", required=True, metavar="SCENARIO")
     for name, cls in SCENARIOS.items():
-        child = sub.add_parser(name, help=(cls.__doc__ or "").splitlines()[0],
-                               description=cls.__doc__)
+        child = sub.add_parser(name, help=(cls.__doc__ or "").splitlines()[0], description=cls.__doc__)
         _add_common(child)
         _add_scenario_options(child, cls)
-    compare = sub.add_parser(COMPARE, help="two runs' JSON side by side, with the ratio A/B",
-                             description="Compare the first run of each file (e.g. the same scenario "
-                                         "and --seed against a slack-on and a slack-off deployment).")
+    compare = sub.add_parser(
+        COMPARE,
+        help="two runs' JSON side by side, with the ratio A/B",
+        description="Compare the first run of each file (e.g. the same scenario "
+        "and --seed against a slack-on and a slack-off deployment).",
+    )
     compare.add_argument("a", type=Path, metavar="A.json")
     compare.add_argument("b", type=Path, metavar="B.json")
     return parser
@@ -137,16 +176,22 @@ def _served_model(router: str, timeout: float) -> str:
     return str(response.json()["data"][0]["id"])
 
 
-async def _run(deployment: Deployment, scenario: Scenario, tokens: TokenSource, warmups: int,
-               progress: bool | None, label: str) -> RunResult:
+async def _run(
+    deployment: Deployment, scenario: Scenario, tokens: TokenSource, warmups: int, progress: bool | None, label: str
+) -> RunResult:
     async with LoadGenerator(deployment, progress=progress) as generator:
         steps = await run_scenario(generator, scenario, tokens, warmups)
         transport = await generator.transport() if deployment.decode_metrics else None
     # Every scenario is a dataclass; the Scenario protocol cannot say so.
-    settings = {"scenario": scenario.name, **dataclasses.asdict(scenario),  # type: ignore[call-overload]
-                "router": deployment.router, "model": deployment.model,
-                "prompt_format": deployment.prompt_format, "seed": tokens.seed,
-                "reference": deployment.reference}
+    settings = {
+        "scenario": scenario.name,
+        **dataclasses.asdict(scenario),  # type: ignore[call-overload]
+        "router": deployment.router,
+        "model": deployment.model,
+        "prompt_format": deployment.prompt_format,
+        "seed": tokens.seed,
+        "reference": deployment.reference,
+    }
     return RunResult(label=label, steps=tuple(steps), settings=settings, transport=transport)
 
 
@@ -157,8 +202,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         scenario = _scenario(args)
         if isinstance(scenario, MultiTurnScenario) and args.prompt_format != "ids":
-            raise ValueError("multi-turn sends token ids: each turn appends the answer's generated ids, "
-                             "which words would not spell back exactly")
+            raise ValueError(
+                "multi-turn sends token ids: each turn appends the answer's generated ids, "
+                "which words would not spell back exactly"
+            )
         if args.reference_concurrency is not None and args.reference_concurrency < 1:
             raise ValueError(f"--reference-concurrency must be >= 1, got {args.reference_concurrency}")
         seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
@@ -167,10 +214,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, httpx.HTTPError, KeyError, IndexError) as exc:
         print(f"pdconnect bench: {exc}", file=sys.stderr)
         return 2
-    deployment = Deployment(router=args.router, prefill_metrics=tuple(args.prefill_metrics),
-                            decode_metrics=tuple(args.decode_metrics), model=model,
-                            prompt_format=args.prompt_format, request_timeout_s=args.timeout,
-                            reference=args.reference, reference_concurrency=args.reference_concurrency)
+    deployment = Deployment(
+        router=args.router,
+        prefill_metrics=tuple(args.prefill_metrics),
+        decode_metrics=tuple(args.decode_metrics),
+        model=model,
+        prompt_format=args.prompt_format,
+        request_timeout_s=args.timeout,
+        reference=args.reference,
+        reference_concurrency=args.reference_concurrency,
+    )
     label = args.label or f"{scenario.name} via {deployment.router}"
     try:
         run = asyncio.run(_run(deployment, scenario, tokens, args.warmups, args.progress, label))

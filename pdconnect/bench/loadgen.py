@@ -101,8 +101,9 @@ class Deployment:
             raise ValueError(f"reference_concurrency must be >= 1, got {self.reference_concurrency}")
 
 
-def render_prompt(prompt: Prompt, prompt_format: PromptFormat,
-                  first_word_id: int = DEFAULT_FIRST_WORD_ID) -> list[int] | str:
+def render_prompt(
+    prompt: Prompt, prompt_format: PromptFormat, first_word_id: int = DEFAULT_FIRST_WORD_ID
+) -> list[int] | str:
     """Token ids as they are, or as words `w{id - first_word_id}` (one token each in the tiny
     models' tokenizer; on a real tokenizer a word is a few tokens, and equal word prefixes
     stay equal token prefixes because words are whitespace-separated)."""
@@ -166,8 +167,11 @@ class RoleCounters:
         return RoleCounters(
             engines=self.engines,
             cache=self.cache - other.cache,
-            **{f.name: getattr(self, f.name) - getattr(other, f.name)
-               for f in dataclasses.fields(self) if f.name not in ("engines", "cache")},
+            **{
+                f.name: getattr(self, f.name) - getattr(other, f.name)
+                for f in dataclasses.fields(self)
+                if f.name not in ("engines", "cache")
+            },
         )
 
 
@@ -274,8 +278,12 @@ class RunResult:
     transport: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"label": self.label, "settings": self.settings, "transport": self.transport,
-                "steps": [s.to_json() for s in self.steps]}
+        return {
+            "label": self.label,
+            "settings": self.settings,
+            "transport": self.transport,
+            "steps": [s.to_json() for s in self.steps],
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunResult:
@@ -308,12 +316,14 @@ class LoadGenerator:
         timeout = aiohttp.ClientTimeout(total=self.deployment.request_timeout_s)
         # No per-host connection cap below the step's concurrency; a large read buffer so a
         # long SSE line never trips aiohttp's line limit.
-        self._session = aiohttp.ClientSession(timeout=timeout, read_bufsize=1 << 20,
-                                              connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(
+            timeout=timeout, read_bufsize=1 << 20, connector=aiohttp.TCPConnector(limit=0)
+        )
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._session is not None:
             await self._session.close()
         if self._scraper is not None:
@@ -329,8 +339,10 @@ class LoadGenerator:
         # One after the other: the scraper is one httpx client, not to be shared across threads.
         prefill = await self._scrape(d.prefill_metrics)
         decode = await self._scrape(d.decode_metrics)
-        return (RoleCounters.from_snapshot(prefill, len(d.prefill_metrics)),
-                RoleCounters.from_snapshot(decode, len(d.decode_metrics)))
+        return (
+            RoleCounters.from_snapshot(prefill, len(d.prefill_metrics)),
+            RoleCounters.from_snapshot(decode, len(d.decode_metrics)),
+        )
 
     async def transport(self) -> str | None:
         """The transport the decode engines report in use (our connector only)."""
@@ -343,16 +355,20 @@ class LoadGenerator:
             results = await self._send_all(step, label="warm-up", target=target)
             failed = [r.error for r in results if not r.ok]
             if failed:
-                raise RuntimeError(f"warm-up failed for {len(failed)} of {len(results)} requests"
-                                   f"{' on the reference' if target else ''}: {failed[0]}")
+                raise RuntimeError(
+                    f"warm-up failed for {len(failed)} of {len(results)} requests"
+                    f"{' on the reference' if target else ''}: {failed[0]}"
+                )
 
     def _prompts(self, step: Step) -> tuple[Prompt, ...]:
         """What a step really sends: conversation turns after the first carry their history."""
         if step.turn <= 1:
             return step.prompts
         if len(self._conversations) != len(step.prompts):
-            raise RuntimeError(f"step {step.name!r} continues {len(step.prompts)} conversations but "
-                               f"{len(self._conversations)} are open: run its turn 1 first")
+            raise RuntimeError(
+                f"step {step.name!r} continues {len(step.prompts)} conversations but "
+                f"{len(self._conversations)} are open: run its turn 1 first"
+            )
         return tuple(history + question for history, question in zip(self._conversations, step.prompts))
 
     async def run_step(self, scenario: str, step: Step) -> StepResult:
@@ -372,10 +388,14 @@ class LoadGenerator:
         if reference is not None:
             # After the deployment served the step, so the two never compete for the CPU.
             before = RoleCounters.from_snapshot(await self._scrape([reference]), 1)
-            replay = step if self.deployment.reference_concurrency is None else dataclasses.replace(
-                step, concurrency=self.deployment.reference_concurrency)
-            replayed = await self._send_all(replay, label=f"{scenario}: {step.name} (reference)",
-                                            target=reference, want_ids=True)
+            replay = (
+                step
+                if self.deployment.reference_concurrency is None
+                else dataclasses.replace(step, concurrency=self.deployment.reference_concurrency)
+            )
+            replayed = await self._send_all(
+                replay, label=f"{scenario}: {step.name} (reference)", target=reference, want_ids=True
+            )
             reference_counters = RoleCounters.from_snapshot(await self._scrape([reference]), 1) - before
             same = sum(r.ok and q.ok and r.output_ids == q.output_ids for r, q in zip(results, replayed, strict=True))
         good = [r for r in results if r.ok]
@@ -402,8 +422,9 @@ class LoadGenerator:
             request_ttft_s=tuple(r.ttft_s if r.ok else None for r in results),
         )
 
-    async def _send_all(self, step: Step, label: str, *, target: str | None = None,
-                        want_ids: bool = False) -> list[RequestResult]:
+    async def _send_all(
+        self, step: Step, label: str, *, target: str | None = None, want_ids: bool = False
+    ) -> list[RequestResult]:
         """Send in order with at most `step.concurrency` in flight; results in prompt order.
 
         `target`: an engine's base URL instead of the router.
@@ -412,8 +433,10 @@ class LoadGenerator:
         queue: asyncio.Queue[int] = asyncio.Queue()
         for index in range(len(step.prompts)):
             queue.put_nowait(index)
-        with tqdm(total=len(step.prompts), desc=label, unit="req", leave=False,
-                  disable=self._bar_disabled(len(step.prompts))) as bar:
+        with tqdm(
+            total=len(step.prompts), desc=label, unit="req", leave=False, disable=self._bar_disabled(len(step.prompts))
+        ) as bar:
+
             async def worker() -> None:
                 while not queue.empty():
                     index = queue.get_nowait()
@@ -429,8 +452,9 @@ class LoadGenerator:
             return True
         return None if self._progress is None else False
 
-    async def _send(self, prompt: Prompt, output_len: int, target: str | None = None,
-                    want_ids: bool = False) -> RequestResult:
+    async def _send(
+        self, prompt: Prompt, output_len: int, target: str | None = None, want_ids: bool = False
+    ) -> RequestResult:
         assert self._session is not None, "use LoadGenerator as an async context manager"
         d = self.deployment
         body = {
@@ -453,8 +477,13 @@ class LoadGenerator:
                 fallback = FALLBACK_HEADER in resp.headers
                 if resp.status != 200:
                     text = (await resp.text())[:300]
-                    return RequestResult(False, time.perf_counter() - started, fallback=fallback,
-                                         error=f"HTTP {resp.status}: {text}", sent_at=started)
+                    return RequestResult(
+                        False,
+                        time.perf_counter() - started,
+                        fallback=fallback,
+                        error=f"HTTP {resp.status}: {text}",
+                        sent_at=started,
+                    )
                 async for raw in resp.content:
                     line = raw.strip()
                     if not line.startswith(b"data:"):
@@ -464,16 +493,23 @@ class LoadGenerator:
                         break
                     event = json.loads(data)
                     if "error" in event:
-                        return RequestResult(False, time.perf_counter() - started, ttft, fallback=fallback,
-                                             error=f"stream error: {event['error']}", sent_at=started)
+                        return RequestResult(
+                            False,
+                            time.perf_counter() - started,
+                            ttft,
+                            fallback=fallback,
+                            error=f"stream error: {event['error']}",
+                            sent_at=started,
+                        )
                     if ttft is None and event.get("choices"):
                         ttft = time.perf_counter() - started
                     for choice in event.get("choices") or ():
                         output_ids.extend(choice.get("token_ids") or ())
                     usage = event.get("usage") or usage
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return RequestResult(False, time.perf_counter() - started, ttft,
-                                 error=f"{type(exc).__name__}: {exc}", sent_at=started)
+            return RequestResult(
+                False, time.perf_counter() - started, ttft, error=f"{type(exc).__name__}: {exc}", sent_at=started
+            )
         error = None if ttft is not None else "stream ended without a token"
         if error is None and want_ids and not output_ids:
             error = "no token_ids in the stream: the server ignored return_token_ids"
@@ -491,8 +527,12 @@ class LoadGenerator:
 
 
 async def run_scenario(
-    generator: LoadGenerator, scenario: Scenario, tokens: TokenSource, warmups: int = 0,
-    *, serial: bool = False,
+    generator: LoadGenerator,
+    scenario: Scenario,
+    tokens: TokenSource,
+    warmups: int = 0,
+    *,
+    serial: bool = False,
 ) -> list[StepResult]:
     """Warm up with `warmups` unrelated prompts of the scenario's shape, then run its steps.
 

@@ -34,8 +34,9 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: in
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+        return "  ".join(
+            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
@@ -55,8 +56,18 @@ def _rate(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.2f}"
 
 
-RUN_HEADERS = ("scenario", "step", "ok", "D-local hit", "D-external hit", "P-local hit",
-               "slack blocks", "TTFT mean", "TTFT p99", "req/s")
+RUN_HEADERS = (
+    "scenario",
+    "step",
+    "ok",
+    "D-local hit",
+    "D-external hit",
+    "P-local hit",
+    "slack blocks",
+    "TTFT mean",
+    "TTFT p99",
+    "req/s",
+)
 # With a colocated reference engine, its local hit goes right after decode's.
 REFERENCE_HEADER = "colocated hit"
 
@@ -65,13 +76,17 @@ def _run_row(s: StepResult, with_reference: bool = False) -> list[str]:
     d, p = s.decode, s.prefill
     reference = [_tokens(s.reference.cache.hits, s.reference.engines > 0)] if with_reference else []
     return [
-        s.scenario, s.step, f"{s.ok}/{s.requests}",
+        s.scenario,
+        s.step,
+        f"{s.ok}/{s.requests}",
         _tokens(d.cache.hits, d.engines > 0),
         *reference,
         _tokens(d.cache.external_hits, d.engines > 0),
         _tokens(p.cache.hits, p.engines > 0),
         _tokens(d.slack_blocks_published, d.engines > 0),
-        _ms(s.ttft_mean_s), _ms(s.ttft_p99_s), _rate(s.request_throughput),
+        _ms(s.ttft_mean_s),
+        _ms(s.ttft_p99_s),
+        _rate(s.request_throughput),
     ]
 
 
@@ -86,11 +101,12 @@ def format_run(run: RunResult) -> str:
     for s in run.steps:
         if s.failed or s.fallbacks:
             first = f"; first error: {s.errors[0]}" if s.errors else ""
-            lines.append(f"! {s.scenario} {s.step}: {s.failed} failed, {s.fallbacks} decode-only "
-                         f"fallbacks{first}")
+            lines.append(f"! {s.scenario} {s.step}: {s.failed} failed, {s.fallbacks} decode-only fallbacks{first}")
         if s.reference_same_outputs is not None and s.reference_same_outputs < s.requests:
-            lines.append(f"! {s.scenario} {s.step}: {s.requests - s.reference_same_outputs} of {s.requests} "
-                         "answers differ from the colocated engine's")
+            lines.append(
+                f"! {s.scenario} {s.step}: {s.requests - s.reference_same_outputs} of {s.requests} "
+                "answers differ from the colocated engine's"
+            )
     return "\n".join(lines)
 
 
@@ -176,9 +192,13 @@ def compare(a: RunResult, b: RunResult) -> list[Comparison]:
     """Every figure of every scenario both runs have, `a` against `b` (figures neither
     run measured, like the colocated hit without a reference engine, are left out)."""
     mine, theirs = _totals(a), _totals(b)
-    return [Comparison(name, attr, getattr(mine[name], attr), getattr(theirs[name], attr))
-            for name in mine if name in theirs for _, attr, _ in _METRICS
-            if not (math.isnan(getattr(mine[name], attr)) and math.isnan(getattr(theirs[name], attr)))]
+    return [
+        Comparison(name, attr, getattr(mine[name], attr), getattr(theirs[name], attr))
+        for name in mine
+        if name in theirs
+        for _, attr, _ in _METRICS
+        if not (math.isnan(getattr(mine[name], attr)) and math.isnan(getattr(theirs[name], attr)))
+    ]
 
 
 def _ratio(value: float) -> str:
@@ -215,11 +235,16 @@ def _json_safe(value: Any) -> Any:
 
 def write_json(path: Path, runs: Sequence[RunResult], extra: dict[str, Any] | None = None) -> None:
     """Every run (raw per-request TTFTs included) and, for two runs, their comparison."""
-    data: dict[str, Any] = {"generated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(extra or {}),
-                            "runs": [r.to_json() for r in runs]}
+    data: dict[str, Any] = {
+        "generated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **(extra or {}),
+        "runs": [r.to_json() for r in runs],
+    }
     if len(runs) == 2:
-        data["comparison"] = [{"scenario": c.scenario, "metric": c.metric, runs[0].label: c.a,
-                               runs[1].label: c.b, "ratio": c.ratio} for c in compare(*runs)]
+        data["comparison"] = [
+            {"scenario": c.scenario, "metric": c.metric, runs[0].label: c.a, runs[1].label: c.b, "ratio": c.ratio}
+            for c in compare(*runs)
+        ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_json_safe(data), indent=2) + "\n")
 
@@ -238,15 +263,18 @@ def write_chart(path: Path, runs: Sequence[RunResult], title: str) -> bool:
 
     totals = [_totals(r) for r in runs]
     scenarios = list(dict.fromkeys(name for t in totals for name in t))
-    panels = (("decode-local hit tokens", "decode_local_hits", 1.0),
-              ("decode external hit tokens", "decode_external_hits", 1.0),
-              ("TTFT mean (ms)", "ttft_mean_s", 1000.0))
+    panels = (
+        ("decode-local hit tokens", "decode_local_hits", 1.0),
+        ("decode external hit tokens", "decode_external_hits", 1.0),
+        ("TTFT mean (ms)", "ttft_mean_s", 1000.0),
+    )
     # Horizontal bars: scenario names ("multi-turn turn 2", "prefix-repetition") are long,
     # and as x-axis labels under grouped bars they ran into each other. One label column,
     # shared by the panels, reads at any number of scenarios.
     height = 0.8 / max(len(runs), 1)
-    fig, axes = plt.subplots(1, len(panels), sharey=True,
-                             figsize=(4.2 * len(panels), 1.2 + 0.5 * len(scenarios) * max(len(runs), 1) ** 0.5))
+    fig, axes = plt.subplots(
+        1, len(panels), sharey=True, figsize=(4.2 * len(panels), 1.2 + 0.5 * len(scenarios) * max(len(runs), 1) ** 0.5)
+    )
     for ax, (label, attr, scale) in zip(axes, panels, strict=True):
         for i, (run, total) in enumerate(zip(runs, totals, strict=True)):
             values = [getattr(total[s], attr) * scale if s in total else 0.0 for s in scenarios]

@@ -183,8 +183,13 @@ class ProbeScenario:
         steps = [
             Step("first remote load x+a", (sibling(x),), self.output_len),
             Step("serial sibling x+b", (sibling(x),), self.output_len),
-            Step("overlapping " + " ".join(f"y+{c}" for c in letters[:-1]), together, self.output_len,
-                 concurrency=self.overlap, groups=(0,) * self.overlap),
+            Step(
+                "overlapping " + " ".join(f"y+{c}" for c in letters[:-1]),
+                together,
+                self.output_len,
+                concurrency=self.overlap,
+                groups=(0,) * self.overlap,
+            ),
             Step(f"after overlap y+{letters[-1]}", (sibling(y),), self.output_len),
         ]
         if self.long_suffix_len:
@@ -197,8 +202,15 @@ class ProbeScenario:
 
 
 def _grouped_step(
-    name: str, tokens: TokenSource, groups: int, per_group: int, prefix_len: int, suffix_len: int,
-    shuffle: bool, output_len: int, concurrency: int,
+    name: str,
+    tokens: TokenSource,
+    groups: int,
+    per_group: int,
+    prefix_len: int,
+    suffix_len: int,
+    shuffle: bool,
+    output_len: int,
+    concurrency: int,
 ) -> Step:
     """`groups` random prefixes, each with `per_group` random suffixes; optionally shuffled.
 
@@ -212,8 +224,9 @@ def _grouped_step(
     order = list(range(len(prompts)))
     if shuffle:
         tokens.shuffle(order)
-    return Step(name, tuple(prompts[i] for i in order), output_len, concurrency,
-                groups=tuple(i // per_group for i in order))
+    return Step(
+        name, tuple(prompts[i] for i in order), output_len, concurrency, groups=tuple(i // per_group for i in order)
+    )
 
 
 @dataclass(frozen=True)
@@ -242,10 +255,23 @@ class PrefixRepetitionScenario:
 
     def steps(self, tokens: TokenSource) -> list[Step]:
         per_prefix = self.num_requests // self.num_prefixes
-        name = (f"{self.num_prefixes}x{per_prefix} p{self.prefix_len}+s{self.suffix_len} "
-                f"c{self.concurrency} out{self.output_len}")
-        return [_grouped_step(name, tokens, self.num_prefixes, per_prefix, self.prefix_len, self.suffix_len,
-                              self.shuffle, self.output_len, self.concurrency)]
+        name = (
+            f"{self.num_prefixes}x{per_prefix} p{self.prefix_len}+s{self.suffix_len} "
+            f"c{self.concurrency} out{self.output_len}"
+        )
+        return [
+            _grouped_step(
+                name,
+                tokens,
+                self.num_prefixes,
+                per_prefix,
+                self.prefix_len,
+                self.suffix_len,
+                self.shuffle,
+                self.output_len,
+                self.concurrency,
+            )
+        ]
 
 
 @dataclass(frozen=True)
@@ -262,17 +288,31 @@ class SharedPrefixScenario:
     shuffle: bool = True
 
     def __post_init__(self) -> None:
-        _check_positive(self, "groups", "prompts_per_group", "system_prompt_len", "question_len",
-                        "output_len", "concurrency")
+        _check_positive(
+            self, "groups", "prompts_per_group", "system_prompt_len", "question_len", "output_len", "concurrency"
+        )
 
     def prompt_len(self) -> int:
         return self.system_prompt_len + self.question_len
 
     def steps(self, tokens: TokenSource) -> list[Step]:
-        name = (f"{self.groups}x{self.prompts_per_group} sys{self.system_prompt_len}+q{self.question_len} "
-                f"c{self.concurrency} out{self.output_len}")
-        return [_grouped_step(name, tokens, self.groups, self.prompts_per_group, self.system_prompt_len,
-                              self.question_len, self.shuffle, self.output_len, self.concurrency)]
+        name = (
+            f"{self.groups}x{self.prompts_per_group} sys{self.system_prompt_len}+q{self.question_len} "
+            f"c{self.concurrency} out{self.output_len}"
+        )
+        return [
+            _grouped_step(
+                name,
+                tokens,
+                self.groups,
+                self.prompts_per_group,
+                self.system_prompt_len,
+                self.question_len,
+                self.shuffle,
+                self.output_len,
+                self.concurrency,
+            )
+        ]
 
 
 @dataclass(frozen=True)
@@ -297,11 +337,13 @@ class MultiTurnScenario:
     concurrency: int = 1
 
     def __post_init__(self) -> None:
-        _check_positive(self, "conversations", "turns", "system_prompt_len", "question_len", "output_len",
-                        "concurrency")
+        _check_positive(
+            self, "conversations", "turns", "system_prompt_len", "question_len", "output_len", "concurrency"
+        )
         if not 0 <= self.question_len_jitter < self.question_len:
-            raise ValueError(f"MultiTurnScenario.question_len_jitter must be in [0, question_len), "
-                             f"got {self.question_len_jitter}")
+            raise ValueError(
+                f"MultiTurnScenario.question_len_jitter must be in [0, question_len), got {self.question_len_jitter}"
+            )
 
     def prompt_len(self) -> int:
         return self.system_prompt_len + self.question_len

@@ -68,8 +68,7 @@ class MetricsSnapshot:
         return sum(
             value
             for sample_name, sample_labels, value in self.samples
-            if sample_name in wanted and all(
-                dict(sample_labels).get(k) == v for k, v in labels.items())
+            if sample_name in wanted and all(dict(sample_labels).get(k) == v for k, v in labels.items())
         )
 
     def names(self) -> set[str]:
@@ -107,7 +106,6 @@ class PrefixCacheCounters:
         )
 
     def __sub__(self, other: PrefixCacheCounters) -> PrefixCacheCounters:
-        return PrefixCacheCounters(**{
-            f.name: getattr(self, f.name) - getattr(other, f.name)
-            for f in dataclasses.fields(self)
-        })
+        return PrefixCacheCounters(
+            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)}
+        )

@@ -129,7 +129,8 @@ class Router:
         self.header_timeouts = Counter(
             "pdconnect_router_header_timeouts",
             "Client connections closed because a request head did not arrive within header_read_timeout",
-            registry=self.metrics.registry)
+            registry=self.metrics.registry,
+        )
         self._resolver = resolver
         self._secret = config.resolve_secret()
         self._admin_token = config.resolve_admin_token()
@@ -170,26 +171,38 @@ class Router:
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         config = self.config
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.upstream_keepalive,
-                                         ttl_dns_cache=max(1, int(config.dns_interval)))
+        connector = aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=config.upstream_keepalive, ttl_dns_cache=max(1, int(config.dns_interval))
+        )
         # Engines are asked for identity encoding; one that compresses anyway (or a hop
         # between) is inflated here, so clients never get bytes their headers do not describe.
         # No cookie jar: engines set no cookies, and filtering one costs every request.
-        session = aiohttp.ClientSession(connector=connector, auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar(),
-                                        headers={"Accept-Encoding": "identity"})
+        session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=True,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            headers={"Accept-Encoding": "identity"},
+        )
         self._session = session
         releaser = PrefillReleaser(self._secret, config.release_timeout, self.metrics)
         upstream = UpstreamPool(config.connect_timeout, config.upstream_keepalive)
         feed = self._kv_events_feed() if config.policy == "kv-aware" else None
         load = LoadBound(config.affinity_load_factor, config.affinity_min_load)
-        self._flow = PDFlow(config, self.registry, upstream, self.metrics, releaser,
-                            make_policy(config.policy, load, config.affinity_vnodes, feed),
-                            make_policy(config.policy, load, config.affinity_vnodes, feed))
+        self._flow = PDFlow(
+            config,
+            self.registry,
+            upstream,
+            self.metrics,
+            releaser,
+            make_policy(config.policy, load, config.affinity_vnodes, feed),
+            make_policy(config.policy, load, config.affinity_vnodes, feed),
+        )
         tasks: list[asyncio.Task[None]] = []
         monitor = None
         if config.health_interval > 0:
-            monitor = HealthMonitor(self.registry, session, config.health_interval, config.health_timeout,
-                                    config.health_failures)
+            monitor = HealthMonitor(
+                self.registry, session, config.health_interval, config.health_timeout, config.health_failures
+            )
             self.registry.on_added.append(monitor.poll_soon)
         for url in config.prefill_urls:
             self.registry.add(Role.PREFILL, url, "static")
@@ -197,16 +210,25 @@ class Router:
             self.registry.add(Role.DECODE, url, "static")
         for role in Role:
             for target in config.dns_targets(role.value):
-                discovery = DnsDiscovery(self.registry, role, target, config.dns_interval, self._resolver,
-                                         on_failure=self.metrics.dns_failures.inc)
+                discovery = DnsDiscovery(
+                    self.registry,
+                    role,
+                    target,
+                    config.dns_interval,
+                    self._resolver,
+                    on_failure=self.metrics.dns_failures.inc,
+                )
                 await discovery.refresh()
                 tasks.append(asyncio.create_task(discovery.run()))
         if monitor is not None:
             await monitor.poll(self.registry.all_engines())
             tasks.append(asyncio.create_task(monitor.run()))
-        logger.info("router ready: %d prefill, %d decode engines, policy %s",
-                    len(self.registry.engines(Role.PREFILL)), len(self.registry.engines(Role.DECODE)),
-                    config.policy)
+        logger.info(
+            "router ready: %d prefill, %d decode engines, policy %s",
+            len(self.registry.engines(Role.PREFILL)),
+            len(self.registry.engines(Role.DECODE)),
+            config.policy,
+        )
         try:
             yield
         finally:
@@ -232,8 +254,10 @@ class Router:
             if config.kv_events_port is None:
                 return None
             replay = config.kv_events_replay_port
-            return (events_endpoint(url, config.kv_events_port),
-                    events_endpoint(url, replay) if replay is not None else None)
+            return (
+                events_endpoint(url, config.kv_events_port),
+                events_endpoint(url, replay) if replay is not None else None,
+            )
 
         counter = self.metrics.kv_events
         feed = KVEventsFeed(endpoints, lambda result: counter.labels(result).inc())
@@ -258,8 +282,11 @@ class Router:
         headers = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else None
         for engine in LeastLoaded().order(self.registry.engines(Role.DECODE), None):
             try:
-                async with self._session.get(f"{engine.url}/v1/models", headers=headers,
-                                             timeout=aiohttp.ClientTimeout(total=self.config.health_timeout)) as resp:
+                async with self._session.get(
+                    f"{engine.url}/v1/models",
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=self.config.health_timeout),
+                ) as resp:
                     body = await resp.read()
                     if resp.status < 500:
                         content_type = resp.headers.get("Content-Type", "application/json")
@@ -272,8 +299,13 @@ class Router:
 
     async def _health(self, request: web.Request) -> web.Response:
         """200 while some decode engine can serve (decode-only fallback needs nothing else)."""
-        counts = {role.value: {"routable": sum(e.routable for e in self.registry.engines(role)),
-                               "registered": len(self.registry.engines(role))} for role in Role}
+        counts = {
+            role.value: {
+                "routable": sum(e.routable for e in self.registry.engines(role)),
+                "registered": len(self.registry.engines(role)),
+            }
+            for role in Role
+        }
         ok = counts["decode"]["routable"] > 0
         return _json({"status": "ok" if ok else "unavailable", **counts}, status=200 if ok else 503)
 
@@ -316,9 +348,16 @@ class Router:
 
 
 def _describe(engine: Engine) -> dict[str, Any]:
-    return {"role": engine.role.value, "url": engine.url, "sources": sorted(engine.sources),
-            "routable": engine.routable, "health_poll_ok": engine.probe_ok,
-            "breaker": engine.breaker.state.value, "in_flight": engine.in_flight, "failures": engine.failures}
+    return {
+        "role": engine.role.value,
+        "url": engine.url,
+        "sources": sorted(engine.sources),
+        "routable": engine.routable,
+        "health_poll_ok": engine.probe_ok,
+        "breaker": engine.breaker.state.value,
+        "in_flight": engine.in_flight,
+        "failures": engine.failures,
+    }
 
 
 @dataclass
@@ -338,6 +377,7 @@ class RunningRouter:
 
 
 # --- the request head deadline ---------------------------------------------------------------
+
 
 class _HeadDeadlineHandler(RequestHandler):
     """aiohttp's per-connection protocol, with a deadline on every request's head.
@@ -398,13 +438,20 @@ class _HeadDeadlineServer(web.Server):
     """aiohttp's connection manager for one app, making `_HeadDeadlineHandler`s."""
 
     def __init__(self, inner: web.Server, head_timeout: float, on_head_timeout: Callable[[], None]) -> None:
-        super().__init__(inner.request_handler, request_factory=inner.request_factory,
-                         handler_cancellation=inner.handler_cancellation, loop=inner._loop, **inner._kwargs)
+        super().__init__(
+            inner.request_handler,
+            request_factory=inner.request_factory,
+            handler_cancellation=inner.handler_cancellation,
+            loop=inner._loop,
+            **inner._kwargs,
+        )
         self.head_timeout = head_timeout
         self.on_head_timeout = on_head_timeout
         body = _error_json(408, f"request head not received within {head_timeout}s", "HeaderTimeout")
-        self.timeout_response = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
-                                 b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        self.timeout_response = (
+            b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
+        )
 
     def __call__(self) -> RequestHandler:
         return _HeadDeadlineHandler(self, loop=self._loop, **self._kwargs)
@@ -415,8 +462,9 @@ class _Runner(web.AppRunner):
 
     __slots__ = ("_head_timeout", "_on_head_timeout")
 
-    def __init__(self, app: web.Application, head_timeout: float, on_head_timeout: Callable[[], None],
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, app: web.Application, head_timeout: float, on_head_timeout: Callable[[], None], **kwargs: Any
+    ) -> None:
         super().__init__(app, **kwargs)
         self._head_timeout = head_timeout
         self._on_head_timeout = on_head_timeout
@@ -425,11 +473,24 @@ class _Runner(web.AppRunner):
         return _HeadDeadlineServer(await super()._make_server(), self._head_timeout, self._on_head_timeout)
 
 
-async def _serve(app: web.Application, host: str, port: int, head_timeout: float,
-                 on_head_timeout: Callable[[], None], keepalive: float) -> tuple[web.AppRunner, str]:
+async def _serve(
+    app: web.Application,
+    host: str,
+    port: int,
+    head_timeout: float,
+    on_head_timeout: Callable[[], None],
+    keepalive: float,
+) -> tuple[web.AppRunner, str]:
     # auto_decompress off: request bodies are inflated by `body.read_body`, within the limit.
-    runner = _Runner(app, head_timeout, on_head_timeout, handler_cancellation=True, access_log=None,
-                     auto_decompress=False, keepalive_timeout=keepalive)
+    runner = _Runner(
+        app,
+        head_timeout,
+        on_head_timeout,
+        handler_cancellation=True,
+        access_log=None,
+        auto_decompress=False,
+        keepalive_timeout=keepalive,
+    )
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     bound_host, bound_port = runner.addresses[0][:2]
@@ -460,8 +521,7 @@ async def _run_until_signalled(config: RouterConfig) -> None:
     # ~50k start-up objects (a 10-25 ms stall of every request in flight, every few seconds
     # under load, measured on 2 shared cores).
     gc.freeze()
-    logger.info("listening on %s%s", running.url,
-                f", admin on {running.admin_url}" if running.admin_url else "")
+    logger.info("listening on %s%s", running.url, f", admin on {running.admin_url}" if running.admin_url else "")
     try:
         await stop.wait()
     finally:

@@ -68,11 +68,24 @@ ContentFormat = Literal["string", "openai"]
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # `apply_chat_template`'s own parameters: a kwarg of one of these names is consumed by
 # transformers, never seen by the template.
-_HF_PARAMETERS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
+_HF_PARAMETERS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 # Kwargs vLLM refuses or that make transformers raise (duplicate arguments).
 _REFUSED_KWARGS = ("chat_template", "tokenize", "messages", "conversation", "self")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -88,6 +101,7 @@ class NotRendered(Exception):
 
 
 # --- the template -------------------------------------------------------------------------
+
 
 class _GenerationBlocks(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` renders its body: transformers marks assistant
@@ -108,8 +122,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # transformers' filter: jinja2's own escapes HTML characters, which templates do not want.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -121,7 +140,8 @@ def _strftime_now(format: str) -> str:
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     """transformers' `_compile_jinja_template` environment: the same text for the same template."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlocks, jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlocks, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -158,9 +178,13 @@ class ChatTemplate:
                 raise NotRendered("unsupported_request", "continue_final_message: the template has no content")
             final_text = _tag_final_message(conversation[-1])
         try:
-            text = self.compiled.render(messages=conversation, tools=None, documents=variables.pop("documents", None),
-                                        add_generation_prompt=add_generation_prompt,
-                                        **{**self.special_tokens, **variables})
+            text = self.compiled.render(
+                messages=conversation,
+                tools=None,
+                documents=variables.pop("documents", None),
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **variables},
+            )
         except Exception as exc:  # noqa: BLE001 - the template's raise_exception, sandbox, type errors
             raise NotRendered("template_error", f"{type(exc).__name__}: {exc}") from None
         if continue_final:
@@ -181,8 +205,11 @@ def _request_variables(body: Mapping[str, Any]) -> tuple[dict[str, Any], bool, b
     add_generation_prompt = body.get("add_generation_prompt", True)
     continue_final = body.get("continue_final_message", False)
     add_special_tokens = body.get("add_special_tokens", False)
-    for name, value in (("add_generation_prompt", add_generation_prompt), ("continue_final_message", continue_final),
-                        ("add_special_tokens", add_special_tokens)):
+    for name, value in (
+        ("add_generation_prompt", add_generation_prompt),
+        ("continue_final_message", continue_final),
+        ("add_special_tokens", add_special_tokens),
+    ):
         if not isinstance(value, bool):
             raise NotRendered("unsupported_request", f"`{name}` is not a boolean")
     if add_generation_prompt and continue_final:
@@ -200,8 +227,7 @@ def _request_variables(body: Mapping[str, Any]) -> tuple[dict[str, Any], bool, b
     # vLLM merges twice (`build_chat_params`, then `with_defaults`): the request's fields
     # over its kwargs, and in the end no variable whose value is None or "auto".
     merged = {**kwargs, **{k: v for k, v in extra.items() if not _unset(v)}}
-    variables = {k: v for k, v in merged.items()
-                 if not _unset(v) and (k not in _HF_PARAMETERS or k == "documents")}
+    variables = {k: v for k, v in merged.items() if not _unset(v) and (k not in _HF_PARAMETERS or k == "documents")}
     return variables, add_generation_prompt, continue_final, add_special_tokens
 
 
@@ -211,6 +237,7 @@ def _unset(value: Any) -> bool:
 
 
 # --- messages -> vLLM's conversation --------------------------------------------------------
+
 
 def _conversation(messages: Sequence[Any], content_format: ContentFormat) -> list[dict[str, Any]]:
     """vLLM's `parse_chat_messages` for text-only system, user and assistant messages."""
@@ -222,8 +249,7 @@ def _conversation(messages: Sequence[Any], content_format: ContentFormat) -> lis
         if role not in ("system", "user", "assistant"):
             raise NotRendered("unsupported_message", f"role {role!r}")
         texts = _texts(message.get("content"), role)
-        content: Any = ([{"type": "text", "text": t} for t in texts] if content_format == "openai"
-                        else "\n".join(texts))
+        content: Any = [{"type": "text", "text": t} for t in texts] if content_format == "openai" else "\n".join(texts)
         out: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":
             if message.get("tool_calls"):
@@ -248,8 +274,12 @@ def _texts(content: Any, role: str) -> list[str]:
         raise NotRendered("unsupported_message", "content is neither a string nor a list")
     texts = []
     for part in parts:
-        if isinstance(part, dict) and part.get("type") == "text" and part.keys() <= {"type", "text"} \
-                and isinstance(part.get("text"), str):
+        if (
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and part.keys() <= {"type", "text"}
+            and isinstance(part.get("text"), str)
+        ):
             texts.append(part["text"])
         elif isinstance(part, str):
             texts.append(part)
@@ -280,7 +310,7 @@ def _cut_after_final_message(text: str, final_text: str) -> str:
     if final_text.strip() not in text or tag not in text:
         raise NotRendered("template_error", "continue_final_message: the template drops the final message")
     at = text.rindex(tag)
-    if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+    if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return text[:at]
     return text[:at].rstrip()  # the template trimmed the message's trailing space
 
@@ -290,8 +320,9 @@ def _cut_after_final_message(text: str, final_text: str) -> str:
 # a string. Ported rule for rule from vllm/renderers/hf.py (0.32); an error while walking
 # the tree means "string" there too.
 
+
 def detect_content_format(template: jinja2.nodes.Template) -> ContentFormat:
-    """"openai" when the parsed template loops over a message's content, else "string"."""
+    """ "openai" when the parsed template loops over a message's content, else "string"."""
     try:
         next(_content_loops(template))
     except StopIteration:
@@ -363,8 +394,11 @@ def _content_loops(root: jinja2.nodes.Node) -> Iterator[str]:
                     if i < len(macro.args) and any(_is_var_or_elems(arg, m, "content") for m in messages):
                         params.add(macro.args[i].name)
                 for keyword in call.kwargs:
-                    if isinstance(keyword, jinja2.nodes.Keyword) and keyword.key in names and any(
-                            _is_var_or_elems(keyword.value, m, "content") for m in messages):
+                    if (
+                        isinstance(keyword, jinja2.nodes.Keyword)
+                        and keyword.key in names
+                        and any(_is_var_or_elems(keyword.value, m, "content") for m in messages)
+                    ):
                         params.add(keyword.key)
         for loop in macro.find_all(jinja2.nodes.For):
             loops_in_macros.add(id(loop))
@@ -380,13 +414,13 @@ def _content_loops(root: jinja2.nodes.Node) -> Iterator[str]:
             assert isinstance(loop.target, jinja2.nodes.Name)
             yield loop.target.name
             continue
-        if id(loop) not in loops_in_macros and isinstance(loop.iter, jinja2.nodes.Name) \
-                and loop.iter.name == "content":
+        if id(loop) not in loops_in_macros and isinstance(loop.iter, jinja2.nodes.Name) and loop.iter.name == "content":
             assert isinstance(loop.target, jinja2.nodes.Name)
             yield loop.target.name
 
 
 # --- the model directory ---------------------------------------------------------------------
+
 
 def _token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json stores it: a string or a serialized AddedToken."""
@@ -426,8 +460,11 @@ def load_template_source(directory: Path, config: Mapping[str, Any]) -> str | No
         if isinstance(configured, str):
             return configured
         if isinstance(configured, list):
-            templates = {t["name"]: t["template"] for t in configured
-                         if isinstance(t, dict) and isinstance(t.get("template"), str)}
+            templates = {
+                t["name"]: t["template"]
+                for t in configured
+                if isinstance(t, dict) and isinstance(t.get("template"), str)
+            }
     if not templates and (processor_file := directory / "chat_template.json").is_file():
         source = json.loads(processor_file.read_text(encoding="utf-8")).get("chat_template")
         return source if isinstance(source, str) else None

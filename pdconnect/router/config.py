@@ -68,8 +68,15 @@ def engine_origin(url: str) -> str:
         raise ConfigError(f"engine URL must start with http:// or https://, got {url!r}")
     if not parts.hostname or port is None:
         raise ConfigError(f"engine URL needs a host and a port, got {url!r}")
-    if parts.username is not None or parts.password is not None or parts.query or parts.fragment \
-            or parts.path not in ("", "/") or "?" in url or "#" in url:
+    if (
+        parts.username is not None
+        or parts.password is not None
+        or parts.query
+        or parts.fragment
+        or parts.path not in ("", "/")
+        or "?" in url
+        or "#" in url
+    ):
         raise ConfigError(f"engine URL must be scheme://host:port only, got {url!r}")
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{parts.scheme}://{host}:{port}"
@@ -167,17 +174,36 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:
-        for name in ("dns_interval", "connect_timeout", "upstream_keepalive", "prefill_timeout",
-                     "decode_first_byte_timeout", "decode_timeout", "stream_idle_timeout",
-                     "health_timeout", "breaker_cooldown", "release_timeout", "body_read_timeout",
-                     "header_read_timeout", "client_keepalive"):
+        for name in (
+            "dns_interval",
+            "connect_timeout",
+            "upstream_keepalive",
+            "prefill_timeout",
+            "decode_first_byte_timeout",
+            "decode_timeout",
+            "stream_idle_timeout",
+            "health_timeout",
+            "breaker_cooldown",
+            "release_timeout",
+            "body_read_timeout",
+            "header_read_timeout",
+            "client_keepalive",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.health_interval < 0:
             raise ConfigError("health_interval must be >= 0 (0 turns active polling off)")
-        for name in ("prefill_attempts", "decode_attempts", "health_failures", "breaker_failures",
-                     "affinity_prefix_chars", "affinity_prefix_tokens", "affinity_vnodes", "affinity_min_load",
-                     "max_body_bytes"):
+        for name in (
+            "prefill_attempts",
+            "decode_attempts",
+            "health_failures",
+            "breaker_failures",
+            "affinity_prefix_chars",
+            "affinity_prefix_tokens",
+            "affinity_vnodes",
+            "affinity_min_load",
+            "max_body_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.affinity_load_factor < 1.0:
@@ -264,39 +290,68 @@ def _add(group: Any, name: str, help: str, **kw: Any) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     # SUPPRESS everywhere: only options actually given override the config file.
-    p = argparse.ArgumentParser(prog="pdconnect router", argument_default=argparse.SUPPRESS,
-                                description="OpenAI-compatible prefill/decode router.")
-    p.add_argument("--config", help="JSON or TOML file with any of the options below (keys spelled as the "
-                                    "long options); options given here override it")
+    p = argparse.ArgumentParser(
+        prog="pdconnect router",
+        argument_default=argparse.SUPPRESS,
+        description="OpenAI-compatible prefill/decode router.",
+    )
+    p.add_argument(
+        "--config",
+        help="JSON or TOML file with any of the options below (keys spelled as the "
+        "long options); options given here override it",
+    )
     _add(p, "host", "address to serve on")
     _add(p, "port", "port to serve on", type=int)
     seconds: dict[str, Any] = {"type": float, "metavar": "SECONDS"}
     engines = p.add_argument_group("engines")
     _add(engines, "prefill", "prefill engine URLs", nargs="+", action="extend", metavar="URL")
     _add(engines, "decode", "decode engine URLs", nargs="+", action="extend", metavar="URL")
-    _add(engines, "prefill-dns", "DNS names (headless service) of prefill engines, re-resolved every "
-         "--dns-interval", nargs="+", action="extend", metavar="NAME:PORT")
+    _add(
+        engines,
+        "prefill-dns",
+        "DNS names (headless service) of prefill engines, re-resolved every --dns-interval",
+        nargs="+",
+        action="extend",
+        metavar="NAME:PORT",
+    )
     _add(engines, "decode-dns", "DNS names of decode engines", nargs="+", action="extend", metavar="NAME:PORT")
     _add(engines, "dns-interval", "seconds between DNS re-resolutions", **seconds)
     routing = p.add_argument_group("routing")
-    _add(routing, "policy", "how a request's engines are chosen",
-         choices=["kv-aware", "prefix-affinity", "least-loaded", "round-robin"])
+    _add(
+        routing,
+        "policy",
+        "how a request's engines are chosen",
+        choices=["kv-aware", "prefix-affinity", "least-loaded", "round-robin"],
+    )
     _add(routing, "kv-events-port", "kv-aware: port of every engine's vLLM KV events publisher", type=int)
-    _add(routing, "kv-events-replay-port", "kv-aware: port of every engine's KV events replay socket",
-         type=int)
-    _add(routing, "tokenizer", "kv-aware: the model's directory (tokenizer.json, tokenizer_config.json, chat "
-         "template) to turn text and chat prompts into the engine's token ids; a bare tokenizer.json serves "
-         "text only; without it such prompts are placed by prefix affinity", metavar="PATH")
+    _add(routing, "kv-events-replay-port", "kv-aware: port of every engine's KV events replay socket", type=int)
+    _add(
+        routing,
+        "tokenizer",
+        "kv-aware: the model's directory (tokenizer.json, tokenizer_config.json, chat "
+        "template) to turn text and chat prompts into the engine's token ids; a bare tokenizer.json serves "
+        "text only; without it such prompts are placed by prefix affinity",
+        metavar="PATH",
+    )
     _add(routing, "affinity-prefix-chars", "characters of prompt text hashed for the affinity key", type=int)
     _add(routing, "affinity-prefix-tokens", "token ids hashed for the affinity key", type=int)
     _add(routing, "affinity-load-factor", "no engine takes more than this times the mean load", type=float)
-    _add(routing, "affinity-min-load", "in-flight requests below which no engine counts as loaded (a burst of "
-         "siblings stays on the engine that caches their prefix)", type=int)
+    _add(
+        routing,
+        "affinity-min-load",
+        "in-flight requests below which no engine counts as loaded (a burst of "
+        "siblings stays on the engine that caches their prefix)",
+        type=int,
+    )
     _add(routing, "affinity-vnodes", "points per engine on the hash ring", type=int)
     flow = p.add_argument_group("request flow")
     _add(flow, "connect-timeout", "seconds to connect to an engine", **seconds)
-    _add(flow, "upstream-keepalive", "seconds an idle engine connection is kept for reuse; below the engines' "
-         "own keep-alive (vLLM: 5 s)", **seconds)
+    _add(
+        flow,
+        "upstream-keepalive",
+        "seconds an idle engine connection is kept for reuse; below the engines' own keep-alive (vLLM: 5 s)",
+        **seconds,
+    )
     _add(flow, "prefill-timeout", "seconds for a whole prefill answer", **seconds)
     _add(flow, "decode-first-byte-timeout", "streams: seconds until decode's first chunk", **seconds)
     _add(flow, "decode-timeout", "non-streaming: seconds for the whole decode (not retried)", **seconds)
@@ -304,14 +359,19 @@ def _parser() -> argparse.ArgumentParser:
     _add(flow, "release-timeout", "seconds for a side-channel release notice", **seconds)
     _add(flow, "prefill-attempts", "prefill engines tried per request", type=int)
     _add(flow, "decode-attempts", "decode engines tried per request", type=int)
-    _add(flow, "fallback", "decode-only fallback when every prefill attempt fails",
-         action=argparse.BooleanOptionalAction)
+    _add(
+        flow, "fallback", "decode-only fallback when every prefill attempt fails", action=argparse.BooleanOptionalAction
+    )
     _add(flow, "side-channel-secret-env", "environment variable holding the side-channel secret", metavar="NAME")
     _add(flow, "max-body-bytes", "largest request body, as sent and once inflated", type=int, metavar="BYTES")
     _add(flow, "body-read-timeout", "seconds to receive a whole request body", **seconds)
-    _add(flow, "header-read-timeout", "seconds to receive a request's whole head (request line and headers) "
-         "from its first byte, on every request of a connection; the connection is closed after a 408",
-         **seconds)
+    _add(
+        flow,
+        "header-read-timeout",
+        "seconds to receive a request's whole head (request line and headers) "
+        "from its first byte, on every request of a connection; the connection is closed after a 408",
+        **seconds,
+    )
     _add(flow, "client-keepalive", "seconds a client connection may sit idle between requests", **seconds)
     health = p.add_argument_group("health")
     _add(health, "health-interval", "seconds between /health polls; 0 = off", **seconds)
@@ -320,14 +380,26 @@ def _parser() -> argparse.ArgumentParser:
     _add(health, "breaker-failures", "engine faults in a row that open its circuit breaker", type=int)
     _add(health, "breaker-cooldown", "seconds an open breaker waits before one trial", **seconds)
     admin = p.add_argument_group("admin and output")
-    _add(admin, "admin-token-env", "environment variable holding the admin bearer token; "
-         "/admin/engines exists only with it or --admin-open", metavar="NAME")
-    _add(admin, "admin-open", "serve /admin/engines without a token (trusted networks only)",
-         action=argparse.BooleanOptionalAction)
+    _add(
+        admin,
+        "admin-token-env",
+        "environment variable holding the admin bearer token; /admin/engines exists only with it or --admin-open",
+        metavar="NAME",
+    )
+    _add(
+        admin,
+        "admin-open",
+        "serve /admin/engines without a token (trusted networks only)",
+        action=argparse.BooleanOptionalAction,
+    )
     _add(admin, "admin-host", "address of the separate admin listener (with --admin-port)")
     _add(admin, "admin-port", "serve /admin/engines only on this separate port", type=int)
-    _add(admin, "route-headers", "name the chosen engines in x-pdconnect-prefill/-decode response headers",
-         action=argparse.BooleanOptionalAction)
+    _add(
+        admin,
+        "route-headers",
+        "name the chosen engines in x-pdconnect-prefill/-decode response headers",
+        action=argparse.BooleanOptionalAction,
+    )
     _add(admin, "log-level", "log verbosity", choices=["debug", "info", "warning", "error"])
     return p
 

@@ -38,9 +38,15 @@ def _url(scheme: str, address: str, port: int) -> str:
 class DnsDiscovery:
     """Keeps the registry's engines for one DNS target equal to its current records."""
 
-    def __init__(self, registry: EngineRegistry, role: Role, target: DnsTarget, interval: float,
-                 resolver: Resolver = resolve_addresses,
-                 on_failure: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        registry: EngineRegistry,
+        role: Role,
+        target: DnsTarget,
+        interval: float,
+        resolver: Resolver = resolve_addresses,
+        on_failure: Callable[[], None] = lambda: None,
+    ) -> None:
         self._registry = registry
         self._role = role
         self._target = target

@@ -72,8 +72,12 @@ class Engine:
         the request was not to blame)."""
         self.failures += 1
         if self.breaker.record_failure():
-            logger.warning("%s engine %s: circuit opened after %d failures",
-                           self.role.value, self.url, self.breaker.consecutive_failures)
+            logger.warning(
+                "%s engine %s: circuit opened after %d failures",
+                self.role.value,
+                self.url,
+                self.breaker.consecutive_failures,
+            )
 
 
 class EngineRegistry:
@@ -100,8 +104,7 @@ class EngineRegistry:
     def add(self, role: Role, url: str, source: str) -> Engine:
         engine = self._by_url[role].get(url)
         if engine is None:
-            engine = Engine(url=url, role=role, breaker=self._make_breaker(),
-                            probe_ok=self._initial_probe)
+            engine = Engine(url=url, role=role, breaker=self._make_breaker(), probe_ok=self._initial_probe)
             self._by_url[role][url] = engine
             self._refresh(role)
             logger.info("added %s engine %s (%s)", role.value, url, source)

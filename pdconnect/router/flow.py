@@ -218,8 +218,9 @@ class PrefillReleaser:
             plan = decode_plan(params)
         except ProtocolError:
             return
-        future = self._executor.submit(release_remote, plan.side_channel, [plan.remote_request_id],
-                                       reason, self._secret, self._timeout)
+        future = self._executor.submit(
+            release_remote, plan.side_channel, [plan.remote_request_id], reason, self._secret, self._timeout
+        )
         self._pending.add(future)
         future.add_done_callback(functools.partial(self._done, plan.side_channel))
 
@@ -239,17 +240,25 @@ class PrefillReleaser:
 class PDFlow:
     """Serves `/v1/completions` and `/v1/chat/completions` through a prefill and a decode engine."""
 
-    def __init__(self, config: RouterConfig, registry: EngineRegistry, upstream: UpstreamPool,
-                 metrics: RouterMetrics, releaser: PrefillReleaser,
-                 prefill_policy: RoutingPolicy, decode_policy: RoutingPolicy) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: EngineRegistry,
+        upstream: UpstreamPool,
+        metrics: RouterMetrics,
+        releaser: PrefillReleaser,
+        prefill_policy: RoutingPolicy,
+        decode_policy: RoutingPolicy,
+    ) -> None:
         self._config = config
         self._registry = registry
         self._upstream = upstream
         self._metrics = metrics
         self._releaser = releaser
         self._policies = {Role.PREFILL: prefill_policy, Role.DECODE: decode_policy}
-        self._affinity = ({role: AffinityTracker() for role in Role}
-                          if isinstance(decode_policy, PrefixAffinity) else None)
+        self._affinity = (
+            {role: AffinityTracker() for role in Role} if isinstance(decode_policy, PrefixAffinity) else None
+        )
         # Whole answers run under one overall deadline (asyncio.timeout in _send); streams
         # also under a limit on the silence between two chunks.
         self._stream_idle = config.stream_idle_timeout
@@ -261,15 +270,23 @@ class PDFlow:
         if self._wants_tokens and config.tokenizer:
             self._tokenizer = PromptTokenizer.load(config.tokenizer)
             if self._tokenizer.template is None:
-                logger.warning("kv-aware: no usable chat template in %s; chat requests are placed by prefix "
-                               "affinity", config.tokenizer)
+                logger.warning(
+                    "kv-aware: no usable chat template in %s; chat requests are placed by prefix affinity",
+                    config.tokenizer,
+                )
         # Not in RouterMetrics: only a kv-aware flow has prompts to turn into token ids.
-        self._prompt_results = Counter(
-            "pdconnect_router_kv_aware_prompts",
-            "kv-aware: requests whose prompt token ids the router computed (result=ok), or could not "
-            "(result=the reason: no_tokenizer, no_chat_template, unsupported_request, unsupported_message, "
-            "template_error, tokenizer_error), placed by prefix affinity instead",
-            ["endpoint", "result"], registry=metrics.registry) if self._wants_tokens else None
+        self._prompt_results = (
+            Counter(
+                "pdconnect_router_kv_aware_prompts",
+                "kv-aware: requests whose prompt token ids the router computed (result=ok), or could not "
+                "(result=the reason: no_tokenizer, no_chat_template, unsupported_request, unsupported_message, "
+                "template_error, tokenizer_error), placed by prefix affinity instead",
+                ["endpoint", "result"],
+                registry=metrics.registry,
+            )
+            if self._wants_tokens
+            else None
+        )
         self._tokenize_pool: ThreadPoolExecutor | None = None  # made on the first long prompt
 
     # --- the request, top to bottom -------------------------------------------------------
@@ -307,8 +324,9 @@ class PDFlow:
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
         try:
-            fields: _Chat | _Prompt = (msgspec.convert(body, _Chat) if endpoint is Endpoint.CHAT
-                                       else msgspec.convert(body, _Prompt))
+            fields: _Chat | _Prompt = (
+                msgspec.convert(body, _Chat) if endpoint is Endpoint.CHAT else msgspec.convert(body, _Prompt)
+            )
         except msgspec.ValidationError as exc:
             raise BadRequest(f"invalid request: {exc}") from None
         if isinstance(fields, _Chat) and not fields.messages:
@@ -318,10 +336,23 @@ class PDFlow:
         forward = {"X-Request-Id": request_id, "Content-Type": "application/json"}
         if "Authorization" in headers:
             forward["Authorization"] = headers["Authorization"]
-        key = affinity_key(body, endpoint is Endpoint.CHAT, self._config.affinity_prefix_chars,
-                           self._config.affinity_prefix_tokens) if self._wants_key else None
-        return Call(endpoint=endpoint, body=body, raw=raw, request_id=request_id, stream=fields.stream,
-                    key=key, headers=forward, started=started)
+        key = (
+            affinity_key(
+                body, endpoint is Endpoint.CHAT, self._config.affinity_prefix_chars, self._config.affinity_prefix_tokens
+            )
+            if self._wants_key
+            else None
+        )
+        return Call(
+            endpoint=endpoint,
+            body=body,
+            raw=raw,
+            request_id=request_id,
+            stream=fields.stream,
+            key=key,
+            headers=forward,
+            started=started,
+        )
 
     async def _tokens(self, call: Call) -> Sequence[int] | None:
         """The ids the engine will compute for the prompt, or None (prefix affinity places
@@ -340,7 +371,8 @@ class PDFlow:
                 if self._tokenize_pool is None:
                     self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdconnect-tokenize")
                 tokens = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenize_pool, self._tokenizer.text_off_gil, *prompt)
+                    self._tokenize_pool, self._tokenizer.text_off_gil, *prompt
+                )
         except NotRendered as exc:
             self._prompt_results.labels(label, exc.reason).inc()
             logger.debug("kv-aware: no token ids for a %s request: %s", label, exc)
@@ -411,8 +443,9 @@ class PDFlow:
                 raise
             except msgspec.DecodeError:
                 verdict = False
-                self._note_failure(Role.PREFILL, engine, _AttemptFailed("bad_answer", "not JSON"),
-                                   retry=attempt + 1 < len(engines))
+                self._note_failure(
+                    Role.PREFILL, engine, _AttemptFailed("bad_answer", "not JSON"), retry=attempt + 1 < len(engines)
+                )
                 continue
             finally:
                 engine.end(verdict)
@@ -448,8 +481,9 @@ class PDFlow:
 
     # --- decode leg -----------------------------------------------------------------------
 
-    async def _decode(self, http: web.Request, call: Call, trace: _Trace,
-                      params: dict[str, Any] | None) -> web.StreamResponse:
+    async def _decode(
+        self, http: web.Request, call: Call, trace: _Trace, params: dict[str, Any] | None
+    ) -> web.StreamResponse:
         engines = self._candidates(Role.DECODE, call, self._config.decode_attempts)
         if not engines:
             raise NoEngineAvailable(Role.DECODE.value)
@@ -488,8 +522,9 @@ class PDFlow:
                     resp.release()
                     verdict = True
                     trace.outcome = "ok_fallback" if trace.fallback else "ok"
-                    out = web.Response(body=merger.rewrite_body(first) if merger else first,
-                                       status=resp.status, headers=headers)
+                    out = web.Response(
+                        body=merger.rewrite_body(first) if merger else first, status=resp.status, headers=headers
+                    )
                 self._metrics.decode_seconds.observe(time.perf_counter() - sent)
                 return out
             finally:
@@ -505,10 +540,17 @@ class PDFlow:
         trace.prefilled = await self._prefill(call, trace, round_)
         return trace.prefilled.params if trace.prefilled else None
 
-    async def _relay(self, http: web.Request, call: Call, trace: _Trace, engine: Engine,
-                     resp: UpstreamResponse,
-                     first: bytes, merger: UsageMerger | None,
-                     headers: dict[str, str]) -> tuple[web.StreamResponse, bool | None]:
+    async def _relay(
+        self,
+        http: web.Request,
+        call: Call,
+        trace: _Trace,
+        engine: Engine,
+        resp: UpstreamResponse,
+        first: bytes,
+        merger: UsageMerger | None,
+        headers: dict[str, str],
+    ) -> tuple[web.StreamResponse, bool | None]:
         """Stream the decode answer to the client. Returns the response and the engine's verdict."""
         out = _HeadersWithBodyResponse(status=resp.status, headers=headers)
         # Always framed: whatever the engine leaves half-written is held back, never sent.
@@ -562,8 +604,15 @@ class PDFlow:
 
     # --- one attempt at one engine ----------------------------------------------------------
 
-    async def _send(self, engine: Engine, call: Call, body: bytes, deadline: float, whole: bool,
-                    headers: dict[str, str] | None = None) -> tuple[UpstreamResponse, bytes]:
+    async def _send(
+        self,
+        engine: Engine,
+        call: Call,
+        body: bytes,
+        deadline: float,
+        whole: bool,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[UpstreamResponse, bytes]:
         """POST `body`; the response and its whole body (`whole`) or first chunk.
 
         Raises _AttemptFailed for what another engine may not suffer (connect error,
@@ -573,8 +622,9 @@ class PDFlow:
         resp: UpstreamResponse | None = None
         try:
             # The deadline rides on the connection (one timer), not on asyncio.timeout.
-            resp = await self._upstream.post(engine.url, call.endpoint.path, body, headers or call.headers,
-                                             timeout=deadline)
+            resp = await self._upstream.post(
+                engine.url, call.endpoint.path, body, headers or call.headers, timeout=deadline
+            )
             if resp.status >= 400:
                 await self._raise_for_status(resp)
             data = await (resp.read() if whole else resp.chunk())
@@ -601,8 +651,10 @@ class PDFlow:
     async def _raise_for_status(resp: UpstreamResponse) -> None:
         data = await resp.read()
         if resp.status >= 500 or resp.status in (408, 429):
-            raise _AttemptFailed(f"http_{resp.status // 100}xx" if resp.status >= 500 else f"http_{resp.status}",
-                                 data[:200].decode(errors="replace"))
+            raise _AttemptFailed(
+                f"http_{resp.status // 100}xx" if resp.status >= 500 else f"http_{resp.status}",
+                data[:200].decode(errors="replace"),
+            )
         raise EngineRejected(resp.status, data, resp.headers.get(b"content-type", b"application/json").decode())
 
     # --- helpers ----------------------------------------------------------------------------
@@ -619,8 +671,7 @@ class PDFlow:
         if self._affinity is not None and call.key is not None:
             self._metrics.placement(role.value, self._affinity[role].observe(call.key, engine.url))
 
-    def _response_headers(self, call: Call, trace: _Trace, engine: Engine,
-                          resp: UpstreamResponse) -> dict[str, str]:
+    def _response_headers(self, call: Call, trace: _Trace, engine: Engine, resp: UpstreamResponse) -> dict[str, str]:
         # A plain dict: aiohttp's responses copy whatever they are given into a CIMultiDict.
         headers: dict[str, str] = {}
         headers["Content-Type"] = resp.headers.get(b"content-type", b"application/json").decode()
@@ -661,4 +712,3 @@ def _close(resp: UpstreamResponse | None) -> None:
 def _stream_error(message: str) -> bytes:
     event = {"error": {"message": message, "type": "BadGateway", "code": 502}}
     return b"data: " + _json_encode(event) + b"\n\ndata: [DONE]\n\n"
-

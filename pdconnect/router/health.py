@@ -83,8 +83,14 @@ class CircuitBreaker:
 class HealthMonitor:
     """Polls every registered engine's `/health`; polls a newly added engine at once."""
 
-    def __init__(self, registry: EngineRegistry, session: aiohttp.ClientSession,
-                 interval: float, timeout: float, failures_to_down: int) -> None:
+    def __init__(
+        self,
+        registry: EngineRegistry,
+        session: aiohttp.ClientSession,
+        interval: float,
+        timeout: float,
+        failures_to_down: int,
+    ) -> None:
         self._registry = registry
         self._session = session
         self._interval = interval
@@ -116,8 +122,7 @@ class HealthMonitor:
         was = engine.probe_ok
         engine.record_probe(ok, self._failures_to_down)
         if was is not engine.probe_ok:
-            logger.info("%s engine %s is %s", engine.role.value, engine.url,
-                        "up" if engine.probe_ok else "down")
+            logger.info("%s engine %s is %s", engine.role.value, engine.url, "up" if engine.probe_ok else "down")
 
     async def close(self) -> None:
         for task in list(self._pending):

@@ -56,8 +56,11 @@ class _Subscription:
 class KVEventsFeed:
     """Indexes of every watched engine, kept current by one subscriber task each."""
 
-    def __init__(self, endpoints: Callable[[str], tuple[str, str | None] | None],
-                 count: Callable[[str], None] = lambda result: None) -> None:
+    def __init__(
+        self,
+        endpoints: Callable[[str], tuple[str, str | None] | None],
+        count: Callable[[str], None] = lambda result: None,
+    ) -> None:
         """`endpoints(engine_url)` -> (events endpoint, replay endpoint or None), or None
         for an engine that publishes nothing; `count(result)` hears of every batch
         ("ok"), gap, replay and error."""

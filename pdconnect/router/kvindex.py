@@ -97,7 +97,7 @@ def chain_keys(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[
     """The content key of every full block of `tokens` (a block's key covers its whole prefix)."""
     keys = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tuple(tokens[start:start + block_size])))
+        parent = hash((parent, tuple(tokens[start : start + block_size])))
         keys.append(parent)
     return keys
 

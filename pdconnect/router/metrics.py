@@ -34,20 +34,38 @@ __all__ = ["OUTCOMES", "RouterMetrics"]
 
 # Every request ends with exactly one of these (label `outcome` of requests_total).
 OUTCOMES = (
-    "ok",                 # served P/D as planned (possibly after retries)
-    "ok_fallback",        # served decode-only after prefill failed
-    "rejected",           # an engine refused the request itself (4xx), passed through
-    "bad_request",        # the router could not parse or route the body
-    "no_engine",          # no healthy engine of a needed role
-    "prefill_failed",     # every prefill attempt failed, fallback off
-    "decode_failed",      # every decode attempt failed before the first byte
-    "decode_timeout",     # non-streaming decode exceeded decode_timeout
-    "decode_dropped",     # decode stream broke or stalled after the client got bytes
+    "ok",  # served P/D as planned (possibly after retries)
+    "ok_fallback",  # served decode-only after prefill failed
+    "rejected",  # an engine refused the request itself (4xx), passed through
+    "bad_request",  # the router could not parse or route the body
+    "no_engine",  # no healthy engine of a needed role
+    "prefill_failed",  # every prefill attempt failed, fallback off
+    "decode_failed",  # every decode attempt failed before the first byte
+    "decode_timeout",  # non-streaming decode exceeded decode_timeout
+    "decode_dropped",  # decode stream broke or stalled after the client got bytes
     "client_disconnect",  # the client went away; decode aborted, prefill released
 )
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                    5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 
 
 class _EngineCollector(Collector):
@@ -56,16 +74,27 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["role", "engine"]
-        healthy = GaugeMetricFamily("pdconnect_router_engine_healthy",
-                                    "1 if the engine may get traffic now (polls and breaker agree)", labels=labels)
-        breaker_open = GaugeMetricFamily("pdconnect_router_engine_breaker_open",
-                                         "1 while the engine's circuit breaker is open or half-open", labels=labels)
-        in_flight = GaugeMetricFamily("pdconnect_router_engine_in_flight",
-                                      "Requests this router has open at the engine", labels=labels)
-        failures = CounterMetricFamily("pdconnect_router_engine_failures",
-                                       "Failed requests (connect, timeout, 5xx, dropped) per engine", labels=labels)
-        opens = CounterMetricFamily("pdconnect_router_engine_breaker_opens",
-                                    "Times the engine's circuit breaker opened", labels=labels)
+        healthy = GaugeMetricFamily(
+            "pdconnect_router_engine_healthy",
+            "1 if the engine may get traffic now (polls and breaker agree)",
+            labels=labels,
+        )
+        breaker_open = GaugeMetricFamily(
+            "pdconnect_router_engine_breaker_open",
+            "1 while the engine's circuit breaker is open or half-open",
+            labels=labels,
+        )
+        in_flight = GaugeMetricFamily(
+            "pdconnect_router_engine_in_flight", "Requests this router has open at the engine", labels=labels
+        )
+        failures = CounterMetricFamily(
+            "pdconnect_router_engine_failures",
+            "Failed requests (connect, timeout, 5xx, dropped) per engine",
+            labels=labels,
+        )
+        opens = CounterMetricFamily(
+            "pdconnect_router_engine_breaker_opens", "Times the engine's circuit breaker opened", labels=labels
+        )
         for engine in self._engines.all_engines():
             values = [engine.role.value, engine.url]
             healthy.add_metric(values, 1.0 if engine.routable else 0.0)
@@ -95,8 +124,7 @@ class _CounterChild:
 class _LoopCounter(Collector):
     """A labelled counter for the event loop thread only; renders as prometheus_client's."""
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
-                 registry: CollectorRegistry) -> None:
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
         self._name = name
         self._documentation = documentation
         self._labelnames = tuple(labelnames)
@@ -136,8 +164,14 @@ class _LoopHistogram(Collector):
     """A histogram (labelled or not) for the event loop thread only; renders as
     prometheus_client's. Unlabelled, it has its one series from the start, as theirs."""
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
-                 registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
         self._name = name
         self._documentation = documentation
         self._labelnames = tuple(labelnames)
@@ -167,8 +201,9 @@ class _LoopHistogram(Collector):
                 buckets.append((floatToGoString(bound), cumulative))
             family.add_metric(values, buckets, child.sum)
             if created:
-                family.samples.append(Sample(self._name + "_created", dict(zip(self._labelnames, values)),
-                                             child.created, None, None))
+                family.samples.append(
+                    Sample(self._name + "_created", dict(zip(self._labelnames, values)), child.created, None, None)
+                )
         yield family
 
 
@@ -179,35 +214,61 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         # Updated by every request, on the loop thread: the lock-free kind.
-        self.requests = _LoopCounter("pdconnect_router_requests", "Requests by endpoint and final outcome",
-                                     ["endpoint", "outcome"], r)
-        self.prefill_seconds = _LoopHistogram("pdconnect_router_prefill_seconds",
-                                              "Prefill leg, successful attempt, send to parsed answer",
-                                              [], _LATENCY_BUCKETS, r)
-        self.decode_seconds = _LoopHistogram("pdconnect_router_decode_seconds",
-                                             "Decode leg, send to last byte relayed", [], _LATENCY_BUCKETS, r)
-        self.request_seconds = _LoopHistogram("pdconnect_router_request_seconds",
-                                              "Whole request as the router saw it", ["endpoint"],
-                                              _LATENCY_BUCKETS, r)
-        self.ttft_seconds = _LoopHistogram("pdconnect_router_time_to_first_token_seconds",
-                                           "Streaming requests: arrival to first decode chunk relayed",
-                                           ["endpoint"], _LATENCY_BUCKETS, r)
-        self.retries = Counter("pdconnect_router_retries", "Attempts sent to another engine after a failure",
-                               ["role", "reason"], registry=r)
-        self.fallbacks = Counter("pdconnect_router_fallbacks",
-                                 "Requests served decode-only (local prefill) instead of P/D", ["reason"],
-                                 registry=r)
-        self.affinity = _LoopCounter("pdconnect_router_affinity",
-                                     "Prefix-affinity placements: keep (same engine as the key's last "
-                                     "request), move (another engine), new (key not seen recently)",
-                                     ["role", "outcome"], r)
-        self.releases = Counter("pdconnect_router_prefill_releases",
-                                "Release notices sent to prefill engines (client gone, decode failed)",
-                                ["result"], registry=r)
+        self.requests = _LoopCounter(
+            "pdconnect_router_requests", "Requests by endpoint and final outcome", ["endpoint", "outcome"], r
+        )
+        self.prefill_seconds = _LoopHistogram(
+            "pdconnect_router_prefill_seconds",
+            "Prefill leg, successful attempt, send to parsed answer",
+            [],
+            _LATENCY_BUCKETS,
+            r,
+        )
+        self.decode_seconds = _LoopHistogram(
+            "pdconnect_router_decode_seconds", "Decode leg, send to last byte relayed", [], _LATENCY_BUCKETS, r
+        )
+        self.request_seconds = _LoopHistogram(
+            "pdconnect_router_request_seconds", "Whole request as the router saw it", ["endpoint"], _LATENCY_BUCKETS, r
+        )
+        self.ttft_seconds = _LoopHistogram(
+            "pdconnect_router_time_to_first_token_seconds",
+            "Streaming requests: arrival to first decode chunk relayed",
+            ["endpoint"],
+            _LATENCY_BUCKETS,
+            r,
+        )
+        self.retries = Counter(
+            "pdconnect_router_retries",
+            "Attempts sent to another engine after a failure",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "pdconnect_router_fallbacks",
+            "Requests served decode-only (local prefill) instead of P/D",
+            ["reason"],
+            registry=r,
+        )
+        self.affinity = _LoopCounter(
+            "pdconnect_router_affinity",
+            "Prefix-affinity placements: keep (same engine as the key's last "
+            "request), move (another engine), new (key not seen recently)",
+            ["role", "outcome"],
+            r,
+        )
+        self.releases = Counter(
+            "pdconnect_router_prefill_releases",
+            "Release notices sent to prefill engines (client gone, decode failed)",
+            ["result"],
+            registry=r,
+        )
         self.dns_failures = Counter("pdconnect_router_dns_failures", "Failed DNS re-resolutions", registry=r)
-        self.kv_events = Counter("pdconnect_router_kv_events",
-                                 "KV event batches applied (ok), gaps, replays and errors (kv-aware policy)",
-                                 ["result"], registry=r)
+        self.kv_events = Counter(
+            "pdconnect_router_kv_events",
+            "KV event batches applied (ok), gaps, replays and errors (kv-aware policy)",
+            ["result"],
+            registry=r,
+        )
         r.register(_EngineCollector(engines))
         # Labelled children, looked up once per label set.
         self._ends: dict[tuple[str, str], tuple[_CounterChild, _HistogramChild]] = {}

@@ -62,6 +62,7 @@ def _hash64(data: bytes) -> int:
 
 # --- the affinity key --------------------------------------------------------------------
 
+
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -110,13 +111,15 @@ def affinity_key(body: dict[str, Any], chat: bool, prefix_chars: int, prefix_tok
 
 # --- policies ----------------------------------------------------------------------------
 
+
 class RoutingPolicy(Protocol):
     """Orders one role's engines for a request (best first); only routable ones."""
 
     name: str
 
-    def order(self, engines: tuple[Engine, ...], key: int | None,
-              tokens: Sequence[int] | None = None) -> list[Engine]: ...
+    def order(
+        self, engines: tuple[Engine, ...], key: int | None, tokens: Sequence[int] | None = None
+    ) -> list[Engine]: ...
 
 
 class RoundRobin:
@@ -125,8 +128,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def order(self, engines: tuple[Engine, ...], key: int | None,
-              tokens: Sequence[int] | None = None) -> list[Engine]:
+    def order(self, engines: tuple[Engine, ...], key: int | None, tokens: Sequence[int] | None = None) -> list[Engine]:
         live = [e for e in engines if e.routable]
         if not live:
             return live
@@ -142,8 +144,7 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._rotation = RoundRobin()
 
-    def order(self, engines: tuple[Engine, ...], key: int | None,
-              tokens: Sequence[int] | None = None) -> list[Engine]:
+    def order(self, engines: tuple[Engine, ...], key: int | None, tokens: Sequence[int] | None = None) -> list[Engine]:
         rotated = self._rotation.order(engines, key)
         return sorted(rotated, key=lambda e: e.in_flight)  # stable: ties keep the rotation
 
@@ -154,7 +155,8 @@ class _Ring:
     def __init__(self, engines: tuple[Engine, ...], vnodes: int) -> None:
         points = sorted(
             (_hash64(f"{engine.url}#{i}".encode()), index)
-            for index, engine in enumerate(engines) for i in range(vnodes)
+            for index, engine in enumerate(engines)
+            for i in range(vnodes)
         )
         self.engines = engines
         self.hashes = [h for h, _ in points]
@@ -216,8 +218,7 @@ class PrefixAffinity:
         """The most in-flight requests one engine may hold before the next one is placed."""
         return self.load.limit(sum(e.in_flight for e in live), len(live))
 
-    def order(self, engines: tuple[Engine, ...], key: int | None,
-              tokens: Sequence[int] | None = None) -> list[Engine]:
+    def order(self, engines: tuple[Engine, ...], key: int | None, tokens: Sequence[int] | None = None) -> list[Engine]:
         if key is None:
             return self._fallback.order(engines, key)
         walk = [e for e in self._ring_for(engines).walk(key) if e.routable]
@@ -226,7 +227,7 @@ class PrefixAffinity:
         bound = self.bound(walk)
         for i, engine in enumerate(walk):
             if engine.in_flight < bound:
-                return [engine, *walk[:i], *walk[i + 1:]]
+                return [engine, *walk[:i], *walk[i + 1 :]]
         return walk  # unreachable for factor, floor >= 1; kept total for safety
 
 
@@ -243,8 +244,7 @@ class KvAware:
         self._hits = hits
         self._affinity = PrefixAffinity(load, vnodes)
 
-    def order(self, engines: tuple[Engine, ...], key: int | None,
-              tokens: Sequence[int] | None = None) -> list[Engine]:
+    def order(self, engines: tuple[Engine, ...], key: int | None, tokens: Sequence[int] | None = None) -> list[Engine]:
         ranked = self._affinity.order(engines, key)
         if not tokens or len(ranked) < 2:
             return ranked

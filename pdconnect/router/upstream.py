@@ -145,8 +145,14 @@ class UpstreamResponse(asyncio.Protocol):
     def release(self) -> None:
         """Done with this response: pool the connection if it can carry another request."""
         self._disarm()
-        if (self._complete and not self._chunks and self._error is None and self._transport is not None
-                and not self._transport.is_closing() and self._keep_alive):
+        if (
+            self._complete
+            and not self._chunks
+            and self._error is None
+            and self._transport is not None
+            and not self._transport.is_closing()
+            and self._keep_alive
+        ):
             self._pool.put(self)
         else:
             self.close()
@@ -303,8 +309,11 @@ class _EnginePool:
         """`POST path`, Host and Accept-Encoding, ending with the `Content-Length: ` name."""
         head = self._heads.get(path)
         if head is None:
-            head = self._heads[path] = (f"POST {path} HTTP/1.1\r\nHost: ".encode() + self.host_header
-                                        + b"\r\nAccept-Encoding: identity\r\nContent-Length: ")
+            head = self._heads[path] = (
+                f"POST {path} HTTP/1.1\r\nHost: ".encode()
+                + self.host_header
+                + b"\r\nAccept-Encoding: identity\r\nContent-Length: "
+            )
         return head
 
     def take(self) -> UpstreamResponse | None:
@@ -327,8 +336,9 @@ class _EnginePool:
         deadline_binds = expires - now < connect_timeout
         try:
             async with asyncio.timeout(min(connect_timeout, expires - now)):
-                transport, protocol = await loop.create_connection(lambda: UpstreamResponse(self), self.host,
-                                                                   self.port, ssl=self.ssl)
+                transport, protocol = await loop.create_connection(
+                    lambda: UpstreamResponse(self), self.host, self.port, ssl=self.ssl
+                )
         except TimeoutError:
             if deadline_binds:
                 raise
@@ -364,9 +374,14 @@ class UpstreamPool:
         self._pools: dict[str, _EnginePool] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def post(self, origin: str, path: str, body: bytes, headers: dict[str, str],
-                   timeout: float | None = None,  # noqa: ASYNC109 - outlives the call
-                   ) -> UpstreamResponse:
+    async def post(
+        self,
+        origin: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        timeout: float | None = None,  # noqa: ASYNC109 - outlives the call
+    ) -> UpstreamResponse:
         """The response, its status and headers read; the body is the caller's to read.
 
         `timeout` bounds the whole exchange: connecting, the answer's headers, and every

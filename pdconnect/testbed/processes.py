@@ -243,8 +243,7 @@ class Cluster:
                         )
                     if elapsed > proc.spec.startup_timeout_s:
                         raise StartupError(
-                            f"{proc.name} not healthy after {elapsed:.0f}s; "
-                            f"log {proc.log_path}:\n{proc.log_tail()}"
+                            f"{proc.name} not healthy after {elapsed:.0f}s; log {proc.log_path}:\n{proc.log_tail()}"
                         )
                     if _answers(client, proc.spec.health_url):
                         pending.remove(proc)
@@ -252,8 +251,7 @@ class Cluster:
                 now = time.monotonic()
                 if pending and now - last_report >= self._report_interval():
                     last_report = now
-                    self._report("waiting for " + ", ".join(
-                        f"{p.name} {now - p.started_at:.0f}s" for p in pending))
+                    self._report("waiting for " + ", ".join(f"{p.name} {now - p.started_at:.0f}s" for p in pending))
                 if pending:
                     time.sleep(0.5)
 

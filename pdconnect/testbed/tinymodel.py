@@ -121,17 +121,12 @@ class TinyModelSpec:
 
     def fingerprint(self) -> str:
         """Short stable hash of the spec and generator version, for directory names."""
-        payload = json.dumps(
-            {"generator": GENERATOR_VERSION, **dataclasses.asdict(self)}, sort_keys=True
-        )
+        payload = json.dumps({"generator": GENERATOR_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:10]
 
     def layer_types(self) -> list[str]:
         """Sliding first, then alternating: the layout vLLM splits into two KV groups."""
-        return [
-            "sliding_attention" if i % 2 == 0 else "full_attention"
-            for i in range(self.num_layers)
-        ]
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_layers)]
 
     def eagle_aux_layer_ids(self) -> list[int]:
         """Target layers whose outputs feed the EAGLE3 draft (three, as EAGLE3 expects).
@@ -186,15 +181,11 @@ def ensure_model(spec: TinyModelSpec, out_dir: Path | None = None) -> Path:
     return target
 
 
-def ensure_target_and_draft(
-    spec: TinyModelSpec | None = None, root: Path | None = None
-) -> tuple[Path, Path]:
+def ensure_target_and_draft(spec: TinyModelSpec | None = None, root: Path | None = None) -> tuple[Path, Path]:
     """A `hybrid-llama` target and an `eagle3-draft` that fits it, both generated once."""
     base = spec if spec is not None else TinyModelSpec(kind="hybrid-llama")
-    target = ensure_model(base.with_kind("hybrid-llama"),
-                          default_model_dir(base.with_kind("hybrid-llama"), root))
-    draft = ensure_model(base.with_kind("eagle3-draft"),
-                         default_model_dir(base.with_kind("eagle3-draft"), root))
+    target = ensure_model(base.with_kind("hybrid-llama"), default_model_dir(base.with_kind("hybrid-llama"), root))
+    draft = ensure_model(base.with_kind("eagle3-draft"), default_model_dir(base.with_kind("eagle3-draft"), root))
     return target, draft
 
 
@@ -399,9 +390,7 @@ def _special_token_ids() -> dict[str, int]:
     return {"pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
 
 
-def _save_transformers_model(
-    config: PretrainedConfig, seed: int, out_dir: Path, overrides: Mapping[str, Any]
-) -> None:
+def _save_transformers_model(config: PretrainedConfig, seed: int, out_dir: Path, overrides: Mapping[str, Any]) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -415,9 +404,7 @@ def _save_transformers_model(
         _write_json(path, data)
 
 
-def _random_tensors(
-    shapes: Mapping[str, tuple[int, ...]], spec: TinyModelSpec
-) -> dict[str, torch.Tensor]:
+def _random_tensors(shapes: Mapping[str, tuple[int, ...]], spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     """Normal(0, initializer_range) matrices and unit norm weights, from one seeded
     generator in sorted-name order (so adding a tensor never reshuffles the others)."""
     import torch
@@ -467,10 +454,14 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 
 def _stamp_text(spec: TinyModelSpec) -> str:
-    return json.dumps(
-        {"generator": GENERATOR_VERSION, "spec": dataclasses.asdict(spec)},
-        indent=2, sort_keys=True,
-    ) + "\n"
+    return (
+        json.dumps(
+            {"generator": GENERATOR_VERSION, "spec": dataclasses.asdict(spec)},
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"
+    )
 
 
 def _stamp_matches(path: Path, spec: TinyModelSpec) -> bool:
@@ -491,22 +482,22 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Generate a tiny local model with seeded random weights (idempotent).",
     )
     parser.add_argument("--kind", choices=MODEL_KINDS, required=True)
-    parser.add_argument("--out", type=Path, default=None,
-                        help="model directory (default: build/models/<kind>-<fingerprint>)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="model directory (default: build/models/<kind>-<fingerprint>)"
+    )
     for field in dataclasses.fields(TinyModelSpec):
         if field.name == "kind":
             continue
         default = getattr(defaults, field.name)
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(default),
-                            default=default, help=f"default: {default}")
+        parser.add_argument(
+            f"--{field.name.replace('_', '-')}", type=type(default), default=default, help=f"default: {default}"
+        )
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    spec = TinyModelSpec(**{
-        f.name: getattr(args, f.name) for f in dataclasses.fields(TinyModelSpec)
-    })
+    spec = TinyModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyModelSpec)})
     out = ensure_model(spec, args.out)
     print(out)
     return 0

@@ -27,18 +27,34 @@ from pdconnect.transfer.transport import (
 )
 
 __all__ = [
-    "TRANSPORT_KINDS", "MemoryRegion", "PeerInfo", "Range", "RangeTable", "Transfer", "TransferError",
-    "TransferState", "Transport", "create_transport", "decode_metadata", "merge_range_groups",
+    "TRANSPORT_KINDS",
+    "MemoryRegion",
+    "PeerInfo",
+    "Range",
+    "RangeTable",
+    "Transfer",
+    "TransferError",
+    "TransferState",
+    "Transport",
+    "create_transport",
+    "decode_metadata",
+    "merge_range_groups",
     "merge_ranges",
 ]
 
 TRANSPORT_KINDS = ("mooncake", "nixl")
 
 
-def create_transport(kind: str, *, host: str, protocol: str = "rdma", device_name: str = "",
-                     require_rdma: bool = False,
-                     nixl_progress_delay_us: int | None = None,
-                     mooncake_stall_seconds: float | None = None) -> Transport[Any]:
+def create_transport(
+    kind: str,
+    *,
+    host: str,
+    protocol: str = "rdma",
+    device_name: str = "",
+    require_rdma: bool = False,
+    nixl_progress_delay_us: int | None = None,
+    mooncake_stall_seconds: float | None = None,
+) -> Transport[Any]:
     """A started transport of `kind` ("mooncake" | "nixl"); raises TransferError.
 
     `host` is the address peers reach us at; `protocol`, `device_name`,
@@ -50,11 +66,22 @@ def create_transport(kind: str, *, host: str, protocol: str = "rdma", device_nam
     """
     if kind == "mooncake":
         from pdconnect.transfer.mooncake import DEFAULT_STALL_SECONDS, MooncakeTransport
-        return MooncakeTransport(host=host, protocol=protocol, device_name=device_name,
-                                 require_rdma=require_rdma,
-                                 stall_seconds=mooncake_stall_seconds or DEFAULT_STALL_SECONDS)
+
+        return MooncakeTransport(
+            host=host,
+            protocol=protocol,
+            device_name=device_name,
+            require_rdma=require_rdma,
+            stall_seconds=mooncake_stall_seconds or DEFAULT_STALL_SECONDS,
+        )
     if kind == "nixl":
         from pdconnect.transfer.nixl import NixlTransport
-        return NixlTransport(host=host, protocol=protocol, device_name=device_name,
-                             require_rdma=require_rdma, progress_delay_us=nixl_progress_delay_us)
+
+        return NixlTransport(
+            host=host,
+            protocol=protocol,
+            device_name=device_name,
+            require_rdma=require_rdma,
+            progress_delay_us=nixl_progress_delay_us,
+        )
     raise TransferError(f"unknown transport {kind!r}; choose one of {', '.join(TRANSPORT_KINDS)}")

@@ -57,7 +57,7 @@ class Buffer:
         offset = addr - self.addr
         if not (offset >= 0 and offset + length <= self.size):
             raise ValueError(f"[{addr:#x}, +{length}) is outside this buffer")
-        return self._map[offset:offset + length]
+        return self._map[offset : offset + length]
 
 
 def digest(buffer: Buffer, ranges: Sequence[tuple[int, int]]) -> str:
@@ -90,8 +90,15 @@ class _Serve:
 class LoopbackPeer:
     """The parent's handle on a serving child; a context manager that always reaps it."""
 
-    def __init__(self, kind: str, pool_size: int, *, protocol: str = "rdma",
-                 nixl_progress_delay_us: int | None = None, start_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        kind: str,
+        pool_size: int,
+        *,
+        protocol: str = "rdma",
+        nixl_progress_delay_us: int | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
         context = multiprocessing.get_context("spawn")
         self._pipe, child_end = context.Pipe()
         job = _Serve(kind, pool_size, protocol, nixl_progress_delay_us)
@@ -142,13 +149,13 @@ class LoopbackPeer:
 
 def _serve(job: _Serve, pipe: Connection) -> None:
     try:
-        transport = create_transport(job.kind, host="127.0.0.1", protocol=job.protocol,
-                                     nixl_progress_delay_us=job.nixl_progress_delay_us)
+        transport = create_transport(
+            job.kind, host="127.0.0.1", protocol=job.protocol, nixl_progress_delay_us=job.nixl_progress_delay_us
+        )
         pool = Buffer(job.pool_size)
         pool.fill_random()
         transport.register([pool.region])
-        pipe.send(("ready", PeerReady(transport.metadata(), pool.addr, pool.size,
-                                      transport.effective_protocol)))
+        pipe.send(("ready", PeerReady(transport.metadata(), pool.addr, pool.size, transport.effective_protocol)))
     except Exception as exc:  # noqa: BLE001 - the peer process reports any start-up failure to its parent
         pipe.send(("error", repr(exc)))
         return

@@ -84,9 +84,16 @@ class MooncakeTransport(Transport[str]):
 
     name = "mooncake"
 
-    def __init__(self, *, host: str, protocol: str = "rdma", device_name: str = "",
-                 require_rdma: bool = False, connect_timeout: float = 5.0,
-                 stall_seconds: float = DEFAULT_STALL_SECONDS) -> None:
+    def __init__(
+        self,
+        *,
+        host: str,
+        protocol: str = "rdma",
+        device_name: str = "",
+        require_rdma: bool = False,
+        connect_timeout: float = 5.0,
+        stall_seconds: float = DEFAULT_STALL_SECONDS,
+    ) -> None:
         super().__init__()
         if protocol not in _FORCE:
             raise TransferError(f"mooncake protocol must be 'rdma' or 'tcp', got {protocol!r}")
@@ -101,13 +108,16 @@ class MooncakeTransport(Transport[str]):
             ) from None
         env_defaults({**_TCP_QUEUE_LIMITS, **_stall_env(stall_seconds)})
         self._connect_timeout = connect_timeout
-        self._engine, self.effective_protocol = _start_engine(
-            TransferEngine, host, protocol, device_name, require_rdma)
+        self._engine, self.effective_protocol = _start_engine(TransferEngine, host, protocol, device_name, require_rdma)
         wrapped = f"[{host}]" if ":" in host else host
         self._session = f"{wrapped}:{self._engine.get_rpc_port()}"
-        LOG.info("mooncake: session %s, protocol requested %s, effective %s%s", self._session,
-                 protocol, self.effective_protocol,
-                 f" (devices {device_name})" if device_name else "")
+        LOG.info(
+            "mooncake: session %s, protocol requested %s, effective %s%s",
+            self._session,
+            protocol,
+            self.effective_protocol,
+            f" (devices {device_name})" if device_name else "",
+        )
 
     @property
     def session(self) -> str:
@@ -115,8 +125,7 @@ class MooncakeTransport(Transport[str]):
         return self._session
 
     def _register(self, regions: Sequence[MemoryRegion]) -> None:
-        rc = self._engine.batch_register_memory([r.addr for r in regions],
-                                                [r.length for r in regions])
+        rc = self._engine.batch_register_memory([r.addr for r in regions], [r.length for r in regions])
         if rc != 0:
             raise TransferError(f"mooncake refused to register {len(regions)} region(s): rc={rc}")
 
@@ -130,9 +139,7 @@ class MooncakeTransport(Transport[str]):
             if not host or not 0 < int(port) < 65536:
                 raise ValueError(session)
         except ValueError:
-            raise TransferError(
-                f"peer {peer}: mooncake endpoint {info.endpoint[:64]!r} is not 'host:port'"
-            ) from None
+            raise TransferError(f"peer {peer}: mooncake endpoint {info.endpoint[:64]!r} is not 'host:port'") from None
         rc = _call_bounded(lambda: self._engine.send_probe(session), self._connect_timeout)
         if rc != 0:
             outcome = f"no reply within {self._connect_timeout:g} s" if rc is None else f"rc={rc}"
@@ -142,8 +149,7 @@ class MooncakeTransport(Transport[str]):
             )
         return session
 
-    def _pull(self, handle: str, ranges: Sequence[Range], timeout: float,
-              description: str) -> Transfer:
+    def _pull(self, handle: str, ranges: Sequence[Range], timeout: float, description: str) -> Transfer:
         return _MooncakeTransfer(self._engine, handle, ranges, timeout, description)
 
     def _disconnect(self, peer: str, handle: str) -> None:
@@ -178,8 +184,7 @@ class _MooncakeTransfer(Transfer):
     is outstanding: Mooncake's own session timeouts end every batch, so that always comes.
     """
 
-    def __init__(self, engine: Any, session: str, ranges: Sequence[Range], timeout: float,
-                 description: str) -> None:
+    def __init__(self, engine: Any, session: str, ranges: Sequence[Range], timeout: float, description: str) -> None:
         super().__init__(description, timeout)
         self._engine = engine
         self._session = session
@@ -259,9 +264,11 @@ class _MooncakeTransfer(Transfer):
                 if now - submitted < _STALL_FLOOR_SECONDS:
                     self._quick_failures += 1
                     if self._quick_failures >= _QUICK_FAILURES:
-                        self._failure = (f"mooncake reads from {self._session} failed at once "
-                                         f"{self._quick_failures} times: peer unreachable or gone "
-                                         "(its log on stderr says which)")
+                        self._failure = (
+                            f"mooncake reads from {self._session} failed at once "
+                            f"{self._quick_failures} times: peer unreachable or gone "
+                            "(its log on stderr says which)"
+                        )
                         continue
                 if now >= self._deadline:
                     self._failure = "a mooncake read failed and the pull's deadline has passed"
@@ -269,8 +276,14 @@ class _MooncakeTransfer(Transfer):
                 self._to_submit.append(index)
                 again.append((index, now - submitted))
         for index, took in again:
-            LOG.warning("transfer %s: mooncake read of range %d failed after %.1f s (attempt %d); reading it "
-                        "again on a fresh connection", self.description, index, took, self._attempts[index])
+            LOG.warning(
+                "transfer %s: mooncake read of range %d failed after %.1f s (attempt %d); reading it "
+                "again on a fresh connection",
+                self.description,
+                index,
+                took,
+                self._attempts[index],
+            )
         if again:
             self._start_submitter()
 
@@ -284,8 +297,9 @@ class _MooncakeTransfer(Transfer):
         time.sleep(seconds)
 
 
-def _start_engine(factory: Callable[[], Any], host: str, protocol: str, device_name: str,
-                  require_rdma: bool) -> tuple[Any, str]:
+def _start_engine(
+    factory: Callable[[], Any], host: str, protocol: str, device_name: str, require_rdma: bool
+) -> tuple[Any, str]:
     """An initialized engine and the protocol it really uses."""
     if protocol == "rdma":
         devices = rdma_devices()
@@ -294,8 +308,10 @@ def _start_engine(factory: Callable[[], Any], host: str, protocol: str, device_n
         engine = _initialize(factory, host, "rdma", device_name) if devices else None
         if engine is not None:
             return engine, "rdma"
-        why = (f"Mooncake could not start RDMA (kernel RDMA devices: "
-               f"{', '.join(devices) or 'none'}; device_name={device_name!r})")
+        why = (
+            f"Mooncake could not start RDMA (kernel RDMA devices: "
+            f"{', '.join(devices) or 'none'}; device_name={device_name!r})"
+        )
         if require_rdma:
             raise TransferError(f"{why}; require_rdma is set, so not falling back to tcp")
         LOG.warning("mooncake: %s; falling back to tcp", why)
@@ -308,8 +324,7 @@ def _start_engine(factory: Callable[[], Any], host: str, protocol: str, device_n
     return engine, "tcp"
 
 
-def _initialize(factory: Callable[[], Any], host: str, protocol: str,
-                device_name: str) -> Any | None:
+def _initialize(factory: Callable[[], Any], host: str, protocol: str, device_name: str) -> Any | None:
     engine = factory()
     with scoped_env(_FORCE[protocol]):
         rc = engine.initialize(host, _METADATA_SERVER, protocol, device_name)
@@ -323,8 +338,7 @@ def _call_bounded(call: Callable[[], int], timeout: float) -> int | None:
     a reply): the caller moves on and the thread finishes in the background.
     """
     result: list[int] = []
-    worker = threading.Thread(target=lambda: result.append(call()), daemon=True,
-                              name="pdconnect-mooncake-probe")
+    worker = threading.Thread(target=lambda: result.append(call()), daemon=True, name="pdconnect-mooncake-probe")
     worker.start()
     worker.join(timeout)
     return result[0] if result else None

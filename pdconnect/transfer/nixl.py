@@ -60,8 +60,7 @@ __all__ = ["NixlTransport", "load_nixl_api", "xfer_tables"]
 
 _MEM = "DRAM"
 # NIXL's answers from check_xfer_state / transfer.
-_NIXL_STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING,
-                "ERR": TransferState.FAILED}
+_NIXL_STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING, "ERR": TransferState.FAILED}
 
 
 class NixlTransport(Transport[str]):
@@ -76,9 +75,15 @@ class NixlTransport(Transport[str]):
     name = "nixl"
     effective_protocol = "ucx"
 
-    def __init__(self, *, host: str, protocol: str = "rdma", device_name: str = "",
-                 require_rdma: bool = False,
-                 progress_delay_us: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        host: str,
+        protocol: str = "rdma",
+        device_name: str = "",
+        require_rdma: bool = False,
+        progress_delay_us: int | None = None,
+    ) -> None:
         super().__init__()
         delay_us = PROGRESS_THREAD_DELAY_US if progress_delay_us is None else progress_delay_us
         if delay_us < 0:
@@ -93,23 +98,31 @@ class NixlTransport(Transport[str]):
                 f"UCX_MODULES={os.environ.get('UCX_MODULES', '')!r})"
             )
         if device_name:
-            LOG.warning("nixl: device_name=%r is a Mooncake setting, ignored (UCX chooses "
-                        "devices; set UCX_NET_DEVICES to pin them)", device_name)
+            LOG.warning(
+                "nixl: device_name=%r is a Mooncake setting, ignored (UCX chooses "
+                "devices; set UCX_NET_DEVICES to pin them)",
+                device_name,
+            )
         try:
             api = load_nixl_api()
         except ImportError as exc:
             raise TransferError(
-                f"the nixl transport needs the nixl packages (nixl-cu12 and the nixl "
-                f"import shim): {exc}"
+                f"the nixl transport needs the nixl packages (nixl-cu12 and the nixl import shim): {exc}"
             ) from None
         self._api = api
         self._agent_name = f"pdconnect-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._agent = _create_agent(api, self._agent_name, progress_delay_us=delay_us)
         # Created on the first connect: an engine that only serves never needs it.
         self._puller: Any | None = None
-        LOG.info("nixl: agent %s, UCX backend, progress thread every %d us (requested "
-                 "protocol %s; RDMA devices: %s; UCX_MODULES=%s)", self._agent_name, delay_us,
-                 protocol, ", ".join(devices) or "none", os.environ.get("UCX_MODULES", "<unset>"))
+        LOG.info(
+            "nixl: agent %s, UCX backend, progress thread every %d us (requested "
+            "protocol %s; RDMA devices: %s; UCX_MODULES=%s)",
+            self._agent_name,
+            delay_us,
+            protocol,
+            ", ".join(devices) or "none",
+            os.environ.get("UCX_MODULES", "<unset>"),
+        )
 
     def _register(self, regions: Sequence[MemoryRegion]) -> None:
         for agent in (self._agent, self._puller):
@@ -134,19 +147,17 @@ class NixlTransport(Transport[str]):
         try:
             remote = puller.add_remote_agent(info.endpoint)
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own untyped errors: a TransferError
-            raise TransferError(f"peer {peer}: NIXL rejected its agent metadata: {exc}") \
-                from None
+            raise TransferError(f"peer {peer}: NIXL rejected its agent metadata: {exc}") from None
         return remote.decode() if isinstance(remote, bytes) else str(remote)
 
-    def _pull(self, handle: str, ranges: Sequence[Range], timeout: float,
-              description: str) -> Transfer:
+    def _pull(self, handle: str, ranges: Sequence[Range], timeout: float, description: str) -> Transfer:
         puller = self._pulling_agent()
         local, remote = xfer_tables(ranges)
         xfer = None
         try:
             xfer = puller.initialize_xfer(
-                "READ", puller.get_xfer_descs(local, _MEM), puller.get_xfer_descs(remote, _MEM),
-                handle)
+                "READ", puller.get_xfer_descs(local, _MEM), puller.get_xfer_descs(remote, _MEM), handle
+            )
             state = puller.transfer(xfer)
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own untyped errors: a failed transfer
             state, error = "ERR", f"nixl could not start the read: {exc}"
@@ -198,8 +209,9 @@ class _NixlTransfer(Transfer):
 def _create_agent(api: ModuleType, name: str, *, progress_delay_us: int | None) -> Any:
     """A UCX agent without the metadata listener; `progress_delay_us` None = no progress
     thread (the caller's own calls progress it)."""
-    config = api.nixl_agent_config(enable_prog_thread=progress_delay_us is not None,
-                                   enable_listen_thread=False, backends=["UCX"])
+    config = api.nixl_agent_config(
+        enable_prog_thread=progress_delay_us is not None, enable_listen_thread=False, backends=["UCX"]
+    )
     try:
         with _progress_thread_delay(api, progress_delay_us or 0):
             return api.nixl_agent(name, config)
@@ -211,8 +223,7 @@ def _register_with(agent: Any, regions: Sequence[MemoryRegion]) -> None:
     try:
         agent.register_memory([(r.addr, r.length, 0, "") for r in regions], _MEM)
     except Exception as exc:  # noqa: BLE001 - NIXL raises its own untyped errors: a TransferError
-        raise TransferError(f"nixl refused to register {len(regions)} region(s): {exc}") \
-            from None
+        raise TransferError(f"nixl refused to register {len(regions)} region(s): {exc}") from None
 
 
 def xfer_tables(ranges: Sequence[Range]) -> tuple[Any, Any]:

@@ -82,8 +82,9 @@ def range_table(ranges: Sequence[Range]) -> Any:
     # fromiter over the flattened tuples: half the time of np.array on a list of tuples.
     flat = np.fromiter(itertools.chain.from_iterable(ranges), dtype=np.int64)
     if len(flat) != 3 * len(ranges):
-        raise ValueError(f"ranges must be (local_addr, remote_addr, length) triples; "
-                         f"{len(ranges)} ranges hold {len(flat)} numbers")
+        raise ValueError(
+            f"ranges must be (local_addr, remote_addr, length) triples; {len(ranges)} ranges hold {len(flat)} numbers"
+        )
     return flat.reshape(-1, 3)
 
 
@@ -95,8 +96,7 @@ def merge_ranges(ranges: Iterable[Range]) -> RangeTable:
     Overlapping destinations are a caller bug (two pulls racing for the same bytes)
     and raise ValueError.
     """
-    return RangeTable(merge_table(range_table(
-        ranges if isinstance(ranges, Sequence) else list(ranges))))
+    return RangeTable(merge_table(range_table(ranges if isinstance(ranges, Sequence) else list(ranges))))
 
 
 def merge_range_groups(groups: Iterable[Sequence[Range]]) -> RangeTable:
@@ -108,8 +108,7 @@ def merge_range_groups(groups: Iterable[Sequence[Range]]) -> RangeTable:
     import numpy as np
 
     tables = [range_table(group) for group in groups]
-    return RangeTable(merge_table(np.concatenate(tables) if tables
-                                  else np.zeros((0, 3), dtype=np.int64)))
+    return RangeTable(merge_table(np.concatenate(tables) if tables else np.zeros((0, 3), dtype=np.int64)))
 
 
 def merge_table(table: Any) -> Any:

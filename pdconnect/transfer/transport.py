@@ -45,8 +45,17 @@ import msgspec
 from pdconnect.transfer.ranges import Range, RangeTable
 
 __all__ = [
-    "LOG", "METADATA_VERSION", "DoneTransfer", "FailedTransfer", "MemoryRegion", "PeerInfo",
-    "Transfer", "TransferError", "TransferState", "Transport", "decode_metadata",
+    "LOG",
+    "METADATA_VERSION",
+    "DoneTransfer",
+    "FailedTransfer",
+    "MemoryRegion",
+    "PeerInfo",
+    "Transfer",
+    "TransferError",
+    "TransferState",
+    "Transport",
+    "decode_metadata",
 ]
 
 LOG = logging.getLogger("pdconnect.transfer")
@@ -108,9 +117,7 @@ def decode_metadata(blob: bytes, *, expected_kind: str | None = None) -> PeerInf
     try:
         info = _METADATA_DECODER.decode(blob)
     except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
-        raise TransferError(
-            f"peer metadata is not pdconnect transfer metadata ({len(blob)} bytes): {exc}"
-        ) from None
+        raise TransferError(f"peer metadata is not pdconnect transfer metadata ({len(blob)} bytes): {exc}") from None
     if info.version != METADATA_VERSION:
         raise TransferError(
             f"peer metadata version {info.version} is not ours ({METADATA_VERSION}): "
@@ -138,8 +145,7 @@ class _RegionIndex:
         i = bisect.bisect_right(self._starts, addr) - 1
         return i >= 0 and addr + length <= self._regions[i].end
 
-    def first_outside(self, addrs: Sequence[int],
-                      lengths: Sequence[int]) -> tuple[int, int] | None:
+    def first_outside(self, addrs: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
         """The first `(addr, length)` not inside a single region, or None if all are.
 
         Pulls carry thousands of ranges; when they all fall in one region (the common
@@ -321,15 +327,18 @@ class Transport(ABC, Generic[PeerHandle]):
                 return
             self._register(fresh)
         self._local = _RegionIndex([*self._local, *fresh])
-        LOG.info("%s: registered %d region(s), %d bytes", self.name, len(fresh),
-                 sum(r.length for r in fresh))
+        LOG.info("%s: registered %d region(s), %d bytes", self.name, len(fresh), sum(r.length for r in fresh))
 
     def metadata(self) -> bytes:
         """Opaque bytes a peer passes to `connect` to reach us and address our memory."""
         self._check_open()
-        info = PeerInfo(kind=self.name, version=METADATA_VERSION,
-                        protocol=self.effective_protocol, endpoint=self._endpoint(),
-                        regions=tuple(self._local))
+        info = PeerInfo(
+            kind=self.name,
+            version=METADATA_VERSION,
+            protocol=self.effective_protocol,
+            endpoint=self._endpoint(),
+            regions=tuple(self._local),
+        )
         return _METADATA_ENCODER.encode(info)
 
     def connect(self, peer: str, metadata: bytes) -> None:
@@ -402,8 +411,7 @@ class Transport(ABC, Generic[PeerHandle]):
         if self._closed:
             raise TransferError(f"{self.name} transport is closed")
 
-    def _checked_target(self, peer: str, ranges: Sequence[Range],
-                        timeout: float) -> _Peer[PeerHandle]:
+    def _checked_target(self, peer: str, ranges: Sequence[Range], timeout: float) -> _Peer[PeerHandle]:
         """The peer to pull from, once every range is known to be inside registered memory."""
         target = self._peers.get(peer)
         if target is None:
@@ -427,11 +435,14 @@ class Transport(ABC, Generic[PeerHandle]):
         if shortest < 0:
             raise TransferError(f"pull from {peer!r}: a range has negative length {shortest}")
         if bad := bad_local:
-            raise TransferError(f"pull from {peer!r}: local range [{bad[0]:#x}, +{bad[1]}) is "
-                                "not inside memory registered with this transport")
+            raise TransferError(
+                f"pull from {peer!r}: local range [{bad[0]:#x}, +{bad[1]}) is "
+                "not inside memory registered with this transport"
+            )
         if bad := bad_remote:
-            raise TransferError(f"pull from {peer!r}: remote range [{bad[0]:#x}, +{bad[1]}) is "
-                                "not inside memory the peer registered")
+            raise TransferError(
+                f"pull from {peer!r}: remote range [{bad[0]:#x}, +{bad[1]}) is not inside memory the peer registered"
+            )
         return target
 
     @contextmanager
@@ -458,8 +469,7 @@ class Transport(ABC, Generic[PeerHandle]):
         """Open the library's connection to a peer; raise TransferError on failure."""
 
     @abstractmethod
-    def _pull(self, handle: PeerHandle, ranges: Sequence[Range], timeout: float,
-              description: str) -> Transfer:
+    def _pull(self, handle: PeerHandle, ranges: Sequence[Range], timeout: float, description: str) -> Transfer:
         """Start validated reads; library failures become a FAILED transfer."""
 
     @abstractmethod
