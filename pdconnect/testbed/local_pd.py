@@ -2,7 +2,7 @@
 engine joined by PDConnector, and `pdconnect router` in front — for the demo, the benchmarks and tests.
 
 The engines are the tiny-engine recipe of `pdconnect.testbed.recipes` (the geometry
-DESIGN.md reasons about on CPU).
+docs/replay-slack.md reasons about on CPU).
 """
 
 from __future__ import annotations

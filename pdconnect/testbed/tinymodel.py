@@ -104,7 +104,7 @@ class TinyModelSpec:
     # the full layers' is the point: it gives the groups different page sizes.
     # The defaults give 4x the full layers' KV bytes per token, so with
     # `--block-size 64` vLLM makes SWA blocks 64 and full blocks 256 tokens: the
-    # DeepSeek-V4-like geometry of DESIGN.md (use `sliding_window=128` for all of it).
+    # DeepSeek-V4-like geometry of docs/replay-slack.md (use `sliding_window=128` for all of it).
     swa_num_kv_heads: int = 4
     swa_head_dim: int = 64
 
@@ -138,7 +138,7 @@ class TinyModelSpec:
         return [1, max(1, self.num_layers // 2), max(1, last)]
 
 
-# DESIGN.md's example geometry on a CPU engine: serve with `--block-size 64` and vLLM
+# docs/replay-slack.md's example geometry on a CPU engine: serve with `--block-size 64` and vLLM
 # reports KV cache groups (64, 256[, 256 for an EAGLE3 draft]): SWA blocks of 64
 # tokens, full-attention blocks of 256, window 128, cache-hit alignment 256.
 DSV4_LIKE_MIMO_V2 = TinyModelSpec(kind="mimo-v2", sliding_window=128)
