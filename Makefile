@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export VLLM_CACHE_ROOT ?= $(CURDIR)/build/vllm-cache
 export UCX_MODULES ?= ^ib
 
-.PHONY: images gpu-check install compat-install test-compat test test-fast test-transport test-faults test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench-coalesce bench-routing clean
+.PHONY: images gpu-check install compat-install test-compat test test-fast test-transport test-faults test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench-coalesce bench-routing bench-handoff clean
 
 install: $(STAMP)
 
@@ -139,6 +139,16 @@ bench-coalesce: install
 bench-routing: install router-ref
 	@mkdir -p results
 	$(PY) -m benchmarks.routing --transport $(TRANSPORT) --json results/bench-routing.json
+
+# The same shared-prefix traffic through vLLM's NixlConnector, ours over NIXL, ours over
+# Mooncake and a colocated engine, fresh engines each; our in-engine pull latency beside
+# each library's bare pull of the same bytes. TRANSPORT does not apply: every path runs,
+# or the ones named (`make bench-handoff HANDOFF_PATHS=ours-nixl,ours-mooncake`).
+HANDOFF_PATHS ?=
+
+bench-handoff: install
+	@mkdir -p results
+	$(PY) -m benchmarks.handoff --json results/bench-handoff.json $(if $(HANDOFF_PATHS),--paths $(HANDOFF_PATHS))
 
 # Container images the manifests name, built from deploy/images/ with the repository root
 # as context (deploy/README.md, "Images"). The defaults are the names the overlays use;

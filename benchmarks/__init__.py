@@ -7,6 +7,7 @@ Each module is run as `python -m benchmarks.<name>` from the repository root:
 - `router_overhead`: `make bench-router`, what the router adds per request, beside vllm-router.
 - `transfer_speed`: `make bench-transfer`, transport throughput against each library's bare API.
 - `sibling_waits`: `make bench-coalesce`, the decode side's sibling waits (coalescing) on vs off.
+- `handoff`: `make bench-handoff`, vLLM's NixlConnector vs ours (NIXL, Mooncake) and in-engine pull latency.
 - `planner`: `make bench-plan`, the planner's cost per request beside a prefix-cache lookup.
 
 They drive local processes through `pdconnect.testbed` and measure with `pdconnect.bench`.

@@ -226,14 +226,14 @@ BARE: dict[str, Callable[[Buffer, bytes, str], BareMooncake | BareNixl]] = {
 
 
 @dataclass
-class _Runs:
+class Runs:
     """One path's timed runs: wall seconds and CPU seconds (this process + the peer)."""
 
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
 
 
-def _timed(run: Callable[[], bool], peer: LoopbackPeer, runs: _Runs) -> None:
+def timed(run: Callable[[], bool], peer: LoopbackPeer, runs: Runs) -> None:
     peer_before = peer.cpu_seconds()
     cpu_before = time.process_time()
     start = time.perf_counter()
@@ -306,13 +306,13 @@ def _bench_case(kind: str, case: Case, seed: int, repeats: int, ours: Transport[
         local.zero()
         if not run() or digest(local, [(addr, n) for addr, _, n in per_block]) != expected:
             raise RuntimeError(f"{kind} {case.name} {name}: pulled bytes differ from the peer's")
-    runs = {name: _Runs() for name in PATHS}
+    runs = {name: Runs() for name in PATHS}
     # Cycle through every order of the three paths, so each goes first, and follows each
     # other path, equally often: no path always inherits a warm (or busy) system.
     orders = list(itertools.permutations(PATHS))
     for repeat in range(repeats):
         for name in orders[repeat % len(orders)]:
-            _timed(paths[name], peer, runs[name])
+            timed(paths[name], peer, runs[name])
     gb = case.total_bytes / 1e9
     gbps = {name: gb / statistics.median(r.wall) for name, r in runs.items()}
     cpu = {name: statistics.median(r.cpu) / gb for name, r in runs.items()}

@@ -400,3 +400,13 @@ def test_multi_turn_conversations_grow_and_decode_hits_what_a_colocated_engine_h
     # What the scenario is for: decode serves from its own cache what the
     # colocated engine does, turn after turn (measured: 0/0, 512/512, 1024/1024).
     assert all(decode == reference for decode, reference in hits), hits
+
+
+def test_shared_prefix_question_jitter_spreads_suffix_lengths_and_none_keeps_the_old_prompts() -> None:
+    plain = SharedPrefixScenario(groups=2, prompts_per_group=3, system_prompt_len=16, question_len=8)
+    assert dataclasses.replace(plain, question_len_jitter=0).steps(TokenSource(seed=3)) == plain.steps(TokenSource(seed=3))
+    [step] = dataclasses.replace(plain, question_len_jitter=4).steps(TokenSource(seed=3))
+    lengths = {len(p) - 16 for p in step.prompts}
+    assert lengths <= set(range(4, 13)) and len(lengths) > 1 and "q8+-4" in step.name
+    with pytest.raises(ValueError, match="question_len_jitter"):
+        dataclasses.replace(plain, question_len_jitter=8)

@@ -27,7 +27,9 @@ import pytest
 from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters, engine_client
 from pdconnect.testbed.engine_calls import PDResult, completed, completion, prompt_ids, serve_pd, token_ids
 from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec, StartupError
-from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, vllm_server, warm_up
+from pdconnect.testbed.recipes import (
+    BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, stock_nixl_kv_transfer, vllm_server, warm_up,
+)
 from pdconnect.testbed.tinymodel import ensure_target_and_draft
 
 engine = pytest.mark.engine
@@ -121,18 +123,7 @@ def _engine_args(draft: Path, kv_transfer: dict[str, Any] | None = None) -> list
     return engine_args(draft, kv_transfer)
 
 def _nixl(role: str) -> dict[str, Any]:
-    return {
-        "kv_connector": "NixlConnector",
-        "kv_role": role,
-        "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {
-            # The default 30 s lease expired before a slow shared-core decode engine
-            # read the blocks (P logged "potentially invalid KV blocks").
-            "kv_lease_duration": 300,
-            # Four UCX worker threads per agent fight the engines for 2 cores.
-            "num_threads": 1,
-        },
-    }
+    return stock_nixl_kv_transfer(role)
 
 
 @pytest.fixture(scope="module")

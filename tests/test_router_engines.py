@@ -25,7 +25,9 @@ import pytest
 from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_metrics
 from pdconnect.testbed.engine_calls import prompt_ids
 from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec
-from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server, warm_up
+from pdconnect.testbed.recipes import (
+    BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, pd_kv_transfer, stock_nixl_kv_transfer, vllm_server, warm_up,
+)
 from pdconnect.testbed.tinymodel import ensure_model
 
 pytestmark = pytest.mark.engine
@@ -38,11 +40,8 @@ KV_CONNECTOR = os.environ.get("PDCONNECT_ROUTER_TEST_CONNECTOR", "PDConnector")
 def _kv_transfer_config(role: str, side_channel_port: int) -> dict[str, Any]:
     if KV_CONNECTOR == "PDConnector":
         return pd_kv_transfer(role, "mooncake")
-    # NIXL reads its side-channel port from the environment (vllm_server sets it). A slow
-    # shared-core decode engine outlived the default 30 s lease; four UCX threads per
-    # agent fight the engines for 2 cores (see test_engine_harness).
-    return {"kv_connector": KV_CONNECTOR, "kv_role": role, "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {"kv_lease_duration": 300, "num_threads": 1}}
+    # NIXL reads its side-channel port from the environment (vllm_server sets it).
+    return {**stock_nixl_kv_transfer(role), "kv_connector": KV_CONNECTOR}
 
 
 MODEL = MODEL_NAME

@@ -211,16 +211,19 @@ def _grouped_step(
     shuffle: bool,
     output_len: int,
     concurrency: int,
+    suffix_jitter: int = 0,
 ) -> Step:
     """`groups` random prefixes, each with `per_group` random suffixes; optionally shuffled.
 
     Each prompt keeps its group number. The shuffle draws as the plain prompt shuffle did,
-    so a seed gives the same prompts as before groups were recorded.
+    so a seed gives the same prompts as before groups were recorded. Suffixes are
+    `suffix_len` +/- `suffix_jitter` tokens; no jitter draws no lengths, so the prompts
+    of a seed stay what they were before jitter existed.
     """
     prompts: list[Prompt] = []
     for _ in range(groups):
         prefix = tokens.ids(prefix_len)
-        prompts += [prefix + tokens.ids(suffix_len) for _ in range(per_group)]
+        prompts += [prefix + tokens.ids(tokens.length(suffix_len, suffix_jitter)) for _ in range(per_group)]
     order = list(range(len(prompts)))
     if shuffle:
         tokens.shuffle(order)
@@ -286,18 +289,25 @@ class SharedPrefixScenario:
     output_len: int = 256
     concurrency: int = 16
     shuffle: bool = True
+    # Questions are question_len +/- this many tokens (seeded; 0: all the same length).
+    question_len_jitter: int = 0
 
     def __post_init__(self) -> None:
         _check_positive(
             self, "groups", "prompts_per_group", "system_prompt_len", "question_len", "output_len", "concurrency"
         )
+        if not 0 <= self.question_len_jitter < self.question_len:
+            raise ValueError(
+                f"SharedPrefixScenario.question_len_jitter must be in [0, question_len), got {self.question_len_jitter}"
+            )
 
     def prompt_len(self) -> int:
         return self.system_prompt_len + self.question_len
 
     def steps(self, tokens: TokenSource) -> list[Step]:
+        jitter = f"+-{self.question_len_jitter}" if self.question_len_jitter else ""
         name = (
-            f"{self.groups}x{self.prompts_per_group} sys{self.system_prompt_len}+q{self.question_len} "
+            f"{self.groups}x{self.prompts_per_group} sys{self.system_prompt_len}+q{self.question_len}{jitter} "
             f"c{self.concurrency} out{self.output_len}"
         )
         return [
@@ -311,6 +321,7 @@ class SharedPrefixScenario:
                 self.shuffle,
                 self.output_len,
                 self.concurrency,
+                self.question_len_jitter,
             )
         ]
 

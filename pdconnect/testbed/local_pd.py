@@ -2,7 +2,9 @@
 engine joined by PDConnector, and `pdconnect router` in front — for the demo, the benchmarks and tests.
 
 The engines are the tiny-engine recipe of `pdconnect.testbed.recipes` (the geometry
-docs/replay-slack.md reasons about on CPU).
+DESIGN.md reasons about on CPU). `LocalPDConfig(connector="vllm-nixl")` joins them with
+vLLM's own NixlConnector instead, behind the same router: the baseline `make bench-handoff`
+measures ours against.
 """
 
 from __future__ import annotations
@@ -10,14 +12,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import httpx
+
 from pdconnect.bench.loadgen import Deployment, PromptFormat
 from pdconnect.testbed.processes import Cluster, ManagedProcess
-from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, router_server, vllm_server, warm_up
+from pdconnect.testbed.recipes import (
+    MODEL_NAME,
+    SPEC,
+    engine_args,
+    pd_kv_transfer,
+    router_server,
+    stock_nixl_kv_transfer,
+    vllm_server,
+    warm_up,
+)
 from pdconnect.testbed.tinymodel import FIRST_WORD_ID, TinyModelSpec, ensure_target_and_draft
 
-__all__ = ["LocalPD", "LocalPDConfig", "Transport", "start_colocated", "start_local_pd"]
+__all__ = ["Connector", "LocalPD", "LocalPDConfig", "Transport", "start_colocated", "start_local_pd"]
 
 Transport = Literal["mooncake", "nixl"]
+# Ours, or vLLM's in-tree NixlConnector (host buffers) as the stock baseline.
+Connector = Literal["pdconnect", "vllm-nixl"]
+# vLLM's NixlConnector waits a hard-coded 5 s for P's handshake reply; a prefill engine on
+# 2 shared cores sometimes answers later and D fails that request with this reason. The
+# next request handshakes afresh.
+STOCK_HANDSHAKE_FAILURE = "handshake_setup_failed"
+STOCK_HANDSHAKE_ATTEMPTS = 4
 
 
 @dataclass(frozen=True)
@@ -35,8 +55,12 @@ class LocalPDConfig:
     # prefill engine compute concurrent siblings in one step, so their decode legs arrive
     # together, as they do on a loaded cluster.
     max_num_batched_tokens: int | None = None
+    # "vllm-nixl": vLLM's NixlConnector; `transport` and the switches above are then unused.
+    connector: Connector = "pdconnect"
 
     def kv_transfer_config(self, role: str) -> dict[str, Any]:
+        if self.connector == "vllm-nixl":
+            return stock_nixl_kv_transfer(role)
         return pd_kv_transfer(role, self.transport, replay_slack=self.replay_slack, coalesce=self.coalesce)
 
 
@@ -70,7 +94,8 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
 
     The router comes last so its first health polls find the engines up; a router that
     saw them down would send the first requests decode-only. It runs with fallback off:
-    a benchmark must fail loudly rather than measure decode-only serving.
+    a benchmark must fail loudly rather than measure decode-only serving. With vLLM's
+    NixlConnector, one P/D request through the router then establishes its handshake.
     """
     target, draft = ensure_target_and_draft(spec)
 
@@ -85,6 +110,8 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
                     draft, config.kv_transfer_config(kv_role), max_num_batched_tokens=config.max_num_batched_tokens
                 ),
                 kv_cache_gib=config.kv_cache_gib,
+                # Two NixlConnector engines on one host would both bind the default port.
+                side_channel_port=cluster.free_port() if config.connector == "vllm-nixl" else None,
             )
         )
 
@@ -112,7 +139,30 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
             ],
         )
     )
+    if config.connector == "vllm-nixl":
+        _establish_stock_handshake(router, decode, config.request_timeout_s)
     return LocalPD(config, prefill, decode, router)
+
+
+def _establish_stock_handshake(router: ManagedProcess, decode: ManagedProcess, timeout_s: float) -> None:
+    """One P/D request through the router, sent again only while D logs a failed handshake.
+
+    A failed handshake may still answer 200 (D recomputes the prompt), so success is a
+    200 with no new failure in D's log.
+    """
+    # Sequential ids from 16: no seeded random prompt shares a block with it.
+    payload = {"model": MODEL_NAME, "prompt": list(range(16, 16 + 256)), "max_tokens": 2, "temperature": 0.0}
+    for attempt in range(1, STOCK_HANDSHAKE_ATTEMPTS + 1):
+        failures_before = decode.log_text().count(STOCK_HANDSHAKE_FAILURE)
+        response = httpx.post(f"{router.base_url}/v1/completions", json=payload, timeout=timeout_s)
+        failed = decode.log_text().count(STOCK_HANDSHAKE_FAILURE) - failures_before
+        if response.status_code == 200 and failed == 0:
+            return
+        if failed == 0 or attempt == STOCK_HANDSHAKE_ATTEMPTS:
+            raise RuntimeError(
+                f"the stock NixlConnector pair did not serve (attempt {attempt}, {failed} failed "
+                f"handshakes): HTTP {response.status_code}: {response.text[:300]}"
+            )
 
 
 def start_colocated(

