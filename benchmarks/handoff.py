@@ -22,8 +22,8 @@ from its buckets over the measured step, and the mean bytes per pull
 (`pdconnect:transfer_bytes` sum / count). Then, engines gone, the same number of bytes is
 pulled with each library's bare API between two processes (`benchmarks.transfer_speed`'s
 bare clients, one contiguous range: how many ranges one in-engine pull sends is not
-exported), and in-engine p50 is shown over bare p50 of the same transport. The goal
-(issue 17): Mooncake's in-engine p50 within 1.5x of NIXL's in-engine p50, or of bare
+exported), and in-engine p50 is shown over bare p50 of the same transport. The goal:
+Mooncake's in-engine p50 within 1.5x of NIXL's in-engine p50, or of bare
 Mooncake's if that is larger. The stock connector's own NIXL telemetry
 (`vllm:nixl_xfer_time_seconds`, coarse buckets, per NIXL transfer) is shown beside it.
 
@@ -84,8 +84,9 @@ PATHS: dict[str, PathSpec] = {p.name: p for p in (
 
 @dataclass(frozen=True)
 class HandoffSetup:
-    """The issue's stress shape: 12 groups x 6 prompts, ~1000-token prefixes, 150-400-token
-    suffixes, 6 in flight, 8 output tokens (the hand-off dominates, not decoding)."""
+    """The stress shape that stalled Mooncake pulls: 12 groups x 6 prompts, ~1000-token
+    prefixes, 150-400-token suffixes, 6 in flight, 8 output tokens (the hand-off
+    dominates, not decoding)."""
 
     groups: int = 12
     seed: int = 1717

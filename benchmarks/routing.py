@@ -581,7 +581,7 @@ def format_ratios(runs: Sequence[ScenarioRun]) -> str:
 
 
 def goal_verdicts(runs: Sequence[ScenarioRun]) -> list[str]:
-    """The issue's goal per scenario: kv-aware >= affinity >= every vllm-router variant on
+    """The goal per scenario: kv-aware >= affinity >= every vllm-router variant on
     decode-local hits; and our variants' engines within their load bound."""
     table = _by_key(runs)
     lines = []

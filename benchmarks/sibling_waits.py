@@ -42,7 +42,7 @@ __all__ = ["SiblingWaitSetup", "Role", "main", "sibling_roles"]
 
 Role = str  # "first" | "concurrent" | "later"
 ROLES: tuple[Role, ...] = ("first", "concurrent", "later")
-# The issue's goal: decode-local hit with coalescing >= this share of serial siblings' hit.
+# The goal: decode-local hit with coalescing >= this share of serial siblings' hit.
 GOAL_SHARE = 0.90
 
 
