@@ -216,7 +216,13 @@ class Cluster:
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=spec.cwd,
-                start_new_session=True,
+                # A process group of its own (killed whole, see `_stop_groups`) but this
+                # session: a session is a scheduling group (autogroup), and with every engine
+                # in a group of its own, one engine's busy-wait loops kept both cores for
+                # minutes while another's runnable threads waited (measured: a stock NIXL
+                # prefill engine held the cores for 196 s and its decode request timed out;
+                # docs/transfer-under-contention.md). In one group they yield to each other.
+                process_group=0,
                 preexec_fn=_die_with_parent,  # noqa: PLW1509 - one prctl(), no lock taken
             )
         proc = ManagedProcess(spec, popen, log_path, time.monotonic())
@@ -319,7 +325,7 @@ def _stop_groups(procs: Sequence[ManagedProcess], timeout_s: float) -> None:
     outlive its API server for a moment and would otherwise be orphaned.
     """
     for proc in procs:
-        # start_new_session made each child the leader of a group with its own pid.
+        # process_group=0 made each child the leader of a group with its own pid.
         _signal_group(proc.popen.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     for proc in procs:
