@@ -28,12 +28,17 @@ living in this process for the whole run, so each path's CPU also holds the othe
 clients' idle threads (ours: a NIXL serving agent's progress thread, about 2% of a core
 each).
 
-A second table (NIXL) sweeps the serving agent's progress-thread delay
+A table "behind a busy caller" times our pulls the way a live engine sees them: the
+caller runs Python for a step (`--step-ms`, holding the interpreter lock as an engine's
+step loop does) between polls, polling once per step, against the same pull with an idle
+caller (`Transfer.wait`'s backoff); 1.5 MiB split into 1, 8 and 48 ranges.
+
+A further table (NIXL) sweeps the serving agent's progress-thread delay
 (`nixl_progress_delay_us`): the serving process's idle CPU against our read rate and
 the first read after connecting (which waits on the server's wire-up progress).
 
     python -m benchmarks.transfer_speed [--transport mooncake|nixl|all] [--repeats 24]
-                                       [--delays 0,50,200,1000,5000] [--json PATH]
+                                       [--step-ms 5] [--delays 0,50,200,1000,5000] [--json PATH]
 """
 
 from __future__ import annotations
@@ -332,6 +337,68 @@ def _bench_case(kind: str, case: Case, seed: int, repeats: int, ours: Transport[
 
 
 @dataclass(frozen=True)
+class BusyCallerResult:
+    """One row of the busy-caller table: pull latency in ms, idle and busy caller."""
+
+    transport: str
+    ranges: int
+    idle_p50_ms: float
+    idle_p90_ms: float
+    busy_p50_ms: float
+    busy_p90_ms: float
+
+
+BUSY_PULL_BYTES = 3 << 19  # 1.5 MiB, a long-suffix request's pull on the tiny models
+BUSY_RANGES = (1, 8, 48)
+
+
+def _hold_the_interpreter(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def bench_busy_caller(kind: str, repeats: int, step_s: float) -> list[BusyCallerResult]:
+    """Our pulls' latency behind an idle caller and behind one polling once per step."""
+    results = []
+    with LoopbackPeer(kind, POOL_BYTES) as peer:
+        local = Buffer(POOL_BYTES)
+        ours = create_transport(kind, host="127.0.0.1")
+        try:
+            ours.register([local.region])
+            ours.connect(PEER, peer.ready.metadata)
+            for count in BUSY_RANGES:
+                size = BUSY_PULL_BYTES // count
+                # Every other slot, so no two ranges merge into one.
+                ranges = [(local.addr + 2 * i * size, peer.ready.pool_addr + 2 * i * size, size)
+                          for i in range(count)]
+                times: dict[bool, list[float]] = {False: [], True: []}
+                for repeat in range(repeats + 1):  # round 0 is a warm-up, not counted
+                    for busy in (repeat % 2 == 0, repeat % 2 == 1):
+                        start = time.perf_counter()
+                        transfer = ours.pull(PEER, ranges, TIMEOUT)
+                        if busy:
+                            while (state := transfer.poll()) is TransferState.PENDING:
+                                _hold_the_interpreter(step_s)
+                        else:
+                            state = transfer.wait(TIMEOUT)
+                        if state is not TransferState.DONE:
+                            raise RuntimeError(f"{kind}, {count} ranges: a read failed")
+                        if not repeat and digest(local, [(a, n) for a, _, n in ranges]) != peer.digest(
+                                [(r, n) for _, r, n in ranges]):
+                            raise RuntimeError(f"{kind}, {count} ranges: pulled bytes differ from the peer's")
+                        if repeat:
+                            times[busy].append((time.perf_counter() - start) * 1e3)
+                idle, busy_ms = sorted(times[False]), sorted(times[True])
+                results.append(BusyCallerResult(
+                    kind, count, round(statistics.median(idle), 2), round(idle[int(0.9 * len(idle))], 2),
+                    round(statistics.median(busy_ms), 2), round(busy_ms[int(0.9 * len(busy_ms))], 2)))
+        finally:
+            ours.close()
+    return results
+
+
+@dataclass(frozen=True)
 class DelayResult:
     """One row of the progress-delay sweep."""
 
@@ -445,6 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--transport", choices=(*TRANSPORT_KINDS, "all"), default="all")
     parser.add_argument("--repeats", type=int, default=24,
                         help="timed runs per path and case (a multiple of 6 balances orders)")
+    parser.add_argument("--step-ms", type=float, default=5.0,
+                        help="the busy caller's Python time between polls (an engine step)")
     parser.add_argument("--delays", default="0,50,200,1000,5000",
                         help="NIXL serving progress-thread delays to sweep, in us ('' = none)")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -469,6 +538,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     worst = min(r.fair_ratio for r in results)
     print(f"({time.monotonic() - started:.0f} s; lowest fair ratio {worst:.2f}, load average "
           f"now {os.getloadavg()[0]:.1f})", flush=True)
+    print(f"\nOur pulls behind a busy caller: {BUSY_PULL_BYTES >> 10} KiB in N ranges; idle = "
+          f"Transfer.wait's backoff, busy = one poll per {args.step_ms:g} ms of Python (an "
+          "engine step); latency in ms", flush=True)
+    print(f"{'transport':<10} {'ranges':>6}  {'idle p50':>8} {'p90':>7}  {'busy p50':>8} {'p90':>7}", flush=True)
+    busy_rows: list[BusyCallerResult] = []
+    for kind in kinds:
+        for row in bench_busy_caller(kind, args.repeats, args.step_ms / 1e3):
+            busy_rows.append(row)
+            print(f"{row.transport:<10} {row.ranges:>6}  {row.idle_p50_ms:>8.2f} {row.idle_p90_ms:>7.2f}  "
+                  f"{row.busy_p50_ms:>8.2f} {row.busy_p90_ms:>7.2f}", flush=True)
     sweep: list[DelayResult] = []
     if "nixl" in kinds and delays:
         print("\nNIXL serving agent's progress-thread delay (ours reads with no progress "
@@ -480,6 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(
             {"paths": [asdict(r) for r in results],
+             "busy_caller": [asdict(r) for r in busy_rows],
              "nixl_progress_delay": [asdict(r) for r in sweep]}), indent=2))
     return 0
 

@@ -1,0 +1,19 @@
+"""`make bench-transfer`'s busy-caller table, run small: every path pulls the right bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.transfer_speed import BUSY_RANGES, bench_busy_caller
+from pdconnect.transfer import TRANSPORT_KINDS
+
+pytestmark = [pytest.mark.transport, pytest.mark.timeout(300)]
+
+
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+def test_the_busy_caller_table_has_a_row_per_range_count(kind: str) -> None:
+    rows = bench_busy_caller(kind, repeats=2, step_s=0.002)
+    assert [row.ranges for row in rows] == list(BUSY_RANGES)
+    for row in rows:
+        assert 0 < row.idle_p50_ms <= row.idle_p90_ms
+        assert 0 < row.busy_p50_ms <= row.busy_p90_ms
