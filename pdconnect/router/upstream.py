@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["ConnectFailed", "UpstreamError", "UpstreamPool", "UpstreamResponse"]
+__all__ = ["AnswerTooLarge", "ConnectFailed", "UpstreamError", "UpstreamPool", "UpstreamResponse"]
 
 _HIGH_WATER = 1 << 20
 # A limit within this of its end counts as reached: uvloop's clock and timers tick in
@@ -51,6 +51,10 @@ class UpstreamError(Exception):
 
 class ConnectFailed(UpstreamError):
     """No connection could be opened."""
+
+
+class AnswerTooLarge(UpstreamError):
+    """The body is over the caller's limit; nothing past the limit was kept."""
 
 
 class UpstreamResponse(asyncio.Protocol):
@@ -135,10 +139,19 @@ class UpstreamResponse(asyncio.Protocol):
             if data:  # compressed bytes may inflate to nothing yet
                 return data
 
-    async def read(self) -> bytes:
-        """The whole (rest of the) body."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole (rest of the) body; AnswerTooLarge once it is over `limit` bytes
+        (inflated), at once when the engine announces a longer one. The caller closes."""
+        if limit is not None and self._inflater is None:
+            declared = self.headers.get(b"content-length", b"")
+            if declared.isdigit() and int(declared) > limit:
+                raise AnswerTooLarge(f"engine announced {int(declared)} bytes, over the {limit}-byte limit")
         parts = []
+        size = 0
         while data := await self.chunk():
+            size += len(data)
+            if limit is not None and size > limit:
+                raise AnswerTooLarge(f"engine answer over the {limit}-byte limit")
             parts.append(data)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
