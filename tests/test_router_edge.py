@@ -498,3 +498,32 @@ async def test_a_decode_only_router_passes_several_sequences_on(make) -> None:
     s: Setup = await make(prefill=0)
     status, _, _ = await s.post("/v1/completions", {**COMPLETION, "n": 2})
     assert status == 200 and s.d[0].seen[0].body["n"] == 2
+
+
+# --- the router's memory -----------------------------------------------------------------------------
+
+def test_a_long_prompt_with_prompt_logprobs_leaves_the_router_far_below_its_memory_limit_with_fake_engines(
+        tmp_path: Any) -> None:
+    """131k prompt tokens with `prompt_logprobs: 20` make a ~150 MB answer (the FAKE
+    engines answer the way vLLM does). The prefill leg must not ask for it, and the
+    decode answer, relayed, must not become Python objects: the router process (its own,
+    measured alone) peaks far below the 2 GiB its pod may use."""
+    import httpx
+
+    from tests.router_support import peak_rss_bytes, router_process_with_fakes
+
+    prompt = "w " * 131_072
+    with router_process_with_fakes(tmp_path) as router, httpx.Client(timeout=HANG * 8) as http:
+        assert http.post(router.base_url + "/v1/completions", json=COMPLETION).status_code == 200
+        before = peak_rss_bytes(router.popen.pid)
+        resp = http.post(router.base_url + "/v1/completions",
+                         json={**COMPLETION, "prompt": prompt, "prompt_logprobs": 20})
+        assert resp.status_code == 200
+        answer_bytes = len(resp.content)
+        after = peak_rss_bytes(router.popen.pid)
+    growth = after - before
+    print(f"answer {answer_bytes / 2**20:.0f} MiB, router peak RSS {before / 2**20:.0f} -> {after / 2**20:.0f} MiB")
+    assert answer_bytes > 100 << 20  # the answer really is that large
+    # The relayed answer's bytes, held once while it is written (with room for the
+    # allocator); never its decoded objects (several times its size, per leg).
+    assert growth < 2 * answer_bytes, f"router peak grew {growth / 2**20:.0f} MiB"

@@ -73,7 +73,7 @@ from pdconnect.router.upstream import (
     UpstreamPool,
     UpstreamResponse,
 )
-from pdconnect.router.usage import EventTooLarge, SseRewriter, UsageMerger
+from pdconnect.router.usage import Buffer, EventTooLarge, SseRewriter, UsageMerger
 from pdconnect.router.writer import ClientStalled, ClientWriter
 from pdconnect.sidechannel import release_remote
 
@@ -114,9 +114,11 @@ class _Prompt(msgspec.Struct):
 
 
 class _Chat(msgspec.Struct):
-    """The same for chat: `messages` must be a non-empty list of objects."""
+    """The same for chat: `messages` must be a non-empty list of objects (checked in
+    `_parse`: converting to `list[dict]` would copy every message, several times the
+    cost of checking them)."""
 
-    messages: list[dict[str, Any]]
+    messages: list[Any]
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     max_tokens: int | None = None
@@ -442,8 +444,11 @@ class PDFlow:
             )
         except msgspec.ValidationError as exc:
             raise BadRequest(f"invalid request: {exc}") from None
-        if isinstance(fields, _Chat) and not fields.messages:
-            raise BadRequest("invalid request: `messages` must not be empty")
+        if isinstance(fields, _Chat):
+            if not fields.messages:
+                raise BadRequest("invalid request: `messages` must not be empty")
+            if not all(isinstance(message, dict) for message in fields.messages):
+                raise BadRequest("invalid request: every message in `messages` must be an object")
         _refuse_unroutable(fields, pd=bool(self._registry.engines(Role.PREFILL)))
         # 128 random bits as 32 hex digits, like uuid4().hex without building a UUID.
         request_id = headers.get("X-Request-Id") or os.urandom(16).hex()
@@ -653,8 +658,8 @@ class PDFlow:
                 else:
                     resp.release()
                     verdict = True
-                    answer = merger.rewrite_body(first) if merger else first
-                    out = await self._answer(http, trace, resp.status, headers, answer)
+                    parts = merger.rewrite_parts(first) if merger else [first]
+                    out = await self._answer(http, trace, resp.status, headers, parts)
                 self._metrics.decode_seconds.observe(time.perf_counter() - sent)
                 return out
             finally:
@@ -678,15 +683,18 @@ class PDFlow:
         return ClientWriter(http, out, self._config.client_write_timeout, stalled)
 
     async def _answer(
-        self, http: web.Request, trace: _Trace, status: int, headers: dict[str, str], body: bytes
+        self, http: web.Request, trace: _Trace, status: int, headers: dict[str, str], parts: list[Buffer]
     ) -> web.StreamResponse:
-        """A whole (non-streaming) answer, written by the flow itself: aiohttp would write
-        a returned Response with no deadline."""
+        """A whole (non-streaming) answer, in pieces, written by the flow itself: aiohttp
+        would write a returned Response with no deadline."""
         out = _HeadersWithBodyResponse(status=status, headers=headers)
-        out.content_length = len(body)
+        out.content_length = sum(len(part) for part in parts)
         await out.prepare(http)
+        writer = self._writer(http, out, trace)
         try:
-            await self._writer(http, out, trace).write_eof(body)
+            for part in parts[:-1]:
+                await writer.write(part)
+            await writer.write_eof(parts[-1])
         except ClientStalled:
             trace.outcome = "client_stalled"
             return out

@@ -139,13 +139,19 @@ class UpstreamResponse(asyncio.Protocol):
             if data:  # compressed bytes may inflate to nothing yet
                 return data
 
-    async def read(self, limit: int | None = None) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes | bytearray:
         """The whole (rest of the) body; AnswerTooLarge once it is over `limit` bytes
-        (inflated), at once when the engine announces a longer one. The caller closes."""
-        if limit is not None and self._inflater is None:
-            declared = self.headers.get(b"content-length", b"")
-            if declared.isdigit() and int(declared) > limit:
-                raise AnswerTooLarge(f"engine announced {int(declared)} bytes, over the {limit}-byte limit")
+        (inflated), at once when the engine announces a longer one. The caller closes.
+
+        An announced length is read into one buffer of that size: joining the pieces
+        would hold a long answer twice."""
+        declared = self.headers.get(b"content-length", b"") if self._inflater is None else b""
+        if declared.isdigit():
+            size = int(declared)
+            if limit is not None and size > limit:
+                raise AnswerTooLarge(f"engine announced {size} bytes, over the {limit}-byte limit")
+            if size > _HIGH_WATER:
+                return await self._read_into(bytearray(size))
         parts = []
         size = 0
         while data := await self.chunk():
@@ -154,6 +160,20 @@ class UpstreamResponse(asyncio.Protocol):
                 raise AnswerTooLarge(f"engine answer over the {limit}-byte limit")
             parts.append(data)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _read_into(self, buffer: bytearray) -> bytearray:
+        """The rest of an announced-length body, into `buffer` (its size)."""
+        view = memoryview(buffer)
+        at = 0
+        while data := await self.chunk():
+            end = at + len(data)
+            if end > len(buffer):
+                raise UpstreamError("engine sent more than its Content-Length")
+            view[at:end] = data
+            at = end
+        if at != len(buffer):
+            raise UpstreamError("engine sent less than its Content-Length")
+        return buffer
 
     def release(self) -> None:
         """Done with this response: pool the connection if it can carry another request."""

@@ -22,7 +22,10 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["EventTooLarge", "SseRewriter", "UsageMerger"]
+# What the rewriters take and give: bytes, or views of them.
+Buffer = bytes | bytearray | memoryview
+
+__all__ = ["Buffer", "EventTooLarge", "SseRewriter", "UsageMerger"]
 
 _DONE = b"data: [DONE]\n\n"
 _decode = msgspec.json.decode
@@ -60,19 +63,29 @@ class UsageMerger:
         if isinstance(completion, int):
             usage["total_tokens"] = self._prompt_tokens + completion
 
-    def rewrite_body(self, body: bytes) -> bytes:
-        """A non-streaming JSON answer; returned unchanged if it has no usage object.
-        Only the top level and `usage` are decoded; every other member is copied as is."""
+    def rewrite_body(self, body: Buffer) -> bytes:
+        """A JSON answer with its usage merged; unchanged if it has no usage object."""
+        parts = self.rewrite_parts(body)
+        return bytes(body) if len(parts) == 1 and parts[0] is body else b"".join(parts)
+
+    def rewrite_parts(self, body: Buffer) -> list[Buffer]:
+        """The same as pieces to write in order (`[body]` when unchanged). Only the top
+        level and `usage` are decoded; every other member is a view of `body`, not a copy."""
         try:
             members = _decode_members(body)
             usage = _decode(members["usage"]) if "usage" in members else None
         except msgspec.DecodeError:
-            return body
+            return [body]
         if not isinstance(usage, dict):
-            return body
+            return [body]
         self.merge(usage)
-        members["usage"] = msgspec.Raw(_encode(usage))
-        return _encode(members)
+        parts: list[Buffer] = [b"{"]
+        for name, value in members.items():
+            if len(parts) > 1:
+                parts.append(b",")
+            parts += (_encode(name), b":", _encode(usage) if name == "usage" else memoryview(value))
+        parts.append(b"}")
+        return parts
 
 
 class SseRewriter:

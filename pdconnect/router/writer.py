@@ -45,7 +45,7 @@ class ClientWriter:
         self._timeout = timeout
         self._on_stall = on_stall
 
-    async def write(self, data: bytes | memoryview) -> None:
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
         if len(data) <= SLICE:
             await self._write(data, eof=False)
             return
@@ -53,7 +53,7 @@ class ClientWriter:
         for start in range(0, len(data), SLICE):
             await self._write(view[start : start + SLICE], eof=False)
 
-    async def write_eof(self, data: bytes | memoryview = b"") -> None:
+    async def write_eof(self, data: bytes | bytearray | memoryview = b"") -> None:
         """The last bytes and the end of the response."""
         if len(data) > SLICE:
             cut = len(data) - SLICE
@@ -61,7 +61,7 @@ class ClientWriter:
             data = memoryview(data)[cut:]
         await self._write(data, eof=True)
 
-    async def _write(self, data: bytes | memoryview, eof: bool) -> None:
+    async def _write(self, data: bytes | bytearray | memoryview, eof: bool) -> None:
         transport = self._request.transport
         if transport is None:
             raise ConnectionResetError("client connection closed")
