@@ -445,6 +445,7 @@ async def test_a_decode_answer_over_its_limit_is_a_502_and_its_plan_is_released(
     assert_openai_error(body, 502)
     assert sum(len(e.seen) for e in s.d) == 1  # another engine would answer the same: no retry
     assert s.count("pdconnect_router_oversized_answers_total", leg="decode") == 1
+    assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="decode_failed") == 1
     await _eventually_released(s, "big-1")
 
 

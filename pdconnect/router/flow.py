@@ -302,6 +302,7 @@ _OUTCOME_OF_ERROR: dict[type[RouterError], str] = {
     PrefillFailed: "prefill_failed",
     DecodeFailed: "decode_failed",
     DecodeTimeout: "decode_timeout",
+    EngineAnswerTooLarge: "decode_failed",
     EngineRejected: "rejected",
 }
 _SERVED = frozenset({"ok", "ok_fallback"})

@@ -406,6 +406,7 @@ def _usage_chunk(chat: bool, request_id: str, model: str, usage: dict[str, Any])
 async def _serve(args: argparse.Namespace) -> None:
     engine = FakeEngine(name=args.name, chunks=args.chunks, side_channel=args.side_channel)
     engine.faults.answer_padding = args.answer_padding
+    engine.faults.event_padding = args.event_padding
     await engine.start(args.host, args.port)
     print(json.dumps({"url": engine.url, "side_channel": engine.side_channel_address}), flush=True)
     stop = asyncio.Event()
@@ -427,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=8, help="tokens streamed per decode answer")
     parser.add_argument("--side-channel", action="store_true", help="serve a real side channel for releases")
     parser.add_argument("--answer-padding", type=int, default=0, help="bytes of filler in every whole answer")
+    parser.add_argument("--event-padding", type=int, default=0, help="bytes of filler in every streamed event")
     args = parser.parse_args(argv)
     try:
         import uvloop
