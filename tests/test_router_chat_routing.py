@@ -226,3 +226,26 @@ async def test_a_chat_of_many_tiny_messages_leaves_health_answered_within_its_pr
     assert await request == 200
     assert s.count("pdconnect_router_kv_aware_prompts_total", endpoint="chat", result="ok") == 1
     assert max(waits) < deadline, f"/health waited {max(waits):.1f}s (deadline {deadline}s)"
+
+
+class _Counted(list):  # type: ignore[type-arg]
+    """A list that counts how many of its items were looked at."""
+
+    seen = 0
+
+    def __iter__(self) -> Any:
+        for item in super().__iter__():
+            _Counted.seen += 1
+            yield item
+
+
+def test_the_affinity_key_of_a_chat_reads_only_its_prefix_worth_of_messages_and_parts() -> None:
+    """The key hashes the first `affinity_prefix_chars` of the rendered messages: however
+    many messages, or content parts in one message, a body holds, only that much is read."""
+    from pdconnect.router.policy import affinity_key
+
+    for messages in (_Counted([{"role": "user", "content": ""}] * 1_000_000),
+                     [{"role": "user", "content": _Counted([{"type": "text", "text": ""}] * 1_000_000)}]):
+        _Counted.seen = 0
+        assert affinity_key({"messages": messages}, chat=True, prefix_chars=1024, prefix_tokens=256) is not None
+        assert _Counted.seen <= 1024
