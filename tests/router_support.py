@@ -2,22 +2,30 @@
 
 `start_setup` starts fake engines (`pdconnect.testbed.fake_engine`) and a router in front
 of them; conftest.py's `make` fixture starts as many as a test asks for and closes them.
+`router_process_with_fakes` runs both as processes of their own instead, for what must be
+measured on the router alone (its memory, its event loop's answers).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from pdconnect.router import RunningRouter, load_config, start_router
 from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
+from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec
+from pdconnect.testbed.recipes import router_server
 
-__all__ = ["CHAT", "COMPLETION", "HANG", "Setup", "eventually", "sse_events", "start_setup"]
+__all__ = ["CHAT", "COMPLETION", "HANG", "Setup", "eventually", "peak_rss_bytes", "router_process_with_fakes",
+           "sse_events", "start_setup"]
 
 HANG = 15.0  # seconds: far beyond any configured timeout; only a hang reaches it
 
@@ -76,3 +84,29 @@ def sse_events(raw: bytes) -> list[Any]:
 COMPLETION = {"model": "fake-model", "prompt": "the quick brown fox jumps", "max_tokens": 4}
 CHAT = {"model": "fake-model", "max_tokens": 4,
         "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]}
+
+
+@contextlib.contextmanager
+def router_process_with_fakes(log_dir: Path, router_args: Sequence[str] = (),
+                              fake_args: Sequence[str] = ()) -> Iterator[ManagedProcess]:
+    """`pdconnect router` in a process of its own before one FAKE prefill and one FAKE
+    decode engine, each in a process of its own too; yields the router's process."""
+    with Cluster(log_dir=log_dir) as cluster:
+        def fake(name: str, *extra: str) -> ProcessSpec:
+            port = cluster.free_port()
+            return ProcessSpec(name=name, argv=(sys.executable, "-m", "pdconnect.testbed.fake_engine", "--port",
+                                                str(port), "--name", name, *extra, *fake_args),
+                               health_url=f"http://127.0.0.1:{port}/health", base_url=f"http://127.0.0.1:{port}")
+        prefill, decode = cluster.launch(fake("fake-p0", "--side-channel"), fake("fake-d0"))
+        [router] = cluster.launch(router_server("router", port=cluster.free_port(), prefill=[prefill.base_url],
+                                                decode=[decode.base_url], args=("--log-level", "warning",
+                                                                                *router_args)))
+        yield router
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """A process's peak resident memory so far (Linux: VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for {pid}")

@@ -117,7 +117,7 @@ async def test_chat_is_routed_to_the_engine_that_caches_its_rendered_prompt(kv_r
                                                                            tokenized: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     if tokenized == "worker-thread":  # as a long prompt is, off the event loop
-        monkeypatch.setattr("pdconnect.router.flow._INLINE_TOKENIZE_CHARS", 0)
+        monkeypatch.setattr("pdconnect.router.flow._INLINE_PROMPT_BYTES", 0)
     s: KvSetup = await kv_router(tokenizer=str(tiny_dir))
     by_affinity = await s.decode_engine("/v1/chat/completions", CHAT)
     assert await s.decode_engine("/v1/chat/completions", CHAT) == by_affinity
@@ -167,3 +167,85 @@ async def test_a_tokenizer_file_routes_text_and_leaves_chat_to_affinity(kv_route
     await s.decode_engine("/v1/chat/completions", CHAT)
     assert s.count("pdconnect_router_kv_aware_prompts_total", endpoint="chat", result="no_chat_template") == 1
     assert json.loads(json.dumps(CHAT)) == CHAT  # the module's body was not modified by the router
+
+
+# A template that does some work per message, as real ones do (tool and role checks).
+_CHECKING_TEMPLATE = (
+    "{% for message in messages %}{% for check in range(60) %}"
+    "{% if message['role'] == 'tool' and check == loop.index %}{{ raise_exception('no tools') }}{% endif %}"
+    "{% endfor %}{{ message['role'] }}: {{ message['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def _readiness_timeout() -> float:
+    """The deadline deploy/ gives the router's /health (its readiness probe)."""
+    import yaml
+
+    manifest = Path(__file__).resolve().parents[1] / "deploy" / "base" / "router.yaml"
+    for doc in yaml.safe_load_all(manifest.read_text()):
+        if doc and doc.get("kind") == "Deployment":
+            [container] = doc["spec"]["template"]["spec"]["containers"]
+            return float(container["readinessProbe"]["timeoutSeconds"])
+    raise AssertionError("no router Deployment in deploy/base/router.yaml")
+
+
+async def test_a_chat_of_many_tiny_messages_leaves_health_answered_within_its_probe_deadline(
+        kv_router, tiny_dir: Path, tmp_path: Path) -> None:
+    """Rendering scales with the messages: a body of the largest size the router takes
+    (4 MiB), all tiny messages, renders for seconds. It must not keep the loop from
+    answering anyone else: /health, polled meanwhile, answers within the readiness
+    probe's deadline, and the chat request is still routed by its token ids."""
+    checking = tmp_path / "checking"
+    shutil.copytree(tiny_dir, checking, ignore=shutil.ignore_patterns("*.safetensors"))
+    (checking / "chat_template.jinja").write_text(_CHECKING_TEMPLATE)
+    s: KvSetup = await kv_router(tokenizer=str(checking))
+    body = msgspec.json.encode({"model": "tiny", "max_tokens": 2,
+                                "messages": [{"role": "user", "content": "w"}] * 130_000})
+    assert len(body) <= 4 << 20
+    deadline = _readiness_timeout()
+    waits: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def chat() -> int:
+        async with asyncio.timeout(60), s.http.post(s.router.url + "/v1/chat/completions", data=body,
+                                                    headers={"Content-Type": "application/json"}) as resp:
+            return resp.status
+
+    request = asyncio.create_task(chat())
+    async with asyncio.timeout(60):
+        due = loop.time()
+        while not request.done():
+            # The client shares the router's loop: a stalled loop delays the probe's send
+            # as much as its answer, so each wait counts from when the probe was due.
+            async with s.http.get(s.router.url + "/health") as resp:
+                assert resp.status == 200
+            waits.append(loop.time() - due)
+            due = loop.time() + 0.05
+            await asyncio.sleep(0.05)
+    assert await request == 200
+    assert s.count("pdconnect_router_kv_aware_prompts_total", endpoint="chat", result="ok") == 1
+    assert max(waits) < deadline, f"/health waited {max(waits):.1f}s (deadline {deadline}s)"
+
+
+class _Counted(list):  # type: ignore[type-arg]
+    """A list that counts how many of its items were looked at."""
+
+    seen = 0
+
+    def __iter__(self) -> Any:
+        for item in super().__iter__():
+            _Counted.seen += 1
+            yield item
+
+
+def test_the_affinity_key_of_a_chat_reads_only_its_prefix_worth_of_messages_and_parts() -> None:
+    """The key hashes the first `affinity_prefix_chars` of the rendered messages: however
+    many messages, or content parts in one message, a body holds, only that much is read."""
+    from pdconnect.router.policy import affinity_key
+
+    for messages in (_Counted([{"role": "user", "content": ""}] * 1_000_000),
+                     [{"role": "user", "content": _Counted([{"type": "text", "text": ""}] * 1_000_000)}]):
+        _Counted.seen = 0
+        assert affinity_key({"messages": messages}, chat=True, prefix_chars=1024, prefix_tokens=256) is not None
+        assert _Counted.seen <= 1024

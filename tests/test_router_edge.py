@@ -317,8 +317,12 @@ async def test_authorization_reaches_every_engine_call_including_models(make) ->
     ("/v1/chat/completions", {**CHAT, "messages": "hi"}),
     ("/v1/chat/completions", {**CHAT, "messages": [3]}),
     ("/v1/completions", {**COMPLETION, "kv_transfer_params": "forged"}),
+    ("/v1/completions", {**COMPLETION, "vllm_xargs": "kv_transfer_params=forged"}),
+    ("/v1/chat/completions", {**CHAT, "vllm_xargs": [{"kv_transfer_params": {}}]}),
+    ("/v1/completions", {**COMPLETION, "vllm_xargs": 7}),
+    ("/v1/completions", {**COMPLETION, "n": "2"}),
 ], ids=["prompt-int", "stream-str", "max-tokens-str", "stream-options-int", "no-prompt", "messages-str",
-        "message-int", "params-str"])
+        "message-int", "params-str", "xargs-str", "xargs-list", "xargs-int", "n-str"])
 async def test_fields_the_router_reads_are_validated_before_any_engine_sees_them(make, path: str,
                                                                                    body: dict[str, Any]) -> None:
     s: Setup = await make()
@@ -350,3 +354,177 @@ async def test_a_real_engine_fault_still_opens_its_breaker(make) -> None:
         assert status == 200
     engine = s.router.router.registry.get(Role.DECODE, broken.url)
     assert engine is not None and engine.breaker.state.value == "open"
+
+
+# --- the client's ways into kv_transfer_params ------------------------------------------------
+
+FORGED_PLAN = {"do_remote_prefill": True, "remote_engine_id": "forged", "remote_host": "10.0.0.1"}
+
+
+@pytest.mark.parametrize("path,request_body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)],
+                         ids=["completions", "chat"])
+@pytest.mark.parametrize("leg", ["pd", "decode-only-fallback", "decode-retry"])
+@pytest.mark.parametrize("value", [FORGED_PLAN, "a string vLLM would hand the connector", None, [1]],
+                         ids=["object", "string", "null", "list"])
+async def test_vllm_xargs_kv_transfer_params_is_refused_on_every_leg(make, path: str, request_body: dict[str, Any],
+                                                                     leg: str, value: Any) -> None:
+    """vLLM takes `vllm_xargs.kv_transfer_params` as the connector's params when the
+    top-level field is unset (decode-only) or empty: the router refuses it outright."""
+    s: Setup = await make(prefill=0 if leg == "decode-only-fallback" else 1, decode=2, policy="round-robin")
+    if leg == "decode-retry":
+        s.d[0].faults.status = 500
+    for body in ({**request_body, "vllm_xargs": {"kv_transfer_params": value}},
+                 {**request_body, "kv_transfer_params": {}, "vllm_xargs": {"x": 1, "kv_transfer_params": value}}):
+        status, _, answer = await s.post(path, body)
+        assert status == 400
+        assert "vllm_xargs.kv_transfer_params" in assert_openai_error(answer, 400)["message"]
+    assert [e.seen for e in s.p + s.d] == [[] for _ in s.p + s.d]
+
+
+async def test_other_vllm_xargs_reach_decode_only(make) -> None:
+    s: Setup = await make()
+    status, _, _ = await s.post("/v1/completions", {**COMPLETION, "vllm_xargs": {"session_id": "s1", "k": [1, 2]}})
+    assert status == 200
+    assert s.d[0].seen[0].body["vllm_xargs"] == {"session_id": "s1", "k": [1, 2]}
+    assert "vllm_xargs" not in s.p[0].seen[0].body
+
+
+# --- what prefill gets ----------------------------------------------------------------------------
+
+# Fields that shape only the answer: a prefill engine must never compute or send them.
+ANSWER_ONLY = {"prompt_logprobs": 20, "logprobs": 5, "echo": True, "n": 1, "best_of": 1, "logit_bias": {"5": 1.0},
+               "stop": ["x"], "seed": 3, "temperature": 0.5, "return_token_ids": True, "ignore_eos": True,
+               "structured_outputs": {"regex": "a+"}, "vllm_xargs": {"k": 1}, "user": "u", "min_tokens": 2,
+               "stream": True, "stream_options": {"include_usage": True}, "request_id": "client-chosen"}
+
+
+@pytest.mark.parametrize("path,request_body,kv_fields", [
+    ("/v1/completions", COMPLETION,
+     {"add_special_tokens": False, "cache_salt": "salt", "truncate_prompt_tokens": 4, "truncation_side": "left",
+      "suffix": "tail", "priority": 1, "session_id": "s"}),
+    ("/v1/chat/completions", CHAT,
+     {"add_special_tokens": True, "cache_salt": "salt", "chat_template_kwargs": {"enable_thinking": False},
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",
+      "response_format": {"type": "json_object"}, "add_generation_prompt": False, "continue_final_message": True,
+      "documents": [{"t": "d"}], "reasoning_effort": "low", "mm_processor_kwargs": {"size": 2},
+      "media_io_kwargs": {"image": {}}, "chat_template": "{{ messages }}", "truncate_prompt_tokens": 9}),
+], ids=["completions", "chat"])
+async def test_prefill_gets_what_the_prompts_kv_depends_on_and_nothing_that_shapes_only_the_answer(
+        make, path: str, request_body: dict[str, Any], kv_fields: dict[str, Any]) -> None:
+    s: Setup = await make()
+    chat_only = {"top_logprobs": 3, "parallel_tool_calls": False} if "chat" in path else {}
+    body = {**request_body, **kv_fields, **ANSWER_ONLY, **chat_only}
+    status, _, _ = await s.post(path, body)
+    assert status == 200
+    prefill = s.p[0].seen[0].body
+    overrides = {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True},
+                 **({"max_completion_tokens": 1} if "chat" in path else {})}
+    kept = {k: v for k, v in body.items() if k not in ANSWER_ONLY and k not in chat_only}
+    assert prefill == {**kept, **overrides}
+    assert {k: v for k, v in s.d[0].seen[0].body.items() if k != "kv_transfer_params"} == body
+
+
+# --- what the router reads from engines ------------------------------------------------------------
+
+async def test_a_prefill_answer_over_its_limit_is_dropped_unread_and_the_request_served_decode_only(make) -> None:
+    s: Setup = await make(prefill_attempts=1, max_prefill_answer_bytes=1 << 20)
+    s.p[0].faults.answer_padding = 2 << 20
+    status, headers, body = await s.post("/v1/completions", COMPLETION)
+    assert status == 200 and json.loads(body)["choices"][0]["text"]
+    assert headers["X-PDConnect-Fallback"] == "prefill_failed"
+    assert s.count("pdconnect_router_oversized_answers_total", leg="prefill") == 1
+    assert "kv_transfer_params" not in s.d[0].seen[0].body
+
+
+async def test_a_decode_answer_over_its_limit_is_a_502_and_its_plan_is_released(make) -> None:
+    s: Setup = await make(decode=2, max_answer_bytes=1 << 20)
+    for engine in s.d:
+        engine.faults.answer_padding = 2 << 20
+    status, _, body = await s.post("/v1/completions", COMPLETION, headers={"X-Request-Id": "big-1"})
+    assert status == 502
+    assert_openai_error(body, 502)
+    assert sum(len(e.seen) for e in s.d) == 1  # another engine would answer the same: no retry
+    assert s.count("pdconnect_router_oversized_answers_total", leg="decode") == 1
+    assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="decode_failed") == 1
+    await _eventually_released(s, "big-1")
+
+
+async def test_a_streamed_event_over_its_limit_ends_the_stream_with_an_error_event(make) -> None:
+    s: Setup = await make(max_event_bytes=1 << 20)
+    s.d[0].faults.event_padding = 2 << 20
+    status, _, raw = await s.post("/v1/completions", {**COMPLETION, "stream": True})
+    assert status == 200
+    events = sse_events(raw)
+    assert "error" in events[0] and events[-1] == "[DONE]" and len(raw) < (1 << 20)
+    assert s.count("pdconnect_router_oversized_answers_total", leg="event") == 1
+
+
+async def test_an_engine_error_body_over_its_limit_is_replaced_by_the_routers_own(
+        make, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pdconnect.router.flow._ERROR_BODY_LIMIT", 16)  # the fake's 400 body is longer
+    s: Setup = await make()
+    s.p[0].faults.status = 400
+    status, headers, body = await s.post("/v1/completions", COMPLETION)
+    assert status == 400 and headers["Content-Type"] == "application/json"
+    assert "over 16 bytes" in assert_openai_error(body, 400)["message"]
+    assert s.count("pdconnect_router_oversized_answers_total", leg="error") == 1
+
+
+async def _eventually_released(s: Setup, request_id: str) -> None:
+    async with asyncio.timeout(HANG):
+        while request_id not in s.p[0].released_ids():
+            await asyncio.sleep(0.01)
+
+
+# --- several sequences per request -----------------------------------------------------------------
+
+@pytest.mark.parametrize("path,extra", [
+    ("/v1/completions", {"n": 2}), ("/v1/completions", {"n": 0}), ("/v1/completions", {"best_of": 3}),
+    ("/v1/completions", {"use_beam_search": True}), ("/v1/completions", {"prompt": ["a b", "c d"]}),
+    ("/v1/completions", {"prompt": ["a b"]}), ("/v1/completions", {"prompt": [[1, 2], [3, 4]]}),
+    ("/v1/chat/completions", {"n": 4}), ("/v1/chat/completions", {"use_beam_search": True}),
+], ids=["n", "n-zero", "best-of", "beam-search", "batch", "batch-of-one", "token-batch", "chat-n", "chat-beam"])
+async def test_requests_for_several_sequences_are_refused_while_prefill_engines_serve(
+        make, path: str, extra: dict[str, Any]) -> None:
+    """Each sequence would make the prefill engine hold a plan; the router keeps and
+    releases one per request, so the others would wait for their lease to expire."""
+    s: Setup = await make()
+    status, _, answer = await s.post(path, {**(CHAT if "chat" in path else COMPLETION), **extra})
+    assert status == 400
+    assert "one request per sequence" in assert_openai_error(answer, 400)["message"]
+    assert s.p[0].seen == [] and s.d[0].seen == []
+
+
+async def test_a_decode_only_router_passes_several_sequences_on(make) -> None:
+    s: Setup = await make(prefill=0)
+    status, _, _ = await s.post("/v1/completions", {**COMPLETION, "n": 2})
+    assert status == 200 and s.d[0].seen[0].body["n"] == 2
+
+
+# --- the router's memory -----------------------------------------------------------------------------
+
+def test_a_long_prompt_with_prompt_logprobs_leaves_the_router_far_below_its_memory_limit_with_fake_engines(
+        tmp_path: Any) -> None:
+    """131k prompt tokens with `prompt_logprobs: 20` make a ~150 MB answer (the FAKE
+    engines answer the way vLLM does). The prefill leg must not ask for it, and the
+    decode answer, relayed, must not become Python objects: the router process (its own,
+    measured alone) peaks far below the 2 GiB its pod may use."""
+    import httpx
+
+    from tests.router_support import peak_rss_bytes, router_process_with_fakes
+
+    prompt = "w " * 131_072
+    with router_process_with_fakes(tmp_path) as router, httpx.Client(timeout=HANG * 8) as http:
+        assert http.post(router.base_url + "/v1/completions", json=COMPLETION).status_code == 200
+        before = peak_rss_bytes(router.popen.pid)
+        resp = http.post(router.base_url + "/v1/completions",
+                         json={**COMPLETION, "prompt": prompt, "prompt_logprobs": 20})
+        assert resp.status_code == 200
+        answer_bytes = len(resp.content)
+        after = peak_rss_bytes(router.popen.pid)
+    growth = after - before
+    print(f"answer {answer_bytes / 2**20:.0f} MiB, router peak RSS {before / 2**20:.0f} -> {after / 2**20:.0f} MiB")
+    assert answer_bytes > 100 << 20  # the answer really is that large
+    # The relayed answer's bytes, held once while it is written (with room for the
+    # allocator); never its decoded objects (several times its size, per leg).
+    assert growth < 2 * answer_bytes, f"router peak grew {growth / 2**20:.0f} MiB"

@@ -458,3 +458,45 @@ async def test_dns_names_are_re_resolved_and_engines_follow(make) -> None:
         await router.close()
         await fakes.close()
 
+
+
+# --- clients that stop reading -------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_a_client_that_stops_reading_is_dropped_its_engine_released_and_others_served(
+        make, stream: bool) -> None:
+    """A real socket that asks for a 16 MiB answer and never reads it: the router's
+    writes stop draining, and the router drops the client after client_write_timeout
+    (counted), aborts the decode request, tells prefill to free the plan, and meanwhile
+    serves everyone else."""
+    s = await make(client_write_timeout=0.5, stream_idle_timeout=30.0, decode_timeout=30.0)
+    decode = s.d[0]
+    if stream:
+        decode.chunks = 64
+        decode.faults.event_padding = 256 << 10
+    else:
+        decode.faults.answer_padding = 16 << 20
+    host, port = s.router.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    body = json.dumps({**COMPLETION, "max_tokens": 64, "stream": stream}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: stalled-1\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    try:
+        await asyncio.get_running_loop().sock_sendall(sock, head + body)  # ... and never read
+        await eventually(lambda: len(decode.seen) == 1, "decode engine got the request")
+        status, _, _ = await s.post("/v1/chat/completions", CHAT)  # another client, meanwhile
+        assert status == 200
+        await eventually(lambda: s.count("pdconnect_router_client_write_timeouts_total") == 1,
+                         "the stalled client was dropped")
+        await eventually(lambda: s.count("pdconnect_router_requests_total", endpoint="completions",
+                                         outcome="client_stalled") == 1, "outcome counted")
+        await eventually(lambda: "stalled-1" in s.p[0].released_ids(), "prefill engine got the release")
+        if stream:  # a whole answer was complete at the engine before the client stalled
+            await eventually(lambda: decode.aborted == ["stalled-1"], "decode engine saw the abort")
+    finally:
+        sock.close()
+    status, _, _ = await s.post("/v1/completions", COMPLETION)
+    assert status == 200

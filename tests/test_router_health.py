@@ -113,3 +113,60 @@ def test_sync_follows_one_source_and_leaves_others_alone() -> None:
     assert r.engines(Role.PREFILL) is not snapshot  # policies rebuild their ring
     r.sync(Role.PREFILL, "dns:p", ["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
     assert r.engines(Role.DECODE) == ()
+
+
+class _FlakyRegistry:
+    """A registry whose listing fails unexpectedly once (a bug anywhere in a round)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def all_engines(self) -> tuple[Engine, ...]:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("injected: a bug in one health round")
+        return ()
+
+
+def test_the_health_loop_logs_counts_and_survives_an_unexpected_error() -> None:
+    import asyncio
+
+    import aiohttp
+
+    from pdconnect.router.health import HealthMonitor
+
+    async def scenario() -> None:
+        registry = _FlakyRegistry()
+        errors: list[None] = []
+        async with aiohttp.ClientSession() as session:
+            monitor = HealthMonitor(registry, session, 0.01, 1.0, 2,  # type: ignore[arg-type]
+                                    on_error=lambda: errors.append(None))
+            task = asyncio.create_task(monitor.run())
+            async with asyncio.timeout(15.0):
+                while registry.calls < 3 and not task.done():
+                    await asyncio.sleep(0.01)
+            assert not task.done(), task.exception()
+            task.cancel()
+        assert errors == [None]
+
+    asyncio.run(scenario())
+
+
+def test_a_probe_failing_unexpectedly_is_a_failed_poll_and_counted() -> None:
+    import asyncio
+
+    from pdconnect.router.health import HealthMonitor
+
+    class Broken:
+        def get(self, *args: object, **kwargs: object) -> None:
+            raise ValueError("injected: a session that raises what aiohttp never would")
+
+    async def scenario() -> None:
+        errors: list[None] = []
+        e = engine(probe_ok=True)
+        monitor = HealthMonitor(registry(), Broken(), 1.0, 1.0, 1,  # type: ignore[arg-type]
+                                on_error=lambda: errors.append(None))
+        await monitor.poll([e])
+        assert e.probe_ok is False and errors == [None]
+
+    asyncio.run(scenario())

@@ -6,6 +6,7 @@ uvloop's transports differ from asyncio's in ways the default loop does not show
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -280,3 +281,42 @@ def test_an_unread_stream_pauses_the_engine_connection_until_the_caller_reads() 
             pool.close()
             server.close()
     _run_on_both_loops(scenario)
+
+
+@pytest.mark.parametrize("framing", ["announced", "chunked"])
+def test_a_body_over_the_callers_limit_raises_without_being_read_whole(framing: str) -> None:
+    """An announced length over the limit fails before a body byte is read; a chunked
+    body fails once it passes the limit, while the engine is still sending."""
+    from pdconnect.router.upstream import AnswerTooLarge
+
+    limit = 1 << 20
+    sent: list[int] = []
+
+    async def scenario() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+            if framing == "announced":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (1 << 40))
+                await asyncio.sleep(HANG)  # the body never comes: only the header can tell
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            with contextlib.suppress(ConnectionError):
+                for _ in range(1 << 12):  # 4 GiB if nobody stops it
+                    writer.write(b"%x\r\n%s\r\n" % (1 << 20, b"x" * (1 << 20)))
+                    sent.append(1)
+                    await writer.drain()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        pool = UpstreamPool(1.0, keepalive=30.0)
+        try:
+            async with asyncio.timeout(HANG):
+                resp = await pool.post(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
+                                       "/v1/completions", b"{}", {})
+                with pytest.raises(AnswerTooLarge):
+                    await resp.read(limit)
+                resp.close()
+        finally:
+            pool.close()
+            server.close()
+    _run_on_both_loops(scenario)
+    assert len(sent) < 64  # stopped within a few MiB, not 4 GiB

@@ -40,12 +40,14 @@ from pdconnect.router.errors import (
     BodyTooLarge,
     DecodeFailed,
     DecodeTimeout,
+    EngineAnswerTooLarge,
     EngineRejected,
     NoEngineAvailable,
     PrefillFailed,
     RouterError,
     UnknownEngine,
     UnsupportedEncoding,
+    openai_error_body,
 )
 from pdconnect.router.flow import Endpoint, PDFlow, PrefillReleaser
 from pdconnect.router.health import CircuitBreaker, HealthMonitor
@@ -68,24 +70,23 @@ _STATUS: dict[type[RouterError], int] = {
     UnsupportedEncoding: 415,
     PrefillFailed: 502,
     DecodeFailed: 502,
+    EngineAnswerTooLarge: 502,
     NoEngineAvailable: 503,
     DecodeTimeout: 504,
 }
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# An engine's /v1/models answer, relayed: a model list (with every LoRA adapter) is small.
+_MODELS_LIMIT = 16 * 1024 * 1024
+
 
 # The body was not (fully) read: close the connection rather than drain what is left.
 _CLOSE_AFTER = (BodyTooLarge, BodyTimeout, UnsupportedEncoding)
 
 
-def _error_json(status: int, message: str, kind: str) -> bytes:
-    """An error in the OpenAI (and vLLM) shape: `{"error": {"message", "type", "param", "code"}}`."""
-    return msgspec.json.encode({"error": {"message": message, "type": kind, "param": None, "code": status}})
-
-
 def openai_error(status: int, message: str, kind: str) -> web.Response:
-    return web.Response(status=status, body=_error_json(status, message, kind), content_type="application/json")
+    return web.Response(status=status, body=openai_error_body(status, message, kind), content_type="application/json")
 
 
 def error_response(exc: RouterError) -> web.Response:
@@ -201,7 +202,12 @@ class Router:
         monitor = None
         if config.health_interval > 0:
             monitor = HealthMonitor(
-                self.registry, session, config.health_interval, config.health_timeout, config.health_failures
+                self.registry,
+                session,
+                config.health_interval,
+                config.health_timeout,
+                config.health_failures,
+                on_error=self.metrics.health_errors.inc,
             )
             self.registry.on_added.append(monitor.poll_soon)
         for url in config.prefill_urls:
@@ -287,7 +293,10 @@ class Router:
                     headers=headers,
                     timeout=aiohttp.ClientTimeout(total=self.config.health_timeout),
                 ) as resp:
-                    body = await resp.read()
+                    body = await _read_within(resp, _MODELS_LIMIT)
+                    if body is None:
+                        self.metrics.oversized_answers.labels("models").inc()
+                        continue
                     if resp.status < 500:
                         content_type = resp.headers.get("Content-Type", "application/json")
                         return web.Response(status=resp.status, body=body, headers={"Content-Type": content_type})
@@ -345,6 +354,20 @@ class Router:
         if not self.registry.remove(role, url):
             raise UnknownEngine(f"no {role.value} engine {url}")
         return _json({"removed": url, "role": role.value})
+
+
+async def _read_within(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The whole body, or None once it is over `limit` bytes (the rest is not read)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _describe(engine: Engine) -> dict[str, Any]:
@@ -447,7 +470,7 @@ class _HeadDeadlineServer(web.Server):
         )
         self.head_timeout = head_timeout
         self.on_head_timeout = on_head_timeout
-        body = _error_json(408, f"request head not received within {head_timeout}s", "HeaderTimeout")
+        body = openai_error_body(408, f"request head not received within {head_timeout}s", "HeaderTimeout")
         self.timeout_response = (
             b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body

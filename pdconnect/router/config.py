@@ -155,6 +155,15 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # deflate), all of it within this many seconds.
     max_body_bytes: int = 4 * 1024 * 1024
     body_read_timeout: float = 30.0
+    # What the router reads from engines: the prefill answer (it needs only its
+    # kv_transfer_params and usage), a whole non-streaming decode answer (relayed), one
+    # streamed event. Anything over its limit is dropped unread.
+    max_prefill_answer_bytes: int = 16 * 1024 * 1024
+    max_answer_bytes: int = 256 * 1024 * 1024
+    max_event_bytes: int = 16 * 1024 * 1024
+    # Each write to a client must complete within this many seconds: a client that
+    # stops reading is dropped instead of holding its answer (and its engine) forever.
+    client_write_timeout: float = 30.0
     # A request's head (request line and headers) must arrive whole within this many
     # seconds of its first byte, on every request of a connection: a client trickling
     # header bytes would otherwise hold a connection (and a file descriptor) forever.
@@ -188,6 +197,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "body_read_timeout",
             "header_read_timeout",
             "client_keepalive",
+            "client_write_timeout",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -203,6 +213,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "affinity_vnodes",
             "affinity_min_load",
             "max_body_bytes",
+            "max_prefill_answer_bytes",
+            "max_answer_bytes",
+            "max_event_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -373,6 +386,21 @@ def _parser() -> argparse.ArgumentParser:
         **seconds,
     )
     _add(flow, "client-keepalive", "seconds a client connection may sit idle between requests", **seconds)
+    _add(
+        flow,
+        "max-prefill-answer-bytes",
+        "largest prefill answer read (only its kv_transfer_params and usage are kept)",
+        type=int,
+        metavar="BYTES",
+    )
+    _add(flow, "max-answer-bytes", "largest non-streaming decode answer relayed", type=int, metavar="BYTES")
+    _add(flow, "max-event-bytes", "largest single streamed event relayed", type=int, metavar="BYTES")
+    _add(
+        flow,
+        "client-write-timeout",
+        "seconds one write to a client may take; a client that stops reading is dropped",
+        **seconds,
+    )
     health = p.add_argument_group("health")
     _add(health, "health-interval", "seconds between /health polls; 0 = off", **seconds)
     _add(health, "health-timeout", "seconds per /health poll", **seconds)

@@ -6,6 +6,8 @@ status code, so the mapping from cause to status lives in exactly one table.
 
 from __future__ import annotations
 
+import msgspec
+
 __all__ = [
     "AdminUnauthorized",
     "BadRequest",
@@ -13,13 +15,20 @@ __all__ = [
     "BodyTooLarge",
     "DecodeFailed",
     "DecodeTimeout",
+    "EngineAnswerTooLarge",
     "EngineRejected",
     "NoEngineAvailable",
     "PrefillFailed",
     "RouterError",
     "UnknownEngine",
     "UnsupportedEncoding",
+    "openai_error_body",
 ]
+
+
+def openai_error_body(status: int, message: str, kind: str) -> bytes:
+    """An error in the OpenAI (and vLLM) shape: `{"error": {"message", "type", "param", "code"}}`."""
+    return msgspec.json.encode({"error": {"message": message, "type": kind, "param": None, "code": status}})
 
 
 class RouterError(Exception):
@@ -61,6 +70,11 @@ class DecodeFailed(RouterError):
 class DecodeTimeout(RouterError):
     """A non-streaming decode took longer than `decode_timeout` (not retried: it may be
     a long generation, and running it twice would double the cost)."""
+
+
+class EngineAnswerTooLarge(RouterError):
+    """A decode engine's whole answer is over `max_answer_bytes`: dropped unread, not
+    retried (another engine would produce the same answer for the same request)."""
 
 
 class EngineRejected(RouterError):

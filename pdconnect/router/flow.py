@@ -4,15 +4,25 @@ Read top to bottom in `PDFlow.handle`:
 1. parse the client's body and hash its leading chunk (the affinity key); for the
    kv-aware policy also compute the prompt's token ids as the engine will (chat rendered
    with the model's template, `chat_template`), or leave the request to the key;
-2. prefill: the body with `max_tokens=1`, `stream=false` and
-   `kv_transfer_params={"do_remote_decode": true}` to the key's prefill engine; on error
-   or timeout the next engine, and when all failed, decode-only fallback (the decode
-   engine prefills locally; the `x-pdconnect-fallback` header and a metric say so);
+2. prefill: what the prompt's KV depends on (`PREFILL_FIELDS`, nothing that only shapes
+   the answer) with `max_tokens=1`, `stream=false` and
+   `kv_transfer_params={"do_remote_decode": true}` to the key's prefill engine; of its
+   answer, at most `max_prefill_answer_bytes`, only `kv_transfer_params` and `usage` are
+   decoded; on error or timeout the next engine, and when all failed, decode-only
+   fallback (the decode engine prefills locally; the `x-pdconnect-fallback` header and a
+   metric say so);
 3. decode: the client's own body plus the prefill engine's `kv_transfer_params`,
    unchanged, to the key's decode engine; a failure before the first byte moves to the
    next decode engine with the same params (the prefill side holds the blocks under
    its lease until one of them pulls);
-4. relay the decode engine's answer, with usage made true for the whole request.
+4. relay the decode engine's answer, with usage made true for the whole request, every
+   write to the client within `client_write_timeout` (`writer.ClientWriter`).
+
+The client's route into `kv_transfer_params` is the router's alone: the top-level field
+is replaced, `vllm_xargs.kv_transfer_params` (vLLM's other way in) is refused. Requests
+that make an engine run several sequences per request (`n`, `best_of`, beam search, a
+batch of prompts) are refused while prefill engines are registered: each child would
+hold a plan of its own, and the router keeps and releases one.
 
 If the client leaves, the open upstream connection is closed (vLLM aborts a request
 whose connection closes) and the prefill engine is told to free the blocks now
@@ -47,18 +57,27 @@ from pdconnect.router.errors import (
     BadRequest,
     DecodeFailed,
     DecodeTimeout,
+    EngineAnswerTooLarge,
     EngineRejected,
     NoEngineAvailable,
     PrefillFailed,
     RouterError,
+    openai_error_body,
 )
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.policy import AffinityTracker, PrefixAffinity, RoutingPolicy, affinity_key
-from pdconnect.router.upstream import ConnectFailed, UpstreamError, UpstreamPool, UpstreamResponse
-from pdconnect.router.usage import SseRewriter, UsageMerger
+from pdconnect.router.upstream import (
+    AnswerTooLarge,
+    ConnectFailed,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
+from pdconnect.router.usage import Buffer, EventTooLarge, SseRewriter, UsageMerger
+from pdconnect.router.writer import ClientStalled, ClientWriter
 from pdconnect.sidechannel import release_remote
 
-__all__ = ["Call", "Endpoint", "PDFlow", "PrefillReleaser", "decode_body", "prefill_body"]
+__all__ = ["PREFILL_FIELDS", "Call", "Endpoint", "PDFlow", "PrefillReleaser", "decode_body", "prefill_body"]
 
 logger = logging.getLogger("pdconnect.router.flow")
 
@@ -88,18 +107,39 @@ class _Prompt(msgspec.Struct):
     max_tokens: int | None = None
     min_tokens: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    n: int | None = None
+    best_of: int | None = None
+    use_beam_search: bool | None = None
 
 
 class _Chat(msgspec.Struct):
-    """The same for chat: `messages` must be a non-empty list of objects."""
+    """The same for chat: `messages` must be a non-empty list of objects (checked in
+    `_parse`: converting to `list[dict]` would copy every message, several times the
+    cost of checking them)."""
 
-    messages: list[dict[str, Any]]
+    messages: list[Any]
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     min_tokens: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    n: int | None = None
+    best_of: int | None = None
+    use_beam_search: bool | None = None
+
+
+class _PrefillAnswer(msgspec.Struct):
+    """What the router reads of a prefill answer; every other member is skipped unparsed."""
+
+    kv_transfer_params: Any = None
+    usage: Any = None
+
+
+_PREFILL_ANSWER: msgspec.json.Decoder[_PrefillAnswer] = msgspec.json.Decoder(_PrefillAnswer)
+_decode_prefill_answer = _PREFILL_ANSWER.decode
 
 
 @dataclass(frozen=True)
@@ -124,15 +164,52 @@ class Prefilled:
     usage: Any
 
 
+# What the prefill engine needs to compute the same KV as the decode engine would (vLLM
+# 0.32/0.33): the fields that decide the prompt's token ids (the prompt, FIM suffix,
+# chat rendering: template, its kwargs, tools, response format, media processing;
+# special tokens, truncation), the LoRA adapter (`model`), the cache salt, and how it is
+# scheduled. Everything else shapes only the answer (logprobs, prompt_logprobs, echo,
+# n, stop, sampling, structured output, extensions' `vllm_xargs`) and stays with
+# decode: prefill's one token is discarded.
+_COMMON_PREFILL_FIELDS = (
+    "model",
+    "add_special_tokens",
+    "truncate_prompt_tokens",
+    "truncation_side",
+    "cache_salt",
+    "priority",
+    "session_id",
+)
+PREFILL_FIELDS: dict[Endpoint, frozenset[str]] = {
+    Endpoint.COMPLETIONS: frozenset((*_COMMON_PREFILL_FIELDS, "prompt", "prompt_embeds", "suffix")),
+    Endpoint.CHAT: frozenset(
+        (
+            *_COMMON_PREFILL_FIELDS,
+            "messages",
+            "tools",
+            "tool_choice",
+            "response_format",
+            "chat_template",
+            "chat_template_kwargs",
+            "add_generation_prompt",
+            "continue_final_message",
+            "documents",
+            "reasoning_effort",
+            "media_io_kwargs",
+            "mm_processor_kwargs",
+        )
+    ),
+}
+
+
 def prefill_body(call: Call) -> dict[str, Any]:
     """The prefill leg's body: compute the prompt, produce one token, hold the KV for decode."""
-    body = dict(call.body)
+    fields = PREFILL_FIELDS[call.endpoint]
+    body = {name: value for name, value in call.body.items() if name in fields}
     body["max_tokens"] = 1
     if call.endpoint is Endpoint.CHAT:
         body["max_completion_tokens"] = 1
     body["stream"] = False
-    body.pop("stream_options", None)
-    body.pop("min_tokens", None)
     body["kv_transfer_params"] = {"do_remote_decode": True}
     return body
 
@@ -160,6 +237,38 @@ def decode_body(call: Call, params: dict[str, Any] | None) -> bytes:
     return _json_encode(body)
 
 
+def _refuse_unroutable(fields: _Chat | _Prompt, pd: bool) -> None:
+    """BadRequest for what the router cannot carry: a client's own way into
+    `kv_transfer_params`, and, with prefill engines (`pd`), a request that makes the
+    engine run several sequences, each of which would hold a prefill plan of its own."""
+    xargs = fields.vllm_xargs
+    if xargs is not None and "kv_transfer_params" in xargs:
+        raise BadRequest(
+            "invalid request: `vllm_xargs.kv_transfer_params` is not accepted: the router sets kv_transfer_params"
+        )
+    if not pd:
+        return
+    several = None
+    if fields.n is not None and fields.n != 1:
+        several = f"`n` = {fields.n}"
+    elif fields.best_of is not None and fields.best_of > 1:
+        several = f"`best_of` = {fields.best_of}"
+    elif fields.use_beam_search:
+        several = "`use_beam_search`"
+    elif isinstance(fields, _Prompt) and _is_batch(fields.prompt):
+        several = "a batch of prompts"
+    if several is not None:
+        raise BadRequest(
+            f"invalid request: {several} is not supported through the prefill/decode router "
+            "(one prefill plan per request); send one request per sequence"
+        )
+
+
+def _is_batch(prompt: str | list[Any]) -> bool:
+    """Several prompts (strings or token lists), not one prompt of token ids."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
 class _AttemptFailed(Exception):
     """One attempt at one engine failed in a way another engine may not; `reason` labels it."""
 
@@ -171,18 +280,21 @@ class _AttemptFailed(Exception):
 class _Trace:
     """What happened to one request, for its metrics and response headers."""
 
-    __slots__ = ("fallback", "outcome", "prefilled")
+    __slots__ = ("fallback", "outcome", "prefilled", "stalled")
 
     def __init__(self) -> None:
         self.outcome = "bad_request"
         self.fallback: str | None = None
         self.prefilled: Prefilled | None = None
+        self.stalled = False  # the client stopped reading and was dropped
 
 
-# Longer prompts are tokenized on a worker thread, whose batch encoder releases the GIL:
-# inline, a long prompt would stall every other request on the loop (a 1 MB prompt took
-# ~0.4 s on these machines); a short one costs less inline than the thread hop.
-_INLINE_TOKENIZE_CHARS = 8192
+# The prompts of larger bodies are rendered and tokenized on a worker thread (whose batch
+# encoder releases the GIL; jinja yields it every switch interval): inline, a long prompt
+# would stall every other request on the loop (a 1 MB prompt took ~0.4 s to tokenize on
+# these machines, a 4 MiB chat of tiny messages ~0.4 s to render); a short one costs
+# less inline than the thread hop.
+_INLINE_PROMPT_BYTES = 8192
 
 _OUTCOME_OF_ERROR: dict[type[RouterError], str] = {
     BadRequest: "bad_request",
@@ -190,9 +302,12 @@ _OUTCOME_OF_ERROR: dict[type[RouterError], str] = {
     PrefillFailed: "prefill_failed",
     DecodeFailed: "decode_failed",
     DecodeTimeout: "decode_timeout",
+    EngineAnswerTooLarge: "decode_failed",
     EngineRejected: "rejected",
 }
 _SERVED = frozenset({"ok", "ok_fallback"})
+# An engine's error body is relayed to the client; one over this is replaced by the router's own.
+_ERROR_BODY_LIMIT = 1 << 20
 
 
 class PrefillReleaser:
@@ -262,6 +377,7 @@ class PDFlow:
         # Whole answers run under one overall deadline (asyncio.timeout in _send); streams
         # also under a limit on the silence between two chunks.
         self._stream_idle = config.stream_idle_timeout
+        self._prefill_limit = config.max_prefill_answer_bytes
         self._wants_tokens = config.policy == "kv-aware"
         # Only these policies (and the affinity tracker, which needs one of them) read the
         # key: the others are spared hashing every prompt.
@@ -306,7 +422,7 @@ class PDFlow:
             response = await self._decode(http, call, trace, params)
             return response
         except (asyncio.CancelledError, ConnectionResetError):
-            trace.outcome = "client_disconnect"
+            trace.outcome = "client_stalled" if trace.stalled else "client_disconnect"
             raise
         except RouterError as exc:
             trace.outcome = _OUTCOME_OF_ERROR.get(type(exc), "bad_request")
@@ -329,8 +445,12 @@ class PDFlow:
             )
         except msgspec.ValidationError as exc:
             raise BadRequest(f"invalid request: {exc}") from None
-        if isinstance(fields, _Chat) and not fields.messages:
-            raise BadRequest("invalid request: `messages` must not be empty")
+        if isinstance(fields, _Chat):
+            if not fields.messages:
+                raise BadRequest("invalid request: `messages` must not be empty")
+            if not all(isinstance(message, dict) for message in fields.messages):
+                raise BadRequest("invalid request: every message in `messages` must be an object")
+        _refuse_unroutable(fields, pd=bool(self._registry.engines(Role.PREFILL)))
         # 128 random bits as 32 hex digits, like uuid4().hex without building a UUID.
         request_id = headers.get("X-Request-Id") or os.urandom(16).hex()
         forward = {"X-Request-Id": request_id, "Content-Type": "application/json"}
@@ -360,18 +480,15 @@ class PDFlow:
         assert self._prompt_results is not None
         label = call.endpoint.label
         try:
-            prompt = self._prompt(call)
-            if not isinstance(prompt, tuple):
-                tokens = prompt
-            elif len(prompt[0]) <= _INLINE_TOKENIZE_CHARS:
-                assert self._tokenizer is not None
-                tokens = self._tokenizer.text(*prompt)
+            # Size first: what scales with the body (rendering a chat of many messages,
+            # tokenizing a long text) runs on a worker thread; the loop keeps serving.
+            if len(call.raw) <= _INLINE_PROMPT_BYTES:
+                tokens = self._prompt_tokens(call, off_gil=False)
             else:
-                assert self._tokenizer is not None
                 if self._tokenize_pool is None:
                     self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdconnect-tokenize")
                 tokens = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenize_pool, self._tokenizer.text_off_gil, *prompt
+                    self._tokenize_pool, self._prompt_tokens, call, True
                 )
         except NotRendered as exc:
             self._prompt_results.labels(label, exc.reason).inc()
@@ -383,6 +500,14 @@ class PDFlow:
             return None
         self._prompt_results.labels(label, "ok").inc()
         return tokens
+
+    def _prompt_tokens(self, call: Call, off_gil: bool) -> Sequence[int]:
+        """The prompt's ids (`_prompt`, tokenized); `off_gil` on a worker thread."""
+        prompt = self._prompt(call)
+        if not isinstance(prompt, tuple):
+            return prompt
+        assert self._tokenizer is not None
+        return self._tokenizer.text_off_gil(*prompt) if off_gil else self._tokenizer.text(*prompt)
 
     def _prompt(self, call: Call) -> Sequence[int] | tuple[str, bool]:
         """The prompt's ids when the client sent ids, else its text (chat: rendered) and
@@ -430,12 +555,17 @@ class PDFlow:
             engine.begin()
             sent = time.perf_counter()
             try:
-                resp, data = await self._send(engine, call, body, deadline, whole=True, headers=headers)
+                resp, data = await self._send(
+                    engine, call, body, deadline, whole=True, headers=headers, limit=self._prefill_limit
+                )
                 resp.release()
-                answer = _json_decode(data)
+                answer = _decode_prefill_answer(data)
                 verdict = True
             except _AttemptFailed as failure:
                 verdict = self._judge(engine, failure, suspects)
+                if failure.reason == "too_large":
+                    # Its plan, if any, is past the limit too: the lease is left to expire.
+                    self._metrics.oversized_answers.labels(Role.PREFILL.value).inc()
                 self._note_failure(Role.PREFILL, engine, failure, retry=attempt + 1 < len(engines))
                 continue
             except EngineRejected:
@@ -452,12 +582,12 @@ class PDFlow:
             _blame(suspects)
             self._metrics.prefill_seconds.observe(time.perf_counter() - sent)
             self._observe_affinity(Role.PREFILL, call, engine)
-            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            params = answer.kv_transfer_params
             if not isinstance(params, dict):
                 # An engine without a KV connector: nothing to pull, decode computes locally.
                 self._fall_back(trace, "no_transfer_params")
                 return None
-            return Prefilled(engine=engine, params=params, usage=answer.get("usage"))
+            return Prefilled(engine=engine, params=params, usage=answer.usage)
         if not self._config.fallback:
             raise PrefillFailed(f"all {len(engines)} prefill attempts failed")
         self._fall_back(trace, "prefill_failed")
@@ -467,9 +597,9 @@ class PDFlow:
     def _judge(engine: Engine, failure: _AttemptFailed, suspects: list[Engine]) -> bool | None:
         """An attempt's verdict on its engine. A 5xx answer may be the request's fault (a
         body the engine chokes on fails everywhere): the engine is only a suspect, blamed
-        once another engine serves the same request. Connect errors, timeouts and drops
-        are the engine's."""
-        if failure.reason == "http_5xx":
+        once another engine serves the same request; so may an answer over its size
+        limit. Connect errors, timeouts and drops are the engine's."""
+        if failure.reason in ("http_5xx", "too_large"):
             suspects.append(engine)
             return None
         return False
@@ -502,11 +632,19 @@ class PDFlow:
             sent = time.perf_counter()
             try:
                 try:
-                    resp, first = await self._send(engine, call, body, deadline, whole=not call.stream)
+                    resp, first = await self._send(
+                        engine, call, body, deadline, whole=not call.stream, limit=self._config.max_answer_bytes
+                    )
                 except _AttemptFailed as failure:
                     verdict = self._judge(engine, failure, suspects)
                     if failure.reason == "timeout" and not call.stream:
                         raise DecodeTimeout(f"decode took longer than {deadline}s") from None
+                    if failure.reason == "too_large":
+                        # Another engine would answer the same: no retry.
+                        self._metrics.oversized_answers.labels(Role.DECODE.value).inc()
+                        raise EngineAnswerTooLarge(
+                            f"the decode answer is over the router's {self._config.max_answer_bytes}-byte limit"
+                        ) from None
                     last = failure
                     self._note_failure(Role.DECODE, engine, failure, retry=attempt + 1 < len(engines))
                     continue
@@ -521,10 +659,8 @@ class PDFlow:
                 else:
                     resp.release()
                     verdict = True
-                    trace.outcome = "ok_fallback" if trace.fallback else "ok"
-                    out = web.Response(
-                        body=merger.rewrite_body(first) if merger else first, status=resp.status, headers=headers
-                    )
+                    parts = merger.rewrite_parts(first) if merger else [first]
+                    out = await self._answer(http, trace, resp.status, headers, parts)
                 self._metrics.decode_seconds.observe(time.perf_counter() - sent)
                 return out
             finally:
@@ -540,6 +676,32 @@ class PDFlow:
         trace.prefilled = await self._prefill(call, trace, round_)
         return trace.prefilled.params if trace.prefilled else None
 
+    def _writer(self, http: web.Request, out: web.StreamResponse, trace: _Trace) -> ClientWriter:
+        def stalled() -> None:
+            trace.stalled = True
+            self._metrics.client_write_timeouts.inc()
+
+        return ClientWriter(http, out, self._config.client_write_timeout, stalled)
+
+    async def _answer(
+        self, http: web.Request, trace: _Trace, status: int, headers: dict[str, str], parts: list[Buffer]
+    ) -> web.StreamResponse:
+        """A whole (non-streaming) answer, in pieces, written by the flow itself: aiohttp
+        would write a returned Response with no deadline."""
+        out = _HeadersWithBodyResponse(status=status, headers=headers)
+        out.content_length = sum(len(part) for part in parts)
+        await out.prepare(http)
+        writer = self._writer(http, out, trace)
+        try:
+            for part in parts[:-1]:
+                await writer.write(part)
+            await writer.write_eof(parts[-1])
+        except ClientStalled:
+            trace.outcome = "client_stalled"
+            return out
+        trace.outcome = "ok_fallback" if trace.fallback else "ok"
+        return out
+
     async def _relay(
         self,
         http: web.Request,
@@ -554,16 +716,22 @@ class PDFlow:
         """Stream the decode answer to the client. Returns the response and the engine's verdict."""
         out = _HeadersWithBodyResponse(status=resp.status, headers=headers)
         # Always framed: whatever the engine leaves half-written is held back, never sent.
-        rewriter = SseRewriter(merger)
+        rewriter = SseRewriter(merger, self._config.max_event_bytes)
         idle = self._stream_idle
+        writer = self._writer(http, out, trace)
         try:
             await out.prepare(http)
             chunk, broke, timed = first, None, True
             while True:
-                data = rewriter.feed(chunk)
+                try:
+                    data = rewriter.feed(chunk)
+                except EventTooLarge as exc:
+                    self._metrics.oversized_answers.labels("event").inc()
+                    data, broke = b"", str(exc)
+                    break
                 if resp.exhausted:
                     break  # the engine's whole answer is here: `data` goes out with the end
-                await out.write(data)
+                await writer.write(data)
                 if timed:
                     self._metrics.first_token(call.endpoint.label, time.perf_counter() - call.started)
                     timed = False
@@ -580,7 +748,7 @@ class PDFlow:
                 trace.outcome = "ok_fallback" if trace.fallback else "ok"
                 # The last bytes and the chunked terminator in one write (with the headers
                 # too when the answer came in one read): each write wakes the client.
-                await out.write_eof(data)
+                await writer.write_eof(data)
                 if timed:
                     self._metrics.first_token(call.endpoint.label, time.perf_counter() - call.started)
                 return out, True
@@ -591,12 +759,13 @@ class PDFlow:
             trace.outcome = "decode_dropped"
             reason = broke or ("ended mid-event" if partial else "ended without [DONE]")
             logger.warning("decode stream from %s broke: %s", engine.url, reason)
-            await out.write_eof(data + _stream_error(f"decode engine stream broke: {reason}"))
+            await writer.write_eof(data + _stream_error(f"decode engine stream broke: {reason}"))
             return out, False
-        except ConnectionResetError:
-            # The client left mid-stream: closing our side aborts the decode request.
+        except ConnectionResetError as exc:
+            # The client left (or stopped reading) mid-stream: closing our side aborts the
+            # decode request.
             resp.close()
-            trace.outcome = "client_disconnect"
+            trace.outcome = "client_stalled" if isinstance(exc, ClientStalled) else "client_disconnect"
             return out, None
         except BaseException:
             resp.close()
@@ -612,12 +781,15 @@ class PDFlow:
         deadline: float,
         whole: bool,
         headers: dict[str, str] | None = None,
+        limit: int | None = None,
     ) -> tuple[UpstreamResponse, bytes]:
-        """POST `body`; the response and its whole body (`whole`) or first chunk.
+        """POST `body`; the response and its whole body (`whole`, at most `limit` bytes)
+        or first chunk.
 
         Raises _AttemptFailed for what another engine may not suffer (connect error,
-        timeout, 5xx/408/429, a connection dropped before any byte) and EngineRejected
-        for the engine's verdict on the request itself (other 4xx).
+        timeout, 5xx/408/429, a connection dropped before any byte, an answer over
+        `limit`) and EngineRejected for the engine's verdict on the request itself
+        (other 4xx).
         """
         resp: UpstreamResponse | None = None
         try:
@@ -627,7 +799,7 @@ class PDFlow:
             )
             if resp.status >= 400:
                 await self._raise_for_status(resp)
-            data = await (resp.read() if whole else resp.chunk())
+            data = await (resp.read(limit) if whole else resp.chunk())
             if not data:
                 raise _AttemptFailed("dropped", "connection closed before the first byte")
             resp.clear_deadline()  # a stream goes on under the idle limit alone
@@ -640,6 +812,9 @@ class PDFlow:
             raise _AttemptFailed("timeout", f"no answer within {deadline}s") from None
         except ConnectFailed as exc:
             raise _AttemptFailed("connect", str(exc)) from None
+        except AnswerTooLarge as exc:
+            _close(resp)
+            raise _AttemptFailed("too_large", str(exc)) from None
         except UpstreamError as exc:
             _close(resp)
             raise _AttemptFailed("dropped", f"{type(exc).__name__}: {exc}") from None
@@ -647,15 +822,20 @@ class PDFlow:
             _close(resp)
             raise
 
-    @staticmethod
-    async def _raise_for_status(resp: UpstreamResponse) -> None:
-        data = await resp.read()
+    async def _raise_for_status(self, resp: UpstreamResponse) -> None:
+        content_type = resp.headers.get(b"content-type", b"application/json").decode()
+        try:
+            data = await resp.read(_ERROR_BODY_LIMIT)
+        except AnswerTooLarge:
+            self._metrics.oversized_answers.labels("error").inc()
+            message = f"engine answered {resp.status} with a body over {_ERROR_BODY_LIMIT} bytes"
+            data, content_type = openai_error_body(resp.status, message, "EngineError"), "application/json"
         if resp.status >= 500 or resp.status in (408, 429):
             raise _AttemptFailed(
                 f"http_{resp.status // 100}xx" if resp.status >= 500 else f"http_{resp.status}",
                 data[:200].decode(errors="replace"),
             )
-        raise EngineRejected(resp.status, data, resp.headers.get(b"content-type", b"application/json").decode())
+        raise EngineRejected(resp.status, data, content_type)
 
     # --- helpers ----------------------------------------------------------------------------
 

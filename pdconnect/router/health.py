@@ -9,6 +9,9 @@ Two independent signals decide it (`Engine.routable`):
   opens for `cooldown` seconds, then lets exactly one trial request through
   (half-open): success closes it, failure reopens it. The breaker catches engines
   whose `/health` says fine while their completions fail.
+
+The monitor never stops on its own: an unexpected error in a round or a probe is
+logged, counted (`on_error`) and taken as a failed poll, and polling goes on.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ __all__ = ["BreakerState", "CircuitBreaker", "HealthMonitor"]
 logger = logging.getLogger("pdconnect.router.health")
 
 Clock = Callable[[], float]
+# Read of a /health answer's body: vLLM's is empty; only the status counts.
+_BODY_LIMIT = 64 * 1024
 
 
 class BreakerState(enum.Enum):
@@ -90,8 +95,10 @@ class HealthMonitor:
         interval: float,
         timeout: float,
         failures_to_down: int,
+        on_error: Callable[[], None] = lambda: None,
     ) -> None:
         self._registry = registry
+        self._on_error = on_error
         self._session = session
         self._interval = interval
         self._timeout = aiohttp.ClientTimeout(total=timeout)
@@ -99,9 +106,13 @@ class HealthMonitor:
         self._pending: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
-        """Poll forever (cancel to stop)."""
+        """Poll forever (cancel to stop); an error ends one round, never the loop."""
         while True:
-            await self.poll(self._registry.all_engines())
+            try:
+                await self.poll(self._registry.all_engines())
+            except Exception:  # logged and counted; the next round may succeed
+                self._on_error()
+                logger.exception("health round failed; polling goes on")
             await asyncio.sleep(self._interval)
 
     def poll_soon(self, engine: Engine) -> None:
@@ -116,8 +127,12 @@ class HealthMonitor:
         try:
             async with self._session.get(f"{engine.url}/health", timeout=self._timeout) as resp:
                 ok = resp.status == 200
-                await resp.read()
+                await resp.content.read(_BODY_LIMIT)  # the status decides; a body is not kept
         except (aiohttp.ClientError, TimeoutError, OSError):
+            ok = False
+        except Exception:  # whatever else fails a probe is a failed probe
+            self._on_error()
+            logger.exception("health probe of %s failed", engine.url)
             ok = False
         was = engine.probe_ok
         engine.record_probe(ok, self._failures_to_down)

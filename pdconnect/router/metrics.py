@@ -44,6 +44,7 @@ OUTCOMES = (
     "decode_timeout",  # non-streaming decode exceeded decode_timeout
     "decode_dropped",  # decode stream broke or stalled after the client got bytes
     "client_disconnect",  # the client went away; decode aborted, prefill released
+    "client_stalled",  # the client stopped reading: dropped after client_write_timeout
 )
 
 _LATENCY_BUCKETS = (
@@ -267,6 +268,25 @@ class RouterMetrics:
             "pdconnect_router_kv_events",
             "KV event batches applied (ok), gaps, replays and errors (kv-aware policy)",
             ["result"],
+            registry=r,
+        )
+        self.oversized_answers = Counter(
+            "pdconnect_router_oversized_answers",
+            "Engine answers over their size limit, dropped unread (leg: prefill = max_prefill_answer_bytes, "
+            "decode = a whole answer over max_answer_bytes, event = one streamed event over max_event_bytes, "
+            "error = an error body, models = a /v1/models answer, each over the router's own limit)",
+            ["leg"],
+            registry=r,
+        )
+        self.client_write_timeouts = Counter(
+            "pdconnect_router_client_write_timeouts",
+            "Client connections dropped because one write did not complete within client_write_timeout "
+            "(a client that stopped reading)",
+            registry=r,
+        )
+        self.health_errors = Counter(
+            "pdconnect_router_health_errors",
+            "Unexpected errors in the health monitor, logged; polling goes on",
             registry=r,
         )
         r.register(_EngineCollector(engines))

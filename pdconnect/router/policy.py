@@ -63,28 +63,40 @@ def _hash64(data: bytes) -> int:
 # --- the affinity key --------------------------------------------------------------------
 
 
-def _content_text(content: Any) -> str:
+def _content_text(content: Any, limit: int) -> str:
+    """A message's content as text, at least its first `limit` characters when it has
+    them; at most `limit` parts are looked at (a message may hold any number)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # multimodal parts: text, and the identity of any media
         parts = []
-        for part in content:
+        size = 0
+        for part in itertools.islice(content, limit):
             if isinstance(part, dict):
                 media = part.get("image_url") or part.get("input_audio") or part.get("video_url")
-                parts.append(str(part.get("text") or (media.get("url") if isinstance(media, dict) else media) or ""))
+                text = str(part.get("text") or (media.get("url") if isinstance(media, dict) else media) or "")
+                parts.append(text)
+                size += len(text)
+                if size >= limit:
+                    break
         return "".join(parts)
-    return "" if content is None else str(content)
+    # vLLM refuses any other content; a number is short, a container is not rendered.
+    return str(content) if isinstance(content, (int, float)) else ""
 
 
 def render_messages(messages: Sequence[Any], limit: int) -> str:
     """The messages as one string, `role` and content with separators no chat text uses,
-    cut at `limit` characters (only the leading chunk matters, so stop rendering there)."""
+    cut at `limit` characters (only the leading chunk matters, so stop rendering there:
+    the work is bounded by `limit`, not by the number or size of the messages)."""
     out: list[str] = []
     size = 0
-    for message in messages:
+    # Each message adds at least its two separators, so `limit` messages fill the chunk.
+    for message in itertools.islice(messages, limit):
         if not isinstance(message, dict):
             continue
-        piece = f"{message.get('role', '')}\x1f{_content_text(message.get('content'))}\x1e"
+        role = message.get("role", "")
+        text = _content_text(message.get("content"), limit)
+        piece = f"{role[:limit] if isinstance(role, str) else ''}\x1f{text[:limit]}\x1e"
         out.append(piece)
         size += len(piece)
         if size >= limit:

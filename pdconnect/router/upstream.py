@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["ConnectFailed", "UpstreamError", "UpstreamPool", "UpstreamResponse"]
+__all__ = ["AnswerTooLarge", "ConnectFailed", "UpstreamError", "UpstreamPool", "UpstreamResponse"]
 
 _HIGH_WATER = 1 << 20
 # A limit within this of its end counts as reached: uvloop's clock and timers tick in
@@ -51,6 +51,10 @@ class UpstreamError(Exception):
 
 class ConnectFailed(UpstreamError):
     """No connection could be opened."""
+
+
+class AnswerTooLarge(UpstreamError):
+    """The body is over the caller's limit; nothing past the limit was kept."""
 
 
 class UpstreamResponse(asyncio.Protocol):
@@ -135,12 +139,41 @@ class UpstreamResponse(asyncio.Protocol):
             if data:  # compressed bytes may inflate to nothing yet
                 return data
 
-    async def read(self) -> bytes:
-        """The whole (rest of the) body."""
+    async def read(self, limit: int | None = None) -> bytes | bytearray:
+        """The whole (rest of the) body; AnswerTooLarge once it is over `limit` bytes
+        (inflated), at once when the engine announces a longer one. The caller closes.
+
+        An announced length is read into one buffer of that size: joining the pieces
+        would hold a long answer twice."""
+        declared = self.headers.get(b"content-length", b"") if self._inflater is None else b""
+        if declared.isdigit():
+            size = int(declared)
+            if limit is not None and size > limit:
+                raise AnswerTooLarge(f"engine announced {size} bytes, over the {limit}-byte limit")
+            if size > _HIGH_WATER:
+                return await self._read_into(bytearray(size))
         parts = []
+        size = 0
         while data := await self.chunk():
+            size += len(data)
+            if limit is not None and size > limit:
+                raise AnswerTooLarge(f"engine answer over the {limit}-byte limit")
             parts.append(data)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _read_into(self, buffer: bytearray) -> bytearray:
+        """The rest of an announced-length body, into `buffer` (its size)."""
+        view = memoryview(buffer)
+        at = 0
+        while data := await self.chunk():
+            end = at + len(data)
+            if end > len(buffer):
+                raise UpstreamError("engine sent more than its Content-Length")
+            view[at:end] = data
+            at = end
+        if at != len(buffer):
+            raise UpstreamError("engine sent less than its Content-Length")
+        return buffer
 
     def release(self) -> None:
         """Done with this response: pool the connection if it can carry another request."""

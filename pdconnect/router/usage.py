@@ -9,8 +9,11 @@ from decode, `total_tokens` recomputed. When prefill reports no details, decode'
 dropped rather than left to claim a hit that did not happen.
 
 Streams are re-framed into whole events (a partial event is held back, so an error
-event can never be glued onto half of one); only events that carry usage are parsed,
-so the common chunk passes through as the same bytes object.
+event can never be glued onto half of one, and never more than `max_event_bytes` of
+it); only events that carry usage are parsed, so the common chunk passes through as the
+same bytes object. Parsing an answer decodes its top level only: every other member
+(choices, logprobs: an answer can be hundreds of megabytes) stays raw bytes, copied
+through, never turned into Python objects.
 """
 
 from __future__ import annotations
@@ -19,11 +22,21 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["SseRewriter", "UsageMerger"]
+# What the rewriters take and give: bytes, or views of them.
+Buffer = bytes | bytearray | memoryview
+
+__all__ = ["Buffer", "EventTooLarge", "SseRewriter", "UsageMerger"]
 
 _DONE = b"data: [DONE]\n\n"
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
+# An answer's members, each left as its raw JSON text.
+_MEMBERS: msgspec.json.Decoder[dict[str, msgspec.Raw]] = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_decode_members = _MEMBERS.decode
+
+
+class EventTooLarge(ValueError):
+    """A streamed event grew past the limit without ending."""
 
 
 class UsageMerger:
@@ -50,16 +63,29 @@ class UsageMerger:
         if isinstance(completion, int):
             usage["total_tokens"] = self._prompt_tokens + completion
 
-    def rewrite_body(self, body: bytes) -> bytes:
-        """A non-streaming JSON answer; returned unchanged if it has no usage object."""
+    def rewrite_body(self, body: Buffer) -> bytes:
+        """A JSON answer with its usage merged; unchanged if it has no usage object."""
+        parts = self.rewrite_parts(body)
+        return bytes(body) if len(parts) == 1 and parts[0] is body else b"".join(parts)
+
+    def rewrite_parts(self, body: Buffer) -> list[Buffer]:
+        """The same as pieces to write in order (`[body]` when unchanged). Only the top
+        level and `usage` are decoded; every other member is a view of `body`, not a copy."""
         try:
-            doc = _decode(body)
+            members = _decode_members(body)
+            usage = _decode(members["usage"]) if "usage" in members else None
         except msgspec.DecodeError:
-            return body
-        if not isinstance(doc, dict) or not isinstance(doc.get("usage"), dict):
-            return body
-        self.merge(doc["usage"])
-        return _encode(doc)
+            return [body]
+        if not isinstance(usage, dict):
+            return [body]
+        self.merge(usage)
+        parts: list[Buffer] = [b"{"]
+        for name, value in members.items():
+            if len(parts) > 1:
+                parts.append(b",")
+            parts += (_encode(name), b":", _encode(usage) if name == "usage" else memoryview(value))
+        parts.append(b"}")
+        return parts
 
 
 class SseRewriter:
@@ -71,8 +97,9 @@ class SseRewriter:
     whether the stream so far ended with `[DONE]` and left nothing half-written.
     """
 
-    def __init__(self, merger: UsageMerger | None) -> None:
+    def __init__(self, merger: UsageMerger | None, max_event_bytes: int | None = None) -> None:
         self._merger = merger
+        self._limit = max_event_bytes
         self._tail = b""
         self._done = False
 
@@ -86,10 +113,11 @@ class SseRewriter:
             self._tail = b""
         if not chunk.endswith(b"\n\n"):
             cut = chunk.rfind(b"\n\n")
+            self._tail = chunk if cut < 0 else chunk[cut + 2 :]
+            if self._limit is not None and len(self._tail) > self._limit:
+                raise EventTooLarge(f"a streamed event over the {self._limit}-byte limit")
             if cut < 0:
-                self._tail = chunk
                 return b""
-            self._tail = chunk[cut + 2 :]
             chunk = chunk[: cut + 2]
         self._done = chunk.endswith(_DONE)
         if self._merger is None or b'"prompt_tokens"' not in chunk:
@@ -122,11 +150,4 @@ class SseRewriter:
         assert self._merger is not None
         if not event.startswith(b"data: ") or b'"prompt_tokens"' not in event:
             return event
-        try:
-            doc = _decode(event[6:])
-        except msgspec.DecodeError:
-            return event
-        if not isinstance(doc, dict) or not isinstance(doc.get("usage"), dict):
-            return event
-        self._merger.merge(doc["usage"])
-        return b"data: " + _encode(doc)
+        return b"data: " + self._merger.rewrite_body(event[6:])

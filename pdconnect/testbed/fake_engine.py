@@ -3,7 +3,9 @@
 It speaks just enough of vLLM's P/D dialect to stand in for either role: a request with
 `kv_transfer_params.do_remote_decode` gets a one-token answer carrying a pdconnect
 `TransferPlan` (pointing at a real side-channel server, so release notices can be
-observed), any other request streams or returns `chunks` tokens. Faults are switched
+observed), any other request streams or returns `chunks` tokens. Like vLLM, a whole
+answer carries `prompt_logprobs` when asked (one entry of that many alternatives per
+prompt word: a long prompt makes a long answer). Faults are switched
 on per instance (`FakeFaults`): error statuses, slowness, connections dropped or stalled
 mid-stream, a failing `/health`. It records what it saw, which requests were aborted
 by their caller, and which releases arrived.
@@ -52,6 +54,8 @@ class FakeFaults:
     answer_only: int | None = None  # answer the first N inference requests, 500 after
     fail_on_field: str | None = None  # answer 500 to any request whose body has this key
     gzip: bool = False  # compress every answer, whatever the caller accepts
+    answer_padding: int = 0  # bytes of filler in every whole inference answer
+    event_padding: int = 0  # bytes of filler in every streamed event
     health_status: int = 200
 
 
@@ -93,7 +97,8 @@ class FakeEngine:
     # --- lifecycle ------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth, self._compress])
+        # Bodies as large as a router may pass on (its --max-body-bytes can be raised).
+        app = web.Application(client_max_size=64 << 20, middlewares=[self._auth, self._compress])
         app.router.add_post("/v1/completions", self._inference)
         app.router.add_post("/v1/chat/completions", self._inference)
         app.router.add_get("/v1/models", self._models)
@@ -215,9 +220,23 @@ class FakeEngine:
         if body.get("stream"):
             return await self._stream(request, body, chat, request_id, n, usage)
         text = "".join(_token(i) for i in range(n))
-        return web.Response(
-            body=_encode(_full(chat, request_id, self.model, text, usage)), content_type="application/json"
-        )
+        return self._whole(body, _full(chat, request_id, self.model, text, usage), prompt_tokens)
+
+    def _whole(self, body: dict[str, Any], answer: dict[str, Any], prompt_tokens: int) -> web.Response:
+        """A whole answer, with the prompt logprobs asked for and any filler."""
+        if self.faults.answer_padding:
+            answer["fake_padding"] = "x" * self.faults.answer_padding
+        encoded = _encode(answer)
+        alternatives = body.get("prompt_logprobs")
+        if isinstance(alternatives, int) and not isinstance(alternatives, bool) and prompt_tokens > 1:
+            # vLLM's shape: null for the first token, then {token id: logprob} per token.
+            # One entry, encoded once, repeated: a big answer without a big Python object.
+            entry = _encode(
+                {str(i): {"logprob": -1.5, "rank": i + 1, "decoded_token": f" w{i}"} for i in range(alternatives + 1)}
+            )
+            logprobs = b"[null," + b",".join([entry] * (prompt_tokens - 1)) + b"]"
+            encoded = b"".join((encoded[:-1], b',"prompt_logprobs":', logprobs, b"}"))
+        return web.Response(body=encoded, content_type="application/json")
 
     def _prefill_answer(self, body: dict[str, Any], chat: bool, request_id: str, prompt_tokens: int) -> web.Response:
         answer = _full(
@@ -245,7 +264,7 @@ class FakeEngine:
             "pdconnect": PROTOCOL_VERSION,
         }
         self.plans.append(answer["kv_transfer_params"])
-        return web.Response(body=_encode(answer), content_type="application/json")
+        return self._whole(body, answer, prompt_tokens)
 
     async def _stream(
         self, request: web.Request, body: dict[str, Any], chat: bool, request_id: str, n: int, usage: dict[str, Any]
@@ -259,6 +278,9 @@ class FakeEngine:
         events = [_chunk(chat, request_id, self.model, i, n) for i in range(n)]
         if options.get("include_usage"):
             events.append(_usage_chunk(chat, request_id, self.model, usage))
+        if faults.event_padding:
+            for event in events:
+                event["fake_padding"] = "x" * faults.event_padding
         for i, event in enumerate(events):
             if faults.drop_after_chunks is not None and i >= faults.drop_after_chunks:
                 _hang_up(request)
@@ -383,6 +405,8 @@ def _usage_chunk(chat: bool, request_id: str, model: str, usage: dict[str, Any])
 
 async def _serve(args: argparse.Namespace) -> None:
     engine = FakeEngine(name=args.name, chunks=args.chunks, side_channel=args.side_channel)
+    engine.faults.answer_padding = args.answer_padding
+    engine.faults.event_padding = args.event_padding
     await engine.start(args.host, args.port)
     print(json.dumps({"url": engine.url, "side_channel": engine.side_channel_address}), flush=True)
     stop = asyncio.Event()
@@ -403,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="fake")
     parser.add_argument("--chunks", type=int, default=8, help="tokens streamed per decode answer")
     parser.add_argument("--side-channel", action="store_true", help="serve a real side channel for releases")
+    parser.add_argument("--answer-padding", type=int, default=0, help="bytes of filler in every whole answer")
+    parser.add_argument("--event-padding", type=int, default=0, help="bytes of filler in every streamed event")
     args = parser.parse_args(argv)
     try:
         import uvloop
