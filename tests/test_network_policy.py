@@ -295,3 +295,15 @@ def test_pods_of_the_namespace_resolve_names_and_nothing_else_outside(rendered, 
         assert net.allows(pods[source], dns, 53, "UDP") and net.allows(pods[source], dns, 53, "TCP"), source
         assert not net.allows(pods[source], web, 443), source
         assert not net.allows(pods[source], dns, 443), source
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_nixl_keeps_ucx_off_tcp(rendered, target: str) -> None:
+    """UCX over TCP opens connections both ways (measured: the prefill agent connected
+    to the decode agent's listeners), which the policies refuse on purpose: a NIXL
+    render must leave tcp out of UCX_TLS, so its data and wire-up stay on the fabric."""
+    render = rendered(target)
+    for workload in render.engines().values():
+        env = container_env(render, workload, pod_spec(workload)["containers"][0])
+        if env["PD_TRANSPORT"] == "nixl":
+            assert "UCX_TLS" in env and "tcp" not in env["UCX_TLS"].split(","), env.get("UCX_TLS")
