@@ -57,7 +57,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "tensor_parallel_size": 8, "speculative_method": "mtp",
         "rdma_resource": "rdma/hca_shared_devices_a",
         "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H20"},
-        "capabilities": [], "servicemonitor": True, "replicas": 2,
+        "capabilities": [], "servicemonitor": True, "replicas": 2, "route_headers": False,
     },
     "overlays/nixl": {
         "transport": "nixl", "require_rdma": True, "gpus": 8, "tensor_parallel_size": 8,
@@ -71,7 +71,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "dtype": "float32", "block_size": 128, "speculative_method": "eagle3",
         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 "OMP_NUM_THREADS": "1"},
-        "servicemonitor": False, "replicas": 1,
+        "servicemonitor": False, "replicas": 1, "route_headers": True,
     },
     "examples/custom-cluster": {
         "transport": "mooncake", "protocol": "rdma", "gpus": 4, "tensor_parallel_size": 4,
@@ -751,6 +751,8 @@ def test_kustomization_is_what_it_says(render_of, target: str) -> None:
         assert bool(render.of_kind("ServiceMonitor")) == want["servicemonitor"]
     if "namespace" in want:
         assert render.router()["metadata"]["namespace"] == want["namespace"]
+    if "route_headers" in want:
+        assert router_config(render).route_headers == want["route_headers"]
 
 
 def test_every_overlay_states_its_promises() -> None:
