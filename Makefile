@@ -106,7 +106,7 @@ test-faults: install
 	$(PY) -m pytest -q -m faults tests/test_faults_engines.py $(PYTEST_ARGS)
 
 test-deploy: install deploy-tools
-	$(PY) -m pytest -q tests/test_deploy.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests/test_deploy.py tests/test_network_policy.py $(PYTEST_ARGS)
 
 # The experiments live in benchmarks/ (run from this checkout, not installed): python -m benchmarks.X.
 # `make demo TRANSPORT=nixl` moves the KV over NIXL instead of Mooncake.

@@ -8,19 +8,22 @@ module (`rendered_dir`, `renders`, `render_of`) are in conftest.py.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-__all__ = ["DEPLOY", "OVERLAYS", "REPO", "TARGETS", "TOOLS_VENV", "Render", "deploy_tool", "deploy_tool_env",
-           "pod_spec", "require_tools_venv"]
+__all__ = ["DEPLOY", "OVERLAYS", "POD_IP", "REPO", "TARGETS", "TOOLS_VENV", "Render", "container_env",
+           "deploy_tool", "deploy_tool_env", "expand", "pod_spec", "require_tools_venv"]
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 TOOLS_VENV = Path(os.environ.get("PDCONNECT_DEPLOY_VENV", REPO / ".venv-deploy"))
 TOOLS = TOOLS_VENV / "bin"
+# What the kubelet substitutes for the downward API in `$(VAR)` expansion.
+POD_IP = "10.1.2.3"
 
 
 def _kustomizations() -> list[str]:
@@ -99,3 +102,48 @@ class Render:
 def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
     """A Deployment's or StatefulSet's pod spec."""
     return workload["spec"]["template"]["spec"]
+
+
+_VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """The kubelet's `$(VAR)` expansion: defined names are replaced, `$$` escapes,
+    undefined references stay as they are (and then break whatever parses them)."""
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+    return _VAR_REF.sub(sub, text)
+
+
+def container_env(render: Render, workload: dict[str, Any],
+                  container: dict[str, Any]) -> dict[str, str]:
+    """The environment the kubelet would give the container (envFrom, then env)."""
+    env: dict[str, str] = {}
+    namespace = workload["metadata"].get("namespace", "default")
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            cm = render.get("ConfigMap", source["configMapRef"]["name"])
+            assert cm is not None, f"envFrom names missing ConfigMap {source['configMapRef']}"
+            env.update({source.get("prefix", "") + k: v for k, v in cm.get("data", {}).items()})
+        else:
+            pytest.fail(f"unexpected envFrom source {source}")
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = expand(var["value"], env)
+            continue
+        ref = var["valueFrom"]
+        if "fieldRef" in ref:
+            field = ref["fieldRef"]["fieldPath"]
+            env[var["name"]] = {"status.podIP": POD_IP, "metadata.namespace": namespace,
+                                "metadata.name": "pod-0"}[field]
+        elif "configMapKeyRef" in ref:
+            cm = render.get("ConfigMap", ref["configMapKeyRef"]["name"])
+            assert cm is not None, f"{var['name']}: missing ConfigMap"
+            env[var["name"]] = cm["data"][ref["configMapKeyRef"]["key"]]
+        elif "secretKeyRef" in ref:
+            env[var["name"]] = "<secret>"
+        else:
+            pytest.fail(f"unexpected valueFrom {ref}")
+    return env

@@ -35,7 +35,8 @@ from connectors.settings import ConnectorSettings, parse_kv_transfer_config
 from pdconnect.router.config import RouterConfig
 from pdconnect.router.config import parse_args as parse_router_args
 from tests.deploy_support import (
-    DEPLOY, OVERLAYS, REPO, TARGETS, Render, deploy_tool, deploy_tool_env, pod_spec, require_tools_venv,
+    DEPLOY, OVERLAYS, POD_IP, REPO, TARGETS, Render, container_env, deploy_tool, deploy_tool_env, expand,
+    pod_spec, require_tools_venv,
 )
 
 require_tools_venv()
@@ -44,8 +45,6 @@ require_tools_venv()
 EXTERNAL = {("Secret", "pdconnect-side-channel"), ("PersistentVolumeClaim", "vllm-models")}
 # Custom resources: no built-in schema; their meaning is checked below instead.
 CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
-# What the kubelet substitutes for the downward API in `$(VAR)` expansion.
-POD_IP = "10.1.2.3"
 CLUSTER_DOMAIN = "svc.cluster.local"
 
 ENGINE_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -58,12 +57,12 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "tensor_parallel_size": 8, "speculative_method": "mtp",
         "rdma_resource": "rdma/hca_shared_devices_a",
         "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H20"},
-        "capabilities": ["IPC_LOCK"], "servicemonitor": True, "replicas": 2,
+        "capabilities": [], "servicemonitor": True, "replicas": 2, "route_headers": False,
     },
     "overlays/nixl": {
         "transport": "nixl", "require_rdma": True, "gpus": 8, "tensor_parallel_size": 8,
         "speculative_method": "mtp", "rdma_resource": "rdma/hca_shared_devices_a",
-        "capabilities": ["IPC_LOCK"], "env": {"UCX_TLS": None, "UCX_NET_DEVICES": None},
+        "capabilities": [], "env": {"UCX_TLS": None, "UCX_NET_DEVICES": None},
         "servicemonitor": True, "replicas": 2,
     },
     "overlays/cpu-smoke": {
@@ -72,7 +71,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "dtype": "float32", "block_size": 128, "speculative_method": "eagle3",
         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 "OMP_NUM_THREADS": "1"},
-        "servicemonitor": False, "replicas": 1,
+        "servicemonitor": False, "replicas": 1, "route_headers": True,
     },
     "examples/custom-cluster": {
         "transport": "mooncake", "protocol": "rdma", "gpus": 4, "tensor_parallel_size": 4,
@@ -92,51 +91,6 @@ def _container(workload: dict[str, Any], name: str | None = None) -> dict[str, A
         assert len(containers) == 1, f"{workload['metadata']['name']}: one container expected"
         return containers[0]
     return next(c for c in containers if c["name"] == name)
-
-
-_VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
-
-
-def expand(text: str, env: dict[str, str]) -> str:
-    """The kubelet's `$(VAR)` expansion: defined names are replaced, `$$` escapes,
-    undefined references stay as they are (and then break whatever parses them)."""
-    def sub(m: re.Match[str]) -> str:
-        if m.group(0) == "$$":
-            return "$"
-        return env.get(m.group(1), m.group(0))
-    return _VAR_REF.sub(sub, text)
-
-
-def container_env(render: Render, workload: dict[str, Any],
-                  container: dict[str, Any]) -> dict[str, str]:
-    """The environment the kubelet would give the container (envFrom, then env)."""
-    env: dict[str, str] = {}
-    namespace = workload["metadata"].get("namespace", "default")
-    for source in container.get("envFrom", []):
-        if "configMapRef" in source:
-            cm = render.get("ConfigMap", source["configMapRef"]["name"])
-            assert cm is not None, f"envFrom names missing ConfigMap {source['configMapRef']}"
-            env.update({source.get("prefix", "") + k: v for k, v in cm.get("data", {}).items()})
-        else:
-            pytest.fail(f"unexpected envFrom source {source}")
-    for var in container.get("env", []):
-        if "value" in var:
-            env[var["name"]] = expand(var["value"], env)
-            continue
-        ref = var["valueFrom"]
-        if "fieldRef" in ref:
-            field = ref["fieldRef"]["fieldPath"]
-            env[var["name"]] = {"status.podIP": POD_IP, "metadata.namespace": namespace,
-                                "metadata.name": "pod-0"}[field]
-        elif "configMapKeyRef" in ref:
-            cm = render.get("ConfigMap", ref["configMapKeyRef"]["name"])
-            assert cm is not None, f"{var['name']}: missing ConfigMap"
-            env[var["name"]] = cm["data"][ref["configMapKeyRef"]["key"]]
-        elif "secretKeyRef" in ref:
-            env[var["name"]] = "<secret>"
-        else:
-            pytest.fail(f"unexpected valueFrom {ref}")
-    return env
 
 
 def expanded_argv(render: Render, workload: dict[str, Any],
@@ -701,44 +655,6 @@ def test_metrics_are_scraped_from_a_declared_port(render_of, target: str) -> Non
                 assert endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
 
 
-def _admits(render: Render, source: dict[str, str], target: dict[str, Any], port: str) -> bool:
-    """Would the rendered NetworkPolicies let a pod labelled `source` (same namespace)
-    reach `port` of the target workload? No policy selecting the target = open."""
-    labels = target["spec"]["template"]["metadata"]["labels"]
-    policies = [p for p in render.of_kind("NetworkPolicy")
-                if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
-                and selects(p["spec"]["podSelector"].get("matchLabels", {}), labels)]
-    if not policies:
-        return True
-    number = container_port(_container(target), port)
-    for policy in policies:
-        for rule in policy["spec"].get("ingress", []):
-            peers = rule.get("from")
-            peer_ok = peers is None or any(
-                "podSelector" in p and "namespaceSelector" not in p
-                and selects(p["podSelector"].get("matchLabels", {}), source) for p in peers)
-            ports = rule.get("ports")
-            port_ok = ports is None or any(p.get("port") in (port, number) for p in ports)
-            if peer_ok and port_ok:
-                return True
-    return False
-
-
-@pytest.mark.parametrize("target", TARGETS)
-def test_network_policies_admit_the_data_path(render_of, target: str) -> None:
-    render = render_of(target)
-    engines, router = render.engines(), render.router()
-    router_labels = router["spec"]["template"]["metadata"]["labels"]
-    decode_labels = engines["decode"]["spec"]["template"]["metadata"]["labels"]
-    assert _admits(render, router_labels, engines["prefill"], "http")
-    assert _admits(render, router_labels, engines["decode"], "http")
-    assert _admits(render, router_labels, engines["prefill"], "side-channel")
-    assert _admits(render, decode_labels, engines["prefill"], "side-channel")
-    assert _admits(render, {"app": "client"}, router, "http")
-    # ...and nothing else in the namespace reaches an engine's unauthenticated API.
-    assert not _admits(render, {"app": "client"}, engines["decode"], "http")
-
-
 def _pod_security_level(pod: dict[str, Any]) -> str:
     """The strictest Pod Security Standard the pod meets (the checks our manifests
     can trip; see kubernetes.io/docs/concepts/security/pod-security-standards)."""
@@ -767,10 +683,30 @@ def _pod_security_level(pod: dict[str, Any]) -> str:
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_every_container_runs_non_root_without_privileges(render_of, target: str) -> None:
+    """Init containers included: a UID other than 0 the kubelet enforces (runAsNonRoot),
+    no privilege escalation, every capability dropped and none added (a capability
+    added to a non-root process is not effective anyway: no ambient capabilities), the
+    root filesystem read-only, the runtime's seccomp profile."""
+    for w in render_of(target).workloads():
+        pod = pod_spec(w)
+        pod_sc = pod.get("securityContext", {})
+        for c in pod["containers"] + pod.get("initContainers", []):
+            sc = {**pod_sc, **c.get("securityContext", {})}
+            where = f"{target}: {w['metadata']['name']}/{c['name']}"
+            assert sc.get("runAsNonRoot") is True, where
+            assert isinstance(sc.get("runAsUser"), int) and sc["runAsUser"] > 0, where
+            assert sc.get("allowPrivilegeEscalation") is False and not sc.get("privileged"), where
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert not sc.get("capabilities", {}).get("add"), where
+            assert sc.get("readOnlyRootFilesystem") is True, where
+            assert sc.get("seccompProfile", {}).get("type") == "RuntimeDefault", where
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_namespace_enforces_the_strictest_pod_security_level_its_pods_meet(
         render_of, target: str) -> None:
-    """Not laxer than needed (the GPU overlays need "privileged" for CAP_IPC_LOCK
-    alone), and no pod the namespace would refuse."""
+    """Not laxer than needed, and no pod the namespace would refuse."""
     render = render_of(target)
     order = ["restricted", "baseline", "privileged"]
     (namespace,) = render.of_kind("Namespace")
@@ -815,6 +751,8 @@ def test_kustomization_is_what_it_says(render_of, target: str) -> None:
         assert bool(render.of_kind("ServiceMonitor")) == want["servicemonitor"]
     if "namespace" in want:
         assert render.router()["metadata"]["namespace"] == want["namespace"]
+    if "route_headers" in want:
+        assert router_config(render).route_headers == want["route_headers"]
 
 
 def test_every_overlay_states_its_promises() -> None:

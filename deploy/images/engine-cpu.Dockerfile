@@ -4,7 +4,7 @@
 # machines (README); it serves the engines, their tiny-model init containers
 # and the router. Built by `make images`.
 
-FROM python:3.11.7-slim-bookworm@sha256:d11b9bd5e49ea7401753d78f4d3b56f3aec952b85b49bcae88981f0452818e0b AS python-base
+FROM python:3.11.16-slim-bookworm@sha256:0bee7276f83efd4a1ee05bbbf4281d95ed28e079220a9457f25a93e3f1e3c31b AS python-base
 
 # Stage 1: the virtual environment.
 FROM python-base AS build

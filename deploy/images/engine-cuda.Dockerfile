@@ -3,11 +3,13 @@
 # overlays): the upstream vLLM 0.33.0 OpenAI server image plus this package with its
 # `gpu` extra (CUDA Mooncake Transfer Engine and NIXL). Built by `make images`.
 #
-# Base images are pinned: python by tag and digest; vllm/vllm-openai by its exact
-# release tag only (no published digest was at hand; pin one in your registry).
+# Base images are pinned: python by tag and digest (Docker Official Image index digest of
+# python:3.11.16-slim-bookworm, as docker-library/repo-info records it); vllm/vllm-openai
+# by its exact release tag only: no digest of it could be obtained where this was written
+# (no registry reachable). Pin the one your registry mirrors (deploy/README.md, Images).
 
 # Stage 1: a wheel of this repository (pure Python, so any interpreter builds it).
-FROM python:3.11.7-slim-bookworm@sha256:d11b9bd5e49ea7401753d78f4d3b56f3aec952b85b49bcae88981f0452818e0b AS wheel
+FROM python:3.11.16-slim-bookworm@sha256:0bee7276f83efd4a1ee05bbbf4281d95ed28e079220a9457f25a93e3f1e3c31b AS wheel
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY pdconnect ./pdconnect
@@ -32,9 +34,12 @@ COPY --from=wheel /wheels /tmp/wheels
 RUN uv pip install --system --no-cache --constraint /tmp/constraints-gpu.txt \
         "/tmp/wheels/pdconnect-${PDCONNECT_VERSION}-py3-none-any.whl[gpu]" \
     && rm -rf /tmp/wheels /tmp/constraints-gpu.txt
-# Runs as root on purpose: registering the KV cache with the RDMA NIC needs an effective
-# CAP_IPC_LOCK, which Kubernetes grants only to UID 0 (deploy/README.md, "Engines run as
-# UID 0"). The pod drops every other capability and mounts the root filesystem read-only.
+# The pods run as UID/GID 10001 without capabilities (deploy/base's securityContext);
+# RDMA registration then needs the node's memlock limit, not CAP_IPC_LOCK
+# (deploy/README.md, "Engines run as UID 10001"). HOME is the pods' writable volume.
+RUN groupadd --gid 10001 vllm \
+    && useradd --uid 10001 --gid 10001 --home-dir /home/vllm --create-home --shell /usr/sbin/nologin vllm
 ENV HOME=/home/vllm
+USER 10001:10001
 # What deploy/base runs (`vllm serve --config ...`).
 ENTRYPOINT ["vllm", "serve"]
