@@ -706,3 +706,22 @@ def test_a_lookup_looks_each_block_up_at_most_once_per_group(blocks: int) -> Non
     _CountingDict.lookups = 0
     assert index.hit_tokens(tokens) == blocks // 2 * 16
     assert _CountingDict.lookups <= 2 * blocks
+
+
+@pytest.mark.asyncio
+async def test_keys_computed_off_the_loop_give_every_engine_the_same_hit() -> None:
+    from pdconnect.router.kvevents import KVEventsFeed, _Subscription
+
+    feed = KVEventsFeed(lambda url: None)
+    subs = [_Subscription(f"http://fake-d{i}:8000", f"tcp://fake-d{i}:5557", None) for i in range(2)]
+    for sub in subs:
+        feed._subs[sub.url] = sub
+    try:
+        await feed._receive(subs[0], _frames(0, _stored(range(0, 6), 0, "full_attention")))
+        await feed._receive(subs[1], _frames(0, _stored(range(0, 3), 0, "full_attention")))
+        keys = await feed.keys_for(TOKENS)
+        assert set(keys) == {BS} and len(keys[BS]) == len(TOKENS) // BS
+        assert [feed.hit_tokens(s.url, TOKENS, keys) for s in subs] == [6 * BS, 3 * BS]
+        assert [feed.hit_tokens(s.url, TOKENS) for s in subs] == [6 * BS, 3 * BS]
+    finally:
+        await feed.close()

@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from pdconnect.router.kvindex import DEFAULT_MAX_BLOCKS, EngineKVIndex
+from pdconnect.router.kvindex import DEFAULT_MAX_BLOCKS, EngineKVIndex, prompt_keys
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "KVEventsFeed", "events_endpoint"]
 
@@ -118,6 +118,16 @@ class KVEventsFeed:
         if sub is None or not sub.fresh:
             return None
         return sub.index.hit_tokens(tokens, keys)
+
+    async def keys_for(self, tokens: Sequence[int]) -> dict[int, list[int]]:
+        """The prompt's chain keys for every block size the watched engines use, computed on
+        the loop's default executor: the part of a lookup that scales with the prompt. Pass
+        the result as `keys` to `hit_tokens` for each engine; what stays on the loop is then
+        one dict lookup per block up to each engine's hit (`make bench-lookup`)."""
+        sizes = {g.block_size for s in self._subs.values() if s.fresh for g in list(s.index.groups.values())}
+        if not sizes:
+            return {}
+        return await asyncio.get_running_loop().run_in_executor(None, prompt_keys, tokens, sizes)
 
     async def close(self) -> None:
         tasks = [s.task for s in self._subs.values() if s.task is not None]

@@ -47,7 +47,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,7 @@ __all__ = [
     "chain_keys",
     "decode_batch",
     "invalid_reason",
+    "prompt_keys",
 ]
 
 BlockHash = bytes | int
@@ -137,6 +138,12 @@ def chain_keys(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[
         parent = hash((parent, tuple(tokens[start : start + block_size])))
         keys.append(parent)
     return keys
+
+
+def prompt_keys(tokens: Sequence[int], block_sizes: Iterable[int]) -> dict[int, list[int]]:
+    """Every chain key of `tokens` for each block size: the `keys` argument of `hit_tokens`,
+    complete. A pure function, for a worker thread (a 128k-token prompt costs milliseconds)."""
+    return {size: chain_keys(tokens, size) for size in set(block_sizes)}
 
 
 def _valid_hash(value: object) -> bool:
