@@ -404,7 +404,7 @@ def test_a_removal_with_malformed_hashes_still_removes_the_well_formed_ones() ->
     assert index.hit_tokens(TOKENS) == BS and "group" in counted
 
 
-def test_each_group_holds_at_most_max_blocks_and_evicts_the_oldest() -> None:
+def test_an_engines_index_holds_at_most_max_blocks_and_evicts_the_oldest() -> None:
     counted: list[str] = []
     index = EngineKVIndex(max_blocks=4, count=counted.append)
     _publish(index, _stored(range(0, 3), 0, "full_attention"))
@@ -415,6 +415,20 @@ def test_each_group_holds_at_most_max_blocks_and_evicts_the_oldest() -> None:
     other = EngineKVIndex(max_blocks=4)
     _publish(other, _stored(range(0, 4), 0, "full_attention"))
     assert other.hit_tokens(TOKENS) == 4 * BS  # at the bound, nothing evicted
+
+
+def test_the_block_bound_holds_for_all_groups_of_an_engine_together() -> None:
+    counted: list[str] = []
+    index = EngineKVIndex(max_blocks=4, count=counted.append)
+    _publish(index, _stored(range(0, 3), 0, "full_attention"), _stored(range(0, 3), 1, "sliding_window", 8))
+    # Group 1's second and third blocks each evict its own oldest: 3 + 1 held.
+    assert [len(g.by_hash) for g in index.groups.values()] == [3, 1] and index.budget.held == 4
+    assert counted == ["index_full", "index_full"]
+    full = EngineKVIndex(max_blocks=2, count=counted.append)
+    _publish(full, _stored(range(0, 2), 0, "full_attention"), _stored(range(0, 1), 1, "sliding_window", 8))
+    assert len(full.groups[1].by_hash) == 0 and full.budget.held == 2  # refused: group 1 held nothing
+    _publish(full, kv_events.AllBlocksCleared(), _stored(range(0, 2), 0, "full_attention"))
+    assert full.budget.held == 2 and full.hit_tokens(TOKENS) == 2 * BS
 
 
 def test_subscriber_sockets_cap_message_size() -> None:

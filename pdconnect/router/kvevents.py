@@ -88,7 +88,7 @@ class KVEventsFeed:
         """`endpoints(engine_url)` -> (events endpoint, replay endpoint or None), or None
         for an engine that publishes nothing; `count(result)` hears of every batch
         ("ok"), gap, replay and error; `invalid(reason)` of every event or frame dropped.
-        `max_blocks` bounds each group of each engine's index, `max_message_bytes` each frame."""
+        `max_blocks` bounds each engine's index (all its groups), `max_message_bytes` each frame."""
         self._endpoints = endpoints
         self._count = count
         self._invalid = invalid

@@ -36,10 +36,11 @@ Untrusted input: every event is checked (`invalid_reason`) before it touches the
 invalid one is dropped and counted by reason, never raised, and never affects another
 engine (each engine has its own index). A removal that cannot be read at all empties the
 index (what it names may be gone); one whose hashes are partly malformed removes the
-well-formed ones, since a malformed hash was never accepted in a store. Each group holds
-at most `max_blocks` blocks, the oldest stored evicted first (counted `index_full`):
-about 260 bytes per block (32-byte hashes; measured with tracemalloc), so the default
-262,144 blocks bound a group near 68 MB.
+well-formed ones, since a malformed hash was never accepted in a store. An engine's index
+holds at most `max_blocks` blocks over all its groups; a store beyond that evicts the
+oldest block of its own group (counted `index_full`). A block costs about 260 bytes
+(32-byte hashes; measured with tracemalloc), so the default 524,288 blocks bound an
+engine's index near 136 MB.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ MAX_WINDOW = 1 << 24
 MAX_HASH_BYTES = 64
 MAX_TOKEN_ID = 1 << 32  # exclusive
 MAX_NAME_CHARS = 256  # medium, kind, LoRA name
-DEFAULT_MAX_BLOCKS = 1 << 18
+DEFAULT_MAX_BLOCKS = 1 << 19
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
@@ -202,30 +203,41 @@ def _no_count(reason: str) -> None:
 
 
 @dataclass
+class BlockBudget:
+    """How many blocks one engine's groups hold together, and the most they may."""
+
+    limit: int = DEFAULT_MAX_BLOCKS
+    held: int = 0
+
+
+@dataclass
 class GroupIndex:
     """One KV cache group of one engine. Invariants: `present` holds exactly the content keys
     of blocks stored and not yet removed or evicted (a key can be stored under several engine
-    hashes, e.g. two LoRA adapters, so it is counted); `by_hash` holds at most `max_blocks`
-    hashes, oldest stored first."""
+    hashes, e.g. two LoRA adapters, so it is counted); `by_hash` is oldest stored first, and
+    its length is this group's share of `budget.held`, which never exceeds `budget.limit`."""
 
     block_size: int
     sliding_window: int | None = None
-    max_blocks: int = DEFAULT_MAX_BLOCKS
+    budget: BlockBudget = field(default_factory=BlockBudget)
     by_hash: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict)
     present: dict[int, int] = field(default_factory=dict)
     # Stored hashes whose content key is not known yet (see the module docstring), oldest first.
     pending: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
     orphans: int = 0  # stored hashes dropped without a content key (events missed)
-    evicted: int = 0  # blocks dropped to stay within max_blocks
+    evicted: int = 0  # blocks dropped (or refused, the group holding none) to stay in budget
 
     def add(self, block_hash: BlockHash, key: int) -> None:
         self.pending.pop(block_hash, None)
         if block_hash in self.by_hash:
             return
-        if len(self.by_hash) >= self.max_blocks:
-            self._release(self.by_hash.popitem(last=False)[1])
+        if self.budget.held >= self.budget.limit:
             self.evicted += 1
+            if not self.by_hash:
+                return  # the other groups hold the budget: this block goes unindexed
+            self._release(self.by_hash.popitem(last=False)[1])
         self.by_hash[block_hash] = key
+        self.budget.held += 1
         self.present[key] = self.present.get(key, 0) + 1
 
     def remove(self, block_hashes: list[BlockHash]) -> None:
@@ -236,6 +248,7 @@ class GroupIndex:
                 self._release(key)
 
     def _release(self, key: int) -> None:
+        self.budget.held -= 1
         left = self.present[key] - 1
         if left:
             self.present[key] = left
@@ -270,8 +283,12 @@ class EngineKVIndex:
     groups: dict[int, GroupIndex] = field(default_factory=dict)
     # Hashes waiting for a content key, per group: enough for a few long prompts' runs.
     max_pending: int = 4096
-    max_blocks: int = DEFAULT_MAX_BLOCKS
+    max_blocks: int = DEFAULT_MAX_BLOCKS  # over all groups
     count: Callable[[str], None] = _no_count
+    budget: BlockBudget = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.budget = BlockBudget(self.max_blocks)
 
     def apply_payload(self, payload: bytes) -> bool:
         """Apply one published payload, event by event; False when it is no batch at all
@@ -316,6 +333,7 @@ class EngineKVIndex:
                 continue
             if isinstance(event, AllBlocksCleared):
                 self.groups.clear()
+                self.budget = BlockBudget(self.max_blocks)
                 continue
             reason = invalid_reason(event)
             if reason is not None:
@@ -334,7 +352,7 @@ class EngineKVIndex:
         window = event.kv_cache_spec_sliding_window if _is_sliding(event) else None
         group = self.groups.get(gid)
         if group is None:
-            group = self.groups[gid] = GroupIndex(event.block_size, window, self.max_blocks)
+            group = self.groups[gid] = GroupIndex(event.block_size, window, self.budget)
         elif group.block_size != event.block_size or group.sliding_window != window:
             self.count("group_mismatch")
             return None
