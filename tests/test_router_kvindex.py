@@ -739,3 +739,39 @@ async def test_keys_computed_off_the_loop_give_every_engine_the_same_hit() -> No
         assert [feed.hit_tokens(s.url, TOKENS) for s in subs] == [6 * BS, 3 * BS]
     finally:
         await feed.close()
+
+
+# name -> groups as (block size, sliding window or None, EAGLE group)
+_EAGLE_GEOMETRIES = {
+    "fa16e+swa16w128e": ((16, None, True), (16, 128, True)),
+    "fa64e+swa64w128e": ((64, None, True), (64, 128, True)),
+    "fa256e+swa64w128e+swa64w200e": ((256, None, True), (64, 128, True), (64, 200, True)),
+    "fa16e+swa16w100 (EAGLE on full attention only)": ((16, None, True), (16, 100, False)),
+    "fa16+swa16w129e (EAGLE on the window only)": ((16, None, False), (16, 129, True)),
+    "fa128e+swa32w320e": ((128, None, True), (32, 320, True)),
+}
+
+
+@pytest.mark.parametrize("name", list(_EAGLE_GEOMETRIES))
+def test_the_eagle_lookup_equals_vllms_own_coordinator_on_random_indexes(name: str) -> None:
+    """With `eagle_groups`, vLLM's last-block drop: the index gives what vLLM's real
+    coordinator (EAGLE groups flagged) finds for the whole prompt, case by case."""
+    import random
+
+    from connectors.geometry import Geometry, GroupGeometry
+    from connectors.vllm_adapter import CacheRules
+
+    geometry = _EAGLE_GEOMETRIES[name]
+    rules = CacheRules.for_geometry(Geometry(tuple(
+        GroupGeometry("full_attention", size, eagle=eagle) if window is None
+        else GroupGeometry("sliding_window", size, window, eagle=eagle) for size, window, eagle in geometry)))
+    eagle_groups = {gid for gid, (_, _, eagle) in enumerate(geometry) if eagle}
+    rng = random.Random(hash(name) & 0xFFFF)
+    hits = 0
+    for case in range(300):
+        tokens = [rng.randrange(1, 50000) for _ in range(rng.randrange(2, 1600))]
+        index, cached = _random_index(rng, tuple((size, window) for size, window, _ in geometry), tokens)
+        real = rules.lookup_hit(cached, len(tokens), len(tokens))
+        assert index.hit_tokens(tokens, eagle_groups=eagle_groups) == real, f"case {case}"
+        hits += real > 0
+    assert hits >= 30  # the comparison covered real hits, not only misses

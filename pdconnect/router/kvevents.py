@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -111,13 +111,21 @@ class KVEventsFeed:
         if sub is not None and sub.task is not None:
             sub.task.cancel()
 
-    def hit_tokens(self, url: str, tokens: Sequence[int], keys: dict[int, list[int]] | None = None) -> int | None:
+    def hit_tokens(
+        self,
+        url: str,
+        tokens: Sequence[int],
+        keys: dict[int, list[int]] | None = None,
+        *,
+        eagle_groups: Collection[int] = (),
+    ) -> int | None:
         """Prefix tokens the engine caches for `tokens`; None while its index is not fresh.
-        Pass the same `keys` dict for every engine of one request: chain keys are computed once."""
+        Pass the same `keys` dict for every engine of one request: chain keys are computed once.
+        `eagle_groups`: see `EngineKVIndex.hit_tokens` (an engine drafting with EAGLE/MTP)."""
         sub = self._subs.get(url)
         if sub is None or not sub.fresh:
             return None
-        return sub.index.hit_tokens(tokens, keys)
+        return sub.index.hit_tokens(tokens, keys, eagle_groups=eagle_groups)
 
     async def keys_for(self, tokens: Sequence[int]) -> dict[int, list[int]]:
         """The prompt's chain keys for every block size the watched engines use, computed on

@@ -48,7 +48,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -415,7 +415,9 @@ class EngineKVIndex:
             for _ in range(group.evicted - evicted):
                 self.count("index_full")
 
-    def hit_tokens(self, tokens: Sequence[int], keys: dict[int, list[int]] | None = None) -> int:
+    def hit_tokens(
+        self, tokens: Sequence[int], keys: dict[int, list[int]] | None = None, *, eagle_groups: Collection[int] = ()
+    ) -> int:
         """The longest prefix of `tokens` every group can serve (0 before any event), as
         vLLM's lookup finds it with at most len(tokens) tokens (see the module docstring).
 
@@ -424,10 +426,17 @@ class EngineKVIndex:
         engine's hit reaches. Cost: linear in the blocks up to the full-attention hit (the whole
         prompt for a model without full attention): each block's key is computed once per
         request and looked up at most once per group.
+
+        `eagle_groups`: the engine runs EAGLE/MTP drafting and these group ids get vLLM's
+        last-block drop. `tokens` is then the whole prompt, and the answer is vLLM's for it
+        exactly: it looks up len(tokens) - 1 tokens, lets an EAGLE group match one block
+        further, drops it, and repeats over the groups until no group lowers the hit.
         """
         groups = list(self.groups.values())
         if not groups:
             return 0
+        if eagle_groups:
+            return self._eagle_hit(tokens, {} if keys is None else keys, set(eagle_groups))
         align = math.lcm(*(g.block_size for g in groups))
         limit = len(tokens) // align * align
         if keys is None:
@@ -450,6 +459,80 @@ class EngineKVIndex:
             if limit == bound:
                 break
         return limit
+
+    def _eagle_hit(self, tokens: Sequence[int], keys: dict[int, list[int]], eagle: set[int]) -> int:
+        """vLLM's HybridKVCacheCoordinator loop, step for step, with linear per-group finders."""
+        items = sorted(self.groups.items(), key=lambda item: item[1].sliding_window is not None)  # full first
+        sizes = [g.block_size for _, g in items]
+        align = math.lcm(*sizes)
+        hashed = len(tokens) // math.gcd(*sizes) * math.gcd(*sizes)  # what the request's hashes cover
+        hit_length = len(tokens) - 1
+        simple = len(items) == 2 and items[0][1].sliding_window is None
+        full_hits: dict[int, int] = {}
+        verified: set[int] = set()  # positions whose EAGLE drop holds at the current length
+        while hit_length > 0:
+            current = hit_length
+            for position, (gid, group) in enumerate(items):
+                if group.sliding_window is None and gid in full_hits:
+                    current = min(current, full_hits[gid])  # full attention is downward-closed
+                    continue
+                drop = gid in eagle and position not in verified
+                most = min(current + group.block_size, hashed) if drop else current
+                known = _keys_upto(tokens, keys, group.block_size, most // group.block_size)
+                if group.sliding_window is None:
+                    found = full_attention_hit(group, known, most, drop, align)
+                    full_hits[gid] = found
+                else:
+                    found = sliding_window_hit(group, known, most, drop, align)
+                if drop:
+                    verified.add(position)
+                elif found < current:
+                    verified.clear()
+                current = found
+            if current >= hit_length:
+                break
+            hit_length = current
+            if simple:
+                break
+        return max(hit_length, 0)
+
+
+def full_attention_hit(group: GroupIndex, keys: list[int], max_tokens: int, drop: bool, align: int) -> int:
+    """vLLM's full-attention finder: the leading run up to `max_tokens`, less one block when
+    `drop` (EAGLE), rounded down to `align`."""
+    size = group.block_size
+    hit = group.leading_run(keys, 0, min(max_tokens // size, len(keys))) * size
+    if drop and hit:
+        hit -= size
+    return hit - hit % align
+
+
+def sliding_window_hit(group: GroupIndex, keys: list[int], max_tokens: int, drop: bool, align: int) -> int:
+    """vLLM's sliding-window finder: the highest end E (at most `max_tokens`) whose window
+    blocks are all present, with E less the EAGLE drop aligned; else the aligned leading run.
+    Scans down and jumps below each missing block: each block is looked up once."""
+    size, step = group.block_size, align // group.block_size
+    assert group.sliding_window is not None
+    need = max(1, -(-(group.sliding_window - 1) // size) + drop)  # vLLM: cdiv(w - 1, b) + drop
+    top = min(max_tokens // size, len(keys))
+
+    def candidate(at_most: int) -> int:  # the highest end <= at_most that is aligned after the drop
+        return (at_most - drop) // step * step + drop if at_most >= drop else -1
+
+    end = candidate(top)
+    while end >= need:
+        i = end - 1
+        while i >= end - need and keys[i] in group.present:
+            i -= 1
+        if i < end - need:
+            return (end - drop) * size
+        end = candidate(i)
+    # No full window: vLLM keeps the leading run its scan counted, aligned, then drops.
+    run = candidate(group.leading_run(keys, 0, min(top, need + step)))
+    blocks = max(run, 0) // step * step
+    if drop and blocks:
+        blocks = (blocks - 1) // step * step
+    return blocks * size
 
 
 def _keys_upto(tokens: Sequence[int], keys: dict[int, list[int]], block_size: int, blocks: int) -> list[int]:
