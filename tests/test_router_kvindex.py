@@ -362,7 +362,9 @@ async def test_any_malformed_field_of_any_event_is_dropped_and_lookups_stay_righ
 
 
 @pytest.mark.parametrize("payload", [b"", b"\xc1", msgspec.msgpack.encode(5), msgspec.msgpack.encode([1.0, 5]),
-                                     msgspec.msgpack.encode(["t", [5, "x", None]]), b"\x92\xcb" + b"\x00" * 3])
+                                     msgspec.msgpack.encode(["t", [5, "x", None]]), b"\x92\xcb" + b"\x00" * 3,
+                                     b"\x91" * 100_000 + b"\xc0",  # nesting deeper than any decoder recurses
+                                     b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 100_000 + b"\xc0"])
 def test_a_batch_that_is_no_batch_is_refused_and_the_index_dropped(payload: bytes) -> None:
     index = EngineKVIndex()
     _publish(index, _stored(range(0, 4), 0, "full_attention"))
@@ -775,3 +777,26 @@ def test_the_eagle_lookup_equals_vllms_own_coordinator_on_random_indexes(name: s
         assert index.hit_tokens(tokens, eagle_groups=eagle_groups) == real, f"case {case}"
         hits += real > 0
     assert hits >= 30  # the comparison covered real hits, not only misses
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("frames", [
+    [b"", b"\x00" * 8], [b"", b"\x00\x01", b"x"], [b"", (-5).to_bytes(8, "big", signed=True), b"x"],
+    [b"", b"\x00" * 9, b"x"], [b"a", b"b", b"c", b"d"], [],
+], ids=["two-frames", "short-seq", "negative-seq", "long-seq", "four-frames", "empty"])
+async def test_frames_of_the_wrong_shape_are_counted_and_change_nothing(frames: list[bytes]) -> None:
+    from pdconnect.router.kvevents import KVEventsFeed, _Subscription
+
+    counted: list[str] = []
+    invalid: list[str] = []
+    feed = KVEventsFeed(lambda url: None, counted.append, invalid.append)
+    sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", None)
+    feed._subs[sub.url] = sub
+    try:
+        await feed._receive(sub, _frames(0, _stored(range(0, 4), 0, "full_attention")))
+        await feed._receive(sub, frames)
+        assert invalid == ["frame"] and sub.last_seq == 0
+        await feed._receive(sub, _frames(1, _stored(range(4, 6), 0, "full_attention")))
+        assert feed.hit_tokens(sub.url, TOKENS) == 6 * BS and "gap" not in counted
+    finally:
+        await feed.close()

@@ -122,6 +122,9 @@ class _RawBatch(msgspec.Struct, array_like=True):
     data_parallel_rank: Any = None
 
 
+# What reading a payload may raise: msgspec's errors, and RecursionError for deep nesting.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+
 _decoder: msgspec.msgpack.Decoder[KVEventBatch] = msgspec.msgpack.Decoder(KVEventBatch)
 _raw_decoder: msgspec.msgpack.Decoder[_RawBatch] = msgspec.msgpack.Decoder(_RawBatch)
 _event_decoder: msgspec.msgpack.Decoder[KVEvent] = msgspec.msgpack.Decoder(KVEvent)
@@ -296,17 +299,17 @@ class EngineKVIndex:
         try:
             self.apply(_decoder.decode(payload))
             return True
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except _DECODE_ERRORS:
             pass
         try:
             raw = _raw_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except _DECODE_ERRORS:
             return False
         events: list[KVEvent] = []
         for item in raw.events:
             try:
                 events.append(_event_decoder.decode(item))
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except _DECODE_ERRORS:
                 self.count("undecodable")
                 self._unreadable(item, events)
         self.apply(KVEventBatch(ts=0.0, events=events))
@@ -315,7 +318,10 @@ class EngineKVIndex:
     def _unreadable(self, item: msgspec.Raw, events: list[KVEvent]) -> None:
         """An event our structs cannot read: a store is safely skipped; a removal is applied
         as far as it can be read (the index keeps nothing it cannot vouch for)."""
-        value = msgspec.msgpack.decode(item)
+        try:
+            value = msgspec.msgpack.decode(item)
+        except (*_DECODE_ERRORS, TypeError, ValueError):
+            return  # not even a map: no kind we could name
         if not isinstance(value, dict) or value.get("type") not in ("BlockRemoved", "AllBlocksCleared"):
             return  # a store (skipping it under-reports) or a kind we do not model
         hashes, group = value.get("block_hashes"), value.get("group_idx")
