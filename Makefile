@@ -119,6 +119,12 @@ bench-plan: install
 	@mkdir -p results
 	$(PY) -m benchmarks.planner --json results/bench-plan.json
 
+.PHONY: bench-lookup
+# The kv-aware lookup per engine at 8k/32k/128k tokens, beside the tokenizer (no engines).
+bench-lookup: install
+	@mkdir -p results
+	$(PY) -m benchmarks.kv_lookup --json results/bench-lookup.json
+
 bench-transfer: install
 	@mkdir -p results
 	$(PY) -m benchmarks.transfer_speed --json results/bench-transfer.json

@@ -274,3 +274,529 @@ def test_the_index_finds_what_vllms_own_lookup_finds_on_a_hybrid_model(chunk: in
         _serve_prompt(manager, _real_request(f"r{i}", tokens, bs), chunk)
         _publish(index, *manager.take_events())
     assert served >= 4  # the comparison covered real hits, not only misses
+
+
+# --- untrusted events: every field of every event type, any engine ---------------------------
+
+def _raw_event(tag: str, **fields: Any) -> dict[str, Any]:
+    """An event as it travels (a msgpack map with vLLM's `type` tag), any field any value."""
+    return {"type": tag, **fields}
+
+
+def _raw_payload(*events: Any) -> bytes:
+    return msgspec.msgpack.encode([0.0, list(events)])
+
+
+def _stored_fields(blocks: range, group: int = 0, tokens: list[int] = TOKENS, tag: str = "g0") -> dict[str, Any]:
+    first, last = blocks.start, blocks.stop
+    return dict(block_hashes=[f"{tag}b{i}".encode() for i in blocks],
+                parent_block_hash=f"{tag}b{first - 1}".encode() if first else None,
+                token_ids=tokens[first * BS:last * BS], block_size=BS, lora_id=None, medium="GPU", lora_name=None,
+                group_idx=group, kv_cache_spec_kind="full_attention")
+
+
+def test_a_store_with_block_size_zero_is_dropped_and_later_lookups_still_answer() -> None:
+    # Before: the zero-sized group made every later lookup divide by zero.
+    index = EngineKVIndex()
+    _publish(index, _stored(range(0, 4), 0, "full_attention"))
+    bad = kv_events.BlockStored(block_hashes=[b"x"], parent_block_hash=None, token_ids=[], block_size=0,
+                                lora_id=None, medium="GPU", lora_name=None, group_idx=1)
+    _publish(index, bad)
+    assert index.hit_tokens(TOKENS) == 4 * BS
+
+
+# Values that break a field's type or range, for the fuzz below: the Struct definitions say
+# which fields exist; every one gets every value.
+_BAD_VALUES: list[Any] = [
+    None, 0, -1, 1, 2**63 - 1, -(2**63), 2**64 - 1, 1.5, float("nan"), "", "x" * 1000, b"", b"\x00" * 200,
+    [], [None], [1.5], ["a"], [-1], [2**40], [[1]], [b""], [b"h" * 100], {"a": 1}, True, list(range(7)),
+]
+_OTHER = list(range(500, 532))  # another prompt's tokens: whatever happens to it, TOKENS' hit must hold
+
+
+def _fuzz_cases() -> list[tuple[str, str, Any]]:
+    cases = []
+    for struct in (BlockStored, BlockRemoved):
+        for name in struct.__struct_fields__:
+            cases += [(struct.__name__, name, value) for value in _BAD_VALUES]
+    return cases
+
+
+@pytest.mark.asyncio
+async def test_any_malformed_field_of_any_event_is_dropped_and_lookups_stay_right() -> None:
+    """For every field of the event structs and every bad value: the event goes through the
+    feed as an engine would send it, between valid batches; nothing raises, and the valid
+    blocks still answer (the fuzzed event concerns another prompt's blocks)."""
+    from pdconnect.router.kvevents import KVEventsFeed, _Subscription
+
+    failures = []
+    for tag, name, value in _fuzz_cases():
+        counted: list[str] = []
+        feed = KVEventsFeed(lambda url: None, counted.append)
+        sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", None)
+        feed._subs[sub.url] = sub
+        valid = _raw_event("BlockStored", **_stored_fields(range(0, 6)))
+        other = _stored_fields(range(0, 8), tokens=_OTHER, tag="o")
+        if tag == "BlockStored":
+            fuzzed = _raw_event(tag, **(other | {name: value}))
+        else:
+            fuzzed = _raw_event(tag, **({"block_hashes": [b"ob0"], "medium": "GPU", "group_idx": 0} | {name: value}))
+        try:
+            await feed._receive(sub, [b"", (0).to_bytes(8, "big"), _raw_payload(valid)])
+            await feed._receive(sub, [b"", (1).to_bytes(8, "big"), _raw_payload(fuzzed, valid)])
+            await feed._receive(sub, [b"", (2).to_bytes(8, "big"), _raw_payload(
+                _raw_event("BlockStored", **_stored_fields(range(6, 8))))])
+            hit = feed.hit_tokens(sub.url, TOKENS)
+        except Exception as exc:  # noqa: BLE001 - collected: the assertion lists them all
+            failures.append(f"{tag}.{name}={value!r:.40}: raised {exc!r:.80}")
+            continue
+        finally:
+            await feed.close()
+        # The valid store after the fuzzed event re-proves blocks 0..5 even if an unreadable
+        # removal emptied the index. Only a well-formed store into a group never seen adds
+        # a group every hit then needs (an engine's groups all publish): 0, never more.
+        new_group = name == "group_idx" and type(value) is int and 0 < value < 256
+        if hit != 8 * BS and not (new_group and hit == 0):
+            failures.append(f"{tag}.{name}={value!r:.40}: hit {hit}")
+    assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("payload", [b"", b"\xc1", msgspec.msgpack.encode(5), msgspec.msgpack.encode([1.0, 5]),
+                                     msgspec.msgpack.encode(["t", [5, "x", None]]), b"\x92\xcb" + b"\x00" * 3,
+                                     b"\x91" * 100_000 + b"\xc0",  # nesting deeper than any decoder recurses
+                                     b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 100_000 + b"\xc0"])
+def test_a_batch_that_is_no_batch_is_refused_and_the_index_dropped(payload: bytes) -> None:
+    index = EngineKVIndex()
+    _publish(index, _stored(range(0, 4), 0, "full_attention"))
+    counted: list[str] = []
+    index.count = counted.append
+    applied = index.apply_payload(payload)
+    assert index.hit_tokens(TOKENS) in (0, 4 * BS)
+    assert not applied or counted  # either refused as a whole, or each bad event counted
+
+
+@pytest.mark.parametrize(("fields", "reason"), [
+    ({"block_size": 0}, "block_size"), ({"block_size": -4}, "block_size"), ({"block_size": 1 << 40}, "block_size"),
+    ({"token_ids": list(range(6))}, "token_ids"), ({"token_ids": [-1] * 8}, "token_ids"),
+    ({"block_hashes": [b"a", b"b", b"c"]}, "hashes"), ({"block_hashes": [b"a" * 65, b"b"]}, "hashes"),
+    ({"block_hashes": []}, "hashes"), ({"group_idx": -1}, "group"), ({"group_idx": 10**6}, "group"),
+    ({"kv_cache_spec_kind": "sliding_window"}, "window"),
+    ({"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 0}, "window"),
+    ({"lora_id": -3}, "lora"), ({"medium": "G" * 1000}, "medium"), ({"parent_block_hash": b""}, "parent"),
+    ({"block_size": 8, "token_ids": TOKENS[:8], "block_hashes": [b"g0b0"]}, "group_mismatch"),
+])
+def test_an_invalid_store_is_counted_by_reason_and_changes_nothing(fields: dict[str, Any], reason: str) -> None:
+    counted: list[str] = []
+    index = EngineKVIndex(count=counted.append)
+    _publish(index, _stored(range(0, 4), 0, "full_attention"))
+    base = _stored_fields(range(0, 2), tokens=_OTHER, tag="o")
+    assert index.apply_payload(_raw_payload(_raw_event("BlockStored", **(base | fields))))
+    assert counted == [reason]
+    assert index.hit_tokens(TOKENS) == 4 * BS and index.hit_tokens(_OTHER) == 0
+
+
+def test_a_removal_with_malformed_hashes_still_removes_the_well_formed_ones() -> None:
+    counted: list[str] = []
+    index = EngineKVIndex(count=counted.append)
+    _publish(index, _stored(range(0, 6), 0, "full_attention"))
+    assert index.apply_payload(_raw_payload(_raw_event("BlockRemoved", block_hashes=[1.5, b"g0b3", "x"], medium="GPU")))
+    assert index.hit_tokens(TOKENS) == 3 * BS and "undecodable" in counted
+    # An unknown group: removed from every group, the side that never over-reports.
+    assert index.apply_payload(_raw_payload(_raw_event("BlockRemoved", block_hashes=[b"g0b1"], group_idx=-5)))
+    assert index.hit_tokens(TOKENS) == BS and "group" in counted
+
+
+def test_an_engines_index_holds_at_most_max_blocks_and_evicts_the_oldest() -> None:
+    counted: list[str] = []
+    index = EngineKVIndex(max_blocks=4, count=counted.append)
+    _publish(index, _stored(range(0, 3), 0, "full_attention"))
+    assert index.hit_tokens(TOKENS) == 3 * BS
+    _publish(index, _stored(range(3, 6), 0, "full_attention"))  # 6 blocks: blocks 0 and 1 go
+    assert len(index.groups[0].by_hash) == 4 and counted == ["index_full", "index_full"]
+    assert index.hit_tokens(TOKENS) == 0  # the prefix lost its first blocks: no hit, never a false one
+    other = EngineKVIndex(max_blocks=4)
+    _publish(other, _stored(range(0, 4), 0, "full_attention"))
+    assert other.hit_tokens(TOKENS) == 4 * BS  # at the bound, nothing evicted
+
+
+def test_the_block_bound_holds_for_all_groups_of_an_engine_together() -> None:
+    counted: list[str] = []
+    index = EngineKVIndex(max_blocks=4, count=counted.append)
+    _publish(index, _stored(range(0, 3), 0, "full_attention"), _stored(range(0, 3), 1, "sliding_window", 8))
+    # Group 1's second and third blocks each evict its own oldest: 3 + 1 held.
+    assert [len(g.by_hash) for g in index.groups.values()] == [3, 1] and index.budget.held == 4
+    assert counted == ["index_full", "index_full"]
+    full = EngineKVIndex(max_blocks=2, count=counted.append)
+    _publish(full, _stored(range(0, 2), 0, "full_attention"), _stored(range(0, 1), 1, "sliding_window", 8))
+    assert len(full.groups[1].by_hash) == 0 and full.budget.held == 2  # refused: group 1 held nothing
+    _publish(full, kv_events.AllBlocksCleared(), _stored(range(0, 2), 0, "full_attention"))
+    assert full.budget.held == 2 and full.hit_tokens(TOKENS) == 2 * BS
+
+
+def test_subscriber_sockets_cap_message_size() -> None:
+    import zmq
+
+    from pdconnect.router.kvevents import KVEventsFeed
+
+    feed = KVEventsFeed(lambda url: None, max_message_bytes=4096)
+    try:
+        for kind in (zmq.SUB, zmq.DEALER):
+            socket = feed._socket(kind)
+            assert socket.getsockopt(zmq.MAXMSGSIZE) == 4096 and socket.getsockopt(zmq.RCVHWM) > 0
+            socket.close(linger=0)
+    finally:
+        feed._context.destroy(linger=0)
+
+
+@pytest.mark.asyncio
+async def test_a_frame_over_the_cap_never_reaches_the_index_and_the_feed_keeps_going() -> None:
+    import asyncio
+
+    import zmq
+
+    from pdconnect.router.kvevents import KVEventsFeed
+
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    url = "http://fake-d0:8000"
+    counted: list[str] = []
+    feed = KVEventsFeed(lambda u: (f"tcp://127.0.0.1:{port}", None), counted.append, max_message_bytes=2048)
+    long_tokens = list(range(4096))
+    big = msgspec.msgpack.encode(kv_events.KVEventBatch(ts=0.0, events=[kv_events.BlockStored(
+        block_hashes=[f"L{i}".encode() for i in range(1024)], parent_block_hash=None, token_ids=long_tokens,
+        block_size=BS, lora_id=None, medium="GPU", lora_name=None)]))
+    def small(blocks: int) -> bytes:
+        return msgspec.msgpack.encode(kv_events.KVEventBatch(
+            ts=0.0, events=[_stored(range(0, blocks), 0, "full_attention")]))
+    assert len(big) > 2048 > len(small(6))
+    try:
+        feed.watch(url)
+        async with asyncio.timeout(15):
+            seq = 0
+            while feed.hit_tokens(url, TOKENS) != 4 * BS:  # SUB joins asynchronously: publish until heard
+                pub.send_multipart([b"", seq.to_bytes(8, "big"), small(4)])
+                seq += 1
+                await asyncio.sleep(0.02)
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), big])  # ZMQ drops the connection
+            while feed.hit_tokens(url, TOKENS) != 6 * BS:  # the SUB reconnects; the feed goes on
+                seq += 1
+                pub.send_multipart([b"", seq.to_bytes(8, "big"), small(6)])
+                await asyncio.sleep(0.02)
+        assert feed.hit_tokens(url, long_tokens) == 0
+    finally:
+        await feed.close()
+        context.destroy(linger=0)
+
+
+# --- sequence numbers and replay answers ------------------------------------------------------
+
+def _frames(seq: int, *events: object) -> list[bytes]:
+    batch = kv_events.KVEventBatch(ts=0.0, events=list(events))
+    return [b"", seq.to_bytes(8, "big"), msgspec.msgpack.Encoder().encode(batch)]
+
+
+def _replayed(seq: int, *events: object) -> list[bytes]:
+    """A replay answer as vLLM's publisher sends it (the DEALER's view): empty, topic, seq, batch."""
+    return [b"", *_frames(seq, *events)]
+
+
+_REPLAY_END = [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+
+
+async def _replay_server(answers: list[list[bytes]]) -> tuple[str, Any, Any]:
+    """A FAKE engine replay socket (ROUTER): to any request, sends `answers` in order."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    context = zmq.asyncio.Context()
+    router = context.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    async def serve() -> None:
+        while True:
+            identity, _, _start = await router.recv_multipart()
+            for frames in answers:
+                await router.send_multipart([identity, *frames])
+    task = asyncio.get_running_loop().create_task(serve())
+    return f"tcp://127.0.0.1:{port}", task, context
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("answer", ["starts-late", "garbage-frames", "garbage-payload"])
+async def test_a_replay_that_cannot_fill_the_gap_drops_the_index(answer: str) -> None:
+    from pdconnect.router.kvevents import KVEventsFeed, _Subscription
+
+    # Batch 0 stores blocks 0..5; batch 1 (lost) removes block 0; batch 2 stores nothing new.
+    lost_removal = kv_events.BlockRemoved(block_hashes=[b"g0b0"], medium="GPU", group_idx=0)
+    answers = {
+        "starts-late": [_replayed(2, _stored(range(6, 8), 0, "full_attention")), _REPLAY_END],
+        "garbage-frames": [[b"", b"", b"\x01\x02", b"zz"], _REPLAY_END],
+        "garbage-payload": [[b"", b"", (1).to_bytes(8, "big"), b"\xc1garbage"], _REPLAY_END],
+    }[answer]
+    endpoint, server, context = await _replay_server(answers)
+    counted: list[str] = []
+    feed = KVEventsFeed(lambda url: None, counted.append)
+    sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", endpoint)
+    feed._subs[sub.url] = sub
+    try:
+        await feed._receive(sub, _frames(0, _stored(range(0, 6), 0, "full_attention")))
+        assert feed.hit_tokens(sub.url, TOKENS) == 6 * BS
+        del lost_removal  # never delivered: that is the point
+        await feed._receive(sub, _frames(3, _stored(range(6, 8), 0, "full_attention")))
+        # Before: a late-starting replay was applied on top of the old index, which kept
+        # claiming block 0. The index may only hold what batches from the gap on proved.
+        assert feed.hit_tokens(sub.url, TOKENS) == 0
+        await feed._receive(sub, _frames(4, _stored(range(0, 2), 0, "full_attention")))
+        assert feed.hit_tokens(sub.url, TOKENS) == 2 * BS
+    finally:
+        server.cancel()
+        await feed.close()
+        context.destroy(linger=0)
+
+
+@pytest.mark.asyncio
+async def test_live_copies_of_replayed_batches_are_skipped_not_taken_for_a_restart() -> None:
+    from pdconnect.router.kvevents import KVEventsFeed, _Subscription
+
+    replay = [_replayed(1, _stored(range(4, 5), 0, "full_attention")),
+              _replayed(2, _stored(range(5, 6), 0, "full_attention")),
+              _replayed(3, _stored(range(6, 7), 0, "full_attention")), _REPLAY_END]
+    endpoint, server, context = await _replay_server(replay)
+    counted: list[str] = []
+    feed = KVEventsFeed(lambda url: None, counted.append)
+    sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", endpoint)
+    feed._subs[sub.url] = sub
+    try:
+        await feed._receive(sub, _frames(0, _stored(range(0, 4), 0, "full_attention")))
+        await feed._receive(sub, _frames(2, _stored(range(5, 6), 0, "full_attention")))  # 1 lost: replayed 1..3
+        assert feed.hit_tokens(sub.url, TOKENS) == 7 * BS
+        await feed._receive(sub, _frames(3, _stored(range(6, 7), 0, "full_attention")))  # the live copy of 3
+        assert feed.hit_tokens(sub.url, TOKENS) == 7 * BS and "restart" not in counted
+        await feed._receive(sub, _frames(0, kv_events.AllBlocksCleared()))  # a real restart: numbering from 0
+        assert "restart" in counted and feed.hit_tokens(sub.url, TOKENS) == 0
+    finally:
+        server.cancel()
+        await feed.close()
+        context.destroy(linger=0)
+
+
+# --- the lookup: vLLM's semantics, linear cost -------------------------------------------------
+
+def _reference_hit(index: EngineKVIndex, tokens: list[int]) -> int:
+    """The previous lookup, kept as the slow reference: walk down from the full-attention
+    limit and re-check every group at every aligned length (quadratic), with vLLM's window
+    rule (the max(1, ceil((w - 1) / b)) blocks before the end)."""
+    import math
+
+    from pdconnect.router.kvindex import chain_keys
+    groups = list(index.groups.values())
+    if not groups:
+        return 0
+    step = math.lcm(*(g.block_size for g in groups))
+    keys = {g.block_size: chain_keys(tokens, g.block_size) for g in groups}
+
+    def serves(g: Any, length: int) -> bool:
+        end = length // g.block_size
+        start = 0
+        if g.sliding_window is not None:
+            start = max(0, end - max(1, -(-(g.sliding_window - 1) // g.block_size)))
+        return all(key in g.present for key in keys[g.block_size][start:end])
+    for length in range(len(tokens) // step * step, 0, -step):
+        if all(serves(g, length) for g in groups):
+            return length
+    return 0
+
+
+# name -> groups as (block size, sliding window or None)
+_LOOKUP_GEOMETRIES = {
+    "fa16+swa16w128": ((16, None), (16, 128)),
+    "fa64+fa64+swa256w512 (MiMo-V2-like sizes)": ((64, None), (64, None), (256, 512)),
+    "fa256+swa64w128+swa64w200": ((256, None), (64, 128), (64, 200)),
+    "fa16+swa16w100 (window not a block multiple)": ((16, None), (16, 100)),
+    "fa16+swa16w129 (window one past a multiple)": ((16, None), (16, 129)),
+    "swa16w48+swa32w100 (no full attention)": ((16, 48), (32, 100)),
+}
+
+
+def _random_index(rng: Any, geometry: tuple[tuple[int, int | None], ...], tokens: list[int]) -> tuple[
+        EngineKVIndex, dict[int, set[int]]]:
+    """An index whose groups hold random blocks of `tokens` (runs, holes, evicted heads), and
+    the same content as logical block indices per group."""
+    from pdconnect.router.kvindex import GroupIndex, chain_keys
+    index, cached = EngineKVIndex(), {}
+    for gid, (size, window) in enumerate(geometry):
+        keys = chain_keys(tokens, size)
+        shape = rng.random()
+        if shape < 0.3:  # a prefix, then holes
+            held = {i for i in range(rng.randrange(len(keys) + 1))}
+        else:
+            density = rng.choice([0.5, 0.8, 0.95, 1.0])
+            held = {i for i in range(len(keys)) if rng.random() < density}
+        group = index.groups[gid] = GroupIndex(size, window)
+        group.present = {keys[i]: 1 for i in held}
+        cached[gid] = held
+    return index, cached
+
+
+@pytest.mark.parametrize("name", list(_LOOKUP_GEOMETRIES))
+def test_the_lookup_equals_the_slow_reference_on_random_indexes(name: str) -> None:
+    import random
+
+    rng = random.Random(hash(name) & 0xFFFF)
+    geometry = _LOOKUP_GEOMETRIES[name]
+    for case in range(600):
+        tokens = [rng.randrange(1, 50000) for _ in range(rng.randrange(1, 1600))]
+        index, _ = _random_index(rng, geometry, tokens)
+        assert index.hit_tokens(tokens) == _reference_hit(index, tokens), f"case {case}"
+
+
+@pytest.mark.parametrize("name", list(_LOOKUP_GEOMETRIES))
+def test_the_lookup_equals_vllms_own_coordinator_on_random_indexes(name: str) -> None:
+    """vLLM's real `find_longest_cache_hit` (the hybrid coordinator, through the adapter's
+    probe) against the index on the same cached blocks: equal on every case."""
+    import random
+
+    from connectors.geometry import Geometry, GroupGeometry
+    from connectors.vllm_adapter import CacheRules
+
+    geometry = _LOOKUP_GEOMETRIES[name]
+    rules = CacheRules.for_geometry(Geometry(tuple(
+        GroupGeometry("full_attention", size) if window is None else GroupGeometry("sliding_window", size, window)
+        for size, window in geometry)))
+    rng = random.Random(hash(name) & 0xFFFF)
+    hits = 0
+    for case in range(300):
+        tokens = [rng.randrange(1, 50000) for _ in range(rng.randrange(2, 1600))]
+        index, cached = _random_index(rng, geometry, tokens)
+        real = rules.lookup_hit(cached, len(tokens), len(tokens))
+        # vLLM looks up at most num_tokens - 1 tokens (one must be computed for logits).
+        assert index.hit_tokens(tokens[:-1]) == real, f"case {case}"
+        hits += real > 0
+    assert hits >= 30  # the comparison covered real hits, not only misses
+
+
+def test_a_window_one_past_a_block_multiple_needs_one_block_less_as_in_vllm() -> None:
+    # Window 17, block 16: the next token attends to 16 before it, one block. Before, the
+    # index asked for two and reported no hit where vLLM hits.
+    from connectors.geometry import Geometry, GroupGeometry
+    from connectors.vllm_adapter import CacheRules
+    from pdconnect.router.kvindex import GroupIndex, chain_keys
+
+    rules = CacheRules.for_geometry(Geometry((GroupGeometry("full_attention", 16),
+                                              GroupGeometry("sliding_window", 16, 17))))
+    tokens = list(range(1000, 1065))
+    cached = {0: {0, 1, 2, 3}, 1: {3}}
+    index = EngineKVIndex()
+    for gid, window in ((0, None), (1, 17)):
+        keys = chain_keys(tokens, 16)
+        index.groups[gid] = GroupIndex(16, window, present={keys[i]: 1 for i in cached[gid]})
+    real = rules.lookup_hit(cached, len(tokens), len(tokens))
+    assert real == 64 and index.hit_tokens(tokens[:-1]) == real
+
+
+class _CountingDict(dict):  # type: ignore[type-arg]
+    """A group's `present`, counting the lookups made in it."""
+
+    lookups = 0
+
+    def __contains__(self, key: object) -> bool:
+        _CountingDict.lookups += 1
+        return super().__contains__(key)
+
+
+@pytest.mark.parametrize("blocks", [256, 4096])
+def test_a_lookup_looks_each_block_up_at_most_once_per_group(blocks: int) -> None:
+    # Full attention holds the whole prompt, the sliding group only its first half: every
+    # length above the half fails the window. Before, each of those lengths re-checked all
+    # full-attention blocks below it: blocks^2 / 8 lookups.
+    from pdconnect.router.kvindex import GroupIndex, chain_keys
+
+    tokens = list(range(blocks * 16))
+    keys = chain_keys(tokens, 16)
+    index = EngineKVIndex()
+    index.groups[0] = GroupIndex(16, present=_CountingDict({k: 1 for k in keys}))
+    index.groups[1] = GroupIndex(16, 128, present=_CountingDict({k: 1 for k in keys[: blocks // 2]}))
+    _CountingDict.lookups = 0
+    assert index.hit_tokens(tokens) == blocks // 2 * 16
+    assert _CountingDict.lookups <= 2 * blocks
+
+
+@pytest.mark.asyncio
+async def test_keys_computed_off_the_loop_give_every_engine_the_same_hit() -> None:
+    from pdconnect.router.kvevents import KVEventsFeed, _Subscription
+
+    feed = KVEventsFeed(lambda url: None)
+    subs = [_Subscription(f"http://fake-d{i}:8000", f"tcp://fake-d{i}:5557", None) for i in range(2)]
+    for sub in subs:
+        feed._subs[sub.url] = sub
+    try:
+        await feed._receive(subs[0], _frames(0, _stored(range(0, 6), 0, "full_attention")))
+        await feed._receive(subs[1], _frames(0, _stored(range(0, 3), 0, "full_attention")))
+        keys = await feed.keys_for(TOKENS)
+        assert set(keys) == {BS} and len(keys[BS]) == len(TOKENS) // BS
+        assert [feed.hit_tokens(s.url, TOKENS, keys) for s in subs] == [6 * BS, 3 * BS]
+        assert [feed.hit_tokens(s.url, TOKENS) for s in subs] == [6 * BS, 3 * BS]
+    finally:
+        await feed.close()
+
+
+# name -> groups as (block size, sliding window or None, EAGLE group)
+_EAGLE_GEOMETRIES = {
+    "fa16e+swa16w128e": ((16, None, True), (16, 128, True)),
+    "fa64e+swa64w128e": ((64, None, True), (64, 128, True)),
+    "fa256e+swa64w128e+swa64w200e": ((256, None, True), (64, 128, True), (64, 200, True)),
+    "fa16e+swa16w100 (EAGLE on full attention only)": ((16, None, True), (16, 100, False)),
+    "fa16+swa16w129e (EAGLE on the window only)": ((16, None, False), (16, 129, True)),
+    "fa128e+swa32w320e": ((128, None, True), (32, 320, True)),
+}
+
+
+@pytest.mark.parametrize("name", list(_EAGLE_GEOMETRIES))
+def test_the_eagle_lookup_equals_vllms_own_coordinator_on_random_indexes(name: str) -> None:
+    """With `eagle_groups`, vLLM's last-block drop: the index gives what vLLM's real
+    coordinator (EAGLE groups flagged) finds for the whole prompt, case by case."""
+    import random
+
+    from connectors.geometry import Geometry, GroupGeometry
+    from connectors.vllm_adapter import CacheRules
+
+    geometry = _EAGLE_GEOMETRIES[name]
+    rules = CacheRules.for_geometry(Geometry(tuple(
+        GroupGeometry("full_attention", size, eagle=eagle) if window is None
+        else GroupGeometry("sliding_window", size, window, eagle=eagle) for size, window, eagle in geometry)))
+    eagle_groups = {gid for gid, (_, _, eagle) in enumerate(geometry) if eagle}
+    rng = random.Random(hash(name) & 0xFFFF)
+    hits = 0
+    for case in range(300):
+        tokens = [rng.randrange(1, 50000) for _ in range(rng.randrange(2, 1600))]
+        index, cached = _random_index(rng, tuple((size, window) for size, window, _ in geometry), tokens)
+        real = rules.lookup_hit(cached, len(tokens), len(tokens))
+        assert index.hit_tokens(tokens, eagle_groups=eagle_groups) == real, f"case {case}"
+        hits += real > 0
+    assert hits >= 30  # the comparison covered real hits, not only misses
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("frames", [
+    [b"", b"\x00" * 8], [b"", b"\x00\x01", b"x"], [b"", (-5).to_bytes(8, "big", signed=True), b"x"],
+    [b"", b"\x00" * 9, b"x"], [b"a", b"b", b"c", b"d"], [],
+], ids=["two-frames", "short-seq", "negative-seq", "long-seq", "four-frames", "empty"])
+async def test_frames_of_the_wrong_shape_are_counted_and_change_nothing(frames: list[bytes]) -> None:
+    from pdconnect.router.kvevents import KVEventsFeed, _Subscription
+
+    counted: list[str] = []
+    invalid: list[str] = []
+    feed = KVEventsFeed(lambda url: None, counted.append, invalid.append)
+    sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", None)
+    feed._subs[sub.url] = sub
+    try:
+        await feed._receive(sub, _frames(0, _stored(range(0, 4), 0, "full_attention")))
+        await feed._receive(sub, frames)
+        assert invalid == ["frame"] and sub.last_seq == 0
+        await feed._receive(sub, _frames(1, _stored(range(4, 6), 0, "full_attention")))
+        assert feed.hit_tokens(sub.url, TOKENS) == 6 * BS and "gap" not in counted
+    finally:
+        await feed.close()

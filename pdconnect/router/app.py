@@ -265,8 +265,14 @@ class Router:
                 events_endpoint(url, replay) if replay is not None else None,
             )
 
-        counter = self.metrics.kv_events
-        feed = KVEventsFeed(endpoints, lambda result: counter.labels(result).inc())
+        counter, invalid = self.metrics.kv_events, self.metrics.kv_events_invalid
+        feed = KVEventsFeed(
+            endpoints,
+            lambda result: counter.labels(result).inc(),
+            lambda reason: invalid.labels(reason).inc(),
+            max_blocks=config.kv_index_max_blocks,
+            max_message_bytes=config.kv_events_max_message_bytes,
+        )
         self.registry.on_added.append(lambda engine: feed.watch(engine.url))
         self.registry.on_removed.append(lambda engine: feed.forget(engine.url))
         return feed

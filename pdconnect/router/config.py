@@ -118,6 +118,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
     kv_events_endpoints: dict[str, list[str]] = {}
+    # kv-aware: each engine's index holds at most this many blocks, all KV cache groups
+    # together (about 260 bytes each, oldest evicted first), and no event frame may exceed this size.
+    kv_index_max_blocks: int = 1 << 19
+    kv_events_max_message_bytes: int = 8 << 20
     # kv-aware needs a request's token ids: the model's directory (tokenizer.json,
     # tokenizer_config.json, its chat template) for text and chat prompts, or a bare
     # tokenizer.json for text only; without it only token-id prompts route by real hits.
@@ -216,6 +220,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "max_prefill_answer_bytes",
             "max_answer_bytes",
             "max_event_bytes",
+            "kv_index_max_blocks",
+            "kv_events_max_message_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -338,6 +344,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add(routing, "kv-events-port", "kv-aware: port of every engine's vLLM KV events publisher", type=int)
     _add(routing, "kv-events-replay-port", "kv-aware: port of every engine's KV events replay socket", type=int)
+    _add(
+        routing,
+        "kv-index-max-blocks",
+        "kv-aware: blocks each engine's index keeps, all KV cache groups together",
+        type=int,
+    )
+    _add(routing, "kv-events-max-message-bytes", "kv-aware: largest KV event frame accepted", type=int)
     _add(
         routing,
         "tokenizer",

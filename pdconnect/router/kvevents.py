@@ -4,42 +4,62 @@ One asyncio task per engine: a ZMQ SUB socket on the engine's event endpoint rea
 `(topic, seq, payload)` frames as vLLM's `ZmqEventPublisher` sends them. Sequence
 numbers must follow each other; on a gap (a restart, a dropped message at the high-water
 mark) the task asks the engine's replay socket (ROUTER, `replay_endpoint` in vLLM's
-`--kv-events-config`) for everything from the first missing batch. Without a replay
-socket, or when replay fails, the engine's index is dropped and rebuilt from what comes
-next; until an index has seen a batch the engine counts as *not fresh* and the kv-aware
-policy routes by prefix affinity for it.
+`--kv-events-config`) for everything from the first missing batch. Whenever batches are
+lost for good (no replay socket, a replay that fails or starts later than asked, an
+unreadable batch), the engine's index is dropped and rebuilt from the next batch on: an
+index built from a suffix of the stream is safe, since a removal of a block it never saw
+is a no-op. Until an index has applied a batch the engine counts as *not fresh* and the
+kv-aware policy routes by prefix affinity for it.
+
+Bounded input: every frame over `max_message_bytes` makes ZMQ drop the connection
+(`ZMQ_MAXMSGSIZE`, on the SUB and the replay socket alike; the SUB reconnects and the gap
+is replayed or the index rebuilt), and each socket queues at most `_QUEUED_MESSAGES`
+messages, so a subscription's buffers stay under their product. Frames of the wrong
+shape are counted and dropped; events are checked one by one by the index.
 
 Failures never reach a request: every error in a task is caught, logged and counted
-(`pdconnect_router_kv_events{result=...}`), and the task reconnects after a pause.
+(`pdconnect_router_kv_events{result=...}`; invalid events by reason in
+`pdconnect_router_kv_events_invalid`), and the task reconnects after a pause.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from pdconnect.router.kvindex import EngineKVIndex, decode_batch
+from pdconnect.router.kvindex import DEFAULT_MAX_BLOCKS, EngineKVIndex, prompt_keys
 
-__all__ = ["KVEventsFeed", "events_endpoint"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "KVEventsFeed", "events_endpoint"]
 
 logger = logging.getLogger("pdconnect.router.kvevents")
 
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_REPLAY_TIMEOUT_MS = 2000
+_REPLAY_TIMEOUT_MS = 2000  # between two replayed batches
+_REPLAY_DEADLINE = 30.0  # for a whole replay, however chatty the engine is
 _RECONNECT_PAUSE = 1.0
+# A store event for a 128k-token prompt is under 1 MB; a batch holds one scheduler step's.
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
+_QUEUED_MESSAGES = 64  # per socket (ZMQ_RCVHWM): 64 x the message cap at the very worst
 
 
 def events_endpoint(engine_url: str, port: int) -> str:
     """`tcp://<engine host>:<port>`: engines publish on their own address."""
     host = urlsplit(engine_url).hostname or "127.0.0.1"
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _seq(frame: bytes) -> int | None:
+    """A frame's sequence number; None unless it is 8 bytes holding a number >= 0."""
+    if len(frame) != 8:
+        return None
+    seq = int.from_bytes(frame, "big", signed=True)
+    return seq if seq >= 0 else None
 
 
 @dataclass
@@ -49,6 +69,7 @@ class _Subscription:
     replay_endpoint: str | None
     index: EngineKVIndex = field(default_factory=EngineKVIndex)
     last_seq: int | None = None
+    replayed: range = range(0)  # sequence numbers the last replay applied (their live copies are late)
     fresh: bool = False
     task: asyncio.Task[None] | None = None
 
@@ -60,12 +81,19 @@ class KVEventsFeed:
         self,
         endpoints: Callable[[str], tuple[str, str | None] | None],
         count: Callable[[str], None] = lambda result: None,
+        invalid: Callable[[str], None] = lambda reason: None,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         """`endpoints(engine_url)` -> (events endpoint, replay endpoint or None), or None
         for an engine that publishes nothing; `count(result)` hears of every batch
-        ("ok"), gap, replay and error."""
+        ("ok"), gap, replay and error; `invalid(reason)` of every event or frame dropped.
+        `max_blocks` bounds each engine's index (all its groups), `max_message_bytes` each frame."""
         self._endpoints = endpoints
         self._count = count
+        self._invalid = invalid
+        self._max_blocks = max_blocks
+        self._max_message_bytes = max_message_bytes
         self._context = zmq.asyncio.Context()
         self._subs: dict[str, _Subscription] = {}
 
@@ -75,7 +103,7 @@ class KVEventsFeed:
         where = self._endpoints(url)
         if where is None:
             return
-        sub = self._subs[url] = _Subscription(url, *where)
+        sub = self._subs[url] = _Subscription(url, *where, index=self._new_index())
         sub.task = asyncio.get_running_loop().create_task(self._run(sub))
 
     def forget(self, url: str) -> None:
@@ -83,13 +111,31 @@ class KVEventsFeed:
         if sub is not None and sub.task is not None:
             sub.task.cancel()
 
-    def hit_tokens(self, url: str, tokens: Sequence[int], keys: dict[int, list[int]] | None = None) -> int | None:
+    def hit_tokens(
+        self,
+        url: str,
+        tokens: Sequence[int],
+        keys: dict[int, list[int]] | None = None,
+        *,
+        eagle_groups: Collection[int] = (),
+    ) -> int | None:
         """Prefix tokens the engine caches for `tokens`; None while its index is not fresh.
-        Pass the same `keys` dict for every engine of one request: chain keys are computed once."""
+        Pass the same `keys` dict for every engine of one request: chain keys are computed once.
+        `eagle_groups`: see `EngineKVIndex.hit_tokens` (an engine drafting with EAGLE/MTP)."""
         sub = self._subs.get(url)
         if sub is None or not sub.fresh:
             return None
-        return sub.index.hit_tokens(tokens, keys)
+        return sub.index.hit_tokens(tokens, keys, eagle_groups=eagle_groups)
+
+    async def keys_for(self, tokens: Sequence[int]) -> dict[int, list[int]]:
+        """The prompt's chain keys for every block size the watched engines use, computed on
+        the loop's default executor: the part of a lookup that scales with the prompt. Pass
+        the result as `keys` to `hit_tokens` for each engine; what stays on the loop is then
+        one dict lookup per block up to each engine's hit (`make bench-lookup`)."""
+        sizes = {g.block_size for s in self._subs.values() if s.fresh for g in list(s.index.groups.values())}
+        if not sizes:
+            return {}
+        return await asyncio.get_running_loop().run_in_executor(None, prompt_keys, tokens, sizes)
 
     async def close(self) -> None:
         tasks = [s.task for s in self._subs.values() if s.task is not None]
@@ -101,15 +147,34 @@ class KVEventsFeed:
 
     # --- one engine ----------------------------------------------------------------------------
 
+    def _new_index(self) -> EngineKVIndex:
+        return EngineKVIndex(max_blocks=self._max_blocks, count=self._invalid)
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        socket = self._context.socket(kind)
+        socket.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        socket.setsockopt(zmq.RCVHWM, _QUEUED_MESSAGES)
+        return socket
+
     async def _run(self, sub: _Subscription) -> None:
         while True:
-            socket = self._context.socket(zmq.SUB)
+            socket = self._socket(zmq.SUB)
+            # ZMQ drops a connection that sent a frame over the cap and does not reconnect
+            # by itself: the monitor hears of it, and the whole socket starts over.
+            monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            poller = zmq.asyncio.Poller()
+            poller.register(socket, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             try:
                 socket.setsockopt(zmq.SUBSCRIBE, b"")
                 socket.connect(sub.endpoint)
                 while True:
-                    frames = await socket.recv_multipart()
-                    await self._receive(sub, frames)
+                    ready = dict(await poller.poll())
+                    if socket in ready:
+                        await self._receive(sub, await socket.recv_multipart())
+                    elif monitor in ready:
+                        await monitor.recv_multipart()
+                        raise ConnectionError("disconnected (engine gone, or a frame over the size cap)")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a helper task: never let it die silently
@@ -118,67 +183,83 @@ class KVEventsFeed:
                 self._reset(sub)
                 await asyncio.sleep(_RECONNECT_PAUSE)
             finally:
+                socket.disable_monitor()
+                monitor.close(linger=0)
                 socket.close(linger=0)
 
     async def _receive(self, sub: _Subscription, frames: list[bytes]) -> None:
-        if len(frames) != 3:
+        seq = _seq(frames[1]) if len(frames) == 3 else None
+        if seq is None:
             self._count("malformed")
+            self._invalid("frame")
             return
-        _, seq_bytes, payload = frames
-        seq = int.from_bytes(seq_bytes, "big", signed=True)
+        payload = frames[2]
+        if sub.last_seq is not None and seq <= sub.last_seq:
+            if seq in sub.replayed:
+                return  # already applied by the replay
+            self._count("restart")  # numbering went back: the engine restarted
+            logger.info("kv events from %s: sequence restarted at %d", sub.url, seq)
+            self._reset(sub)
         if sub.last_seq is None and seq > 0:
             # Joined late: what the engine cached before is in its replay buffer.
             await self._replay(sub, 0)
-        if sub.last_seq is not None and seq > sub.last_seq + 1:
+        elif sub.last_seq is not None and seq > sub.last_seq + 1:
             self._count("gap")
             logger.info("kv events from %s: gap %d..%d", sub.url, sub.last_seq + 1, seq - 1)
-            if not await self._replay(sub, sub.last_seq + 1):
-                self._reset(sub)
-        if sub.last_seq is not None and seq <= sub.last_seq:
-            if seq < sub.last_seq - 1:  # numbering restarted: the engine restarted
-                self._reset(sub)
-            else:
-                return  # already applied (replayed)
-        self._apply(sub, seq, payload)
+            await self._replay(sub, sub.last_seq + 1)
+        if sub.last_seq is None or seq > sub.last_seq:
+            self._accept(sub, seq, payload)
 
-    def _apply(self, sub: _Subscription, seq: int, payload: bytes) -> None:
-        try:
-            batch = decode_batch(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    def _accept(self, sub: _Subscription, seq: int, payload: bytes) -> None:
+        """Apply batch `seq`; one that does not follow the last applied starts a new index."""
+        if sub.last_seq is not None and seq != sub.last_seq + 1:
+            self._count("reset")
+            logger.info("kv events from %s: batches %d..%d lost; index rebuilt", sub.url, sub.last_seq + 1, seq - 1)
+            self._reset(sub)
+        if not sub.index.apply_payload(payload):
             self._count("malformed")
-            logger.warning("kv events from %s: undecodable batch %d: %s", sub.url, seq, exc)
+            self._invalid("batch")
+            logger.warning("kv events from %s: undecodable batch %d; index rebuilt", sub.url, seq)
+            self._reset(sub)
+            sub.last_seq = seq  # what follows is a sound suffix
             return
-        sub.index.apply(batch)
         sub.last_seq = seq
         sub.fresh = True
         self._count("ok")
 
-    async def _replay(self, sub: _Subscription, start: int) -> bool:
-        """Apply the batches from `start` on from the engine's replay buffer; False if none."""
+    async def _replay(self, sub: _Subscription, start: int) -> None:
+        """Apply the batches from `start` on from the engine's replay buffer, if it has one."""
         if sub.replay_endpoint is None:
-            return False
-        socket = self._context.socket(zmq.DEALER)
+            return
+        socket = self._socket(zmq.DEALER)
+        first = None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _REPLAY_DEADLINE
         try:
             socket.connect(sub.replay_endpoint)
             await socket.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                if not await socket.poll(_REPLAY_TIMEOUT_MS):
+                left_ms = int((deadline - loop.time()) * 1000)
+                if left_ms <= 0 or not await socket.poll(min(_REPLAY_TIMEOUT_MS, left_ms)):
                     self._count("replay_timeout")
-                    return False
+                    return
                 frames = await socket.recv_multipart()
-                if len(frames) != 4:
-                    continue
-                _, _, seq_bytes, payload = frames
-                if seq_bytes == _END_SEQ:
+                if len(frames) == 4 and frames[2] == _END_SEQ:
                     self._count("replay")
-                    return sub.last_seq is not None and sub.last_seq >= start
-                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                    return
+                seq = _seq(frames[2]) if len(frames) == 4 else None
+                if seq is None:
+                    self._invalid("replay_frame")  # a replay that answers garbage: stop listening
+                    return
                 if sub.last_seq is None or seq > sub.last_seq:
-                    self._apply(sub, seq, payload)
+                    self._accept(sub, seq, frames[3])
+                    first = seq if first is None else first
+                    sub.replayed = range(first, seq + 1)
         finally:
             socket.close(linger=0)
 
     def _reset(self, sub: _Subscription) -> None:
-        sub.index = EngineKVIndex()
+        sub.index = self._new_index()
         sub.last_seq = None
+        sub.replayed = range(0)
         sub.fresh = False

@@ -22,23 +22,40 @@ batch before the full-attention blocks); until then they wait, bounded, and a ha
 never resolves is dropped and counted.
 
 Hybrid models: every KV cache group (full attention, sliding window, ...) is indexed on
-its own, and a prefix of L tokens is a hit only if *every* group can serve it: a full
-attention group needs all blocks before L, a sliding-window group only the blocks that
-hold the last `window` tokens before L (what vLLM's own lookup checks). vLLM's per-group
-events do not mix the group into the hash, so mixing the groups here would call a
-prefix cached that one group has already evicted.
+its own, and a prefix of L tokens is a hit only if *every* group can serve it, exactly as
+vLLM's `HybridKVCacheCoordinator` decides (0.32, EAGLE off):
+- L is a multiple of the cache-hit alignment, the lcm of the groups' block sizes;
+- a full-attention group (and any kind not known to skip blocks: the safe side) needs
+  every block before L;
+- a sliding-window group of window w and block size b needs the max(1, ceil((w - 1) / b))
+  blocks before L (the tokens the next one attends to), or all of them when L is shorter.
+vLLM's per-group events do not mix the group into the hash, so mixing the groups here
+would call a prefix cached that one group has already evicted.
+
+Untrusted input: every event is checked (`invalid_reason`) before it touches the index; an
+invalid one is dropped and counted by reason, never raised, and never affects another
+engine (each engine has its own index). A removal that cannot be read at all empties the
+index (what it names may be gone); one whose hashes are partly malformed removes the
+well-formed ones, since a malformed hash was never accepted in a store. An engine's index
+holds at most `max_blocks` blocks over all its groups; a store beyond that evicts the
+oldest block of its own group (counted `index_full`). A block costs about 260 bytes
+(32-byte hashes; measured with tracemalloc), so the default 524,288 blocks bound an
+engine's index near 136 MB.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 __all__ = [
+    "DEFAULT_MAX_BLOCKS",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -47,9 +64,21 @@ __all__ = [
     "KVEventBatch",
     "chain_keys",
     "decode_batch",
+    "invalid_reason",
+    "prompt_keys",
 ]
 
 BlockHash = bytes | int
+
+# What a well-formed event stays within. vLLM's block sizes are a few tokens to a few
+# thousand (Mamba's can reach tens of thousands); hashes are 32-byte digests or 64-bit ints.
+MAX_BLOCK_SIZE = 1 << 16
+MAX_GROUPS = 256
+MAX_WINDOW = 1 << 24
+MAX_HASH_BYTES = 64
+MAX_TOKEN_ID = 1 << 32  # exclusive
+MAX_NAME_CHARS = 256  # medium, kind, LoRA name
+DEFAULT_MAX_BLOCKS = 1 << 19
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
@@ -85,7 +114,20 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     data_parallel_rank: int | None = None
 
 
+class _RawBatch(msgspec.Struct, array_like=True):
+    """A batch whose events are read one by one: one malformed event spoils only itself."""
+
+    ts: Any
+    events: list[msgspec.Raw]
+    data_parallel_rank: Any = None
+
+
+# What reading a payload may raise: msgspec's errors, and RecursionError for deep nesting.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+
 _decoder: msgspec.msgpack.Decoder[KVEventBatch] = msgspec.msgpack.Decoder(KVEventBatch)
+_raw_decoder: msgspec.msgpack.Decoder[_RawBatch] = msgspec.msgpack.Decoder(_RawBatch)
+_event_decoder: msgspec.msgpack.Decoder[KVEvent] = msgspec.msgpack.Decoder(KVEvent)
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
@@ -102,84 +144,238 @@ def chain_keys(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[
     return keys
 
 
+def prompt_keys(tokens: Sequence[int], block_sizes: Iterable[int]) -> dict[int, list[int]]:
+    """Every chain key of `tokens` for each block size: the `keys` argument of `hit_tokens`,
+    complete. A pure function, for a worker thread (a 128k-token prompt costs milliseconds)."""
+    return {size: chain_keys(tokens, size) for size in set(block_sizes)}
+
+
+def _valid_hash(value: object) -> bool:
+    if isinstance(value, bytes):
+        return 0 < len(value) <= MAX_HASH_BYTES
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _valid_name(value: object) -> bool:
+    return value is None or (isinstance(value, str) and len(value) <= MAX_NAME_CHARS)
+
+
+def _valid_group(value: object) -> bool:
+    return value is None or (isinstance(value, int) and 0 <= value < MAX_GROUPS)
+
+
+def invalid_reason(event: KVEvent) -> str | None:
+    """Why `event` must not touch the index (a bounded set of metric labels), or None."""
+    if isinstance(event, AllBlocksCleared):
+        return None
+    if not _valid_group(event.group_idx):
+        return "group"
+    if not _valid_name(event.medium):
+        return "medium"
+    if isinstance(event, BlockRemoved):
+        return None  # its hashes are checked one by one (see EngineKVIndex._remove)
+    size = event.block_size
+    if not isinstance(size, int) or not 0 < size <= MAX_BLOCK_SIZE:
+        return "block_size"
+    tokens = event.token_ids
+    if not tokens or len(tokens) % size or min(tokens) < 0 or max(tokens) >= MAX_TOKEN_ID:
+        return "token_ids"
+    if not 0 < len(event.block_hashes) <= len(tokens) // size or not all(map(_valid_hash, event.block_hashes)):
+        return "hashes"
+    if event.parent_block_hash is not None and not _valid_hash(event.parent_block_hash):
+        return "parent"
+    if not _valid_name(event.kv_cache_spec_kind):
+        return "kind"
+    if _is_sliding(event):
+        window = event.kv_cache_spec_sliding_window
+        if window is None or not 0 < window <= MAX_WINDOW:
+            return "window"
+    if (event.lora_id is not None and event.lora_id < 0) or not _valid_name(event.lora_name):
+        return "lora"
+    return None
+
+
+def _is_sliding(event: BlockStored) -> bool:
+    # Only sliding-window kinds may skip early blocks; any other kind (full, MLA,
+    # unknown) is held to the whole prefix, the safe side.
+    return (event.kv_cache_spec_kind or "").startswith("sliding_window")
+
+
+def _no_count(reason: str) -> None:
+    return None
+
+
+@dataclass
+class BlockBudget:
+    """How many blocks one engine's groups hold together, and the most they may."""
+
+    limit: int = DEFAULT_MAX_BLOCKS
+    held: int = 0
+
+
 @dataclass
 class GroupIndex:
-    """One KV cache group of one engine. Invariant: `present` holds exactly the content keys
-    of blocks stored and not yet removed (a key can be stored under several engine hashes,
-    e.g. two LoRA adapters, so it is counted)."""
+    """One KV cache group of one engine. Invariants: `present` holds exactly the content keys
+    of blocks stored and not yet removed or evicted (a key can be stored under several engine
+    hashes, e.g. two LoRA adapters, so it is counted); `by_hash` is oldest stored first, and
+    its length is this group's share of `budget.held`, which never exceeds `budget.limit`."""
 
     block_size: int
     sliding_window: int | None = None
-    by_hash: dict[BlockHash, int] = field(default_factory=dict)
+    budget: BlockBudget = field(default_factory=BlockBudget)
+    by_hash: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict)
     present: dict[int, int] = field(default_factory=dict)
     # Stored hashes whose content key is not known yet (see the module docstring), oldest first.
-    pending: dict[BlockHash, None] = field(default_factory=dict)
+    pending: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
     orphans: int = 0  # stored hashes dropped without a content key (events missed)
+    evicted: int = 0  # blocks dropped (or refused, the group holding none) to stay in budget
 
     def add(self, block_hash: BlockHash, key: int) -> None:
         self.pending.pop(block_hash, None)
         if block_hash in self.by_hash:
             return
+        if self.budget.held >= self.budget.limit:
+            self.evicted += 1
+            if not self.by_hash:
+                return  # the other groups hold the budget: this block goes unindexed
+            self._release(self.by_hash.popitem(last=False)[1])
         self.by_hash[block_hash] = key
+        self.budget.held += 1
         self.present[key] = self.present.get(key, 0) + 1
 
     def remove(self, block_hashes: list[BlockHash]) -> None:
         for block_hash in block_hashes:
             self.pending.pop(block_hash, None)
             key = self.by_hash.pop(block_hash, None)
-            if key is None:
-                continue
-            left = self.present[key] - 1
-            if left:
-                self.present[key] = left
-            else:
-                del self.present[key]
+            if key is not None:
+                self._release(key)
+
+    def _release(self, key: int) -> None:
+        self.budget.held -= 1
+        left = self.present[key] - 1
+        if left:
+            self.present[key] = left
+        else:
+            del self.present[key]
 
     def wait_for_key(self, block_hash: BlockHash, limit: int) -> None:
         if block_hash in self.by_hash:
             return
         self.pending[block_hash] = None
         while len(self.pending) > limit:
-            del self.pending[next(iter(self.pending))]
+            self.pending.popitem(last=False)
             self.orphans += 1
 
-    def serves(self, keys: list[int], tokens: int) -> bool:
-        """Can this group serve the first `tokens` tokens (a multiple of block_size)?"""
-        end = tokens // self.block_size
-        start = 0
-        if self.sliding_window is not None:
-            start = max(0, (tokens - self.sliding_window) // self.block_size)
-        return all(key in self.present for key in keys[start:end])
+    def leading_run(self, keys: list[int], start: int, stop: int) -> int:
+        """How many of `keys[start:stop]` are present, up to the first missing one."""
+        run = itertools.takewhile(self.present.__contains__, itertools.islice(keys, start, stop))
+        return sum(1 for _ in run)
+
+    def blocks_for_hit(self) -> int:
+        """Sliding groups: how many blocks right before a hit's end vLLM requires cached."""
+        assert self.sliding_window is not None
+        return max(1, -(-(self.sliding_window - 1) // self.block_size))
 
 
 @dataclass
 class EngineKVIndex:
-    """Every group of one engine, fed by its event batches."""
+    """Every group of one engine, fed by its event batches. `count(reason)` hears of every
+    event, hash or block dropped (`invalid_reason`'s labels, `undecodable`, `group_mismatch`,
+    `removal_unreadable`, `index_full`, `orphan`)."""
 
     groups: dict[int, GroupIndex] = field(default_factory=dict)
     # Hashes waiting for a content key, per group: enough for a few long prompts' runs.
     max_pending: int = 4096
+    max_blocks: int = DEFAULT_MAX_BLOCKS  # over all groups
+    count: Callable[[str], None] = _no_count
+    budget: BlockBudget = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.budget = BlockBudget(self.max_blocks)
+
+    def apply_payload(self, payload: bytes) -> bool:
+        """Apply one published payload, event by event; False when it is no batch at all
+        (then nothing was applied and the caller must distrust the index: removals may be lost)."""
+        try:
+            self.apply(_decoder.decode(payload))
+            return True
+        except _DECODE_ERRORS:
+            pass
+        try:
+            raw = _raw_decoder.decode(payload)
+        except _DECODE_ERRORS:
+            return False
+        events: list[KVEvent] = []
+        for item in raw.events:
+            try:
+                events.append(_event_decoder.decode(item))
+            except _DECODE_ERRORS:
+                self.count("undecodable")
+                self._unreadable(item, events)
+        self.apply(KVEventBatch(ts=0.0, events=events))
+        return True
+
+    def _unreadable(self, item: msgspec.Raw, events: list[KVEvent]) -> None:
+        """An event our structs cannot read: a store is safely skipped; a removal is applied
+        as far as it can be read (the index keeps nothing it cannot vouch for)."""
+        try:
+            value = msgspec.msgpack.decode(item)
+        except (*_DECODE_ERRORS, TypeError, ValueError):
+            return  # not even a map: no kind we could name
+        if not isinstance(value, dict) or value.get("type") not in ("BlockRemoved", "AllBlocksCleared"):
+            return  # a store (skipping it under-reports) or a kind we do not model
+        hashes, group = value.get("block_hashes"), value.get("group_idx")
+        if value["type"] == "BlockRemoved" and isinstance(hashes, list):
+            events.append(BlockRemoved(hashes, None, group if _valid_group(group) else -1))
+        else:
+            self.count("removal_unreadable")
+            events.append(AllBlocksCleared())
 
     def apply(self, batch: KVEventBatch) -> None:
         keyed: list[tuple[int, BlockHash, int]] = []  # (block size, hash, key) this batch taught
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                group = self.groups.get(event.group_idx or 0)
-                if group is None or group.block_size != event.block_size:
-                    # Only sliding-window kinds may skip early blocks; any other kind
-                    # (full, MLA, unknown) is held to the whole prefix, the safe side.
-                    sliding = (event.kv_cache_spec_kind or "").startswith("sliding_window")
-                    window = event.kv_cache_spec_sliding_window if sliding else None
-                    group = self.groups[event.group_idx or 0] = GroupIndex(event.block_size, window)
-                self._store(group, event, keyed)
-            elif isinstance(event, BlockRemoved):
-                group = self.groups.get(event.group_idx or 0)
-                if group is not None:
-                    group.remove(event.block_hashes)
-            else:
+            if isinstance(event, BlockRemoved):
+                self._remove(event)
+                continue
+            if isinstance(event, AllBlocksCleared):
                 self.groups.clear()
+                self.budget = BlockBudget(self.max_blocks)
+                continue
+            reason = invalid_reason(event)
+            if reason is not None:
+                self.count(reason)
+                continue
+            group = self._group_for(event)
+            if group is not None:
+                self._store(group, event, keyed)
         if keyed and any(group.pending for group in self.groups.values()):
             self._resolve_pending(keyed)
+
+    def _group_for(self, event: BlockStored) -> GroupIndex | None:
+        """The store's group, created by its first store; None (counted) for a store that
+        contradicts the group's block size or kind: an engine keeps its layout for life."""
+        gid = event.group_idx or 0
+        window = event.kv_cache_spec_sliding_window if _is_sliding(event) else None
+        group = self.groups.get(gid)
+        if group is None:
+            group = self.groups[gid] = GroupIndex(event.block_size, window, self.budget)
+        elif group.block_size != event.block_size or group.sliding_window != window:
+            self.count("group_mismatch")
+            return None
+        return group
+
+    def _remove(self, event: BlockRemoved) -> None:
+        hashes = [h for h in event.block_hashes if _valid_hash(h)]
+        if len(hashes) < len(event.block_hashes):
+            self.count("hashes")  # malformed hashes were never accepted in a store: nothing to do
+        if _valid_group(event.group_idx):
+            group = self.groups.get(event.group_idx or 0)
+            targets = [] if group is None else [group]
+        else:
+            self.count("group")  # which group is unknown: remove from all, the safe side
+            targets = list(self.groups.values())
+        for group in targets:
+            group.remove(hashes)
 
     def _key_of(self, block_size: int, block_hash: BlockHash) -> int | None:
         """The content key any group of this block size has for `block_hash`."""
@@ -192,19 +388,24 @@ class EngineKVIndex:
         """Index one store; hashes whose position is unknown wait for another group's key.
         The hashes it learns a content key for are appended to `keyed`."""
         size = group.block_size
+        evicted, orphans = group.evicted, group.orphans
         parent = 0 if event.parent_block_hash is None else self._key_of(size, event.parent_block_hash)
         if parent is not None and len(event.block_hashes) == len(event.token_ids) // size:
             # Every block of the range is listed: positions, hence content keys, are known.
             for block_hash, key in zip(event.block_hashes, chain_keys(event.token_ids, size, parent)):
                 group.add(block_hash, key)
                 keyed.append((size, block_hash, key))
-            return
-        for block_hash in event.block_hashes:
-            known = self._key_of(size, block_hash)
-            if known is None:
-                group.wait_for_key(block_hash, self.max_pending)
-            else:
-                group.add(block_hash, known)
+        else:
+            for block_hash in event.block_hashes:
+                known = self._key_of(size, block_hash)
+                if known is None:
+                    group.wait_for_key(block_hash, self.max_pending)
+                else:
+                    group.add(block_hash, known)
+        for _ in range(group.evicted - evicted):
+            self.count("index_full")
+        for _ in range(group.orphans - orphans):
+            self.count("orphan")
 
     def _resolve_pending(self, keyed: list[tuple[int, BlockHash, int]]) -> None:
         """Give waiting hashes the keys this batch taught: only those can newly resolve
@@ -213,32 +414,185 @@ class EngineKVIndex:
         for group in self.groups.values():
             if not group.pending:
                 continue
+            evicted = group.evicted
             for size, block_hash, key in keyed:
                 if size == group.block_size and block_hash in group.pending:
                     group.add(block_hash, key)
+            for _ in range(group.evicted - evicted):
+                self.count("index_full")
 
-    def hit_tokens(self, tokens: Sequence[int], keys: dict[int, list[int]] | None = None) -> int:
-        """The longest prefix of `tokens` every group can serve (0 before any event).
-        `keys` caches chain keys by block size across engines (one request, many engines)."""
-        if not self.groups:
+    def hit_tokens(
+        self, tokens: Sequence[int], keys: dict[int, list[int]] | None = None, *, eagle_groups: Collection[int] = ()
+    ) -> int:
+        """The longest prefix of `tokens` every group can serve (0 before any event), as
+        vLLM's lookup finds it with at most len(tokens) tokens (see the module docstring).
+
+        `keys` caches chain keys by block size across engines (one request, many engines):
+        `keys[b]` is always a prefix of `chain_keys(tokens, b)`, extended only as far as some
+        engine's hit reaches. Cost: linear in the blocks up to the full-attention hit (the whole
+        prompt for a model without full attention): each block's key is computed once per
+        request and looked up at most once per group.
+
+        `eagle_groups`: the engine runs EAGLE/MTP drafting and these group ids get vLLM's
+        last-block drop. `tokens` is then the whole prompt, and the answer is vLLM's for it
+        exactly: it looks up len(tokens) - 1 tokens, lets an EAGLE group match one block
+        further, drops it, and repeats over the groups until no group lowers the hit.
+        """
+        groups = list(self.groups.values())
+        if not groups:
             return 0
-        step = math.lcm(*(g.block_size for g in self.groups.values()))
+        if eagle_groups:
+            return self._eagle_hit(tokens, {} if keys is None else keys, set(eagle_groups))
+        align = math.lcm(*(g.block_size for g in groups))
+        limit = len(tokens) // align * align
         if keys is None:
             keys = {}
-        for size in {g.block_size for g in self.groups.values()}:
-            if size not in keys:
-                keys[size] = chain_keys(tokens, size)
-        # Full-attention groups bound the hit from above: their hit is a prefix run.
-        limit = len(tokens) // step * step
-        for group in self.groups.values():
-            if group.sliding_window is None:
-                run = 0
-                for key in keys[group.block_size]:
-                    if key not in group.present:
-                        break
-                    run += 1
-                limit = min(limit, run * group.block_size // step * step)
-        for length in range(limit, 0, -step):
-            if all(g.serves(keys[g.block_size], length) for g in self.groups.values()):
-                return length
+        # Full attention bounds the hit from above: its servable lengths are a prefix run.
+        for group in groups:
+            if group.sliding_window is None and limit:
+                run = _extending_run(group, tokens, keys, limit // group.block_size)
+                limit = min(limit, run * group.block_size // align * align)
+        windows = [
+            _WindowScan(g, _keys_upto(tokens, keys, g.block_size, limit // g.block_size), align)
+            for g in groups
+            if g.sliding_window is not None
+        ]
+        # Sliding groups only lower the candidate; iterate to the fixed point as vLLM does.
+        while windows and limit:
+            bound = limit
+            for window in windows:
+                limit = window.longest(limit)
+            if limit == bound:
+                break
+        return limit
+
+    def _eagle_hit(self, tokens: Sequence[int], keys: dict[int, list[int]], eagle: set[int]) -> int:
+        """vLLM's HybridKVCacheCoordinator loop, step for step, with linear per-group finders."""
+        items = sorted(self.groups.items(), key=lambda item: item[1].sliding_window is not None)  # full first
+        sizes = [g.block_size for _, g in items]
+        align = math.lcm(*sizes)
+        hashed = len(tokens) // math.gcd(*sizes) * math.gcd(*sizes)  # what the request's hashes cover
+        hit_length = len(tokens) - 1
+        simple = len(items) == 2 and items[0][1].sliding_window is None
+        full_hits: dict[int, int] = {}
+        verified: set[int] = set()  # positions whose EAGLE drop holds at the current length
+        while hit_length > 0:
+            current = hit_length
+            for position, (gid, group) in enumerate(items):
+                if group.sliding_window is None and gid in full_hits:
+                    current = min(current, full_hits[gid])  # full attention is downward-closed
+                    continue
+                drop = gid in eagle and position not in verified
+                most = min(current + group.block_size, hashed) if drop else current
+                known = _keys_upto(tokens, keys, group.block_size, most // group.block_size)
+                if group.sliding_window is None:
+                    found = full_attention_hit(group, known, most, drop, align)
+                    full_hits[gid] = found
+                else:
+                    found = sliding_window_hit(group, known, most, drop, align)
+                if drop:
+                    verified.add(position)
+                elif found < current:
+                    verified.clear()
+                current = found
+            if current >= hit_length:
+                break
+            hit_length = current
+            if simple:
+                break
+        return max(hit_length, 0)
+
+
+def full_attention_hit(group: GroupIndex, keys: list[int], max_tokens: int, drop: bool, align: int) -> int:
+    """vLLM's full-attention finder: the leading run up to `max_tokens`, less one block when
+    `drop` (EAGLE), rounded down to `align`."""
+    size = group.block_size
+    hit = group.leading_run(keys, 0, min(max_tokens // size, len(keys))) * size
+    if drop and hit:
+        hit -= size
+    return hit - hit % align
+
+
+def sliding_window_hit(group: GroupIndex, keys: list[int], max_tokens: int, drop: bool, align: int) -> int:
+    """vLLM's sliding-window finder: the highest end E (at most `max_tokens`) whose window
+    blocks are all present, with E less the EAGLE drop aligned; else the aligned leading run.
+    Scans down and jumps below each missing block: each block is looked up once."""
+    size, step = group.block_size, align // group.block_size
+    assert group.sliding_window is not None
+    need = max(1, -(-(group.sliding_window - 1) // size) + drop)  # vLLM: cdiv(w - 1, b) + drop
+    top = min(max_tokens // size, len(keys))
+
+    def candidate(at_most: int) -> int:  # the highest end <= at_most that is aligned after the drop
+        return (at_most - drop) // step * step + drop if at_most >= drop else -1
+
+    end = candidate(top)
+    while end >= need:
+        i = end - 1
+        while i >= end - need and keys[i] in group.present:
+            i -= 1
+        if i < end - need:
+            return (end - drop) * size
+        end = candidate(i)
+    # No full window: vLLM keeps the leading run its scan counted, aligned, then drops.
+    run = candidate(group.leading_run(keys, 0, min(top, need + step)))
+    blocks = max(run, 0) // step * step
+    if drop and blocks:
+        blocks = (blocks - 1) // step * step
+    return blocks * size
+
+
+def _keys_upto(tokens: Sequence[int], keys: dict[int, list[int]], block_size: int, blocks: int) -> list[int]:
+    """`keys[block_size]`, extended to at least `blocks` keys (fewer if the prompt is shorter)."""
+    known = keys.setdefault(block_size, [])
+    if len(known) < blocks:
+        start = len(known) * block_size
+        known.extend(chain_keys(tokens[start : blocks * block_size], block_size, known[-1] if known else 0))
+    return known
+
+
+def _extending_run(group: GroupIndex, tokens: Sequence[int], keys: dict[int, list[int]], blocks: int) -> int:
+    """The group's leading run of present blocks, at most `blocks`, computing chain keys only
+    as far as the run goes (in doubling chunks): a miss costs a block's key, not the prompt's."""
+    run, want = 0, 64
+    while True:
+        known = _keys_upto(tokens, keys, group.block_size, min(blocks, want))
+        available = min(blocks, len(known))
+        run += group.leading_run(known, run, available)
+        if run < available or run >= blocks:
+            return run
+        want *= 2
+
+
+class _WindowScan:
+    """A sliding group's longest servable end at or below a bound, for one lookup whose
+    bounds only decrease: scans from the top down and jumps below each missing block, and
+    remembers the run it verified, so each block is looked up at most once per lookup."""
+
+    def __init__(self, group: GroupIndex, keys: list[int], align: int) -> None:
+        self._present = group.present
+        self._keys = keys
+        self._block_size = group.block_size
+        self._need = group.blocks_for_hit()
+        self._step = align // group.block_size  # blocks per alignment unit
+        self._lo = self._hi = 0  # blocks [lo, hi) verified present
+
+    def longest(self, bound_tokens: int) -> int:
+        end = min(bound_tokens // self._block_size, len(self._keys)) // self._step * self._step
+        while end > 0:
+            start = max(0, end - self._need)
+            i = end - 1
+            while i >= start:
+                if self._lo <= i < self._hi:
+                    i = self._lo - 1
+                elif self._keys[i] in self._present:
+                    i -= 1
+                else:
+                    break
+            if i < start:  # no block missing in [start, end)
+                if end >= self._lo and start <= self._hi:
+                    self._lo, self._hi = min(start, self._lo), max(end, self._hi)
+                else:
+                    self._lo, self._hi = start, end
+                return end * self._block_size
+            end = i // self._step * self._step  # every end above block i has i in its window
         return 0

@@ -289,6 +289,12 @@ class RouterMetrics:
             "Unexpected errors in the health monitor, logged; polling goes on",
             registry=r,
         )
+        self.kv_events_invalid = Counter(
+            "pdconnect_router_kv_events_invalid",
+            "KV events, frames and blocks dropped unapplied, by reason (kv-aware policy)",
+            ["reason"],
+            registry=r,
+        )
         r.register(_EngineCollector(engines))
         # Labelled children, looked up once per label set.
         self._ends: dict[tuple[str, str], tuple[_CounterChild, _HistogramChild]] = {}
