@@ -106,12 +106,24 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def references(cluster: Cluster) -> dict[str, ManagedProcess]:
-    """One engine without a connector per model, started when first needed."""
+    """One engine without a connector per model and method, started when first needed."""
     return {}
 
 
+@pytest.fixture(scope="module")
+def run_order(request: pytest.FixtureRequest) -> list[Setup]:
+    """The setups the selected tests use, in the order pytest runs them."""
+    order: list[Setup] = []
+    for item in request.session.items:
+        setup = getattr(item, "callspec", None) and item.callspec.params.get("pair")
+        if isinstance(setup, Setup) and setup not in order:
+            order.append(setup)
+    return order
+
+
 @pytest.fixture(scope="module", params=SETUPS, ids=lambda setup: setup.name)
-def pair(request: pytest.FixtureRequest, cluster: Cluster, references: dict[str, ManagedProcess]) -> Iterator[Pair]:
+def pair(request: pytest.FixtureRequest, cluster: Cluster, references: dict[str, ManagedProcess],
+         run_order: list[Setup]) -> Iterator[Pair]:
     setup: Setup = request.param
     target = ensure_model(setup.spec)
     draft = ensure_model(setup.spec.with_kind("eagle3-draft")) if setup.speculation == "eagle3" else None
@@ -132,8 +144,13 @@ def pair(request: pytest.FixtureRequest, cluster: Cluster, references: dict[str,
     for proc in (*started, prefill, decode):
         warm_up(proc.base_url, MODEL_NAME)
     yield Pair(setup, references[setup.reference_key], prefill, decode)
-    cluster.stop(prefill)
-    cluster.stop(decode)
+    done = [prefill, decode]
+    later = run_order[run_order.index(setup) + 1:] if setup in run_order else []
+    if all(other.reference_key != setup.reference_key for other in later):
+        # No later setup compares with this reference: free its memory now (six of
+        # these engines at once would crowd a small machine), not at the module's end.
+        done.append(references.pop(setup.reference_key))
+    cluster.stop(*done)
 
 
 @pytest.fixture(scope="module")
