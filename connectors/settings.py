@@ -108,7 +108,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
             raise ConfigError("set either peer_keys or peer_keys_env, not both")
         if (self.secret is None and self.secret_env is None) != (self.peer_keys is None and self.peer_keys_env is None):
             raise ConfigError("secret (or secret_env) and peer_keys (or peer_keys_env) go together")
-        if self.secret is not None and len(self.secret.encode()) < MIN_SECRET_BYTES:
+        if self.secret is not None and len(self.secret.strip().encode()) < MIN_SECRET_BYTES:
             raise ConfigError(f"secret is shorter than {MIN_SECRET_BYTES} bytes (e.g. `openssl rand -hex 32`)")
         if self.peer_keys is not None:
             TrustedKeys.parse(self.peer_keys)

@@ -63,6 +63,9 @@ class SigningKey:
     """The private key derived from one secret; refuses a secret shorter than a key."""
 
     def __init__(self, secret: bytes) -> None:
+        # Whitespace around a secret is an accident of files and Kubernetes Secrets (a
+        # trailing newline), never key material: every reader drops it the same way.
+        secret = secret.strip()
         if len(secret) < MIN_SECRET_BYTES:
             raise ConfigError(
                 f"the side-channel secret is {len(secret)} bytes; it must be at least {MIN_SECRET_BYTES} "
@@ -161,7 +164,7 @@ def main(argv: list[str]) -> int:
             "the environment variable ENV_VAR, or read from stdin without one."
         )
         return 0
-    secret = os.environ.get(argv[0], "") if argv else sys.stdin.read().strip()
+    secret = os.environ.get(argv[0], "") if argv else sys.stdin.read()
     try:
         print(public_key_text(secret.encode()))
     except ConfigError as exc:
