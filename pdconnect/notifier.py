@@ -136,6 +136,7 @@ class PeerNotifier:
         self._releases: dict[str, dict[str, _PendingRelease]] = {}  # address -> request id -> why, until when
         self._releases_queued: set[str] = set()  # addresses with their releases' batch queued
         self._releases_in_flight = 0
+        self._releases_full: set[str] = set()  # addresses that dropped releases since their last batch
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="pdconnect-notifier-beat", daemon=True)
         self._ticker.start()
@@ -183,7 +184,9 @@ class PeerNotifier:
                     pending[request_id] = _PendingRelease(reason, until)
                 if len(fresh) > room:
                     self._count("releases_dropped", len(fresh) - max(room, 0))
-                    logger.warning("notifier: %d releases wait for %s already; new ones dropped", len(pending), address)
+                    if address not in self._releases_full:  # once per episode: the counter has the rest
+                        self._releases_full.add(address)
+                        logger.warning("notifier: %d releases wait for %s; new ones dropped", len(pending), address)
                 self._queue_releases(address)
         except Exception:  # e.g. no thread could be started: lose these releases, not the caller
             self._count("notifier_errors")
@@ -337,6 +340,7 @@ class PeerNotifier:
         address = item.address
         with self._lock:
             self._releases_queued.discard(address)
+            self._releases_full.discard(address)
             pending = self._releases.pop(address, {})
             self._releases_in_flight += len(pending)
         try:
@@ -366,7 +370,10 @@ class PeerNotifier:
             with self._lock:
                 kept = self._releases.setdefault(address, {})
                 for request_id in ids:
-                    kept.setdefault(request_id, pending[request_id])
+                    if len(kept) < self._max_pending_releases:
+                        kept.setdefault(request_id, pending[request_id])
+                    elif request_id not in kept:
+                        self._count("releases_dropped")
                 self._queue_releases(address)
 
     def _failed(self, address: str, message: Message, reason: str, *, unanswered: bool) -> None:

@@ -28,6 +28,11 @@ def keyring(role: Role, *, trusted: str = PEER_KEYS, secret: str | None = None) 
 
 
 def connector_keys(kv_role: str) -> dict[str, str]:
-    """The `kv_connector_extra_config` keys of an engine of `kv_role` (kv_both signs as prefill)."""
-    role: Role = "decode" if kv_role == "kv_consumer" else "prefill"
-    return {"secret": SECRETS[role], "peer_keys": PEER_KEYS}
+    """The `kv_connector_extra_config` keys of an engine of `kv_role`.
+
+    A kv_both engine signs as prefill and as decode with the prefill secret, so it also
+    believes that key as decode (whoever it asks must too)."""
+    if kv_role == "kv_consumer":
+        return {"secret": SECRETS["decode"], "peer_keys": PEER_KEYS}
+    extra = f" decode:{public_key_text(SECRETS['prefill'].encode())}" if kv_role == "kv_both" else ""
+    return {"secret": SECRETS["prefill"], "peer_keys": PEER_KEYS + extra}
