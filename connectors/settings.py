@@ -141,12 +141,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     def may_dial(self, host: str) -> bool:
         """Whether this engine may talk to a side channel on `host`: with keys anywhere,
         without them only on this machine (unless the operator opted out)."""
-        return (
-            self.secret is not None
-            or self.secret_env is not None
-            or self.allow_insecure_side_channel
-            or (is_loopback_host(host))
-        )
+        keyed = self.secret is not None or self.secret_env is not None
+        return keyed or self.allow_insecure_side_channel or is_loopback_host(host)
 
     def resolve_keys(self, roles: frozenset[Role]) -> Keyring | None:
         """This engine's side-channel keys for `roles` (what its `kv_role` makes it), read
