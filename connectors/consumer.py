@@ -42,6 +42,7 @@ from connectors.plan_checks import PlanRejected, check_plan
 from connectors.replay_slack import plan_request
 from connectors.settings import ConnectorSettings
 from connectors.stats import StatsRecorder
+from pdconnect.keyring import Keyring
 from pdconnect.notifier import PeerNotifier
 from pdconnect.protocol import Ack, Claim, Done, Heartbeat, Message, ProtocolError, Release, TransferPlan, decode_plan
 
@@ -108,7 +109,7 @@ class Consumer(CacheBound):
         engine_id: str,
         settings: ConnectorSettings,
         compat_digest: str,
-        secret: bytes | None,
+        keys: Keyring | None,
         stats: StatsRecorder,
     ) -> None:
         self.engine_id = engine_id
@@ -123,7 +124,8 @@ class Consumer(CacheBound):
         # (lease id, why lost or "", whether the prefill engine may not have seen the claim)
         self._replies: queue.SimpleQueue[tuple[str, str, bool]] = queue.SimpleQueue()
         self._notifier = PeerNotifier(
-            secret=secret,
+            sender="decode",
+            keys=keys,
             timeout_seconds=settings.handshake_timeout_seconds,
             heartbeat_seconds=settings.heartbeat_seconds,
             count=stats.count,
@@ -211,6 +213,12 @@ class Consumer(CacheBound):
             plan = decode_plan(request.kv_transfer_params or {})
         except ProtocolError as exc:
             return None, self._bad_params(request, str(exc))
+        if not self.settings.may_dial(plan.remote_host):
+            # Unsigned answers from another machine could be anyone's: bytes and "held" alike.
+            return None, self._bad_params(
+                request,
+                f"the plan names {plan.remote_host}, not this machine, and this engine has no side-channel keys",
+            )
         try:
             check_plan(plan, request, self.rules, self.compat_digest)
         except PlanRejected as exc:

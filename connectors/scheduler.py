@@ -4,7 +4,7 @@ A prefill engine (`kv_producer`) runs a `Producer` (`connectors.producer`: hold,
 lend under a lease) behind a side-channel server; a decode engine (`kv_consumer`) runs
 a `Consumer` (`connectors.consumer`: claim, pull, prove, publish) with a notifier that
 talks to prefill engines. `kv_both` runs both. This module owns what they share: the
-engine's compatibility record, the secret, the stats, and the side-channel handshake.
+engine's compatibility record, the side-channel keys, the stats, and the side-channel handshake.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from connectors.compat import compat_info
 from connectors.consumer import Consumer
 from connectors.metadata import PDConnectorMetadata, PDHandshakeMetadata
 from connectors.producer import Producer
-from connectors.settings import ConnectorSettings
+from connectors.settings import ConnectorSettings, side_channel_roles
 from connectors.stats import PDConnectorStats, StatsRecorder
 from connectors.vllm_adapter import BlockPoolOps, CacheRules
 from pdconnect.protocol import Handshake, HandshakeReply, Message, Refusal, is_remote_decode_request
@@ -46,7 +46,8 @@ class PDScheduler:
         self.engine_id: str = transfer.engine_id or ""
         self.settings = settings
         self.compat = compat_info(vllm_config, kv_cache_config)
-        secret = settings.resolve_secret()
+        # One secret per engine; a kv_both engine signs as prefill and as decode with it.
+        keys = settings.resolve_keys(side_channel_roles(transfer.is_kv_producer, transfer.is_kv_consumer))
         self.stats = StatsRecorder()
         self._handshakes: dict[int, PDHandshakeMetadata] = {}
         self._server_counts: dict[str, int] = {}
@@ -62,14 +63,15 @@ class PDScheduler:
                 settings.side_channel_host,
                 port,
                 self._answer,
-                secret,
+                keys,
                 max_message_bytes=settings.side_channel_max_message_bytes,
                 max_age_seconds=settings.side_channel_max_age_seconds,
                 allow_insecure=settings.allow_insecure_side_channel,
             )
             self.producer.port = self._server.port
         if transfer.is_kv_consumer:
-            self.consumer = Consumer(self.engine_id, settings, self.compat.digest(), secret, self.stats)
+            decode_keys = keys.acting_as("decode") if keys is not None else None
+            self.consumer = Consumer(self.engine_id, settings, self.compat.digest(), decode_keys, self.stats)
 
     # --- wiring ------------------------------------------------------------------
 

@@ -15,9 +15,11 @@ import msgspec
 
 from pdconnect.envelope import DEFAULT_MAX_AGE_SECONDS
 from pdconnect.errors import ConfigError
+from pdconnect.keyring import MIN_SECRET_BYTES, Keyring, SigningKey, TrustedKeys
+from pdconnect.protocol import Role
 from pdconnect.sidechannel import DEFAULT_MAX_MESSAGE_BYTES, is_loopback_host
 
-__all__ = ["ConfigError", "ConnectorSettings", "parse_kv_transfer_config"]
+__all__ = ["ConfigError", "ConnectorSettings", "parse_kv_transfer_config", "side_channel_roles"]
 
 
 class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -54,10 +56,16 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     # false = every request pulls on its own (A/B). The wait is bounded.
     coalesce: bool = True
     coalesce_wait_seconds: float = 10.0
-    # Shared secret authenticating side-channel messages; `secret_env` names an
+    # This engine's side-channel secret (at least 32 bytes): the key its role (prefill
+    # or decode) signs with, held by that role's pods only; `secret_env` names an
     # environment variable holding it (Kubernetes Secrets), so it never sits in argv.
     secret: str | None = None
     secret_env: str | None = None
+    # The public keys this engine trusts, as `role:key` tokens (`pdconnect.keyring`):
+    # a prefill engine needs decode's (and router's, for releases), a decode engine
+    # prefill's. Several per role while a key is rotated. Needed with a secret.
+    peer_keys: str | None = None
+    peer_keys_env: str | None = None
     # The largest side-channel message the prefill engine reads; zmq drops the sender's
     # connection on a bigger one before it is copied (handshakes and notices are far
     # smaller: a heartbeat carries ~100 bytes per watched request).
@@ -66,8 +74,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     # clock, either way, is refused as stale (so it is also the clock skew tolerated);
     # inside it, each message is accepted once and replays are refused.
     side_channel_max_age_seconds: float = DEFAULT_MAX_AGE_SECONDS
-    # Serve the side channel on a non-loopback address without a secret. Only for an
-    # isolated network: anyone who can reach the port can keep or free held blocks.
+    # Serve the side channel on a non-loopback address without a secret, and (decode)
+    # follow plans naming a non-loopback prefill engine without one. Only for an
+    # isolated network: anyone who can reach the port can keep or free held blocks, and
+    # anyone who can answer for a prefill engine can feed decode its bytes.
     allow_insecure_side_channel: bool = False
     # NIXL: microseconds the serving agent's progress thread sleeps between rounds (it
     # answers peers' connection wire-up; reads never wait on it). 0 is NIXL's busy loop,
@@ -94,6 +104,14 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
             raise ConfigError(f"side_channel_port must be in 0..65535, got {self.side_channel_port}")
         if self.secret is not None and self.secret_env is not None:
             raise ConfigError("set either secret or secret_env, not both")
+        if self.peer_keys is not None and self.peer_keys_env is not None:
+            raise ConfigError("set either peer_keys or peer_keys_env, not both")
+        if (self.secret is None and self.secret_env is None) != (self.peer_keys is None and self.peer_keys_env is None):
+            raise ConfigError("secret (or secret_env) and peer_keys (or peer_keys_env) go together")
+        if self.secret is not None and len(self.secret.strip().encode()) < MIN_SECRET_BYTES:
+            raise ConfigError(f"secret is shorter than {MIN_SECRET_BYTES} bytes (e.g. `openssl rand -hex 32`)")
+        if self.peer_keys is not None:
+            TrustedKeys.parse(self.peer_keys)
         if self.side_channel_max_message_bytes <= 0 or self.side_channel_max_age_seconds <= 0:
             raise ConfigError("side_channel_max_message_bytes and side_channel_max_age_seconds must be positive")
         if (
@@ -120,14 +138,48 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
         """The host peers should dial for this engine's side channel."""
         return self.advertise_host or self.side_channel_host
 
-    def resolve_secret(self) -> bytes | None:
-        """The side-channel secret, read from the environment if so configured."""
-        if self.secret_env is not None:
-            value = os.environ.get(self.secret_env)
-            if not value:
-                raise ConfigError(f"secret_env names {self.secret_env!r}, which is unset or empty")
-            return value.encode()
-        return self.secret.encode() if self.secret is not None else None
+    def may_dial(self, host: str) -> bool:
+        """Whether this engine may talk to a side channel on `host`: with keys anywhere,
+        without them only on this machine (unless the operator opted out)."""
+        keyed = self.secret is not None or self.secret_env is not None
+        return keyed or self.allow_insecure_side_channel or is_loopback_host(host)
+
+    def resolve_keys(self, roles: frozenset[Role]) -> Keyring | None:
+        """This engine's side-channel keys for `roles` (what its `kv_role` makes it), read
+        from the environment if so configured; None without a secret. ConfigError for a
+        secret shorter than a key, unreadable peer keys, or no keys for a peer role."""
+        secret = _value(self.secret, self.secret_env, "secret_env")
+        peer_keys = _value(self.peer_keys, self.peer_keys_env, "peer_keys_env")
+        if secret is None or peer_keys is None:
+            return None
+        # Prefill answers decode (and the router, whose keys are optional: without them its
+        # releases are refused and leases just run out); decode believes prefill only.
+        needs: set[Role] = set()
+        if "prefill" in roles:
+            needs.add("decode")
+        if "decode" in roles:
+            needs.add("prefill")
+        signs_as: Role = "prefill" if "prefill" in roles else "decode"
+        return Keyring.checked(SigningKey(secret.encode()), TrustedKeys.parse(peer_keys), signs_as, frozenset(needs))
+
+
+def side_channel_roles(is_producer: bool, is_consumer: bool) -> frozenset[Role]:
+    """The side-channel roles an engine plays: a producer is prefill, a consumer decode, kv_both both."""
+    roles: set[Role] = set()
+    if is_producer:
+        roles.add("prefill")
+    if is_consumer:
+        roles.add("decode")
+    return frozenset(roles)
+
+
+def _value(inline: str | None, env: str | None, env_key: str) -> str | None:
+    if env is not None:
+        value = os.environ.get(env)
+        if not value:
+            raise ConfigError(f"{env_key} names {env!r}, which is unset or empty")
+        return value
+    return inline
 
 
 _ROLES = ("kv_producer", "kv_consumer", "kv_both")

@@ -54,10 +54,12 @@ COUNTERS: dict[str, str] = {
     "side_channel_refused_frames": "Side-channel messages refused for their frame count",
     "side_channel_refused_malformed": "Side-channel messages refused as malformed",
     "side_channel_refused_version": "Side-channel messages refused for their protocol version",
-    "side_channel_refused_unauthenticated": "Side-channel messages refused: missing or wrong HMAC",
+    "side_channel_refused_unauthenticated": "Side-channel messages refused: missing or wrong signature",
+    "side_channel_refused_forbidden": "Side-channel messages refused: a role sending what it may not",
     "side_channel_refused_stale": "Side-channel messages refused: timestamp outside the allowed age",
     "side_channel_refused_replayed": "Side-channel messages refused: nonce seen before (replay)",
     "side_channel_refused_overloaded": "Side-channel messages refused: replay guard full",
+    "side_channel_dropped_over_budget": "Side-channel messages dropped unread: their connection was refused too often",
     "side_channel_handler_errors": "Side-channel handler errors (logged; the server keeps serving)",
     "side_channel_serve_errors": "Side-channel serving-loop errors (logged; the server keeps serving)",
 }

@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from connectors.compat import compat_info
 from connectors.leases import confirm_claim
 from connectors.metadata import PDConnectorMetadata, PDHandshakeMetadata, PullSpec, decode_layouts, encode_layouts
-from connectors.settings import ConnectorSettings
+from connectors.settings import ConnectorSettings, side_channel_roles
 from connectors.stats import PDConnectorStats, StatsRecorder
 from pdconnect.kvlayout import LayoutError, TensorLayout, locate_block_dim, pull_ranges_for_layers
 from pdconnect.protocol import Claim, Handshake, HandshakeReply
@@ -115,7 +115,9 @@ class PDWorker:
         self.settings = settings
         self.tp_rank = tp_rank
         self.compat = compat_info(vllm_config, kv_cache_config)
-        self._secret = settings.resolve_secret()
+        # The worker only asks (handshakes, claims): as decode, with the engine's keys.
+        keys = settings.resolve_keys(side_channel_roles(transfer.is_kv_producer, transfer.is_kv_consumer))
+        self._keys = keys.acting_as("decode") if keys is not None and transfer.is_kv_consumer else None
         self._kv_cache_config = kv_cache_config
         self._transport: Transport | None = None
         self._layouts: dict[int, list[TensorLayout]] = {}
@@ -236,7 +238,7 @@ class PDWorker:
         client = self._claim_clients.get(spec.side_channel)
         if client is None:
             client = self._claim_clients[spec.side_channel] = SideChannelClient(
-                spec.side_channel, self._secret, self.settings.handshake_timeout_seconds
+                spec.side_channel, "decode", self._keys, self.settings.handshake_timeout_seconds
             )
 
         def retrying(exc: NoAnswer) -> None:
@@ -249,7 +251,7 @@ class PDWorker:
     def _handshake(self, spec: PullSpec) -> _Remote:
         assert self._transport is not None
         started = time.monotonic()
-        client = SideChannelClient(spec.side_channel, self._secret, self.settings.handshake_timeout_seconds)
+        client = SideChannelClient(spec.side_channel, "decode", self._keys, self.settings.handshake_timeout_seconds)
         try:
             reply = client.request(Handshake(engine_id=self.engine_id, tp_rank=self.tp_rank, compat=self.compat))
         except SideChannelError as exc:

@@ -11,12 +11,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("connectors.plan_cli:main", "show what a request moves and caches (needs vLLM)"),
     "router": ("pdconnect.router.app:main", "run the P/D router (OpenAI-compatible HTTP)"),
     "bench": ("pdconnect.bench.cli:main", "run benchmark scenarios against a deployment"),
+    "side-channel-key": ("pdconnect.keyring:main", "print the public key of a side-channel secret"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: pdconnect <command> [options]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<16} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 

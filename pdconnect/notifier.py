@@ -1,8 +1,18 @@
-"""Delivery of decode-side notices to prefill engines: one queue and one worker per peer.
+"""Delivery of notices to prefill engines: one queue, one worker and one connection per peer.
 
 A decode engine tells prefill engines that it still wants a lease (heartbeats), that it
-claims or is done with one, or that it gives it up. The scheduler thread must never wait
-on the network, so it only enqueues here; the network waits happen on notifier threads.
+claims or is done with one, or that it gives it up; the router tells them to free a
+request's blocks (releases). The caller (a scheduler thread, the router's event loop)
+must never wait on the network, so it only enqueues here; the network waits happen on
+notifier threads.
+
+Heartbeats and releases are batched per peer: whatever is due for an address when its
+worker gets to it goes out as one message. A release the peer did not answer (down, or
+stalled past the deadline) is kept and sent again until its own deadline (the lease's
+end: after that the prefill engine frees the blocks itself), so a stalled prefill engine
+still gets it when it runs again; at most `max_pending_releases` ids wait per peer, and
+any beyond are dropped and counted ("releases_dropped"), as are those whose deadline
+passed unanswered ("releases_expired").
 
 Each peer address has its own FIFO queue and worker thread, so a prefill engine that is
 down (every request waits out the full timeout) delays only messages for itself. Every
@@ -23,8 +33,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
-from pdconnect.protocol import Heartbeat, Message
+from pdconnect.keyring import Keyring
+from pdconnect.protocol import Heartbeat, Message, Release, Role
 from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError
 
 __all__ = ["PeerNotifier"]
@@ -39,13 +51,23 @@ OnReply = Callable[[str, Message, Message], None]
 OnFailure = Callable[[str, Message, str, bool], None]
 
 
+# A queued stand-in for "whatever of this kind is due for the address, built when sent".
+Batch = Literal["heartbeat", "releases"]
+
+
 @dataclass(frozen=True)
 class _Outgoing:
-    """One queued notice; `message` None stands for "the address's heartbeat, built when sent"."""
+    """One queued notice, or a `Batch` stand-in for the address's heartbeat or releases."""
 
     address: str
-    message: Message | None
+    message: Message | Batch
     deadline: float  # time.monotonic() by which it must be answered
+
+
+@dataclass(frozen=True)
+class _PendingRelease:
+    reason: str
+    until: float  # time.monotonic() after which it is no longer worth sending
 
 
 @dataclass
@@ -81,7 +103,8 @@ class PeerNotifier:
     def __init__(
         self,
         *,
-        secret: bytes | None,
+        sender: Role,
+        keys: Keyring | None,
         timeout_seconds: float,
         heartbeat_seconds: float,
         count: Count,
@@ -89,14 +112,19 @@ class PeerNotifier:
         on_failure: OnFailure | None = None,
         idle_seconds: float = 60.0,
         max_peers: int = 256,
+        max_pending_releases: int = 4096,
     ) -> None:
-        if timeout_seconds <= 0 or heartbeat_seconds <= 0 or idle_seconds <= 0 or max_peers <= 0:
-            raise ValueError("timeout_seconds, heartbeat_seconds, idle_seconds and max_peers must be positive")
-        self._secret = secret
+        if min(timeout_seconds, heartbeat_seconds, idle_seconds, max_peers, max_pending_releases) <= 0:
+            raise ValueError(
+                "timeout_seconds, heartbeat_seconds, idle_seconds, max_peers and max_pending_releases must be positive"
+            )
+        self._sender: Role = sender
+        self._keys = keys
         self._timeout = timeout_seconds
         self._heartbeat_seconds = heartbeat_seconds
         self._idle_seconds = idle_seconds
         self._max_peers = max_peers
+        self._max_pending_releases = max_pending_releases
         self._count_callback = count
         self._on_reply = on_reply
         self._on_failure = on_failure
@@ -105,6 +133,10 @@ class PeerNotifier:
         self._overflow: _Peer | None = None
         self._watched: dict[str, set[str]] = {}
         self._beats_pending: set[str] = set()  # addresses with a heartbeat queued
+        self._releases: dict[str, dict[str, _PendingRelease]] = {}  # address -> request id -> why, until when
+        self._releases_queued: set[str] = set()  # addresses with their releases' batch queued
+        self._releases_in_flight = 0
+        self._releases_full: set[str] = set()  # addresses that dropped releases since their last batch
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="pdconnect-notifier-beat", daemon=True)
         self._ticker.start()
@@ -136,6 +168,41 @@ class PeerNotifier:
         except Exception:  # e.g. no thread could be started: lose this message, not the caller
             self._count("notifier_errors")
             logger.exception("notifier could not queue %s to %s", type(message).__name__, address)
+
+    def release(self, address: str, request_ids: list[str], reason: str, until: float) -> None:
+        """Free `request_ids` on `address`, resent while unanswered until `until` (monotonic);
+        returns at once and never raises."""
+        if self._stop.is_set():
+            self._count("releases_dropped", len(request_ids))
+            return
+        try:
+            with self._lock:
+                pending = self._releases.setdefault(address, {})
+                room = self._max_pending_releases - len(pending)
+                fresh = [i for i in request_ids if i not in pending]
+                for request_id in fresh[: max(room, 0)]:
+                    pending[request_id] = _PendingRelease(reason, until)
+                if len(fresh) > room:
+                    self._count("releases_dropped", len(fresh) - max(room, 0))
+                    if address not in self._releases_full:  # once per episode: the counter has the rest
+                        self._releases_full.add(address)
+                        logger.warning("notifier: %d releases wait for %s; new ones dropped", len(pending), address)
+                self._queue_releases(address)
+        except Exception:  # e.g. no thread could be started: lose these releases, not the caller
+            self._count("notifier_errors")
+            logger.exception("notifier could not queue releases to %s", address)
+
+    def pending_releases(self) -> int:
+        """Release ids queued or in flight, all addresses together."""
+        with self._lock:
+            return sum(len(ids) for ids in self._releases.values()) + self._releases_in_flight
+
+    def _queue_releases(self, address: str) -> None:
+        """Queue the address's release batch unless it is queued already; the caller holds the lock."""
+        if address in self._releases_queued or not self._releases.get(address):
+            return
+        self._queue_for(address).put(_Outgoing(address, "releases", time.monotonic() + self._timeout))
+        self._releases_queued.add(address)
 
     def close(self) -> None:
         """Stop every worker; requests in flight are abandoned (no callbacks after this)."""
@@ -181,7 +248,7 @@ class PeerNotifier:
                 with self._lock:
                     for address in list(self._watched):
                         if address not in self._beats_pending:
-                            self._queue_for(address).put(_Outgoing(address, None, deadline))
+                            self._queue_for(address).put(_Outgoing(address, "heartbeat", deadline))
                             self._beats_pending.add(address)
             except Exception:
                 self._count("notifier_errors")
@@ -189,7 +256,7 @@ class PeerNotifier:
 
     def _work(self, peer: _Peer) -> None:
         # A dedicated worker keeps one connection; the overflow worker opens one per message.
-        client = SideChannelClient(peer.address, self._secret, self._timeout) if peer.address else None
+        client = self._client(peer.address) if peer.address else None
         try:
             while not self._stop.is_set():
                 try:
@@ -217,20 +284,32 @@ class PeerNotifier:
             if peer.address is None:
                 self._overflow = None
                 return True
-            if peer.address in self._watched:
+            if peer.address in self._watched or peer.address in self._releases:
                 return False
             del self._peers[peer.address]
             return True
 
+    def _client(self, address: str) -> SideChannelClient:
+        return SideChannelClient(address, self._sender, self._keys, self._timeout)
+
     def _deliver(self, item: _Outgoing, client: SideChannelClient | None) -> None:
         address, message = item.address, item.message
-        if message is None:
+        if message == "releases":
+            self._deliver_releases(item, client)
+            return
+        if message == "heartbeat":
             with self._lock:
                 self._beats_pending.discard(address)
                 ids = sorted(self._watched.get(address, ()))
             if not ids:
                 return
             message = Heartbeat(request_ids=ids)
+        assert not isinstance(message, str)
+        self._send(item, message, client)
+
+    def _send(self, item: _Outgoing, message: Message, client: SideChannelClient | None) -> bool:
+        """Send one message and report it; True if it was answered (even by a refusal)."""
+        address = item.address
         remaining = item.deadline - time.monotonic()
         if remaining <= 0:
             self._failed(
@@ -239,22 +318,63 @@ class PeerNotifier:
                 f"not sent: {address} did not take earlier messages within {self._timeout:.1f}s",
                 unanswered=True,
             )
-            return
+            return False
         own = client is None
-        sender = SideChannelClient(address, self._secret, self._timeout) if client is None else client
+        sender = self._client(address) if client is None else client
         try:
             reply = sender.request(message, timeout=remaining, cancel=self._stop)
         except SideChannelError as exc:
             self._failed(address, message, str(exc), unanswered=isinstance(exc, NoAnswer))
-            return
+            return not isinstance(exc, NoAnswer)
         except Exception as exc:  # e.g. a message that cannot be encoded: this message only
             logger.exception("notifier could not send %s to %s", type(message).__name__, address)
             self._failed(address, message, f"{type(exc).__name__}: {exc}", unanswered=False)
-            return
+            return True
         finally:
             if own:
                 sender.close()
         self._callback(self._on_reply, address, message, reply)
+        return True
+
+    def _deliver_releases(self, item: _Outgoing, client: SideChannelClient | None) -> None:
+        address = item.address
+        with self._lock:
+            self._releases_queued.discard(address)
+            self._releases_full.discard(address)
+            pending = self._releases.pop(address, {})
+            self._releases_in_flight += len(pending)
+        try:
+            self._send_releases(item, client, pending)
+        finally:
+            with self._lock:
+                self._releases_in_flight -= len(pending)
+
+    def _send_releases(
+        self, item: _Outgoing, client: SideChannelClient | None, pending: dict[str, _PendingRelease]
+    ) -> None:
+        address = item.address
+        now = time.monotonic()
+        expired = [i for i, p in pending.items() if p.until <= now]
+        if expired:
+            self._count("releases_expired", len(expired))
+            logger.warning("notifier: %d releases to %s unanswered until their leases ended", len(expired), address)
+        by_reason: dict[str, list[str]] = {}
+        for request_id, wanted in pending.items():
+            if wanted.until > now:
+                by_reason.setdefault(wanted.reason, []).append(request_id)
+        for reason, ids in by_reason.items():
+            if self._stop.is_set() or self._send(item, Release(request_ids=ids, reason=reason), client):
+                continue
+            # Unanswered: the peer may be down or stalled; keep them for another try.
+            self._count("release_retries", len(ids))
+            with self._lock:
+                kept = self._releases.setdefault(address, {})
+                for request_id in ids:
+                    if len(kept) < self._max_pending_releases:
+                        kept.setdefault(request_id, pending[request_id])
+                    elif request_id not in kept:
+                        self._count("releases_dropped")
+                self._queue_releases(address)
 
     def _failed(self, address: str, message: Message, reason: str, *, unanswered: bool) -> None:
         if self._stop.is_set():
@@ -272,8 +392,8 @@ class PeerNotifier:
             self._count("notifier_callback_errors")
             logger.exception("notifier callback %s failed", getattr(callback, "__name__", callback))
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, amount: int = 1) -> None:
         try:
-            self._count_callback(name, 1)
+            self._count_callback(name, amount)
         except Exception:  # a broken counter must not take delivery down with it
             logger.exception("notifier could not count %s", name)

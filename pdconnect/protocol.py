@@ -3,8 +3,9 @@
 Two channels carry these types:
 - the side channel (zmq, `pdconnect.sidechannel`): handshake, claims, heartbeats, done
   and release notices, each wrapped in `pdconnect.envelope`'s envelope (protocol
-  version, message id, the id a reply answers and, with a shared secret, time and an
-  HMAC);
+  version, the sender's role and direction, message id, the id a reply answers and,
+  with keys, time and the sender role's Ed25519 signature); `SENDERS` says which role
+  may send which message, the rule every receiver applies;
 - `kv_transfer_params` (JSON inside the OpenAI request/response): the `TransferPlan` a
   prefill engine returns and a decode engine consumes, passed through by the router.
 
@@ -21,10 +22,12 @@ import msgspec
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "SENDERS",
     "Ack",
     "BlockRun",
     "Claim",
     "CompatInfo",
+    "Direction",
     "Done",
     "GroupCompat",
     "GroupTransfer",
@@ -35,13 +38,15 @@ __all__ = [
     "ProtocolError",
     "Refusal",
     "Release",
+    "Role",
     "TransferPlan",
     "decode_plan",
     "is_remote_decode_request",
 ]
 
 # 2: replies name the request they answer (`Envelope.reply_to`, signed with the rest).
-PROTOCOL_VERSION = 2
+# 3: envelopes name the sender's role and direction; signatures are per role (Ed25519).
+PROTOCOL_VERSION = 3
 
 
 class ProtocolError(ValueError):
@@ -280,3 +285,26 @@ class Refusal(_Msg, frozen=True, tag="refusal"):
 
 
 Message = Handshake | HandshakeReply | Heartbeat | Claim | Done | Release | Ack | Refusal
+
+# --- who may send what -----------------------------------------------------------------
+
+# The three parties of the side channel. A prefill engine serves; decode engines and the
+# router ask. An engine with `kv_role` "kv_both" is prefill and decode at once.
+Role = Literal["prefill", "decode", "router"]
+Direction = Literal["request", "reply"]
+
+# (direction, message kind) -> the roles allowed to send it. Everything a prefill engine
+# is asked comes from decode, except a release, which the router may send too (the
+# client went away); every answer comes from a prefill engine. A pair not listed here is
+# refused whoever signed it: the router cannot claim, heartbeat or answer, decode
+# cannot answer, and prefill cannot ask.
+SENDERS: dict[tuple[Direction, type[Message]], frozenset[Role]] = {
+    ("request", Handshake): frozenset({"decode"}),
+    ("request", Claim): frozenset({"decode"}),
+    ("request", Heartbeat): frozenset({"decode"}),
+    ("request", Done): frozenset({"decode"}),
+    ("request", Release): frozenset({"decode", "router"}),
+    ("reply", HandshakeReply): frozenset({"prefill"}),
+    ("reply", Ack): frozenset({"prefill"}),
+    ("reply", Refusal): frozenset({"prefill"}),
+}

@@ -3,8 +3,10 @@
 The prefill engine runs one `SideChannelServer` (a ROUTER socket served by a daemon
 thread); decode workers, decode schedulers and the router talk to it through
 `SideChannelClient` (a DEALER socket with a deadline on every request). Messages travel
-in the envelope of `pdconnect.envelope` (version and message id; a reply names the
-request it answers; with a secret, HMAC and time).
+in the envelope of `pdconnect.envelope` (version, sender role, direction and message id;
+a reply names the request it answers; with keys, time and the sender role's signature).
+The server answers as "prefill" and accepts only what `pdconnect.protocol.SENDERS`
+lets each role ask; a client accepts answers from "prefill" only.
 
 A client keeps its connection across timeouts, and that is what makes a stalled peer
 safe to talk to. A prefill engine on busy cores can stop running for seconds (its
@@ -21,7 +23,16 @@ The server never touches engine state itself: its handler must be thread-safe (t
 connector's handler only enqueues events for the scheduler thread or reads immutable
 handshake data). Nothing a peer sends may end the serving thread: a peer is anyone who
 can reach the port, so every frame count, size and byte string is either answered with
-a `Refusal` or dropped by zmq, and each case is logged and counted.
+a `Refusal`, dropped unanswered (no readable id: nobody waits for it) or dropped by zmq
+(beyond `max_message_bytes`: zmq closes that connection), and counted; the log says so
+at most once per `LOG_EVERY_SECONDS` per reason, never once per message.
+
+A flood cannot starve other peers. zmq's ROUTER socket takes messages from its
+connections in turn, so a flooding connection gets one turn per round like everyone
+else; and each connection has a budget of refusals (`REFUSAL_BURST`, refilled at
+`REFUSAL_RATE` per second): a connection past it has its messages dropped unread,
+which costs a receive and nothing else, until its budget refills. A peer that sends
+valid messages is never refused, so it never spends budget.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import ipaddress
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import zmq
@@ -43,7 +55,8 @@ from pdconnect.envelope import (
     open_envelope,
     request_id_of,
 )
-from pdconnect.protocol import Ack, Message, ProtocolError, Refusal, Release
+from pdconnect.keyring import Keyring
+from pdconnect.protocol import Ack, Message, ProtocolError, Refusal, Release, Role
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -71,6 +84,26 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 # peer that stalls for minutes does not face an unbounded backlog when it wakes.
 UNREAD_REQUESTS = 64
 
+# Refusals one connection may cause at once, and per second after that, before its
+# messages are dropped unread. A live peer is refused rarely (a version skew, a key
+# rotation gone wrong), so these only bite a connection that sends garbage.
+REFUSAL_BURST = 32
+REFUSAL_RATE = 8.0
+# Connections whose refusal budget is remembered; beyond this the oldest are forgotten
+# (a flood spread over more connections than this still costs a refusal per message).
+BUDGETED_CONNECTIONS = 4096
+# The serving thread logs each kind of refusal at most this often, with a count.
+LOG_EVERY_SECONDS = 10.0
+# Dead peers are found by TCP keepalive and zmq heartbeats, and their connections closed.
+_KEEPALIVE_OPTIONS = (
+    (zmq.TCP_KEEPALIVE, 1),
+    (zmq.TCP_KEEPALIVE_IDLE, 30),
+    (zmq.TCP_KEEPALIVE_INTVL, 10),
+    (zmq.TCP_KEEPALIVE_CNT, 3),
+    (zmq.HEARTBEAT_IVL, 10_000),
+    (zmq.HEARTBEAT_TIMEOUT, 30_000),
+)
+
 # Every counter the server keeps, present from the start so exporters see zeros.
 SERVER_COUNTERS = (
     "received",  # messages that passed the envelope checks and reached the handler
@@ -78,9 +111,11 @@ SERVER_COUNTERS = (
     "refused_malformed",
     "refused_version",
     "refused_unauthenticated",
+    "refused_forbidden",  # a role sending what it may not (protocol.SENDERS)
     "refused_stale",
     "refused_replayed",
     "refused_overloaded",  # the envelope checks, by `EnvelopeError.kind`
+    "dropped_over_budget",  # a connection past its refusal budget: dropped unread
     "handler_errors",  # the handler raised or answered something unencodable
     "serve_errors",  # anything else that went wrong in one round of the serving loop
 )
@@ -121,15 +156,62 @@ class _Counters:
             return dict(self._counts)
 
 
+class _RefusalBudgets:
+    """A token bucket of refusals per connection (zmq routing identity); serving thread only.
+
+    Invariant: a connection is refused at most `burst + rate * t` times in any `t`
+    seconds; past that, its messages are dropped before any decoding or signing.
+    """
+
+    def __init__(self, burst: int, rate: float, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._burst, self._rate, self._capacity, self._clock = float(burst), rate, capacity, clock
+        self._buckets: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # id -> (tokens, at)
+
+    def _tokens(self, connection: bytes, now: float) -> float:
+        tokens, at = self._buckets.get(connection, (self._burst, now))
+        return min(self._burst, tokens + (now - at) * self._rate)
+
+    def allows(self, connection: bytes) -> bool:
+        return connection not in self._buckets or self._tokens(connection, self._clock()) >= 1.0
+
+    def charge(self, connection: bytes) -> None:
+        now = self._clock()
+        self._buckets[connection] = (self._tokens(connection, now) - 1.0, now)
+        self._buckets.move_to_end(connection)
+        while len(self._buckets) > self._capacity:
+            self._buckets.popitem(last=False)
+
+
+class _QuietLog:
+    """Admits one log line per reason per `every` seconds; the admitted line says how many were left out."""
+
+    def __init__(self, every: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._every, self._clock = every, clock
+        self._last: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
+
+    def admit(self, reason: str) -> str | None:
+        """None to stay quiet; else a note (maybe empty) to end the line with."""
+        now = self._clock()
+        if now - self._last.get(reason, -self._every) < self._every:
+            self._left_out[reason] = self._left_out.get(reason, 0) + 1
+            return None
+        self._last[reason] = now
+        left_out = self._left_out.pop(reason, 0)
+        return f" ({left_out} more since the last report, counted)" if left_out else ""
+
+
 class SideChannelServer:
     """Serves one handler on `tcp://host:port` from a daemon thread until `close()`.
 
     Invariants: the serving thread runs until `close()`, whatever arrives; each message
     gets at most one reply, to the identity that sent it; nothing a peer sends is
-    answered with a local value (secret, version, window, exception text).
+    answered with a local value (keys, version, window, exception text); the handler
+    sees only messages whose sender role may send them (`protocol.SENDERS`), signed by
+    that role when the server has `keys` (which sign its answers as "prefill").
 
-    Binding an address other machines can reach needs a `secret`, unless the operator
-    opts out with `allow_insecure=True` (a trusted, isolated network).
+    Binding an address other machines can reach needs `keys`, unless the operator opts
+    out with `allow_insecure=True` (a trusted, isolated network).
     """
 
     def __init__(
@@ -137,29 +219,37 @@ class SideChannelServer:
         host: str,
         port: int,
         handler: Handler,
-        secret: bytes | None = None,
+        keys: Keyring | None = None,
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_age_seconds: float = DEFAULT_MAX_AGE_SECONDS,
         allow_insecure: bool = False,
+        refusal_burst: int = REFUSAL_BURST,
+        refusal_rate: float = REFUSAL_RATE,
     ) -> None:
-        if secret is None and not allow_insecure and not is_loopback_host(host):
+        if keys is None and not allow_insecure and not is_loopback_host(host):
             raise SideChannelError(
-                f"refusing to serve the side channel on {host} without a secret: anyone who can reach "
-                "it could free or keep blocks; set secret_env (or secret), bind a loopback address, "
+                f"refusing to serve the side channel on {host} without keys: anyone who can reach "
+                "it could free or keep blocks; set secret_env and peer_keys, bind a loopback address, "
                 "or set allow_insecure_side_channel on an isolated network"
             )
+        if keys is not None and keys.signs_as != "prefill":
+            raise SideChannelError(f"a side-channel server answers as prefill, not with {keys.signs_as} keys")
         if max_message_bytes <= 0:
             raise SideChannelError(f"max_message_bytes must be positive, got {max_message_bytes}")
         self._handler = handler
-        self._secret = secret
-        self._guard = ReplayGuard(max_age_seconds) if secret is not None else None
+        self._keys = keys
+        self._guard = ReplayGuard(max_age_seconds) if keys is not None else None
         self._counters = _Counters(SERVER_COUNTERS)
+        self._budgets = _RefusalBudgets(refusal_burst, refusal_rate, BUDGETED_CONNECTIONS)
+        self._log = _QuietLog(LOG_EVERY_SECONDS)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         # zmq drops the connection of a peer that sends a bigger frame, before any copy.
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        for option, value in _KEEPALIVE_OPTIONS:
+            self._socket.setsockopt(option, value)
         try:
             self._socket.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
@@ -174,7 +264,7 @@ class SideChannelServer:
         logger.info(
             "side channel listening on %s%s",
             self.address,
-            "" if secret is not None else " (no secret: messages are not authenticated)",
+            "" if keys is not None else " (no keys: messages are not authenticated)",
         )
 
     def _serve(self) -> None:
@@ -191,7 +281,8 @@ class SideChannelServer:
                         self._drained_at = polled_at
                 except Exception:  # nothing may end this loop but close()
                     self._counters.add("serve_errors")
-                    logger.exception("side channel: error while serving a message; still serving")
+                    if (note := self._log.admit("serve_error")) is not None:
+                        logger.exception("side channel: error while serving a message; still serving%s", note)
                     # A fault that repeats every round must not spin a core or flood the log.
                     self._stop.wait(0.01)
         finally:
@@ -211,33 +302,48 @@ class SideChannelServer:
     def _serve_one(self, frames: list[bytes]) -> None:
         # A ROUTER socket prepends the sender's identity; a DEALER peer sends one frame.
         identity, payload = frames[0], frames[1:]
-        if len(payload) == 1:
-            self._socket.send_multipart([identity, self._answer(payload[0])])
+        if not self._budgets.allows(identity):
+            self._counters.add("dropped_over_budget")
+            if (note := self._log.admit("over_budget")) is not None:
+                logger.warning("side channel: dropped messages of a connection past its refusal budget%s", note)
             return
-        self._counters.add("refused_frames")
-        logger.warning("side channel refused a message of %d frames (expected 1)", len(payload))
+        if len(payload) == 1:
+            answer = self._answer(identity, payload[0])
+            if answer is not None:
+                self._socket.send_multipart([identity, answer])
+            return
+        self._refused(identity, "frames", f"{len(payload)} frames (expected 1)")
         # A REQ peer puts an empty delimiter first and only reads replies that carry one.
         delimiter = [b""] if payload and payload[0] == b"" else []
         refusal = Refusal(reason=f"expected exactly one frame per message, got {len(payload)}")
-        self._socket.send_multipart([identity, *delimiter, encode_message(refusal, self._secret)])
+        self._socket.send_multipart([identity, *delimiter, self._encode(refusal, None)])
 
-    def _answer(self, data: bytes) -> bytes:
+    def _refused(self, identity: bytes, kind: str, text: str) -> None:
+        self._counters.add(f"refused_{kind}")
+        self._budgets.charge(identity)
+        if (note := self._log.admit(kind)) is not None:
+            logger.warning("side channel refused a message: %s%s", text, note)
+
+    def _encode(self, message: Message, reply_to: bytes | None) -> bytes:
+        return encode_message(message, "prefill", self._keys, reply_to=reply_to)
+
+    def _answer(self, identity: bytes, data: bytes) -> bytes | None:
         # Every answer names the request it answers, refusals too: the client waits for it.
         reply_to = request_id_of(data)
         try:
-            message = open_envelope(data, self._secret, replay_guard=self._guard).message
+            message = open_envelope(data, self._keys, "request", replay_guard=self._guard).message
         except EnvelopeError as exc:
-            self._counters.add(f"refused_{exc.kind}")
-            logger.warning("side channel refused a message: %s", exc)
-            return encode_message(Refusal(reason=str(exc)), self._secret, reply_to=reply_to)
+            self._refused(identity, exc.kind, str(exc))
+            # Without a readable id no client can be waiting for an answer: none is sent.
+            return None if reply_to is None else self._encode(Refusal(reason=str(exc)), reply_to)
         self._counters.add("received")
         try:
-            return encode_message(self._handler(message), self._secret, reply_to=reply_to)
+            return self._encode(self._handler(message), reply_to)
         except Exception:  # a handler bug must not kill the serving thread
             self._counters.add("handler_errors")
             logger.exception("side channel handler failed on %s", type(message).__name__)
             # The exception text stays in our log: it may name local state.
-            return encode_message(Refusal(reason="internal error"), self._secret, reply_to=reply_to)
+            return self._encode(Refusal(reason="internal error"), reply_to)
 
     def counts(self) -> dict[str, int]:
         """A snapshot of the server's counters (`SERVER_COUNTERS`), e.g. for metrics."""
@@ -258,14 +364,19 @@ class SideChannelClient:
 
     One connection for the client's life (see the module docstring): a request that timed
     out stays sent, and its late answer is recognised by the id it names and dropped.
-    Nothing is queued while the server is unreachable (`zmq.IMMEDIATE`): a request that
-    could not go out by its deadline fails as "not sent" and is never delivered later.
-    Every failure, including a zmq error on a malformed address, is a SideChannelError.
+    Requests go out as `sender` (signed by `keys`, whose role it must be); only answers a
+    prefill engine may send are accepted, signed by a trusted prefill key when there are
+    keys. Nothing is queued while the server is unreachable (`zmq.IMMEDIATE`): a request
+    that could not go out by its deadline fails as "not sent" and is never delivered
+    later. Every failure, including a zmq error on a malformed address, is a SideChannelError.
     """
 
-    def __init__(self, address: str, secret: bytes | None = None, timeout: float = 5.0) -> None:
+    def __init__(self, address: str, sender: Role, keys: Keyring | None = None, timeout: float = 5.0) -> None:
+        if keys is not None and keys.signs_as != sender:
+            raise ValueError(f"keys of {keys.signs_as} cannot send as {sender}")
         self.address = address
-        self._secret = secret
+        self._sender: Role = sender
+        self._keys = keys
         self._timeout = timeout
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
@@ -278,6 +389,8 @@ class SideChannelClient:
             socket.setsockopt(zmq.IMMEDIATE, 1)
             # Requests a stalled server has not read yet; beyond this, "not sent".
             socket.setsockopt(zmq.SNDHWM, UNREAD_REQUESTS)
+            for option, value in _KEEPALIVE_OPTIONS:
+                socket.setsockopt(option, value)
             try:
                 socket.connect(self.address)
             except zmq.ZMQError:
@@ -315,7 +428,7 @@ class SideChannelClient:
         socket = self._connected()
         deadline = time.monotonic() + seconds
         request_id = new_nonce()
-        data = encode_message(message, self._secret, nonce=request_id)
+        data = encode_message(message, self._sender, self._keys, nonce=request_id)
         while not _sent(socket, data):  # not connected yet, or the server's backlog is full
             if not self._poll(socket, zmq.POLLOUT, deadline, cancel):
                 raise NoAnswer(f"not sent: no connection to {self.address} took it within {seconds:.1f}s")
@@ -346,7 +459,7 @@ class SideChannelClient:
         """The reply in `data` if it answers `request_id`; None for a late answer to an
         earlier request (dropped); SideChannelError if it cannot be read."""
         try:
-            opened = open_envelope(data, self._secret)
+            opened = open_envelope(data, self._keys, "reply")
         except ProtocolError as exc:  # its id cannot be trusted either: whichever it is, it is bad
             raise SideChannelError(f"bad reply from {self.address}: {exc}") from None
         if opened.reply_to != request_id:
@@ -368,10 +481,10 @@ def _sent(socket: zmq.Socket, data: bytes) -> bool:
 
 
 def release_remote(
-    address: str, request_ids: list[str], reason: str, secret: bytes | None = None, timeout: float = 2.0
+    address: str, request_ids: list[str], reason: str, keys: Keyring | None = None, timeout: float = 2.0
 ) -> Ack:
-    """Tell a prefill engine to free requests' blocks now (e.g. the client went away)."""
-    client = SideChannelClient(address, secret, timeout)
+    """Tell a prefill engine, as the router, to free requests' blocks now (one connection, one message)."""
+    client = SideChannelClient(address, "router", keys, timeout)
     try:
         reply = client.request(Release(request_ids=request_ids, reason=reason))
     finally:

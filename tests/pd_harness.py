@@ -39,6 +39,7 @@ from connectors.pd_connector import PDConnector
 from connectors.settings import ConnectorSettings
 from connectors.vllm_adapter import build_kv_cache_config
 from connectors.worker import PDWorker
+from pdconnect.testbed.keys import connector_keys
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_target_and_draft
 
 # DeepSeek-V4-like: different block sizes per group, which no tiny CPU model gives us.
@@ -57,9 +58,15 @@ def _models() -> tuple[str, str]:
     return str(target), str(draft)
 
 
+def _with_keys(role: str, extra: dict[str, Any]) -> dict[str, Any]:
+    return {**connector_keys(role), **extra}
+
+
 def engine_config(role: str, extra: dict[str, Any], engine_id: str, *, eagle: bool = True,
                   max_num_batched_tokens: int = MAX_MODEL_LEN, failure_policy: str = "fail") -> VllmConfig:
-    """A real VllmConfig as `vllm serve` would build it, with our connector configured."""
+    """A real VllmConfig as `vllm serve` would build it, with our connector configured
+    (and its role's side-channel keys, unless `extra` names others)."""
+    extra = _with_keys(role, extra)
     target, draft = _models()
     speculative = ({"method": "eagle3", "model": draft, "num_speculative_tokens": 1,
                     "draft_load_config": {"load_format": "dummy"}} if eagle else None)
@@ -119,7 +126,8 @@ class SimEngine:
         )
         self.connector = self.scheduler.connector
         assert isinstance(self.connector, PDConnector)
-        self.worker = PDWorker(config, kv_cache_config, ConnectorSettings.from_extra_config(self.extra), tp_rank=0)
+        self.worker = PDWorker(config, kv_cache_config, ConnectorSettings.from_extra_config(_with_keys(self.role, self.extra)),
+                              tp_rank=0)
         self.kv_caches = {
             name: torch.zeros(self.num_blocks, KV_HEADS, group.block_size, 2 * HEAD_DIM)
             for group, spec in zip(self.geometry.groups, kv_cache_config.kv_cache_groups)

@@ -16,7 +16,7 @@ from tests.pd_harness import RemoteEngine, SimEngine
 pytestmark = pytest.mark.transport
 
 BASE = {
-    "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0, "secret": "coalesce",
+    "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0,
     "lease_seconds": 20.0, "heartbeat_seconds": 1.0, "handshake_timeout_seconds": 5.0,
     "transfer_timeout_seconds": 10.0,
 }

@@ -21,14 +21,14 @@ from hypothesis import strategies as st
 
 from connectors.kvsim import random_tokens
 from pdconnect.sidechannel import release_remote
+from pdconnect.testbed.keys import keyring
 from tests.pd_harness import GEOMETRY, RemoteEngine, SimEngine
 
 pytestmark = pytest.mark.transport
 
-SECRET = "integrity"
 LEASE = 3.0
 BASE = {
-    "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0, "secret": SECRET,
+    "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0,
     "lease_seconds": LEASE, "heartbeat_seconds": 0.5, "handshake_timeout_seconds": 3.0,
     "transfer_timeout_seconds": 10.0,
 }
@@ -181,7 +181,7 @@ def test_release_while_decode_waits_fails_the_load_and_publishes_nothing(prefill
 
     # The client went away: the router releases the plan while decode still has it queued.
     release_remote(f"tcp://{params['remote_host']}:{params['remote_port']}", [params["remote_request_id"]],
-                   "client disconnected", SECRET.encode())
+                   "client disconnected", keyring("router"))
     reuse_prefill_blocks(prefill, "q5")
     done = decode.result("q5")
 

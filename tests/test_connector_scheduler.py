@@ -20,9 +20,8 @@ from tests.pd_harness import GEOMETRY, Finished, RemoteEngine, SimEngine
 
 pytestmark = pytest.mark.transport
 
-SECRET = "s3cret"
 BASE = {
-    "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0, "secret": SECRET,
+    "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0,
     "lease_seconds": 4.0, "heartbeat_seconds": 1.0, "handshake_timeout_seconds": 5.0,
     "transfer_timeout_seconds": 10.0,
 }
@@ -244,7 +243,9 @@ def test_recompute_policy_serves_the_request_despite_a_failed_load(prefill, deco
 
 
 def test_wrong_secret_is_refused_with_a_clear_error(prefill, clean, caplog):
-    wrong = SimEngine(role="kv_consumer", extra={**BASE, "secret": "not-the-secret"}, engine_id="decode-bad")
+    # The harness gives each role its keys; this decode engine signs with a key nobody trusts.
+    wrong = SimEngine(role="kv_consumer", extra={**BASE, "secret": "not-the-decode-secret-" + "x" * 20},
+                      engine_id="decode-bad")
     try:
         _, xa, _ = _siblings(seed=12)
         params = prefill.prefill("s12-xa", xa).kv_transfer_params

@@ -42,7 +42,8 @@ from tests.deploy_support import (
 require_tools_venv()
 
 # Objects the manifests use but do not create: the cluster provides them (README).
-EXTERNAL = {("Secret", "pdconnect-side-channel"), ("PersistentVolumeClaim", "vllm-models")}
+EXTERNAL = {*(("Secret", f"pdconnect-side-channel-{role}") for role in ("prefill", "decode", "router")),
+            ("PersistentVolumeClaim", "vllm-models")}
 # Custom resources: no built-in schema; their meaning is checked below instead.
 CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 CLUSTER_DOMAIN = "svc.cluster.local"
@@ -564,18 +565,26 @@ def test_router_service_reaches_the_router_port(render_of, target: str) -> None:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_router_and_engines_share_the_side_channel_secret(render_of, target: str) -> None:
+def test_each_role_reads_its_own_side_channel_secret_and_the_peer_keys(render_of, target: str) -> None:
+    """Prefill, decode and router each sign with a secret only their own pods get (a Secret
+    per role), and read the public keys they check from it (docs/side-channel-trust.md)."""
     render = render_of(target)
 
-    def secret_of(workload: dict[str, Any], variable: str) -> tuple[str, str]:
+    def secret_of(workload: dict[str, Any], variable: str | None) -> tuple[str, str]:
         var = next(v for v in _container(workload)["env"] if v["name"] == variable)
         ref = var["valueFrom"]["secretKeyRef"]
         return ref["name"], ref["key"]
 
-    router = secret_of(render.router(), router_config(render).side_channel_secret_env)
+    config = router_config(render)
+    signing = {"router": secret_of(render.router(), config.side_channel_secret_env)}
+    assert secret_of(render.router(), config.side_channel_peer_keys_env)[0] == signing["router"][0]
     for component, workload in render.engines().items():
-        _, settings = transfer_settings(render, component)
-        assert secret_of(workload, settings.secret_env) == router, component
+        role, settings = transfer_settings(render, component)
+        assert settings.peer_keys_env is not None, component
+        own = secret_of(workload, settings.secret_env)
+        assert secret_of(workload, settings.peer_keys_env)[0] == own[0], component
+        signing["prefill" if role == "kv_producer" else "decode"] = own
+    assert len(set(signing.values())) == 3, signing
 
 
 @pytest.mark.parametrize("target", TARGETS)

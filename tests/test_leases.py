@@ -129,7 +129,7 @@ def test_the_side_channel_reports_when_it_last_drained_its_queue():
     try:
         time.sleep(0.3)
         before = server.drained_at
-        client = SideChannelClient(server.address, None, timeout=5)
+        client = SideChannelClient(server.address, "decode", None, timeout=5)
         answer: list[object] = []
         sender = _threading.Thread(target=lambda: answer.append(client.request(Heartbeat(request_ids=["L"]))))
         sender.start()
@@ -172,7 +172,7 @@ def _confirm(answer: Callable[[int], Message]) -> tuple[str | None, int, int]:
     """(confirm_claim's verdict, claims the peer saw, retries announced)."""
     peer = _Peer(answer)
     retries: list[NoAnswer] = []
-    client = SideChannelClient(peer.address, None, TIMEOUT)
+    client = SideChannelClient(peer.address, "decode", None, TIMEOUT)
     try:
         verdict = confirm_claim(client, CLAIM, retries.append)
     finally:

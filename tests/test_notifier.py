@@ -20,8 +20,9 @@ import zmq
 from pdconnect.notifier import PeerNotifier
 from pdconnect.protocol import Ack, Done, Heartbeat, Message, Release
 from pdconnect.sidechannel import SideChannelServer
+from pdconnect.testbed.keys import keyring
 
-SECRET = b"notifier-test-secret"
+PREFILL, DECODE = keyring("prefill"), keyring("decode")
 # Bounds on waiting for something that must happen; never a measurement.
 WAIT = 20.0
 
@@ -63,7 +64,7 @@ class _Events:
 
 @contextlib.contextmanager
 def _prefill(handler: Callable[[Message], Message] | None = None) -> Iterator[SideChannelServer]:
-    server = SideChannelServer("127.0.0.1", 0, handler or (lambda m: Ack()), SECRET)
+    server = SideChannelServer("127.0.0.1", 0, handler or (lambda m: Ack()), PREFILL)
     try:
         yield server
     finally:
@@ -84,7 +85,7 @@ def _hung_peer() -> Iterator[tuple[str, zmq.Socket]]:
 
 @contextlib.contextmanager
 def _notifier(events: _Events, **options) -> Iterator[PeerNotifier]:
-    settings = {"secret": SECRET, "timeout_seconds": 60.0, "heartbeat_seconds": 3600.0, **options}
+    settings = {"sender": "decode", "keys": DECODE, "timeout_seconds": 60.0, "heartbeat_seconds": 3600.0, **options}
     notifier = PeerNotifier(count=events.count, on_reply=events.on_reply, on_failure=events.on_failure, **settings)
     try:
         yield notifier
@@ -147,7 +148,7 @@ def test_a_malformed_address_fails_that_message_only():
 
 def test_a_refusal_is_a_failure_with_the_peers_reason():
     events = _Events()
-    with _prefill() as live, _notifier(events, secret=b"not-the-secret") as notifier:
+    with _prefill() as live, _notifier(events, keys=keyring("decode", secret="not-the-decode-secret-" + "x" * 20)) as notifier:
         notifier.send(live.address, Done(request_ids=["r"]))
         events.wait_for(lambda: events.of("failure", live.address))
         assert "authentication failed" in events.of("failure", live.address)[0][3]
@@ -175,7 +176,7 @@ def test_callback_and_counter_errors_do_not_end_delivery():
 
     bad = "tcp://no such host:0"
     with _prefill() as live:
-        notifier = PeerNotifier(secret=SECRET, timeout_seconds=60.0, heartbeat_seconds=3600.0, count=count,
+        notifier = PeerNotifier(sender="decode", keys=DECODE, timeout_seconds=60.0, heartbeat_seconds=3600.0, count=count,
                                 on_reply=on_reply, on_failure=on_failure)
         try:
             for round_ in range(2):

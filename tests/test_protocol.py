@@ -9,12 +9,15 @@ import msgspec
 import pytest
 
 from connectors.settings import ConnectorSettings, parse_kv_transfer_config
-from pdconnect.envelope import EnvelopeError, ReplayGuard, decode_message, encode_message
+from pdconnect.envelope import EnvelopeError, ReplayGuard, encode_message, open_envelope
 from pdconnect.errors import ConfigError
+from pdconnect.keyring import Keyring, SigningKey, public_key_text
 from pdconnect.protocol import (
-    PROTOCOL_VERSION, Ack, CompatInfo, Done, GroupCompat, Heartbeat, ProtocolError, Release, decode_plan,
+    PROTOCOL_VERSION, Ack, Claim, CompatInfo, Direction, Done, GroupCompat, Heartbeat, Message, ProtocolError,
+    Release, decode_plan,
 )
 from pdconnect.sidechannel import SideChannelClient, SideChannelError, SideChannelServer, release_remote
+from pdconnect.testbed.keys import PEER_KEYS, SECRETS, keyring
 
 PLAN = {
     "remote_engine_id": "p0", "remote_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": 5700,
@@ -56,25 +59,89 @@ def test_vllm_added_keys_are_accepted():
     assert plan.remote_prefill_cached_tokens == 128
 
 
-def test_messages_are_authenticated_when_a_secret_is_set():
-    data = encode_message(Done(request_ids=["r1"]), secret=b"k")
-    assert decode_message(data, secret=b"k") == Done(request_ids=["r1"])
-    for wrong in (b"other", None):
-        if wrong is None:
-            data_plain = encode_message(Done(request_ids=["r1"]))
-            with pytest.raises(ProtocolError, match="authentication failed"):
-                decode_message(data_plain, secret=b"k")
-        else:
-            with pytest.raises(ProtocolError, match="authentication failed"):
-                decode_message(data, secret=wrong)
+def _open(data: bytes, keys: Keyring | None, direction: Direction = "request", **options) -> Message:
+    return open_envelope(data, keys, direction, **options).message
+
+
+PREFILL, DECODE, ROUTER = (keyring(role) for role in ("prefill", "decode", "router"))
+
+
+def test_messages_are_signed_by_their_role_and_checked_by_the_receiver():
+    data = encode_message(Done(request_ids=["r1"]), "decode", DECODE)
+    assert _open(data, PREFILL) == Done(request_ids=["r1"])
+    unsigned = encode_message(Done(request_ids=["r1"]), "decode")
+    guessed = encode_message(Done(request_ids=["r1"]), "decode", keyring("decode", secret="x" * 32))
+    for refused in (unsigned, guessed):
+        with pytest.raises(EnvelopeError, match="no valid decode signature") as info:
+            _open(refused, PREFILL)
+        assert info.value.kind == "unauthenticated"
+
+
+def test_no_role_can_pass_for_another_or_send_what_its_role_may_not():
+    """The router holds the router's secret only: whatever it signs, a prefill engine takes
+    nothing but a release from it, and a decode engine takes no answer from it. Before, one
+    secret signed for all three, and the router pod could answer decode as a prefill engine."""
+    ack = Ack(unknown=[])
+    # Its own role, but a kind the router may not send: refused after the signature holds.
+    for message in (Heartbeat(request_ids=["l"]), Claim(lease_id="l", claimant="c", plan_digest="d"),
+                    Done(request_ids=["l"])):
+        with pytest.raises(EnvelopeError, match="a router may not send") as info:
+            _open(encode_message(message, "router", ROUTER), PREFILL)
+        assert info.value.kind == "forbidden"
+    assert _open(encode_message(Release(request_ids=["l"], reason="gone"), "router", ROUTER), PREFILL)
+    # Claiming another role: its key is not that role's, so the signature fails.
+    forged = msgspec.msgpack.decode(encode_message(ack, "router", ROUTER))
+    as_prefill = {**forged, "sender": "prefill"}
+    with pytest.raises(EnvelopeError, match="no valid prefill signature"):
+        _open(msgspec.msgpack.encode(as_prefill), DECODE, "reply")
+    with pytest.raises(ValueError, match="cannot sign as prefill"):
+        encode_message(ack, "prefill", ROUTER)
+    # Answers come from prefill only, requests never do; a request is no answer.
+    with pytest.raises(EnvelopeError, match="a decode may not send Ack as a reply"):
+        _open(encode_message(ack, "decode", DECODE), DECODE, "reply")
+    with pytest.raises(EnvelopeError, match="a prefill may not send Heartbeat as a request"):
+        _open(encode_message(Heartbeat(request_ids=["l"]), "prefill", PREFILL), PREFILL)
+    with pytest.raises(EnvelopeError, match="request sent where a reply was expected"):
+        _open(encode_message(Heartbeat(request_ids=["l"]), "decode", DECODE), DECODE, "reply")
+    assert _open(encode_message(ack, "prefill", PREFILL), DECODE, "reply") == ack
+    # Without keys the roles are the peer's word, but the rules still hold.
+    with pytest.raises(EnvelopeError, match="a router may not send Heartbeat"):
+        _open(encode_message(Heartbeat(request_ids=["l"]), "router"), None)
+
+
+def test_a_role_trusts_every_key_listed_for_it_and_signs_with_its_own():
+    """Rotation: verifiers list the current and the next key of a role; pods of that role
+    move to the next secret one by one, and both are accepted throughout."""
+    current, upcoming = SECRETS["decode"], "next-decode-secret-" + "n" * 32
+    both = f"decode:{public_key_text(current.encode())} decode:{public_key_text(upcoming.encode())}"
+    verifier = keyring("prefill", trusted=both)
+    for secret in (current, upcoming):
+        assert _open(encode_message(Ack(), "prefill", PREFILL), keyring("decode", secret=secret), "reply") == Ack()
+        signed = encode_message(Heartbeat(request_ids=["l"]), "decode", keyring("decode", secret=secret))
+        assert _open(signed, verifier) == Heartbeat(request_ids=["l"])
+    retired = keyring("prefill", trusted=f"decode:{public_key_text(upcoming.encode())}")
+    with pytest.raises(EnvelopeError, match="no valid decode signature"):
+        _open(encode_message(Heartbeat(request_ids=["l"]), "decode", keyring("decode")), retired)
+
+
+@pytest.mark.parametrize("secret", ["", "short", "x" * 31])
+def test_a_secret_shorter_than_a_key_is_refused_at_start(secret, monkeypatch):
+    with pytest.raises(ConfigError, match="at least 32|shorter than 32"):
+        SigningKey(secret.encode())
+    with pytest.raises(ConfigError, match="shorter than 32"):
+        ConnectorSettings.from_extra_config({"secret": secret or "-", "peer_keys": PEER_KEYS})
+    monkeypatch.setenv("PD_SECRET", secret or "-")
+    settings = ConnectorSettings.from_extra_config({"secret_env": "PD_SECRET", "peer_keys": PEER_KEYS})
+    with pytest.raises(ConfigError, match="at least 32"):
+        settings.resolve_keys(frozenset({"decode"}))
 
 
 def test_garbage_and_wrong_versions_are_refused():
     with pytest.raises(ProtocolError, match="malformed side-channel envelope"):
-        decode_message(b"\x00garbage")
+        _open(b"\x00garbage", None)
     wrong_version = msgspec.msgpack.encode({"version": 7, "body": msgspec.msgpack.encode(Ack())})
     with pytest.raises(ProtocolError, match="version 7"):
-        decode_message(wrong_version)
+        _open(wrong_version, None)
 
 
 class _Clock:
@@ -87,71 +154,75 @@ class _Clock:
         return self.now
 
 
-def test_every_signed_envelope_carries_a_fresh_nonce_and_time_under_the_mac():
-    first, second = (msgspec.msgpack.decode(encode_message(Ack(), secret=b"k", now=100.0, reply_to=b"r" * 16))
-                     for _ in range(2))
+def test_every_signed_envelope_carries_a_fresh_nonce_and_time_under_the_signature():
+    first, second = (msgspec.msgpack.decode(encode_message(Ack(), "prefill", PREFILL, now=100.0,
+                                                           reply_to=b"r" * 16)) for _ in range(2))
     assert first["nonce"] != second["nonce"] and first["sent_at"] == 100.0 and first["reply_to"] == b"r" * 16
-    # Moving the time, changing the nonce or the request answered breaks the MAC: a genuine
-    # answer to one request cannot be passed off as the answer to another.
+    # Moving the time, changing the nonce, the request answered, the role or the direction
+    # breaks the signature: a genuine answer to one request cannot be passed off as the
+    # answer to another, nor a message of one role as another's.
     for field, value in (("sent_at", 200.0), ("nonce", second["nonce"]), ("reply_to", b"s" * 16),
-                         ("version", PROTOCOL_VERSION + 1)):
+                         ("version", PROTOCOL_VERSION + 1), ("sender", "decode"), ("direction", "request")):
         forged = msgspec.msgpack.encode({**first, field: value})
-        with pytest.raises(ProtocolError, match=f"authentication failed|version {PROTOCOL_VERSION + 1}"):
-            decode_message(forged, secret=b"k")
+        with pytest.raises(ProtocolError,
+                           match=f"authentication failed|version {PROTOCOL_VERSION + 1}|expected"):
+            _open(forged, DECODE, "reply")
     stripped = msgspec.msgpack.encode({k: v for k, v in first.items() if k != "reply_to"})
     with pytest.raises(ProtocolError, match="authentication failed"):
-        decode_message(stripped, secret=b"k")
-    # Without a secret an envelope is versioned and has an id: nothing to sign, nothing to stamp.
-    assert set(msgspec.msgpack.decode(encode_message(Ack()))) == {"version", "body", "nonce"}
+        _open(stripped, DECODE, "reply")
+    # Without keys an envelope is versioned, names its role and direction, and has an id.
+    assert set(msgspec.msgpack.decode(encode_message(Ack(), "prefill"))) == {
+        "version", "sender", "direction", "body", "nonce"}
 
 
 def test_the_replay_guard_refuses_replays_and_messages_outside_the_window():
     clock = _Clock(1000.0)
     guard = ReplayGuard(30.0, clock=clock)
-    data = encode_message(Heartbeat(request_ids=["lease"]), secret=b"k", now=1000.0)
-    assert decode_message(data, b"k", replay_guard=guard) == Heartbeat(request_ids=["lease"])
+    data = encode_message(Heartbeat(request_ids=["lease"]), "decode", DECODE, now=1000.0)
+    assert _open(data, PREFILL, replay_guard=guard) == Heartbeat(request_ids=["lease"])
     with pytest.raises(EnvelopeError, match="replayed") as info:
-        decode_message(data, b"k", replay_guard=guard)
+        _open(data, PREFILL, replay_guard=guard)
     assert info.value.kind == "replayed"
     # Clock skew up to the window is tolerated both ways; beyond it the message is stale.
     for sent_at, accepted in ((970.0, True), (1030.0, True), (969.0, False), (1031.0, False),
                               (float("nan"), False), (float("inf"), False)):
-        message = encode_message(Ack(), secret=b"k", now=sent_at)
+        message = encode_message(Done(request_ids=[]), "decode", DECODE, now=sent_at)
         if accepted:
-            assert decode_message(message, b"k", replay_guard=guard) == Ack()
+            assert _open(message, PREFILL, replay_guard=guard) == Done(request_ids=[])
         else:
             with pytest.raises(EnvelopeError, match="stale") as info:
-                decode_message(message, b"k", replay_guard=guard)
+                _open(message, PREFILL, replay_guard=guard)
             assert info.value.kind == "stale"
     # Once the window has passed, the captured message is stale, not merely a replay,
     # and its nonce is forgotten: the cache holds only what can still be replayed.
     assert len(guard) == 3
     clock.now = 1100.0
     with pytest.raises(EnvelopeError, match="stale"):
-        decode_message(data, b"k", replay_guard=guard)
-    decode_message(encode_message(Ack(), secret=b"k", now=1100.0), b"k", replay_guard=guard)
+        _open(data, PREFILL, replay_guard=guard)
+    _open(encode_message(Done(request_ids=[]), "decode", DECODE, now=1100.0), PREFILL, replay_guard=guard)
     assert len(guard) == 1
 
 
 def test_a_full_replay_cache_refuses_instead_of_forgetting_nonces():
     guard = ReplayGuard(30.0, capacity=2)
-    kept = [encode_message(Ack(), secret=b"k") for _ in range(2)]
+    kept = [encode_message(Done(request_ids=[]), "decode", DECODE) for _ in range(2)]
     for data in kept:
-        decode_message(data, b"k", replay_guard=guard)
+        _open(data, PREFILL, replay_guard=guard)
     with pytest.raises(EnvelopeError, match="too many") as info:
-        decode_message(encode_message(Ack(), secret=b"k"), b"k", replay_guard=guard)
+        _open(encode_message(Done(request_ids=[]), "decode", DECODE), PREFILL, replay_guard=guard)
     assert info.value.kind == "overloaded"
     with pytest.raises(EnvelopeError, match="replayed"):  # still remembered
-        decode_message(kept[0], b"k", replay_guard=guard)
+        _open(kept[0], PREFILL, replay_guard=guard)
 
 
 def test_unauthenticated_messages_never_reach_the_replay_cache():
     guard = ReplayGuard(30.0, capacity=1)
+    forger = keyring("decode", secret="f" * 40)
     for _ in range(3):
         with pytest.raises(EnvelopeError, match="authentication failed"):
-            decode_message(encode_message(Ack(), secret=b"forger"), b"k", replay_guard=guard)
+            _open(encode_message(Done(request_ids=[]), "decode", forger), PREFILL, replay_guard=guard)
     assert len(guard) == 0
-    assert decode_message(encode_message(Ack(), secret=b"k"), b"k", replay_guard=guard) == Ack()
+    assert _open(encode_message(Done(request_ids=[]), "decode", DECODE), PREFILL, replay_guard=guard)
 
 
 def _compat(**changes) -> CompatInfo:
@@ -169,18 +240,21 @@ def test_compat_differences_name_each_field():
 
 
 def test_side_channel_serves_answers_and_times_out_on_a_dead_peer():
-    server = SideChannelServer("127.0.0.1", 0, lambda m: Ack(unknown=list(m.request_ids)), secret=b"k")
+    server = SideChannelServer("127.0.0.1", 0, lambda m: Ack(unknown=list(m.request_ids)), PREFILL)
     try:
-        assert release_remote(server.address, ["r1"], "client gone", secret=b"k") == Ack(unknown=["r1"])
-        client = SideChannelClient(server.address, secret=b"k")
+        assert release_remote(server.address, ["r1"], "client gone", ROUTER) == Ack(unknown=["r1"])
+        client = SideChannelClient(server.address, "decode", DECODE)
         assert client.request(Heartbeat(request_ids=["a", "b"])) == Ack(unknown=["a", "b"])
         client.close()
         with pytest.raises(SideChannelError, match="authentication failed"):
-            release_remote(server.address, ["r1"], "x", secret=b"wrong")
+            release_remote(server.address, ["r1"], "x", keyring("router", secret="w" * 32))
+        # A router that believes another prefill key takes no answer from this one.
+        with pytest.raises(SideChannelError, match="bad reply.*no valid prefill signature"):
+            release_remote(server.address, ["r1"], "x", keyring("router", trusted=f"prefill:{public_key_text(b'o' * 32)}"))
     finally:
         server.close()
     with pytest.raises(SideChannelError, match="not sent: no connection"):
-        release_remote(server.address, ["r1"], "x", secret=b"k", timeout=0.3)
+        release_remote(server.address, ["r1"], "x", ROUTER, timeout=0.3)
 
 
 def test_an_answer_that_arrived_in_time_is_taken_by_a_client_that_woke_late(monkeypatch):
@@ -191,7 +265,7 @@ def test_an_answer_that_arrived_in_time_is_taken_by_a_client_that_woke_late(monk
     import pdconnect.sidechannel as sidechannel
 
     server = SideChannelServer("127.0.0.1", 0, lambda m: Ack(unknown=list(m.request_ids)))
-    client = SideChannelClient(server.address, timeout=1.0)
+    client = SideChannelClient(server.address, "decode", timeout=1.0)
     clock = {"reads": 0}
     real = time.monotonic
     caller = threading.get_ident()
@@ -221,7 +295,7 @@ def test_a_handler_error_is_a_refusal_not_a_dead_server():
 
     server = SideChannelServer("127.0.0.1", 0, broken)
     try:
-        client = SideChannelClient(server.address, timeout=2)
+        client = SideChannelClient(server.address, "decode", timeout=2)
         for _ in range(2):  # the serving thread survives the first failure
             with pytest.raises(SideChannelError, match="internal error"):
                 client.request(Release(request_ids=["r"], reason="x"))
@@ -240,6 +314,10 @@ def test_settings_refuse_unknown_keys_and_bad_values():
         ({"side_channel_port": 70000}, "side_channel_port must be in 0..65535"),
         ({"transfer_timeout_seconds": 0}, "transfer_timeout_seconds must be positive"),
         ({"secret": "a", "secret_env": "B"}, "either secret or secret_env"),
+        ({"secret": SECRETS["decode"]}, "go together"),
+        ({"peer_keys": PEER_KEYS}, "go together"),
+        ({"secret": SECRETS["decode"], "peer_keys": "decode:AAAA"}, "not a base64 Ed25519 public key"),
+        ({"secret": SECRETS["decode"], "peer_keys": "boss:AAAA"}, "expected role:key"),
     ]:
         with pytest.raises(ConfigError, match="invalid kv_connector_extra_config") as info:
             ConnectorSettings.from_extra_config(extra)
@@ -249,7 +327,8 @@ def test_settings_refuse_unknown_keys_and_bad_values():
 def test_a_reachable_side_channel_needs_a_secret_or_an_explicit_opt_out():
     with pytest.raises(ConfigError, match="reachable from other machines"):
         ConnectorSettings.from_extra_config({"side_channel_host": "0.0.0.0"})
-    for extra in ({"secret_env": "PD_SECRET"}, {"secret": "s"}, {"allow_insecure_side_channel": True}):
+    for extra in ({"secret_env": "PD_SECRET", "peer_keys_env": "PD_KEYS"},
+                  {"secret": SECRETS["prefill"], "peer_keys": PEER_KEYS}, {"allow_insecure_side_channel": True}):
         assert ConnectorSettings.from_extra_config({"side_channel_host": "0.0.0.0", **extra})
     assert ConnectorSettings.from_extra_config({"side_channel_host": "localhost"}).secret is None
     for extra in ({"side_channel_max_message_bytes": 0}, {"side_channel_max_age_seconds": -1}):
@@ -257,13 +336,32 @@ def test_a_reachable_side_channel_needs_a_secret_or_an_explicit_opt_out():
             ConnectorSettings.from_extra_config(extra)
 
 
-def test_secret_is_read_from_the_environment(monkeypatch):
-    settings = ConnectorSettings.from_extra_config({"secret_env": "PD_SECRET"})
-    monkeypatch.setenv("PD_SECRET", "hunter2")
-    assert settings.resolve_secret() == b"hunter2"
+def test_keys_are_read_from_the_environment_and_must_cover_every_peer_role(monkeypatch):
+    settings = ConnectorSettings.from_extra_config({"secret_env": "PD_SECRET", "peer_keys_env": "PD_KEYS"})
+    monkeypatch.setenv("PD_SECRET", SECRETS["decode"])
+    monkeypatch.setenv("PD_KEYS", PEER_KEYS)
+    keys = settings.resolve_keys(frozenset({"decode"}))
+    assert keys is not None and keys.signs_as == "decode"
+    signed = encode_message(Heartbeat(request_ids=["l"]), "decode", keys)
+    assert _open(signed, PREFILL) == Heartbeat(request_ids=["l"])
+    # A decode engine that was given no prefill key could verify no answer: refused at start.
+    monkeypatch.setenv("PD_KEYS", PEER_KEYS.split()[1])
+    with pytest.raises(ConfigError, match="needs the public keys of prefill"):
+        settings.resolve_keys(frozenset({"decode"}))
     monkeypatch.delenv("PD_SECRET")
     with pytest.raises(ConfigError, match="PD_SECRET"):
-        settings.resolve_secret()
+        settings.resolve_keys(frozenset({"decode"}))
+
+
+def test_without_keys_an_engine_talks_to_this_machine_only():
+    """A plan names the host its prefill engine answers on; without keys nothing proves who
+    answers there, so only loopback hosts are followed (or any, on an explicit opt-out)."""
+    unsigned = ConnectorSettings.from_extra_config({})
+    assert [unsigned.may_dial(h) for h in ("127.0.0.1", "localhost", "::1", "10.0.0.7", "prefill-0")] == [
+        True, True, True, False, False]
+    keyed = ConnectorSettings.from_extra_config({"secret": SECRETS["decode"], "peer_keys": PEER_KEYS})
+    opted_out = ConnectorSettings.from_extra_config({"allow_insecure_side_channel": True})
+    assert keyed.may_dial("10.0.0.7") and opted_out.may_dial("10.0.0.7")
 
 
 def test_kv_transfer_config_json_is_checked_as_the_engine_would():

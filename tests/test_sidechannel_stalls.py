@@ -26,8 +26,9 @@ import pytest
 
 from pdconnect.protocol import Ack, Heartbeat, Message
 from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelServer
+from pdconnect.testbed.keys import keyring
 
-SECRET = b"stall-secret"
+PREFILL, DECODE = keyring("prefill"), keyring("decode")
 WAIT_S = 10.0  # bound on every wait for the child process; none is a performance claim
 
 
@@ -41,7 +42,7 @@ def _serve(port: int, ready: Any, handled: Synchronized[int]) -> None:
         assert isinstance(message, Heartbeat)
         return Ack(unknown=list(message.request_ids))
 
-    server = SideChannelServer("127.0.0.1", port, handler, SECRET)
+    server = SideChannelServer("127.0.0.1", port, handler, PREFILL)
     ready.put(server.port)
     while True:
         time.sleep(60)
@@ -89,7 +90,7 @@ def child() -> Iterator[Child]:
 
 
 def test_requests_sent_to_a_stopped_server_all_reach_it_when_it_runs_again(child: Child) -> None:
-    client = SideChannelClient(child.address, SECRET, timeout=0.5)
+    client = SideChannelClient(child.address, "decode", DECODE, timeout=0.5)
     try:
         assert client.request(Heartbeat(request_ids=["before"])) == Ack(unknown=["before"])
         os.kill(child.process.pid, signal.SIGSTOP)
@@ -114,8 +115,8 @@ def test_a_late_answer_is_never_taken_for_the_answer_to_a_later_request() -> Non
             time.sleep(1.0)
         return Ack(unknown=list(message.request_ids))
 
-    server = SideChannelServer("127.0.0.1", 0, slow_first, SECRET)
-    client = SideChannelClient(server.address, SECRET, timeout=0.3)
+    server = SideChannelServer("127.0.0.1", 0, slow_first, PREFILL)
+    client = SideChannelClient(server.address, "decode", DECODE, timeout=0.3)
     try:
         with pytest.raises(NoAnswer):
             client.request(Heartbeat(request_ids=["slow"]))
@@ -132,7 +133,7 @@ def test_a_request_that_could_not_be_sent_is_never_delivered_later() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    client = SideChannelClient(f"tcp://127.0.0.1:{port}", SECRET, timeout=0.3)
+    client = SideChannelClient(f"tcp://127.0.0.1:{port}", "decode", DECODE, timeout=0.3)
     try:
         with pytest.raises(NoAnswer, match="not sent"):
             client.request(Heartbeat(request_ids=["early"]))

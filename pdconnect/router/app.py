@@ -133,7 +133,7 @@ class Router:
             registry=self.metrics.registry,
         )
         self._resolver = resolver
-        self._secret = config.resolve_secret()
+        self._side_channel_keys = config.resolve_side_channel_keys()
         self._admin_token = config.resolve_admin_token()
         self._flow: PDFlow | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -185,7 +185,7 @@ class Router:
             headers={"Accept-Encoding": "identity"},
         )
         self._session = session
-        releaser = PrefillReleaser(self._secret, config.release_timeout, self.metrics)
+        releaser = PrefillReleaser(self._side_channel_keys, config.release_timeout, self.metrics)
         upstream = UpstreamPool(config.connect_timeout, config.upstream_keepalive)
         feed = self._kv_events_feed() if config.policy == "kv-aware" else None
         load = LoadBound(config.affinity_load_factor, config.affinity_min_load)

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from pdconnect.errors import ConfigError
+from pdconnect.keyring import Keyring, SigningKey, TrustedKeys
 
 __all__ = ["ConfigError", "DnsTarget", "RouterConfig", "engine_origin", "load_config", "parse_args"]
 
@@ -154,6 +155,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     breaker_cooldown: float = 10.0
 
     side_channel_secret_env: str | None = None
+    # The prefill engines' public side-channel keys (`prefill:KEY` tokens), to check their answers.
+    side_channel_peer_keys_env: str | None = None
     release_timeout: float = 2.0
     # The client's body: at most this many bytes on the wire and once inflated (gzip,
     # deflate), all of it within this many seconds.
@@ -255,6 +258,19 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def resolve_secret(self) -> bytes | None:
         """The side-channel secret from the environment, read once at start."""
         return _read_env(self.side_channel_secret_env)
+
+    def resolve_side_channel_keys(self) -> Keyring | None:
+        """The router's side-channel keys (it signs as "router", believes "prefill"), read once
+        at start; None without a secret. ConfigError for a short secret or missing peer keys."""
+        secret = self.resolve_secret()
+        peer_keys = _read_env(self.side_channel_peer_keys_env)
+        if (secret is None) != (peer_keys is None):
+            raise ConfigError("--side-channel-secret-env and --side-channel-peer-keys-env go together")
+        if secret is None or peer_keys is None:
+            return None
+        return Keyring.checked(
+            SigningKey(secret), TrustedKeys.parse(peer_keys.decode()), "router", frozenset({"prefill"})
+        )
 
     def resolve_admin_token(self) -> str | None:
         value = _read_env(self.admin_token_env)
@@ -389,6 +405,12 @@ def _parser() -> argparse.ArgumentParser:
         flow, "fallback", "decode-only fallback when every prefill attempt fails", action=argparse.BooleanOptionalAction
     )
     _add(flow, "side-channel-secret-env", "environment variable holding the side-channel secret", metavar="NAME")
+    _add(
+        flow,
+        "side-channel-peer-keys-env",
+        "environment variable holding the prefill engines' public side-channel keys (prefill:KEY ...)",
+        metavar="NAME",
+    )
     _add(flow, "max-body-bytes", "largest request body, as sent and once inflated", type=int, metavar="BYTES")
     _add(flow, "body-read-timeout", "seconds to receive a whole request body", **seconds)
     _add(
