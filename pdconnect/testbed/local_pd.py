@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -79,6 +80,9 @@ class LocalPD:
     prefill: ManagedProcess
     decode: ManagedProcess
     router: ManagedProcess
+    # With KV events: the router config file naming every engine's event endpoints (a
+    # second kv-aware router in front of the same engines can read it too).
+    router_config: Path | None = None
 
     @property
     def processes(self) -> tuple[ManagedProcess, ...]:
@@ -135,6 +139,7 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
         warm_up(proc.base_url, MODEL_NAME)
     timeout = str(config.request_timeout_s)
     routing: list[str] = list(config.router_args)
+    router_config = None
     if config.kv_events:
         router_config = cluster.log_dir / f"{name}-router.json"
         router_config.parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +167,7 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
     )
     if config.connector == "vllm-nixl":
         _establish_stock_handshake(router, decode, config.request_timeout_s)
-    return LocalPD(config, prefill, decode, router)
+    return LocalPD(config, prefill, decode, router, router_config)
 
 
 def _kv_events_config(cluster: Cluster, events: dict[str, list[str]], port: int) -> dict[str, Any]:
