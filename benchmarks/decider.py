@@ -114,7 +114,8 @@ def _words(rng: random.Random, count: int) -> str:
     return " ".join(f"w{rng.randrange(0, SPEC.vocab_size - FIRST_WORD_ID)}" for _ in range(count))
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> tuple[Request, str]:
+async def _stream(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
+                  need_content: bool = True) -> tuple[Request, str]:
     """One streamed request: TTFT, the gaps between content chunks, the route, the text."""
     sent = time.perf_counter()
     arrivals: list[float] = []
@@ -134,7 +135,9 @@ async def _stream(session: aiohttp.ClientSession, url: str, path: str, body: dic
                 arrivals.append(time.perf_counter())
                 text.append(piece)
     if not arrivals:
-        raise RuntimeError("a stream without content")
+        if need_content:
+            raise RuntimeError("a stream without content")
+        arrivals.append(time.perf_counter())  # one token that detokenized to nothing
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     return Request(arrivals[0] - sent, gaps, route), "".join(text)
 
@@ -253,7 +256,8 @@ async def _itl_sweep(decode: str, sizes: Sizes) -> list[tuple[int, float, float]
             tasks = [asyncio.create_task(s) for s in streams]
             while length and not all(t.done() for t in tasks):  # one local prefill after another
                 await _stream(session, decode, "/v1/completions",
-                              {"prompt": [rng.choice(vocab) for _ in range(length)], "max_tokens": 1})
+                              {"prompt": [rng.choice(vocab) for _ in range(length)], "max_tokens": 1},
+                              need_content=False)
             done = [await t for t in tasks]
             gaps = [g for r, _ in done for g in r.gaps_s]
             out.append((length, percentile(gaps, 50), percentile(gaps, 99)))
@@ -348,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  sweep=decode_local)
         results += turns
         sweep += itl
+        print(format_turns(turns), flush=True)  # as it comes: a later failure keeps this
     ordered = sorted(results, key=lambda r: (r.workload, r.turn, r.variant != "off"))
     print(f"\nthe same prompts, fresh engines each, decider off vs on (threshold {args.threshold} uncached tokens, "
           f"{args.in_flight} local-prefill tokens in flight per decode engine), {args.transport}")
