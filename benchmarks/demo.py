@@ -127,7 +127,9 @@ def _decode_first_chat(cluster: Cluster, local: LocalPD, seed: int, turns: int =
                 response = client.post(f"{router.base_url}/v1/chat/completions", json={
                     "model": MODEL_NAME, "messages": messages, "max_tokens": 16, "temperature": 0.0,
                     "ignore_eos": True})
-                response.raise_for_status()
+                if response.status_code != 200:
+                    raise RuntimeError(f"decode-first chat turn {turn}: HTTP {response.status_code}: "
+                                       f"{response.text[:300]}")
                 body = response.json()
                 route = response.headers.get("X-PDConnect-Route", "none")
                 routes.append(route)
