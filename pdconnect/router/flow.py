@@ -7,7 +7,9 @@ Read top to bottom in `PDFlow.handle`:
 2. prefill: the body with `max_tokens=1`, `stream=false` and
    `kv_transfer_params={"do_remote_decode": true}` to the key's prefill engine; on error
    or timeout the next engine, and when all failed, decode-only fallback (the decode
-   engine prefills locally; the `x-pdconnect-fallback` header and a metric say so);
+   engine prefills locally; the `x-pdconnect-fallback` header and a metric say so).
+   With `--decode-local`, a request whose decode engine already holds all but a few of
+   its prompt tokens skips this leg the same way (`decider`, `x-pdconnect-route`);
 3. decode: the client's own body plus the prefill engine's `kv_transfer_params`,
    unchanged, to the key's decode engine; a failure before the first byte moves to the
    next decode engine with the same params (the prefill side holds the blocks under
