@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export VLLM_CACHE_ROOT ?= $(CURDIR)/build/vllm-cache
 export UCX_MODULES ?= ^ib
 
-.PHONY: images gpu-check install compat-install test-compat test test-fast test-transport test-faults test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench-coalesce bench-routing bench-handoff clean
+.PHONY: images gpu-check install compat-install test-compat test test-fast test-transport test-faults test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench-coalesce bench-routing bench-handoff bench-decider clean
 
 install: $(STAMP)
 
@@ -155,6 +155,12 @@ HANDOFF_PATHS ?=
 bench-handoff: install
 	@mkdir -p results
 	$(PY) -m benchmarks.handoff --json results/bench-handoff.json $(if $(HANDOFF_PATHS),--paths $(HANDOFF_PATHS))
+
+# Decode-first routing off vs on, fresh engines each, the same multi-turn chat and
+# prefix-repetition traffic; then decode streams' ITL beside local prefills.
+bench-decider: install
+	@mkdir -p results
+	$(PY) -m benchmarks.decider --transport $(TRANSPORT) --json results/bench-decider.json
 
 # Container images the manifests name, built from deploy/images/ with the repository root
 # as context (deploy/README.md, "Images"). The defaults are the names the overlays use;

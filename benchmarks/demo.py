@@ -10,12 +10,17 @@ engine hit its own cache with slack on and less with slack off, and with slack o
 overlapping siblings (coalesced: the second waits for the first's load) and the third
 long-suffix sibling (the shared-prefix junction) hit locally. Every process is
 stopped on success, failure and Ctrl-C (the `Cluster` owns them).
+
+With slack on, a second router (kv-aware, `--decode-local`) then serves one chat
+conversation on the same engines and prints each turn's route: later turns whose
+prompt the decode engine already holds skip the prefill leg.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import sys
 import time
 from collections.abc import Sequence
@@ -27,11 +32,11 @@ from pdconnect.bench.report import format_comparison, format_run, write_chart, w
 from pdconnect.bench.scenarios import (
     MultiTurnScenario, PrefixRepetitionScenario, ProbeScenario, Scenario, TokenSource,
 )
-from pdconnect.testbed.local_pd import LocalPDConfig, start_local_pd
+from pdconnect.testbed.local_pd import LocalPD, LocalPDConfig, start_local_pd
 from pdconnect.testbed.paths import default_build_dir
 from pdconnect.testbed.processes import Cluster, StartupError
-from pdconnect.testbed.recipes import BLOCK_SIZE, SPEC
-from pdconnect.testbed.tinymodel import ensure_target_and_draft
+from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, router_server
+from pdconnect.testbed.tinymodel import FIRST_WORD_ID, ensure_target_and_draft
 
 __all__ = ["DemoSetup", "main"]
 
@@ -79,12 +84,61 @@ def _run(cluster: Cluster, config: LocalPDConfig, setup: DemoSetup, index: int) 
          "running the probe, prefix_repetition and multi-turn")
     try:
         steps, transport = asyncio.run(_measure(LoadGenerator(local.deployment()), setup))
+        if config.replay_slack:
+            _decode_first_chat(cluster, local, setup.seed)
     finally:
         cluster.stop(*local.processes)
     settings = {"transport": config.transport, "replay_slack": config.replay_slack,
                 "model": "tiny hybrid Llama + EAGLE3", "block_size": BLOCK_SIZE,
                 "sliding_window": SPEC.sliding_window, "seed": setup.seed}
     return RunResult(label=label, steps=tuple(steps), settings=settings, transport=transport)
+
+
+# The tiny Llama's KV cache groups, every one taking the EAGLE drop (`--kv-cache-groups`).
+DECODE_LOCAL_GROUPS = "full:128:eagle,sliding:128:64:eagle"
+
+
+def _decode_first_chat(cluster: Cluster, local: LocalPD, seed: int, turns: int = 3) -> list[str]:
+    """One conversation through a kv-aware router with `--decode-local`, in front of the same
+    engines; prints and returns each turn's route (`x-pdconnect-route`)."""
+    import httpx
+
+    target, _ = ensure_target_and_draft(SPEC)
+    assert local.router_config is not None, "the demo's engines publish KV events"
+    timeout = str(local.config.request_timeout_s)
+    [router] = cluster.launch(router_server(
+        "demo-decode-first-router", port=cluster.free_port(), prefill=[local.prefill.base_url],
+        decode=[local.decode.base_url],
+        args=["--config", str(local.router_config), "--policy", "kv-aware", "--tokenizer", str(target),
+              "--decode-local", "--kv-cache-groups", DECODE_LOCAL_GROUPS, "--no-fallback",
+              "--prefill-timeout", timeout, "--decode-timeout", timeout]))
+    rng = random.Random(seed)
+
+    def words(count: int) -> str:
+        return " ".join(f"w{rng.randrange(0, SPEC.vocab_size - FIRST_WORD_ID)}" for _ in range(count))
+
+    _say("decode-first routing: one chat conversation through a kv-aware router with --decode-local")
+    messages = [{"role": "system", "content": words(600)}]
+    routes = []
+    try:
+        with httpx.Client(timeout=local.config.request_timeout_s) as client:
+            for turn in range(1, turns + 1):
+                messages.append({"role": "user", "content": words(60)})
+                response = client.post(f"{router.base_url}/v1/chat/completions", json={
+                    "model": MODEL_NAME, "messages": messages, "max_tokens": 16, "temperature": 0.0,
+                    "ignore_eos": True})
+                if response.status_code != 200:
+                    raise RuntimeError(f"decode-first chat turn {turn}: HTTP {response.status_code}: "
+                                       f"{response.text[:300]}")
+                body = response.json()
+                route = response.headers.get("X-PDConnect-Route", "none")
+                routes.append(route)
+                print(f"  turn {turn}: {body['usage']['prompt_tokens']} prompt tokens, route {route}", flush=True)
+                messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+                time.sleep(0.5)  # the decode engine's KV events reach the router
+    finally:
+        cluster.stop(router)
+    return routes
 
 
 LEGEND = (
@@ -152,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with Cluster(log_dir=args.out / "logs") as cluster:
             for index, slack in enumerate((True, False), start=1):
-                run = _run(cluster, LocalPDConfig(transport=args.transport, replay_slack=slack), setup, index)
+                config = LocalPDConfig(transport=args.transport, replay_slack=slack, kv_events=True)
+                run = _run(cluster, config, setup, index)
                 print(("\n" + LEGEND + "\n" if index == 1 else "") + "\n" + format_run(run) + "\n", flush=True)
                 runs.append(run)
     except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C, or SIGTERM (the Cluster raises SystemExit)

@@ -31,6 +31,7 @@ from aiohttp.web_protocol import RequestHandler
 from prometheus_client import Counter
 
 from pdconnect.router.config import ConfigError, RouterConfig, engine_origin, parse_args
+from pdconnect.router.decider import DeciderSettings, DecodeLocalDecider
 from pdconnect.router.discovery import DnsDiscovery, Resolver, resolve_addresses
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
@@ -52,6 +53,7 @@ from pdconnect.router.errors import (
 from pdconnect.router.flow import Endpoint, PDFlow, PrefillReleaser
 from pdconnect.router.health import CircuitBreaker, HealthMonitor
 from pdconnect.router.kvevents import KVEventsFeed, events_endpoint
+from pdconnect.router.lookup import parse_groups
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.policy import LeastLoaded, LoadBound, make_policy
 from pdconnect.router.upstream import UpstreamPool
@@ -197,6 +199,7 @@ class Router:
             releaser,
             make_policy(config.policy, load, config.affinity_vnodes, feed),
             make_policy(config.policy, load, config.affinity_vnodes, feed),
+            self._decider(feed),
         )
         tasks: list[asyncio.Task[None]] = []
         monitor = None
@@ -248,6 +251,18 @@ class Router:
             if feed is not None:
                 await feed.close()
             releaser.close(wait=True)
+
+    def _decider(self, feed: KVEventsFeed | None) -> DecodeLocalDecider | None:
+        config = self.config
+        if not config.decode_local or feed is None or config.kv_cache_groups is None:
+            return None  # RouterConfig refuses decode_local without kv-aware and groups
+        settings = DeciderSettings(
+            groups=parse_groups(config.kv_cache_groups),
+            max_uncached_tokens=config.decode_local_max_uncached_tokens,
+            max_uncached_ratio=config.decode_local_max_uncached_ratio,
+            max_local_tokens_in_flight=config.decode_local_max_tokens_in_flight,
+        )
+        return DecodeLocalDecider(settings, feed, self.metrics)
 
     def _kv_events_feed(self) -> KVEventsFeed:
         """Subscribe to every engine's KV events as it joins; drop it as it leaves."""

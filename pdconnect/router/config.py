@@ -19,6 +19,7 @@ import msgspec
 
 from pdconnect.errors import ConfigError
 from pdconnect.keyring import Keyring, SigningKey, TrustedKeys
+from pdconnect.router.lookup import parse_groups
 
 __all__ = ["ConfigError", "DnsTarget", "RouterConfig", "engine_origin", "load_config", "parse_args"]
 
@@ -127,6 +128,16 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # tokenizer_config.json, its chat template) for text and chat prompts, or a bare
     # tokenizer.json for text only; without it only token-id prompts route by real hits.
     tokenizer: str | None = None
+    # Decode-first routing (kv-aware only, `decider.py`): a request whose decode engine
+    # would compute at most this many of its prompt tokens itself (and at most this
+    # share of the prompt) skips the prefill leg; local prefills in flight per decode
+    # engine stay under the token bound. The engines' KV cache groups (`lookup.py`
+    # syntax) say how vLLM's lookup treats each group.
+    decode_local: bool = False
+    kv_cache_groups: str | None = None
+    decode_local_max_uncached_tokens: int = 256
+    decode_local_max_uncached_ratio: float = 1.0
+    decode_local_max_tokens_in_flight: int = 512
 
     connect_timeout: float = 2.0
     # Idle pooled connections to engines are closed after this many seconds: below the
@@ -232,6 +243,17 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise ConfigError(f"affinity_load_factor must be >= 1, got {self.affinity_load_factor}")
         if self.policy == "kv-aware" and self.kv_events_port is None and not self.kv_events_endpoints:
             raise ConfigError("the kv-aware policy needs --kv-events-port (or kv_events_endpoints)")
+        if self.decode_local:
+            if self.policy != "kv-aware":
+                raise ConfigError("decode_local needs the kv-aware policy (it reads the engines' KV events)")
+            if not self.kv_cache_groups:
+                raise ConfigError("decode_local needs --kv-cache-groups (the engines' KV cache groups)")
+            if self.decode_local_max_uncached_tokens < 1 or self.decode_local_max_tokens_in_flight < 1:
+                raise ConfigError("decode_local token bounds must be >= 1")
+            if not 0 < self.decode_local_max_uncached_ratio <= 1:
+                raise ConfigError("decode_local_max_uncached_ratio must be in (0, 1]")
+        if self.kv_cache_groups is not None:
+            parse_groups(self.kv_cache_groups)
         if not (self.decode or self.decode_dns):
             raise ConfigError("no decode engines: give --decode URL or --decode-dns NAME:PORT")
         if not 0 <= self.port < 65536:
@@ -374,6 +396,39 @@ def _parser() -> argparse.ArgumentParser:
         "template) to turn text and chat prompts into the engine's token ids; a bare tokenizer.json serves "
         "text only; without it such prompts are placed by prefix affinity",
         metavar="PATH",
+    )
+    _add(
+        routing,
+        "decode-local",
+        "kv-aware: a request whose decode engine already caches all but a few prompt tokens "
+        "skips the prefill leg (decode prefills them itself)",
+        action=argparse.BooleanOptionalAction,
+    )
+    _add(
+        routing,
+        "kv-cache-groups",
+        "decode-local: the engines' KV cache groups, e.g. full:128:eagle,sliding:128:64:eagle "
+        "(:eagle on the groups that take the EAGLE/MTP drop: every group under EAGLE, the "
+        "drafter's group under MTP)",
+        metavar="SPEC",
+    )
+    _add(
+        routing,
+        "decode-local-max-uncached-tokens",
+        "decode-local: most prompt tokens a decode engine may compute itself for one request",
+        type=int,
+    )
+    _add(
+        routing,
+        "decode-local-max-uncached-ratio",
+        "decode-local: most share of a prompt a decode engine may compute itself",
+        type=float,
+    )
+    _add(
+        routing,
+        "decode-local-max-tokens-in-flight",
+        "decode-local: most local-prefill tokens in flight per decode engine; beyond it, P/D",
+        type=int,
     )
     _add(routing, "affinity-prefix-chars", "characters of prompt text hashed for the affinity key", type=int)
     _add(routing, "affinity-prefix-tokens", "token ids hashed for the affinity key", type=int)

@@ -10,7 +10,9 @@ Read top to bottom in `PDFlow.handle`:
    answer, at most `max_prefill_answer_bytes`, only `kv_transfer_params` and `usage` are
    decoded; on error or timeout the next engine, and when all failed, decode-only
    fallback (the decode engine prefills locally; the `x-pdconnect-fallback` header and a
-   metric say so);
+   metric say so).
+   With `--decode-local`, a request whose decode engine already holds all but a few of
+   its prompt tokens skips this leg the same way (`decider`, `x-pdconnect-route`);
 3. decode: the client's own body plus the prefill engine's `kv_transfer_params`,
    unchanged, to the key's decode engine; a failure before the first byte moves to the
    next decode engine with the same params (the prefill side holds the blocks under
@@ -53,6 +55,7 @@ from pdconnect.protocol import Message, ProtocolError, Release, decode_plan
 from pdconnect.router.body import read_body
 from pdconnect.router.chat_template import NotRendered, PromptTokenizer
 from pdconnect.router.config import RouterConfig
+from pdconnect.router.decider import DecodeLocalDecider, Route
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
     BadRequest,
@@ -281,13 +284,15 @@ class _AttemptFailed(Exception):
 class _Trace:
     """What happened to one request, for its metrics and response headers."""
 
-    __slots__ = ("fallback", "outcome", "prefilled", "stalled")
+    __slots__ = ("decode_engines", "fallback", "outcome", "prefilled", "route", "stalled")
 
     def __init__(self) -> None:
         self.outcome = "bad_request"
         self.fallback: str | None = None
         self.prefilled: Prefilled | None = None
         self.stalled = False  # the client stopped reading and was dropped
+        self.route: Route | None = None  # the decode-local decider's, when there is one
+        self.decode_engines: list[Engine] | None = None  # pinned by a decode-local route
 
 
 # The prompts of larger bodies are rendered and tokenized on a worker thread (whose batch
@@ -394,8 +399,10 @@ class PDFlow:
         releaser: PrefillReleaser,
         prefill_policy: RoutingPolicy,
         decode_policy: RoutingPolicy,
+        decider: DecodeLocalDecider | None = None,
     ) -> None:
         self._config = config
+        self._decider = decider
         self._registry = registry
         self._upstream = upstream
         self._metrics = metrics
@@ -447,7 +454,9 @@ class PDFlow:
                 call = dataclasses.replace(call, tokens=await self._tokens(call))
             if not any(engine.routable for engine in self._registry.engines(Role.DECODE)):
                 raise NoEngineAvailable(Role.DECODE.value)  # before P computes for nobody
-            trace.prefilled = await self._prefill(call, trace)
+            trace.route = self._route(call, trace)
+            if trace.route is None or not trace.route.local:
+                trace.prefilled = await self._prefill(call, trace)
             params = trace.prefilled.params if trace.prefilled else None
             response = await self._decode(http, call, trace, params)
             return response
@@ -458,6 +467,8 @@ class PDFlow:
             trace.outcome = _OUTCOME_OF_ERROR.get(type(exc), "bad_request")
             raise
         finally:
+            if trace.route is not None:
+                trace.route.prefilled()
             if trace.outcome not in _SERVED and trace.prefilled is not None:
                 self._releaser.release(trace.prefilled.params, trace.outcome)
             self._metrics.request_done(endpoint.label, trace.outcome, time.perf_counter() - started)
@@ -562,6 +573,17 @@ class PDFlow:
             raise NotRendered("unsupported_request", "`add_special_tokens` is not a boolean")
         return prompt, add_special_tokens
 
+    def _route(self, call: Call, trace: _Trace) -> Route | None:
+        """Decode-first routing (`decider`): decode-local skips the prefill leg, on the decode
+        engine the decision was made for (pinned); None without a decider."""
+        if self._decider is None:
+            return None
+        engines = self._candidates(Role.DECODE, call, self._config.decode_attempts)
+        route = self._decider.decide(engines[0] if engines else None, call.tokens, call.body)
+        if route.local:
+            trace.decode_engines = engines
+        return route
+
     # --- prefill leg ----------------------------------------------------------------------
 
     async def _prefill(self, call: Call, trace: _Trace, round_: int = 0) -> Prefilled | None:
@@ -644,7 +666,7 @@ class PDFlow:
     async def _decode(
         self, http: web.Request, call: Call, trace: _Trace, params: dict[str, Any] | None
     ) -> web.StreamResponse:
-        engines = self._candidates(Role.DECODE, call, self._config.decode_attempts)
+        engines = trace.decode_engines or self._candidates(Role.DECODE, call, self._config.decode_attempts)
         if not engines:
             raise NoEngineAvailable(Role.DECODE.value)
         body = decode_body(call, params)
@@ -652,11 +674,13 @@ class PDFlow:
         last: _AttemptFailed | None = None
         suspects: list[Engine] = []
         for attempt, engine in enumerate(engines):
-            if attempt > 0 and trace.prefilled is not None:
+            local = trace.route is not None and trace.route.local
+            if attempt > 0 and (trace.prefilled is not None or local):
                 # The failed engine may have claimed (or half-pulled) the plan: it must not
-                # travel on. Free it, and prefill again for the next engine.
+                # travel on. Free it, and prefill again for the next engine (which does not
+                # hold a decode-local request's prompt either).
                 body = decode_body(call, await self._prefill_again(call, trace, attempt))
-            merger = UsageMerger.from_prefill(trace.prefilled.usage) if trace.prefilled else None
+            merger = UsageMerger.from_prefill(trace.prefilled.usage) if trace.prefilled else self._hit_check(trace)
             verdict: bool | None = None
             engine.begin()
             sent = time.perf_counter()
@@ -681,6 +705,9 @@ class PDFlow:
                 except EngineRejected:
                     verdict = True
                     raise
+                finally:
+                    if trace.route is not None:
+                        trace.route.prefilled()  # a local prefill is over at the first byte
                 _blame(suspects)
                 self._observe_affinity(Role.DECODE, call, engine)
                 headers = self._response_headers(call, trace, engine, resp)
@@ -699,8 +726,10 @@ class PDFlow:
 
     async def _prefill_again(self, call: Call, trace: _Trace, round_: int) -> dict[str, Any] | None:
         """Release the current plan and get a fresh one (None: decode-only from here)."""
-        assert trace.prefilled is not None
-        self._releaser.release(trace.prefilled.params, "decode_retry")
+        if trace.route is not None and trace.route.local:
+            trace.route.local, trace.route.reason = False, "decode_retry"
+        if trace.prefilled is not None:
+            self._releaser.release(trace.prefilled.params, "decode_retry")
         self._metrics.retries.labels(Role.PREFILL.value, "decode_retry").inc()
         trace.prefilled = None
         trace.prefilled = await self._prefill(call, trace, round_)
@@ -872,6 +901,12 @@ class PDFlow:
     def _candidates(self, role: Role, call: Call, attempts: int) -> list[Engine]:
         return self._policies[role].order(self._registry.engines(role), call.key, call.tokens)[:attempts]
 
+    def _hit_check(self, trace: _Trace) -> UsageMerger | None:
+        """A decode-local answer's usage is the engine's own: read it to check the prediction."""
+        if self._decider is None or trace.route is None or not trace.route.local:
+            return None
+        return self._decider.usage_check(trace.route)
+
     def _note_failure(self, role: Role, engine: Engine, failure: _AttemptFailed, retry: bool) -> None:
         logger.warning("%s attempt at %s failed: %s", role.value, engine.url, failure)
         if retry:
@@ -888,6 +923,8 @@ class PDFlow:
         headers["X-Request-Id"] = call.request_id
         if trace.fallback:
             headers["X-PDConnect-Fallback"] = trace.fallback
+        if trace.route is not None:
+            headers["X-PDConnect-Route"] = trace.route.header(self._config.route_headers)
         if self._config.route_headers:
             headers["X-PDConnect-Decode"] = engine.url
             headers["X-PDConnect-Prefill"] = trace.prefilled.engine.url if trace.prefilled else "none"

@@ -137,6 +137,11 @@ class KVEventsFeed:
             return {}
         return await asyncio.get_running_loop().run_in_executor(None, prompt_keys, tokens, sizes)
 
+    def index(self, url: str) -> EngineKVIndex | None:
+        """The engine's index, or None while it is not fresh (the same rule as `hit_tokens`)."""
+        sub = self._subs.get(url)
+        return sub.index if sub is not None and sub.fresh else None
+
     async def close(self) -> None:
         tasks = [s.task for s in self._subs.values() if s.task is not None]
         for task in tasks:

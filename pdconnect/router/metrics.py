@@ -295,6 +295,34 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        # The decode-local decider (`decider.py`): every decided request's route and why,
+        # what a full-attention-only reading would have chosen, and each decode-local hit
+        # checked against the hit the engine reported.
+        self.decode_routes = _LoopCounter(
+            "pdconnect_router_decode_routes",
+            "Decided requests by route (decode-local: no prefill leg; pd) and reason",
+            ["route", "reason"],
+            r,
+        )
+        self.decode_routes_full_attention_only = _LoopCounter(
+            "pdconnect_router_decode_routes_full_attention_only",
+            "The route a decider reading full-attention KV state alone would have chosen for the same requests",
+            ["route"],
+            r,
+        )
+        self.decode_local_hit_checks = _LoopCounter(
+            "pdconnect_router_decode_local_hit_checks",
+            "Decode-local requests whose engine reported its prefix-cache hit: the prediction matched, "
+            "or was over or under what the engine found (a misprediction)",
+            ["result"],
+            r,
+        )
+        self.decode_local_prefill_tokens = _LoopCounter(
+            "pdconnect_router_decode_local_prefill_tokens",
+            "Prompt tokens the decider predicted a decode engine computes itself (decode-local requests)",
+            [],
+            r,
+        )
         r.register(_EngineCollector(engines))
         # Labelled children, looked up once per label set.
         self._ends: dict[tuple[str, str], tuple[_CounterChild, _HistogramChild]] = {}

@@ -9,7 +9,9 @@ measures ours against.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -57,6 +59,12 @@ class LocalPDConfig:
     max_num_batched_tokens: int | None = None
     # "vllm-nixl": vLLM's NixlConnector; `transport` and the switches above are then unused.
     connector: Connector = "pdconnect"
+    # The EAGLE3 draft on every engine (off: no speculative decoding).
+    speculative: bool = True
+    # Engines publish vLLM KV events and the router routes kv-aware by them (the model's
+    # tokenizer for text and chat prompts), with `router_args` added to its command line.
+    kv_events: bool = False
+    router_args: tuple[str, ...] = ()
 
     def kv_transfer_config(self, role: str) -> dict[str, Any]:
         if self.connector == "vllm-nixl":
@@ -72,6 +80,9 @@ class LocalPD:
     prefill: ManagedProcess
     decode: ManagedProcess
     router: ManagedProcess
+    # With KV events: the router config file naming every engine's event endpoints (a
+    # second kv-aware router in front of the same engines can read it too).
+    router_config: Path | None = None
 
     @property
     def processes(self) -> tuple[ManagedProcess, ...]:
@@ -98,17 +109,24 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
     NixlConnector, one P/D request through the router then establishes its handshake.
     """
     target, draft = ensure_target_and_draft(spec)
+    events: dict[str, list[str]] = {}  # engine url -> its events and replay endpoints
 
     def engine(role: str, kv_role: str) -> ManagedProcess:
+        port = cluster.free_port()
+        args = engine_args(
+            draft if config.speculative else None,
+            config.kv_transfer_config(kv_role),
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        if config.kv_events:
+            args += ["--kv-events-config", json.dumps(_kv_events_config(cluster, events, port))]
         return cluster.start(
             vllm_server(
                 f"{name}-{role}",
                 target,
-                port=cluster.free_port(),
+                port=port,
                 served_model_name=MODEL_NAME,
-                args=engine_args(
-                    draft, config.kv_transfer_config(kv_role), max_num_batched_tokens=config.max_num_batched_tokens
-                ),
+                args=args,
                 kv_cache_gib=config.kv_cache_gib,
                 # Two NixlConnector engines on one host would both bind the default port.
                 side_channel_port=cluster.free_port() if config.connector == "vllm-nixl" else None,
@@ -120,6 +138,13 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
     for proc in (prefill, decode):
         warm_up(proc.base_url, MODEL_NAME)
     timeout = str(config.request_timeout_s)
+    routing: list[str] = list(config.router_args)
+    router_config = None
+    if config.kv_events:
+        router_config = cluster.log_dir / f"{name}-router.json"
+        router_config.parent.mkdir(parents=True, exist_ok=True)
+        router_config.write_text(json.dumps({"kv_events_endpoints": events}))
+        routing = ["--config", str(router_config), "--policy", "kv-aware", "--tokenizer", str(target), *routing]
     [router] = cluster.launch(
         router_server(
             f"{name}-router",
@@ -136,12 +161,26 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
                 timeout,
                 "--decode-timeout",
                 timeout,
+                *routing,
             ],
         )
     )
     if config.connector == "vllm-nixl":
         _establish_stock_handshake(router, decode, config.request_timeout_s)
-    return LocalPD(config, prefill, decode, router)
+    return LocalPD(config, prefill, decode, router, router_config)
+
+
+def _kv_events_config(cluster: Cluster, events: dict[str, list[str]], port: int) -> dict[str, Any]:
+    """An engine's `--kv-events-config`, its endpoints noted for the router. vLLM binds an
+    endpoint only when its host is a wildcard (it connects to any other)."""
+    events_port, replay_port = cluster.free_port(), cluster.free_port()
+    events[f"http://127.0.0.1:{port}"] = [f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}"]
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+    }
 
 
 def _establish_stock_handshake(router: ManagedProcess, decode: ManagedProcess, timeout_s: float) -> None:

@@ -1,0 +1,187 @@
+"""Decode-first routing: a request skips the prefill leg when its decode engine already holds the prompt.
+
+Once the policy has picked the decode engine, the decider predicts the prompt tokens that
+engine would compute itself: the prompt length minus the hit vLLM's own lookup gives
+there (`lookup.predicted_hits`: every KV group, the `prompt_len - 1` cap, the cache-hit
+alignment and the EAGLE/MTP drop, replayed over the router's KV index). When that
+*uncached* part is small (at most `max_uncached_tokens`, and at most `max_uncached_ratio`
+of the prompt), the request goes to decode alone, as the decode-only fallback does: no
+prefill leg, no transfer plan. Otherwise it is P/D as before.
+
+A full-attention-only reading (the one a decider sees that ignores sliding-window groups)
+calls a prompt cached whose window blocks the engine no longer holds, and the engine then
+recomputes all of it; here a sliding-window group without its run makes the prompt P/D.
+
+Invariants:
+- a prediction is made only from a fresh index (KV events without an unrepaired gap); no
+  index, no token ids, or a request vLLM would not look up (prompt logprobs) or would hash
+  differently from the index (a cache salt) is P/D, with the reason named;
+- decode's own load bounds local prefills: the uncached tokens of the decode-local
+  requests not yet past their first byte, per engine, never exceed
+  `max_local_tokens_in_flight`; a request that would is P/D ("busy"). Each reservation is
+  released exactly once (`Route.prefilled`), on the first byte, a failure or the end;
+- a decode-local request whose engine reports its cached prompt tokens is checked
+  against the prediction (`pdconnect_router_decode_local_hit_checks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+
+from pdconnect.router.engines import Engine
+from pdconnect.router.kvindex import EngineKVIndex
+from pdconnect.router.lookup import CacheGroups, predicted_hits
+from pdconnect.router.metrics import RouterMetrics
+from pdconnect.router.usage import UsageMerger
+
+__all__ = ["DeciderSettings", "DecodeLocalDecider", "IndexSource", "Route"]
+
+LOCAL = "decode-local"
+PD = "pd"
+
+
+class IndexSource(Protocol):
+    def index(self, url: str) -> EngineKVIndex | None: ...
+
+
+@dataclass(frozen=True)
+class DeciderSettings:
+    groups: CacheGroups
+    max_uncached_tokens: int
+    max_uncached_ratio: float
+    max_local_tokens_in_flight: int
+
+
+class Route:
+    """One request's decision. `hit`/`full_attention_hit` are predictions (-1: none made)."""
+
+    __slots__ = ("_release", "full_attention_hit", "hit", "local", "prompt_tokens", "reason")
+
+    def __init__(
+        self,
+        local: bool,
+        reason: str,
+        prompt_tokens: int = 0,
+        hit: int = -1,
+        full_attention_hit: int = -1,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self.local = local
+        self.reason = reason
+        self.prompt_tokens = prompt_tokens
+        self.hit = hit
+        self.full_attention_hit = full_attention_hit
+        self._release = release
+
+    @property
+    def name(self) -> str:
+        return LOCAL if self.local else PD
+
+    def header(self, detail: bool) -> str:
+        """`x-pdconnect-route`: the route and reason; with `detail`, the predicted token counts."""
+        text = f"{self.name}; reason={self.reason}"
+        if detail and self.hit >= 0:
+            text += f"; prompt={self.prompt_tokens}; hit={self.hit}; full_attention_hit={self.full_attention_hit}"
+        return text
+
+    def prefilled(self) -> None:
+        """The decode engine is past this request's prompt (or never got it): free its share."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class DecodeLocalDecider:
+    """Decides decode-local vs P/D per request and tracks local prefills per decode engine."""
+
+    def __init__(self, settings: DeciderSettings, indexes: IndexSource, metrics: RouterMetrics) -> None:
+        self._settings = settings
+        self._full_attention_only = settings.groups.full_attention_only()
+        self._indexes = indexes
+        self._metrics = metrics
+        self._in_flight: dict[str, int] = {}  # engine url -> uncached tokens of local prefills
+
+    def local_tokens_in_flight(self, url: str) -> int:
+        return self._in_flight.get(url, 0)
+
+    def decide(self, engine: Engine | None, tokens: Sequence[int] | None, body: dict[str, Any]) -> Route:
+        route = self._decide(engine, tokens, body)
+        self._metrics.decode_routes.labels(route.name, route.reason).inc()
+        if route.full_attention_hit >= 0:
+            shadow = LOCAL if self._small(route.prompt_tokens - route.full_attention_hit, route.prompt_tokens) else PD
+            self._metrics.decode_routes_full_attention_only.labels(shadow).inc()
+        return route
+
+    def _decide(self, engine: Engine | None, tokens: Sequence[int] | None, body: dict[str, Any]) -> Route:
+        if engine is None:
+            return Route(False, "no_engine")
+        if not tokens:
+            return Route(False, "no_tokens")
+        if body.get("prompt_logprobs") is not None or body.get("cache_salt") is not None:
+            # vLLM skips its lookup for prompt logprobs; a salt changes the engine's
+            # hashes but not the content keys the index holds.
+            return Route(False, "unpredictable")
+        index = self._indexes.index(engine.url)
+        if index is None:
+            return Route(False, "no_events")
+        hit, full_hit = predicted_hits(self._settings.groups, index, tokens)
+        count = len(tokens)
+        uncached = count - hit
+        if not self._small(uncached, count):
+            return Route(False, "uncached", count, hit, full_hit)
+        url = engine.url
+        busy = self._in_flight.get(url, 0)
+        if busy + uncached > self._settings.max_local_tokens_in_flight:
+            return Route(False, "busy", count, hit, full_hit)
+        self._in_flight[url] = busy + uncached
+        self._metrics.decode_local_prefill_tokens.labels().inc(uncached)
+        return Route(True, "cached", count, hit, full_hit, release=lambda: self._release(url, uncached))
+
+    def _small(self, uncached: int, count: int) -> bool:
+        settings = self._settings
+        return uncached <= settings.max_uncached_tokens and uncached <= settings.max_uncached_ratio * count
+
+    def _release(self, url: str, tokens: int) -> None:
+        left = self._in_flight.get(url, 0) - tokens
+        if left > 0:
+            self._in_flight[url] = left
+        else:
+            self._in_flight.pop(url, None)
+
+    def usage_check(self, route: Route) -> UsageMerger:
+        """Passes a decode-local answer's usage through unchanged, checking its reported hit."""
+        return _HitCheck(route.hit, self._count_check)
+
+    def _count_check(self, predicted: int, reported: int) -> None:
+        result = "match" if reported == predicted else ("over" if predicted > reported else "under")
+        self._metrics.decode_local_hit_checks.labels(result).inc()
+
+
+class _HitCheck(UsageMerger):
+    """A `UsageMerger` that changes nothing: a decode-local answer's usage is the engine's own
+    (it computed the prompt), read once for its `prompt_tokens_details.cached_tokens`."""
+
+    def __init__(self, predicted: int, check: Callable[[int, int], None]) -> None:
+        super().__init__(0, None)
+        self._predicted = predicted
+        self._check: Callable[[int, int], None] | None = check
+
+    def merge(self, usage: dict[str, Any]) -> None:
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if self._check is not None and isinstance(cached, int) and not isinstance(cached, bool):
+            self._check(self._predicted, cached)
+            self._check = None
+
+    def rewrite_body(self, body: bytes) -> bytes:
+        try:
+            doc = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            return body
+        if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
+            self.merge(doc["usage"])
+        return body
