@@ -410,6 +410,6 @@ def test_fuzzed_transfer_params_fail_cleanly_or_load_true_kv(prefill, decode, cl
     run()
     assert_cache_holds_only_true_kv(decode, tokens)
     print(f"[fuzz] outcomes over 1000 mutated plans: {outcomes}")
-    assert outcomes.get("error (altered)", 0) > 300  # the strategy really alters plans
+    assert outcomes.get("error (altered)", 0) > 200  # the strategy really alters plans
     assert outcomes.get("length (ill-typed)", 0) > 100  # and breaks their types
     assert serve(prefill, decode, "after-fuzz", random_tokens(PROMPT, seed=112)).finish_reason == "length"

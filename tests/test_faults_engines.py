@@ -894,7 +894,8 @@ def test_fuzzed_transfer_params_never_serve_wrong_tokens(pd: EngineSet, http: ht
 # --- 9. kv_transfer_params of every JSON type, at every level ---------------------------------
 
 
-def _post(http: httpx.Client, url: str, prompt: list[int], max_tokens: int, carrier: str, params: Any) -> httpx.Response:
+def _post(http: httpx.Client, url: str, prompt: list[int], max_tokens: int, carrier: str,
+          params: Any) -> httpx.Response:
     """A completion carrying `params` as the body's kv_transfer_params or as vllm_xargs's."""
     body: dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                             "ignore_eos": True, "return_token_ids": True}
