@@ -943,7 +943,8 @@ def test_transfer_params_of_every_json_type_are_refused_with_400_and_leak_nothin
     for carrier, case in sent:
         expected = expected_ask(case.params)
         try:
-            outcomes[_judge(_post(http, engines.decode.base_url, prompt, 4, carrier, case.params), expected, want)] += 1
+            answer = _post(http, engines.decode.base_url, prompt, DECODE_TOKENS, carrier, case.params)
+            outcomes[_judge(answer, expected, want)] += 1
         except (AssertionError, httpx.HTTPError, ValueError) as exc:
             problems.append(f"{carrier} {case.name} ({expected}): {type(exc).__name__}: {exc}")
         if not engines.decode.is_running():
