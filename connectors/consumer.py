@@ -44,7 +44,7 @@ from connectors.settings import ConnectorSettings
 from connectors.stats import StatsRecorder
 from pdconnect.keyring import Keyring
 from pdconnect.notifier import PeerNotifier
-from pdconnect.protocol import Ack, Claim, Done, Heartbeat, Message, ProtocolError, Release, TransferPlan, decode_plan
+from pdconnect.protocol import Ack, Claim, Done, Heartbeat, Message, Release, TransferPlan
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -177,20 +177,19 @@ class Consumer(CacheBound):
 
     # --- scheduler hooks --------------------------------------------------------------
 
-    def wants(self, request: Request) -> bool:
-        params = request.kv_transfer_params
-        return params is not None and params.get("do_remote_prefill") is True
-
-    def arrive(self, request: Request) -> None:
-        """First sight of a P/D request: check its plan, claim the lease, keep it alive."""
+    def arrive(self, request: Request, plan: TransferPlan) -> None:
+        """First sight of a P/D request: check its plan (decoded by `connectors.transfer_params`),
+        claim the lease, keep it alive."""
         request_id = request.request_id
         if request_id in self._incoming or request_id in self._loads or request_id in self._settled:
             return
-        plan, failure = self._check(request)
-        incoming = self._incoming[request_id] = _Incoming(request, plan, failure)
-        if plan is None or failure is not None:
-            incoming.claim = ClaimState.LOST
+        failure = self._check(request, plan)
+        if failure is not None:
+            # A refused plan is never acted on, not even to release it: it may name
+            # somebody else's lease.
+            self._incoming[request_id] = _Incoming(request, None, failure, claim=ClaimState.LOST)
             return
+        incoming = self._incoming[request_id] = _Incoming(request, plan, None)
         self._by_lease[plan.lease_id] = request_id
         self._claim(incoming)
         self._notifier.watch(plan.side_channel, plan.lease_id)
@@ -208,31 +207,28 @@ class Consumer(CacheBound):
             ),
         )
 
-    def _check(self, request: Request) -> tuple[TransferPlan | None, str | None]:
-        try:
-            plan = decode_plan(request.kv_transfer_params or {})
-        except ProtocolError as exc:
-            return None, self._bad_params(request, str(exc))
+    def _check(self, request: Request, plan: TransferPlan) -> str | None:
+        """Why this engine must not load `plan` for `request`, or None."""
         if not self.settings.may_dial(plan.remote_host):
             # Unsigned answers from another machine could be anyone's: bytes and "held" alike.
-            return None, self._bad_params(
+            return self._bad_params(
                 request,
                 f"the plan names {plan.remote_host}, not this machine, and this engine has no side-channel keys",
             )
         try:
             check_plan(plan, request, self.rules, self.compat_digest)
         except PlanRejected as exc:
-            # A refused plan is never acted on, not even to release it: it may name
-            # somebody else's lease.
-            return None, self._bad_params(request, str(exc))
-        return plan, None
+            return self._bad_params(request, str(exc))
+        return None
 
     def _bad_params(self, request: Request, reason: str) -> str:
         self.stats.count("bad_transfer_params")
         logger.error("request %s: refusing kv_transfer_params: %s", request.request_id, reason)
         return reason
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int, plan: TransferPlan
+    ) -> tuple[int | None, bool]:
         request_id = request.request_id
         if request_id in self._settled:
             # Loaded already, or failed and sent back to recompute (kv_load_failure_policy):
@@ -241,7 +237,7 @@ class Consumer(CacheBound):
         self._take_replies()
         incoming = self._incoming.get(request_id)
         if incoming is None:
-            self.arrive(request)
+            self.arrive(request, plan)
             incoming = self._incoming[request_id]
         if incoming.claim is ClaimState.PENDING:
             # The notifier answers every attempt within the handshake timeout; this is the

@@ -18,8 +18,9 @@ from connectors.metadata import PDConnectorMetadata, PDHandshakeMetadata
 from connectors.producer import Producer
 from connectors.settings import ConnectorSettings, side_channel_roles
 from connectors.stats import PDConnectorStats, StatsRecorder
+from connectors.transfer_params import Leg, ParamsGate
 from connectors.vllm_adapter import BlockPoolOps, CacheRules
-from pdconnect.protocol import Handshake, HandshakeReply, Message, Refusal, is_remote_decode_request
+from pdconnect.protocol import Handshake, HandshakeReply, Message, Refusal
 from pdconnect.sidechannel import SideChannelServer
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class PDScheduler:
         # One secret per engine; a kv_both engine signs as prefill and as decode with it.
         keys = settings.resolve_keys(side_channel_roles(transfer.is_kv_producer, transfer.is_kv_consumer))
         self.stats = StatsRecorder()
+        self.params = ParamsGate(self.stats)
         self._handshakes: dict[int, PDHandshakeMetadata] = {}
         self._server_counts: dict[str, int] = {}
         self.producer: Producer | None = None
@@ -125,16 +127,21 @@ class PDScheduler:
 
     # --- scheduler hooks ---------------------------------------------------------
 
+    # Each hook reads the request's kv_transfer_params through `self.params` only: they
+    # are client input of any JSON type (`connectors.transfer_params`).
+
     def on_new_request(self, request: Request) -> None:
-        if self.consumer is not None and self.consumer.wants(request):
-            self.consumer.arrive(request)
+        ask = self.params.ask(request)
+        if self.consumer is not None and ask.plan is not None:
+            self.consumer.arrive(request, ask.plan)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.producer is not None and is_remote_decode_request(request.kv_transfer_params):
+        ask = self.params.ask(request)
+        if self.producer is not None and ask.leg is Leg.PREFILL:
             self.producer.track(request)
             return 0, False
-        if self.consumer is not None and self.consumer.wants(request):
-            return self.consumer.get_num_new_matched_tokens(request, num_computed_tokens)
+        if self.consumer is not None and ask.plan is not None:
+            return self.consumer.get_num_new_matched_tokens(request, num_computed_tokens, ask.plan)
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -158,6 +165,7 @@ class PDScheduler:
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self.params.forget(request.request_id)
         if self.consumer is not None:
             self.consumer.request_finished(request)
         if self.producer is not None:

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from connectors.kvsim import random_tokens
 from pdconnect.sidechannel import release_remote
 from pdconnect.testbed.keys import keyring
+from tests.params_fuzz import expected_ask
 from tests.pd_harness import GEOMETRY, RemoteEngine, SimEngine
 
 pytestmark = pytest.mark.transport
@@ -389,20 +390,26 @@ def test_fuzzed_transfer_params_fail_cleanly_or_load_true_kv(prefill, decode, cl
             params = _mutate(params, mutation)
         decode.add(f"f{n}", tokens, params, max_tokens=1)
         done = decode.result(f"f{n}", timeout=30)
-        # Without do_remote_prefill it is no P/D request: decode computes the prompt itself.
-        altered = params.get("do_remote_prefill") is True and any(
+        # Without do_remote_prefill it is no P/D request, and params of the wrong JSON types
+        # are ignored: either way decode computes the prompt itself.
+        expected = expected_ask(params)
+        altered = expected == "plan" and any(
             params.get(key, _MISSING) != fresh["params"].get(key) for key in _DECIDES_BYTES)
-        outcome = f"{done.finish_reason} ({'altered' if altered else 'harmless'})"
+        kind = "altered" if altered else ("ill-typed" if expected == "invalid" else "harmless")
+        outcome = f"{done.finish_reason} ({kind})"
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
         assert done.finish_reason in ("length", "error")
         if altered:
             # Anything that decides which bytes land where was edited: never served.
             assert done.finish_reason == "error", params
-        if done.finish_reason == "length":
-            fresh.pop("params", None)
+        if expected == "invalid":
+            assert (done.finish_reason, done.external_cached_tokens) == ("length", 0), params
+        if done.finish_reason == "length" and expected == "plan":
+            fresh.pop("params", None)  # loaded: its lease is spent
 
     run()
     assert_cache_holds_only_true_kv(decode, tokens)
     print(f"[fuzz] outcomes over 1000 mutated plans: {outcomes}")
-    assert outcomes.get("error (altered)", 0) > 500  # the strategy really alters plans
+    assert outcomes.get("error (altered)", 0) > 200  # the strategy really alters plans
+    assert outcomes.get("length (ill-typed)", 0) > 100  # and breaks their types
     assert serve(prefill, decode, "after-fuzz", random_tokens(PROMPT, seed=112)).finish_reason == "length"

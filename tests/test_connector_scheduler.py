@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import Counter
 
 import pytest
 
 from connectors.kvsim import random_tokens
 from connectors.replay_slack import plan_request
 from connectors.vllm_adapter import CacheRules
+from tests.params_fuzz import JSON_VALUES, cases, expected_ask, json_type
 from tests.pd_harness import GEOMETRY, Finished, RemoteEngine, SimEngine
 
 pytestmark = pytest.mark.transport
@@ -208,8 +210,9 @@ def _tampered(params: dict, **changes) -> dict:
     return params
 
 
+# Ill-typed params (a field missing, of the wrong type) are not a failed load: they are
+# served as if absent (test_decode_params_of_every_json_type_... below).
 @pytest.mark.parametrize(("label", "tamper", "reason"), [
-    ("missing field", lambda p: {k: v for k, v in p.items() if k != "remote_engine_id"}, "malformed"),
     ("compat mismatch", lambda p: _tampered(p, compat_hash="0" * 16), "incompatible"),
     # Edited plans are refused by the prefill engine: the claim names another plan digest.
     ("unknown engine", lambda p: _tampered(p, remote_engine_id="prefill-999"), "differs from the plan lent"),
@@ -277,3 +280,61 @@ def test_nixl_transport_restores_the_sibling_hit_too():
     finally:
         prefill.stop()
         decode.shutdown()
+
+
+# --- kv_transfer_params of every JSON type, at every level ------------------------------------
+
+
+def test_decode_params_of_every_json_type_are_served_locally_or_refused_never_crash(prefill, decode, clean):
+    """Every case of `tests.params_fuzz` (every JSON type at every place of a real plan) on
+    a real Scheduler: invalid params are counted and computed locally (no token pulled);
+    well-typed plans load or fail under the policy; the scheduler never raises."""
+    tokens = random_tokens(600, seed=120)
+    plan = prefill.prefill("json-types-plan", tokens).kv_transfer_params
+    assert plan is not None
+    fuzz = cases(plan)
+    before = decode.counter("invalid_transfer_params")
+    outcomes: Counter[str] = Counter()
+    for n, case in enumerate(fuzz):
+        expected = expected_ask(case.params)
+        decode.add(f"jt{n}", tokens, case.params, max_tokens=1)
+        done = decode.result(f"jt{n}", timeout=30)
+        outcomes[f"{expected}: {done.finish_reason}"] += 1
+        if expected == "plan":
+            assert done.finish_reason in ("length", "error"), case.name
+        else:
+            assert (done.finish_reason, done.external_cached_tokens) == ("length", 0), case.name
+    invalid = sum(expected_ask(case.params) == "invalid" for case in fuzz)
+    decode.drain()
+    print(f"[json-type fuzz] {len(fuzz)} cases: {dict(outcomes)}")
+    assert invalid > 300  # the generator really produces ill-typed params at every level
+    assert decode.counter("invalid_transfer_params") - before == invalid
+    assert decode.connector.scheduler_half.params.tracked() == 0  # nothing kept per request
+    # The engine keeps serving P/D: the next request loads, and its KV is the prefill engine's.
+    _, xa, _ = _siblings(seed=121)
+    done = _serve(prefill, decode, "after-json-types", xa)
+    assert done.finish_reason == "length" and done.external_cached_tokens == len(xa)
+    assert all(decode.block_matches(xa, SWA, i, b) for i, b in decode.cached_blocks(xa, SWA).items())
+
+
+def test_prefill_params_of_every_json_type_hand_off_only_when_asked(prefill, clean):
+    """The prefill leg's params, whole and `do_remote_decode`, as every JSON value: only
+    `{"do_remote_decode": true}` opens a lease; the rest are computed and hand off nothing."""
+    tokens = random_tokens(600, seed=122)
+    before = prefill.call("counter", "invalid_transfer_params")
+    legs = [("<params>", value) for value in JSON_VALUES] + [("do_remote_decode", {"do_remote_decode": value})
+                                                              for value in JSON_VALUES]
+    invalid = 0
+    for n, (place, params) in enumerate(legs):
+        prefill.call("add", f"pj{n}", tokens, params, 1, None)
+        deadline = time.monotonic() + 30
+        while (done := prefill.call("get_finished", f"pj{n}")) is None:
+            assert time.monotonic() < deadline, f"{place}={params!r} did not finish"
+            time.sleep(0.005)
+        asked = isinstance(params, dict) and params.get("do_remote_decode") is True
+        assert done.finish_reason == "length", (place, params)
+        assert (done.kv_transfer_params is not None) == asked, (place, params, done.kv_transfer_params)
+        flag = params.get("do_remote_decode") if isinstance(params, dict) else None
+        invalid += params is not None and (not isinstance(params, dict) or json_type(flag) not in ("bool", "null"))
+    prefill.wait_idle(timeout=15)
+    assert prefill.call("counter", "invalid_transfer_params") - before == invalid

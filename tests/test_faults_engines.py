@@ -29,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from pdconnect.testbed.paths import default_build_dir
 from pdconnect.testbed.processes import Cluster, ManagedProcess
 from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, router_server, vllm_server, warm_up
 from pdconnect.testbed.tinymodel import ensure_model
+from tests.params_fuzz import JSON_VALUES, cases, expected_ask, json_type
 
 pytestmark = [pytest.mark.engine, pytest.mark.faults]
 
@@ -90,6 +92,9 @@ DECODE_TOKENS = 8
 REQUEST_TIMEOUT_S = 120.0
 SETTLE_TIMEOUT_S = 40.0
 FUZZ_CASES = 56
+# The connector engines run as a deployment should: behind the API server's guard, which
+# answers 400 to kv_transfer_params of the wrong JSON types (connectors/api_guard.py).
+GUARD = ["--middleware", "connectors.api_guard.TransferParamsGuard"]
 
 
 # --- the fault table -------------------------------------------------------------------
@@ -172,9 +177,10 @@ class Fleet:
         self.sets: dict[str, EngineSet] = {}
 
     def _server(self, name: str, kv: dict[str, Any] | None, extra: list[str] = ()) -> ManagedProcess:
+        guard = GUARD if kv is not None else []
         return self.cluster.start(vllm_server(
             name, self.model, port=self.cluster.free_port(), served_model_name=MODEL_NAME,
-            args=[*engine_args(self.draft, kv), *extra]))
+            args=[*engine_args(self.draft, kv), *guard, *extra]))
 
     def engines(self, transport: str) -> EngineSet:
         if transport in self.sets:
@@ -885,6 +891,98 @@ def test_fuzzed_transfer_params_never_serve_wrong_tokens(pd: EngineSet, http: ht
         refused_good = [(n, a.error) for n, e, a in results if e == "serve" and not a.served]
         assert not refused_good, f"harmless changes were refused: {refused_good}"
         sibling_ok(http, engines, prompts[0], engines.seed(71), row)
+    finally:
+        assert_settled(http, engines, row)
+
+
+# --- 9. kv_transfer_params of every JSON type, at every level ---------------------------------
+
+
+def _post(http: httpx.Client, url: str, prompt: list[int], max_tokens: int, carrier: str,
+          params: Any) -> httpx.Response:
+    """A completion carrying `params` as the body's kv_transfer_params or as vllm_xargs's."""
+    body: dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                            "ignore_eos": True, "return_token_ids": True}
+    if carrier == "vllm_xargs":
+        body["vllm_xargs"] = {"kv_transfer_params": params}
+    else:
+        body["kv_transfer_params"] = params
+    return http.post(f"{url}/v1/completions", json=body)
+
+
+def _judge(response: httpx.Response, expected: str, want: list[int]) -> str:
+    """The outcome's name; raises AssertionError on any outcome the design does not allow."""
+    if response.status_code == 200:
+        assert expected != "invalid", "invalid params were served"
+        tokens = response.json()["choices"][0]["token_ids"]
+        assert tokens == want, "served tokens differ from the colocated reference"
+        return "served"
+    error = response.json().get("error", {})
+    assert error.get("message"), f"HTTP {response.status_code} without a message: {response.text[:300]}"
+    if expected == "invalid":
+        assert response.status_code == 400 and error.get("param") == "kv_transfer_params", response.text[:300]
+        return "400 from the guard"
+    if 400 <= response.status_code < 500:
+        return f"{response.status_code} from vLLM's own checks"
+    # A well-typed plan the decode engine refused: the load fails, kv_load_failure_policy "fail".
+    assert expected == "plan" and response.status_code == 500, response.text[:300]
+    return "failed load (policy fail)"
+
+
+@mooncake_only
+def test_transfer_params_of_every_json_type_are_refused_with_400_and_leak_nothing(
+        pd: EngineSet, http: httpx.Client) -> None:
+    """Every case of `tests.params_fuzz` (every JSON type at every place of a real plan, and
+    the whole params as every JSON type through vllm_xargs) against the decode engine, and
+    the prefill leg's params as every JSON type against the prefill engine. One prompt for
+    all: few engine computations, most cases answered by the guard in milliseconds."""
+    engines = pd
+    prompt = prompt_ids(engines.seed(80), 300)
+    want = reference(http, engines, prompt)
+    plan = prefill_plan(http, engines, prompt)
+    sent = [("kv_transfer_params", case) for case in cases(plan)] + [
+        ("vllm_xargs", case) for case in cases(plan) if not case.path]
+    outcomes: Counter[str] = Counter()
+    problems: list[str] = []
+    for carrier, case in sent:
+        expected = expected_ask(case.params)
+        try:
+            answer = _post(http, engines.decode.base_url, prompt, DECODE_TOKENS, carrier, case.params)
+            outcomes[_judge(answer, expected, want)] += 1
+        except (AssertionError, httpx.HTTPError, ValueError) as exc:
+            problems.append(f"{carrier} {case.name} ({expected}): {type(exc).__name__}: {exc}")
+        if not engines.decode.is_running():
+            problems.append(f"decode died after {carrier} {case.name}")
+            break
+    # The prefill leg: the whole params, and do_remote_decode, as every JSON value.
+    legs = [(c, v) for c in ("kv_transfer_params", "vllm_xargs") for v in JSON_VALUES] + [
+        ("kv_transfer_params", {"do_remote_decode": v}) for v in JSON_VALUES]
+    for carrier, params in legs:
+        expected = "invalid" if params is not None and (not isinstance(params, dict) or json_type(
+            params.get("do_remote_decode")) not in ("bool", "null")) else "none"
+        try:
+            response = _post(http, engines.prefill.base_url, prompt, 1, carrier, params)
+            if response.status_code == 200:
+                handed_off = response.json().get("kv_transfer_params") is not None
+                asked = isinstance(params, dict) and params.get("do_remote_decode") is True
+                assert handed_off == asked, f"plan returned: {handed_off}"
+                outcomes["prefill: served"] += 1
+            else:
+                outcomes[f"prefill: {_judge(response, expected, [])}"] += 1
+        except (AssertionError, httpx.HTTPError, ValueError) as exc:
+            problems.append(f"prefill {carrier}={params!r} ({expected}): {type(exc).__name__}: {exc}")
+    total = len(sent) + len(legs)
+    row = Row(f"kv_transfer_params of wrong JSON types (via vllm_xargs and top-level) x{total}", engines.transport,
+              "; ".join(f"{n} {k}" for k, n in sorted(outcomes.items())) + "; P and D serve")
+    try:
+        assert not problems, f"{len(problems)} of {total} cases: " + "\n".join(problems[:20])
+        assert outcomes["400 from the guard"] > 300  # the generator really sends ill-typed params
+        # The prefill engine's leases (the fuzzed plan's, the one prefill leg that asked)
+        # end by expiry or done: nothing held on either engine afterwards.
+        sibling_ok(http, engines, prompt, engines.seed(81), row)
+        again = decode_with(http, engines, prompt, prefill_plan(http, engines, prompt))
+        row.wrong_tokens += wrong(again, want)
+        assert again.tokens == want
     finally:
         assert_settled(http, engines, row)
 
