@@ -19,6 +19,7 @@ import pytest
 from connectors.api_guard import TransferParamsGuard, refusal
 from connectors.stats import StatsRecorder
 from connectors.transfer_params import Leg, ParamsGate, read_params
+from pdconnect.protocol import PROTOCOL_VERSION
 from tests.params_fuzz import JSON_VALUES, cases, expected_ask
 
 PLAN: dict[str, Any] = {
@@ -27,7 +28,7 @@ PLAN: dict[str, Any] = {
     "groups": [{"group": 0, "runs": [{"start": 0, "block_ids": [4, 5, 6]}], "slack": []},
                {"group": 1, "runs": [{"start": 6, "block_ids": [9, 10]}], "slack": [6]}],
     "lease_id": "lease-1", "prompt_digest": "d" * 32, "do_remote_prefill": True, "do_remote_decode": False,
-    "pdconnect": 2, "remote_prefill_cached_tokens": 0, "prompt_token_ids": None,
+    "pdconnect": PROTOCOL_VERSION, "remote_prefill_cached_tokens": 0, "prompt_token_ids": None,
 }
 
 
