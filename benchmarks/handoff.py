@@ -19,10 +19,11 @@ TTFT p50/p99 (first streamed token), each beside its ratio to `stock-nixl`.
 The in-engine pull: our decode engine's histogram `pdconnect:transfer_seconds` (one
 request's KV load, from posting the reads to seeing them done), p50/p99 interpolated
 from its buckets over the measured step, and the mean bytes per pull
-(`pdconnect:transfer_bytes` sum / count). Then, engines gone, the same number of bytes is
-pulled with each library's bare API between two processes (`benchmarks.transfer_speed`'s
-bare clients, one contiguous range: how many ranges one in-engine pull sends is not
-exported), and in-engine p50 is shown over bare p50 of the same transport. The goal:
+(`pdconnect:transfer_bytes` sum / count) and ranges per pull
+(`pdconnect:ranges_transferred` / pulls: one per layer and run of adjacent blocks). Then,
+engines gone, the same bytes in the same number of ranges are pulled with each library's
+bare API between two processes (`benchmarks.transfer_speed`'s bare clients, one batch
+call per pull), and in-engine p50 is shown over bare p50 of the same transport. The goal:
 Mooncake's in-engine p50 within 1.5x of NIXL's in-engine p50, or of bare
 Mooncake's if that is larger. The stock connector's own NIXL telemetry
 (`vllm:nixl_xfer_time_seconds`, coarse buckets, per NIXL transfer) is shown beside it.
@@ -159,21 +160,36 @@ class Histogram:
 
 
 @dataclass(frozen=True)
+class PullMetrics:
+    """Where a connector reports its loads: durations, sizes, ranges (a counter), if it does."""
+
+    seconds: str
+    nbytes: str
+    ranges: str | None = None
+
+
+@dataclass(frozen=True)
 class Pulls:
-    """One decode engine's loads over the measured step: durations and sizes."""
+    """One decode engine's loads over the measured step: durations, sizes, ranges."""
 
     seconds: Histogram
     nbytes: Histogram
+    ranges: float  # mean byte ranges per pull; 1 where the connector does not say
 
     @classmethod
-    def between(cls, before: MetricsSnapshot, after: MetricsSnapshot, seconds: str, nbytes: str) -> Pulls | None:
-        pulls = cls(Histogram.between(before, after, seconds), Histogram.between(before, after, nbytes))
-        return pulls if pulls.seconds.count > 0 else None
+    def between(cls, before: MetricsSnapshot, after: MetricsSnapshot, names: PullMetrics) -> Pulls | None:
+        seconds = Histogram.between(before, after, names.seconds)
+        if seconds.count == 0:
+            return None
+        ranges = 1.0
+        if names.ranges is not None:
+            ranges = (after.total(names.ranges) - before.total(names.ranges)) / seconds.count
+        return cls(seconds, Histogram.between(before, after, names.nbytes), ranges)
 
 
 # Where each connector reports its loads: ours per request, the stock one per NIXL transfer.
-OUR_PULLS = ("pdconnect:transfer_seconds", "pdconnect:transfer_bytes")
-STOCK_PULLS = ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred")
+OUR_PULLS = PullMetrics("pdconnect:transfer_seconds", "pdconnect:transfer_bytes", "pdconnect:ranges_transferred")
+STOCK_PULLS = PullMetrics("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred")
 
 
 @dataclass(frozen=True)
@@ -254,10 +270,10 @@ def format_pulls(results: Sequence[PathResult], bare: Sequence[BarePull]) -> str
         p50 = s.quantile(0.5)
         spec = PATHS[r.path]
         bare_p50 = _bare_p50(bare, spec.transport)
-        rows.append([r.path, s.name, f"{s.count:.0f}", f"{n.mean / 1e6:.2f} MB", _ms(p50), _ms(s.quantile(0.99)),
-                     _ms(bare_p50), ratio(p50, bare_p50)])
-    headers = ("path", "histogram", "pulls", "bytes/pull", "in-engine p50", "in-engine p99", "bare p50",
-               "in-engine/bare")
+        rows.append([r.path, s.name, f"{s.count:.0f}", f"{n.mean / 1e6:.2f} MB", f"{r.pulls.ranges:.1f}", _ms(p50),
+                     _ms(s.quantile(0.99)), _ms(bare_p50), ratio(p50, bare_p50)])
+    headers = ("path", "histogram", "pulls", "bytes/pull", "ranges/pull", "in-engine p50", "in-engine p99",
+               "bare p50", "in-engine/bare")
     return format_table(headers, rows, left=2)
 
 
@@ -309,7 +325,7 @@ async def _drive(deployment: Deployment, setup: HandoffSetup,
 def _measure(spec: PathSpec, deployment: Deployment, setup: HandoffSetup) -> PathResult:
     step, before, after, transport = asyncio.run(_drive(deployment, setup))
     names = STOCK_PULLS if spec.name == BASELINE else OUR_PULLS
-    return PathResult(spec.name, step, Pulls.between(before, after, *names), transport)
+    return PathResult(spec.name, step, Pulls.between(before, after, names), transport)
 
 
 def run_path(cluster: Cluster, spec: PathSpec, setup: HandoffSetup) -> PathResult:
@@ -336,15 +352,17 @@ def run_path(cluster: Cluster, spec: PathSpec, setup: HandoffSetup) -> PathResul
         cluster.stop(*local.processes)
 
 
-def bare_pull(kind: str, nbytes: int, repeats: int) -> BarePull:
-    """`nbytes` in one range, pulled with `kind`'s bare API from a serving peer process."""
-    pool = -(-nbytes // PAGE) * PAGE
+def bare_pull(kind: str, nbytes: int, repeats: int, ranges: int = 1) -> BarePull:
+    """`nbytes` in `ranges` equal ranges (with a gap after each, so none merge), pulled with
+    `kind`'s bare API from a serving peer process."""
+    size = max(1, nbytes // ranges)
+    pool = -(-2 * size * ranges // PAGE) * PAGE
     with LoopbackPeer(kind, pool, protocol=PROTOCOL) as peer:
         local = Buffer(pool)
         local.zero()  # fault the pages in now, not inside a timed read
         client = BARE[kind](local, peer.ready.metadata, PROTOCOL)
         try:
-            blocks = Blocks(local.addr, peer.ready.pool_addr, nbytes, [(0, 0)])
+            blocks = Blocks(local.addr, peer.ready.pool_addr, size, [(2 * i, 2 * i) for i in range(ranges)])
             for _ in range(BARE_WARMUPS):
                 if not client.read(blocks):
                     raise RuntimeError(f"bare {kind}: a warm-up read failed")
@@ -353,7 +371,7 @@ def bare_pull(kind: str, nbytes: int, repeats: int) -> BarePull:
                 timed(lambda: client.read(blocks), peer, runs)
         finally:
             client.close()
-    return BarePull(kind, nbytes, 1, repeats, percentile(runs.wall, 50), percentile(runs.wall, 99))
+    return BarePull(kind, size * ranges, ranges, repeats, percentile(runs.wall, 50), percentile(runs.wall, 99))
 
 
 def _bare_pulls(results: Sequence[PathResult], repeats: int) -> list[BarePull]:
@@ -362,9 +380,9 @@ def _bare_pulls(results: Sequence[PathResult], repeats: int) -> list[BarePull]:
     for r in results:
         kind = PATHS[r.path].transport
         if kind is not None and r.pulls is not None:
-            nbytes = round(r.pulls.nbytes.mean)
-            _say(f"bare {kind}: {repeats} pulls of {nbytes} bytes in one range")
-            bare.append(bare_pull(kind, nbytes, repeats))
+            nbytes, ranges = round(r.pulls.nbytes.mean), max(1, round(r.pulls.ranges))
+            _say(f"bare {kind}: {repeats} pulls of {nbytes} bytes in {ranges} ranges")
+            bare.append(bare_pull(kind, nbytes, repeats, ranges))
     return bare
 
 
@@ -380,7 +398,7 @@ def _pull_json(r: PathResult) -> dict[str, object] | None:
         return None
     s = r.pulls.seconds
     return {"histogram": asdict(s), "bytes": asdict(r.pulls.nbytes), "p50_s": s.quantile(0.5),
-            "p99_s": s.quantile(0.99), "mean_bytes": r.pulls.nbytes.mean}
+            "p99_s": s.quantile(0.99), "mean_bytes": r.pulls.nbytes.mean, "mean_ranges": r.pulls.ranges}
 
 
 def _parse_paths(text: str) -> list[str]:

@@ -30,6 +30,7 @@ COUNTERS: dict[str, str] = {
     "transfers": "KV loads completed successfully",
     "transfer_failures": "KV loads that failed (reported to vLLM as failed_recving)",
     "bytes_transferred": "Bytes pulled from prefill engines",
+    "ranges_transferred": "Byte ranges pulled (one per layer and run of adjacent blocks)",
     "blocks_full_attention": "Full-attention blocks pulled",
     "blocks_tail": "Sliding-window tail blocks pulled (what stock connectors move)",
     "blocks_slack": "Sliding-window replay-slack blocks pulled (beyond the stock tail)",

@@ -80,11 +80,20 @@ class _Remote:
     layouts: dict[int, list[TensorLayout]]
 
 
+@dataclass(frozen=True)
+class _Posted:
+    """A pull handed to the transport: what it moves, and when it was posted."""
+
+    transfer: Transfer
+    nbytes: int
+    ranges: int
+    posted: float
+
+
 @dataclass
 class _Pull:
     spec: PullSpec
-    # (transfer, bytes, when it was posted); None when the scheduler already failed it.
-    submitted: Future[tuple[Transfer, int, float]] | None
+    submitted: Future[_Posted] | None  # None when the scheduler already failed it
     failure: str | None = None
 
 
@@ -93,7 +102,7 @@ def _posted_within(pull: _Pull, now: float, seconds: float) -> bool:
     submitted = pull.submitted
     if submitted is None or not submitted.done() or submitted.exception() is not None:
         return False
-    return now - submitted.result()[2] < seconds
+    return now - submitted.result().posted < seconds
 
 
 def _advertised_host(settings: ConnectorSettings) -> str:
@@ -199,7 +208,7 @@ class PDWorker:
             except RuntimeError as exc:  # the executor is shut down: the engine is stopping
                 self._pulls[spec.request_id] = _Pull(spec, None, f"cannot start the pull: {exc}")
 
-    def _submit(self, spec: PullSpec) -> tuple[Transfer, int, float]:
+    def _submit(self, spec: PullSpec) -> _Posted:
         self._pulls_queued.clear()
         assert self._transport is not None
         remote = self._remote(spec)
@@ -215,7 +224,7 @@ class PDWorker:
         ranges = merge_range_groups(parts)
         posted = time.monotonic()  # after the handshake: the metric times the transfer alone
         transfer = self._transport.pull(remote.peer, ranges, timeout=self.settings.transfer_timeout_seconds)
-        return transfer, ranges.total_bytes, posted
+        return _Posted(transfer, ranges.total_bytes, len(ranges), posted)
 
     def _remote(self, spec: PullSpec) -> _Remote:
         key = (spec.remote_engine_id, spec.side_channel)
@@ -362,24 +371,26 @@ class PDWorker:
         if not pull.submitted.done():
             return None
         try:
-            transfer, nbytes, posted = pull.submitted.result()
+            posted = pull.submitted.result()
         except Exception as exc:  # noqa: BLE001 - refused handshake, bad address, layout, library: a failed pull
             return self._failed(spec, str(exc) or repr(exc))
+        transfer = posted.transfer
         state = transfer.poll()
         if state is TransferState.PENDING:
             return None
         if state is TransferState.FAILED:
             # The library may still be writing into our blocks: report only once it stopped.
             return self._failed(spec, transfer.error or "transfer failed") if transfer.quiescent else None
-        elapsed = time.monotonic() - posted
+        elapsed = time.monotonic() - posted.posted
         if (lost := self._still_held(spec)) is not None:
             self.stats.count("leases_lost")
             return self._failed(spec, lost)
-        self.stats.observe_transfer(elapsed, nbytes)
-        self.stats.count("bytes_transferred", nbytes)
+        self.stats.observe_transfer(elapsed, posted.nbytes)
+        self.stats.count("bytes_transferred", posted.nbytes)
+        self.stats.count("ranges_transferred", posted.ranges)
         for kind, count in spec.blocks_by_kind.items():
             self.stats.count(f"blocks_{kind}", count)
-        logger.debug("request %s: pulled %d bytes from %s", spec.request_id, nbytes, spec.remote_engine_id)
+        logger.debug("request %s: pulled %d bytes from %s", spec.request_id, posted.nbytes, spec.remote_engine_id)
         return True
 
     def _failed(self, spec: PullSpec, reason: str, forget: bool = True) -> bool:

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from benchmarks.handoff import (
-    PATHS, BarePull, Histogram, PathResult, Pulls, _parse_paths, format_paths, format_pulls, goal,
+    PATHS, BarePull, Histogram, PathResult, PullMetrics, Pulls, _parse_paths, format_paths, format_pulls, goal,
     histogram_quantile, ratio,
 )
 from pdconnect.bench.loadgen import RoleCounters, StepResult
@@ -35,10 +35,11 @@ def test_a_rank_in_the_inf_bucket_gives_the_largest_finite_bound_and_empty_is_na
     assert math.isnan(histogram_quantile((), 0.5))
 
 
-def _scrape(buckets: dict[str, float], count: float, total: float) -> MetricsSnapshot:
+def _scrape(buckets: dict[str, float], count: float, total: float, ranges: float = 0.0) -> MetricsSnapshot:
     name = "pdconnect:transfer_seconds"
     samples = [(f"{name}_bucket", (("engine", "0"), ("le", le)), v) for le, v in buckets.items()]
     samples += [(f"{name}_count", (("engine", "0"),), count), (f"{name}_sum", (("engine", "0"),), total)]
+    samples += [("pdconnect:ranges_transferred_total", (("engine", "0"),), ranges)]
     return MetricsSnapshot(tuple(samples))
 
 
@@ -49,7 +50,19 @@ def test_a_histogram_between_two_scrapes_holds_only_the_observations_in_between(
     assert h.buckets == ((0.001, 0.0), (0.002, 2.0), (INF, 4.0))
     assert (h.count, h.total) == (4.0, pytest.approx(0.02)) and h.mean == pytest.approx(0.005)
     # Nothing observed in between: no pulls to report.
-    assert Pulls.between(after, after, "pdconnect:transfer_seconds", "pdconnect:transfer_seconds") is None
+    names = PullMetrics("pdconnect:transfer_seconds", "pdconnect:transfer_seconds")
+    assert Pulls.between(after, after, names) is None
+
+
+def test_ranges_per_pull_are_the_counters_growth_over_the_pulls_in_between() -> None:
+    before = _scrape({"0.001": 1.0, "+Inf": 3.0}, 3.0, 0.004, ranges=144.0)
+    after = _scrape({"0.001": 1.0, "+Inf": 7.0}, 7.0, 0.024, ranges=336.0)
+    counted = PullMetrics("pdconnect:transfer_seconds", "pdconnect:transfer_seconds", "pdconnect:ranges_transferred")
+    pulls = Pulls.between(before, after, counted)
+    assert pulls is not None and pulls.ranges == 48.0  # (336 - 144) ranges over 4 pulls
+    # A connector that does not count ranges (the stock one): one range per pull.
+    uncounted = Pulls.between(before, after, PullMetrics("pdconnect:transfer_seconds", "pdconnect:transfer_seconds"))
+    assert uncounted is not None and uncounted.ranges == 1.0
 
 
 def test_ratios_are_a_over_b_and_say_when_there_is_nothing_to_divide() -> None:
@@ -64,11 +77,11 @@ def _step(ok: int, hits: float, pulled: float, wall: float, ttfts: tuple[float, 
                       decode=decode, prefill=RoleCounters(engines=1))
 
 
-def _pulls(p50_bucket: float, mean_bytes: float) -> Pulls:
+def _pulls(p50_bucket: float, mean_bytes: float, ranges: float = 48.0) -> Pulls:
     # Two pulls, both in (p50_bucket / 2, p50_bucket]: p50 is half-way up that bucket.
     seconds = Histogram("pdconnect:transfer_seconds", ((p50_bucket / 2, 0.0), (p50_bucket, 2.0), (INF, 2.0)),
                         2.0, p50_bucket)
-    return Pulls(seconds, Histogram("pdconnect:transfer_bytes", ((INF, 2.0),), 2.0, 2 * mean_bytes))
+    return Pulls(seconds, Histogram("pdconnect:transfer_bytes", ((INF, 2.0),), 2.0, 2 * mean_bytes), ranges)
 
 
 def _cells(table: str, row: int) -> list[str]:
@@ -95,8 +108,8 @@ def test_the_pull_table_and_goal_compare_in_engine_p50_with_nixl_and_bare_moonca
     table = format_pulls(results, bare)
     # ours-nixl: p50 = 2 + 2 * 1/2 = 3 ms, p99 = 2 + 2 * 0.99 = 3.98 ms, bare 1 ms;
     # ours-mooncake: p50 = 4 + 4 * 1/2 = 6 ms, p99 = 7.96 ms, bare 2 ms.
-    assert _cells(table, 2)[2:] == ["2", "2.00 MB", "3.0 ms", "4.0 ms", "1.0 ms", "3.00x"]
-    assert _cells(table, 3)[2:] == ["2", "2.00 MB", "6.0 ms", "8.0 ms", "2.0 ms", "3.00x"]
+    assert _cells(table, 2)[2:] == ["2", "2.00 MB", "48.0", "3.0 ms", "4.0 ms", "1.0 ms", "3.00x"]
+    assert _cells(table, 3)[2:] == ["2", "2.00 MB", "48.0", "6.0 ms", "8.0 ms", "2.0 ms", "3.00x"]
     # 6 ms against max(3 ms NIXL, 2 ms bare Mooncake) = 2.00x: over 1.5x.
     met, line = goal(results, bare)
     assert met is False and "-> 2.00x of 3.0 ms; GOAL NOT MET" in line

@@ -1,9 +1,10 @@
-"""`make bench-transfer`'s busy-caller table, run small: every path pulls the right bytes."""
+"""`make bench-transfer`'s busy-caller table and bench-handoff's bare pulls, run small on real transports."""
 
 from __future__ import annotations
 
 import pytest
 
+from benchmarks.handoff import bare_pull
 from benchmarks.transfer_speed import BUSY_RANGES, bench_busy_caller
 from pdconnect.transfer import TRANSPORT_KINDS
 
@@ -17,3 +18,10 @@ def test_the_busy_caller_table_has_a_row_per_range_count(kind: str) -> None:
     for row in rows:
         assert 0 < row.idle_p50_ms <= row.idle_p90_ms
         assert 0 < row.busy_p50_ms <= row.busy_p90_ms
+
+
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+def test_bench_handoffs_bare_pull_moves_the_in_engine_pulls_bytes_in_as_many_ranges(kind: str) -> None:
+    pull = bare_pull(kind, 3 << 19, repeats=2, ranges=48)
+    assert (pull.ranges, pull.nbytes, pull.repeats) == (48, 48 * 32768, 2)
+    assert 0 < pull.p50_s <= pull.p99_s

@@ -130,6 +130,7 @@ def test_received_blocks_carry_the_prefill_kv_at_their_logical_positions(prefill
         for index, block_id in cached.items():
             assert decode.block_matches(xa, group, index, block_id), (group, index)
     assert decode.counter("slack_blocks_published") >= 3
+    assert decode.counter("ranges_transferred") > 0  # exported for bench-handoff's bare pulls
 
 
 def test_overlapping_siblings_both_load_and_a_later_one_hits(prefill, decode, clean):
