@@ -10,5 +10,7 @@ Each module is run as `python -m benchmarks.<name>` from the repository root:
 - `handoff`: `make bench-handoff`, vLLM's NixlConnector vs ours (NIXL, Mooncake) and in-engine pull latency.
 - `planner`: `make bench-plan`, the planner's cost per request beside a prefix-cache lookup.
 
+`engine_phase` is how each one that starts engines says it was interrupted or failed.
+
 They drive local processes through `pdconnect.testbed` and measure with `pdconnect.bench`.
 """

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.engine_phase import engine_phase
 from pdconnect.bench.loadgen import LoadGenerator, RunResult, StepResult, run_scenario
 from pdconnect.bench.report import format_comparison, format_run, write_chart, write_json
 from pdconnect.bench.scenarios import (
@@ -34,7 +35,7 @@ from pdconnect.bench.scenarios import (
 )
 from pdconnect.testbed.local_pd import LocalPD, LocalPDConfig, start_local_pd
 from pdconnect.testbed.paths import default_build_dir
-from pdconnect.testbed.processes import Cluster, StartupError
+from pdconnect.testbed.processes import Cluster
 from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, router_server
 from pdconnect.testbed.tinymodel import FIRST_WORD_ID, ensure_target_and_draft
 
@@ -203,20 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     target, draft = ensure_target_and_draft(SPEC)
     _say(f"model {target}\n[demo] draft {draft}")
     runs: list[RunResult] = []
-    try:
-        with Cluster(log_dir=args.out / "logs") as cluster:
-            for index, slack in enumerate((True, False), start=1):
-                config = LocalPDConfig(transport=args.transport, replay_slack=slack, kv_events=True)
-                run = _run(cluster, config, setup, index)
-                print(("\n" + LEGEND + "\n" if index == 1 else "") + "\n" + format_run(run) + "\n", flush=True)
-                runs.append(run)
-    except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C, or SIGTERM (the Cluster raises SystemExit)
-        print("\n[demo] interrupted: every process the demo started has been stopped", file=sys.stderr)
-        return 130 if isinstance(exc, KeyboardInterrupt) else int(exc.code or 1)
-    except (StartupError, RuntimeError) as exc:
-        print(f"\n[demo] FAILED: {exc}\n[demo] every process has been stopped; logs in {args.out / 'logs'}",
-              file=sys.stderr)
-        return 1
+    with engine_phase("demo", args.out / "logs"), Cluster(log_dir=args.out / "logs") as cluster:
+        for index, slack in enumerate((True, False), start=1):
+            config = LocalPDConfig(transport=args.transport, replay_slack=slack, kv_events=True)
+            run = _run(cluster, config, setup, index)
+            print(("\n" + LEGEND + "\n" if index == 1 else "") + "\n" + format_run(run) + "\n", flush=True)
+            runs.append(run)
     on, off = runs
     print("replay slack on vs off: same prompts, fresh engines each, measured in this one run; "
           "ratio = on/off", flush=True)

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from benchmarks.engine_phase import engine_phase
 from benchmarks.transfer_speed import BARE, Blocks, Runs, timed
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, StepResult, percentile, run_scenario
 from pdconnect.bench.report import format_table, write_json
@@ -50,7 +51,7 @@ from pdconnect.bench.scenarios import SharedPrefixScenario, TokenSource, warmup_
 from pdconnect.bench.scrape import MetricsSnapshot, fetch_metrics
 from pdconnect.testbed.local_pd import LocalPDConfig, start_colocated, start_local_pd
 from pdconnect.testbed.paths import default_build_dir
-from pdconnect.testbed.processes import Cluster, StartupError
+from pdconnect.testbed.processes import Cluster
 from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, warm_up
 from pdconnect.transfer.loopback import Buffer, LoopbackPeer
 
@@ -427,17 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = replace(HandoffSetup(), groups=args.groups, bare_repeats=args.bare_repeats)
     began = time.monotonic()
     results: list[PathResult] = []
-    try:
+    with engine_phase("bench-handoff", args.logs):
         with Cluster(log_dir=args.logs) as cluster:
             for name in args.paths:
                 results.append(run_path(cluster, PATHS[name], setup))
         bare = _bare_pulls(results, setup.bare_repeats)
-    except (KeyboardInterrupt, SystemExit) as exc:
-        print("\n[bench-handoff] interrupted: every process it started has been stopped", file=sys.stderr)
-        return 130 if isinstance(exc, KeyboardInterrupt) else int(exc.code or 1)
-    except (StartupError, RuntimeError) as exc:
-        print(f"\n[bench-handoff] FAILED: {exc}\n[bench-handoff] logs in {args.logs}", file=sys.stderr)
-        return 1
     print(f"\nthe same prompts ({setup.scenario.steps(TokenSource(seed=setup.seed))[0].name}), fresh engines "
           f"per path, one run; ratios are to {BASELINE} (vLLM's NixlConnector behind the same router).\n"
           "D-local hit = decode's vllm:prefix_cache_hits delta (colocated: its one engine's); pulled = "

