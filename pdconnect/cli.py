@@ -10,6 +10,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("connectors.plan_cli:main", "show what a request moves and caches (needs vLLM)"),
     "router": ("pdconnect.router.app:main", "run the P/D router (OpenAI-compatible HTTP)"),
+    "metrics-proxy": ("pdconnect.metricsproxy:main", "serve an engine's /metrics alone, on a port of its own"),
     "bench": ("pdconnect.bench.cli:main", "run benchmark scenarios against a deployment"),
     "side-channel-key": ("pdconnect.keyring:main", "print the public key of a side-channel secret"),
 }

@@ -18,7 +18,10 @@ plain dicts as `kubectl kustomize` renders them:
 - A port entry has a protocol (default TCP) and a number (optionally `endPort`, a
   range), a name or nothing (all ports). A name is resolved on the destination pod's
   container ports, for ingress and egress alike, and matches nothing when the
-  destination declares no such port.
+  destination declares no such port. Which ports count as the pod's is the caller's
+  `Pod.ports`: CNIs differ on names declared by native sidecars (init containers with
+  `restartPolicy: Always`; Calico resolved them only from projectcalico/calico#8885),
+  so tests/test_network_policy.py leaves those out and such ports must go by number.
 - Label selectors: `matchLabels` and `matchExpressions` (In, NotIn, Exists,
   DoesNotExist), all terms ANDed; namespaces carry `kubernetes.io/metadata.name`.
 

@@ -645,6 +645,51 @@ def test_external_objects_are_documented() -> None:
         assert name in readme, f"README must say how to create {kind} {name}"
 
 
+def _sidecars(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Native sidecars: init containers with `restartPolicy: Always`, running beside the containers."""
+    return [c for c in pod_spec(workload).get("initContainers", []) if c.get("restartPolicy") == "Always"]
+
+
+def _listening_port(workload: dict[str, Any], port: int | str) -> int:
+    """A port (name or number) declared by one of the pod's containers or native sidecars."""
+    for container in pod_spec(workload)["containers"] + _sidecars(workload):
+        for p in container.get("ports", []):
+            if port in (p.get("name"), p["containerPort"]):
+                return int(p["containerPort"])
+    pytest.fail(f"{workload['metadata']['name']}: nothing in the pod declares port {port!r}")
+
+
+def _relabelings_keep(endpoint: dict[str, Any], service: dict[str, Any]) -> bool:
+    """Whether an endpoint's relabelings keep a Service's targets; only `keep` on Service
+    labels is understood (anything else fails, rather than being guessed at)."""
+    labels = {re.sub(r"[^a-zA-Z0-9_]", "_", k): v for k, v in service["metadata"].get("labels", {}).items()}
+    for rule in endpoint.get("relabelings", []):
+        (source,) = rule["sourceLabels"]
+        assert rule["action"] == "keep" and source.startswith("__meta_kubernetes_service_label_"), rule
+        if not re.fullmatch(rule["regex"], labels.get(source.removeprefix("__meta_kubernetes_service_label_"), "")):
+            return False
+    return True
+
+
+def scraped_by_service_monitors(render: Render) -> dict[str, set[tuple[int, str]]]:
+    """component -> the (pod port number, path) pairs the ServiceMonitors scrape, as the
+    Prometheus Operator selects them: a Service selected by the monitor, having the
+    endpoint's port name, kept by the endpoint's relabelings."""
+    scraped: dict[str, set[tuple[int, str]]] = {}
+    for monitor in render.of_kind("ServiceMonitor"):
+        for service in render.of_kind("Service"):
+            if not selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"].get("labels", {})):
+                continue
+            component = service["spec"]["selector"]["app.kubernetes.io/component"]
+            workload = render.router() if component == "router" else render.engines()[component]
+            for endpoint in monitor["spec"]["endpoints"]:
+                port = next((p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]), None)
+                if port is not None and _relabelings_keep(endpoint, service):
+                    scraped.setdefault(component, set()).add(
+                        (_listening_port(workload, port["targetPort"]), endpoint["path"]))
+    return scraped
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_metrics_are_scraped_from_a_declared_port(render_of, target: str) -> None:
     render = render_of(target)
@@ -652,16 +697,12 @@ def test_metrics_are_scraped_from_a_declared_port(render_of, target: str) -> Non
         annotations = w["spec"]["template"]["metadata"].get("annotations", {})
         assert annotations.get("prometheus.io/scrape") == "true"
         assert annotations["prometheus.io/path"] == "/metrics"
-        container_port(_container(w), int(annotations["prometheus.io/port"]))
-    for monitor in render.of_kind("ServiceMonitor"):
-        selected = [s for s in render.of_kind("Service")
-                    if selects(monitor["spec"]["selector"]["matchLabels"],
-                               s["metadata"].get("labels", {}))]
-        fronted = {s["spec"]["selector"]["app.kubernetes.io/component"] for s in selected}
-        assert fronted == {"prefill", "decode", "router"}
-        for endpoint in monitor["spec"]["endpoints"]:
-            for s in selected:
-                assert endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
+        _listening_port(w, int(annotations["prometheus.io/port"]))
+    if render.of_kind("ServiceMonitor"):
+        scraped = scraped_by_service_monitors(render)
+        assert set(scraped) == {"prefill", "decode", "router"}
+        for component, endpoints in scraped.items():
+            assert "/metrics" in {path for _, path in endpoints}, component
 
 
 def _pod_security_level(pod: dict[str, Any]) -> str:
@@ -780,3 +821,97 @@ def test_engine_arguments_are_what_the_kustomization_says(engine_args, target: s
         for key in ("dtype", "block_size", "model"):
             if key in want:
                 assert getattr(ns, key) == want[key], (component, key)
+
+
+# ------------------------------------------------------------ the engines' metrics proxy
+
+
+def _metrics_proxy(workload: dict[str, Any]) -> dict[str, Any]:
+    sidecars = [c for c in _sidecars(workload) if c.get("command", [])[:2] == ["pdconnect", "metrics-proxy"]]
+    assert len(sidecars) == 1, f"{workload['metadata']['name']}: one metrics-proxy sidecar expected"
+    return sidecars[0]
+
+
+def _proxy_settings(render: Render, workload: dict[str, Any]) -> Any:
+    """The sidecar's settings, from its expanded argv, by the proxy's own parser."""
+    from pdconnect.errors import ConfigError
+    from pdconnect.metricsproxy import parse_args as parse_proxy_args
+
+    argv = expanded_argv(render, workload, _metrics_proxy(workload))
+    try:
+        return parse_proxy_args(argv[2:])
+    except (SystemExit, ConfigError) as exc:
+        pytest.fail(f"the metrics proxy refuses its arguments {argv[2:]}: {exc}")
+
+
+def _bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    return int(quantity[:-2]) * units[quantity[-2:]] if quantity[-2:] in units else int(quantity)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_engine_has_a_metrics_proxy_sidecar_relaying_its_own_api_port(render_of, target: str) -> None:
+    """Issue 18: the metrics port relays GET /metrics from the engine's own vLLM (the
+    loopback, the port vLLM listens on), listens on the port it declares, and runs from
+    the router image (no torch, no vLLM: tests/test_images.py resolves its install)."""
+    render = render_of(target)
+    router_image = _container(render.router())["image"]
+    for component, workload in render.engines().items():
+        sidecar = _metrics_proxy(workload)
+        settings = _proxy_settings(render, workload)
+        engine_port = int(one_flag(expanded_argv(render, workload, _container(workload)), "--port"))
+        assert settings.upstream == f"http://127.0.0.1:{engine_port}/metrics", component
+        assert settings.port == container_port(sidecar, "metrics") != engine_port, component
+        assert sidecar["image"] == router_image, component
+        # Nothing of the engine's: no secret, no volume, no ConfigMap.
+        assert not sidecar.get("env") and not sidecar.get("envFrom") and not sidecar.get("volumeMounts"), component
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_metrics_proxy_cannot_take_its_engine_out_of_rotation(render_of, target: str) -> None:
+    """A native sidecar's readiness is the pod's: the proxy has none (a broken proxy must
+    not stop the router using the engine), only liveness on its own port."""
+    render = render_of(target)
+    for component, workload in render.engines().items():
+        sidecar = _metrics_proxy(workload)
+        assert "readinessProbe" not in sidecar and "startupProbe" not in sidecar, component
+        port = sidecar["livenessProbe"]["tcpSocket"]["port"]
+        assert port == _proxy_settings(render, workload).port, component
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_metrics_proxy_is_bounded_in_time_and_memory(render_of, target: str) -> None:
+    """It answers before the scraper gives up (so the scraper sees its reason), and what
+    it may buffer (max_bytes per scrape, max_concurrent scrapes) fits in half its memory
+    limit; requests and limits are set like every other container's."""
+    render = render_of(target)
+    for component, workload in render.engines().items():
+        sidecar, settings = _metrics_proxy(workload), _proxy_settings(render, workload)
+        # The scrapes of /metrics on a Service port that leads to the proxy.
+        proxy_port_names = {p["name"] for s in render.of_kind("Service") for p in s["spec"]["ports"]
+                            if selects(s["spec"]["selector"], workload["spec"]["template"]["metadata"]["labels"])
+                            and p["targetPort"] in (settings.port, "metrics")}
+        timeouts = [float(e["scrapeTimeout"].removesuffix("s")) for m in render.of_kind("ServiceMonitor")
+                    for e in m["spec"]["endpoints"] if e["port"] in proxy_port_names and e["path"] == "/metrics"]
+        assert timeouts or not render.of_kind("ServiceMonitor"), component
+        resources = sidecar["resources"]
+        assert {"cpu", "memory"} <= set(resources["requests"]) and {"cpu", "memory"} <= set(resources["limits"])
+        assert settings.max_bytes * settings.max_concurrent <= _bytes(resources["limits"]["memory"]) // 2, component
+        for timeout in timeouts:
+            assert settings.timeout < timeout, (component, settings.timeout, timeout)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_engines_are_scraped_on_the_metrics_proxy_and_never_on_their_api(render_of, target: str) -> None:
+    """Annotations and ServiceMonitor alike: the engines' scrapes go to the proxy's port
+    (which the NetworkPolicy opens to monitoring), never to vLLM's (which it closes)."""
+    render = render_of(target)
+    scraped = scraped_by_service_monitors(render) if render.of_kind("ServiceMonitor") else {}
+    for component, workload in render.engines().items():
+        proxy_port = _proxy_settings(render, workload).port
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert int(annotations["prometheus.io/port"]) == proxy_port, component
+        if scraped:
+            assert scraped[component] == {(proxy_port, "/metrics"), (proxy_port, "/proxy/metrics")}, component
+    if scraped:
+        assert scraped["router"] == {(router_config(render).port, "/metrics")}

@@ -7,7 +7,8 @@ component serves, from each kind of pod that could try: the router, both engines
 of the namespace that is none of them (still labelled part-of=pdconnect), a pod
 elsewhere labelled part-of=pdconnect, a client in another namespace, Prometheus in its
 namespace. The expected table (`REACH`) is written out by hand: the data path and
-nothing else. The transport ports are the range the engines' environment pins
+nothing else; Prometheus reaches the engines only on the metrics proxy's port, never
+vLLM's API (issue 18: NetworkPolicy cannot filter by path). The transport ports are the range the engines' environment pins
 (Mooncake's RPC/TCP ports, UCX's TCP listener); RDMA traffic itself never passes the
 CNI and is out of any NetworkPolicy's reach (deploy/README.md, "Network isolation").
 """
@@ -175,13 +176,17 @@ SOURCES = ("router", "prefill", "decode", "stranger", "outsider", "client", "pro
 
 # (component, port) -> the sources that may connect; everything else must be refused.
 REACH: dict[tuple[str, str], set[str]] = {
-    ("prefill", "http"): {"router", "prometheus"},
+    # vLLM's API: the router alone (it serves /metrics too, but to nobody else).
+    ("prefill", "http"): {"router"},
+    # The metrics proxy (pdconnect metrics-proxy, a native sidecar): GET /metrics only.
+    ("prefill", "metrics"): {"prometheus"},
     ("prefill", "kv-events"): {"router"},
     ("prefill", "kv-replay"): {"router"},
     # decode engines: handshakes, heartbeats, claims; the router: lease releases.
     ("prefill", "side-channel"): {"decode", "router"},
     ("prefill", "transport"): {"decode"},
-    ("decode", "http"): {"router", "prometheus"},
+    ("decode", "http"): {"router"},
+    ("decode", "metrics"): {"prometheus"},
     ("decode", "kv-events"): {"router"},
     ("decode", "kv-replay"): {"router"},
     # Decode only pulls: nobody needs to open its transport ports.
@@ -202,10 +207,28 @@ def transport_ports(render: Render, workload: dict[str, Any]) -> tuple[int, int]
     return low, high
 
 
+def _named_ports(containers: list[dict[str, Any]]) -> dict[str, tuple[int, str]]:
+    return {p["name"]: (p["containerPort"], p.get("protocol", "TCP")) for c in containers
+            for p in c.get("ports", []) if "name" in p}
+
+
+def _sidecars(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Native sidecars: init containers with `restartPolicy: Always`, running beside the pod's containers."""
+    return [c for c in pod_spec(workload).get("initContainers", []) if c.get("restartPolicy") == "Always"]
+
+
+def declared_ports(workload: dict[str, Any]) -> dict[str, tuple[int, str]]:
+    """Every named port something in the pod listens on: its containers' and its sidecars'."""
+    return _named_ports(pod_spec(workload)["containers"] + _sidecars(workload))
+
+
 def _pod(name: str, workload: dict[str, Any]) -> Pod:
+    """The pod as a policy sees it. Its named ports are its containers' only: a name
+    declared on a native sidecar is not resolved by every CNI (Calico before
+    projectcalico/calico#8885; kubernetes/kubernetes#125285), so a policy must give
+    such a port by number, and here a name of one matches nothing."""
     template = workload["spec"]["template"]
-    ports = {p["name"]: (p["containerPort"], p.get("protocol", "TCP"))
-             for c in template["spec"]["containers"] for p in c.get("ports", []) if "name" in p}
+    ports = _named_ports(template["spec"]["containers"])
     return Pod(name, workload["metadata"]["namespace"], template["metadata"]["labels"], ports)
 
 
@@ -237,7 +260,7 @@ def reachable_from(render: Render, component: str, port: str) -> set[str]:
         low, high = transport_ports(render, workload)
         numbers = [low, (low + high) // 2, high]
     else:
-        numbers = [target.ports[port][0]]
+        numbers = [declared_ports(workload)[port][0]]
     found = set()
     for source in SOURCES:
         answers = {net.allows(pods[source], target, n) for n in numbers}
@@ -265,9 +288,10 @@ def test_each_port_is_reachable_from_exactly_the_pods_that_need_it(
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_declared_port_is_in_the_table(rendered, target: str) -> None:
     """A port added to a container without a row above would go unchecked."""
-    _, pods = cluster(rendered(target))
-    for component in ("router", "prefill", "decode"):
-        declared = set(pods[component].ports)
+    render = rendered(target)
+    workloads = {"router": render.router(), **render.engines()}
+    for component, workload in workloads.items():
+        declared = set(declared_ports(workload))
         assert declared == {p for c, p in REACH if c == component and p != "transport"}, component
 
 
@@ -307,3 +331,37 @@ def test_nixl_keeps_ucx_off_tcp(rendered, target: str) -> None:
         env = container_env(render, workload, pod_spec(workload)["containers"][0])
         if env["PD_TRANSPORT"] == "nixl":
             assert "UCX_TLS" in env and "tcp" not in env["UCX_TLS"].split(","), env.get("UCX_TLS")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_monitoring_reaches_the_engines_metrics_port_and_not_their_api(rendered, target: str) -> None:
+    """Issue 18: Prometheus, let in on vLLM's port for /metrics, could post completions
+    (with kv_transfer_params) there. It may open the metrics proxy's port and nothing
+    else of an engine: not 8000, not any other port the pod declares."""
+    render = rendered(target)
+    net, pods = cluster(render)
+    for component, workload in render.engines().items():
+        ports = declared_ports(workload)
+        metrics = ports["metrics"][0]
+        assert net.allows(pods["prometheus"], pods[component], metrics), (component, metrics)
+        assert ports["http"][0] == 8000
+        for name, (number, protocol) in ports.items():
+            if name != "metrics":
+                assert not net.allows(pods["prometheus"], pods[component], number, protocol), (component, name)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_policies_give_sidecar_ports_by_number(rendered, target: str) -> None:
+    """A port name that only a native sidecar declares would open nothing on a CNI that
+    resolves names on the pod's containers alone (see `_pod`): give it as a number."""
+    render = rendered(target)
+    sidecar_names = {name for w in render.workloads() for name in _named_ports(_sidecars(w))}
+    container_names = {name for w in render.workloads() for name in _named_ports(pod_spec(w)["containers"])}
+    assert sidecar_names, "no native sidecar declares a named port: the engines' metrics proxy is gone"
+    for policy in render.of_kind("NetworkPolicy"):
+        for direction in ("ingress", "egress"):
+            for rule in policy["spec"].get(direction) or []:
+                for entry in rule.get("ports") or []:
+                    name = entry.get("port")
+                    assert not (isinstance(name, str) and name in sidecar_names - container_names), (
+                        policy["metadata"]["name"], name)
