@@ -5,6 +5,8 @@ The product:
   each other, and how it travels (zmq request/reply, signed envelopes, queued notices).
 - `kvlayout`: KV tensors' shapes and strides to byte ranges; `transfer`: moving them.
 - `router`: the P/D router (`pdconnect router`).
+- `metricsproxy`: an engine's `/metrics` alone on a port of its own (`pdconnect
+  metrics-proxy`), so monitoring never reaches the engine's API.
 - `errors`: `ConfigError`, the one settings error.
 - `cli`: the `pdconnect` command; its `plan` subcommand is the one place that reaches
   `connectors` (by name, imported only when chosen).
