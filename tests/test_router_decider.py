@@ -18,8 +18,8 @@ import pytest
 from pdconnect.errors import ConfigError
 from pdconnect.router.decider import DeciderSettings, DecodeLocalDecider, Route
 from pdconnect.router.engines import Engine, Role
-from pdconnect.router.kvindex import EngineKVIndex, decode_batch
-from pdconnect.router.lookup import CacheGroup, CacheGroups, lookup_hit, parse_groups, predicted_hits
+from pdconnect.router.kvindex import EngineKVIndex, GroupIndex, chain_keys, decode_batch
+from pdconnect.router.lookup import CacheGroup, CacheGroups, parse_groups, predicted_hits
 from pdconnect.router.metrics import RouterMetrics
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
@@ -57,17 +57,21 @@ def test_the_predicted_hit_is_what_vllms_own_lookup_returns_on_random_cache_stat
     groups = parse_groups(",".join(
         (f"full:{bs}" if kind == "full_attention" else f"sliding:{bs}:{window}") + (":eagle" if flagged(gid) else "")
         for gid, (kind, bs, window) in enumerate(spec)))
-    order = sorted(range(len(spec)), key=lambda gid: spec[gid][0] != "full_attention")  # parse_groups: full first
     rng = random.Random(f"{name}-{drop}")
     largest = max(bs for _, bs, _ in spec)
     hits = 0
     for _ in range(400):
         n = rng.randrange(1, 24 * largest)
+        tokens = [rng.randrange(1, 50000) for _ in range(n)]
         density = 1 - rng.random() ** 3  # mostly dense: hits, and the gaps that cut them
-        cached = {gid: {i for i in range(n // bs + 1) if rng.random() < density} for gid, (_, bs, _) in enumerate(spec)}
+        index = EngineKVIndex()
+        cached: dict[int, set[int]] = {}
+        for gid, (kind, bs, window) in enumerate(spec):
+            keys = chain_keys(tokens, bs)
+            cached[gid] = {i for i in range(len(keys)) if rng.random() < density}
+            index.groups[gid] = GroupIndex(bs, window, present={keys[i]: 1 for i in cached[gid]})
         expected = rules.lookup_hit(cached, n, n)
-        got = lookup_hit(groups, [cached[gid].__contains__ for gid in order], n)
-        assert got == expected, (n, cached)
+        assert predicted_hits(groups, index, tokens)[0] == expected, (n, cached)
         hits += expected > 0
     assert hits > 40  # the states exercise real hits, not just misses
 
@@ -156,7 +160,7 @@ def test_predicted_hits_take_the_eagle_drop_on_the_flagged_groups() -> None:
     # blocks 5 and 6 (it holds 6 and 7) and nothing hits; full attention alone would say 24.
     assert predicted_hits(GROUPS, index, TOKENS[:31]) == (28, 28)
     assert predicted_hits(eagle, index, TOKENS[:31]) == (0, 24)
-    assert lookup_hit(CacheGroups((CacheGroup("full", 4),)), [lambda i: True], 1) == 0  # one token: nothing
+    assert predicted_hits(CacheGroups((CacheGroup("full", 4),)), index, TOKENS[:1]) == (0, 0)  # one token: nothing
 
 
 @pytest.mark.parametrize(("tokens", "body", "feed", "reason"), [
@@ -323,3 +327,4 @@ async def test_a_failed_decode_local_attempt_is_retried_pd_on_the_next_engine() 
         await router.close()
         await fakes.close()
         context.destroy(linger=0)
+

@@ -100,7 +100,6 @@ class DecodeLocalDecider:
 
     def __init__(self, settings: DeciderSettings, indexes: IndexSource, metrics: RouterMetrics) -> None:
         self._settings = settings
-        self._full_attention_only = settings.groups.full_attention_only()
         self._indexes = indexes
         self._metrics = metrics
         self._in_flight: dict[str, int] = {}  # engine url -> uncached tokens of local prefills
