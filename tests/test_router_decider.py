@@ -328,3 +328,48 @@ async def test_a_failed_decode_local_attempt_is_retried_pd_on_the_next_engine() 
         await fakes.close()
         context.destroy(linger=0)
 
+
+
+@pytest.mark.asyncio
+async def test_a_long_prompts_chain_keys_are_computed_once_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chain keys of a long prompt (the lookup's part that scales with it) are computed
+    once per request, in a worker thread, and shared by the policy's scoring of every decode
+    engine and the decider's prediction; the loop only looks them up."""
+    import threading
+
+    import aiohttp
+    import zmq
+
+    from pdconnect.router import kvindex, load_config, start_router
+    from pdconnect.testbed.fake_engine import FakeCluster
+
+    calls: list[tuple[bool, int, int]] = []  # (on the loop's thread, tokens, block size)
+    chain_keys = kvindex.chain_keys
+
+    def spy(tokens: Any, block_size: int, parent: int = 0) -> list[int]:
+        calls.append((threading.current_thread() is threading.main_thread(), len(tokens), block_size))
+        return chain_keys(tokens, block_size, parent)
+
+    fakes = await FakeCluster.start(prefill=1, decode=2)
+    context = zmq.Context()
+    publishers = {url: _Publisher(context) for url in fakes.decode_urls}
+    router = await start_router(load_config({
+        "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
+        "policy": "kv-aware", "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
+        "decode_local": True, "kv_cache_groups": str(GROUPS), "decode_local_max_uncached_tokens": 8}))
+    prompt = TOKENS + [7] * (1 << 14)  # its body is far over the size tokenized inline
+    try:
+        for publisher in publishers.values():  # both engines fresh: the policy scores both
+            await publisher.publish(router, *HELD)
+        monkeypatch.setattr(kvindex, "chain_keys", spy)
+        async with aiohttp.ClientSession() as http, asyncio.timeout(15):
+            async with http.post(router.url + "/v1/completions",
+                                 json={"model": "fake-model", "prompt": prompt, "max_tokens": 2}) as resp:
+                assert resp.status == 200
+                route = resp.headers["X-PDConnect-Route"]
+        assert route.startswith(f"pd; reason=uncached; prompt={len(prompt)}; hit=32;")  # the decider read the keys
+        assert calls == [(False, len(prompt), BS)]  # one block size, once, off the loop
+    finally:
+        await router.close()
+        await fakes.close()
+        context.destroy(linger=0)
