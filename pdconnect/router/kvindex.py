@@ -510,6 +510,8 @@ def longest_hit(
             current = found
             if full:
                 full_hits[position] = found
+            if not current:
+                return 0  # no group finds more than the candidate, even peeking one block ahead
         if current >= hit_length:
             break
         hit_length = current

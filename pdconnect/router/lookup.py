@@ -1,12 +1,13 @@
 """The engines' KV cache groups as configured, and the hits the decode-local decider predicts from them.
 
 The kv-aware index (`kvindex`) says which blocks of each KV cache group an engine holds,
-and `kvindex.longest_hit` is vLLM's own lookup rule over them (the `prompt_len - 1` cap
-comes from the caller, the cache-hit alignment, a sliding-window group's run, the
-EAGLE/MTP drop; tested against vLLM's real coordinator). The decider reads that rule over
-*configured* groups, not over what the index has seen: a group that has published
-nothing is absent from the index, yet vLLM still needs its blocks, and the drop is a
-scheduler setting no event carries. So they are configuration:
+and `kvindex.longest_hit` is vLLM's own lookup rule over them (the cache-hit alignment, a
+sliding-window group's run, the EAGLE/MTP drop; tested against vLLM's real coordinator),
+the one the kv-aware policy uses too. `predicted_hits` asks it what the engine would
+report for the whole prompt (at most `prompt_len - 1` tokens: the last one is always
+computed), over the *configured* groups rather than those the index has seen: a group
+that has published nothing is absent from the index, yet vLLM still needs its blocks,
+and the drop is a scheduler setting no event carries. So they are configuration:
 `parse_groups("full:128:eagle,sliding:128:64:eagle")`. vLLM flags every group for the
 drop under EAGLE (no group names the draft), and only the group holding the drafter's
 trailing layers under MTP.
