@@ -18,8 +18,8 @@ import pytest
 from pdconnect.errors import ConfigError
 from pdconnect.router.decider import DeciderSettings, DecodeLocalDecider, Route
 from pdconnect.router.engines import Engine, Role
-from pdconnect.router.kvindex import EngineKVIndex, decode_batch
-from pdconnect.router.lookup import CacheGroup, CacheGroups, lookup_hit, parse_groups, predicted_hits
+from pdconnect.router.kvindex import EngineKVIndex, GroupIndex, chain_keys, decode_batch
+from pdconnect.router.lookup import CacheGroup, CacheGroups, parse_groups, predicted_hits
 from pdconnect.router.metrics import RouterMetrics
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
@@ -57,17 +57,21 @@ def test_the_predicted_hit_is_what_vllms_own_lookup_returns_on_random_cache_stat
     groups = parse_groups(",".join(
         (f"full:{bs}" if kind == "full_attention" else f"sliding:{bs}:{window}") + (":eagle" if flagged(gid) else "")
         for gid, (kind, bs, window) in enumerate(spec)))
-    order = sorted(range(len(spec)), key=lambda gid: spec[gid][0] != "full_attention")  # parse_groups: full first
     rng = random.Random(f"{name}-{drop}")
     largest = max(bs for _, bs, _ in spec)
     hits = 0
     for _ in range(400):
         n = rng.randrange(1, 24 * largest)
+        tokens = [rng.randrange(1, 50000) for _ in range(n)]
         density = 1 - rng.random() ** 3  # mostly dense: hits, and the gaps that cut them
-        cached = {gid: {i for i in range(n // bs + 1) if rng.random() < density} for gid, (_, bs, _) in enumerate(spec)}
+        index = EngineKVIndex()
+        cached: dict[int, set[int]] = {}
+        for gid, (kind, bs, window) in enumerate(spec):
+            keys = chain_keys(tokens, bs)
+            cached[gid] = {i for i in range(len(keys)) if rng.random() < density}
+            index.groups[gid] = GroupIndex(bs, window, present={keys[i]: 1 for i in cached[gid]})
         expected = rules.lookup_hit(cached, n, n)
-        got = lookup_hit(groups, [cached[gid].__contains__ for gid in order], n)
-        assert got == expected, (n, cached)
+        assert predicted_hits(groups, index, tokens)[0] == expected, (n, cached)
         hits += expected > 0
     assert hits > 40  # the states exercise real hits, not just misses
 
@@ -156,7 +160,7 @@ def test_predicted_hits_take_the_eagle_drop_on_the_flagged_groups() -> None:
     # blocks 5 and 6 (it holds 6 and 7) and nothing hits; full attention alone would say 24.
     assert predicted_hits(GROUPS, index, TOKENS[:31]) == (28, 28)
     assert predicted_hits(eagle, index, TOKENS[:31]) == (0, 24)
-    assert lookup_hit(CacheGroups((CacheGroup("full", 4),)), [lambda i: True], 1) == 0  # one token: nothing
+    assert predicted_hits(CacheGroups((CacheGroup("full", 4),)), index, TOKENS[:1]) == (0, 0)  # one token: nothing
 
 
 @pytest.mark.parametrize(("tokens", "body", "feed", "reason"), [
@@ -319,6 +323,52 @@ async def test_a_failed_decode_local_attempt_is_retried_pd_on_the_next_engine() 
         assert len(fakes.prefill[0].seen) == 1  # the engine that lacks the prompt got it P/D
         assert fakes.engine(other).seen[-1].body["kv_transfer_params"]["do_remote_prefill"] is True
         assert router.router._flow._decider.local_tokens_in_flight(holder) == 0  # type: ignore[union-attr]
+    finally:
+        await router.close()
+        await fakes.close()
+        context.destroy(linger=0)
+
+
+
+@pytest.mark.asyncio
+async def test_a_long_prompts_chain_keys_are_computed_once_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chain keys of a long prompt (the lookup's part that scales with it) are computed
+    once per request, in a worker thread, and shared by the policy's scoring of every decode
+    engine and the decider's prediction; the loop only looks them up."""
+    import threading
+
+    import aiohttp
+    import zmq
+
+    from pdconnect.router import kvindex, load_config, start_router
+    from pdconnect.testbed.fake_engine import FakeCluster
+
+    calls: list[tuple[bool, int, int]] = []  # (on the loop's thread, tokens, block size)
+    chain_keys = kvindex.chain_keys
+
+    def spy(tokens: Any, block_size: int, parent: int = 0) -> list[int]:
+        calls.append((threading.current_thread() is threading.main_thread(), len(tokens), block_size))
+        return chain_keys(tokens, block_size, parent)
+
+    fakes = await FakeCluster.start(prefill=1, decode=2)
+    context = zmq.Context()
+    publishers = {url: _Publisher(context) for url in fakes.decode_urls}
+    router = await start_router(load_config({
+        "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
+        "policy": "kv-aware", "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
+        "decode_local": True, "kv_cache_groups": str(GROUPS), "decode_local_max_uncached_tokens": 8}))
+    prompt = TOKENS + [7] * (1 << 14)  # its body is far over the size tokenized inline
+    try:
+        for publisher in publishers.values():  # both engines fresh: the policy scores both
+            await publisher.publish(router, *HELD)
+        monkeypatch.setattr(kvindex, "chain_keys", spy)
+        async with aiohttp.ClientSession() as http, asyncio.timeout(15):
+            async with http.post(router.url + "/v1/completions",
+                                 json={"model": "fake-model", "prompt": prompt, "max_tokens": 2}) as resp:
+                assert resp.status == 200
+                route = resp.headers["X-PDConnect-Route"]
+        assert route.startswith(f"pd; reason=uncached; prompt={len(prompt)}; hit=32;")  # the decider read the keys
+        assert calls == [(False, len(prompt), BS)]  # one block size, once, off the loop
     finally:
         await router.close()
         await fakes.close()

@@ -100,7 +100,6 @@ class DecodeLocalDecider:
 
     def __init__(self, settings: DeciderSettings, indexes: IndexSource, metrics: RouterMetrics) -> None:
         self._settings = settings
-        self._full_attention_only = settings.groups.full_attention_only()
         self._indexes = indexes
         self._metrics = metrics
         self._in_flight: dict[str, int] = {}  # engine url -> uncached tokens of local prefills
@@ -108,15 +107,29 @@ class DecodeLocalDecider:
     def local_tokens_in_flight(self, url: str) -> int:
         return self._in_flight.get(url, 0)
 
-    def decide(self, engine: Engine | None, tokens: Sequence[int] | None, body: dict[str, Any]) -> Route:
-        route = self._decide(engine, tokens, body)
+    def decide(
+        self,
+        engine: Engine | None,
+        tokens: Sequence[int] | None,
+        body: dict[str, Any],
+        keys: dict[int, list[int]] | None = None,
+    ) -> Route:
+        """The route for a request of prompt `tokens` whose decode engine the policy picked;
+        `keys`: the prompt's chain keys as the policy's lookups left them (`kvindex.longest_hit`)."""
+        route = self._decide(engine, tokens, body, keys)
         self._metrics.decode_routes.labels(route.name, route.reason).inc()
         if route.full_attention_hit >= 0:
             shadow = LOCAL if self._small(route.prompt_tokens - route.full_attention_hit, route.prompt_tokens) else PD
             self._metrics.decode_routes_full_attention_only.labels(shadow).inc()
         return route
 
-    def _decide(self, engine: Engine | None, tokens: Sequence[int] | None, body: dict[str, Any]) -> Route:
+    def _decide(
+        self,
+        engine: Engine | None,
+        tokens: Sequence[int] | None,
+        body: dict[str, Any],
+        keys: dict[int, list[int]] | None,
+    ) -> Route:
         if engine is None:
             return Route(False, "no_engine")
         if not tokens:
@@ -128,7 +141,7 @@ class DecodeLocalDecider:
         index = self._indexes.index(engine.url)
         if index is None:
             return Route(False, "no_events")
-        hit, full_hit = predicted_hits(self._settings.groups, index, tokens)
+        hit, full_hit = predicted_hits(self._settings.groups, index, tokens, keys)
         count = len(tokens)
         uncached = count - hit
         if not self._small(uncached, count):

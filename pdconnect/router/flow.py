@@ -3,7 +3,8 @@
 Read top to bottom in `PDFlow.handle`:
 1. parse the client's body and hash its leading chunk (the affinity key); for the
    kv-aware policy also compute the prompt's token ids as the engine will (chat rendered
-   with the model's template, `chat_template`), or leave the request to the key;
+   with the model's template, `chat_template`), or leave the request to the key, and a
+   long prompt's chain keys, off the loop, for every lookup of the request (`_keys`);
 2. prefill: what the prompt's KV depends on (`PREFILL_FIELDS`, nothing that only shapes
    the answer) with `max_tokens=1`, `stream=false` and
    `kv_transfer_params={"do_remote_decode": true}` to the key's prefill engine; of its
@@ -69,7 +70,7 @@ from pdconnect.router.errors import (
     openai_error_body,
 )
 from pdconnect.router.metrics import RouterMetrics
-from pdconnect.router.policy import AffinityTracker, PrefixAffinity, RoutingPolicy, affinity_key
+from pdconnect.router.policy import AffinityTracker, KvAware, PrefixAffinity, RoutingPolicy, affinity_key
 from pdconnect.router.upstream import (
     AnswerTooLarge,
     ConnectFailed,
@@ -159,6 +160,9 @@ class Call:
     started: float
     raw: bytes = b"{}"  # the client's body as received (inflated)
     tokens: Sequence[int] | None = None  # the prompt's token ids, when the policy needs them
+    # Their chain keys by block size, shared by every lookup of the request (filled as far as
+    # the lookups reach, or all at once off the loop for a long prompt: `PDFlow._keys`).
+    keys: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -301,6 +305,9 @@ class _Trace:
 # these machines, a 4 MiB chat of tiny messages ~0.4 s to render); a short one costs
 # less inline than the thread hop.
 _INLINE_PROMPT_BYTES = 8192
+# The same for the prompt's chain keys (pure Python, ~50 us per 1k tokens and block size):
+# a longer prompt's are computed off the loop, all at once, before any lookup needs them.
+_INLINE_KEY_TOKENS = 2048
 
 _OUTCOME_OF_ERROR: dict[type[RouterError], str] = {
     BadRequest: "bad_request",
@@ -408,6 +415,7 @@ class PDFlow:
         self._metrics = metrics
         self._releaser = releaser
         self._policies = {Role.PREFILL: prefill_policy, Role.DECODE: decode_policy}
+        self._kv_aware = decode_policy if isinstance(decode_policy, KvAware) else None
         self._affinity = (
             {role: AffinityTracker() for role in Role} if isinstance(decode_policy, PrefixAffinity) else None
         )
@@ -451,7 +459,8 @@ class PDFlow:
             raw = await read_body(http, self._config.max_body_bytes, self._config.body_read_timeout)
             call = self._parse(raw, endpoint, http.headers, started)
             if self._wants_tokens:
-                call = dataclasses.replace(call, tokens=await self._tokens(call))
+                tokens = await self._tokens(call)
+                call = dataclasses.replace(call, tokens=tokens, keys=await self._keys(tokens))
             if not any(engine.routable for engine in self._registry.engines(Role.DECODE)):
                 raise NoEngineAvailable(Role.DECODE.value)  # before P computes for nobody
             trace.route = self._route(call, trace)
@@ -542,6 +551,13 @@ class PDFlow:
         self._prompt_results.labels(label, "ok").inc()
         return tokens
 
+    async def _keys(self, tokens: Sequence[int] | None) -> dict[int, list[int]]:
+        """The chain keys a long prompt's lookups need, computed in a worker thread (the part
+        of a lookup that scales with the prompt); a short prompt's lookups fill them inline."""
+        if tokens is None or self._kv_aware is None or len(tokens) <= _INLINE_KEY_TOKENS:
+            return {}
+        return await self._kv_aware.keys_for(tokens)
+
     def _prompt_tokens(self, call: Call, off_gil: bool) -> Sequence[int]:
         """The prompt's ids (`_prompt`, tokenized); `off_gil` on a worker thread."""
         prompt = self._prompt(call)
@@ -579,7 +595,7 @@ class PDFlow:
         if self._decider is None:
             return None
         engines = self._candidates(Role.DECODE, call, self._config.decode_attempts)
-        route = self._decider.decide(engines[0] if engines else None, call.tokens, call.body)
+        route = self._decider.decide(engines[0] if engines else None, call.tokens, call.body, call.keys)
         if route.local:
             trace.decode_engines = engines
         return route
@@ -899,7 +915,7 @@ class PDFlow:
     # --- helpers ----------------------------------------------------------------------------
 
     def _candidates(self, role: Role, call: Call, attempts: int) -> list[Engine]:
-        return self._policies[role].order(self._registry.engines(role), call.key, call.tokens)[:attempts]
+        return self._policies[role].order(self._registry.engines(role), call.key, call.tokens, call.keys)[:attempts]
 
     def _hit_check(self, trace: _Trace) -> UsageMerger | None:
         """A decode-local answer's usage is the engine's own: read it to check the prediction."""

@@ -130,8 +130,10 @@ class KVEventsFeed:
     async def keys_for(self, tokens: Sequence[int]) -> dict[int, list[int]]:
         """The prompt's chain keys for every block size the watched engines use, computed on
         the loop's default executor: the part of a lookup that scales with the prompt. Pass
-        the result as `keys` to `hit_tokens` for each engine; what stays on the loop is then
-        one dict lookup per block up to each engine's hit (`make bench-lookup`)."""
+        the result as `keys` to `hit_tokens` for each engine and to the decider
+        (`lookup.predicted_hits`); what stays on the loop is then one dict lookup per block
+        up to each engine's hit (`make bench-lookup`). The lookups themselves stay on the
+        loop: it is the loop that applies events to the indexes they read."""
         sizes = {g.block_size for s in self._subs.values() if s.fresh for g in list(s.index.groups.values())}
         if not sizes:
             return {}

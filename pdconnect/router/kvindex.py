@@ -1,4 +1,4 @@
-"""What each engine really caches, from vLLM's KV events: wire types and a per-group index.
+"""What each engine really caches, from vLLM's KV events: wire types, a per-group index, vLLM's hit rule.
 
 vLLM engines started with `--kv-events-config` publish msgpack `KVEventBatch`es of
 `BlockStored` / `BlockRemoved` / `AllBlocksCleared` over ZMQ. The structs below mirror
@@ -22,15 +22,13 @@ batch before the full-attention blocks); until then they wait, bounded, and a ha
 never resolves is dropped and counted.
 
 Hybrid models: every KV cache group (full attention, sliding window, ...) is indexed on
-its own, and a prefix of L tokens is a hit only if *every* group can serve it, exactly as
-vLLM's `HybridKVCacheCoordinator` decides (0.32, EAGLE off):
-- L is a multiple of the cache-hit alignment, the lcm of the groups' block sizes;
-- a full-attention group (and any kind not known to skip blocks: the safe side) needs
-  every block before L;
-- a sliding-window group of window w and block size b needs the max(1, ceil((w - 1) / b))
-  blocks before L (the tokens the next one attends to), or all of them when L is shorter.
-vLLM's per-group events do not mix the group into the hash, so mixing the groups here
-would call a prefix cached that one group has already evicted.
+its own, and a prefix is a hit only if *every* group can serve it. `longest_hit` is vLLM's
+rule for that (`HybridKVCacheCoordinator`: the lcm alignment, a sliding group's window
+run, the EAGLE/MTP drop), the one copy both the kv-aware policy (`hit_tokens`, over the
+groups the engine has published) and the decode-local decider (`lookup.predicted_hits`,
+over the configured groups) use. vLLM's per-group events do not mix the group into the
+hash, so mixing the groups here would call a prefix cached that one group has already
+evicted.
 
 Untrusted input: every event is checked (`invalid_reason`) before it touches the index; an
 invalid one is dropped and counted by reason, never raised, and never affects another
@@ -62,9 +60,11 @@ __all__ = [
     "EngineKVIndex",
     "GroupIndex",
     "KVEventBatch",
+    "LookupGroup",
     "chain_keys",
     "decode_batch",
     "invalid_reason",
+    "longest_hit",
     "prompt_keys",
 ]
 
@@ -266,16 +266,6 @@ class GroupIndex:
             self.pending.popitem(last=False)
             self.orphans += 1
 
-    def leading_run(self, keys: list[int], start: int, stop: int) -> int:
-        """How many of `keys[start:stop]` are present, up to the first missing one."""
-        run = itertools.takewhile(self.present.__contains__, itertools.islice(keys, start, stop))
-        return sum(1 for _ in run)
-
-    def blocks_for_hit(self) -> int:
-        """Sliding groups: how many blocks right before a hit's end vLLM requires cached."""
-        assert self.sliding_window is not None
-        return max(1, -(-(self.sliding_window - 1) // self.block_size))
-
 
 @dataclass
 class EngineKVIndex:
@@ -424,121 +414,205 @@ class EngineKVIndex:
     def hit_tokens(
         self, tokens: Sequence[int], keys: dict[int, list[int]] | None = None, *, eagle_groups: Collection[int] = ()
     ) -> int:
-        """The longest prefix of `tokens` every group can serve (0 before any event), as
-        vLLM's lookup finds it with at most len(tokens) tokens (see the module docstring).
+        """The longest prefix of `tokens` every group can serve (0 before any event): vLLM's
+        lookup (`longest_hit`) over this engine's groups, with at most len(tokens) tokens.
 
-        `keys` caches chain keys by block size across engines (one request, many engines):
-        `keys[b]` is always a prefix of `chain_keys(tokens, b)`, extended only as far as some
-        engine's hit reaches. Cost: linear in the blocks up to the full-attention hit (the whole
-        prompt for a model without full attention): each block's key is computed once per
-        request and looked up at most once per group.
+        `keys` caches chain keys by block size across engines and lookups (one request, many
+        engines; see `longest_hit`).
 
         `eagle_groups`: the engine runs EAGLE/MTP drafting and these group ids get vLLM's
         last-block drop. `tokens` is then the whole prompt, and the answer is vLLM's for it
-        exactly: it looks up len(tokens) - 1 tokens, lets an EAGLE group match one block
-        further, drops it, and repeats over the groups until no group lowers the hit.
+        exactly: it looks up len(tokens) - 1 tokens and lets a dropping group peek one block
+        further.
         """
-        groups = list(self.groups.values())
-        if not groups:
-            return 0
-        if eagle_groups:
-            return self._eagle_hit(tokens, {} if keys is None else keys, set(eagle_groups))
-        align = math.lcm(*(g.block_size for g in groups))
-        limit = len(tokens) // align * align
-        if keys is None:
-            keys = {}
-        # Full attention bounds the hit from above: its servable lengths are a prefix run.
-        for group in groups:
-            if group.sliding_window is None and limit:
-                run = _extending_run(group, tokens, keys, limit // group.block_size)
-                limit = min(limit, run * group.block_size // align * align)
-        windows = [
-            _WindowScan(g, _keys_upto(tokens, keys, g.block_size, limit // g.block_size), align)
-            for g in groups
-            if g.sliding_window is not None
-        ]
-        # Sliding groups only lower the candidate; iterate to the fixed point as vLLM does.
-        while windows and limit:
-            bound = limit
-            for window in windows:
-                limit = window.longest(limit)
-            if limit == bound:
-                break
-        return limit
+        # vLLM looks groups of one spec up together, full attention first (a stable sort).
+        ordered = sorted(self.groups.items(), key=lambda item: (item[1].sliding_window is not None, item[0]))
+        specs = dict.fromkeys((g.block_size, g.sliding_window) for _, g in ordered)
+        eagle = {(g.block_size, g.sliding_window) for gid, g in ordered if gid in eagle_groups}
+        groups = [self.lookup_group(size, window, (size, window) in eagle) for size, window in specs]
+        max_length = len(tokens) - 1 if eagle_groups else len(tokens)
+        return longest_hit(groups, tokens, {} if keys is None else keys, max_length)
 
-    def _eagle_hit(self, tokens: Sequence[int], keys: dict[int, list[int]], eagle: set[int]) -> int:
-        """vLLM's HybridKVCacheCoordinator loop, step for step, with linear per-group finders."""
-        items = sorted(self.groups.items(), key=lambda item: item[1].sliding_window is not None)  # full first
-        sizes = [g.block_size for _, g in items]
-        align = math.lcm(*sizes)
-        hashed = len(tokens) // math.gcd(*sizes) * math.gcd(*sizes)  # what the request's hashes cover
-        hit_length = len(tokens) - 1
-        simple = len(items) == 2 and items[0][1].sliding_window is None
-        full_hits: dict[int, int] = {}
-        verified: set[int] = set()  # positions whose EAGLE drop holds at the current length
-        while hit_length > 0:
-            current = hit_length
-            for position, (gid, group) in enumerate(items):
-                if group.sliding_window is None and gid in full_hits:
-                    current = min(current, full_hits[gid])  # full attention is downward-closed
-                    continue
-                drop = gid in eagle and position not in verified
-                most = min(current + group.block_size, hashed) if drop else current
-                known = _keys_upto(tokens, keys, group.block_size, most // group.block_size)
-                if group.sliding_window is None:
-                    found = full_attention_hit(group, known, most, drop, align)
-                    full_hits[gid] = found
+    def lookup_group(self, block_size: int, sliding_window: int | None, eagle: bool) -> LookupGroup:
+        """This engine's groups of one KV cache spec (`sliding_window` None: full attention),
+        looked up together; none when the engine has published nothing of that spec."""
+        members = tuple(
+            g for g in self.groups.values() if g.block_size == block_size and g.sliding_window == sliding_window
+        )
+        return LookupGroup(block_size, sliding_window, eagle, members)
+
+
+# --- vLLM's hit rule ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LookupGroup:
+    """One KV cache spec as vLLM's coordinator looks it up: a block is cached when every
+    index group of the spec holds its content key (with none, no block is), and `eagle`
+    says whether the spec takes vLLM's EAGLE/MTP last-block drop."""
+
+    block_size: int
+    sliding_window: int | None  # None: full attention (and any kind not known to skip blocks)
+    eagle: bool
+    members: tuple[GroupIndex, ...]
+
+
+def longest_hit(
+    groups: Sequence[LookupGroup], tokens: Sequence[int], keys: dict[int, list[int]], max_length: int
+) -> int:
+    """The prompt tokens vLLM's `find_longest_cache_hit` reports as computed for the prompt
+    `tokens`, looking up at most `max_length` of them (the engine asks len(tokens) - 1: the
+    last token is always computed, for its logits), `groups` in vLLM's order (full attention
+    first). The one copy of vLLM's rule here, step for step (vLLM 0.32; tests compare it
+    with vLLM's real coordinator on random cache states):
+    - one group (`UnitaryKVCacheCoordinator`): its own finder, aligned to its block;
+    - several (`HybridKVCacheCoordinator`): hits land on the lcm of the block sizes, and
+      the groups lower the candidate in turn until none does (a full group with a sliding
+      one: one round); a dropping group may peek one block past the candidate (within
+      the blocks the request's hashes cover) and is re-checked after another group lowers it;
+    - full attention: the leading run of cached blocks, less one block under the drop;
+    - sliding window w, block b: the highest end whose `cdiv(w - 1, b)` blocks before it
+      (one more under the drop) are cached and which is aligned after the drop; without
+      one, the aligned leading run.
+
+    `keys[b]` is always a prefix of `chain_keys(tokens, b)`, extended only as far as a
+    lookup reaches: pass one dict for every engine of a request (or `prompt_keys`' result,
+    computed off the event loop) and each block's key is computed once per request. Cost:
+    linear in the blocks up to the full-attention hit (the whole prompt for a model
+    without full attention); each block is looked up at most once per group and lookup.
+    """
+    if max_length <= 0 or not groups:
+        return 0
+    if len(groups) == 1:  # no look-ahead margin, no alignment beyond the group's block
+        group = groups[0]
+        return _Finder(group, tokens, keys, group.block_size).hit(max_length, group.eagle)
+    sizes = [g.block_size for g in groups]
+    align, hash_block = math.lcm(*sizes), math.gcd(*sizes)
+    hashed = len(tokens) // hash_block * hash_block  # what the request's block hashes cover
+    finders = [_Finder(g, tokens, keys, align) for g in groups]
+    simple = len(groups) == 2 and groups[0].sliding_window is None
+    full_hits: dict[int, int] = {}  # full attention is downward-closed: looked up once
+    verified: set[int] = set()  # dropping groups whose drop holds at the current candidate
+    hit_length = max_length
+    while True:
+        current = hit_length
+        for position, (group, finder) in enumerate(zip(groups, finders)):
+            full = group.sliding_window is None
+            if full and position in full_hits:
+                current = min(current, full_hits[position])
+                continue
+            drop = group.eagle and position not in verified
+            found = finder.hit(min(current + group.block_size, hashed) if drop else current, drop)
+            if drop:
+                verified.add(position)
+            elif found < current:
+                verified.clear()
+            current = found
+            if full:
+                full_hits[position] = found
+            if not current:
+                return 0  # no group finds more than the candidate, even peeking one block ahead
+        if current >= hit_length:
+            break
+        hit_length = current
+        if simple:
+            break
+    return hit_length
+
+
+class _Finder:
+    """One group's finder (vLLM's single-type managers' `find_longest_cache_hit`) for one
+    lookup, over "is block i cached". A sliding group's scan goes down from the candidate
+    end and jumps below each missing block, and remembers the run it verified, so across
+    the coordinator's rounds each block is looked up at most once."""
+
+    def __init__(self, group: LookupGroup, tokens: Sequence[int], keys: dict[int, list[int]], align: int) -> None:
+        self._group = group
+        self._tokens = tokens
+        self._keys = keys
+        self._size = group.block_size
+        self._step = align // group.block_size  # blocks per alignment unit
+        presents = self._presents = [m.present for m in group.members]
+        self._contains: Callable[[int], bool] = (
+            presents[0].__contains__ if len(presents) == 1 else lambda key: all(key in p for p in presents)
+        )
+        self._lo = self._hi = 0  # blocks [lo, hi) verified cached
+
+    def hit(self, max_length: int, drop: bool) -> int:
+        """The tokens this group serves with at most `max_length`, `drop`: EAGLE/MTP's drop."""
+        if not self._group.members:
+            return 0  # nothing of this spec published (or all of it evicted)
+        if self._group.sliding_window is None:
+            return self._full_attention(max_length, drop)
+        return self._sliding_window(self._group.sliding_window, max_length, drop)
+
+    def _full_attention(self, max_length: int, drop: bool) -> int:
+        size = self._size
+        hit = self._extending_run(min(max_length // size, len(self._tokens) // size)) * size
+        if drop and hit:
+            hit -= size
+        return hit - hit % (self._step * size)
+
+    def _extending_run(self, blocks: int) -> int:
+        """The leading run of cached blocks, at most `blocks`, computing chain keys only as
+        far as the run goes (in doubling chunks): a miss costs a block's key, not the prompt's.
+        Member by member (the joint run is the shortest), each at C speed."""
+        run = blocks
+        for present in self._presents:
+            run = self._run_in(present.__contains__, run)
+        return run
+
+    def _run_in(self, contains: Callable[[int], bool], blocks: int) -> int:
+        run, want = 0, 64
+        while True:
+            known = _keys_upto(self._tokens, self._keys, self._size, min(blocks, want))
+            available = min(blocks, len(known))
+            run += sum(1 for _ in itertools.takewhile(contains, itertools.islice(known, run, available)))
+            if run < available or run >= blocks:
+                return run
+            want *= 2
+
+    def _sliding_window(self, window: int, max_length: int, drop: bool) -> int:
+        size, step, d = self._size, self._step, int(drop)
+        need = max(1, -(-(window - 1) // size) + d)  # vLLM: cdiv(w - 1, b), one more under the drop
+        keys = _keys_upto(self._tokens, self._keys, size, max_length // size)
+        top = min(max_length // size, len(keys))
+        contains = self._contains
+
+        def candidate(at_most: int) -> int:  # the highest end <= at_most that is aligned after the drop
+            return (at_most - d) // step * step + d if at_most >= d else -1
+
+        end = candidate(top)
+        while end >= need:
+            start, i = end - need, end - 1
+            lo, hi = self._lo, self._hi
+            while i >= start:
+                if lo <= i < hi:
+                    i = lo - 1
+                elif contains(keys[i]):
+                    i -= 1
                 else:
-                    found = sliding_window_hit(group, known, most, drop, align)
-                if drop:
-                    verified.add(position)
-                elif found < current:
-                    verified.clear()
-                current = found
-            if current >= hit_length:
+                    break
+            if i < start:  # no block missing in [start, end)
+                if end >= lo and start <= hi:
+                    self._lo, self._hi = min(start, lo), max(end, hi)
+                else:
+                    self._lo, self._hi = start, end
+                return (end - d) * size
+            end = candidate(i)  # every end above block i has i in its window
+        # No whole window: vLLM keeps the leading run its scan counted, aligned, then drops.
+        stop, run = min(top, need + step), 0
+        while run < stop:
+            if self._lo <= run < self._hi:
+                run = self._hi
+            elif contains(keys[run]):
+                run += 1
+            else:
                 break
-            hit_length = current
-            if simple:
-                break
-        return max(hit_length, 0)
-
-
-def full_attention_hit(group: GroupIndex, keys: list[int], max_tokens: int, drop: bool, align: int) -> int:
-    """vLLM's full-attention finder: the leading run up to `max_tokens`, less one block when
-    `drop` (EAGLE), rounded down to `align`."""
-    size = group.block_size
-    hit = group.leading_run(keys, 0, min(max_tokens // size, len(keys))) * size
-    if drop and hit:
-        hit -= size
-    return hit - hit % align
-
-
-def sliding_window_hit(group: GroupIndex, keys: list[int], max_tokens: int, drop: bool, align: int) -> int:
-    """vLLM's sliding-window finder: the highest end E (at most `max_tokens`) whose window
-    blocks are all present, with E less the EAGLE drop aligned; else the aligned leading run.
-    Scans down and jumps below each missing block: each block is looked up once."""
-    size, step = group.block_size, align // group.block_size
-    assert group.sliding_window is not None
-    need = max(1, -(-(group.sliding_window - 1) // size) + drop)  # vLLM: cdiv(w - 1, b) + drop
-    top = min(max_tokens // size, len(keys))
-
-    def candidate(at_most: int) -> int:  # the highest end <= at_most that is aligned after the drop
-        return (at_most - drop) // step * step + drop if at_most >= drop else -1
-
-    end = candidate(top)
-    while end >= need:
-        i = end - 1
-        while i >= end - need and keys[i] in group.present:
-            i -= 1
-        if i < end - need:
-            return (end - drop) * size
-        end = candidate(i)
-    # No full window: vLLM keeps the leading run its scan counted, aligned, then drops.
-    run = candidate(group.leading_run(keys, 0, min(top, need + step)))
-    blocks = max(run, 0) // step * step
-    if drop and blocks:
-        blocks = (blocks - 1) // step * step
-    return blocks * size
+        blocks = max(candidate(min(run, stop)), 0) // step * step
+        if d and blocks:
+            blocks = (blocks - 1) // step * step
+        return blocks * size
 
 
 def _keys_upto(tokens: Sequence[int], keys: dict[int, list[int]], block_size: int, blocks: int) -> list[int]:
@@ -548,51 +622,3 @@ def _keys_upto(tokens: Sequence[int], keys: dict[int, list[int]], block_size: in
         start = len(known) * block_size
         known.extend(chain_keys(tokens[start : blocks * block_size], block_size, known[-1] if known else 0))
     return known
-
-
-def _extending_run(group: GroupIndex, tokens: Sequence[int], keys: dict[int, list[int]], blocks: int) -> int:
-    """The group's leading run of present blocks, at most `blocks`, computing chain keys only
-    as far as the run goes (in doubling chunks): a miss costs a block's key, not the prompt's."""
-    run, want = 0, 64
-    while True:
-        known = _keys_upto(tokens, keys, group.block_size, min(blocks, want))
-        available = min(blocks, len(known))
-        run += group.leading_run(known, run, available)
-        if run < available or run >= blocks:
-            return run
-        want *= 2
-
-
-class _WindowScan:
-    """A sliding group's longest servable end at or below a bound, for one lookup whose
-    bounds only decrease: scans from the top down and jumps below each missing block, and
-    remembers the run it verified, so each block is looked up at most once per lookup."""
-
-    def __init__(self, group: GroupIndex, keys: list[int], align: int) -> None:
-        self._present = group.present
-        self._keys = keys
-        self._block_size = group.block_size
-        self._need = group.blocks_for_hit()
-        self._step = align // group.block_size  # blocks per alignment unit
-        self._lo = self._hi = 0  # blocks [lo, hi) verified present
-
-    def longest(self, bound_tokens: int) -> int:
-        end = min(bound_tokens // self._block_size, len(self._keys)) // self._step * self._step
-        while end > 0:
-            start = max(0, end - self._need)
-            i = end - 1
-            while i >= start:
-                if self._lo <= i < self._hi:
-                    i = self._lo - 1
-                elif self._keys[i] in self._present:
-                    i -= 1
-                else:
-                    break
-            if i < start:  # no block missing in [start, end)
-                if end >= self._lo and start <= self._hi:
-                    self._lo, self._hi = min(start, self._lo), max(end, self._hi)
-                else:
-                    self._lo, self._hi = start, end
-                return end * self._block_size
-            end = i // self._step * self._step  # every end above block i has i in its window
-        return 0

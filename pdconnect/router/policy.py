@@ -23,7 +23,9 @@ computes the prefix each engine really caches for the request's tokens and puts 
 longest hit first among the engines under the same load bound. The tokens are the ids
 the engine will compute (`chat_template`: text tokenized, chat rendered with the model's
 template); with none (no `--tokenizer`, a request the router cannot render), no fresh
-index, or no hit anywhere, it is prefix affinity.
+index, or no hit anywhere, it is prefix affinity. The flow passes the prompt's chain keys
+along (`keys`): one request computes them once, off the event loop for a long prompt
+(`KvAware.keys_for`), for every engine it scores and for the decider.
 
 Every policy returns the routable engines in preference order; the flow tries them in
 that order, so a retry goes to the key's next engine on the ring and stays stable.
@@ -130,7 +132,11 @@ class RoutingPolicy(Protocol):
     name: str
 
     def order(
-        self, engines: tuple[Engine, ...], key: int | None, tokens: Sequence[int] | None = None
+        self,
+        engines: tuple[Engine, ...],
+        key: int | None,
+        tokens: Sequence[int] | None = None,
+        keys: dict[int, list[int]] | None = None,
     ) -> list[Engine]: ...
 
 
@@ -140,7 +146,13 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def order(self, engines: tuple[Engine, ...], key: int | None, tokens: Sequence[int] | None = None) -> list[Engine]:
+    def order(
+        self,
+        engines: tuple[Engine, ...],
+        key: int | None,
+        tokens: Sequence[int] | None = None,
+        keys: dict[int, list[int]] | None = None,
+    ) -> list[Engine]:
         live = [e for e in engines if e.routable]
         if not live:
             return live
@@ -156,7 +168,13 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._rotation = RoundRobin()
 
-    def order(self, engines: tuple[Engine, ...], key: int | None, tokens: Sequence[int] | None = None) -> list[Engine]:
+    def order(
+        self,
+        engines: tuple[Engine, ...],
+        key: int | None,
+        tokens: Sequence[int] | None = None,
+        keys: dict[int, list[int]] | None = None,
+    ) -> list[Engine]:
         rotated = self._rotation.order(engines, key)
         return sorted(rotated, key=lambda e: e.in_flight)  # stable: ties keep the rotation
 
@@ -230,7 +248,13 @@ class PrefixAffinity:
         """The most in-flight requests one engine may hold before the next one is placed."""
         return self.load.limit(sum(e.in_flight for e in live), len(live))
 
-    def order(self, engines: tuple[Engine, ...], key: int | None, tokens: Sequence[int] | None = None) -> list[Engine]:
+    def order(
+        self,
+        engines: tuple[Engine, ...],
+        key: int | None,
+        tokens: Sequence[int] | None = None,
+        keys: dict[int, list[int]] | None = None,
+    ) -> list[Engine]:
         if key is None:
             return self._fallback.order(engines, key)
         walk = [e for e in self._ring_for(engines).walk(key) if e.routable]
@@ -246,6 +270,8 @@ class PrefixAffinity:
 class HitSource(Protocol):
     def hit_tokens(self, url: str, tokens: Sequence[int], keys: dict[int, list[int]] | None = None) -> int | None: ...
 
+    async def keys_for(self, tokens: Sequence[int]) -> dict[int, list[int]]: ...
+
 
 class KvAware:
     """Longest real cache hit under the affinity load bound; prefix affinity otherwise."""
@@ -256,13 +282,25 @@ class KvAware:
         self._hits = hits
         self._affinity = PrefixAffinity(load, vnodes)
 
-    def order(self, engines: tuple[Engine, ...], key: int | None, tokens: Sequence[int] | None = None) -> list[Engine]:
+    async def keys_for(self, tokens: Sequence[int]) -> dict[int, list[int]]:
+        """A long prompt's chain keys, computed off the event loop (`KVEventsFeed.keys_for`):
+        pass them as `keys` to `order` and the decider, so one request computes them once."""
+        return await self._hits.keys_for(tokens)
+
+    def order(
+        self,
+        engines: tuple[Engine, ...],
+        key: int | None,
+        tokens: Sequence[int] | None = None,
+        keys: dict[int, list[int]] | None = None,
+    ) -> list[Engine]:
         ranked = self._affinity.order(engines, key)
         if not tokens or len(ranked) < 2:
             return ranked
         bound = self._affinity.bound(ranked)
         best, best_hit = None, 0
-        keys: dict[int, list[int]] = {}  # the prompt's chain keys, shared by every engine
+        if keys is None:
+            keys = {}  # the prompt's chain keys, shared by every engine
         for engine in ranked:  # affinity order: ties keep the affinity choice
             if engine.in_flight >= bound:
                 continue
