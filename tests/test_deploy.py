@@ -21,6 +21,7 @@ helpers are in `tests/deploy_support.py`, its fixtures (`renders`, `render_of`) 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import re
 import subprocess
@@ -34,6 +35,10 @@ import yaml
 from connectors.settings import ConnectorSettings, parse_kv_transfer_config
 from pdconnect.router.config import RouterConfig
 from pdconnect.router.config import parse_args as parse_router_args
+from pdconnect.router.lookup import CacheGroup, parse_groups
+from pdconnect.testbed import tinymodel
+from pdconnect.testbed.recipes import engine_args as recipe_engine_args
+from pdconnect.testbed.recipes import pd_kv_transfer
 from tests.deploy_support import (
     DEPLOY, OVERLAYS, POD_IP, REPO, TARGETS, Render, container_env, deploy_tool, deploy_tool_env, expand,
     pod_spec, require_tools_venv,
@@ -50,6 +55,11 @@ CLUSTER_DOMAIN = "svc.cluster.local"
 
 ENGINE_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 GPU = "nvidia.com/gpu"
+# Answers 400 to kv_transfer_params of the wrong JSON types before the engine sees them
+# (docs/handoff-integrity.md); every engine with our connector runs behind it.
+GUARD_MIDDLEWARE = "connectors.api_guard.TransferParamsGuard"
+# Speculative methods under which vLLM flags every KV cache group for the last-block drop.
+EAGLE_METHODS = {"eagle", "eagle3"}
 
 # What each kustomization promises; checked in test_kustomization_is_what_it_says.
 EXPECTED: dict[str, dict[str, Any]] = {
@@ -59,12 +69,14 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "rdma_resource": "rdma/hca_shared_devices_a",
         "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H20"},
         "capabilities": [], "servicemonitor": True, "replicas": 2, "route_headers": False,
+        # DeepSeek-V4-Flash's KV cache groups cannot be known here (README: Decode-first routing).
+        "decode_local": False,
     },
     "overlays/nixl": {
         "transport": "nixl", "require_rdma": True, "gpus": 8, "tensor_parallel_size": 8,
         "speculative_method": "mtp", "rdma_resource": "rdma/hca_shared_devices_a",
         "capabilities": [], "env": {"UCX_TLS": None, "UCX_NET_DEVICES": None},
-        "servicemonitor": True, "replicas": 2,
+        "servicemonitor": True, "replicas": 2, "decode_local": False,
     },
     "overlays/cpu-smoke": {
         "transport": "mooncake", "protocol": "tcp", "require_rdma": False, "gpus": 0,
@@ -73,12 +85,16 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 "OMP_NUM_THREADS": "1"},
         "servicemonitor": False, "replicas": 1, "route_headers": True,
+        # Its window is the generated model's (the init container's tinymodel arguments).
+        "decode_local": True,
     },
     "examples/custom-cluster": {
         "transport": "mooncake", "protocol": "rdma", "gpus": 4, "tensor_parallel_size": 4,
         "rdma_resource": "rdma/rdma_shared_device_a",
         "node_selector": {"node.example.com/accelerator": "h20"},
         "namespace": "llm-serving", "model": "/models/gemma-3-27b-it",
+        # gemma-3-27b-it's config.json: text_config.sliding_window.
+        "decode_local": True, "sliding_window": 1024,
     },
 }
 
@@ -372,6 +388,7 @@ def test_engine_command_line_parses_with_vllm(engine_args, target: str) -> None:
     for component, (ns, workload) in engine_args(target).items():
         assert ns.model and ns.model.startswith("/models/"), f"{component}: model {ns.model}"
         assert ns.kv_transfer_config.kv_connector == "PDConnector"
+        assert GUARD_MIDDLEWARE in ns.middleware, f"{component}: middleware {ns.middleware}"
         container = _container(workload)
         assert ns.port == container_port(container, "http")
         gpus = int(container["resources"].get("limits", {}).get(GPU, 0))
@@ -548,6 +565,101 @@ def test_a_router_tokenizer_that_is_not_the_engines_is_caught(render_of) -> None
     engine = render.engines()["decode"]
     assert path_origin(render, router, container, tokenizer) != path_origin(
         render, engine, _container(engine), _engine_config_file(render, engine)["model"])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_engines_check_transfer_params_with_the_guard(render_of, target: str) -> None:
+    """Every engine passes vLLM's --middleware the params guard, a class that exists: without
+    it an ill-typed kv_transfer_params in vllm_xargs is an HTTP 500 with no message."""
+    module, _, name = GUARD_MIDDLEWARE.rpartition(".")
+    assert isinstance(getattr(importlib.import_module(module), name), type)
+    render = render_of(target)
+    for component, workload in render.engines().items():
+        argv = expanded_argv(render, workload, _container(workload))
+        assert GUARD_MIDDLEWARE in flag_values(argv, "--middleware"), f"{component}: no params guard"
+
+
+def test_testbed_engines_with_the_connector_run_behind_the_guard_as_deployed() -> None:
+    """The tests' and demo's P/D engines (`pdconnect.testbed.recipes`) get the same guard;
+    a colocated engine has no params to check, and `guard=False` leaves it out."""
+    for role in ENGINE_ROLE.values():
+        args = recipe_engine_args(None, pd_kv_transfer(role, "mooncake"))
+        assert flag_values(args, "--middleware") == [GUARD_MIDDLEWARE], role
+        assert not flag_values(recipe_engine_args(None, pd_kv_transfer(role, "mooncake"), guard=False),
+                               "--middleware")
+    assert not flag_values(recipe_engine_args(None), "--middleware")
+
+
+def _model_sliding_window(render: Render, workload: dict[str, Any], want: dict[str, Any]) -> int:
+    """The window of the model the engine loads: a generated model's from its generator's own
+    arguments (the init container's), a checkpoint's as the kustomization promises it."""
+    model = _engine_config_file(render, workload)["model"]
+    origin = path_origin(render, workload, _container(workload), model)
+    if origin[0] != "generated":
+        return int(want["sliding_window"])
+    argv = list(origin[2])
+    assert argv[:3] == ["python", "-m", "pdconnect.testbed.tinymodel"], f"unknown model generator {argv}"
+    return int(tinymodel._parse_args(argv[3:]).sliding_window)
+
+
+def check_decode_local(render: Render, want: dict[str, Any]) -> None:
+    """Decode-first routing is on exactly where the kustomization promises it, with kv-aware
+    and KV cache groups that describe the engines: every group at the block size the engine
+    args pin, every sliding group at the model's window, and the EAGLE drop on every group
+    under EAGLE, on none without speculation. A model outside that shape (per-group block
+    sizes, MTP) needs its own rule here before it may turn decode-local on."""
+    config = router_config(render)
+    assert config.decode_local == want["decode_local"], f"decode-local is {'off' if want['decode_local'] else 'on'}"
+    if not config.decode_local:
+        assert config.kv_cache_groups is None, "KV cache groups without decode-local: nothing checks them"
+        return
+    assert config.policy == "kv-aware"
+    assert config.kv_cache_groups is not None
+    groups: tuple[CacheGroup, ...] = parse_groups(config.kv_cache_groups).groups
+    for component, workload in render.engines().items():
+        args = _engine_config_file(render, workload)
+        block = args.get("block-size")
+        assert block is not None, f"{component}: block-size not pinned, but the KV cache groups name it"
+        assert {g.block_size for g in groups} == {block}, (
+            f"{component}: KV cache groups {config.kv_cache_groups} for block size {block}")
+        assert any(g.kind == "full" for g in groups), f"{component}: no full-attention group"
+        window = _model_sliding_window(render, workload, want)
+        assert {g.window for g in groups if g.kind == "sliding"} == {window}, (
+            f"{component}: KV cache groups {config.kv_cache_groups} for sliding window {window}")
+        speculative = args.get("speculative-config")
+        method = speculative["method"] if speculative else None
+        flagged = [g.eagle for g in groups]
+        if method is None:
+            assert not any(flagged), f"{component}: an eagle group without speculative decoding"
+        else:
+            assert method in EAGLE_METHODS, f"{component}: no rule here for which groups take the {method} drop"
+            assert all(flagged), f"{component}: under {method} every group takes the eagle drop"
+
+
+@pytest.mark.parametrize("target", sorted(EXPECTED))
+def test_router_routes_decode_first_with_the_engines_kv_cache_groups(render_of, target: str) -> None:
+    check_decode_local(render_of(target), EXPECTED[target])
+
+
+@pytest.mark.parametrize(("old", "new", "complaint"), [
+    ("block-size: 128", "block-size: 64", "block size"),
+    ("sliding:128:64:eagle", "sliding:128:32:eagle", "sliding window"),
+    ("sliding:128:64:eagle", "sliding:128:64", "every group takes"),
+    ("method: eagle3", "method: mtp", "no rule here"),
+])
+def test_kv_cache_groups_that_do_not_describe_the_engines_are_caught(render_of, old: str, new: str,
+                                                                      complaint: str) -> None:
+    """The check above bites: the engine args or the router's groups (both ConfigMaps)
+    changed without the other."""
+    render = copy.deepcopy(render_of("overlays/cpu-smoke"))
+    edited = 0
+    for cm in render.of_kind("ConfigMap"):
+        for name, text in cm.get("data", {}).items():
+            edited += text.count(old)
+            cm["data"][name] = text.replace(old, new)
+    assert edited, f"{old!r} is not in the rendered cpu-smoke"
+    with pytest.raises(AssertionError, match=complaint):
+        check_decode_local(render, EXPECTED["overlays/cpu-smoke"])
 
 
 @pytest.mark.parametrize("target", TARGETS)

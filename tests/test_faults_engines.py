@@ -92,9 +92,6 @@ DECODE_TOKENS = 8
 REQUEST_TIMEOUT_S = 120.0
 SETTLE_TIMEOUT_S = 40.0
 FUZZ_CASES = 56
-# The connector engines run as a deployment should: behind the API server's guard, which
-# answers 400 to kv_transfer_params of the wrong JSON types (connectors/api_guard.py).
-GUARD = ["--middleware", "connectors.api_guard.TransferParamsGuard"]
 
 
 # --- the fault table -------------------------------------------------------------------
@@ -177,10 +174,11 @@ class Fleet:
         self.sets: dict[str, EngineSet] = {}
 
     def _server(self, name: str, kv: dict[str, Any] | None, extra: list[str] = ()) -> ManagedProcess:
-        guard = GUARD if kv is not None else []
+        # The connector engines run as a deployment should: behind the API server's params
+        # guard, which `engine_args` adds to them (connectors/api_guard.py).
         return self.cluster.start(vllm_server(
             name, self.model, port=self.cluster.free_port(), served_model_name=MODEL_NAME,
-            args=[*engine_args(self.draft, kv), *guard, *extra]))
+            args=[*engine_args(self.draft, kv), *extra]))
 
     def engines(self, transport: str) -> EngineSet:
         if transport in self.sets:

