@@ -180,6 +180,14 @@ class _MooncakeTransfer(Transfer):
     `transfer_check_status` answers at once, but only for a batch's first descriptor, so
     each range is a batch of one: its status is the range's status.
 
+    Polls ask about batches in submission order and stop at the first one still running:
+    Mooncake ends a session's batches almost always in that order (over loopback TCP, 93
+    of 1440 batches of 32 KiB ended before one submitted earlier), so the later ones are
+    then still running too, and every call into the binding gives up the interpreter lock
+    and must win it back from the engine's step. A pull of n ranges costs about n + polls
+    calls, not n per poll. A failure behind a running batch is seen once the batches
+    before it ended, which a stall or a gone peer does to all of them.
+
     The first read from a peer opens its segment with a handshake that a frozen peer leaves
     unanswered, so until a read to the session has been submitted, and for reads made
     again after a failure, submissions run on a short-lived thread of the pull's own, never
@@ -270,7 +278,8 @@ class _MooncakeTransfer(Transfer):
         return TransferState.PENDING, None
 
     def _check_outstanding(self) -> None:
-        """Ask Mooncake about every outstanding batch, once; queue failed ranges again."""
+        """Ask Mooncake about the outstanding batches in the order they were submitted, up to the
+        first still running; queue failed ranges again."""
         with self._lock:
             outstanding = list(self._outstanding.items())
         now = time.monotonic()
@@ -278,7 +287,7 @@ class _MooncakeTransfer(Transfer):
         for index, (batch, submitted) in outstanding:
             code = self._engine.transfer_check_status(batch)
             if code == 0 or code == -2:  # running; -2: past Mooncake's timeout, not yet ended
-                continue
+                break  # the later batches, queued behind it, are asked next time (see the class)
             with self._lock:  # 1 and -1 have freed the batch inside the binding
                 del self._outstanding[index]
                 if code == 1:
