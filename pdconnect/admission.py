@@ -12,9 +12,10 @@ server's own thread (`ConnectionGate.serve`):
   once (`shutdown` on the descriptor: zmq sees the peer gone and closes it), before it
   has sent anything, so connections that never even start a handshake are bounded too;
 - ZAP (zmq's authentication hook, RFC 27): every handshake waits for the gate's answer,
-  and the gate answers only after it has seen the connection's accept, so no connection
-  carries a message before it has been counted. A handshake is admitted if its host
-  holds a counted connection; a cut one is refused.
+  and the gate answers only once it has read the monitor past that connection's accept,
+  so no connection carries a message before it has been counted. A handshake is
+  refused if its host holds no counted connection (a cut connection is dead whatever
+  it is told: its socket is shut down).
 
 A flood from one host therefore takes at most `max_per_host` connections, and other
 hosts keep theirs and can open new ones until `max_connections` are held. A refused
