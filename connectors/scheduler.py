@@ -69,6 +69,8 @@ class PDScheduler:
                 max_message_bytes=settings.side_channel_max_message_bytes,
                 max_age_seconds=settings.side_channel_max_age_seconds,
                 allow_insecure=settings.allow_insecure_side_channel,
+                max_connections=settings.side_channel_max_connections,
+                max_connections_per_host=settings.side_channel_max_connections_per_host,
             )
             self.producer.port = self._server.port
         if transfer.is_kv_consumer:

@@ -17,7 +17,12 @@ from pdconnect.envelope import DEFAULT_MAX_AGE_SECONDS
 from pdconnect.errors import ConfigError
 from pdconnect.keyring import MIN_SECRET_BYTES, Keyring, SigningKey, TrustedKeys
 from pdconnect.protocol import Role
-from pdconnect.sidechannel import DEFAULT_MAX_MESSAGE_BYTES, is_loopback_host
+from pdconnect.sidechannel import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_HOST,
+    is_loopback_host,
+)
 
 __all__ = ["ConfigError", "ConnectorSettings", "parse_kv_transfer_config", "side_channel_roles"]
 
@@ -74,6 +79,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     # clock, either way, is refused as stale (so it is also the clock skew tolerated);
     # inside it, each message is accepted once and replays are refused.
     side_channel_max_age_seconds: float = DEFAULT_MAX_AGE_SECONDS
+    # Connections the prefill engine's side channel holds open from one source address,
+    # and from all together; one beyond either is closed before it carries a message and
+    # counted (`pdconnect:side_channel_connections_over_host_limit`, `..._over_limit`).
+    # A decode engine holds 2 * TP + 1 per prefill engine, the router one
+    # (`pdconnect.sidechannel.MAX_CONNECTIONS_PER_HOST` says why 64 and 4096).
+    side_channel_max_connections: int = MAX_CONNECTIONS
+    side_channel_max_connections_per_host: int = MAX_CONNECTIONS_PER_HOST
     # Serve the side channel on a non-loopback address without a secret, and (decode)
     # follow plans naming a non-loopback prefill engine without one. Only for an
     # isolated network: anyone who can reach the port can keep or free held blocks, and
@@ -114,6 +126,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
             TrustedKeys.parse(self.peer_keys)
         if self.side_channel_max_message_bytes <= 0 or self.side_channel_max_age_seconds <= 0:
             raise ConfigError("side_channel_max_message_bytes and side_channel_max_age_seconds must be positive")
+        if not 0 < self.side_channel_max_connections_per_host <= self.side_channel_max_connections:
+            raise ConfigError(
+                "need 0 < side_channel_max_connections_per_host <= side_channel_max_connections, got "
+                f"{self.side_channel_max_connections_per_host} and {self.side_channel_max_connections}"
+            )
         if (
             self.secret is None
             and self.secret_env is None

@@ -62,6 +62,12 @@ COUNTERS: dict[str, str] = {
     "side_channel_refused_replayed": "Side-channel messages refused: nonce seen before (replay)",
     "side_channel_refused_overloaded": "Side-channel messages refused: replay guard full",
     "side_channel_dropped_over_budget": "Side-channel messages dropped unread: their connection was refused too often",
+    "side_channel_connections_over_host_limit": (
+        "Side-channel connections closed on arrival: their host held side_channel_max_connections_per_host"
+    ),
+    "side_channel_connections_over_limit": (
+        "Side-channel connections closed on arrival: the server held side_channel_max_connections"
+    ),
     "side_channel_handler_errors": "Side-channel handler errors (logged; the server keeps serving)",
     "side_channel_serve_errors": "Side-channel serving-loop errors (logged; the server keeps serving)",
 }

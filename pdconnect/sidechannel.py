@@ -33,6 +33,12 @@ else; and each connection has a budget of refusals (`REFUSAL_BURST`, refilled at
 `REFUSAL_RATE` per second): a connection past it has its messages dropped unread,
 which costs a receive and nothing else, until its budget refills. A peer that sends
 valid messages is never refused, so it never spends budget.
+
+Nor can many connections: each host may hold `max_connections_per_host` and all hosts
+together `max_connections` (`pdconnect.admission`); a connection beyond either is cut
+before it carries a message, and counted. Handshakes that do not finish within
+`HANDSHAKE_SECONDS` are closed, and dead peers are found by TCP keepalive and zmq
+heartbeats.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from collections.abc import Callable
 
 import zmq
 
+from pdconnect.admission import ConnectionGate, Refused
 from pdconnect.envelope import (
     DEFAULT_MAX_AGE_SECONDS,
     EnvelopeError,
@@ -60,6 +67,8 @@ from pdconnect.protocol import Ack, Message, ProtocolError, Refusal, Release, Ro
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "MAX_CONNECTIONS",
+    "MAX_CONNECTIONS_PER_HOST",
     "SERVER_COUNTERS",
     "NoAnswer",
     "SideChannelClient",
@@ -94,6 +103,18 @@ REFUSAL_RATE = 8.0
 BUDGETED_CONNECTIONS = 4096
 # The serving thread logs each kind of refusal at most this often, with a count.
 LOG_EVERY_SECONDS = 10.0
+# Connections one source address may hold open on a server, and all addresses together.
+# A decode engine holds one per prefill engine for its notices and, per tensor-parallel
+# worker, one for claims and one while it handshakes: 2 * TP + 1, 17 at TP 8; the router
+# holds one. A node running 8 decode engines from one address needs ~24 (more only
+# behind a NAT), so 64 leaves headroom without letting one host take much of the total.
+# The total bounds the descriptors and zmq sessions one prefill engine spends on the
+# side channel: 4096 serves ~240 TP-8 decode engines, far below vLLM's raised fd limit.
+MAX_CONNECTIONS = 4096
+MAX_CONNECTIONS_PER_HOST = 64
+# A connection that has not finished zmq's handshake by then is closed (zmq's default is
+# 30 s); a client's own requests give up sooner (its deadline), and it reconnects.
+HANDSHAKE_SECONDS = 10
 # Dead peers are found by TCP keepalive and zmq heartbeats, and their connections closed.
 _KEEPALIVE_OPTIONS = (
     (zmq.TCP_KEEPALIVE, 1),
@@ -116,6 +137,8 @@ SERVER_COUNTERS = (
     "refused_replayed",
     "refused_overloaded",  # the envelope checks, by `EnvelopeError.kind`
     "dropped_over_budget",  # a connection past its refusal budget: dropped unread
+    "connections_over_host_limit",  # a connection cut: its host held max_connections_per_host
+    "connections_over_limit",  # a connection cut: the server held max_connections
     "handler_errors",  # the handler raised or answered something unencodable
     "serve_errors",  # anything else that went wrong in one round of the serving loop
 )
@@ -211,7 +234,9 @@ class SideChannelServer:
     that role when the server has `keys` (which sign its answers as "prefill").
 
     Binding an address other machines can reach needs `keys`, unless the operator opts
-    out with `allow_insecure=True` (a trusted, isolated network).
+    out with `allow_insecure=True` (a trusted, isolated network). At most
+    `max_connections_per_host` connections per source address and `max_connections` in
+    all are open at once (see `pdconnect.admission`).
     """
 
     def __init__(
@@ -226,6 +251,8 @@ class SideChannelServer:
         allow_insecure: bool = False,
         refusal_burst: int = REFUSAL_BURST,
         refusal_rate: float = REFUSAL_RATE,
+        max_connections: int = MAX_CONNECTIONS,
+        max_connections_per_host: int = MAX_CONNECTIONS_PER_HOST,
     ) -> None:
         if keys is None and not allow_insecure and not is_loopback_host(host):
             raise SideChannelError(
@@ -237,6 +264,11 @@ class SideChannelServer:
             raise SideChannelError(f"a side-channel server answers as prefill, not with {keys.signs_as} keys")
         if max_message_bytes <= 0:
             raise SideChannelError(f"max_message_bytes must be positive, got {max_message_bytes}")
+        if not 0 < max_connections_per_host <= max_connections:
+            raise SideChannelError(
+                "need 0 < max_connections_per_host <= max_connections, "
+                f"got {max_connections_per_host} and {max_connections}"
+            )
         self._handler = handler
         self._keys = keys
         self._guard = ReplayGuard(max_age_seconds) if keys is not None else None
@@ -248,15 +280,20 @@ class SideChannelServer:
         self._socket.setsockopt(zmq.LINGER, 0)
         # zmq drops the connection of a peer that sends a bigger frame, before any copy.
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_SECONDS * 1000)
         for option, value in _KEEPALIVE_OPTIONS:
             self._socket.setsockopt(option, value)
+        # Before the bind: no connection may be accepted unseen.
+        self._gate = ConnectionGate(self._context, self._socket, max_connections, max_connections_per_host)
         try:
             self._socket.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
+            self._gate.close()
             self._socket.close()
             self._context.term()
             raise SideChannelError(f"cannot bind side channel on {host}:{port}: {exc}") from None
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._gate.start(self.port)
         self._stop = threading.Event()
         self._drained_at = time.monotonic()
         self._thread = threading.Thread(target=self._serve, name="pdconnect-sidechannel", daemon=True)
@@ -269,12 +306,16 @@ class SideChannelServer:
 
     def _serve(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
+        for sock in (self._socket, *self._gate.sockets):
+            poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 try:
                     polled_at = time.monotonic()
-                    if poller.poll(100):
+                    ready = dict(poller.poll(100))
+                    # Connections first (bounded per round): none carries a message uncounted.
+                    self._admit()
+                    if self._socket in ready:
                         self._serve_one(self._socket.recv_multipart())
                     else:
                         # Nothing was waiting: every message sent before `polled_at` is answered.
@@ -286,8 +327,30 @@ class SideChannelServer:
                     # A fault that repeats every round must not spin a core or flood the log.
                     self._stop.wait(0.01)
         finally:
+            self._gate.close()
             self._socket.close()
             self._context.term()
+
+    def _admit(self) -> None:
+        """One round of the connection gate; a fault there is counted and logged, and
+        leaves the messages of admitted peers served."""
+        try:
+            for limit, host in self._gate.serve():
+                self._cut(limit, host)
+        except Exception:
+            self._counters.add("serve_errors")
+            if (note := self._log.admit("admission_error")) is not None:
+                logger.exception("side channel: error while admitting connections; still serving%s", note)
+            self._stop.wait(0.01)  # a fault that repeats must not spin a core
+
+    def _cut(self, limit: Refused, host: str) -> None:
+        name, what = {
+            "host": ("connections_over_host_limit", "max_connections_per_host"),
+            "total": ("connections_over_limit", "max_connections"),
+        }[limit]
+        self._counters.add(name)
+        if (note := self._log.admit(name)) is not None:
+            logger.warning("side channel: cut a connection from %s, beyond %s%s", host, what, note)
 
     @property
     def drained_at(self) -> float:
