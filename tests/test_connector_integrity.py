@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from connectors.kvsim import random_tokens
 from pdconnect.sidechannel import release_remote
 from pdconnect.testbed.keys import keyring
+from pdconnect.testbed.processes import freeze
 from tests.params_fuzz import expected_ask
 from tests.pd_harness import GEOMETRY, RemoteEngine, SimEngine
 
@@ -273,7 +274,7 @@ def test_a_claim_the_prefill_engine_answers_late_is_sent_again(slow_prefill, pat
     one unanswered claim failed the request (reproduced in a bench on 2 busy cores)."""
     tokens = random_tokens(PROMPT, seed=120)
     params = slow_prefill.prefill("slow1", tokens).kv_transfer_params
-    os.kill(slow_prefill.process.pid, signal.SIGSTOP)
+    freeze(slow_prefill.process.pid)
     try:
         patient_decode.add("slow1", tokens, params)
         patient_decode.run_until(lambda: "claiming again" in caplog.text, timeout=10)
@@ -297,7 +298,7 @@ def test_a_prefill_engine_silent_past_every_attempt_fails_the_load(slow_prefill,
     that too went unanswered) and both pools return to where they were."""
     tokens = random_tokens(PROMPT, seed=121)
     params = slow_prefill.prefill("slow2", tokens).kv_transfer_params
-    os.kill(slow_prefill.process.pid, signal.SIGSTOP)
+    freeze(slow_prefill.process.pid)
     try:
         patient_decode.add("slow2", tokens, params)
         done = patient_decode.result("slow2", timeout=20)

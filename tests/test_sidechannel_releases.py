@@ -33,6 +33,7 @@ from pdconnect.router.health import CircuitBreaker
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.sidechannel import SideChannelServer
 from pdconnect.testbed.keys import keyring
+from pdconnect.testbed.processes import freeze
 
 PREFILL, ROUTER = keyring("prefill"), keyring("router")
 WAIT_S = 20.0  # bound on every wait; none is a performance claim
@@ -98,7 +99,7 @@ def test_releases_sent_while_a_prefill_engine_is_stopped_reach_it_when_it_runs_a
     try:
         releaser.release(_plan(address, "warm"), "client gone")
         _eventually(lambda: released.value == 1, "the first release")
-        os.kill(process.pid, signal.SIGSTOP)
+        freeze(process.pid)
         for i in range(5):
             releaser.release(_plan(address, f"stopped-{i}"), "client gone")
         # Several release timeouts pass unanswered: before, each of these was lost by now.

@@ -26,6 +26,7 @@ import pytest
 
 from pdconnect.protocol import Ack, Heartbeat, Message
 from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelServer
+from pdconnect.testbed.processes import freeze
 from pdconnect.testbed.keys import keyring
 
 PREFILL, DECODE = keyring("prefill"), keyring("decode")
@@ -93,7 +94,7 @@ def test_requests_sent_to_a_stopped_server_all_reach_it_when_it_runs_again(child
     client = SideChannelClient(child.address, "decode", DECODE, timeout=0.5)
     try:
         assert client.request(Heartbeat(request_ids=["before"])) == Ack(unknown=["before"])
-        os.kill(child.process.pid, signal.SIGSTOP)
+        freeze(child.process.pid)
         for beat in range(3):
             with pytest.raises(NoAnswer, match="no answer"):
                 client.request(Heartbeat(request_ids=[f"stopped-{beat}"]))

@@ -23,7 +23,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -43,6 +42,7 @@ from pdconnect.transfer import (
     merge_ranges,
 )
 from pdconnect.transfer._host import rdma_devices
+from pdconnect.testbed.processes import freeze
 from pdconnect.transfer.loopback import Buffer, LoopbackPeer, digest
 from pdconnect.transfer.transport import METADATA_VERSION
 
@@ -246,7 +246,7 @@ def test_peer_killed_mid_pull_never_hangs_nor_delivers_wrong_bytes(own: Decode) 
 def test_frozen_peer_fails_at_the_deadline_then_settles(own: Decode) -> None:
     pid = own.peer.process.pid
     assert pid is not None
-    _freeze(pid)
+    freeze(pid)
     try:
         transfer, state, elapsed = _pull_and_wait(own, own.ranges([(3, 4)]), timeout=1.5)
         assert state is TransferState.FAILED
@@ -260,24 +260,6 @@ def test_frozen_peer_fails_at_the_deadline_then_settles(own: Decode) -> None:
     while not transfer.quiescent and time.monotonic() < give_up:
         time.sleep(0.05)
     assert transfer.quiescent
-
-
-def _freeze(pid: int) -> None:
-    """SIGSTOP a process and wait until every thread of it has really stopped.
-
-    The signal is delivered asynchronously; a loaded host can let the peer serve a few
-    more requests before it takes effect, which would make the test race its own setup.
-    """
-    os.kill(pid, signal.SIGSTOP)
-    give_up = time.monotonic() + 10
-    tasks = Path(f"/proc/{pid}/task")
-    while time.monotonic() < give_up:
-        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                  for task in tasks.iterdir()]
-        if all(state in ("T", "t") for state in states):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} did not stop within 10 s")
 
 
 @pytest.mark.skipif(bool(rdma_devices()), reason="this host has RDMA devices")
@@ -367,7 +349,7 @@ def test_mooncake_read_on_a_stalled_session_is_made_again_until_the_deadline(fro
             assert parent.poll(60) and parent.recv() == "DONE"
             pid = peer.process.pid
             assert pid is not None
-            _freeze(pid)
+            freeze(pid)
             try:
                 parent.send("go")
                 time.sleep(frozen_stalls * STALL_S)
@@ -401,7 +383,7 @@ def test_a_mooncake_pull_waiting_on_a_frozen_peer_leaves_the_cores_to_others() -
         pid = side.peer.process.pid
         assert pid is not None
         ranges = side.ranges([(i, i) for i in range(1, 65)])
-        _freeze(pid)
+        freeze(pid)
         try:
             wall, cpu = time.monotonic(), _process_cpu_seconds()
             transfer = side.transport.pull(PEER, ranges, timeout=60)
@@ -473,7 +455,7 @@ def test_a_reader_that_stops_mid_transfer_stalls_no_other_reader(kind: str) -> N
             assert parent.poll(60) and parent.recv() == "connected"
             time.sleep(0.5)  # well inside its endless reads
             assert reader.pid is not None
-            _freeze(reader.pid)
+            freeze(reader.pid)
             transport.register([buffer.region])
             transport.connect(PEER, peer.ready.metadata)
             layouts = (kv_layout(buffer.addr, POOL_BYTES // BLOCK_BYTES),

@@ -40,6 +40,7 @@ __all__ = [
     "ManagedProcess",
     "ProcessSpec",
     "StartupError",
+    "freeze",
     "free_port",
 ]
 
@@ -382,3 +383,25 @@ def _answers(client: httpx.Client, url: str | None) -> bool:
         return client.get(url).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP a process and return once every thread of it has really stopped.
+
+    A signal is delivered asynchronously: on a loaded host a process was seen to serve
+    several more requests after `kill` returned, which makes a test race its own setup.
+    `/proc/<pid>/task/*/stat` says when each thread is stopped (state T).
+    """
+    os.kill(pid, signal.SIGSTOP)
+    give_up = time.monotonic() + timeout
+    tasks = Path(f"/proc/{pid}/task")
+    while True:
+        states = []
+        for task in tasks.iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        if all(state in ("T", "t") for state in states):
+            return
+        if time.monotonic() >= give_up:
+            raise TimeoutError(f"process {pid} did not stop within {timeout:.0f} s")
+        time.sleep(0.01)
