@@ -2,7 +2,8 @@
 
 The product:
 - `protocol`, `envelope`, `sidechannel`, `notifier`: what engines and the router say to
-  each other, and how it travels (zmq request/reply, signed envelopes, queued notices).
+  each other, and how it travels (zmq request/reply, signed envelopes, queued notices);
+  `admission`: how many connections the side channel holds, per host and in all.
 - `kvlayout`: KV tensors' shapes and strides to byte ranges; `transfer`: moving them.
 - `router`: the P/D router (`pdconnect router`).
 - `metricsproxy`: an engine's `/metrics` alone on a port of its own (`pdconnect

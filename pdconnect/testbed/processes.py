@@ -40,8 +40,8 @@ __all__ = [
     "ManagedProcess",
     "ProcessSpec",
     "StartupError",
-    "freeze",
     "free_port",
+    "freeze",
 ]
 
 _PR_SET_PDEATHSIG = 1
