@@ -119,26 +119,30 @@ def test_the_side_channel_reports_when_it_last_drained_its_queue():
     from pdconnect.protocol import Ack, Heartbeat
     from pdconnect.sidechannel import SideChannelClient, SideChannelServer
 
-    release = _threading.Event()
+    entered, release = _threading.Event(), _threading.Event()
 
     def slow(message):  # a serving thread that cannot run, as under a GIL-holding forward pass
+        entered.set()
         release.wait(5)
         return Ack()
 
     server = SideChannelServer("127.0.0.1", 0, slow)
     try:
-        time.sleep(0.3)
-        before = server.drained_at
         client = SideChannelClient(server.address, "decode", None, timeout=5)
         answer: list[object] = []
         sender = _threading.Thread(target=lambda: answer.append(client.request(Heartbeat(request_ids=["L"]))))
         sender.start()
+        assert entered.wait(5)
+        stuck = server.drained_at
         time.sleep(0.5)
-        assert server.drained_at - before < 0.3  # stuck while a message waits
+        assert server.drained_at == stuck  # not drained while a message waits on its handler
         release.set()
         sender.join(5)
-        time.sleep(0.3)
-        assert server.drained_at > before + 0.5 and answer  # caught up once it could serve
+        assert answer
+        deadline = time.monotonic() + 5
+        while server.drained_at == stuck and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.drained_at > stuck  # caught up once it could serve
         client.close()
     finally:
         server.close()
