@@ -37,6 +37,8 @@ from pdconnect.transfer.loopback import Buffer
 __all__ = ["Pulling", "RogueReader", "TcpSocket", "group_pids", "socket_inodes", "tcp_sockets"]
 
 PEER = "prefill/rank0"
+# The kernel's TCP_ESTABLISHED (include/net/tcp_states.h), as /proc/net/tcp prints it.
+TCP_ESTABLISHED = 1
 # Each pull gets this long: far beyond any test, so a stopped pull never ends by itself.
 PULL_TIMEOUT_S = 600.0
 # The largest tensor's span is read whole up to this: far beyond any socket buffer (a few
@@ -107,12 +109,20 @@ def _child(job: _Job, pipe: Connection) -> None:
 
 @dataclass(frozen=True)
 class TcpSocket:
-    """One row of /proc/net/tcp{,6}: endpoints as (address, port), queues in bytes."""
+    """One row of /proc/net/tcp{,6}: endpoints as (address, port), queues in bytes.
+
+    `tx_queue` counts a closing socket's FIN as a byte too: only an established socket's
+    queue is data its owner could not send (`holds_unsent`)."""
 
     local: tuple[str, int]
     remote: tuple[str, int]
+    state: int
     tx_queue: int
     rx_queue: int
+
+    @property
+    def holds_unsent(self) -> bool:
+        return self.state == TCP_ESTABLISHED and self.tx_queue > 0
 
 
 def tcp_sockets() -> dict[int, TcpSocket]:
@@ -122,9 +132,9 @@ def tcp_sockets() -> dict[int, TcpSocket]:
         with contextlib.suppress(OSError):
             for line in Path(table).read_text().splitlines()[1:]:
                 fields = line.split()
-                local, remote, queues, inode = fields[1], fields[2], fields[4], int(fields[9])
+                local, remote, state, queues, inode = fields[1], fields[2], fields[3], fields[4], int(fields[9])
                 tx, rx = (int(q, 16) for q in queues.split(":"))
-                found[inode] = TcpSocket(_endpoint(local), _endpoint(remote), tx, rx)
+                found[inode] = TcpSocket(_endpoint(local), _endpoint(remote), int(state, 16), tx, rx)
     return found
 
 

@@ -1119,7 +1119,7 @@ def _stop_mid_pull(engines: EngineSet, rogue: RogueReader) -> list[TcpSocket]:
     for _ in range(STOP_ATTEMPTS):
         rogue.stop()
         deadline = time.monotonic() + QUEUE_EVIDENCE_S
-        while not (queued := [s for s in rogue.sockets_from(_prefill_pids(engines)) if s.tx_queue > 0]):
+        while not (queued := [s for s in rogue.sockets_from(_prefill_pids(engines)) if s.holds_unsent]):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.1)
@@ -1159,8 +1159,8 @@ def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
     with the reference's tokens; nothing stays held once the rogue is gone.
 
     Mooncake (TCP): P's worker really holds bytes it cannot send: measured, its socket to
-    the stopped rogue kept ~3.9 MB queued for 15 s and more; the test asserts such a socket
-    before anything else. NIXL (UCX): over one host UCX reads the peer's memory itself
+    the stopped rogue kept 3.0-4.2 MB queued (4 runs), still there 15 s later; the test
+    asserts such an established socket before anything else. NIXL (UCX): over one host UCX reads the peer's memory itself
     (cma, process_vm_readv), so P has nothing to send: measured, the one TCP socket between
     P and the rogue (UCX's wire-up) had 0 bytes queued; the row records it, nothing is
     asserted about it."""
@@ -1203,7 +1203,7 @@ def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
             sibling_ok(http, engines, prompt, engines.seed(92 + index), row)
             row.outcome += ", sibling served"
             if index == 0 and engines.transport == "mooncake":
-                still = sum(s.tx_queue for s in rogue.sockets_from(_prefill_pids(engines)))
+                still = sum(s.tx_queue for s in rogue.sockets_from(_prefill_pids(engines)) if s.holds_unsent)
                 row.outcome += f" (P still held {still} bytes for it)"
     finally:
         assert_settled(http, engines, row)
