@@ -10,7 +10,9 @@ engine leaves it dead and the next test that needs it restarts it (`EngineSet.li
 
 Transport-independent cases (side-channel messages, plans for another prompt, fuzzed
 `kv_transfer_params`) take the mooncake set only: they exercise the side-channel server
-and the plan checks, which are the same code over either transport.
+and the plan checks, which are the same code over either transport. A rogue reader (a
+decode-role process pulling P's KV memory, stopped or killed mid-pull) runs on both: what
+P's side of a pull does differs per transport.
 
 Every case checks: the documented outcome within a bounded time, the engines still
 serve, `pdconnect:blocks_held` and `vllm:kv_cache_usage_perc` back to 0 on P and D once
@@ -34,7 +36,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import httpx
 import msgspec
@@ -43,15 +46,36 @@ import zmq
 
 from pdconnect.bench.scrape import engine_client, fetch_metrics
 from pdconnect.envelope import encode_message, new_nonce
-from pdconnect.protocol import PROTOCOL_VERSION, Ack, Claim, Heartbeat, Release, decode_plan
+from pdconnect.protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    Claim,
+    CompatInfo,
+    GroupCompat,
+    Heartbeat,
+    Release,
+    TransferPlan,
+    decode_plan,
+)
+from pdconnect.router.config import load_config
 from pdconnect.sidechannel import SideChannelClient, SideChannelError
 from pdconnect.testbed.engine_calls import completion, prompt_ids, token_ids
 from pdconnect.testbed.keys import PEER_KEYS, SECRETS, connector_keys, keyring
 from pdconnect.testbed.paths import default_build_dir
 from pdconnect.testbed.processes import Cluster, ManagedProcess
-from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, router_server, vllm_server, warm_up
+from pdconnect.testbed.recipes import (
+    BLOCK_SIZE,
+    MODEL_NAME,
+    SPEC,
+    engine_args,
+    pd_kv_transfer,
+    router_server,
+    vllm_server,
+    warm_up,
+)
 from pdconnect.testbed.tinymodel import ensure_model
 from tests.params_fuzz import JSON_VALUES, cases, expected_ask, json_type
+from tests.rogue_reader import RogueReader, TcpSocket, group_pids
 
 pytestmark = [pytest.mark.engine, pytest.mark.faults]
 
@@ -1047,6 +1071,140 @@ def test_prefill_killed_mid_transfer(pd: EngineSet, http: httpx.Client) -> None:
         row.leaked_d = int(left[pd.decode.name])
         TABLE.append(row)
         assert left[pd.decode.name] == 0, left
+
+
+# --- 10. a reader that stops reading or disappears mid-pull ------------------------------------
+
+# The router's default deadline for a /health poll: an engine slower than this counts as down.
+HEALTH_TIMEOUT_S = load_config({"decode": ["http://127.0.0.1:1"]}).health_timeout
+# Spawning the rogue, importing its transport and starting it, on cores shared with the engines.
+ROGUE_START_S = 120.0
+# How long the stopped rogue's socket on P may take to show the bytes P could not send
+# (once stopped mid-pull, P's send buffer fills at memory speed), and how many times it
+# is stopped: a stop between two of its pulls leaves nothing in flight.
+QUEUE_EVIDENCE_S = 3.0
+STOP_ATTEMPTS = 5
+
+
+def _engine_compat(model: Path) -> CompatInfo:
+    """This module's engines' compatibility record, written out from their recipe (and
+    read once from a prefill engine's log, refusing a handshake that lacked it): three KV
+    cache groups of BLOCK_SIZE-token float32 pages of K and V (the sliding layers, and the
+    full-attention layers split in two), EAGLE3 proposing 2 tokens, vLLM's LBHNC layout.
+    The test checks it against the digest the engine itself puts in every plan."""
+    page = 2 * BLOCK_SIZE * SPEC.num_kv_heads * SPEC.head_dim * 4
+
+    def group(kind: Literal["full_attention", "sliding_window"], window: int | None) -> GroupCompat:
+        return GroupCompat(kind=kind, block_size=BLOCK_SIZE, sliding_window=window, eagle=False, page_bytes=page)
+
+    return CompatInfo(model=str(model), dtype="torch.float32", cache_dtype="auto",
+                      groups=(group("sliding_window", SPEC.sliding_window), group("full_attention", None),
+                              group("full_attention", None)),
+                      cache_hit_alignment=BLOCK_SIZE, speculative="eagle3:2", tp_size=1, kv_layout="LBHNC")
+
+
+def _prefill_pids(engines: EngineSet) -> list[int]:
+    """The prefill server's processes (API server, engine core, worker): its process group."""
+    return group_pids(engines.prefill.popen.pid)
+
+
+def _stop_mid_pull(engines: EngineSet, rogue: RogueReader) -> list[TcpSocket]:
+    """SIGSTOP the rogue; P's sockets to it that hold bytes P could not send (bounded wait).
+
+    Over Mooncake a stop that fell between two of its pulls (nothing asked of P yet) is
+    undone and made again, up to STOP_ATTEMPTS times; over NIXL nothing is queued on P
+    wherever the stop falls, so one stop it is."""
+    for _ in range(STOP_ATTEMPTS):
+        rogue.stop()
+        deadline = time.monotonic() + QUEUE_EVIDENCE_S
+        while not (queued := [s for s in rogue.sockets_from(_prefill_pids(engines)) if s.holds_unsent]):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if queued or engines.transport != "mooncake":
+            return queued
+        rogue.resume()
+        time.sleep(0.2)
+    return []
+
+
+def _prefill_answers(http: httpx.Client, engines: EngineSet, plan: TransferPlan) -> None:
+    """P answers /health within the router's deadline and a signed heartbeat on the plan's
+    lease within the connector's handshake timeout, the lease still held."""
+    try:
+        health = http.get(f"{engines.prefill.base_url}/health", timeout=HEALTH_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        raise AssertionError(f"prefill /health unanswered within the router's {HEALTH_TIMEOUT_S}s: {exc!r}") from None
+    assert health.status_code == 200, f"prefill /health answered {health.status_code}"
+    client = SideChannelClient(plan.side_channel, "decode", keyring("decode"), HANDSHAKE_TIMEOUT_S)
+    try:
+        reply = client.request(Heartbeat(request_ids=[plan.lease_id]))
+    except SideChannelError as exc:
+        raise AssertionError(f"prefill side channel: heartbeat failed within {HANDSHAKE_TIMEOUT_S}s: {exc}") from None
+    finally:
+        client.close()
+    assert isinstance(reply, Ack) and reply.unknown == [], f"heartbeat on a live lease answered {reply}"
+
+
+@pytest.mark.parametrize("fault", ["stops reading", "disappears"])
+def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
+        pd: EngineSet, http: httpx.Client, fleet: Fleet, fault: str) -> None:
+    """A rogue decode-role process (`tests.rogue_reader`: a real signed handshake with P,
+    a real transport) pulls 256 MiB of P's KV memory at a time, over and over; it is
+    SIGSTOPped mid-pull (and, in the second case, then SIGKILLed). While it is stopped, or
+    once it is gone, P answers /health within the router's deadline and a heartbeat within
+    the handshake timeout, and serves a plan made before the stop and a fresh P/D sibling
+    with the reference's tokens; nothing stays held once the rogue is gone.
+
+    Mooncake (TCP): P's worker really holds bytes it cannot send: measured, its socket to
+    the stopped rogue kept 3.0-4.2 MB queued (4 runs), still there 15 s later; the test
+    asserts such an established socket before anything else. NIXL (UCX): over one host UCX reads the peer's memory itself
+    (cma, process_vm_readv), so P has nothing to send: measured, the one TCP socket between
+    P and the rogue (UCX's wire-up) had 0 bytes queued; the row records it, nothing is
+    asserted about it."""
+    engines = pd
+    index = ["stops reading", "disappears"].index(fault)
+    row = Row(f"rogue reader {'SIGSTOPped' if index == 0 else 'SIGSTOPped then SIGKILLed'} mid-pull",
+              engines.transport, "")
+    prompt = prompt_ids(engines.seed(90 + index), PROMPT_TOKENS)
+    expected = reference(http, engines, prompt)
+    # A plan made before the fault, pulled during it: its side channel is the rogue's target too.
+    params = prefill_plan(http, engines, prompt)
+    plan = decode_plan(params)
+    compat = _engine_compat(fleet.model)
+    try:
+        assert compat.digest() == plan.compat_hash, (
+            "_engine_compat no longer describes the engines (their recipe changed): the rogue's handshake would be "
+            f"refused; the prefill log names what differs after a refused handshake: {engines.prefill.log_path}")
+        with RogueReader(plan.side_channel, engines.transport, compat, HANDSHAKE_TIMEOUT_S, ROGUE_START_S) as rogue:
+            queued = _stop_mid_pull(engines, rogue)
+            assert rogue.failure() is None, f"the rogue reader failed before it was stopped: {rogue.failure()}"
+            held = sum(s.tx_queue for s in queued)
+            if engines.transport == "mooncake":
+                assert queued, ("no socket of P holds bytes for the stopped rogue: the stop did not land mid-pull "
+                                f"(P's sockets to it: {rogue.sockets_from(_prefill_pids(engines))})")
+                evidence = f"P held {held} bytes unsent for it"
+            else:
+                links = rogue.sockets_from(_prefill_pids(engines))
+                evidence = (f"P held {held} bytes unsent for it on {len(links)} socket(s) to it "
+                            "(UCX reads over cma by itself)")
+            if index == 1:
+                rogue.kill()
+            _prefill_answers(http, engines, plan)
+            answer = decode_with(http, engines, prompt, params)
+            row.wrong_tokens += wrong(answer, expected)
+            row.outcome = (f"{rogue.pulling.nbytes >> 20} MiB pulls over {rogue.pulling.effective_protocol}; "
+                           f"{evidence}; {'while it was stopped' if index == 0 else 'once it was killed'}: "
+                           f"/health, heartbeat, earlier plan {describe(answer)}")
+            assert answer.served, f"the plan made before the fault failed: {answer.error}"
+            assert answer.tokens == expected, "served tokens differ from the colocated reference"
+            sibling_ok(http, engines, prompt, engines.seed(92 + index), row)
+            row.outcome += ", sibling served"
+            if index == 0 and engines.transport == "mooncake":
+                still = sum(s.tx_queue for s in rogue.sockets_from(_prefill_pids(engines)) if s.holds_unsent)
+                row.outcome += f" (P still held {still} bytes for it)"
+    finally:
+        assert_settled(http, engines, row)
 
 
 # --- the table --------------------------------------------------------------------------------
