@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,11 +76,12 @@ SETUPS = [
 ]
 
 
-def on_setups(*names: str) -> pytest.MarkDecorator:
-    """Run a test on these setups only (the module's engines, reused: same ids)."""
+def on_setups(*names: str, marks: Mapping[str, pytest.MarkDecorator] | None = None) -> pytest.MarkDecorator:
+    """Run a test on these setups only (the module's engines, reused: same ids), `marks` on some."""
     chosen = [setup for setup in SETUPS if setup.name in names]
     assert len(chosen) == len(names), f"unknown setup in {names}"
-    return pytest.mark.parametrize("pair", chosen, indirect=True, ids=lambda setup: setup.name)
+    params = [pytest.param(setup, marks=(marks or {}).get(setup.name, ())) for setup in chosen]
+    return pytest.mark.parametrize("pair", params, indirect=True, ids=lambda setup: setup.name)
 
 
 # Real traffic shapes (long suffixes, concurrent siblings, multi-turn) run on the
@@ -419,7 +420,14 @@ DECIDER_GROUPS = {
     "llama-mooncake-no-eagle": "full:128,sliding:128:64",
     "mimo-v2-mtp-mooncake": "full:256,sliding:64:128:eagle",
 }
-on_decider_setups = on_setups(*DECIDER_GROUPS)
+# The router cannot key MiMo-V2's sliding-window stores yet: its index learns a sparse
+# store's block positions only through another group of the same block size holding the
+# whole range, and here both 64-token groups are sliding windows (full attention is at
+# 256), so it sees them empty and predicts a hit of 0 where decode hits 512. Strict: the
+# fix turns these into passes that must drop the mark.
+ROUTER_CANNOT_KEY_SPARSE_GROUPS = pytest.mark.xfail(
+    strict=True, reason="router kvindex: sliding-window stores with no full-range group of their block size")
+on_decider_setups = on_setups(*DECIDER_GROUPS, marks={"mimo-v2-mtp-mooncake": ROUTER_CANNOT_KEY_SPARSE_GROUPS})
 
 
 @dataclass(frozen=True)
