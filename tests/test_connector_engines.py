@@ -408,17 +408,31 @@ def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
 # full-attention-only decider gets wrong: it would go decode-local and the engine would
 # recompute all of it.
 
-DECIDER_THRESHOLD = 384  # uncached tokens a decode engine may compute itself, in these tests
 DECIDER_TOKENS = 8
-# The engines' KV cache groups as the router must name them (`--kv-cache-groups`). Under
-# EAGLE3 vLLM flags every group for the drop (the draft's group is not singled out);
+
+
+@dataclass(frozen=True)
+class Decider:
+    """The router's decode-first settings on one setup, and the token-id test's prefix."""
+
+    groups: str  # the engines' KV cache groups as the router must name them
+    threshold: int = 384  # uncached tokens a decode engine may compute itself
+    prefix: int = 1000
+
+
+# Under EAGLE3 vLLM flags every group for the drop (the draft's group is not singled out);
 # under MTP only the group holding the drafter's trailing layer: on MiMo-V2 the MTP
-# layer's own sliding-window group, whose spec the other sliding-window group shares
-# (looked up jointly), while full attention does not drop.
-DECIDER_GROUPS = {
-    "llama-nixl": "full:128:eagle,sliding:128:64:eagle",
-    "llama-mooncake-no-eagle": "full:128,sliding:128:64",
-    "mimo-v2-mtp-mooncake": "full:256,sliding:64:128:eagle",
+# layer's own sliding-window group (64-token blocks, window 128, with layer 0), whose spec
+# the other sliding-window group shares (looked up jointly, so both drop), while full
+# attention (256) does not (read from the engine's scheduler). MiMo-V2's hits move in
+# 256-token steps and its windows drop a block, so a sibling's new tokens sit behind ~500
+# uncached ones (decode hits 768 of a 1264-token sibling of 1200, 256 of the 680-token
+# text prompt): a larger threshold, and a prefix whose sliding-window runs do not cover
+# the 700-token cut (1000's do).
+DECIDERS = {
+    "llama-nixl": Decider("full:128:eagle,sliding:128:64:eagle"),
+    "llama-mooncake-no-eagle": Decider("full:128,sliding:128:64"),
+    "mimo-v2-mtp-mooncake": Decider("full:256,sliding:64:128:eagle", threshold=600, prefix=1200),
 }
 # The router cannot key MiMo-V2's sliding-window stores yet: its index learns a sparse
 # store's block positions only through another group of the same block size holding the
@@ -427,24 +441,26 @@ DECIDER_GROUPS = {
 # fix turns these into passes that must drop the mark.
 ROUTER_CANNOT_KEY_SPARSE_GROUPS = pytest.mark.xfail(
     strict=True, reason="router kvindex: sliding-window stores with no full-range group of their block size")
-on_decider_setups = on_setups(*DECIDER_GROUPS, marks={"mimo-v2-mtp-mooncake": ROUTER_CANNOT_KEY_SPARSE_GROUPS})
+on_decider_setups = on_setups(*DECIDERS, marks={"mimo-v2-mtp-mooncake": ROUTER_CANNOT_KEY_SPARSE_GROUPS})
 
 
 @dataclass(frozen=True)
 class Routed:
     pair: Pair
+    decider: Decider
     router: ManagedProcess
 
 
 @pytest.fixture(scope="module")
 def routed(pair: Pair, cluster: Cluster) -> Iterator[Routed]:
     """A kv-aware router, decode-first, in front of the pair's engines (their KV events)."""
-    router_args = ("--decode-local", "--kv-cache-groups", DECIDER_GROUPS[pair.setup.name],
-                   "--decode-local-max-uncached-tokens", str(DECIDER_THRESHOLD))
+    decider = DECIDERS[pair.setup.name]
+    router_args = ("--decode-local", "--kv-cache-groups", decider.groups,
+                   "--decode-local-max-uncached-tokens", str(decider.threshold))
     router, _ = start_router(cluster, pair.setup.name, pair.prefill, pair.decode,
                              request_timeout_s=REQUEST_TIMEOUT_S, kv_events=(pair.kv_events, pair.target),
                              router_args=router_args)
-    yield Routed(pair, router)
+    yield Routed(pair, decider, router)
     cluster.stop(router)
 
 
@@ -504,7 +520,7 @@ def _text(ids: list[int]) -> str:
 def test_token_id_prompts_decide_on_every_kv_group_and_predict_decodes_own_hit(
         routed: Routed, http: httpx.Client) -> None:
     seed = routed.pair.seed
-    prefix = prompt_ids(seed=seed(61), length=1000)
+    prefix = prompt_ids(seed=seed(61), length=routed.decider.prefix)
     first = _serve_routed(routed, http, "/v1/completions", {"prompt": prefix})
     assert not first.local
     _check_prediction(first)
@@ -516,7 +532,7 @@ def test_token_id_prompts_decide_on_every_kv_group_and_predict_decodes_own_hit(
     cut = _serve_routed(routed, http, "/v1/completions", {"prompt": prefix[:700]})
     _check_prediction(cut)
     full_attention_hit, hit = int(cut.route["full_attention_hit"]), int(cut.route["hit"])
-    assert 700 - full_attention_hit <= DECIDER_THRESHOLD < 700 - hit, cut.route
+    assert 700 - full_attention_hit <= routed.decider.threshold < 700 - hit, cut.route
     assert not cut.local and cut.route["reason"] == "uncached"
     assert cut.decode_hit < full_attention_hit  # the engine really misses what full attention alone promised
 
