@@ -10,6 +10,7 @@ measures ours against.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -30,7 +31,16 @@ from pdconnect.testbed.recipes import (
 )
 from pdconnect.testbed.tinymodel import FIRST_WORD_ID, TinyModelSpec, ensure_target_and_draft
 
-__all__ = ["Connector", "LocalPD", "LocalPDConfig", "Transport", "start_colocated", "start_local_pd"]
+__all__ = [
+    "Connector",
+    "LocalPD",
+    "LocalPDConfig",
+    "Transport",
+    "kv_events_config",
+    "start_colocated",
+    "start_local_pd",
+    "start_router",
+]
 
 Transport = Literal["mooncake", "nixl"]
 # Ours, or vLLM's in-tree NixlConnector (host buffers) as the stock baseline.
@@ -119,7 +129,7 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         if config.kv_events:
-            args += ["--kv-events-config", json.dumps(_kv_events_config(cluster, events, port))]
+            args += ["--kv-events-config", json.dumps(kv_events_config(cluster, events, port))]
         return cluster.start(
             vllm_server(
                 f"{name}-{role}",
@@ -137,14 +147,46 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
     cluster.wait_healthy([prefill, decode])
     for proc in (prefill, decode):
         warm_up(proc.base_url, MODEL_NAME)
-    timeout = str(config.request_timeout_s)
-    routing: list[str] = list(config.router_args)
+    router, router_config = start_router(
+        cluster,
+        name,
+        prefill,
+        decode,
+        request_timeout_s=config.request_timeout_s,
+        kv_events=(events, target) if config.kv_events else None,
+        router_args=config.router_args,
+    )
+    if config.connector == "vllm-nixl":
+        _establish_stock_handshake(router, decode, config.request_timeout_s)
+    return LocalPD(config, prefill, decode, router, router_config)
+
+
+def start_router(
+    cluster: Cluster,
+    name: str,
+    prefill: ManagedProcess,
+    decode: ManagedProcess,
+    *,
+    request_timeout_s: float,
+    kv_events: tuple[dict[str, list[str]], Path] | None = None,
+    router_args: Sequence[str] = (),
+) -> tuple[ManagedProcess, Path | None]:
+    """Start `pdconnect router` in front of started engines, fallback off; returns it and its config file.
+
+    `kv_events`: the engines' event endpoints (as `kv_events_config` noted them) and the
+    model's tokenizer; the router then routes kv-aware by them, from a config file (a
+    second kv-aware router in front of the same engines can read it too).
+    `router_args` go last on its command line.
+    """
+    timeout = str(request_timeout_s)
+    routing: list[str] = list(router_args)
     router_config = None
-    if config.kv_events:
+    if kv_events is not None:
+        events, tokenizer = kv_events
         router_config = cluster.log_dir / f"{name}-router.json"
         router_config.parent.mkdir(parents=True, exist_ok=True)
         router_config.write_text(json.dumps({"kv_events_endpoints": events}))
-        routing = ["--config", str(router_config), "--policy", "kv-aware", "--tokenizer", str(target), *routing]
+        routing = ["--config", str(router_config), "--policy", "kv-aware", "--tokenizer", str(tokenizer), *routing]
     [router] = cluster.launch(
         router_server(
             f"{name}-router",
@@ -165,12 +207,10 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
             ],
         )
     )
-    if config.connector == "vllm-nixl":
-        _establish_stock_handshake(router, decode, config.request_timeout_s)
-    return LocalPD(config, prefill, decode, router, router_config)
+    return router, router_config
 
 
-def _kv_events_config(cluster: Cluster, events: dict[str, list[str]], port: int) -> dict[str, Any]:
+def kv_events_config(cluster: Cluster, events: dict[str, list[str]], port: int) -> dict[str, Any]:
     """An engine's `--kv-events-config`, its endpoints noted for the router. vLLM binds an
     endpoint only when its host is a wildcard (it connects to any other)."""
     events_port, replay_port = cluster.free_port(), cluster.free_port()
