@@ -352,8 +352,11 @@ def test_concurrent_siblings_each_hit_what_a_serial_sibling_would(
     # does, not only a later one. Where a follower's hit leaves a shared-prefix junction
     # (MTP: full attention drops no block, so its hit runs past the sliding window's), a
     # later serial sibling hits more; concurrent followers do only when the follower whose
-    # plan carries the junction's run reaches decode first, so that total is a bound.
-    assert len(serial_hits) * serial_hits[0] <= decode.hits <= sum(serial_hits)
+    # plan carries the junction's run reaches decode first. Decode may also hit more than
+    # the colocated engine's serial total (seen on MiMo MTP: 3072 against 2816): every
+    # pulled plan's replay-slack runs are published, where the colocated engine keeps only
+    # what its own computation left. What no hit may exceed is the prefix the siblings share.
+    assert len(serial_hits) * serial_hits[0] <= decode.hits <= len(siblings) * len(prefix)
     assert decode.external_hits == sum(map(len, siblings)) - decode.hits  # the prefix is pulled once
     for done, (_, alone) in zip(served, reference):
         assert done.tokens == token_ids(alone)
