@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -19,12 +20,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pdconnect.router.kvindex import EngineKVIndex, GroupIndex, chain_keys
+from pdconnect.router.kvindex import EngineKVIndex, GroupIndex, block_keys
 
 GEOMETRIES: dict[str, tuple[tuple[int, int | None], ...]] = {
     "FA16+SWA16/w128": ((16, None), (16, 128)),
     "FA64+SWA64/w128": ((64, None), (64, 128)),
     "FA64+FA64+SWA256/w512": ((64, None), (64, None), (256, 512)),
+    "FA256+2xSWA64/w128": ((256, None), (64, 128), (64, 128)),  # MiMo-V2-like: keys at 64
 }
 
 
@@ -40,8 +42,9 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 def warm_index(geometry: tuple[tuple[int, int | None], ...], tokens: list[int]) -> EngineKVIndex:
     """Full attention holds every block; sliding groups miss every other block of the last 8 windows."""
     index = EngineKVIndex()
+    grain = math.gcd(*(size for size, _ in geometry))  # the engine's key space
     for gid, (size, window) in enumerate(geometry):
-        keys = chain_keys(tokens, size)
+        keys = block_keys(tokens, size, grain)
         if window is not None:
             gap = 8 * -(-window // size)
             cut = max(0, len(keys) - gap)

@@ -9,6 +9,7 @@ classes; the flow runs against FAKE engines whose KV events a FAKE publisher sen
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 from pdconnect.errors import ConfigError
 from pdconnect.router.decider import DeciderSettings, DecodeLocalDecider, Route
 from pdconnect.router.engines import Engine, Role
-from pdconnect.router.kvindex import EngineKVIndex, GroupIndex, chain_keys, decode_batch
+from pdconnect.router.kvindex import EngineKVIndex, GroupIndex, block_keys, decode_batch
 from pdconnect.router.lookup import CacheGroup, CacheGroups, parse_groups, predicted_hits
 from pdconnect.router.metrics import RouterMetrics
 
@@ -66,8 +67,9 @@ def test_the_predicted_hit_is_what_vllms_own_lookup_returns_on_random_cache_stat
         density = 1 - rng.random() ** 3  # mostly dense: hits, and the gaps that cut them
         index = EngineKVIndex()
         cached: dict[int, set[int]] = {}
+        grain = math.gcd(*(bs for _, bs, _ in spec))  # the engine's key space
         for gid, (kind, bs, window) in enumerate(spec):
-            keys = chain_keys(tokens, bs)
+            keys = block_keys(tokens, bs, grain)
             cached[gid] = {i for i in range(len(keys)) if rng.random() < density}
             index.groups[gid] = GroupIndex(bs, window, present={keys[i]: 1 for i in cached[gid]})
         expected = rules.lookup_hit(cached, n, n)

@@ -246,8 +246,20 @@ def _serve_prompt(manager: Any, request: Any, chunk: int) -> None:
     manager.free(request)
 
 
+_HYBRID_GEOMETRIES = {
+    # Hybrid Llama-like: both groups of one block size.
+    "fa16+swa16": ((("full_attention", 16, None), ("sliding_window", 16, 32)), 16, 300, (0, 40, 100, 160, 230, 300),
+                   (5, 40, 90)),
+    # MiMo-V2 / DeepSeek-V4-like: 256-token full attention, two 64-token sliding groups,
+    # hashed at 64: the sliding stores list hashes no group of their own size ever keys.
+    "fa256+2xswa64": ((("full_attention", 256, None), ("sliding_window", 64, 128), ("sliding_window", 64, 128)),
+                      64, 1200, (0, 300, 600, 900, 1200), (5, 70, 300)),
+}
+
+
+@pytest.mark.parametrize("geometry_name", list(_HYBRID_GEOMETRIES))
 @pytest.mark.parametrize("chunk", [10_000, 48], ids=["whole-prompt", "chunked-prefill"])
-def test_the_index_finds_what_vllms_own_lookup_finds_on_a_hybrid_model(chunk: int) -> None:
+def test_the_index_finds_what_vllms_own_lookup_finds_on_a_hybrid_model(chunk: int, geometry_name: str) -> None:
     """Prompts served by a real vLLM KVCacheManager (full attention + sliding window, events
     on): for every later sibling, the index built from the published events alone must
     report the hit vLLM's own lookup gives. vLLM leaves the sliding group's out-of-window
@@ -256,24 +268,79 @@ def test_the_index_finds_what_vllms_own_lookup_finds_on_a_hybrid_model(chunk: in
 
     from connectors.geometry import Geometry, GroupGeometry
 
-    bs = 16
-    geometry = Geometry((GroupGeometry("full_attention", bs), GroupGeometry("sliding_window", bs, 32)))
-    manager = _real_manager(geometry, num_blocks=400)
+    groups, hash_block, prefix_len, shares, tails = _HYBRID_GEOMETRIES[geometry_name]
+    geometry = Geometry(tuple(GroupGeometry(kind, size) if window is None else GroupGeometry(kind, size, window)
+                              for kind, size, window in groups))
+    manager = _real_manager(geometry, num_blocks=800)
     index = EngineKVIndex()
     rng = random.Random(5)
-    prefix = [rng.randrange(1000, 30000) for _ in range(300)]
+    prefix = [rng.randrange(1000, 30000) for _ in range(prefix_len)]
     served = 0
-    for i in range(12):
-        shared = rng.choice([0, 40, 100, 160, 230, 300])
-        tokens = prefix[:shared] + [rng.randrange(1000, 30000) for _ in range(rng.choice([5, 40, 90]))]
-        probe = _real_request(f"probe{i}", tokens, bs)
+    for i in range(14):
+        shared = rng.choice(shares)
+        tokens = prefix[:shared] + [rng.randrange(1000, 30000) for _ in range(rng.choice(tails))]
+        probe = _real_request(f"probe{i}", tokens, hash_block)
         _, real_hit, _ = manager.get_computed_blocks(probe)
         # vLLM looks up at most num_tokens - 1 tokens (one must be computed for logits).
         assert index.hit_tokens(tokens[:len(tokens) - 1]) == real_hit, f"sibling {i} sharing {shared} tokens"
         served += real_hit > 0
-        _serve_prompt(manager, _real_request(f"r{i}", tokens, bs), chunk)
+        _serve_prompt(manager, _real_request(f"r{i}", tokens, hash_block), chunk)
         _publish(index, *manager.take_events())
     assert served >= 4  # the comparison covered real hits, not only misses
+
+
+def _fine_store(group: int, hashes: list[str], size: int, kind: str, window: int | None = None) -> BlockStored:
+    """One of our own stores over all of TOKENS (8 blocks of 4, 4 of 8)."""
+    return BlockStored(block_hashes=[h.encode() for h in hashes], token_ids=TOKENS, block_size=size, group_idx=group,
+                       kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window)
+
+
+def _mixed_index(*sliding: BlockStored) -> tuple[EngineKVIndex, list[str]]:
+    """Full attention in blocks of 8, hashed at 4 the way vLLM does: an 8-block's hash is
+    its last 4-block's, so the full group lists the 4-level hashes h1, h3, h5, h7; in the
+    same batch (as vLLM publishes a step's stores), the `sliding` stores."""
+    from pdconnect.router.kvindex import KVEventBatch
+    counted: list[str] = []
+    index = EngineKVIndex(count=counted.append)
+    index.apply(KVEventBatch(0.0, [_fine_store(0, ["h1", "h3", "h5", "h7"], 8, "full_attention"), *sliding]))
+    return index, counted
+
+
+def test_a_sparse_sliding_store_is_placed_by_its_anchors_in_the_finest_key_space() -> None:
+    # Sliding window 8 over blocks of 4 needs cdiv(7, 4) = 2 blocks before an end; vLLM kept
+    # the runs ending at the 8-token boundaries (blocks 2, 3 and 6, 7), nulls elsewhere.
+    index, counted = _mixed_index(_fine_store(1, ["h2", "h3", "h6", "h7"], 4, "sliding_window", 8))
+    assert index.granularity == 4 and not counted
+    assert index.hit_tokens(TOKENS) == 32  # blocks 6, 7 before the end
+    assert index.hit_tokens(TOKENS[:24]) == 16  # blocks 4, 5 are gone; 2, 3 serve 16 tokens
+    assert index.hit_tokens(TOKENS[:16] + [0] * 16) == 16
+    # Hashes after the last anchor are the run ending at the range's end.
+    index, counted = _mixed_index(_fine_store(1, ["h5", "x6", "x7"], 4, "sliding_window", 8))
+    assert index.hit_tokens(TOKENS) == 32 and not counted
+
+
+@pytest.mark.parametrize("hashes", [["a", "b", "c", "d", "h3"], ["h7", "h3"], ["h3", "b", "c", "d", "e", "f"],
+                                    ["x", "y"]],
+                         ids=["run-longer-than-its-room", "anchors-out-of-order", "tail-longer-than-the-range",
+                              "no-anchor"])
+def test_a_sparse_store_whose_runs_do_not_fit_keys_only_its_anchors(hashes: list[str]) -> None:
+    index, counted = _mixed_index(_fine_store(1, hashes, 4, "sliding_window", 8))
+    assert counted == ["unanchored"]
+    sliding = index.groups[1]
+    anchored = [h.encode() for h in hashes if h.startswith("h")]
+    assert sorted(sliding.by_hash) == sorted(anchored)  # the rest waits, unplaced
+    assert sorted(sliding.pending) == sorted(h.encode() for h in hashes if not h.startswith("h"))
+
+
+def test_a_finer_group_appearing_later_starts_the_index_over() -> None:
+    from pdconnect.router.kvindex import KVEventBatch
+    index, counted = _mixed_index()
+    assert index.granularity == 8 and index.hit_tokens(TOKENS) == 32
+    index.apply(KVEventBatch(0.0, [_fine_store(1, ["h6", "h7"], 4, "sliding_window", 8)]))
+    # The sliding run has no anchor left: it waits, unplaced.
+    assert counted == ["granularity", "unanchored"] and index.granularity == 4
+    assert list(index.groups) == [1]  # the full group's 8-level keys are gone with it
+    assert index.hit_tokens(TOKENS) == 0
 
 
 # --- untrusted events: every field of every event type, any engine ---------------------------
@@ -591,12 +658,13 @@ def _reference_hit(index: EngineKVIndex, tokens: list[int]) -> int:
     rule (the max(1, ceil((w - 1) / b)) blocks before the end)."""
     import math
 
-    from pdconnect.router.kvindex import chain_keys
+    from pdconnect.router.kvindex import block_keys
     groups = list(index.groups.values())
     if not groups:
         return 0
     step = math.lcm(*(g.block_size for g in groups))
-    keys = {g.block_size: chain_keys(tokens, g.block_size) for g in groups}
+    grain = math.gcd(*(g.block_size for g in groups))
+    keys = {g.block_size: block_keys(tokens, g.block_size, grain) for g in groups}
 
     def serves(g: Any, length: int) -> bool:
         end = length // g.block_size
@@ -625,10 +693,13 @@ def _random_index(rng: Any, geometry: tuple[tuple[int, int | None], ...], tokens
         EngineKVIndex, dict[int, set[int]]]:
     """An index whose groups hold random blocks of `tokens` (runs, holes, evicted heads), and
     the same content as logical block indices per group."""
-    from pdconnect.router.kvindex import GroupIndex, chain_keys
+    import math
+
+    from pdconnect.router.kvindex import GroupIndex, block_keys
     index, cached = EngineKVIndex(), {}
+    grain = math.gcd(*(size for size, _ in geometry))  # the engine's key space
     for gid, (size, window) in enumerate(geometry):
-        keys = chain_keys(tokens, size)
+        keys = block_keys(tokens, size, grain)
         shape = rng.random()
         if shape < 0.3:  # a prefix, then holes
             held = {i for i in range(rng.randrange(len(keys) + 1))}

@@ -128,13 +128,14 @@ class KVEventsFeed:
         return sub.index.hit_tokens(tokens, keys, eagle_groups=eagle_groups)
 
     async def keys_for(self, tokens: Sequence[int]) -> dict[int, list[int]]:
-        """The prompt's chain keys for every block size the watched engines use, computed on
+        """The prompt's chain keys at every granularity the watched engines key blocks at
+        (`EngineKVIndex.granularity`: each engine's finest block size), computed on
         the loop's default executor: the part of a lookup that scales with the prompt. Pass
         the result as `keys` to `hit_tokens` for each engine and to the decider
         (`lookup.predicted_hits`); what stays on the loop is then one dict lookup per block
         up to each engine's hit (`make bench-lookup`). The lookups themselves stay on the
         loop: it is the loop that applies events to the indexes they read."""
-        sizes = {g.block_size for s in self._subs.values() if s.fresh for g in list(s.index.groups.values())}
+        sizes = {s.index.granularity for s in list(self._subs.values()) if s.fresh} - {0}
         if not sizes:
             return {}
         return await asyncio.get_running_loop().run_in_executor(None, prompt_keys, tokens, sizes)

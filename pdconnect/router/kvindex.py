@@ -7,19 +7,41 @@ and a test decodes batches encoded with vLLM's own classes), tolerant of fields 
 later.
 
 Block hashes cannot be recomputed here (vLLM seeds them per process), so the index keys
-blocks by *content*: a chain key per block = hash(parent's chain key, the block's token
-ids), learned from the `token_ids` and `parent_block_hash` every store event carries, and
-computed the same way for a request's tokens.
+blocks by *content*, in one key space per engine at its finest granularity g (the gcd of
+its groups' block sizes, vLLM's `hash_block_size`): g-level chain keys
+(`chain_keys(tokens, g)`, each = hash(previous key, g token ids)) name token prefixes, and
+a block of B tokens ending at token t is keyed by the g-level key of the prefix [0, t)
+(`block_keys`). vLLM does the same with its hashes (`BlockHashListWithBlockSize`, vLLM
+0.32 and 0.33: a B-block's hash *is* the `hash_block_size` hash of its last sub-block), so
+one hash has one key whichever group lists it, and a B-store's `parent_block_hash`
+resolves to the g-level key its range's chain continues from. Keys are learned from the
+`token_ids` and `parent_block_hash` every store carries and computed the same way for a
+request's tokens. Should a group of a finer block size appear later, every key changes:
+the index starts over (counted `granularity`); a batch's own stores are read first, so an
+engine's first batch, which stores every group, sets g once.
 
 A store's `token_ids` cover its whole block range, but its `block_hashes` leave out the
-blocks a group did not cache: a sliding-window group's blocks behind the window (null)
-and those its lookup never consults (masked). Which positions the hashes stand for is
-then unknown. It need not be: vLLM hashes a request's blocks once, for all groups of a
-block size (the group is not mixed in), so a hash another group of the engine has keyed
-names the same content. Such hashes are keyed through the other groups, at once or when
-the other group's store arrives (a decode engine may publish a sliding-window run one
-batch before the full-attention blocks); until then they wait, bounded, and a hash that
-never resolves is dropped and counted.
+blocks a group did not cache (vLLM's `BlockPool.cache_full_blocks` skips them): a
+sliding-window group's blocks behind the window (null, `remove_skipped_blocks`) and those
+its lookup never consults (masked, `SlidingWindowManager.reachable_block_mask`). Which
+positions the listed hashes stand for is then unknown. A listed hash another group of the
+engine has keyed (any block size: see above) whose key is the content key of a block of
+the range is *anchored* there, content-verified. The others of a sliding-window store are
+placed by vLLM's rule, assumed here: what vLLM keeps of a sliding group are contiguous
+runs of `cdiv(window - 1, B)` blocks ending at each cache-hit-aligned boundary (the mask)
+and the blocks still in the window at the range's end (nulls precede them). Aligned
+boundaries end a full-attention block, so a run ends at an anchor. Hashes listed before
+an anchor are thus the run ending just before it, and those after the last anchor the run
+ending at the range's end. A store with no anchor, or whose runs do not fit (a run longer
+than the room before its anchor, anchors out of order), keeps its unanchored hashes
+unplaced (counted `unanchored`). Not covered: EAGLE/MTP's mask keeps the block *after*
+each boundary (shift 1), which this rule would put one block too late, so a prompt's
+window run is missed (a lower hit; the block wrongly taken, boundary + 2, is one vLLM's
+EAGLE window scan never consults, and the leading run stops at the peek block left
+unkeyed before it). Unplaced hashes are keyed through the other groups when
+their store arrives (a decode engine may publish a sliding-window run one batch before
+the full-attention blocks); until then they wait, bounded, and a hash that never
+resolves is dropped and counted.
 
 Hybrid models: every KV cache group (full attention, sliding window, ...) is indexed on
 its own, and a prefix is a hit only if *every* group can serve it. `longest_hit` is vLLM's
@@ -61,6 +83,7 @@ __all__ = [
     "GroupIndex",
     "KVEventBatch",
     "LookupGroup",
+    "block_keys",
     "chain_keys",
     "decode_batch",
     "invalid_reason",
@@ -144,10 +167,18 @@ def chain_keys(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[
     return keys
 
 
-def prompt_keys(tokens: Sequence[int], block_sizes: Iterable[int]) -> dict[int, list[int]]:
-    """Every chain key of `tokens` for each block size: the `keys` argument of `hit_tokens`,
-    complete. A pure function, for a worker thread (a 128k-token prompt costs milliseconds)."""
-    return {size: chain_keys(tokens, size) for size in set(block_sizes)}
+def block_keys(tokens: Sequence[int], block_size: int, granularity: int) -> list[int]:
+    """The content key of every full `block_size` block of `tokens` in the key space of
+    `granularity` (which divides `block_size`): the g-level chain key of its last sub-block."""
+    ratio = block_size // granularity
+    return chain_keys(tokens, granularity)[ratio - 1 :: ratio]
+
+
+def prompt_keys(tokens: Sequence[int], granularities: Iterable[int]) -> dict[int, list[int]]:
+    """Every chain key of `tokens` at each granularity (`EngineKVIndex.granularity`): the
+    `keys` argument of `hit_tokens`, complete. A pure function, for a worker thread (a
+    128k-token prompt costs milliseconds)."""
+    return {size: chain_keys(tokens, size) for size in set(granularities)}
 
 
 def _valid_hash(value: object) -> bool:
@@ -271,7 +302,7 @@ class GroupIndex:
 class EngineKVIndex:
     """Every group of one engine, fed by its event batches. `count(reason)` hears of every
     event, hash or block dropped (`invalid_reason`'s labels, `undecodable`, `group_mismatch`,
-    `removal_unreadable`, `index_full`, `orphan`)."""
+    `removal_unreadable`, `index_full`, `orphan`, `unanchored`, `granularity`)."""
 
     groups: dict[int, GroupIndex] = field(default_factory=dict)
     # Hashes waiting for a content key, per group: enough for a few long prompts' runs.
@@ -279,9 +310,17 @@ class EngineKVIndex:
     max_blocks: int = DEFAULT_MAX_BLOCKS  # over all groups
     count: Callable[[str], None] = _no_count
     budget: BlockBudget = field(init=False)
+    # The key space's granularity set by the stores read (0: none yet; see `granularity`).
+    _grain: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.budget = BlockBudget(self.max_blocks)
+
+    @property
+    def granularity(self) -> int:
+        """The token granularity of this engine's content keys (the gcd of its groups' block
+        sizes; 0 before any group): lookups read `keys[granularity]`."""
+        return math.gcd(self._grain, *(g.block_size for g in self.groups.values()))
 
     def apply_payload(self, payload: bytes) -> bool:
         """Apply one published payload, event by event; False when it is no batch at all
@@ -322,7 +361,8 @@ class EngineKVIndex:
             events.append(AllBlocksCleared())
 
     def apply(self, batch: KVEventBatch) -> None:
-        keyed: list[tuple[int, BlockHash, int]] = []  # (block size, hash, key) this batch taught
+        self._set_granularity(batch)
+        keyed: list[tuple[BlockHash, int]] = []  # (hash, key) this batch taught
         for event in batch.events:
             if isinstance(event, BlockRemoved):
                 self._remove(event)
@@ -340,6 +380,27 @@ class EngineKVIndex:
                 self._store(group, event, keyed)
         if keyed and any(group.pending for group in self.groups.values()):
             self._resolve_pending(keyed)
+
+    def _set_granularity(self, batch: KVEventBatch) -> None:
+        """Make the key space fine enough for every store of `batch`, before any is read; a
+        finer one invalidates every key held, so the index starts over (counted)."""
+        current = self.granularity
+        stores = [e for e in batch.events if isinstance(e, BlockStored) and self._may_store(e)]
+        grain = math.gcd(current, *(e.block_size for e in stores))
+        if grain == current:
+            return
+        if self.groups:
+            self.count("granularity")
+            self.groups.clear()
+            self.budget = BlockBudget(self.max_blocks)
+        self._grain = grain
+
+    def _may_store(self, event: BlockStored) -> bool:
+        """Whether `apply` may index `event` (valid, and no `group_mismatch`)."""
+        if invalid_reason(event) is not None:
+            return False
+        group = self.groups.get(event.group_idx or 0)
+        return group is None or group.block_size == event.block_size
 
     def _group_for(self, event: BlockStored) -> GroupIndex | None:
         """The store's group, created by its first store; None (counted) for a store that
@@ -367,37 +428,81 @@ class EngineKVIndex:
         for group in targets:
             group.remove(hashes)
 
-    def _key_of(self, block_size: int, block_hash: BlockHash) -> int | None:
-        """The content key any group of this block size has for `block_hash`."""
+    def _key_of(self, block_hash: BlockHash) -> int | None:
+        """The content key any group of this engine has for `block_hash` (one key space)."""
         for group in self.groups.values():
-            if group.block_size == block_size and (key := group.by_hash.get(block_hash)) is not None:
+            if (key := group.by_hash.get(block_hash)) is not None:
                 return key
         return None
 
-    def _store(self, group: GroupIndex, event: BlockStored, keyed: list[tuple[int, BlockHash, int]]) -> None:
+    def _store(self, group: GroupIndex, event: BlockStored, keyed: list[tuple[BlockHash, int]]) -> None:
         """Index one store; hashes whose position is unknown wait for another group's key.
         The hashes it learns a content key for are appended to `keyed`."""
-        size = group.block_size
+        size, grain = group.block_size, self._grain
         evicted, orphans = group.evicted, group.orphans
-        parent = 0 if event.parent_block_hash is None else self._key_of(size, event.parent_block_hash)
-        if parent is not None and len(event.block_hashes) == len(event.token_ids) // size:
-            # Every block of the range is listed: positions, hence content keys, are known.
-            for block_hash, key in zip(event.block_hashes, chain_keys(event.token_ids, size, parent)):
-                group.add(block_hash, key)
-                keyed.append((size, block_hash, key))
+        hashes = event.block_hashes
+        parent = 0 if event.parent_block_hash is None else self._key_of(event.parent_block_hash)
+        placed: list[tuple[BlockHash, int] | None]
+        if parent is None:
+            placed = [None] * len(hashes)
         else:
-            for block_hash in event.block_hashes:
-                known = self._key_of(size, block_hash)
-                if known is None:
-                    group.wait_for_key(block_hash, self.max_pending)
-                else:
-                    group.add(block_hash, known)
+            ratio = size // grain
+            own = chain_keys(event.token_ids, grain, parent)[ratio - 1 :: ratio]  # the range's block keys
+            if len(hashes) == len(own):
+                # Every block of the range is listed: positions, hence content keys, are known.
+                placed = list(zip(hashes, own))
+            else:
+                placed = self._place(hashes, own, group.sliding_window is not None)
+        for block_hash, slot in zip(hashes, placed):
+            if slot is not None:
+                group.add(block_hash, slot[1])
+                keyed.append(slot)
+            elif (known := self._key_of(block_hash)) is not None:
+                group.add(block_hash, known)
+            else:
+                group.wait_for_key(block_hash, self.max_pending)
         for _ in range(group.evicted - evicted):
             self.count("index_full")
         for _ in range(group.orphans - orphans):
             self.count("orphan")
 
-    def _resolve_pending(self, keyed: list[tuple[int, BlockHash, int]]) -> None:
+    def _place(self, hashes: list[BlockHash], own: list[int], runs: bool) -> list[tuple[BlockHash, int] | None]:
+        """(hash, content key) for each listed hash of a sparse store whose range's block
+        keys are `own`, None where its position is unknown: anchors, and with `runs` (a
+        sliding-window group) the runs vLLM keeps around them (see the module docstring).
+        Linear in the range."""
+        position = {key: p for p, key in enumerate(own)}
+        anchors: list[tuple[int, int]] = []  # (index in hashes, block of the range)
+        foreign = False  # a known hash of other content: the store contradicts the index
+        for i, block_hash in enumerate(hashes):
+            key, p = self._key_of(block_hash), None
+            if key is not None and (p := position.get(key)) is not None:
+                anchors.append((i, p))
+            foreign |= key is not None and p is None
+        placed: list[tuple[BlockHash, int] | None] = [None] * len(hashes)
+        for i, p in anchors:
+            placed[i] = (hashes[i], own[p])
+        if not runs or not anchors or foreign:
+            if len(anchors) < len(hashes):
+                self.count("unanchored")
+            return placed
+        # Each run ends just before its anchor (the last one at the range's end): check
+        # every run fits in the room behind it before placing any.
+        ends = [*anchors, (len(hashes), len(own))]
+        previous_i = previous_p = -1
+        for i, p in ends:
+            if p - previous_p < i - previous_i:
+                self.count("unanchored")
+                return placed
+            previous_i, previous_p = i, p
+        previous_i = -1
+        for i, p in ends:
+            for j in range(previous_i + 1, i):
+                placed[j] = (hashes[j], own[p - (i - j)])
+            previous_i = i
+        return placed
+
+    def _resolve_pending(self, keyed: list[tuple[BlockHash, int]]) -> None:
         """Give waiting hashes the keys this batch taught: only those can newly resolve
         (a key known before was handed out when the hash arrived), so the cost follows
         the batch, not the number waiting."""
@@ -405,8 +510,8 @@ class EngineKVIndex:
             if not group.pending:
                 continue
             evicted = group.evicted
-            for size, block_hash, key in keyed:
-                if size == group.block_size and block_hash in group.pending:
+            for block_hash, key in keyed:
+                if block_hash in group.pending:
                     group.add(block_hash, key)
             for _ in range(group.evicted - evicted):
                 self.count("index_full")
@@ -417,7 +522,7 @@ class EngineKVIndex:
         """The longest prefix of `tokens` every group can serve (0 before any event): vLLM's
         lookup (`longest_hit`) over this engine's groups, with at most len(tokens) tokens.
 
-        `keys` caches chain keys by block size across engines and lookups (one request, many
+        `keys` caches chain keys by granularity across engines and lookups (one request, many
         engines; see `longest_hit`).
 
         `eagle_groups`: the engine runs EAGLE/MTP drafting and these group ids get vLLM's
@@ -429,17 +534,22 @@ class EngineKVIndex:
         ordered = sorted(self.groups.items(), key=lambda item: (item[1].sliding_window is not None, item[0]))
         specs = dict.fromkeys((g.block_size, g.sliding_window) for _, g in ordered)
         eagle = {(g.block_size, g.sliding_window) for gid, g in ordered if gid in eagle_groups}
-        groups = [self.lookup_group(size, window, (size, window) in eagle) for size, window in specs]
+        grain = self.granularity
+        groups = [self.lookup_group(size, window, (size, window) in eagle, grain) for size, window in specs]
         max_length = len(tokens) - 1 if eagle_groups else len(tokens)
         return longest_hit(groups, tokens, {} if keys is None else keys, max_length)
 
-    def lookup_group(self, block_size: int, sliding_window: int | None, eagle: bool) -> LookupGroup:
+    def lookup_group(
+        self, block_size: int, sliding_window: int | None, eagle: bool, granularity: int | None = None
+    ) -> LookupGroup:
         """This engine's groups of one KV cache spec (`sliding_window` None: full attention),
-        looked up together; none when the engine has published nothing of that spec."""
+        looked up together; none when the engine has published nothing of that spec.
+        `granularity`: `self.granularity`, when the caller has it at hand."""
         members = tuple(
             g for g in self.groups.values() if g.block_size == block_size and g.sliding_window == sliding_window
         )
-        return LookupGroup(block_size, sliding_window, eagle, members)
+        grain = self.granularity if granularity is None else granularity
+        return LookupGroup(block_size, sliding_window, eagle, members, grain if members else block_size)
 
 
 # --- vLLM's hit rule ---------------------------------------------------------------------------
@@ -449,12 +559,14 @@ class EngineKVIndex:
 class LookupGroup:
     """One KV cache spec as vLLM's coordinator looks it up: a block is cached when every
     index group of the spec holds its content key (with none, no block is), and `eagle`
-    says whether the spec takes vLLM's EAGLE/MTP last-block drop."""
+    says whether the spec takes vLLM's EAGLE/MTP last-block drop. `granularity`: the
+    members' key space (their engine's `granularity`, a divisor of `block_size`)."""
 
     block_size: int
     sliding_window: int | None  # None: full attention (and any kind not known to skip blocks)
     eagle: bool
     members: tuple[GroupIndex, ...]
+    granularity: int
 
 
 def longest_hit(
@@ -475,9 +587,10 @@ def longest_hit(
       (one more under the drop) are cached and which is aligned after the drop; without
       one, the aligned leading run.
 
-    `keys[b]` is always a prefix of `chain_keys(tokens, b)`, extended only as far as a
+    `keys[g]` is always a prefix of `chain_keys(tokens, g)` for a granularity g (a group
+    of block size b reads every (b/g)-th key: `block_keys`), extended only as far as a
     lookup reaches: pass one dict for every engine of a request (or `prompt_keys`' result,
-    computed off the event loop) and each block's key is computed once per request. Cost:
+    computed off the event loop) and each key is computed once per request. Cost:
     linear in the blocks up to the full-attention hit (the whole prompt for a model
     without full attention); each block is looked up at most once per group and lookup.
     """
@@ -531,6 +644,9 @@ class _Finder:
         self._tokens = tokens
         self._keys = keys
         self._size = group.block_size
+        self._grain = group.granularity
+        self._ratio = group.block_size // group.granularity
+        self._own: list[int] = []  # this group's block keys derived so far (ratio > 1)
         self._step = align // group.block_size  # blocks per alignment unit
         presents = self._presents = [m.present for m in group.members]
         self._contains: Callable[[int], bool] = (
@@ -565,7 +681,7 @@ class _Finder:
     def _run_in(self, contains: Callable[[int], bool], blocks: int) -> int:
         run, want = 0, 64
         while True:
-            known = _keys_upto(self._tokens, self._keys, self._size, min(blocks, want))
+            known = self._block_keys(min(blocks, want))
             available = min(blocks, len(known))
             run += sum(1 for _ in itertools.takewhile(contains, itertools.islice(known, run, available)))
             if run < available or run >= blocks:
@@ -575,7 +691,7 @@ class _Finder:
     def _sliding_window(self, window: int, max_length: int, drop: bool) -> int:
         size, step, d = self._size, self._step, int(drop)
         need = max(1, -(-(window - 1) // size) + d)  # vLLM: cdiv(w - 1, b), one more under the drop
-        keys = _keys_upto(self._tokens, self._keys, size, max_length // size)
+        keys = self._block_keys(max_length // size)
         top = min(max_length // size, len(keys))
         contains = self._contains
 
@@ -613,6 +729,18 @@ class _Finder:
         if d and blocks:
             blocks = (blocks - 1) // step * step
         return blocks * size
+
+    def _block_keys(self, blocks: int) -> list[int]:
+        """This group's block keys (`block_keys`), at least `blocks` of them (fewer if the
+        prompt is shorter); with ratio 1, the shared `keys[granularity]` itself."""
+        ratio = self._ratio
+        fine = _keys_upto(self._tokens, self._keys, self._grain, blocks * ratio)
+        if ratio == 1:
+            return fine
+        own = self._own
+        if len(own) < blocks:
+            own.extend(itertools.islice(fine, (len(own) + 1) * ratio - 1, blocks * ratio, ratio))
+        return own
 
 
 def _keys_upto(tokens: Sequence[int], keys: dict[int, list[int]], block_size: int, blocks: int) -> list[int]:
