@@ -439,13 +439,15 @@ DECIDERS = {
     "llama-mooncake-no-eagle": Decider("full:128,sliding:128:64"),
     "mimo-v2-mtp-mooncake": Decider("full:256,sliding:64:128:eagle", threshold=600, prefix=1200),
 }
-# The router cannot key MiMo-V2's sliding-window stores yet: its index learns a sparse
-# store's block positions only through another group of the same block size holding the
-# whole range, and here both 64-token groups are sliding windows (full attention is at
-# 256), so it sees them empty and predicts a hit of 0 where decode hits 512. Strict: the
-# fix turns these into passes that must drop the mark.
+# The router cannot key this decode engine's sliding-window stores yet. Its index places
+# a sparse store's hashes by anchors (hashes another group knows at a known position, at
+# the engine's finest block size) and contiguous runs ending at them, which matches a
+# prefill engine's stores on this geometry (tests/test_router_kvindex.py, real vLLM
+# KVCacheManager); but the decode engine here publishes MTP-masked runs (the block after
+# each boundary) and sliding runs before their full-attention blocks, which it leaves
+# pending: it predicts 0 where decode hits 256-768. Strict: the fix must drop the mark.
 ROUTER_CANNOT_KEY_SPARSE_GROUPS = pytest.mark.xfail(
-    strict=True, reason="router kvindex: sliding-window stores with no full-range group of their block size")
+    strict=True, reason="router kvindex: a decode engine's MTP-masked sliding-window stores stay unplaced")
 on_decider_setups = on_setups(*DECIDERS, marks={"mimo-v2-mtp-mooncake": ROUTER_CANNOT_KEY_SPARSE_GROUPS})
 
 
