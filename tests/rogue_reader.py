@@ -18,7 +18,6 @@ import ipaddress
 import multiprocessing
 import os
 import signal
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -31,6 +30,7 @@ from pdconnect.kvlayout import TensorLayout
 from pdconnect.protocol import CompatInfo, Handshake, HandshakeReply
 from pdconnect.sidechannel import SideChannelClient
 from pdconnect.testbed.keys import keyring
+from pdconnect.testbed.processes import freeze
 from pdconnect.transfer import TransferState, create_transport
 from pdconnect.transfer.loopback import Buffer
 
@@ -213,15 +213,7 @@ class RogueReader:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGSTOP, and wait until every thread has really stopped (delivery is asynchronous)."""
-        os.kill(self.pid, signal.SIGSTOP)
-        give_up = time.monotonic() + timeout_s
-        tasks = Path(f"/proc/{self.pid}/task")
-        while time.monotonic() < give_up:
-            states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks.iterdir()]
-            if all(state in ("T", "t") for state in states):
-                return
-            time.sleep(0.01)
-        raise AssertionError(f"the rogue reader {self.pid} did not stop within {timeout_s:g} s")
+        freeze(self.pid, timeout_s)
 
     def resume(self) -> None:
         """SIGCONT: it reads on where it stopped."""
