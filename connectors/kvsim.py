@@ -52,8 +52,12 @@ class Engine:
     manager: KVCacheManager
 
     @classmethod
-    def create(cls, geometry: Geometry, num_tokens: int) -> Engine:
-        return cls(geometry, build_kv_cache_manager(geometry, pool_size_for(geometry, num_tokens)))
+    def create(cls, geometry: Geometry, num_tokens: int, kv_events: bool = False) -> Engine:
+        """`kv_events`: the manager queues vLLM's KV events (`manager.take_events()`)."""
+        manager = build_kv_cache_manager(
+            geometry, pool_size_for(geometry, num_tokens), enable_kv_cache_events=kv_events
+        )
+        return cls(geometry, manager)
 
     @property
     def ops(self) -> BlockPoolOps:
@@ -180,11 +184,16 @@ class PrefillDecodePair:
 
     @classmethod
     def create(
-        cls, geometry: Geometry, num_tokens: int, chunk: int | None = None, junctions: bool = True
+        cls,
+        geometry: Geometry,
+        num_tokens: int,
+        chunk: int | None = None,
+        junctions: bool = True,
+        kv_events: bool = False,
     ) -> PrefillDecodePair:
         return cls(
-            Engine.create(geometry, num_tokens),
-            Engine.create(geometry, num_tokens),
+            Engine.create(geometry, num_tokens, kv_events),
+            Engine.create(geometry, num_tokens, kv_events),
             CacheRules.for_geometry(geometry),
             chunk,
             junctions,

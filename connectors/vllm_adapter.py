@@ -465,20 +465,21 @@ class BlockPoolOps:
         """Insert blocks written for `request` into the prefix cache at their logical indices.
 
         One `cache_full_blocks` call per contiguous run, because the pool derives each
-        block's hash from its position. Returns the number of blocks published.
+        block's hash from its position. Each call covers the prompt from its first block,
+        the blocks before the run null: its KV event then has no parent hash and its token
+        range starts at the prompt's start, so a router can key it by content (a run's
+        parent is a block the sliding window does not cache, whose hash no event lists; see
+        docs/router.md). Returns the number of blocks published.
         """
         published = 0
-        indices = sorted(placed)
-        if not indices:
-            return 0
-        padded = [self._pool.null_block] * (indices[-1] + 1)
-        for index in indices:
-            padded[index] = placed[index]
-        for run in consecutive_runs(indices):
+        for run in consecutive_runs(sorted(placed)):
+            padded = [self._pool.null_block] * run.stop
+            for index in run:
+                padded[index] = placed[index]
             self._pool.cache_full_blocks(
                 request=request,
                 blocks=padded,
-                num_cached_blocks=run.start,
+                num_cached_blocks=0,
                 num_full_blocks=run.stop,
                 block_size=block_size,
                 kv_cache_group_id=group_id,

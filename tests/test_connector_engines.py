@@ -439,18 +439,7 @@ DECIDERS = {
     "llama-mooncake-no-eagle": Decider("full:128,sliding:128:64"),
     "mimo-v2-mtp-mooncake": Decider("full:256,sliding:64:128:eagle", threshold=600, prefix=1200),
 }
-# The router cannot key this decode engine's sliding-window stores yet. Its index places
-# a sparse store's hashes by anchors (hashes another group knows at a known position, at
-# the engine's finest block size) and contiguous runs ending at them, which matches a
-# prefill engine's stores on this geometry (tests/test_router_kvindex.py, real vLLM
-# KVCacheManager); on this MTP decode engine it still predicts 0 where decode hits
-# 256-768. Two known gaps can leave the runs unplaced (not yet told apart): under MTP
-# vLLM keeps the block just after each boundary, which a run ending at an anchor misses,
-# and a decode engine may publish a sliding run before its full-attention blocks, whose
-# store then stays pending. Strict: the fix must drop the mark.
-ROUTER_CANNOT_KEY_SPARSE_GROUPS = pytest.mark.xfail(
-    strict=True, reason="router kvindex: a decode engine's MTP-masked sliding-window stores stay unplaced")
-on_decider_setups = on_setups(*DECIDERS, marks={"mimo-v2-mtp-mooncake": ROUTER_CANNOT_KEY_SPARSE_GROUPS})
+on_decider_setups = on_setups(*DECIDERS)
 
 
 @dataclass(frozen=True)
@@ -570,3 +559,4 @@ def test_multi_turn_chat_through_the_template_skips_prefill_on_later_turns(
         routes.append(served.route["route"])
         messages.append({"role": "assistant", "content": served.body["choices"][0]["message"]["content"]})
     assert routes[0] == "pd" and "decode-local" in routes[1:], routes
+

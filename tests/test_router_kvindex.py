@@ -289,6 +289,43 @@ def test_the_index_finds_what_vllms_own_lookup_finds_on_a_hybrid_model(chunk: in
     assert served >= 4  # the comparison covered real hits, not only misses
 
 
+# MiMo-V2 with its MTP layer, as the engine's scheduler lays it out: two 64-token sliding
+# groups (window 128; the MTP layer's group takes the drop, the other shares its spec) and
+# 256-token full attention last, vLLM's default sparse retention. Prompts (prefix share,
+# new tokens): siblings, cuts, an unrelated prompt and its extension, a resend.
+_MIMO_MTP_PROMPTS = [(1200, 0), (1200, 64), (700, 0), (0, 600), (1264, 150), (1200, 0), (1000, 300), (0, 450)]
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_the_index_predicts_a_mimo_mtp_engines_own_hit_after_p_d_loads(kind: str) -> None:
+    """A P/D pair of real vLLM managers on MiMo-V2 + MTP geometry, our connector's loads and
+    slack publishing included (`connectors.kvsim`): before each request, the index built
+    from one engine's events alone must give that engine's own lookup's hit. A decode engine
+    publishes the slack runs itself, a prefill engine's core its replay boundaries' runs;
+    both list a sliding store's hashes sparsely, and MTP keeps the block after each boundary."""
+    import random
+
+    from connectors.geometry import Geometry, GroupGeometry
+    from connectors.kvsim import PrefillDecodePair
+
+    geometry = Geometry((GroupGeometry("sliding_window", 64, 128, eagle=True), GroupGeometry("sliding_window", 64, 128),
+                         GroupGeometry("full_attention", 256)))
+    pair = PrefillDecodePair.create(geometry, 2000, kv_events=True)
+    engine = pair.decode if kind == "decode" else pair.prefill
+    index = EngineKVIndex()
+    rng = random.Random(7)
+    prefix = [rng.randrange(1000, 30000) for _ in range(1400)]
+    hits = []
+    for i, (shared, new) in enumerate(_MIMO_MTP_PROMPTS):
+        tokens = prefix[:shared] + [rng.randrange(1000, 30000) for _ in range(new)]
+        real = engine.lookup(engine.new_request(f"probe{i}", tokens))
+        assert index.hit_tokens(tokens, eagle_groups={0, 1}) == real, f"request {i}: {shared}+{new}"
+        hits.append(real)
+        pair.serve(f"r{i}", tokens)
+        _publish(index, *engine.manager.take_events())
+    assert sum(hit > 0 for hit in hits) >= 3, hits  # the comparison covered real hits
+
+
 def _fine_store(group: int, hashes: list[str], size: int, kind: str, window: int | None = None) -> BlockStored:
     """One of our own stores over all of TOKENS (8 blocks of 4, 4 of 8)."""
     return BlockStored(block_hashes=[h.encode() for h in hashes], token_ids=TOKENS, block_size=size, group_idx=group,
@@ -296,33 +333,64 @@ def _fine_store(group: int, hashes: list[str], size: int, kind: str, window: int
 
 
 def _mixed_index(*sliding: BlockStored) -> tuple[EngineKVIndex, list[str]]:
-    """Full attention in blocks of 8, hashed at 4 the way vLLM does: an 8-block's hash is
-    its last 4-block's, so the full group lists the 4-level hashes h1, h3, h5, h7; in the
-    same batch (as vLLM publishes a step's stores), the `sliding` stores."""
+    """Full attention in blocks of 16, hashed at 4 the way vLLM does: a 16-block's hash is
+    its last 4-block's, so the full group lists the 4-level hashes h3 and h7 (blocks 3, 7
+    end the 16-token boundaries); in the same batch (as vLLM publishes a step's stores), the
+    `sliding` stores (window 8 over blocks of 4: cdiv(7, 4) = 2 blocks before a boundary),
+    after it or before it."""
     from pdconnect.router.kvindex import KVEventBatch
     counted: list[str] = []
     index = EngineKVIndex(count=counted.append)
-    index.apply(KVEventBatch(0.0, [_fine_store(0, ["h1", "h3", "h5", "h7"], 8, "full_attention"), *sliding]))
+    full = _fine_store(0, ["h3", "h7"], 16, "full_attention")
+    index.apply(KVEventBatch(0.0, [*sliding[:1], full, *sliding[1:]]))
     return index, counted
 
 
 def test_a_sparse_sliding_store_is_placed_by_its_anchors_in_the_finest_key_space() -> None:
-    # Sliding window 8 over blocks of 4 needs cdiv(7, 4) = 2 blocks before an end; vLLM kept
-    # the runs ending at the 8-token boundaries (blocks 2, 3 and 6, 7), nulls elsewhere.
+    # vLLM kept the runs ending at the 16-token boundaries (blocks 2, 3 and 6, 7), masked
+    # the others; the sliding store comes first in its batch, as on MiMo-V2.
     index, counted = _mixed_index(_fine_store(1, ["h2", "h3", "h6", "h7"], 4, "sliding_window", 8))
     assert index.granularity == 4 and not counted
     assert index.hit_tokens(TOKENS) == 32  # blocks 6, 7 before the end
-    assert index.hit_tokens(TOKENS[:24]) == 16  # blocks 4, 5 are gone; 2, 3 serve 16 tokens
+    assert index.hit_tokens(TOKENS[:24]) == 16  # blocks 4, 5 are masked; 2, 3 serve 16 tokens
     assert index.hit_tokens(TOKENS[:16] + [0] * 16) == 16
-    # Hashes after the last anchor are the run ending at the range's end.
-    index, counted = _mixed_index(_fine_store(1, ["h5", "x6", "x7"], 4, "sliding_window", 8))
-    assert index.hit_tokens(TOKENS) == 32 and not counted
 
 
-@pytest.mark.parametrize("hashes", [["a", "b", "c", "d", "h3"], ["h7", "h3"], ["h3", "b", "c", "d", "e", "f"],
-                                    ["x", "y"]],
-                         ids=["run-longer-than-its-room", "anchors-out-of-order", "tail-longer-than-the-range",
-                              "no-anchor"])
+def test_under_mtp_the_block_after_each_boundary_is_placed_after_its_anchor() -> None:
+    # A drafting group keeps the block after each boundary too (2, 3, 4 and 6, 7), which
+    # its lookup matches and drops back from.
+    index, counted = _mixed_index(_fine_store(1, ["h2", "h3", "x4", "h6", "h7"], 4, "sliding_window", 8))
+    assert not counted
+    # 23 tokens looked up: full attention serves 16; the window's run 2, 3, 4 ends past 16
+    # and drops back to it. Had x4 been put anywhere else, nothing would be served.
+    assert index.hit_tokens(TOKENS[:20] + [0] * 4, eagle_groups={1}) == 16
+
+
+def test_a_published_slack_run_is_the_run_ending_at_its_range_end() -> None:
+    # Our decode connector publishes a slack run as a store from the prompt's start whose
+    # last blocks are the run: with its anchor (2, 3, 4 around 16) and without (6 alone).
+    def slack(hashes: list[str], blocks: int) -> BlockStored:
+        return BlockStored(block_hashes=[h.encode() for h in hashes], token_ids=TOKENS[:4 * blocks], block_size=4,
+                           group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=8)
+    index, counted = _mixed_index(slack(["h2", "h3", "x4"], 5), slack(["x6"], 7))
+    assert not counted
+    assert index.hit_tokens(TOKENS[:20] + [0] * 4, eagle_groups={1}) == 16
+    assert b"x6" in index.groups[1].by_hash and not index.groups[1].pending
+
+
+def test_a_block_removed_later_in_the_batch_of_its_waiting_store_stays_removed() -> None:
+    # The sparse store is read after its batch, but a removal after it in the batch wins.
+    from pdconnect.router.kvindex import KVEventBatch
+    counted: list[str] = []
+    index = EngineKVIndex(count=counted.append)
+    sliding = _fine_store(1, ["h2", "h3", "h6", "h7"], 4, "sliding_window", 8)
+    full = _fine_store(0, ["h3", "h7"], 16, "full_attention")
+    index.apply(KVEventBatch(0.0, [sliding, full, BlockRemoved(block_hashes=[b"h6"], group_idx=1)]))
+    assert not counted and sorted(index.groups[1].by_hash) == [b"h2", b"h3", b"h7"]
+
+
+@pytest.mark.parametrize("hashes", [["a", "b", "c", "d", "h3"], ["h7", "h3"], ["h3", "b", "c", "d", "e", "f"]],
+                         ids=["run-longer-than-its-room", "anchors-out-of-order", "tail-longer-than-the-range"])
 def test_a_sparse_store_whose_runs_do_not_fit_keys_only_its_anchors(hashes: list[str]) -> None:
     index, counted = _mixed_index(_fine_store(1, hashes, 4, "sliding_window", 8))
     assert counted == ["unanchored"]
@@ -335,12 +403,10 @@ def test_a_sparse_store_whose_runs_do_not_fit_keys_only_its_anchors(hashes: list
 def test_a_finer_group_appearing_later_starts_the_index_over() -> None:
     from pdconnect.router.kvindex import KVEventBatch
     index, counted = _mixed_index()
-    assert index.granularity == 8 and index.hit_tokens(TOKENS) == 32
+    assert index.granularity == 16 and index.hit_tokens(TOKENS) == 32
     index.apply(KVEventBatch(0.0, [_fine_store(1, ["h6", "h7"], 4, "sliding_window", 8)]))
-    # The sliding run has no anchor left: it waits, unplaced.
-    assert counted == ["granularity", "unanchored"] and index.granularity == 4
-    assert list(index.groups) == [1]  # the full group's 8-level keys are gone with it
-    assert index.hit_tokens(TOKENS) == 0
+    assert counted == ["granularity"] and index.granularity == 4
+    assert list(index.groups) == [1]  # the full group's 16-level keys are gone with it
 
 
 # --- untrusted events: every field of every event type, any engine ---------------------------

@@ -26,22 +26,23 @@ sliding-window group's blocks behind the window (null, `remove_skipped_blocks`) 
 its lookup never consults (masked, `SlidingWindowManager.reachable_block_mask`). Which
 positions the listed hashes stand for is then unknown. A listed hash another group of the
 engine has keyed (any block size: see above) whose key is the content key of a block of
-the range is *anchored* there, content-verified. The others of a sliding-window store are
-placed by vLLM's rule, assumed here: what vLLM keeps of a sliding group are contiguous
-runs of `cdiv(window - 1, B)` blocks ending at each cache-hit-aligned boundary (the mask)
-and the blocks still in the window at the range's end (nulls precede them). Aligned
-boundaries end a full-attention block, so a run ends at an anchor. Hashes listed before
-an anchor are thus the run ending just before it, and those after the last anchor the run
-ending at the range's end. A store with no anchor, or whose runs do not fit (a run longer
-than the room before its anchor, anchors out of order), keeps its unanchored hashes
-unplaced (counted `unanchored`). Not covered: EAGLE/MTP's mask keeps the block *after*
-each boundary (shift 1), which this rule would put one block too late, so a prompt's
-window run is missed (a lower hit; the block wrongly taken, boundary + 2, is one vLLM's
-EAGLE window scan never consults, and the leading run stops at the peek block left
-unkeyed before it). Unplaced hashes are keyed through the other groups when
-their store arrives (a decode engine may publish a sliding-window run one batch before
-the full-attention blocks); until then they wait, bounded, and a hash that never
-resolves is dropped and counted.
+the range is *anchored* there, content-verified; one listed by the group of the largest
+block size (vLLM's scheduler block, the cache-hit alignment) ends an aligned *boundary*.
+The others of a sliding-window store are placed by vLLM's rule (`_run_blocks`): what it
+keeps of a sliding group are runs of `cdiv(window - 1, B)` blocks ending at an aligned
+boundary, plus, in a group that takes the EAGLE/MTP drop, the block after it (its lookup
+peeks at it and drops back); under vLLM's default sparse retention only at the boundaries
+a prompt can be replayed from. Our decode connector publishes a slack run as a store of
+its own, from the prompt's start, ending at the run. Whether a group takes the drop is not
+published, so both shifts are tried and must agree, every anchor landing on its block. A
+sparse sliding store is read after the rest of its batch (vLLM publishes a step's groups in
+group order: MiMo-V2 numbers full attention last), so its anchors are known. A store
+whose runs do not fit (a run longer than the room before its anchor, anchors out of
+order) keeps its unanchored hashes unplaced (counted `unanchored`). A store whose parent
+is unknown (vLLM names a block the window did not cache, whose hash no event lists)
+cannot be keyed: its hashes are keyed through the other groups when their stores arrive;
+until then they wait, bounded, and a hash that never resolves is dropped and counted.
+The argument and its limits are in docs/router.md.
 
 Hybrid models: every KV cache group (full attention, sliding window, ...) is indexed on
 its own, and a prefix is a hit only if *every* group can serve it. `longest_hit` is vLLM's
@@ -363,23 +364,41 @@ class EngineKVIndex:
     def apply(self, batch: KVEventBatch) -> None:
         self._set_granularity(batch)
         keyed: list[tuple[BlockHash, int]] = []  # (hash, key) this batch taught
+        # Sparse sliding-window stores wait for the batch's other stores: vLLM publishes a
+        # step's groups in group order, and the anchors a sliding store is placed by may be
+        # listed by a full-attention group after it (MiMo-V2 numbers that group last).
+        deferred: list[_Deferred] = []
         for event in batch.events:
             if isinstance(event, BlockRemoved):
                 self._remove(event)
+                for waiting in deferred:
+                    waiting.removed.update(h for h in event.block_hashes if _valid_hash(h))
                 continue
             if isinstance(event, AllBlocksCleared):
                 self.groups.clear()
                 self.budget = BlockBudget(self.max_blocks)
+                deferred.clear()
                 continue
             reason = invalid_reason(event)
             if reason is not None:
                 self.count(reason)
                 continue
             group = self._group_for(event)
-            if group is not None:
+            if group is None:
+                continue
+            if self._is_sparse_sliding(group, event):
+                deferred.append(_Deferred(group, event))
+            else:
                 self._store(group, event, keyed)
+        for waiting in deferred:
+            if any(g is waiting.group for g in self.groups.values()):  # not cleared since
+                self._store(waiting.group, waiting.event, keyed, waiting.removed)
         if keyed and any(group.pending for group in self.groups.values()):
             self._resolve_pending(keyed)
+
+    def _is_sparse_sliding(self, group: GroupIndex, event: BlockStored) -> bool:
+        blocks = len(event.token_ids) // group.block_size
+        return group.sliding_window is not None and len(event.block_hashes) < blocks
 
     def _set_granularity(self, batch: KVEventBatch) -> None:
         """Make the key space fine enough for every store of `batch`, before any is read; a
@@ -435,9 +454,16 @@ class EngineKVIndex:
                 return key
         return None
 
-    def _store(self, group: GroupIndex, event: BlockStored, keyed: list[tuple[BlockHash, int]]) -> None:
+    def _store(
+        self,
+        group: GroupIndex,
+        event: BlockStored,
+        keyed: list[tuple[BlockHash, int]],
+        removed: Collection[BlockHash] = (),
+    ) -> None:
         """Index one store; hashes whose position is unknown wait for another group's key.
-        The hashes it learns a content key for are appended to `keyed`."""
+        The hashes it learns a content key for are appended to `keyed`; those in `removed`
+        (removed later in the batch, the store having waited for it) are left out."""
         size, grain = group.block_size, self._grain
         evicted, orphans = group.evicted, group.orphans
         hashes = event.block_hashes
@@ -452,8 +478,10 @@ class EngineKVIndex:
                 # Every block of the range is listed: positions, hence content keys, are known.
                 placed = list(zip(hashes, own))
             else:
-                placed = self._place(hashes, own, group.sliding_window is not None)
+                placed = self._place(group, hashes, own, event.parent_block_hash)
         for block_hash, slot in zip(hashes, placed):
+            if block_hash in removed:
+                continue
             if slot is not None:
                 group.add(block_hash, slot[1])
                 keyed.append(slot)
@@ -466,41 +494,46 @@ class EngineKVIndex:
         for _ in range(group.orphans - orphans):
             self.count("orphan")
 
-    def _place(self, hashes: list[BlockHash], own: list[int], runs: bool) -> list[tuple[BlockHash, int] | None]:
+    def _place(
+        self, group: GroupIndex, hashes: list[BlockHash], own: list[int], parent: BlockHash | None
+    ) -> list[tuple[BlockHash, int] | None]:
         """(hash, content key) for each listed hash of a sparse store whose range's block
-        keys are `own`, None where its position is unknown: anchors, and with `runs` (a
-        sliding-window group) the runs vLLM keeps around them (see the module docstring).
-        Linear in the range."""
+        keys are `own`, None where its position is unknown: anchors, and for a sliding-window
+        group the runs vLLM keeps around them (see the module docstring). Linear in the range."""
         position = {key: p for p, key in enumerate(own)}
-        anchors: list[tuple[int, int]] = []  # (index in hashes, block of the range)
+        anchors: dict[int, int] = {}  # index in hashes -> block of the range
+        boundaries: list[int] = []  # blocks of the range that end a cache-hit-aligned boundary
+        aligned = self._aligned_groups()
         foreign = False  # a known hash of other content: the store contradicts the index
         for i, block_hash in enumerate(hashes):
             key, p = self._key_of(block_hash), None
             if key is not None and (p := position.get(key)) is not None:
-                anchors.append((i, p))
+                anchors[i] = p
+                if any(block_hash in g.by_hash for g in aligned):
+                    boundaries.append(p)
             foreign |= key is not None and p is None
         placed: list[tuple[BlockHash, int] | None] = [None] * len(hashes)
-        for i, p in anchors:
+        for i, p in anchors.items():
             placed[i] = (hashes[i], own[p])
-        if not runs or not anchors or foreign:
+        if group.sliding_window is None or foreign:
             if len(anchors) < len(hashes):
                 self.count("unanchored")
             return placed
-        # Each run ends just before its anchor (the last one at the range's end): check
-        # every run fits in the room behind it before placing any.
-        ends = [*anchors, (len(hashes), len(own))]
-        previous_i = previous_p = -1
-        for i, p in ends:
-            if p - previous_p < i - previous_i:
-                self.count("unanchored")
-                return placed
-            previous_i, previous_p = i, p
-        previous_i = -1
-        for i, p in ends:
-            for j in range(previous_i + 1, i):
-                placed[j] = (hashes[j], own[p - (i - j)])
-            previous_i = i
-        return placed
+        if parent is not None and any(parent in g.by_hash for g in aligned):
+            boundaries.insert(0, -1)  # the range starts right after a boundary
+        blocks = _run_blocks(
+            hashes, anchors, boundaries, len(own), group, math.lcm(*(g.block_size for g in self.groups.values()))
+        )
+        if blocks is None:
+            self.count("unanchored")
+            return placed
+        return [(block_hash, own[p]) for block_hash, p in zip(hashes, blocks)]
+
+    def _aligned_groups(self) -> list[GroupIndex]:
+        """The groups whose blocks end on cache-hit-aligned boundaries (the largest block size,
+        vLLM's scheduler block, when it is the lcm of all)."""
+        aligned = math.lcm(*(g.block_size for g in self.groups.values()))
+        return [g for g in self.groups.values() if g.block_size == aligned]
 
     def _resolve_pending(self, keyed: list[tuple[BlockHash, int]]) -> None:
         """Give waiting hashes the keys this batch taught: only those can newly resolve
@@ -550,6 +583,67 @@ class EngineKVIndex:
         )
         grain = self.granularity if granularity is None else granularity
         return LookupGroup(block_size, sliding_window, eagle, members, grain if members else block_size)
+
+
+@dataclass
+class _Deferred:
+    """A sparse sliding-window store waiting for the end of its batch, and the hashes removed meanwhile."""
+
+    group: GroupIndex
+    event: BlockStored
+    removed: set[BlockHash] = field(default_factory=set)
+
+
+def _run_blocks(
+    hashes: Sequence[BlockHash],
+    anchors: dict[int, int],
+    boundaries: Sequence[int],
+    length: int,
+    group: GroupIndex,
+    alignment: int,
+) -> list[int] | None:
+    """The block of the range each listed hash of a sparse sliding-window store stands for,
+    by vLLM's rule (`SlidingWindowManager.reachable_block_mask`), or None when it cannot be
+    told.
+
+    vLLM keeps, around each cache-hit-aligned boundary a prompt can be replayed from, the
+    `cdiv(window - 1, B)` blocks before it, plus with EAGLE/MTP (shift 1) the block after
+    it that its lookup peeks at; nulls (blocks behind the window when the range was
+    cached) precede them. Our decode connector publishes a slack run as a store of its own
+    that ends at the run's last block. So for either shift the listed hashes are the runs
+    around the boundaries anchored in the range (`boundaries`: blocks that end one, -1 for
+    the block before the range), exactly, or their last ones, or followed by a run
+    ending at the range's end. Whether the group takes the drop is not published: both
+    shifts are tried, the first rule above that fits best wins, and every hash another
+    group anchored (`anchors`) must land on its own block. Two shifts that fit equally
+    well but disagree leave the store unplaced.
+    """
+    assert group.sliding_window is not None
+    size = group.block_size
+    per_segment = alignment // size
+    base = -(-(group.sliding_window - 1) // size)
+    found: dict[int, set[tuple[int, ...]]] = {}  # rank (lower is better) -> placements
+    count = len(hashes)
+    for shift in (0, 1):
+        if base + shift >= per_segment:
+            expected = list(range(length))  # vLLM keeps every block: nulls first
+        else:
+            expected = sorted({p for b in boundaries for p in range(b - base + 1, b + shift + 1) if 0 <= p < length})
+        if count == len(expected):
+            rank, blocks = 0, expected
+        elif count < len(expected):
+            rank, blocks = 1, expected[len(expected) - count :]
+        else:
+            extra = count - len(expected)
+            rank, blocks = 2, [*expected, *range(length - extra, length)]
+            if length - extra < 0 or (expected and blocks[len(expected)] <= expected[-1]):
+                continue
+        if all(blocks[i] == p for i, p in anchors.items()):
+            found.setdefault(rank, set()).add(tuple(blocks))
+    if not found:
+        return None
+    best = found[min(found)]
+    return list(next(iter(best))) if len(best) == 1 else None
 
 
 # --- vLLM's hit rule ---------------------------------------------------------------------------
