@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from pdconnect.errors import ConfigError
+from pdconnect.serving import serve_until_signalled
 
 __all__ = ["REFUSALS", "RESULTS", "MetricsProxy", "ProxySettings", "RunningProxy", "main", "parse_args", "start_proxy"]
 
@@ -301,19 +301,6 @@ def parse_args(argv: list[str]) -> ProxySettings:
     )
 
 
-async def _run_until_signalled(settings: ProxySettings) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    running = await start_proxy(settings)
-    logger.info("listening on %s, relaying %s", running.url, settings.upstream)
-    try:
-        await stop.wait()
-    finally:
-        await running.close()
-
-
 def main(argv: list[str]) -> int:
     """`pdconnect metrics-proxy ...`: serve until SIGINT/SIGTERM."""
     try:
@@ -322,5 +309,10 @@ def main(argv: list[str]) -> int:
         print(f"pdconnect metrics-proxy: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_run_until_signalled(settings))
+    asyncio.run(
+        serve_until_signalled(
+            lambda: start_proxy(settings),
+            lambda running: logger.info("listening on %s, relaying %s", running.url, settings.upstream),
+        )
+    )
     return 0
