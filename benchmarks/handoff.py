@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
 import multiprocessing
 import sys
@@ -62,7 +61,7 @@ from pdconnect.testbed.local_pd import LocalPDConfig, start_colocated, start_loc
 from pdconnect.testbed.paths import default_build_dir
 from pdconnect.testbed.processes import Cluster
 from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, warm_up
-from pdconnect.transfer.loopback import Buffer, LoopbackPeer
+from pdconnect.transfer.loopback import Buffer, LoopbackPeer, stop_child
 
 __all__ = ["PATHS", "HandoffSetup", "Histogram", "histogram_quantile", "main"]
 
@@ -402,13 +401,8 @@ class BesidePuller:
         return pull
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):  # not finished (engines failed to start): stop it waiting
-            self._conn.send(None)
-        self._process.join(10)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
-        self._conn.close()
+        # Unfinished (the engines failed to start), it waits for a shape: None ends it.
+        stop_child(self._process, self._conn, lambda: self._conn.send(None))
 
 
 def _pull_beside(kind: str, conn: Connection) -> None:

@@ -32,7 +32,7 @@ from pdconnect.sidechannel import SideChannelClient
 from pdconnect.testbed.keys import keyring
 from pdconnect.testbed.processes import freeze
 from pdconnect.transfer import TransferState, create_transport
-from pdconnect.transfer.loopback import Buffer
+from pdconnect.transfer.loopback import Buffer, stop_child
 
 __all__ = ["Pulling", "RogueReader", "TcpSocket", "group_pids", "socket_inodes", "tcp_sockets"]
 
@@ -233,14 +233,12 @@ class RogueReader:
 
     def close(self) -> None:
         """SIGCONT (a stopped process cannot act on SIGTERM), SIGTERM, then SIGKILL if need be."""
-        if self.process.is_alive():
+        def ask() -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.process.pid, signal.SIGCONT)
             self.process.terminate()
-            self.process.join(10)
-        if self.process.is_alive():
-            self.kill()
-        self._pipe.close()
+
+        stop_child(self.process, self._pipe, ask)
 
     def __enter__(self) -> Self:
         return self

@@ -17,16 +17,17 @@ import mmap
 import multiprocessing
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any, Self
 
 import msgspec
 
 from pdconnect.transfer import MemoryRegion, create_transport
 
-__all__ = ["Buffer", "LoopbackPeer", "PeerReady", "digest"]
+__all__ = ["Buffer", "LoopbackPeer", "PeerReady", "digest", "stop_child"]
 
 # Fill the pool in chunks: one huge os.urandom call needs the whole pool twice in memory.
 _FILL_CHUNK = 16 << 20
@@ -123,13 +124,7 @@ class LoopbackPeer:
         self.process.join(10)
 
     def close(self) -> None:
-        if self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self._pipe.send(("stop", None))
-            self.process.join(10)
-        if self.process.is_alive():
-            self.kill()
-        self._pipe.close()
+        stop_child(self.process, self._pipe, lambda: self._pipe.send(("stop", None)))
 
     def __enter__(self) -> Self:
         return self
@@ -171,3 +166,16 @@ def _serve(job: _Serve, pipe: Connection) -> None:
             continue
         pipe.send(("digest", digest(pool, payload)))
     transport.close()
+
+
+def stop_child(process: BaseProcess, pipe: Connection, ask: Callable[[], None], grace_s: float = 10.0) -> None:
+    """End a child process we talk to over `pipe`: `ask` it to stop (a pipe it no longer
+    reads is ignored), wait `grace_s`, SIGKILL it if it is still there, close the pipe."""
+    if process.is_alive():
+        with contextlib.suppress(OSError):
+            ask()
+        process.join(grace_s)
+    if process.is_alive():
+        process.kill()
+        process.join(grace_s)
+    pipe.close()
