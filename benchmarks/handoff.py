@@ -31,8 +31,11 @@ Mooncake's if that is larger. The stock connector's own NIXL telemetry
 Bare pulls with the engines stopped are the library's speed on idle cores. So for each of
 our paths the step is served once more, on prompts of its own, while a third pair of
 processes pulls the measured step's mean pull with the bare library, one pull every
-50 ms (`BesidePuller`): the library's own speed under the same load. The goal is read
-against that floor too, on a line of its own.
+50 ms (`BesidePuller`): the library's own speed under the same load. Decode's histogram
+is read around that second serving as well, so its in-engine p50 and the bare p50 come
+from the same seconds: the load on 2 shared cores moves from one serving to the next by
+more than our share of a pull, so a ratio across servings measures the load. The goal is
+read side by side there too, on a line of its own.
 
     python -m benchmarks.handoff [--paths stock-nixl,ours-nixl,ours-mooncake,colocated]
                                  [--groups 12] [--bare-repeats 60] [--json PATH]
@@ -211,7 +214,8 @@ class PathResult:
     step: StepResult
     pulls: Pulls | None = None
     transport: str | None = None
-    beside: BarePull | None = None  # the bare library, pulling beside the measured step
+    beside: BarePull | None = None  # the bare library, pulling beside the step served again
+    rerun: Pulls | None = None  # the in-engine pulls of that second serving, beside `beside`
 
 
 @dataclass(frozen=True)
@@ -274,9 +278,14 @@ def _bare_p50(bare: Sequence[BarePull], transport: str | None) -> float:
     return next((b.p50_s for b in bare if b.transport == transport), math.nan)
 
 
+def _p50(pulls: Pulls | None) -> float:
+    return math.nan if pulls is None else pulls.seconds.quantile(0.5)
+
+
 def format_pulls(results: Sequence[PathResult], bare: Sequence[BarePull]) -> str:
     """In-engine pull p50/p99 and mean bytes per path, beside the bare library on the same
-    bytes with the engines stopped and beside the measured step (under the same load)."""
+    bytes with the engines stopped; then, from the step served again, the in-engine p50
+    beside the bare pulls made meanwhile (the same load, the same seconds)."""
     rows = []
     for r in results:
         if r.pulls is None:
@@ -285,12 +294,13 @@ def format_pulls(results: Sequence[PathResult], bare: Sequence[BarePull]) -> str
         p50 = s.quantile(0.5)
         spec = PATHS[r.path]
         bare_p50 = _bare_p50(bare, spec.transport)
+        rerun_p50 = _p50(r.rerun)
         beside_p50 = math.nan if r.beside is None else r.beside.p50_s
         rows.append([r.path, s.name, f"{s.count:.0f}", f"{n.mean / 1e6:.2f} MB", f"{r.pulls.ranges:.1f}", _ms(p50),
-                     _ms(s.quantile(0.99)), _ms(bare_p50), ratio(p50, bare_p50), _ms(beside_p50),
-                     ratio(p50, beside_p50)])
+                     _ms(s.quantile(0.99)), _ms(bare_p50), ratio(p50, bare_p50), _ms(rerun_p50), _ms(beside_p50),
+                     ratio(rerun_p50, beside_p50)])
     headers = ("path", "histogram", "pulls", "bytes/pull", "ranges/pull", "in-engine p50", "in-engine p99",
-               "bare p50", "in-engine/bare", "bare p50 beside", "in-engine/beside")
+               "bare p50", "in-engine/bare", "again: in-engine p50", "bare p50 beside", "in-engine/beside")
     return format_table(headers, rows, left=2)
 
 
@@ -320,17 +330,19 @@ def goal(results: Sequence[PathResult], bare: Sequence[BarePull]) -> tuple[bool 
 
 
 def goal_beside_load(results: Sequence[PathResult]) -> tuple[bool | None, str]:
-    """The goal read against the library's own speed under the same load: Mooncake in-engine
-    p50 within GOAL_FACTOR x the larger of NIXL in-engine p50 and the bare Mooncake pulls
-    made beside ours-mooncake's measured step. None when a figure is missing."""
+    """The goal read side by side, in the step served again: Mooncake's in-engine p50 then
+    within GOAL_FACTOR x the larger of NIXL's in-engine p50 in its own second serving and the
+    bare Mooncake pulls made during Mooncake's, the library's own speed in the same seconds.
+    None when a figure is missing."""
     by_path = {r.path: r for r in results}
-    p50 = {path: r.pulls.seconds.quantile(0.5) for path, r in by_path.items() if r.pulls is not None}
-    mooncake, nixl = p50.get("ours-mooncake", math.nan), p50.get("ours-nixl", math.nan)
+    rerun = {path: _p50(r.rerun) for path, r in by_path.items()}
+    mooncake, nixl = rerun.get("ours-mooncake", math.nan), rerun.get("ours-nixl", math.nan)
     beside = by_path.get("ours-mooncake")
     bare = math.nan if beside is None or beside.beside is None else beside.beside.p50_s
     reference = max(nixl, bare) if not (math.isnan(nixl) or math.isnan(bare)) else math.nan
-    line = (f"the same, against bare Mooncake beside the same load: {_ms(mooncake)} vs {_ms(nixl)} NIXL in-engine, "
-            f"{_ms(bare)} bare Mooncake beside ours-mooncake -> {ratio(mooncake, reference)} of {_ms(reference)}")
+    line = (f"the same, side by side in the step served again: {_ms(mooncake)} Mooncake in-engine vs {_ms(nixl)} "
+            f"NIXL in-engine, {_ms(bare)} bare Mooncake in the same seconds -> {ratio(mooncake, reference)} "
+            f"of {_ms(reference)}")
     if math.isnan(mooncake) or math.isnan(reference):
         return None, line + "; NOT MEASURED"
     met = mooncake <= GOAL_FACTOR * reference
@@ -345,12 +357,24 @@ def _say(message: str) -> None:
     print(f"[bench-handoff] {message}", flush=True)
 
 
-async def _drive(deployment: Deployment, setup: HandoffSetup, beside: BesidePuller | None = None,
-                 ) -> tuple[StepResult, MetricsSnapshot, MetricsSnapshot, str | None, BarePull | None]:
+@dataclass(frozen=True)
+class _Driven:
+    """What `_drive` saw: the measured step, decode's /metrics around it, and, with a bare
+    puller, decode's /metrics around the step served again and the bare pulls made meanwhile."""
+
+    step: StepResult
+    before: MetricsSnapshot
+    after: MetricsSnapshot
+    transport: str | None
+    beside: BarePull | None = None
+    rerun: tuple[MetricsSnapshot, MetricsSnapshot] | None = None
+
+
+async def _drive(deployment: Deployment, setup: HandoffSetup, beside: BesidePuller | None = None) -> _Driven:
     """Warm up, then the measured step, with decode's /metrics scraped around the step alone.
     With `beside`, the step is then served once more, on prompts of its own, while the bare
-    library pulls the measured step's mean pull beside it: the library's own speed under
-    the same load."""
+    library pulls the measured step's mean pull beside it, and decode's /metrics are scraped
+    around that serving too: in-engine and bare pulls timed in the same seconds."""
     tokens = TokenSource(seed=setup.seed)
     warm = tokens.fork()  # warm-up prompts of their own, the same on every path
     [decode] = deployment.decode_metrics
@@ -360,20 +384,25 @@ async def _drive(deployment: Deployment, setup: HandoffSetup, beside: BesidePull
         [step] = await run_scenario(generator, setup.scenario, tokens)
         after = await asyncio.to_thread(fetch_metrics, decode)
         transport = await generator.transport()
-        beside_pull = None
-        if beside is not None and (pulls := Pulls.between(before, after, OUR_PULLS)) is not None:
+        if beside is None:
+            return _Driven(step, before, after, transport)
+        rerun = None
+        if (pulls := Pulls.between(before, after, OUR_PULLS)) is not None:
             beside.begin(round(pulls.nbytes.mean), max(1, round(pulls.ranges)))
+            again = await asyncio.to_thread(fetch_metrics, decode)
             await run_scenario(generator, setup.scenario, tokens.fork())
-        if beside is not None:
-            beside_pull = await asyncio.to_thread(beside.finish)
-    return step, before, after, transport, beside_pull
+            rerun = (again, await asyncio.to_thread(fetch_metrics, decode))
+        beside_pull = await asyncio.to_thread(beside.finish)
+    return _Driven(step, before, after, transport, beside_pull, rerun)
 
 
 def _measure(spec: PathSpec, deployment: Deployment, setup: HandoffSetup, beside: BesidePuller | None = None,
              ) -> PathResult:
-    step, before, after, transport, beside_pull = asyncio.run(_drive(deployment, setup, beside))
+    driven = asyncio.run(_drive(deployment, setup, beside))
     names = STOCK_PULLS if spec.name == BASELINE else OUR_PULLS
-    return PathResult(spec.name, step, Pulls.between(before, after, names), transport, beside_pull)
+    rerun = None if driven.rerun is None else Pulls.between(*driven.rerun, names)
+    return PathResult(spec.name, driven.step, Pulls.between(driven.before, driven.after, names), driven.transport,
+                      driven.beside, rerun)
 
 
 class BesidePuller:
@@ -504,7 +533,9 @@ def _pull_json(r: PathResult) -> dict[str, object] | None:
         return None
     s = r.pulls.seconds
     return {"histogram": asdict(s), "bytes": asdict(r.pulls.nbytes), "p50_s": s.quantile(0.5),
-            "p99_s": s.quantile(0.99), "mean_bytes": r.pulls.nbytes.mean, "mean_ranges": r.pulls.ranges}
+            "p99_s": s.quantile(0.99), "mean_bytes": r.pulls.nbytes.mean, "mean_ranges": r.pulls.ranges,
+            "again_p50_s": None if r.rerun is None else r.rerun.seconds.quantile(0.5),
+            "again_histogram": None if r.rerun is None else asdict(r.rerun.seconds)}
 
 
 def _parse_paths(text: str) -> list[str]:
@@ -535,8 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[PathResult] = []
     with engine_phase("bench-handoff", args.logs):
         with Cluster(log_dir=args.logs) as cluster:
-            for name in args.paths:
-                results.append(run_path(cluster, PATHS[name], setup))
+            results.extend(run_path(cluster, PATHS[name], setup) for name in args.paths)
         bare = _bare_pulls(results, setup.bare_repeats)
     print(f"\nthe same prompts ({setup.scenario.steps(TokenSource(seed=setup.seed))[0].name}), fresh engines "
           f"per path, one run; ratios are to {BASELINE} (vLLM's NixlConnector behind the same router).\n"
@@ -548,8 +578,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           "torch.accelerator.current_device_index(), which fails without an accelerator)\n")
     print("in-engine pull latency, decode's histogram over the measured step (p50/p99 interpolated from its "
           "buckets),\nbeside each library's bare API pulling the same mean bytes in as many ranges between two "
-          "processes:\nwith the engines stopped, and beside a second run of the measured step on prompts of its own "
-          "(the same load).\nstock-nixl: vLLM's own NIXL telemetry, per NIXL transfer, coarse buckets.")
+          "processes:\nwith the engines stopped, and during the step served again on prompts of its own, beside "
+          "decode's histogram over that serving\n(in-engine and bare pulls in the same seconds).\n"
+          "stock-nixl: vLLM's own NIXL telemetry, per NIXL transfer, coarse buckets.")
     print(format_pulls(results, bare) + "\n")
     print("bare pulls")
     print(format_bare(bare, results) + "\n")

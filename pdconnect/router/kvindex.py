@@ -503,7 +503,8 @@ class EngineKVIndex:
         position = {key: p for p, key in enumerate(own)}
         anchors: dict[int, int] = {}  # index in hashes -> block of the range
         boundaries: list[int] = []  # blocks of the range that end a cache-hit-aligned boundary
-        aligned = self._aligned_groups()
+        alignment = self._alignment()
+        aligned = [g for g in self.groups.values() if g.block_size == alignment]
         foreign = False  # a known hash of other content: the store contradicts the index
         for i, block_hash in enumerate(hashes):
             key, p = self._key_of(block_hash), None
@@ -521,19 +522,16 @@ class EngineKVIndex:
             return placed
         if parent is not None and any(parent in g.by_hash for g in aligned):
             boundaries.insert(0, -1)  # the range starts right after a boundary
-        blocks = _run_blocks(
-            hashes, anchors, boundaries, len(own), group, math.lcm(*(g.block_size for g in self.groups.values()))
-        )
+        blocks = _run_blocks(hashes, anchors, boundaries, len(own), group, alignment)
         if blocks is None:
             self.count("unanchored")
             return placed
         return [(block_hash, own[p]) for block_hash, p in zip(hashes, blocks)]
 
-    def _aligned_groups(self) -> list[GroupIndex]:
-        """The groups whose blocks end on cache-hit-aligned boundaries (the largest block size,
-        vLLM's scheduler block, when it is the lcm of all)."""
-        aligned = math.lcm(*(g.block_size for g in self.groups.values()))
-        return [g for g in self.groups.values() if g.block_size == aligned]
+    def _alignment(self) -> int:
+        """Tokens per cache-hit-aligned boundary: the lcm of the groups' block sizes (vLLM's
+        scheduler block). Only the groups of that block size end a block on each boundary."""
+        return math.lcm(*(g.block_size for g in self.groups.values()))
 
     def _resolve_pending(self, keyed: list[tuple[BlockHash, int]]) -> None:
         """Give waiting hashes the keys this batch taught: only those can newly resolve
