@@ -408,8 +408,8 @@ def _measure(spec: PathSpec, deployment: Deployment, setup: HandoffSetup, beside
 class BesidePuller:
     """A bare client process and its serving peer, pulling while the engines serve traffic:
     the library's own pull time under the same load on the same cores. Spawned before the
-    engines (its start-up is not the traffic's), it pulls from `begin` to `finish`, one
-    pull every BESIDE_PAUSE_S."""
+    engines (its start-up is not the traffic's), it pulls from `begin` to `finish`, at
+    least once, one pull every BESIDE_PAUSE_S."""
 
     def __init__(self, kind: str) -> None:
         context = multiprocessing.get_context("spawn")
@@ -449,8 +449,11 @@ def _pull_beside(kind: str, conn: Connection) -> None:
             size = max(1, min(nbytes // ranges, BESIDE_POOL // (2 * ranges)))
             blocks = Blocks(local.addr, peer.ready.pool_addr, size, [(2 * i, 2 * i) for i in range(ranges)])
             runs = Runs()
-            while not conn.poll(BESIDE_PAUSE_S):
+            # At least one pull once begun, however soon `finish` comes: a begun puller reports.
+            while True:
                 timed(lambda: client.read(blocks), peer, runs)
+                if conn.poll(BESIDE_PAUSE_S):
+                    break
             conn.recv()
             conn.send(BarePull(kind, size * ranges, ranges, len(runs.wall), percentile(runs.wall, 50),
                                percentile(runs.wall, 99)) if runs.wall else None)

@@ -190,7 +190,7 @@ def test_decode_tokens_and_logprobs_equal_one_engine_alone(pair: Pair, http: htt
     served = serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
 
     assert served.tokens == token_ids(alone)
-    assert served.body["choices"][0]["logprobs"]["token_logprobs"] == alone["choices"][0]["logprobs"]["token_logprobs"]
+    _same_answer(served.body, alone)
     # Loaded over the connector, not recomputed: nothing was local, everything external.
     assert served.decode.hits == 0
     assert served.decode.external_hits == PROMPT_TOKENS
