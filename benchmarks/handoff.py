@@ -316,7 +316,7 @@ def format_bare(bare: Sequence[BarePull], results: Sequence[PathResult] = ()) ->
 def goal(results: Sequence[PathResult], bare: Sequence[BarePull]) -> tuple[bool | None, str]:
     """Mooncake in-engine p50 within GOAL_FACTOR x the larger of NIXL in-engine p50 and bare
     Mooncake p50. None when a figure is missing (a path not run or nothing pulled)."""
-    p50 = {r.path: r.pulls.seconds.quantile(0.5) for r in results if r.pulls is not None}
+    p50 = {r.path: _p50(r.pulls) for r in results}
     mooncake, nixl = p50.get("ours-mooncake", math.nan), p50.get("ours-nixl", math.nan)
     bare_mooncake = _bare_p50(bare, "mooncake")
     reference = max(nixl, bare_mooncake) if not (math.isnan(nixl) or math.isnan(bare_mooncake)) else math.nan
