@@ -70,6 +70,9 @@ COUNTERS: dict[str, str] = {
     ),
     "side_channel_handler_errors": "Side-channel handler errors (logged; the server keeps serving)",
     "side_channel_serve_errors": "Side-channel serving-loop errors (logged; the server keeps serving)",
+    "side_channel_late_rounds": (
+        "Side-channel serving rounds that began a second or more late: every peer's messages waited"
+    ),
 }
 
 # Gauge name -> help text; the latest value is exported as `pdconnect:<name>`.

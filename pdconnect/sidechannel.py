@@ -141,7 +141,15 @@ SERVER_COUNTERS = (
     "connections_over_limit",  # a connection cut: the server held max_connections
     "handler_errors",  # the handler raised or answered something unencodable
     "serve_errors",  # anything else that went wrong in one round of the serving loop
+    "late_rounds",  # rounds that began LATE_ROUND_SECONDS or more after the one before
 )
+
+# A serving round waits at most `_POLL_MILLISECONDS` for a message, then handles one; a
+# round that begins this long after the one before means the serving thread did not run
+# (the interpreter lock held by a call that keeps it, no CPU, the process stopped) or one
+# message took that long to handle. Either way every peer waited: it is counted and logged.
+LATE_ROUND_SECONDS = 1.0
+_POLL_MILLISECONDS = 100
 
 
 class SideChannelError(RuntimeError):
@@ -308,11 +316,14 @@ class SideChannelServer:
         poller = zmq.Poller()
         for sock in (self._socket, *self._gate.sockets):
             poller.register(sock, zmq.POLLIN)
+        previous_round = time.monotonic()
         try:
             while not self._stop.is_set():
                 try:
                     polled_at = time.monotonic()
-                    ready = dict(poller.poll(100))
+                    self._check_round(polled_at - previous_round)
+                    previous_round = polled_at
+                    ready = dict(poller.poll(_POLL_MILLISECONDS))
                     # Connections first (bounded per round): none carries a message uncounted.
                     self._admit()
                     if self._socket in ready:
@@ -330,6 +341,18 @@ class SideChannelServer:
             self._gate.close()
             self._socket.close()
             self._context.term()
+
+    def _check_round(self, gap: float) -> None:
+        if gap < LATE_ROUND_SECONDS:
+            return
+        self._counters.add("late_rounds")
+        if (note := self._log.admit("late_round")) is not None:
+            logger.warning(
+                "side channel: a serving round began %.1f s after the one before; every peer's messages "
+                "waited (the serving thread got no interpreter lock or CPU, or one message took that long)%s",
+                gap,
+                note,
+            )
 
     def _admit(self) -> None:
         """One round of the connection gate; a fault there is counted and logged, and

@@ -12,6 +12,7 @@ of a real `SideChannelServer`, not a simulated one.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -25,7 +26,7 @@ from typing import Any
 import pytest
 
 from pdconnect.protocol import Ack, Heartbeat, Message
-from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelServer
+from pdconnect.sidechannel import LATE_ROUND_SECONDS, NoAnswer, SideChannelClient, SideChannelServer
 from pdconnect.testbed.processes import freeze
 from pdconnect.testbed.keys import keyring
 
@@ -125,6 +126,26 @@ def test_a_late_answer_is_never_taken_for_the_answer_to_a_later_request() -> Non
         assert client.request(Heartbeat(request_ids=["next"]), timeout=WAIT_S) == Ack(unknown=["next"])
     finally:
         client.close()
+        server.close()
+
+
+def hold_the_interpreter(seconds: float) -> None:
+    """Sleep in C without releasing the interpreter lock: no other thread of this
+    process runs Python meanwhile (what a library call that keeps the lock does)."""
+    ctypes.PyDLL(None).usleep(int(seconds * 1_000_000))
+
+
+def test_a_serving_thread_kept_from_running_is_counted_late() -> None:
+    server = SideChannelServer("127.0.0.1", 0, lambda message: Ack(), PREFILL)
+    try:
+        time.sleep(0.3)  # the serving thread is in its loop
+        before = server.counts()["late_rounds"]
+        hold_the_interpreter(LATE_ROUND_SECONDS + 0.5)
+        deadline = time.monotonic() + WAIT_S
+        while server.counts()["late_rounds"] == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.counts()["late_rounds"] > before
+    finally:
         server.close()
 
 
