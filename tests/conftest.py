@@ -4,10 +4,17 @@
   once per module (test_deploy.py, test_images.py).
 - `make`: starts routers in front of fake engines (`tests/router_support.py`) and closes
   them after the test (test_router_flow.py, test_router_edge.py).
+
+Every process the tests start (vLLM engines through our plugin, spawned SimEngines) runs
+the stall watch (`pdconnect.stallwatch`): a process whose Python stops running for
+`STALL_WATCH_TEST_SECONDS` writes every thread's stack and CPU use to its log. A failed
+test's report gets those records from the engine logs written while it ran, so a stall in
+CI names what waited on what (the spawned children's stderr is already in the report).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -16,6 +23,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from pdconnect.stallwatch import STALL_WATCH_ENV, records_in
+from pdconnect.testbed.paths import default_build_dir
 from tests.deploy_support import DEPLOY, TARGETS, Render, deploy_tool
 from tests.router_support import Setup, start_setup
 
@@ -68,3 +77,29 @@ async def make() -> AsyncIterator[Callable[..., Awaitable[Setup]]]:
         await s.http.close()
         await s.router.close()
         await s.fakes.close()
+
+
+# Long enough that a loaded 2-core host's ordinary hiccups stay quiet; the stalls that
+# failed tests lasted 7-40 s. Set for the children only: nothing starts one in pytest itself.
+STALL_WATCH_TEST_SECONDS = "3"
+os.environ.setdefault(STALL_WATCH_ENV, STALL_WATCH_TEST_SECONDS)
+# How much of one log's stall records a failed test's report carries.
+_RECORD_LINES = 400
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    report = yield
+    if report.failed and call.when in ("setup", "call"):
+        logs = default_build_dir() / "logs"
+        began = call.start - 5.0  # a log written just before the call began belongs to it too
+        for log in sorted(logs.glob("*.log")) if logs.is_dir() else ():
+            try:
+                if log.stat().st_mtime < began:
+                    continue
+                records = records_in(log.read_text(errors="replace"))
+            except OSError:
+                continue
+            if records:
+                report.sections.append((f"stall watch: {log.name}", "\n".join(records[-_RECORD_LINES:])))
+    return report

@@ -39,6 +39,7 @@ from connectors.pd_connector import PDConnector
 from connectors.settings import ConnectorSettings
 from connectors.vllm_adapter import build_kv_cache_config
 from connectors.worker import PDWorker
+from pdconnect.stallwatch import start_from_environment
 from pdconnect.testbed.keys import connector_keys
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_target_and_draft
 
@@ -287,6 +288,7 @@ class SimEngine:
 
 
 def _serve(conn: Any, kwargs: dict[str, Any]) -> None:
+    start_from_environment()  # conftest turns it on: a stalled child says what its threads did
     engine = SimEngine(**kwargs)
     conn.send(("ready", engine.start_free_blocks))
     while True:
