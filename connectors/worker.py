@@ -197,16 +197,26 @@ class PDWorker:
     # --- loads --------------------------------------------------------------------------
 
     def start(self, metadata: PDConnectorMetadata) -> None:
+        """Queue this step's pulls on the transport thread, and a poll round right behind them.
+
+        The round runs while the step computes, so a read the library ends within the
+        settle window is known by this step's `transfer_results`, not the next one's: a
+        round submitted there is collected a step later.
+        """
         self._released.update(metadata.release)
+        posted = False
         for spec in metadata.pulls:
             if spec.fail_reason is not None:
                 self._pulls[spec.request_id] = _Pull(spec, None, spec.fail_reason)
                 continue
+            self._pulls_queued.set()  # before the submission, which clears it: a settling round gives way
             try:
                 self._pulls[spec.request_id] = _Pull(spec, self._executor.submit(self._submit, spec))
-                self._pulls_queued.set()
+                posted = True
             except RuntimeError as exc:  # the executor is shut down: the engine is stopping
                 self._pulls[spec.request_id] = _Pull(spec, None, f"cannot start the pull: {exc}")
+        if posted and self._polling is None:
+            self._polling = self._executor.submit(self._poll, self._pollable())
 
     def _submit(self, spec: PullSpec) -> _Posted:
         self._pulls_queued.clear()
@@ -321,13 +331,17 @@ class PDWorker:
         for request_id in outcomes:
             del self._pulls[request_id]
         if self._polling is None and self._pulls:
-            self._polling = self._executor.submit(self._poll, list(self._pulls.values()))
+            self._polling = self._executor.submit(self._poll, self._pollable())
         done = {r for r, ok in outcomes.items() if ok}
         failed = set(outcomes) - done
         sending, self._released = self._released, set()
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=done | failed, failed_recving=failed
         )
+
+    def _pollable(self) -> list[_Pull]:
+        """The pulls a poll round asks about: those handed to the transport thread."""
+        return [pull for pull in self._pulls.values() if pull.submitted is not None]
 
     def _poll(self, pulls: list[_Pull]) -> dict[str, bool]:
         """One poll round on the transport thread: request id -> outcome, for ended pulls.

@@ -283,6 +283,53 @@ def test_nixl_transport_restores_the_sibling_hit_too():
         decode.shutdown()
 
 
+def test_a_pull_that_ends_while_its_step_computes_is_reported_by_that_step(monkeypatch):
+    """The poll round follows the pull's submission on the transport thread, so the step that
+    posted a read the library ended meanwhile reports it. Over NIXL on loopback the read ends
+    inside the posting call; the step waits, after computing, for the transport thread to be
+    idle. A round begun only by the step's `transfer_results` reports it a step later."""
+    extra = {**BASE, "transport": "nixl"}
+    prefill = RemoteEngine(role="kv_producer", extra=extra, engine_id="prefill-steps")
+    decode = SimEngine(role="kv_consumer", extra=extra, engine_id="decode-steps")
+    posted: list[set[str]] = []  # per step: the pulls its metadata posted, and those it reported
+    reported: list[set[str]] = []
+    start, results, compute = decode.worker.start, decode.worker.transfer_results, decode._compute
+
+    def start_and_record(metadata):  # type: ignore[no-untyped-def]
+        posted.append({pull.request_id for pull in metadata.pulls})
+        reported.append(set())
+        start(metadata)
+
+    def compute_then_let_the_transport_thread_finish(scheduled):  # type: ignore[no-untyped-def]
+        sampled = compute(scheduled)
+        decode.worker._executor.submit(lambda: None).result(timeout=30)
+        return sampled
+
+    def record_results():  # type: ignore[no-untyped-def]
+        out = results()
+        reported[-1] = set(out.finished_recving)
+        return out
+
+    monkeypatch.setattr(decode.worker, "start", start_and_record)
+    monkeypatch.setattr(decode, "_compute", compute_then_let_the_transport_thread_finish)
+    monkeypatch.setattr(decode.worker, "transfer_results", record_results)
+    try:
+        tokens = random_tokens(X_LEN, seed=17)
+        for last, request_id in enumerate(("steps-1", "steps-2")):  # the first pull also handshakes
+            prompt = [*tokens, last + 1]
+            params = prefill.prefill(request_id, prompt).kv_transfer_params
+            decode.add(request_id, prompt, params)
+            assert decode.result(request_id).finish_reason == "length"
+            posted_at = next(step for step, ids in enumerate(posted) if request_id in ids)
+            reported_at = next(step for step, ids in enumerate(reported) if request_id in ids)
+            assert reported_at == posted_at, (request_id, posted, reported)
+        decode.drain()
+        prefill.wait_idle()
+    finally:
+        prefill.stop()
+        decode.shutdown()
+
+
 # --- kv_transfer_params of every JSON type, at every level ------------------------------------
 
 
