@@ -1,35 +1,34 @@
-"""Stall watch: what every thread of a process was doing when its Python stopped running.
+"""Stall watch: which threads of a process used the seconds its Python stopped running.
 
 A prefill engine that stops answering its side channel for seconds leaves two questions:
-was it kept from running (every thread waiting: no CPU, the process stopped), or did one
-of its threads keep the interpreter lock in a long C call (a library that does not
-release it), and which? The watch answers both from inside the process:
+was it kept from running (no CPU, the process stopped), or did one of its threads keep
+the interpreter lock or the CPU, and which? A watcher thread wakes every `seconds / 4`;
+when it wakes `seconds` late it writes how late, and for each thread of the process (read
+from `/proc/self/task`) the seconds it spent on a CPU and runnable but waiting for one
+over the stall, its state and the kernel function it waits in, then every Python
+thread's stack as the stall ends: a thread that burned the stall's seconds kept the lock
+or the CPU; threads that waited for a CPU were starved by other processes; if none did
+either, the process was stopped or blocked.
 
-- a watcher thread wakes every `seconds / 4` and re-arms `faulthandler`'s timer. That
-  timer runs on a C thread that needs no interpreter lock, so if the watcher cannot run
-  for `seconds`, it writes every Python thread's stack, as it is in the stall, to the file;
-- when the watcher runs again late, it writes how late, and for each thread of the process
-  (read from `/proc/self/task`) the seconds it spent on a CPU and runnable but waiting for
-  one during the stall, its state and the kernel function it waits in: a thread that
-  burned the stall's seconds kept the lock or the CPU; threads that waited for a CPU were
-  starved by other processes; if none did either, the process was stopped or blocked.
+Stacks are taken once the watcher runs again, with the interpreter lock held, so they
+show where each thread is as the stall ends. Stacks taken during the stall would need
+`faulthandler`'s timer, which reads running threads' frames without the lock: a prefill
+process being stepped died in the middle of such a dump, so the watch does not use it.
 
-It is a diagnostic for operators and the test rig, off unless started: `faulthandler`'s
-timer is one per process, so a process runs at most one watch (`start_stall_watch` is a
-no-op when one runs), and nothing else in the process may use `dump_traceback_later`.
-`STALL_WATCH_ENV` names the variable that turns it on (its value: the seconds) for every
-process that calls `start_from_environment`, which our vLLM plugin does in each process
-vLLM starts.
+It is a diagnostic for operators and the test rig, off unless started, one per process
+(`start_stall_watch` is a no-op when one runs). `STALL_WATCH_ENV` names the variable that
+turns it on (its value: the seconds) for every process that calls
+`start_from_environment`, which our vLLM plugin does in each process vLLM starts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
@@ -38,8 +37,8 @@ __all__ = ["STALL_WATCH_ENV", "StallWatch", "records_in", "start_from_environmen
 
 STALL_WATCH_ENV = "PDCONNECT_STALL_WATCH_SECONDS"
 THREAD_NAME = "pdconnect-stallwatch"
-# How each record the watch writes begins: faulthandler's stacks and the watch's report.
-_RECORD_STARTS = ("Timeout (", "stall watch:")
+# How each record the watch writes begins.
+_RECORD_START = "stall watch:"
 
 
 @dataclass(frozen=True)
@@ -79,10 +78,9 @@ def sample_threads(task_dir: str = "/proc/self/task") -> dict[int, ThreadSample]
 class StallWatch:
     """Watches this process for stalls of `seconds` or more and writes what its threads did.
 
-    Invariant: while the watch runs, a stall of `seconds` leaves two records in `file`:
-    faulthandler's stacks of every Python thread taken during the stall (if the C timer
-    could run), and, once Python runs again, the stall's length with every thread's CPU
-    use over it. Each stall is counted in `stalls`.
+    Invariant: while the watch runs, a stall of `seconds` leaves one record in `file` once
+    Python runs again: the stall's length, every thread's CPU and run-queue seconds over
+    it, and every Python thread's stack. Each stall is counted in `stalls`.
     """
 
     def __init__(self, seconds: float, file: TextIO = sys.stderr, clock: Callable[[], float] = time.monotonic) -> None:
@@ -102,30 +100,23 @@ class StallWatch:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self.seconds)
-        faulthandler.cancel_dump_traceback_later()
 
     def _watch(self) -> None:
         before = sample_threads()
         woke_at = self._clock()
-        while not self._stop.is_set():
-            try:
-                faulthandler.dump_traceback_later(self.seconds, repeat=False, file=self._file)
-            except (ValueError, OSError, RuntimeError) as exc:  # the file is gone: nothing to write to
-                print(f"stall watch: stopped, cannot write to its file: {exc!r}", file=sys.stderr)
-                return
-            self._stop.wait(self._tick)
+        while not self._stop.wait(self._tick):
             now = self._clock()
             after = sample_threads()
             if (gap := now - woke_at) >= self.seconds:
                 self.stalls += 1
                 self._report(gap, before, after)
-            before, woke_at = after, now
-        faulthandler.cancel_dump_traceback_later()
+            # From after the sampling: slow /proc reads are not a stall of the process.
+            before, woke_at = after, self._clock()
 
     def _report(self, gap: float, before: dict[int, ThreadSample], after: dict[int, ThreadSample]) -> None:
         names = {thread.native_id: thread.name for thread in threading.enumerate()}
         heading = "seconds on a CPU and seconds runnable but waiting for one"
-        lines = [f"{_RECORD_STARTS[1]} pid {os.getpid()} ran no Python for {gap:.1f} s; per thread over it, {heading}:"]
+        lines = [f"{_RECORD_START} pid {os.getpid()} ran no Python for {gap:.1f} s; per thread over it, {heading}:"]
         used = {tid: _delta(before, sample) for tid, sample in after.items()}
         for tid in sorted(used, key=lambda tid: used[tid], reverse=True):
             sample, (on_cpu, waiting) = after[tid], used[tid]
@@ -134,6 +125,15 @@ class StallWatch:
                 f"  tid {tid} {name}: {on_cpu:.2f} s on CPU, {waiting:.2f} s waiting, "
                 f"now {sample.state} in {sample.wchan}"
             )
+        frames = sys._current_frames()
+        for thread in threading.enumerate():
+            if thread.ident in frames and thread is not threading.current_thread():
+                lines.append(f"  stack of {thread.name} as the stall ends:")
+                lines.extend(
+                    f"    {line}"
+                    for entry in traceback.format_stack(frames[thread.ident])
+                    for line in entry.rstrip().splitlines()
+                )
         with contextlib.suppress(ValueError, OSError):  # the file closed under us: `stalls` still counts it
             print("\n".join(lines), file=self._file, flush=True)
 
@@ -147,7 +147,7 @@ def _delta(before: dict[int, ThreadSample], after: ThreadSample) -> tuple[float,
 
 
 def start_stall_watch(seconds: float, file: TextIO = sys.stderr) -> StallWatch | None:
-    """Start this process's one watch; None if one already runs (faulthandler has one timer)."""
+    """Start this process's one watch; None if one already runs."""
     if any(thread.name == THREAD_NAME for thread in threading.enumerate()):
         return None
     return StallWatch(seconds, file).start()
@@ -174,17 +174,15 @@ def start_from_environment() -> StallWatch | None:
 def records_in(log: str) -> list[str]:
     """The lines of every stall record in a process's log, in order, other lines left out.
 
-    A record is faulthandler's dump (a "Timeout (...)!" line, then each thread's stack) or
-    the watch's report (a "stall watch:" line, then a line per thread); both go on for as
-    long as lines are indented or start a thread's stack.
+    A record is a "stall watch:" line and the indented lines after it.
     """
     kept: list[str] = []
     inside = False
     for line in log.splitlines():
-        if line.startswith(_RECORD_STARTS):
+        if line.startswith(_RECORD_START):
             inside = True
-        elif inside and line.strip():  # faulthandler parts threads' stacks by a blank line
-            inside = line.startswith((" ", "Thread 0x", "Current thread 0x"))
+        elif inside:
+            inside = line.startswith(" ")
         if inside:
             kept.append(line)
     return kept
