@@ -10,12 +10,14 @@ One request's path:
   3. `finish` (from `request_finished_all_groups`) turns the blocks the core still keeps
      plus the held slack into a `TransferPlan` under a fresh lease, and asks the core
      to delay freeing.
-  4. The side-channel thread answers `Claim`, `Heartbeat`, `Done` and `Release` from the
-     `LeaseTable`; `collect_ended` (each step) frees the blocks of every lease that
-     ended and tells the workers to report the request as sent, which frees the rest.
+  4. The lease desk (`connectors.lease_desk`, a process of its own) answers `Claim`,
+     `Heartbeat`, `Done` and `Release` from its `LeaseTable`; `collect_ended` (each step)
+     frees the blocks of every lease the desk reports ended and tells the workers to
+     report the request as sent, which frees the rest.
 
-Invariant: blocks are freed only after their lease has left the table, so any answer
-"held" the side channel gives is true for the whole time since the plan was made.
+Invariant: blocks are freed only after their lease has left the desk's table (or the
+desk is gone), so any answer "held" the side channel gives is true for the whole time
+since the plan was made.
 """
 
 from __future__ import annotations
@@ -31,22 +33,12 @@ from vllm.v1.request import RequestStatus
 from connectors.cache_binding import CacheBound
 from connectors.geometry import consecutive_runs
 from connectors.identity import prompt_digest
-from connectors.leases import ClaimAnswer, LeaseTable, new_lease_id
+from connectors.lease_desk import DeskGone, LeaseDesk
+from connectors.leases import new_lease_id
 from connectors.replay_slack import plan_request
 from connectors.settings import ConnectorSettings
 from connectors.stats import StatsRecorder
-from pdconnect.protocol import (
-    Ack,
-    BlockRun,
-    Claim,
-    Done,
-    GroupTransfer,
-    Heartbeat,
-    Message,
-    Refusal,
-    Release,
-    TransferPlan,
-)
+from pdconnect.protocol import BlockRun, GroupTransfer, TransferPlan
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -76,45 +68,25 @@ class _Producing:
 
 
 class Producer(CacheBound):
-    """Prefill-side state; scheduler-thread methods except `answer` (side-channel thread)."""
+    """Prefill-side state; every method runs on the scheduler thread."""
 
-    def __init__(self, engine_id: str, settings: ConnectorSettings, compat_digest: str, stats: StatsRecorder) -> None:
+    def __init__(
+        self, engine_id: str, settings: ConnectorSettings, compat_digest: str, stats: StatsRecorder, desk: LeaseDesk
+    ) -> None:
         self.engine_id = engine_id
         self.settings = settings
         self.compat_digest = compat_digest
         self.stats = stats
-        self.leases: LeaseTable[list[KVCacheBlock]] = LeaseTable(settings.lease_seconds)
+        self.desk = desk
+        # Request id -> the slack blocks held for its open lease (the rest the core keeps).
+        self._lent: dict[str, list[KVCacheBlock]] = {}
         self._producing: dict[str, _Producing] = {}
-        self.port = settings.side_channel_port
+        self.port = desk.port
 
     def blocks_held(self) -> int:
         """Blocks this half holds an extra reference on (slack being held or lent)."""
         producing = sum(len(p.held) for p in self._producing.values())
-        return producing + sum(len(held) for held in self.leases.held())
-
-    # --- side channel (server thread) ---------------------------------------------
-
-    def answer(self, message: Message) -> Message:
-        if isinstance(message, Claim):
-            answer = self.leases.claim(message.lease_id, message.claimant, message.plan_digest)
-            if answer is ClaimAnswer.TAKEN:
-                return Refusal(reason="lease is claimed by another decode request")
-            if answer is ClaimAnswer.ALTERED:
-                self.stats.count("bad_transfer_params")
-                return Refusal(reason="the claimed plan differs from the plan lent under this lease")
-            return Ack(unknown=[message.lease_id] if answer is ClaimAnswer.UNKNOWN else [])
-        if isinstance(message, Heartbeat):
-            return Ack(unknown=self.leases.beat(message.request_ids))
-        if isinstance(message, Done):
-            why = "decode done" if message.ok else "decode gave up"
-            return Ack(unknown=[i for i in message.request_ids if not self.leases.end(i, why, message.claimant)])
-        if isinstance(message, Release):
-            ended = [
-                i for i in message.request_ids if self.leases.end(i, f"released: {message.reason}", message.claimant)
-            ]
-            self.stats.count("releases", len(ended))
-            return Ack(unknown=[i for i in message.request_ids if i not in ended])
-        return Refusal(reason=f"unexpected message {type(message).__name__}")
+        return producing + sum(len(held) for held in self._lent.values())
 
     # --- scheduler thread -------------------------------------------------------------
 
@@ -146,20 +118,23 @@ class Producer(CacheBound):
                 if index < len(table) and not table[index].is_null:
                     producing.held[(group_id, index)] = self.ops.hold([table[index]])[0]
 
-    def collect_ended(self, silent_since: float | None = None) -> list[str]:
-        """Free the blocks of leases that ended; returns their request ids for the workers.
-
-        `silent_since`: the instant up to which the side channel handled every message
-        (`SideChannelServer.drained_at`); leases expire against it, not against now.
-        """
-        self.leases.expire(silent_since)
-        ended = self.leases.take_ended()
-        for lease in ended:
-            if lease.ended_because == "lease expired":
+    def collect_ended(self) -> list[str]:
+        """Free the blocks of leases the desk reports ended; returns their request ids for
+        the workers. With the desk gone, every lease has ended: nothing can confirm it."""
+        ended = [(e.request_id, e.reason) for e in self.desk.take_ended()]
+        if self.desk.gone:
+            ended += [(request_id, "side-channel desk exited") for request_id in self._lent]
+        freed = []
+        for request_id, reason in ended:
+            held = self._lent.pop(request_id, None)
+            if held is None:
+                continue  # reported twice (ended, then the desk exited)
+            if reason == "lease expired":
                 self.stats.count("lease_expiries")
-            self.ops.release(lease.held)
-            logger.info("request %s: prefill blocks freed (%s)", lease.request_id, lease.ended_because)
-        return [lease.request_id for lease in ended]
+            self.ops.release(held)
+            logger.info("request %s: prefill blocks freed (%s)", request_id, reason)
+            freed.append(request_id)
+        return freed
 
     def finish(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         producing = self._producing.pop(request.request_id, None)
@@ -185,7 +160,15 @@ class Producer(CacheBound):
             lease_id=lease_id,
             prompt_digest=prompt_digest(request),
         )
-        self.leases.open(request.request_id, lease_id, plan.digest(), held)
+        try:
+            self.desk.open(request.request_id, lease_id, plan.digest())
+        except DeskGone as exc:
+            # No lease can be confirmed: lend nothing, free at once (decode computes it).
+            self.stats.count("handoffs_refused")
+            logger.error("request %s: not handed off: %s", request.request_id, exc)
+            self.ops.release(held)
+            return False, None
+        self._lent[request.request_id] = held
         return True, msgspec.to_builtins(plan)
 
     def _plan_groups(self, producing: _Producing, block_ids: tuple[list[int], ...]) -> list[GroupTransfer]:

@@ -1,10 +1,11 @@
 """The connector's scheduler half: routes vLLM's scheduler hooks to the producer and consumer state machines.
 
 A prefill engine (`kv_producer`) runs a `Producer` (`connectors.producer`: hold, plan,
-lend under a lease) behind a side-channel server; a decode engine (`kv_consumer`) runs
+lend under a lease) and, in a process of its own, the lease desk that serves its side
+channel (`connectors.lease_desk`); a decode engine (`kv_consumer`) runs
 a `Consumer` (`connectors.consumer`: claim, pull, prove, publish) with a notifier that
 talks to prefill engines. `kv_both` runs both. This module owns what they share: the
-engine's compatibility record, the side-channel keys, the stats, and the side-channel handshake.
+engine's compatibility record, the side-channel keys, the stats, and the handshake replies.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from connectors.compat import compat_info
 from connectors.consumer import Consumer
-from connectors.metadata import PDConnectorMetadata, PDHandshakeMetadata
+from connectors.lease_desk import DESK_COUNTERS, LeaseDesk, Start
+from connectors.metadata import PDConnectorMetadata
 from connectors.producer import Producer
 from connectors.settings import ConnectorSettings, side_channel_roles
 from connectors.stats import PDConnectorStats, StatsRecorder
 from connectors.transfer_params import Leg, ParamsGate
 from connectors.vllm_adapter import BlockPoolOps, CacheRules
-from pdconnect.protocol import Handshake, HandshakeReply, Message, Refusal
-from pdconnect.sidechannel import SideChannelServer
+from pdconnect.protocol import HandshakeReply
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -37,9 +38,7 @@ logger = logging.getLogger("pdconnect.connector")
 
 
 class PDScheduler:
-    """Scheduler-side state of a `PDConnector`; every method runs on the scheduler thread
-    except the side-channel handler (`_answer`), which reads immutable data or the
-    producer's lease table."""
+    """Scheduler-side state of a `PDConnector`; every method runs on the scheduler thread."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings) -> None:
         transfer = vllm_config.kv_transfer_config
@@ -51,28 +50,17 @@ class PDScheduler:
         keys = settings.resolve_keys(side_channel_roles(transfer.is_kv_producer, transfer.is_kv_consumer))
         self.stats = StatsRecorder()
         self.params = ParamsGate(self.stats)
-        self._handshakes: dict[int, PDHandshakeMetadata] = {}
-        self._server_counts: dict[str, int] = {}
+        self._desk_totals: dict[str, int] = {}
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
-        self._server: SideChannelServer | None = None
+        self._desk: LeaseDesk | None = None
         if transfer.is_kv_producer:
-            self.producer = Producer(self.engine_id, settings, self.compat.digest(), self.stats)
             # Data-parallel ranks on one host each get their own port (0 stays "any free port").
             base = settings.side_channel_port
             port = base + vllm_config.parallel_config.data_parallel_rank if base else 0
-            self._server = SideChannelServer(
-                settings.side_channel_host,
-                port,
-                self._answer,
-                keys,
-                max_message_bytes=settings.side_channel_max_message_bytes,
-                max_age_seconds=settings.side_channel_max_age_seconds,
-                allow_insecure=settings.allow_insecure_side_channel,
-                max_connections=settings.side_channel_max_connections,
-                max_connections_per_host=settings.side_channel_max_connections_per_host,
-            )
-            self.producer.port = self._server.port
+            roles = side_channel_roles(transfer.is_kv_producer, transfer.is_kv_consumer)
+            self._desk = LeaseDesk(Start(self.engine_id, self.compat, settings, sorted(roles), port))
+            self.producer = Producer(self.engine_id, settings, self.compat.digest(), self.stats, self._desk)
         if transfer.is_kv_consumer:
             decode_keys = keys.acting_as("decode") if keys is not None else None
             self.consumer = Consumer(self.engine_id, settings, self.compat.digest(), decode_keys, self.stats)
@@ -87,45 +75,27 @@ class PDScheduler:
                 half.bind(rules, ops)
 
     def set_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        self._handshakes = dict(metadata)
+        """Hand the workers' handshake data to the desk, which answers handshakes with it."""
+        if self._desk is None:
+            return
+        replies = {
+            rank: HandshakeReply(
+                engine_id=self.engine_id,
+                tp_rank=rank,
+                compat=self.compat,
+                transport=worker.transport,
+                transport_metadata=worker.transport_metadata,
+                layouts=worker.layouts,
+            )
+            for rank, worker in metadata.items()
+        }
+        self._desk.set_replies(replies)
 
     def shutdown(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._desk is not None:
+            self._desk.close()
         if self.consumer is not None:
             self.consumer.close()
-
-    # --- side channel (server thread) --------------------------------------------
-
-    def _answer(self, message: Message) -> Message:
-        if isinstance(message, Handshake):
-            return self._answer_handshake(message)
-        assert self.producer is not None
-        return self.producer.answer(message)
-
-    def _answer_handshake(self, message: Handshake) -> Message:
-        if message.compat != self.compat:
-            self.stats.count("handshake_refusals")
-            fields = [d.split(":", 1)[0] for d in self.compat.differences(message.compat)]
-            logger.warning(
-                "refused handshake from %s: incompatible (%s)",
-                message.engine_id,
-                "; ".join(self.compat.differences(message.compat)),
-            )
-            # Name what differs, never our values: the asker is not trusted yet.
-            return Refusal(reason=f"incompatible engines: {', '.join(fields)} differ")
-        worker = self._handshakes.get(message.tp_rank)
-        if worker is None:
-            self.stats.count("handshake_refusals")
-            return Refusal(reason=f"no worker for TP rank {message.tp_rank}")
-        return HandshakeReply(
-            engine_id=self.engine_id,
-            tp_rank=message.tp_rank,
-            compat=self.compat,
-            transport=worker.transport,
-            transport_metadata=worker.transport_metadata,
-            layouts=worker.layouts,
-        )
 
     # --- scheduler hooks ---------------------------------------------------------
 
@@ -156,7 +126,7 @@ class PDScheduler:
         release: list[str] = []
         if self.producer is not None:
             self.producer.hold_new_slack()
-            release = self.producer.collect_ended(self._server.drained_at if self._server is not None else None)
+            release = self.producer.collect_ended()
         pulls = self.consumer.take_pulls() if self.consumer is not None else []
         return PDConnectorMetadata(pulls=pulls, release=release)
 
@@ -182,11 +152,11 @@ class PDScheduler:
 
     def take_stats(self) -> PDConnectorStats | None:
         self.stats.set_gauge("blocks_held", self.blocks_held())
-        if self._server is not None:
-            # The server keeps running totals; the stats carry increments.
-            totals = self._server.counts()
+        if self._desk is not None:
+            # The desk keeps running totals; the stats carry increments.
+            totals = self._desk.totals()
             for name, total in totals.items():
-                if (delta := total - self._server_counts.get(name, 0)) > 0:
-                    self.stats.count(f"side_channel_{name}", delta)
-            self._server_counts = totals
+                if (delta := total - self._desk_totals.get(name, 0)) > 0:
+                    self.stats.count(name if name in DESK_COUNTERS else f"side_channel_{name}", delta)
+            self._desk_totals = totals
         return self.stats.take()

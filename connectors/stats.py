@@ -40,6 +40,7 @@ COUNTERS: dict[str, str] = {
     "slack_skipped_pool_full": "Requests whose replay slack was skipped for lack of free blocks",
     "lease_expiries": "Prefill-side holds freed because no decode engine reported within the lease",
     "releases": "Prefill-side holds freed early on a release notice (client gone, decode aborted)",
+    "handoffs_refused": "Prefill requests not handed off: the side-channel desk process was gone",
     "handshake_refusals": "Side-channel handshakes refused (incompatible engine, wrong secret, unknown engine)",
     "notification_failures": "Heartbeat/done/release notices that did not reach the prefill engine",
     "bad_transfer_params": "Decode requests whose well-typed plan this engine refused (another prompt, engine, lease)",

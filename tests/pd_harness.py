@@ -152,6 +152,18 @@ class SimEngine:
             pooling_params=None, block_hasher=self._hasher,
         ))
 
+    def add_prompts(self, prompts: dict[str, list[int]], max_tokens: int = 1) -> None:
+        """Add plain requests (no hand-off) all before the next step: the step then schedules
+        as many of them as the token budget and the free blocks allow, at once."""
+        for request_id, tokens in prompts.items():
+            self.add(request_id, tokens, None, max_tokens)
+
+    def desk_pid(self) -> int:
+        """The process that answers this prefill engine's side channel."""
+        producer = self.connector.scheduler_half.producer
+        assert producer is not None, "not a prefill engine"
+        return producer.desk.pid
+
     def abort(self, request_id: str) -> None:
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
 

@@ -13,6 +13,7 @@ import copy
 import os
 import signal
 import time
+import zlib
 from typing import Any
 
 import pytest
@@ -83,10 +84,16 @@ def assert_cache_holds_only_true_kv(engine: SimEngine, tokens: list[int]) -> Non
 
 def reuse_prefill_blocks(prefill: RemoteEngine, tag: str, count: int = 32) -> None:
     """Run unrelated prompts on prefill until every free block was handed out again, so
-    freed blocks get new contents (each prompt takes 23 of the pool's 300 blocks: twice round)."""
+    freed blocks get new contents.
+
+    Each prompt takes 23 blocks, and 14 fit the step's token budget: added all before one
+    step, 13 of them take every one of the pool's 299 free blocks in that step, whatever
+    order vLLM's free queue is in; `count` runs that twice round. Added one call at a
+    time, the engine stepped in between, the fillers freed blocks back as they went, and
+    how far round they got depended on how the calls fell between steps (a freed plan
+    once stayed intact). Each prompt is its own, seeded by its name."""
     names = [f"{tag}-filler{i}" for i in range(count)]
-    for i, name in enumerate(names):
-        prefill.call("add", name, random_tokens(PROMPT, seed=sum(map(ord, tag)) * 10 + i), None, 1)
+    prefill.call("add_prompts", {name: random_tokens(PROMPT, seed=zlib.crc32(name.encode())) for name in names})
     deadline = time.monotonic() + 30
     while not all(prefill.call("get_finished", name) for name in names):
         assert time.monotonic() < deadline, "prefill did not run the fillers"
@@ -268,19 +275,20 @@ def patient_decode():
 
 
 def test_a_claim_the_prefill_engine_answers_late_is_sent_again(slow_prefill, patient_decode, caplog):
-    """The prefill process is stopped (SIGSTOP: what a starved process looks like) for 1.5
-    handshake timeouts while decode claims its lease: the first claim goes unanswered,
+    """The prefill engine's side-channel desk is stopped (SIGSTOP: what a starved process
+    looks like) for 1.5 handshake timeouts while decode claims its lease: the first claim goes unanswered,
     which proves nothing about the lease, so decode claims once more and loads. Before,
     one unanswered claim failed the request (reproduced in a bench on 2 busy cores)."""
     tokens = random_tokens(PROMPT, seed=120)
     params = slow_prefill.prefill("slow1", tokens).kv_transfer_params
-    freeze(slow_prefill.process.pid)
+    desk = slow_prefill.call("desk_pid")
+    freeze(desk)
     try:
         patient_decode.add("slow1", tokens, params)
         patient_decode.run_until(lambda: "claiming again" in caplog.text, timeout=10)
         time.sleep(0.3)  # the second claim is on its way
     finally:
-        os.kill(slow_prefill.process.pid, signal.SIGCONT)
+        os.kill(desk, signal.SIGCONT)
     done = patient_decode.result("slow1")
 
     assert done.finish_reason == "length" and done.external_cached_tokens == PROMPT
@@ -293,17 +301,18 @@ def test_a_claim_the_prefill_engine_answers_late_is_sent_again(slow_prefill, pat
 
 
 def test_a_prefill_engine_silent_past_every_attempt_fails_the_load(slow_prefill, patient_decode, caplog):
-    """Frozen for longer than both attempts: the load fails and nothing is published;
-    once the prefill engine runs again its lease ends (decode's Done, or its expiry if
+    """Its desk frozen for longer than both attempts: the load fails and nothing is
+    published; once the desk runs again its lease ends (decode's Done, or its expiry if
     that too went unanswered) and both pools return to where they were."""
     tokens = random_tokens(PROMPT, seed=121)
     params = slow_prefill.prefill("slow2", tokens).kv_transfer_params
-    freeze(slow_prefill.process.pid)
+    desk = slow_prefill.call("desk_pid")
+    freeze(desk)
     try:
         patient_decode.add("slow2", tokens, params)
         done = patient_decode.result("slow2", timeout=20)
     finally:
-        os.kill(slow_prefill.process.pid, signal.SIGCONT)
+        os.kill(desk, signal.SIGCONT)
 
     assert done.finish_reason == "error"
     assert "claiming again" in caplog.text
