@@ -3,7 +3,8 @@
 - `plugin`: vLLM's entry point; `pd_connector`: the class vLLM loads.
 - `settings`: the connector's settings, parsed from `kv_connector_extra_config`.
 - `scheduler`, `producer`, `consumer`, `leases`: the scheduler half and its prefill and
-  decode state machines; `worker`: the worker half that registers KV and runs pulls.
+  decode state machines; `lease_desk`: the prefill side channel's own process;
+  `worker`: the worker half that registers KV and runs pulls.
 - `replay_slack`: the planner (which blocks a request moves); `plan_checks`: decode's
   checks of a received `TransferPlan`; `plan_cli`: `pdconnect plan`.
 - `geometry`, `compat`, `identity`, `metadata`, `cache_binding`, `vllm_adapter`: the
