@@ -62,7 +62,7 @@ class Lease(Generic[Held]):
 
 @dataclass
 class LeaseTable(Generic[Held]):
-    """Leases by id, shared by the scheduler thread and the side-channel thread."""
+    """Leases by id, shared by the lease desk's main thread (expiry) and its side-channel thread."""
 
     lease_seconds: float
     _by_lease: dict[str, Lease[Held]] = field(default_factory=dict)
@@ -122,7 +122,7 @@ class LeaseTable(Generic[Held]):
             return True
 
     def expire(self, now: float | None = None) -> int:
-        """End every lease past its expiry at `now` (scheduler thread); returns how many.
+        """End every lease past its expiry at `now` (the desk's main thread); returns how many.
 
         `now` is the side channel's `drained_at` where there is one: a heartbeat still
         queued behind a starved serving thread must not lose its lease.
@@ -135,7 +135,7 @@ class LeaseTable(Generic[Held]):
         return len(expired)
 
     def take_ended(self) -> list[Lease[Held]]:
-        """Leases ended since the last call: their blocks may be freed now (scheduler thread)."""
+        """Leases ended since the last call: their blocks may be freed now (the desk reports them)."""
         with self._lock:
             ended, self._ended = self._ended, []
         return ended
@@ -143,10 +143,6 @@ class LeaseTable(Generic[Held]):
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_lease)
-
-    def held(self) -> list[Held]:
-        with self._lock:
-            return [lease.held for lease in self._by_lease.values()] + [lease.held for lease in self._ended]
 
     def _retire(self, lease: Lease[Held], why: str) -> None:
         del self._by_lease[lease.lease_id]

@@ -47,7 +47,8 @@ class PDScheduler:
         self.settings = settings
         self.compat = compat_info(vllm_config, kv_cache_config)
         # One secret per engine; a kv_both engine signs as prefill and as decode with it.
-        keys = settings.resolve_keys(side_channel_roles(transfer.is_kv_producer, transfer.is_kv_consumer))
+        roles = side_channel_roles(transfer.is_kv_producer, transfer.is_kv_consumer)
+        keys = settings.resolve_keys(roles)
         self.stats = StatsRecorder()
         self.params = ParamsGate(self.stats)
         self._desk_totals: dict[str, int] = {}
@@ -58,7 +59,6 @@ class PDScheduler:
             # Data-parallel ranks on one host each get their own port (0 stays "any free port").
             base = settings.side_channel_port
             port = base + vllm_config.parallel_config.data_parallel_rank if base else 0
-            roles = side_channel_roles(transfer.is_kv_producer, transfer.is_kv_consumer)
             self._desk = LeaseDesk(Start(self.engine_id, self.compat, settings, sorted(roles), port))
             self.producer = Producer(self.engine_id, settings, self.compat.digest(), self.stats, self._desk)
         if transfer.is_kv_consumer:
