@@ -23,15 +23,22 @@ _CHILD = r"""
 import sys, time
 from pdconnect.stallwatch import start_from_environment
 
-def hold_the_lock_in_c():
-    return sum(range(60_000_000))  # about 2 s of one C call, the lock held throughout
+def hold_the_lock_in_c(seconds):
+    # One C call that never gives the lock up: the builtin sum over a range, sized for
+    # `seconds` on this machine (a fixed count ran under the watch's 0.8 s on a fast one).
+    started = time.perf_counter()
+    sum(range(5_000_000))
+    per_item = (time.perf_counter() - started) / 5_000_000
+    started = time.perf_counter()
+    sum(range(int(seconds / per_item)))
+    return time.perf_counter() - started
 
 watch = start_from_environment()
 assert watch is not None
 time.sleep(0.5)
 print("ready", flush=True)
 if sys.argv[1] == "hold":
-    hold_the_lock_in_c()
+    print(f"held {hold_the_lock_in_c(2.5):.2f}", flush=True)
 else:
     sys.stdin.readline()  # the test stops us meanwhile
 time.sleep(0.5)
@@ -49,6 +56,8 @@ def test_a_thread_keeping_the_interpreter_lock_is_the_one_that_used_the_stall() 
     child = _child("hold")
     out, err = child.communicate(timeout=WAIT_S)
     assert child.returncode == 0, err
+    held = re.search(r"held (\d+\.\d+)", out)
+    assert held is not None and float(held.group(1)) >= 1.2, out  # the stall the test means to make
     assert "stalls 1" in out, err
     report = re.search(r"ran no Python for (\d+\.\d) s", err)
     assert report is not None and float(report.group(1)) >= 0.8, err
