@@ -40,6 +40,7 @@ from connectors.settings import ConnectorSettings
 from connectors.vllm_adapter import build_kv_cache_config
 from connectors.worker import PDWorker
 from pdconnect.stallwatch import start_from_environment
+from pdconnect.testbed.interpreter import hold_the_interpreter_lock
 from pdconnect.testbed.keys import connector_keys
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_target_and_draft
 
@@ -163,6 +164,11 @@ class SimEngine:
         producer = self.connector.scheduler_half.producer
         assert producer is not None, "not a prefill engine"
         return producer.desk.pid
+
+    def hold_interpreter_lock(self, seconds: float) -> float:
+        """Keep this engine process's interpreter lock for `seconds` in one C call, as a long
+        C call in its step would; the seconds it was held."""
+        return hold_the_interpreter_lock(seconds)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import threading
 import time
 import zlib
 from typing import Any
@@ -21,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from connectors.kvsim import random_tokens
+from connectors.leases import CLAIM_ATTEMPTS
 from pdconnect.sidechannel import release_remote
 from pdconnect.testbed.keys import keyring
 from pdconnect.testbed.processes import freeze
@@ -322,6 +324,36 @@ def test_a_prefill_engine_silent_past_every_attempt_fails_the_load(slow_prefill,
     deadline = time.monotonic() + 2 * SLOW_PEER["lease_seconds"] + 2
     while slow_prefill.call("free_blocks") != slow_prefill.start_free_blocks and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert slow_prefill.call("free_blocks") == slow_prefill.start_free_blocks
+    assert patient_decode.free_blocks() == patient_decode.start_free_blocks
+
+
+def test_a_prefill_engine_holding_its_interpreter_lock_still_confirms_a_claim(slow_prefill, patient_decode, caplog):
+    """The prefill engine's process keeps its interpreter lock in one C call for longer than
+    both of decode's claim attempts wait. Its side channel answers from the lease desk, a
+    process of its own, and Mooncake serves the read from its own threads: the first claim
+    is answered and the load succeeds. When the side channel was a thread of the engine
+    process, the claim waited for the lock like every thread there, and the load failed."""
+    tokens = random_tokens(PROMPT, seed=122)
+    params = slow_prefill.prefill("held1", tokens).kv_transfer_params
+    attempts_s = CLAIM_ATTEMPTS * SLOW_PEER["handshake_timeout_seconds"]
+    held: list[float] = []
+    holder = threading.Thread(
+        target=lambda: held.append(slow_prefill.call("hold_interpreter_lock", attempts_s + 1.5)))
+    holder.start()
+    try:
+        time.sleep(0.3)  # the engine takes the command between two steps
+        patient_decode.add("held1", tokens, params)
+        done = patient_decode.result("held1", timeout=20)
+    finally:
+        holder.join(timeout=60)
+    assert held and held[0] > attempts_s, held  # the lock was held past every attempt
+
+    assert done.finish_reason == "length" and done.external_cached_tokens == PROMPT
+    assert "claiming again" not in caplog.text
+    assert_cache_holds_only_true_kv(patient_decode, tokens)
+    patient_decode.drain()
+    slow_prefill.wait_idle(timeout=15)
     assert slow_prefill.call("free_blocks") == slow_prefill.start_free_blocks
     assert patient_decode.free_blocks() == patient_decode.start_free_blocks
 

@@ -22,23 +22,14 @@ WAIT_S = 60.0  # bound on every wait for the child; none is a performance claim
 _CHILD = r"""
 import sys, time
 from pdconnect.stallwatch import start_from_environment
-
-def hold_the_lock_in_c(seconds):
-    # One C call that never gives the lock up: the builtin sum over a range, sized for
-    # `seconds` on this machine (a fixed count ran under the watch's 0.8 s on a fast one).
-    started = time.perf_counter()
-    sum(range(5_000_000))
-    per_item = (time.perf_counter() - started) / 5_000_000
-    started = time.perf_counter()
-    sum(range(int(seconds / per_item)))
-    return time.perf_counter() - started
+from pdconnect.testbed.interpreter import hold_the_interpreter_lock
 
 watch = start_from_environment()
 assert watch is not None
 time.sleep(0.5)
 print("ready", flush=True)
 if sys.argv[1] == "hold":
-    print(f"held {hold_the_lock_in_c(2.5):.2f}", flush=True)
+    print(f"held {hold_the_interpreter_lock(2.5):.2f}", flush=True)
 else:
     sys.stdin.readline()  # the test stops us meanwhile
 time.sleep(0.5)
