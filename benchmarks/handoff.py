@@ -30,8 +30,9 @@ Mooncake's if that is larger. The stock connector's own NIXL telemetry
 
 Bare pulls with the engines stopped are the library's speed on idle cores. So for each of
 our paths the step is served once more, on prompts of its own, while a third pair of
-processes pulls the measured step's mean pull with the bare library, one pull every
-50 ms (`BesidePuller`): the library's own speed under the same load. Decode's histogram
+processes pulls the measured step's mean pull, in turn with the bare library and with our
+`Transport` outside an engine, pausing 50 ms after each (`BesidePuller`): the library's
+own speed under the same load, and ours without the engine around it. Decode's histogram
 is read around that second serving as well, so its in-engine p50 and the bare p50 come
 from the same seconds: the load on 2 shared cores moves from one serving to the next by
 more than our share of a pull, so a ratio across servings measures the load. The goal is
@@ -49,13 +50,13 @@ import math
 import multiprocessing
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from benchmarks.engine_phase import engine_phase
-from benchmarks.transfer_speed import BARE, Blocks, Runs, timed
+from benchmarks.transfer_speed import BARE, PEER, TIMEOUT, Blocks, Runs, timed
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, StepResult, percentile, run_scenario
 from pdconnect.bench.report import format_table, write_json
 from pdconnect.bench.scenarios import SharedPrefixScenario, TokenSource, warmup_step
@@ -64,6 +65,7 @@ from pdconnect.testbed.local_pd import LocalPDConfig, start_colocated, start_loc
 from pdconnect.testbed.paths import default_build_dir
 from pdconnect.testbed.processes import Cluster
 from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, warm_up
+from pdconnect.transfer import TransferState, create_transport
 from pdconnect.transfer.loopback import Buffer, LoopbackPeer, stop_child
 
 __all__ = ["PATHS", "HandoffSetup", "Histogram", "histogram_quantile", "main"]
@@ -214,15 +216,18 @@ class PathResult:
     step: StepResult
     pulls: Pulls | None = None
     transport: str | None = None
-    beside: BarePull | None = None  # the bare library, pulling beside the step served again
+    beside: TimedPulls | None = None  # the bare library, pulling beside the step served again
     rerun: Pulls | None = None  # the in-engine pulls of that second serving, beside `beside`
+    ours_beside: TimedPulls | None = None  # our transport outside an engine, in turn with `beside`
 
 
 @dataclass(frozen=True)
-class BarePull:
-    """A bare library's pull of `nbytes` in `ranges` ranges, timed `repeats` times."""
+class TimedPulls:
+    """A pull of `nbytes` in `ranges` ranges between two processes, timed `repeats` times,
+    by `client`: "bare" (the library's own API) or "ours" (our `Transport`, outside an engine)."""
 
     transport: str
+    client: str
     nbytes: int
     ranges: int
     repeats: int
@@ -274,7 +279,7 @@ def format_paths(results: Sequence[PathResult]) -> str:
     return format_table(headers, rows, left=1)
 
 
-def _bare_p50(bare: Sequence[BarePull], transport: str | None) -> float:
+def _bare_p50(bare: Sequence[TimedPulls], transport: str | None) -> float:
     return next((b.p50_s for b in bare if b.transport == transport), math.nan)
 
 
@@ -282,7 +287,7 @@ def _p50(pulls: Pulls | None) -> float:
     return math.nan if pulls is None else pulls.seconds.quantile(0.5)
 
 
-def format_pulls(results: Sequence[PathResult], bare: Sequence[BarePull]) -> str:
+def format_pulls(results: Sequence[PathResult], bare: Sequence[TimedPulls]) -> str:
     """In-engine pull p50/p99 and mean bytes per path, beside the bare library on the same
     bytes with the engines stopped; then, from the step served again, the in-engine p50
     beside the bare pulls made meanwhile (the same load, the same seconds)."""
@@ -296,24 +301,27 @@ def format_pulls(results: Sequence[PathResult], bare: Sequence[BarePull]) -> str
         bare_p50 = _bare_p50(bare, spec.transport)
         rerun_p50 = _p50(r.rerun)
         beside_p50 = math.nan if r.beside is None else r.beside.p50_s
+        ours_p50 = math.nan if r.ours_beside is None else r.ours_beside.p50_s
         rows.append([r.path, s.name, f"{s.count:.0f}", f"{n.mean / 1e6:.2f} MB", f"{r.pulls.ranges:.1f}", _ms(p50),
                      _ms(s.quantile(0.99)), _ms(bare_p50), ratio(p50, bare_p50), _ms(rerun_p50), _ms(beside_p50),
-                     ratio(rerun_p50, beside_p50)])
+                     ratio(rerun_p50, beside_p50), _ms(ours_p50), ratio(ours_p50, beside_p50)])
     headers = ("path", "histogram", "pulls", "bytes/pull", "ranges/pull", "in-engine p50", "in-engine p99",
-               "bare p50", "in-engine/bare", "again: in-engine p50", "bare p50 beside", "in-engine/beside")
+               "bare p50", "in-engine/bare", "again: in-engine p50", "bare p50 beside", "in-engine/beside",
+               "ours p50 beside", "ours/bare beside")
     return format_table(headers, rows, left=2)
 
 
-def format_bare(bare: Sequence[BarePull], results: Sequence[PathResult] = ()) -> str:
-    """Every bare pull: engines stopped, then beside each path's measured step."""
-    rows = [[b.transport, "engines stopped", f"{b.nbytes / 1e6:.2f} MB", str(b.ranges), str(b.repeats),
-             _ms(b.p50_s), _ms(b.p99_s)] for b in bare]
-    rows += [[b.transport, f"beside {r.path}", f"{b.nbytes / 1e6:.2f} MB", str(b.ranges), str(b.repeats),
-              _ms(b.p50_s), _ms(b.p99_s)] for r in results if (b := r.beside) is not None]
-    return format_table(("transport", "when", "bytes", "ranges", "pulls", "p50", "p99"), rows, left=2)
+def format_bare(bare: Sequence[TimedPulls], results: Sequence[PathResult] = ()) -> str:
+    """Every pull outside an engine: bare with the engines stopped, then bare and ours beside
+    each path's step served again."""
+    timed = [(b, "engines stopped") for b in bare]
+    timed += [(b, f"beside {r.path}") for r in results for b in (r.beside, r.ours_beside) if b is not None]
+    rows = [[b.transport, b.client, when, f"{b.nbytes / 1e6:.2f} MB", str(b.ranges), str(b.repeats),
+             _ms(b.p50_s), _ms(b.p99_s)] for b, when in timed]
+    return format_table(("transport", "client", "when", "bytes", "ranges", "pulls", "p50", "p99"), rows, left=3)
 
 
-def goal(results: Sequence[PathResult], bare: Sequence[BarePull]) -> tuple[bool | None, str]:
+def goal(results: Sequence[PathResult], bare: Sequence[TimedPulls]) -> tuple[bool | None, str]:
     """Mooncake in-engine p50 within GOAL_FACTOR x the larger of NIXL in-engine p50 and bare
     Mooncake p50. None when a figure is missing (a path not run or nothing pulled)."""
     p50 = {r.path: _p50(r.pulls) for r in results}
@@ -359,22 +367,24 @@ def _say(message: str) -> None:
 
 @dataclass(frozen=True)
 class _Driven:
-    """What `_drive` saw: the measured step, decode's /metrics around it, and, with a bare
-    puller, decode's /metrics around the step served again and the bare pulls made meanwhile."""
+    """What `_drive` saw: the measured step, decode's /metrics around it, and, with a puller
+    beside, decode's /metrics around the step served again and the bare and our pulls made
+    meanwhile."""
 
     step: StepResult
     before: MetricsSnapshot
     after: MetricsSnapshot
     transport: str | None
-    beside: BarePull | None = None
+    beside: tuple[TimedPulls, TimedPulls] | None = None
     rerun: tuple[MetricsSnapshot, MetricsSnapshot] | None = None
 
 
 async def _drive(deployment: Deployment, setup: HandoffSetup, beside: BesidePuller | None = None) -> _Driven:
     """Warm up, then the measured step, with decode's /metrics scraped around the step alone.
     With `beside`, the step is then served once more, on prompts of its own, while the bare
-    library pulls the measured step's mean pull beside it, and decode's /metrics are scraped
-    around that serving too: in-engine and bare pulls timed in the same seconds."""
+    library and our transport pull the measured step's mean pull beside it, and decode's
+    /metrics are scraped around that serving too: in-engine and beside pulls timed in the
+    same seconds."""
     tokens = TokenSource(seed=setup.seed)
     warm = tokens.fork()  # warm-up prompts of their own, the same on every path
     [decode] = deployment.decode_metrics
@@ -392,8 +402,8 @@ async def _drive(deployment: Deployment, setup: HandoffSetup, beside: BesidePull
             again = await asyncio.to_thread(fetch_metrics, decode)
             await run_scenario(generator, setup.scenario, tokens.fork())
             rerun = (again, await asyncio.to_thread(fetch_metrics, decode))
-        beside_pull = await asyncio.to_thread(beside.finish)
-    return _Driven(step, before, after, transport, beside_pull, rerun)
+        beside_pulls = await asyncio.to_thread(beside.finish)
+    return _Driven(step, before, after, transport, beside_pulls, rerun)
 
 
 def _measure(spec: PathSpec, deployment: Deployment, setup: HandoffSetup, beside: BesidePuller | None = None,
@@ -401,15 +411,22 @@ def _measure(spec: PathSpec, deployment: Deployment, setup: HandoffSetup, beside
     driven = asyncio.run(_drive(deployment, setup, beside))
     names = STOCK_PULLS if spec.name == BASELINE else OUR_PULLS
     rerun = None if driven.rerun is None else Pulls.between(*driven.rerun, names)
+    bare, ours = (None, None) if driven.beside is None else driven.beside
     return PathResult(spec.name, driven.step, Pulls.between(driven.before, driven.after, names), driven.transport,
-                      driven.beside, rerun)
+                      bare, rerun, ours)
 
 
 class BesidePuller:
-    """A bare client process and its serving peer, pulling while the engines serve traffic:
-    the library's own pull time under the same load on the same cores. Spawned before the
-    engines (its start-up is not the traffic's), it pulls from `begin` to `finish`, at
-    least once, one pull every BESIDE_PAUSE_S."""
+    """A client process and its serving peer, pulling while the engines serve traffic: the
+    library's own pull time under the same load on the same cores, and our transport's
+    outside an engine. Spawned before the engines (its start-up is not the traffic's), it
+    pulls from `begin` to `finish`, in turn with the bare library and with our `Transport`
+    (each at least once), pausing BESIDE_PAUSE_S after each pull.
+
+    The two tell where an in-engine pull's time goes: bare beside is the library under the
+    load; ours beside adds our transport (a batch per range, polled with the backoff of
+    `Transfer.wait`); in-engine adds the engine process (its step loop's Python, the poll
+    rounds)."""
 
     def __init__(self, kind: str) -> None:
         context = multiprocessing.get_context("spawn")
@@ -421,13 +438,13 @@ class BesidePuller:
     def begin(self, nbytes: int, ranges: int) -> None:
         self._conn.send((nbytes, ranges))
 
-    def finish(self, timeout_s: float = 60.0) -> BarePull | None:
-        """Stop pulling; the timed pulls (None if none)."""
+    def finish(self, timeout_s: float = 60.0) -> tuple[TimedPulls, TimedPulls] | None:
+        """Stop pulling; the timed bare and our pulls (None if it never began)."""
         self._conn.send(None)
         if not self._conn.poll(timeout_s):
-            raise RuntimeError("the bare pulls beside the step did not report")
-        pull: BarePull | None = self._conn.recv()
-        return pull
+            raise RuntimeError("the pulls beside the step did not report")
+        pulls: tuple[TimedPulls, TimedPulls] | None = self._conn.recv()
+        return pulls
 
     def close(self) -> None:
         # Unfinished (the engines failed to start), it waits for a shape: None ends it.
@@ -435,12 +452,16 @@ class BesidePuller:
 
 
 def _pull_beside(kind: str, conn: Connection) -> None:
-    """`BesidePuller`'s process: wait for a shape, pull it until told to stop, report."""
+    """`BesidePuller`'s process: wait for a shape, pull it in turn with the bare library and
+    our transport until told to stop, report both."""
     with LoopbackPeer(kind, BESIDE_POOL, protocol=PROTOCOL) as peer:
         local = Buffer(BESIDE_POOL)
         local.zero()
         client = BARE[kind](local, peer.ready.metadata, PROTOCOL)
+        ours = create_transport(kind, host="127.0.0.1", protocol=PROTOCOL)
         try:
+            ours.register([local.region])
+            ours.connect(PEER, peer.ready.metadata)
             shape = conn.recv()
             if shape is None:
                 conn.send(None)
@@ -448,16 +469,24 @@ def _pull_beside(kind: str, conn: Connection) -> None:
             nbytes, ranges = shape
             size = max(1, min(nbytes // ranges, BESIDE_POOL // (2 * ranges)))
             blocks = Blocks(local.addr, peer.ready.pool_addr, size, [(2 * i, 2 * i) for i in range(ranges)])
-            runs = Runs()
-            # At least one pull once begun, however soon `finish` comes: a begun puller reports.
-            while True:
-                timed(lambda: client.read(blocks), peer, runs)
-                if conn.poll(BESIDE_PAUSE_S):
-                    break
+            local_addrs, remote_addrs = blocks.addresses()
+            same_ranges = [(a, b, size) for a, b in zip(local_addrs.tolist(), remote_addrs.tolist(), strict=True)]
+            pulls: dict[str, Callable[[], bool]] = {
+                "bare": lambda: client.read(blocks),
+                "ours": lambda: ours.pull(PEER, same_ranges, TIMEOUT).wait(TIMEOUT) is TransferState.DONE,
+            }
+            runs = {name: Runs() for name in pulls}
+            # At least one round once begun, however soon `finish` comes: a begun puller reports.
+            stopped = False
+            while not stopped:
+                for name, pull in pulls.items():
+                    timed(pull, peer, runs[name])
+                    stopped = stopped or conn.poll(BESIDE_PAUSE_S)
             conn.recv()
-            conn.send(BarePull(kind, size * ranges, ranges, len(runs.wall), percentile(runs.wall, 50),
-                               percentile(runs.wall, 99)) if runs.wall else None)
+            conn.send(tuple(TimedPulls(kind, name, size * ranges, ranges, len(r.wall), percentile(r.wall, 50),
+                                       percentile(r.wall, 99)) for name, r in runs.items()))
         finally:
+            ours.close()
             client.close()
 
 
@@ -490,7 +519,7 @@ def run_path(cluster: Cluster, spec: PathSpec, setup: HandoffSetup) -> PathResul
             beside.close()
 
 
-def bare_pull(kind: str, nbytes: int, repeats: int, ranges: int = 1) -> BarePull:
+def bare_pull(kind: str, nbytes: int, repeats: int, ranges: int = 1) -> TimedPulls:
     """`nbytes` in `ranges` equal ranges (with a gap after each, so none merge), pulled with
     `kind`'s bare API from a serving peer process."""
     size = max(1, nbytes // ranges)
@@ -509,10 +538,11 @@ def bare_pull(kind: str, nbytes: int, repeats: int, ranges: int = 1) -> BarePull
                 timed(lambda: client.read(blocks), peer, runs)
         finally:
             client.close()
-    return BarePull(kind, size * ranges, ranges, repeats, percentile(runs.wall, 50), percentile(runs.wall, 99))
+    return TimedPulls(kind, "bare", size * ranges, ranges, repeats, percentile(runs.wall, 50),
+                      percentile(runs.wall, 99))
 
 
-def _bare_pulls(results: Sequence[PathResult], repeats: int) -> list[BarePull]:
+def _bare_pulls(results: Sequence[PathResult], repeats: int) -> list[TimedPulls]:
     """A bare pull per transport our paths used, of their mean bytes per in-engine pull."""
     bare = []
     for r in results:
@@ -585,7 +615,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           "decode's histogram over that serving\n(in-engine and bare pulls in the same seconds).\n"
           "stock-nixl: vLLM's own NIXL telemetry, per NIXL transfer, coarse buckets.")
     print(format_pulls(results, bare) + "\n")
-    print("bare pulls")
+    print("pulls outside the engines: the bare library, and our Transport (a batch per range, polled with "
+          "Transfer.wait's backoff)")
     print(format_bare(bare, results) + "\n")
     met, line = goal(results, bare)
     print(line)
@@ -600,7 +631,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    extra={"goal_met": met, "goal": line, "goal_beside_load_met": met_beside,
                           "goal_beside_load": line_beside, "pulls": {r.path: _pull_json(r) for r in results},
                           "bare": [asdict(b) for b in bare],
-                          "bare_beside": {r.path: asdict(r.beside) for r in results if r.beside is not None}})
+                          "bare_beside": {r.path: asdict(r.beside) for r in results if r.beside is not None},
+                          "ours_beside": {r.path: asdict(r.ours_beside) for r in results
+                                          if r.ours_beside is not None}})
         _say(f"results: {args.json}")
     _say(f"finished in {time.monotonic() - began:.0f}s")
     return 1 if problems else 0
