@@ -57,12 +57,15 @@ from pdconnect.protocol import (
 )
 from pdconnect.sidechannel import SideChannelServer
 
-__all__ = ["DESK_COUNTERS", "DeskGone", "LeaseDesk", "Start", "main"]
+__all__ = ["DESK_COUNTERS", "RELEASED", "DeskGone", "Ended", "LeaseDesk", "Start", "main"]
 
 logger = logging.getLogger("pdconnect.connector")
 
 # What the desk counts of its own answers, beside the side-channel server's counters.
-DESK_COUNTERS = ("bad_transfer_params", "releases", "handshake_refusals")
+# Releases are not among them: the scheduler counts one as it frees the blocks (see `Ended`).
+DESK_COUNTERS = ("bad_transfer_params", "handshake_refusals")
+# How an `Ended` reason begins when a release notice ended the lease (its sender's reason follows).
+RELEASED = "released: "
 # How often the desk's main loop looks for expired leases and changed counts.
 _ROUND_SECONDS = 0.05
 _LENGTH = struct.Struct(">I")
@@ -95,6 +98,12 @@ class Failed(msgspec.Struct, frozen=True, tag="failed"):
 
 
 class Ended(msgspec.Struct, frozen=True, tag="ended"):
+    """A lease ended on the desk; its reason begins with RELEASED if a release notice ended it.
+
+    The scheduler frees the blocks and counts the release in the step that takes this
+    frame. The desk's `Counts` come in a frame of their own, perhaps after that step, and a
+    prefill engine whose last hold this was takes no further step to report them."""
+
     request_id: str
     reason: str
 
@@ -334,10 +343,7 @@ class _Desk:
             why = "decode done" if message.ok else "decode gave up"
             return Ack(unknown=[i for i in message.request_ids if not self.leases.end(i, why, message.claimant)])
         if isinstance(message, Release):
-            ended = [
-                i for i in message.request_ids if self.leases.end(i, f"released: {message.reason}", message.claimant)
-            ]
-            self._counts["releases"] += len(ended)
+            ended = [i for i in message.request_ids if self.leases.end(i, RELEASED + message.reason, message.claimant)]
             return Ack(unknown=[i for i in message.request_ids if i not in ended])
         return Refusal(reason=f"unexpected message {type(message).__name__}")
 

@@ -33,7 +33,7 @@ from vllm.v1.request import RequestStatus
 from connectors.cache_binding import CacheBound
 from connectors.geometry import consecutive_runs
 from connectors.identity import prompt_digest
-from connectors.lease_desk import DeskGone, LeaseDesk
+from connectors.lease_desk import RELEASED, DeskGone, LeaseDesk
 from connectors.leases import new_lease_id
 from connectors.replay_slack import plan_request
 from connectors.settings import ConnectorSettings
@@ -131,6 +131,8 @@ class Producer(CacheBound):
                 continue  # reported twice (ended, then the desk exited)
             if reason == "lease expired":
                 self.stats.count("lease_expiries")
+            elif reason.startswith(RELEASED):
+                self.stats.count("releases")
             self.ops.release(held)
             logger.info("request %s: prefill blocks freed (%s)", request_id, reason)
             freed.append(request_id)

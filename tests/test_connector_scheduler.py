@@ -177,6 +177,32 @@ def test_decode_abort_before_allocation_releases_prefill_at_once(prefill, decode
         time.sleep(0.05)
 
 
+def test_a_release_is_counted_by_the_step_that_frees_its_blocks(decode, clean, monkeypatch):
+    # The desk reports a lease's end and its running counter totals in separate frames. A
+    # prefill engine steps only while it holds something, and the release is its last: if
+    # only the totals frame carried the count and it came after that step, the count would
+    # wait for the engine's next request (`pdconnect:releases` stale on an idle engine).
+    prefill = SimEngine(role="kv_producer", extra=BASE, engine_id="prefill-local", max_num_batched_tokens=2048)
+    try:
+        _, xa, _ = _siblings(seed=8)
+        prefill.add("s8-xa", xa, {"do_remote_decode": True}, 1)
+        params = prefill.result("s8-xa").kv_transfer_params
+        before = prefill.counter("releases")
+        desk = prefill.connector.scheduler_half.producer.desk
+        # A desk whose totals frame is late: it says what it said before the release.
+        late = desk.totals()
+        monkeypatch.setattr(desk, "totals", lambda: dict(late))
+
+        decode.add("s8-xa", xa, params)
+        decode.abort("s8-xa")  # never scheduled: decode sends a release
+        prefill.run_until(lambda: prefill.free_blocks() == prefill.start_free_blocks, timeout=10)
+
+        assert not prefill.has_requests()  # idle now: no later step would report it
+        assert prefill.counter("releases") == before + 1
+    finally:
+        prefill.shutdown()
+
+
 def test_decode_abort_while_loading_frees_shadow_blocks_unpublished(prefill, decode, clean):
     _, xa, _ = _siblings(seed=7)
     params = prefill.prefill("s7-xa", xa).kv_transfer_params

@@ -69,7 +69,8 @@ def test_a_lease_that_ends_on_the_desk_is_reported_to_the_scheduler():
         ended: list = []
         _wait_for(lambda: ended.extend(desk.take_ended()) or ended, "the release was not reported")
         assert [(e.request_id, e.reason) for e in ended] == [("r1", "released: client disconnected")]
-        _wait_for(lambda: desk.totals().get("releases") == 1, "the desk's count of releases")
+        # The scheduler counts it as it frees the blocks; the desk's totals do not.
+        assert "releases" not in desk.totals()
     finally:
         desk.close()
 
