@@ -6,9 +6,11 @@ One request's path:
      (`connectors.plan_checks`), claims its lease on the prefill engine and starts the
      heartbeats that keep it alive while the request waits.
   2. `get_num_new_matched_tokens` answers "ask again later" (None) while the claim is
-     unanswered, or while a sibling's load in flight will publish blocks this request
-     would otherwise pull again (coalescing); then reports the prompt minus the local
-     hit as external tokens.
+     unanswered (answers arrive on the notifier's thread and are taken once per
+     scheduling pass, so the queue keeps vLLM's order among answered claims), or
+     while a sibling's load in flight will publish blocks this request would otherwise
+     pull again (coalescing); then reports the prompt minus the local hit as external
+     tokens.
   3. `update_state_after_alloc` pairs every newly allocated block with the prefill
      block of the same logical index, allocates shadow blocks for slack the local
      cache lacks, and queues a `PullSpec` for the workers. The workers read the blocks
@@ -123,6 +125,9 @@ class Consumer(CacheBound):
         self._settled: set[str] = set()  # loads ended (done sent) for requests still running
         # (lease id, why lost or "", whether the prefill engine may not have seen the claim)
         self._replies: queue.SimpleQueue[tuple[str, str, bool]] = queue.SimpleQueue()
+        # Answers are taken once per scheduling pass, at its first lookup: one that lands
+        # mid-pass waits for the next, so answers never reorder vLLM's waiting queue.
+        self._replies_taken_this_pass = False
         self._notifier = PeerNotifier(
             sender="decode",
             keys=keys,
@@ -234,7 +239,9 @@ class Consumer(CacheBound):
             # Loaded already, or failed and sent back to recompute (kv_load_failure_policy):
             # never load twice.
             return 0, False
-        self._take_replies()
+        if not self._replies_taken_this_pass:
+            self._take_replies()
+            self._replies_taken_this_pass = True
         incoming = self._incoming.get(request_id)
         if incoming is None:
             self.arrive(request, plan)
@@ -415,7 +422,9 @@ class Consumer(CacheBound):
         )
 
     def take_pulls(self) -> list[PullSpec]:
+        """The pulls this scheduling pass allocated; called once at the end of every pass."""
         self._take_replies()
+        self._replies_taken_this_pass = False
         pulls, self._new_pulls = self._new_pulls, []
         return pulls
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from connectors.kvsim import random_tokens
+from pdconnect.protocol import Claim
 from tests.pd_harness import RemoteEngine, SimEngine
 
 pytestmark = pytest.mark.transport
@@ -105,6 +106,49 @@ def test_concurrent_siblings_pull_the_prefix_once_and_hit_like_serial_siblings(p
     # fast the pull was (all three with Mooncake's old blocking read, two once it stopped
     # spinning a core). At least one overlapped the load, or coalescing was not exercised.
     assert decode.counter("coalesced_waits") >= 1
+
+
+def test_claims_answered_during_a_scheduling_pass_keep_the_queue_order(prefill, decode, colocated, clean, monkeypatch):
+    """vLLM's waiting queue is first come, first served; answers to claims must not reorder it.
+
+    The notifier delivers claim answers on its own thread, in the order the claims were
+    sent. Here the answers to the first three claims land in the middle of one scheduling
+    pass, after the pass has looked at the first two requests (a CI run met this by chance:
+    the third sibling led and the first waited for it). The pass must act on one view of
+    the answers, so the first request in the queue still leads.
+    """
+    siblings = _siblings(seed=24)
+    reference = _colocated_hits(colocated, siblings, "ref24")
+    consumer = decode.connector.scheduler_half.consumer
+    notifier = consumer._notifier
+    deliver = notifier._on_reply
+    held_back: list[tuple] = []
+    delivered_mid_pass: list[str] = []
+
+    def hold_claim_answers(address, sent, reply):
+        if isinstance(sent, Claim) and not delivered_mid_pass:
+            held_back.append((address, sent, reply))
+        else:
+            deliver(address, sent, reply)
+
+    def ask_after_answers_arrive_mid_pass(request, num_computed_tokens, plan):
+        if request.request_id == "c24-2" and len(held_back) >= 3 and not delivered_mid_pass:
+            delivered_mid_pass.append(request.request_id)
+            for answer in held_back:
+                deliver(*answer)
+        return ask(request, num_computed_tokens, plan)
+
+    ask = consumer.get_num_new_matched_tokens
+    monkeypatch.setattr(notifier, "_on_reply", hold_claim_answers)
+    monkeypatch.setattr(consumer, "get_num_new_matched_tokens", ask_after_answers_arrive_mid_pass)
+    params = [prefill.prefill(f"c24-{i}", tokens).kv_transfer_params for i, tokens in enumerate(siblings)]
+    for i, (tokens, plan) in enumerate(zip(siblings, params)):
+        decode.add(f"c24-{i}", tokens, plan)
+    results = [decode.result(f"c24-{i}") for i in range(len(siblings))]
+
+    assert delivered_mid_pass, "the answers never arrived in the middle of a pass"
+    hits = [done.local_cached_tokens for done in results]
+    assert hits == [0] + [reference[1]] * (len(siblings) - 1), (hits, reference)
 
 
 def test_without_coalescing_concurrent_siblings_pull_the_prefix_again(prefill, decode_uncoalesced, colocated, clean):
