@@ -141,10 +141,7 @@ def test_claims_answered_during_a_scheduling_pass_keep_the_queue_order(prefill, 
     ask = consumer.get_num_new_matched_tokens
     monkeypatch.setattr(notifier, "_on_reply", hold_claim_answers)
     monkeypatch.setattr(consumer, "get_num_new_matched_tokens", ask_after_answers_arrive_mid_pass)
-    params = [prefill.prefill(f"c24-{i}", tokens).kv_transfer_params for i, tokens in enumerate(siblings)]
-    for i, (tokens, plan) in enumerate(zip(siblings, params)):
-        decode.add(f"c24-{i}", tokens, plan)
-    results = [decode.result(f"c24-{i}") for i in range(len(siblings))]
+    results = _arrive_together(prefill, decode, siblings, "c24")
 
     assert delivered_mid_pass, "the answers never arrived in the middle of a pass"
     hits = [done.local_cached_tokens for done in results]
