@@ -26,7 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +36,7 @@ from pdconnect.router.engines import Engine
 from pdconnect.router.kvindex import EngineKVIndex
 from pdconnect.router.lookup import CacheGroups, predicted_hits
 from pdconnect.router.metrics import RouterMetrics
+from pdconnect.router.prompt import RoutingPrompt
 from pdconnect.router.usage import UsageMerger
 
 __all__ = ["DeciderSettings", "DecodeLocalDecider", "IndexSource", "Route"]
@@ -110,13 +111,12 @@ class DecodeLocalDecider:
     def decide(
         self,
         engine: Engine | None,
-        tokens: Sequence[int] | None,
+        prompt: RoutingPrompt | None,
         body: dict[str, Any],
-        keys: dict[int, list[int]] | None = None,
     ) -> Route:
-        """The route for a request of prompt `tokens` whose decode engine the policy picked;
-        `keys`: the prompt's chain keys as the policy's lookups left them (`kvindex.longest_hit`)."""
-        route = self._decide(engine, tokens, body, keys)
+        """The route for a request whose decode engine the policy picked; `prompt`: its tokens
+        with the chain keys the policy's lookups computed (`lookup.longest_hit`), or None."""
+        route = self._decide(engine, prompt, body)
         self._metrics.decode_routes.labels(route.name, route.reason).inc()
         if route.full_attention_hit >= 0:
             shadow = LOCAL if self._small(route.prompt_tokens - route.full_attention_hit, route.prompt_tokens) else PD
@@ -126,13 +126,12 @@ class DecodeLocalDecider:
     def _decide(
         self,
         engine: Engine | None,
-        tokens: Sequence[int] | None,
+        prompt: RoutingPrompt | None,
         body: dict[str, Any],
-        keys: dict[int, list[int]] | None,
     ) -> Route:
         if engine is None:
             return Route(False, "no_engine")
-        if not tokens:
+        if prompt is None or not prompt.tokens:
             return Route(False, "no_tokens")
         if body.get("prompt_logprobs") is not None or body.get("cache_salt") is not None:
             # vLLM skips its lookup for prompt logprobs; a salt changes the engine's
@@ -141,8 +140,8 @@ class DecodeLocalDecider:
         index = self._indexes.index(engine.url)
         if index is None:
             return Route(False, "no_events")
-        hit, full_hit = predicted_hits(self._settings.groups, index, tokens, keys)
-        count = len(tokens)
+        hit, full_hit = predicted_hits(self._settings.groups, index, prompt)
+        count = len(prompt.tokens)
         uncached = count - hit
         if not self._small(uncached, count):
             return Route(False, "uncached", count, hit, full_hit)

@@ -71,6 +71,7 @@ from pdconnect.router.errors import (
 )
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.policy import AffinityTracker, KvAware, PrefixAffinity, RoutingPolicy, affinity_key
+from pdconnect.router.prompt import RoutingPrompt
 from pdconnect.router.upstream import (
     AnswerTooLarge,
     ConnectFailed,
@@ -159,10 +160,9 @@ class Call:
     headers: dict[str, str]  # forwarded to every engine (request id, authorization)
     started: float
     raw: bytes = b"{}"  # the client's body as received (inflated)
-    tokens: Sequence[int] | None = None  # the prompt's token ids, when the policy needs them
-    # Their chain keys by block size, shared by every lookup of the request (filled as far as
-    # the lookups reach, or all at once off the loop for a long prompt: `PDFlow._keys`).
-    keys: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # The prompt's token ids, when the policy needs them, and their chain keys, shared by
+    # every lookup of the request (filled off the loop for a long prompt: `PDFlow._fill_keys`).
+    prompt: RoutingPrompt | None = None
 
 
 @dataclass(frozen=True)
@@ -460,7 +460,10 @@ class PDFlow:
             call = self._parse(raw, endpoint, http.headers, started)
             if self._wants_tokens:
                 tokens = await self._tokens(call)
-                call = dataclasses.replace(call, tokens=tokens, keys=await self._keys(tokens))
+                if tokens is not None:
+                    prompt = RoutingPrompt(tokens)
+                    await self._fill_keys(prompt)
+                    call = dataclasses.replace(call, prompt=prompt)
             if not any(engine.routable for engine in self._registry.engines(Role.DECODE)):
                 raise NoEngineAvailable(Role.DECODE.value)  # before P computes for nobody
             trace.route = self._route(call, trace)
@@ -551,12 +554,11 @@ class PDFlow:
         self._prompt_results.labels(label, "ok").inc()
         return tokens
 
-    async def _keys(self, tokens: Sequence[int] | None) -> dict[int, list[int]]:
+    async def _fill_keys(self, prompt: RoutingPrompt) -> None:
         """The chain keys a long prompt's lookups need, computed in a worker thread (the part
         of a lookup that scales with the prompt); a short prompt's lookups fill them inline."""
-        if tokens is None or self._kv_aware is None or len(tokens) <= _INLINE_KEY_TOKENS:
-            return {}
-        return await self._kv_aware.keys_for(tokens)
+        if self._kv_aware is not None and len(prompt.tokens) > _INLINE_KEY_TOKENS:
+            await self._kv_aware.fill_keys(prompt)
 
     def _prompt_tokens(self, call: Call, off_gil: bool) -> Sequence[int]:
         """The prompt's ids (`_prompt`, tokenized); `off_gil` on a worker thread."""
@@ -595,7 +597,7 @@ class PDFlow:
         if self._decider is None:
             return None
         engines = self._candidates(Role.DECODE, call, self._config.decode_attempts)
-        route = self._decider.decide(engines[0] if engines else None, call.tokens, call.body, call.keys)
+        route = self._decider.decide(engines[0] if engines else None, call.prompt, call.body)
         if route.local:
             trace.decode_engines = engines
         return route
@@ -915,7 +917,7 @@ class PDFlow:
     # --- helpers ----------------------------------------------------------------------------
 
     def _candidates(self, role: Role, call: Call, attempts: int) -> list[Engine]:
-        return self._policies[role].order(self._registry.engines(role), call.key, call.tokens, call.keys)[:attempts]
+        return self._policies[role].order(self._registry.engines(role), call.key, call.prompt)[:attempts]
 
     def _hit_check(self, trace: _Trace) -> UsageMerger | None:
         """A decode-local answer's usage is the engine's own: read it to check the prediction."""
