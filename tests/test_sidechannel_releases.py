@@ -28,9 +28,9 @@ from pdconnect.envelope import encode_message, open_envelope, request_id_of
 from pdconnect.notifier import PeerNotifier
 from pdconnect.protocol import Ack, Message, Release
 from pdconnect.router.engines import EngineRegistry
-from pdconnect.router.flow import PrefillReleaser
 from pdconnect.router.health import CircuitBreaker
 from pdconnect.router.metrics import RouterMetrics
+from pdconnect.router.releaser import PrefillReleaser
 from pdconnect.sidechannel import SideChannelServer
 from pdconnect.testbed.keys import keyring
 from pdconnect.testbed.processes import freeze

@@ -36,25 +36,20 @@ from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
     AdminUnauthorized,
     BadRequest,
-    BodyTimeout,
-    BodyTooLarge,
-    DecodeFailed,
-    DecodeTimeout,
-    EngineAnswerTooLarge,
     EngineRejected,
     NoEngineAvailable,
-    PrefillFailed,
     RouterError,
     UnknownEngine,
-    UnsupportedEncoding,
     openai_error_body,
 )
-from pdconnect.router.flow import Endpoint, PDFlow, PrefillReleaser
+from pdconnect.router.flow import PDFlow
 from pdconnect.router.health import CircuitBreaker, HealthMonitor
 from pdconnect.router.kvevents import KVEventsFeed, events_endpoint
 from pdconnect.router.lookup import parse_groups
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.policy import LeastLoaded, LoadBound, make_policy
+from pdconnect.router.releaser import PrefillReleaser
+from pdconnect.router.request import Endpoint
 from pdconnect.router.upstream import UpstreamPool
 from pdconnect.serving import serve_until_signalled
 
@@ -62,29 +57,10 @@ __all__ = ["Router", "RunningRouter", "main", "start_router"]
 
 logger = logging.getLogger("pdconnect.router")
 
-# The one place where a cause becomes an HTTP status.
-_STATUS: dict[type[RouterError], int] = {
-    BadRequest: 400,
-    AdminUnauthorized: 401,
-    UnknownEngine: 404,
-    BodyTimeout: 408,
-    BodyTooLarge: 413,
-    UnsupportedEncoding: 415,
-    PrefillFailed: 502,
-    DecodeFailed: 502,
-    EngineAnswerTooLarge: 502,
-    NoEngineAvailable: 503,
-    DecodeTimeout: 504,
-}
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # An engine's /v1/models answer, relayed: a model list (with every LoRA adapter) is small.
 _MODELS_LIMIT = 16 * 1024 * 1024
-
-
-# The body was not (fully) read: close the connection rather than drain what is left.
-_CLOSE_AFTER = (BodyTooLarge, BodyTimeout, UnsupportedEncoding)
 
 
 def openai_error(status: int, message: str, kind: str) -> web.Response:
@@ -94,8 +70,8 @@ def openai_error(status: int, message: str, kind: str) -> web.Response:
 def error_response(exc: RouterError) -> web.Response:
     if isinstance(exc, EngineRejected):
         return web.Response(status=exc.status, body=exc.body, headers={"Content-Type": exc.content_type})
-    response = openai_error(_STATUS.get(type(exc), 500), str(exc), type(exc).__name__)
-    if isinstance(exc, _CLOSE_AFTER):
+    response = openai_error(exc.http_status, str(exc), type(exc).__name__)
+    if exc.closes:  # the body was not (fully) read: close rather than drain what is left
         response.force_close()
     return response
 
