@@ -74,6 +74,24 @@ def test_main_exits_2_on_bad_options(capsys: pytest.CaptureFixture[str]) -> None
     assert "http://" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("make", ["missing", "empty_dir", "not_a_tokenizer"])
+def test_a_bad_tokenizer_path_is_a_config_error_at_start_up(
+    make: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--tokenizer` naming nothing, a directory without tokenizer.json, or a file that is no
+    tokenizer: exit 2 with a line naming the path, not a traceback."""
+    path = tmp_path / "model"
+    if make == "empty_dir":
+        path.mkdir()
+    elif make == "not_a_tokenizer":
+        path.write_text("{not json")
+    argv = ["--decode", "http://127.0.0.1:1", "--policy", "kv-aware", "--kv-events-port", "5557",
+            "--tokenizer", str(path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdconnect router: ") and str(path) in err and "Traceback" not in err
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -29,6 +29,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from prometheus_client import Counter
 
+from pdconnect.router.chat_template import PromptTokenizer
 from pdconnect.router.config import ConfigError, RouterConfig, engine_origin, parse_args
 from pdconnect.router.decider import DeciderSettings, DecodeLocalDecider
 from pdconnect.router.discovery import DnsDiscovery, Resolver, resolve_addresses
@@ -113,8 +114,22 @@ class Router:
         self._resolver = resolver
         self._side_channel_keys = config.resolve_side_channel_keys()
         self._admin_token = config.resolve_admin_token()
+        # Loaded before anything listens: a path that holds no tokenizer is a ConfigError in `main`.
+        self._tokenizer = self._load_tokenizer(config)
         self._flow: PDFlow | None = None
         self._session: aiohttp.ClientSession | None = None
+
+    @staticmethod
+    def _load_tokenizer(config: RouterConfig) -> PromptTokenizer | None:
+        """`--tokenizer`, for the kv-aware policy only (the others read no token ids)."""
+        if config.policy != "kv-aware" or not config.tokenizer:
+            return None
+        tokenizer = PromptTokenizer.load(config.tokenizer)
+        if tokenizer.template is None:
+            logger.warning(
+                "kv-aware: no usable chat template in %s; chat requests are placed by prefix affinity", config.tokenizer
+            )
+        return tokenizer
 
     @property
     def admin_enabled(self) -> bool:
@@ -176,6 +191,7 @@ class Router:
             make_policy(config.policy, load, config.affinity_vnodes, feed),
             make_policy(config.policy, load, config.affinity_vnodes, feed),
             self._decider(feed),
+            self._tokenizer,
         )
         tasks: list[asyncio.Task[None]] = []
         monitor = None

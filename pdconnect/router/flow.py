@@ -47,6 +47,7 @@ import msgspec
 from aiohttp import web
 
 from pdconnect.router.body import read_body
+from pdconnect.router.chat_template import PromptTokenizer
 from pdconnect.router.config import RouterConfig
 from pdconnect.router.decider import DecodeLocalDecider, Route
 from pdconnect.router.engines import Engine, EngineRegistry, Role
@@ -140,6 +141,7 @@ class PDFlow:
         prefill_policy: RoutingPolicy,
         decode_policy: RoutingPolicy,
         decider: DecodeLocalDecider | None = None,
+        tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self._config = config
         self._decider = decider
@@ -166,7 +168,7 @@ class PDFlow:
             else None
         )
         self._reader = (
-            PromptReader(config.tokenizer, self._kv_aware, metrics.registry) if config.policy == "kv-aware" else None
+            PromptReader(tokenizer, self._kv_aware, metrics.registry) if config.policy == "kv-aware" else None
         )
 
     # --- the request, top to bottom -------------------------------------------------------

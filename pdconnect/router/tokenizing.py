@@ -39,19 +39,14 @@ _INLINE_KEY_TOKENS = 2048
 
 class PromptReader:
     """Turns a request into its `RoutingPrompt`, for the kv-aware policy and the decider.
-    `tokenizer`: `--tokenizer` (None: only prompts sent as token ids are read); a path that
-    holds no tokenizer is a ConfigError here, at start-up. `kv_aware`: whose engines' key
-    granularities a long prompt's chain keys are computed at."""
+    `tokenizer`: `--tokenizer`, loaded (None: only prompts sent as token ids are read).
+    `kv_aware`: whose engines' key granularities a long prompt's chain keys are computed at."""
 
-    def __init__(self, tokenizer: str | None, kv_aware: KvAware | None, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, tokenizer: PromptTokenizer | None, kv_aware: KvAware | None, registry: CollectorRegistry
+    ) -> None:
         self._kv_aware = kv_aware
-        self._tokenizer: PromptTokenizer | None = None
-        if tokenizer:
-            self._tokenizer = PromptTokenizer.load(tokenizer)
-            if self._tokenizer.template is None:
-                logger.warning(
-                    "kv-aware: no usable chat template in %s; chat requests are placed by prefix affinity", tokenizer
-                )
+        self._tokenizer = tokenizer
         # Not in RouterMetrics: only a kv-aware flow has prompts to turn into token ids.
         self._prompt_results = Counter(
             "pdconnect_router_kv_aware_prompts",
