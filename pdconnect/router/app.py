@@ -29,6 +29,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from prometheus_client import Counter
 
+from pdconnect.router.breaker import CircuitBreaker
 from pdconnect.router.chat_template import PromptTokenizer
 from pdconnect.router.config import ConfigError, RouterConfig, engine_origin, parse_args
 from pdconnect.router.decider import DeciderSettings, DecodeLocalDecider
@@ -44,7 +45,7 @@ from pdconnect.router.errors import (
     openai_error_body,
 )
 from pdconnect.router.flow import PDFlow
-from pdconnect.router.health import CircuitBreaker, HealthMonitor
+from pdconnect.router.health import HealthMonitor
 from pdconnect.router.kvevents import KVEventsFeed, events_endpoint
 from pdconnect.router.lookup import parse_groups
 from pdconnect.router.metrics import RouterMetrics

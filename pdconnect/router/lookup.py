@@ -29,18 +29,30 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from pdconnect.errors import ConfigError
 from pdconnect.router.kvwire import BlockHash
 from pdconnect.router.prompt import RoutingPrompt
 
-if TYPE_CHECKING:  # the index builds on this rule, not the other way round
-    from pdconnect.router.kvindex import EngineKVIndex, GroupIndex
-
 __all__ = ["CacheGroup", "CacheGroups", "LookupGroup", "longest_hit", "parse_groups", "predicted_hits", "run_blocks"]
 
 GroupKind = Literal["full", "sliding"]
+
+
+# What the rule reads of the index (`kvindex`, which builds on this module, not the other way round).
+class CachedGroup(Protocol):
+    """One indexed KV cache group: its spec and the content keys of the blocks it holds."""
+
+    block_size: int
+    sliding_window: int | None
+    present: dict[int, int]
+
+
+class GroupSource(Protocol):
+    """An engine's index, as `predicted_hits` reads it (`EngineKVIndex`)."""
+
+    def lookup_group(self, block_size: int, sliding_window: int | None, eagle: bool) -> LookupGroup: ...
 
 
 @dataclass(frozen=True)
@@ -97,7 +109,7 @@ def parse_groups(text: str) -> CacheGroups:
     return CacheGroups(tuple(sorted(groups, key=lambda g: g.kind != "full")))
 
 
-def predicted_hits(groups: CacheGroups, index: EngineKVIndex, prompt: RoutingPrompt) -> tuple[int, int]:
+def predicted_hits(groups: CacheGroups, index: GroupSource, prompt: RoutingPrompt) -> tuple[int, int]:
     """(the hit vLLM would report on the engine for the prompt, the hit a full-attention-only
     reading predicts): `longest_hit` over the configured groups, each read from the index
     groups of its spec (one that has published nothing holds nothing), capped at
@@ -124,7 +136,7 @@ class LookupGroup:
     block_size: int
     sliding_window: int | None  # None: full attention (and any kind not known to skip blocks)
     eagle: bool
-    members: tuple[GroupIndex, ...]
+    members: tuple[CachedGroup, ...]
     granularity: int
 
 
@@ -306,7 +318,7 @@ def run_blocks(
     anchors: dict[int, int],
     boundaries: Sequence[int],
     length: int,
-    group: GroupIndex,
+    group: CachedGroup,
     alignment: int,
 ) -> list[int] | None:
     """The block of the range each listed hash of a sparse sliding-window store stands for,

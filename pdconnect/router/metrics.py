@@ -27,8 +27,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from pdconnect.router.breaker import BreakerState
 from pdconnect.router.engines import EngineRegistry
-from pdconnect.router.health import BreakerState
 
 __all__ = ["OUTCOMES", "RouterMetrics"]
 
