@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from pdconnect.errors import ConfigError
-from pdconnect.router.decider import DeciderSettings, DecodeLocalDecider, Route
+from pdconnect.router.decider import DeciderSettings, DecodeFirstDecider, Route
 from pdconnect.router.engines import Engine, Role
 from pdconnect.router.kvindex import EngineKVIndex, GroupIndex
 from pdconnect.router.kvwire import decode_batch
@@ -125,9 +125,9 @@ HELD = (_stored(range(0, 8), 0, "full_attention"), _stored(range(6, 8), 1, "slid
 WINDOW_GONE = (_stored(range(0, 8), 0, "full_attention"), _stored(range(0, 3), 1, "sliding_window", 4))
 
 
-def _decider(feed: FakeFeed, max_uncached: int = 8, in_flight: int = 64, ratio: float = 1.0) -> DecodeLocalDecider:
+def _decider(feed: FakeFeed, max_uncached: int = 8, in_flight: int = 64, ratio: float = 1.0) -> DecodeFirstDecider:
     from pdconnect.router.engines import EngineRegistry
-    return DecodeLocalDecider(DeciderSettings(GROUPS, max_uncached, ratio, in_flight), feed,
+    return DecodeFirstDecider(DeciderSettings(GROUPS, max_uncached, ratio, in_flight), feed,
                               RouterMetrics(EngineRegistry(lambda: None, probed=False)))  # type: ignore[arg-type, return-value]
 
 
@@ -135,7 +135,7 @@ def _engine(url: str = D0) -> Engine:
     return Engine(url=url, role=Role.DECODE, breaker=None)  # type: ignore[arg-type]
 
 
-def test_a_prompt_decode_holds_goes_decode_local_with_vllms_cap_and_alignment() -> None:
+def test_a_prompt_decode_holds_goes_local_with_vllms_cap_and_alignment() -> None:
     decider = _decider(FakeFeed({D0: _index(*HELD)}))
     route = decider.decide(_engine(), RoutingPrompt(TOKENS), {})
     # 32 tokens, all cached: vLLM still computes the last block (the hit stops at 31, aligned to 28).
@@ -203,9 +203,9 @@ def test_the_reported_hit_is_checked_against_the_prediction() -> None:
         {"match": 1, "over": 1, "under": 1}
 
 
-def test_decode_local_needs_kv_aware_and_the_groups() -> None:
+def test_decode_first_needs_kv_aware_and_the_groups() -> None:
     from pdconnect.router import load_config
-    base = {"decode": [D0], "decode_local": True}
+    base = {"decode": [D0], "decode_first": True}
     with pytest.raises(ConfigError, match="kv-aware"):
         load_config({**base, "kv_cache_groups": "full:4"})
     with pytest.raises(ConfigError, match="kv-cache-groups"):
@@ -236,7 +236,7 @@ class _Publisher:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-async def test_decode_local_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) -> None:
+async def test_decode_first_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) -> None:
     import aiohttp
     import zmq
 
@@ -249,7 +249,7 @@ async def test_decode_local_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) 
     router = await start_router(load_config({
         "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
         "policy": "kv-aware", "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
-        "decode_local": True, "kv_cache_groups": str(GROUPS), "decode_local_max_uncached_tokens": 8}))
+        "decode_first": True, "kv_cache_groups": str(GROUPS), "decode_first_max_uncached_tokens": 8}))
     body: dict[str, Any] = {"model": "fake-model", "prompt": TOKENS, "max_tokens": 2, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
@@ -299,7 +299,7 @@ async def test_decode_local_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) 
 
 
 @pytest.mark.asyncio
-async def test_a_failed_decode_local_attempt_is_retried_pd_on_the_next_engine() -> None:
+async def test_a_failed_local_attempt_is_retried_pd_on_the_next_engine() -> None:
     import aiohttp
     import zmq
 
@@ -312,7 +312,7 @@ async def test_a_failed_decode_local_attempt_is_retried_pd_on_the_next_engine() 
     router = await start_router(load_config({
         "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
         "policy": "kv-aware", "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
-        "decode_local": True, "kv_cache_groups": str(GROUPS), "decode_local_max_uncached_tokens": 8}))
+        "decode_first": True, "kv_cache_groups": str(GROUPS), "decode_first_max_uncached_tokens": 8}))
     holder, other = fakes.decode_urls[1], fakes.decode_urls[0]
     try:
         await publishers[holder].publish(router, *HELD)
@@ -360,7 +360,7 @@ async def test_a_long_prompts_chain_keys_are_computed_once_off_the_event_loop(mo
     router = await start_router(load_config({
         "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
         "policy": "kv-aware", "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
-        "decode_local": True, "kv_cache_groups": str(GROUPS), "decode_local_max_uncached_tokens": 8}))
+        "decode_first": True, "kv_cache_groups": str(GROUPS), "decode_first_max_uncached_tokens": 8}))
     prompt = TOKENS + [7] * (1 << 14)  # its body is far over the size tokenized inline
     try:
         for publisher in publishers.values():  # both engines fresh: the policy scores both

@@ -32,7 +32,7 @@ from prometheus_client import Counter
 from pdconnect.router.breaker import CircuitBreaker
 from pdconnect.router.chat_template import PromptTokenizer
 from pdconnect.router.config import ConfigError, RouterConfig, engine_origin, parse_args
-from pdconnect.router.decider import DeciderSettings, DecodeLocalDecider
+from pdconnect.router.decider import DeciderSettings, DecodeFirstDecider
 from pdconnect.router.discovery import DnsDiscovery, Resolver, resolve_addresses
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
@@ -245,17 +245,17 @@ class Router:
                 await feed.close()
             releaser.close(wait=True)
 
-    def _decider(self, feed: KVEventsFeed | None) -> DecodeLocalDecider | None:
+    def _decider(self, feed: KVEventsFeed | None) -> DecodeFirstDecider | None:
         config = self.config
-        if not config.decode_local or feed is None or config.kv_cache_groups is None:
-            return None  # RouterConfig refuses decode_local without kv-aware and groups
+        if not config.decode_first or feed is None or config.kv_cache_groups is None:
+            return None  # RouterConfig refuses decode_first without kv-aware and groups
         settings = DeciderSettings(
             groups=parse_groups(config.kv_cache_groups),
-            max_uncached_tokens=config.decode_local_max_uncached_tokens,
-            max_uncached_ratio=config.decode_local_max_uncached_ratio,
-            max_local_tokens_in_flight=config.decode_local_max_tokens_in_flight,
+            max_uncached_tokens=config.decode_first_max_uncached_tokens,
+            max_uncached_ratio=config.decode_first_max_uncached_ratio,
+            max_local_tokens_in_flight=config.decode_first_max_tokens_in_flight,
         )
-        return DecodeLocalDecider(settings, feed, self.metrics)
+        return DecodeFirstDecider(settings, feed, self.metrics)
 
     def _kv_events_feed(self) -> KVEventsFeed:
         """Subscribe to every engine's KV events as it joins; drop it as it leaves."""

@@ -16,11 +16,11 @@ Invariants:
 - a prediction is made only from a fresh index (KV events without an unrepaired gap); no
   index, no token ids, or a request vLLM would not look up (prompt logprobs) or would hash
   differently from the index (a cache salt) is P/D, with the reason named;
-- decode's own load bounds local prefills: the uncached tokens of the decode-local
-  requests not yet past their first byte, per engine, never exceed
+- decode's own load bounds local prefills: the uncached tokens of the requests on the local
+  route not yet past their first byte, per engine, never exceed
   `max_local_tokens_in_flight`; a request that would is P/D ("busy"). Each reservation is
   released exactly once (`Route.prefilled`), on the first byte, a failure or the end;
-- a decode-local request whose engine reports its cached prompt tokens is checked
+- a request on the local route whose engine reports its cached prompt tokens is checked
   against the prediction (`pdconnect_router_decode_local_hit_checks`).
 """
 
@@ -39,7 +39,7 @@ from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.prompt import RoutingPrompt
 from pdconnect.router.usage import UsageMerger
 
-__all__ = ["DeciderSettings", "DecodeLocalDecider", "IndexSource", "Route"]
+__all__ = ["DeciderSettings", "DecodeFirstDecider", "IndexSource", "Route"]
 
 LOCAL = "decode-local"
 PD = "pd"
@@ -96,8 +96,8 @@ class Route:
             release()
 
 
-class DecodeLocalDecider:
-    """Decides decode-local vs P/D per request and tracks local prefills per decode engine."""
+class DecodeFirstDecider:
+    """Decode-first routing: decides the local route vs P/D per request and tracks local prefills per decode engine."""
 
     def __init__(self, settings: DeciderSettings, indexes: IndexSource, metrics: RouterMetrics) -> None:
         self._settings = settings
@@ -150,7 +150,7 @@ class DecodeLocalDecider:
         if busy + uncached > self._settings.max_local_tokens_in_flight:
             return Route(False, "busy", count, hit, full_hit)
         self._in_flight[url] = busy + uncached
-        self._metrics.decode_local_prefill_tokens.labels().inc(uncached)
+        self._metrics.decode_first_prefill_tokens.labels().inc(uncached)
         return Route(True, "cached", count, hit, full_hit, release=lambda: self._release(url, uncached))
 
     def _small(self, uncached: int, count: int) -> bool:

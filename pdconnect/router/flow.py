@@ -12,7 +12,7 @@ Read top to bottom in `PDFlow.handle`:
    decoded; on error or timeout the next engine, and when all failed, decode-only
    fallback (the decode engine prefills locally; the `x-pdconnect-fallback` header and a
    metric say so).
-   With `--decode-local`, a request whose decode engine already holds all but a few of
+   With `--decode-first`, a request whose decode engine already holds all but a few of
    its prompt tokens skips this leg the same way (`decider`, `x-pdconnect-route`);
 3. decode: the client's own body plus the prefill engine's `kv_transfer_params`,
    unchanged, to the key's decode engine; a failure before the first byte moves to the
@@ -49,7 +49,7 @@ from aiohttp import web
 from pdconnect.router.body import read_body
 from pdconnect.router.chat_template import PromptTokenizer
 from pdconnect.router.config import RouterConfig
-from pdconnect.router.decider import DecodeLocalDecider, Route
+from pdconnect.router.decider import DecodeFirstDecider, Route
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
     DecodeFailed,
@@ -119,8 +119,8 @@ class _Trace:
         self.fallback: str | None = None
         self.prefilled: Prefilled | None = None
         self.stalled = False  # the client stopped reading and was dropped
-        self.route: Route | None = None  # the decode-local decider's, when there is one
-        self.decode_engines: list[Engine] | None = None  # pinned by a decode-local route
+        self.route: Route | None = None  # the decode-first decider's, when there is one
+        self.decode_engines: list[Engine] | None = None  # pinned by a local route
 
 
 _SERVED = frozenset({"ok", "ok_fallback"})
@@ -140,7 +140,7 @@ class PDFlow:
         releaser: PrefillReleaser,
         prefill_policy: RoutingPolicy,
         decode_policy: RoutingPolicy,
-        decider: DecodeLocalDecider | None = None,
+        decider: DecodeFirstDecider | None = None,
         tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self._config = config
@@ -204,7 +204,7 @@ class PDFlow:
             self._metrics.request_done(endpoint.label, trace.outcome, time.perf_counter() - started)
 
     def _route(self, call: Call, trace: _Trace) -> Route | None:
-        """Decode-first routing (`decider`): decode-local skips the prefill leg, on the decode
+        """Decode-first routing (`decider`): the local route skips the prefill leg, on the decode
         engine the decision was made for (pinned); None without a decider."""
         if self._decider is None:
             return None
@@ -308,7 +308,7 @@ class PDFlow:
             if attempt > 0 and (trace.prefilled is not None or local):
                 # The failed engine may have claimed (or half-pulled) the plan: it must not
                 # travel on. Free it, and prefill again for the next engine (which does not
-                # hold a decode-local request's prompt either).
+                # hold a locally routed request's prompt either).
                 body = decode_body(call, await self._prefill_again(call, trace, attempt))
             merger = UsageMerger.from_prefill(trace.prefilled.usage) if trace.prefilled else self._hit_check(trace)
             verdict: bool | None = None
@@ -532,7 +532,7 @@ class PDFlow:
         return self._policies[role].order(self._registry.engines(role), call.key, call.prompt)[:attempts]
 
     def _hit_check(self, trace: _Trace) -> UsageMerger | None:
-        """A decode-local answer's usage is the engine's own: read it to check the prediction."""
+        """A locally routed answer's usage is the engine's own: read it to check the prediction."""
         if self._decider is None or trace.route is None or not trace.route.local:
             return None
         return self._decider.usage_check(trace.route)
