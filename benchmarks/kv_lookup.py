@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pdconnect.router.kvindex import EngineKVIndex, GroupIndex, block_keys
+from pdconnect.router.kvindex import EngineKVIndex, GroupIndex
+from pdconnect.router.prompt import RoutingPrompt, block_keys
 
 GEOMETRIES: dict[str, tuple[tuple[int, int | None], ...]] = {
     "FA16+SWA16/w128": ((16, None), (16, 128)),
@@ -78,13 +79,13 @@ def measure(
 ) -> dict[str, object]:
     """One row: the lookup three ways and the tokenizer, interleaved over five rounds."""
     index = warm_index(geometry, tokens)
-    shared: dict[int, list[int]] = {}
-    index.hit_tokens(tokens, shared)
+    shared = RoutingPrompt(tokens)
+    index.hit_tokens(shared)
     cold = EngineKVIndex(groups={gid: GroupIndex(g.block_size, g.sliding_window) for gid, g in index.groups.items()})
     timed: dict[str, Callable[[], object]] = {
-        "first_ms": lambda: index.hit_tokens(tokens, {}),  # the request's first engine computes the keys
-        "next_ms": lambda: index.hit_tokens(tokens, shared),  # every further engine reuses them
-        "miss_ms": lambda: cold.hit_tokens(tokens, {}),
+        "first_ms": lambda: index.hit_tokens(RoutingPrompt(tokens)),  # the request's first engine computes the keys
+        "next_ms": lambda: index.hit_tokens(shared),  # every further engine reuses them
+        "miss_ms": lambda: cold.hit_tokens(RoutingPrompt(tokens)),
     }
     if text is not None and tokenizer is not None:
         timed["tokenize_ms"] = lambda: tokenizer.encode(text)  # type: ignore[attr-defined]
@@ -92,7 +93,8 @@ def measure(
     for _ in range(5):  # interleaved rounds: drift on the machine hits all columns alike
         for column, fn in timed.items():
             rounds[column].append(_median_ms(fn, max(1, repeats // 5)))
-    row: dict[str, object] = {"geometry": name, "tokens": len(tokens), "hit_tokens": index.hit_tokens(tokens)}
+    hit = index.hit_tokens(RoutingPrompt(tokens))
+    row: dict[str, object] = {"geometry": name, "tokens": len(tokens), "hit_tokens": hit}
     row |= {column: statistics.median(samples) for column, samples in rounds.items()}
     row.setdefault("tokenize_ms", None)
     return row

@@ -56,7 +56,9 @@ from pdconnect.bench.scenarios import (
     MultiTurnScenario, PrefixRepetitionScenario, Scenario, TokenSource, warmup_step,
 )
 from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters, engine_client, fetch_metrics
-from pdconnect.router.kvindex import EngineKVIndex, decode_batch
+from pdconnect.router.kvindex import EngineKVIndex
+from pdconnect.router.kvwire import decode_batch
+from pdconnect.router.prompt import RoutingPrompt
 from pdconnect.router.policy import LoadBound
 from pdconnect.testbed.local_pd import LocalPDConfig, Transport
 from pdconnect.testbed.paths import default_build_dir
@@ -383,7 +385,7 @@ class EventsView:
                 "groups": [{"group": g, "sliding_window": gi.sliding_window, "blocks": len(gi.present),
                             "orphan_stores": gi.orphans}
                            for g, gi in sorted(self._indexes[e.name].groups.items())],
-                "index_hit_tokens": sum(self._indexes[e.name].hit_tokens(list(p)) for p in prompts),
+                "index_hit_tokens": sum(self._indexes[e.name].hit_tokens(RoutingPrompt(list(p))) for p in prompts),
             } for e in self._engines}
 
 

@@ -1,7 +1,9 @@
 """The vLLM side of pdconnect: the PDConnector, its scheduler and worker halves, the planner.
 
 - `plugin`: vLLM's entry point; `pd_connector`: the class vLLM loads.
-- `settings`: the connector's settings, parsed from `kv_connector_extra_config`.
+- `settings`: the connector's settings, parsed from `kv_connector_extra_config`;
+  `transfer_params`: a request's `kv_transfer_params`, decoded once and strictly;
+  `api_guard`: vLLM's API server answers 400 to `kv_transfer_params` of the wrong types.
 - `scheduler`, `producer`, `consumer`, `leases`: the scheduler half and its prefill and
   decode state machines; `lease_desk`: the prefill side channel's own process;
   `worker`: the worker half that registers KV and runs pulls.

@@ -3,12 +3,15 @@
 The product:
 - `protocol`, `envelope`, `sidechannel`, `notifier`: what engines and the router say to
   each other, and how it travels (zmq request/reply, signed envelopes, queued notices);
-  `admission`: how many connections the side channel holds, per host and in all.
+  `admission`: how many connections the side channel holds, per host and in all;
+  `keyring`: the key a pod signs with and the public keys it trusts per role.
 - `kvlayout`: KV tensors' shapes and strides to byte ranges; `transfer`: moving them.
 - `router`: the P/D router (`pdconnect router`).
 - `metricsproxy`: an engine's `/metrics` alone on a port of its own (`pdconnect
   metrics-proxy`), so monitoring never reaches the engine's API.
 - `errors`: `ConfigError`, the one settings error.
+- `serving`: runs an asyncio service until SIGINT or SIGTERM (the router, the metrics proxy).
+- `stallwatch`: which threads used the seconds a process's Python stopped running.
 - `cli`: the `pdconnect` command; its `plan` subcommand is the one place that reaches
   `connectors` (by name, imported only when chosen).
 

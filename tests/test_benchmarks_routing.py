@@ -245,7 +245,9 @@ def test_events_view_reports_what_the_routers_own_index_makes_of_the_published_e
     import msgspec
     import zmq
 
-    from pdconnect.router.kvindex import BlockStored, EngineKVIndex, KVEventBatch
+    from pdconnect.router.kvindex import EngineKVIndex
+    from pdconnect.router.kvwire import BlockStored, KVEventBatch
+    from pdconnect.router.prompt import RoutingPrompt
 
     tokens = list(range(100, 100 + 4 * 128))
     full = BlockStored(block_hashes=[1, 2, 3, 4], token_ids=tokens, block_size=128, group_idx=1,
@@ -283,7 +285,7 @@ def test_events_view_reports_what_the_routers_own_index_makes_of_the_published_e
     assert seen["groups"] == [{"group": g, "sliding_window": gi.sliding_window, "blocks": len(gi.present),
                                "orphan_stores": gi.orphans} for g, gi in sorted(reference.groups.items())]
     assert seen["groups"][1] == {"group": 1, "sliding_window": None, "blocks": 4, "orphan_stores": 0}
-    assert seen["index_hit_tokens"] == reference.hit_tokens(tokens)
+    assert seen["index_hit_tokens"] == reference.hit_tokens(RoutingPrompt(tokens))
     run = _run("kv-aware", "prefix-repetition", 896)
     [decode0] = [e for e in run.engines if e.name == spec.name]
     table = format_events_view({spec.name: seen}, run)

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 
 from pdconnect.router import load_config, start_router
+from pdconnect.router.breaker import CircuitBreaker
 from pdconnect.router.engines import Engine, Role
-from pdconnect.router.health import CircuitBreaker
 from pdconnect.router.policy import (
     AffinityTracker, LeastLoaded, LoadBound, PrefixAffinity, RoundRobin, affinity_key, render_messages,
 )

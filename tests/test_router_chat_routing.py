@@ -117,7 +117,7 @@ async def test_chat_is_routed_to_the_engine_that_caches_its_rendered_prompt(kv_r
                                                                            tokenized: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     if tokenized == "worker-thread":  # as a long prompt is, off the event loop
-        monkeypatch.setattr("pdconnect.router.flow._INLINE_PROMPT_BYTES", 0)
+        monkeypatch.setattr("pdconnect.router.tokenizing._INLINE_PROMPT_BYTES", 0)
     s: KvSetup = await kv_router(tokenizer=str(tiny_dir))
     by_affinity = await s.decode_engine("/v1/chat/completions", CHAT)
     assert await s.decode_engine("/v1/chat/completions", CHAT) == by_affinity

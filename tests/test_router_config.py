@@ -74,6 +74,42 @@ def test_main_exits_2_on_bad_options(capsys: pytest.CaptureFixture[str]) -> None
     assert "http://" in capsys.readouterr().err
 
 
+def test_decode_first_keeps_its_old_decode_local_names_as_deprecated_aliases(tmp_path: Path) -> None:
+    """Manifests and config files written before the rename still work: --decode-local and
+    the decode_local keys set the decode-first options; giving both names is refused."""
+    kv = ["--decode", "http://d:1", "--policy", "kv-aware", "--kv-events-port", "5557", "--kv-cache-groups", "full:4"]
+    new = parse_args([*kv, "--decode-first", "--decode-first-max-uncached-tokens", "9"])
+    old = parse_args([*kv, "--decode-local", "--decode-local-max-uncached-tokens", "9"])
+    assert new.decode_first and new.decode_first_max_uncached_tokens == 9
+    assert old == new
+    assert not parse_args([*kv, "--no-decode-local"]).decode_first
+    path = tmp_path / "router.json"
+    path.write_text(json.dumps({"decode_local": True, "decode_local_max_tokens_in_flight": 7}))
+    from_file = parse_args([*kv, "--config", str(path)])
+    assert from_file.decode_first and from_file.decode_first_max_tokens_in_flight == 7
+    with pytest.raises(ConfigError, match="deprecated name of decode_first"):
+        parse_args([*kv, "--config", str(path), "--no-decode-first"])
+    assert "--decode-local is its deprecated name" in " ".join(_parser().format_help().split())
+
+
+@pytest.mark.parametrize("make", ["missing", "empty_dir", "not_a_tokenizer"])
+def test_a_bad_tokenizer_path_is_a_config_error_at_start_up(
+    make: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--tokenizer` naming nothing, a directory without tokenizer.json, or a file that is no
+    tokenizer: exit 2 with a line naming the path, not a traceback."""
+    path = tmp_path / "model"
+    if make == "empty_dir":
+        path.mkdir()
+    elif make == "not_a_tokenizer":
+        path.write_text("{not json")
+    argv = ["--decode", "http://127.0.0.1:1", "--policy", "kv-aware", "--kv-events-port", "5557",
+            "--tokenizer", str(path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdconnect router: ") and str(path) in err and "Traceback" not in err
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

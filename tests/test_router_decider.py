@@ -17,10 +17,12 @@ import msgspec
 import pytest
 
 from pdconnect.errors import ConfigError
-from pdconnect.router.decider import DeciderSettings, DecodeLocalDecider, Route
+from pdconnect.router.decider import DeciderSettings, DecodeFirstDecider, Route
 from pdconnect.router.engines import Engine, Role
-from pdconnect.router.kvindex import EngineKVIndex, GroupIndex, block_keys, decode_batch
+from pdconnect.router.kvindex import EngineKVIndex, GroupIndex
+from pdconnect.router.kvwire import decode_batch
 from pdconnect.router.lookup import CacheGroup, CacheGroups, parse_groups, predicted_hits
+from pdconnect.router.prompt import RoutingPrompt, block_keys
 from pdconnect.router.metrics import RouterMetrics
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
@@ -73,7 +75,7 @@ def test_the_predicted_hit_is_what_vllms_own_lookup_returns_on_random_cache_stat
             cached[gid] = {i for i in range(len(keys)) if rng.random() < density}
             index.groups[gid] = GroupIndex(bs, window, present={keys[i]: 1 for i in cached[gid]})
         expected = rules.lookup_hit(cached, n, n)
-        assert predicted_hits(groups, index, tokens)[0] == expected, (n, cached)
+        assert predicted_hits(groups, index, RoutingPrompt(tokens))[0] == expected, (n, cached)
         hits += expected > 0
     assert hits > 40  # the states exercise real hits, not just misses
 
@@ -123,9 +125,9 @@ HELD = (_stored(range(0, 8), 0, "full_attention"), _stored(range(6, 8), 1, "slid
 WINDOW_GONE = (_stored(range(0, 8), 0, "full_attention"), _stored(range(0, 3), 1, "sliding_window", 4))
 
 
-def _decider(feed: FakeFeed, max_uncached: int = 8, in_flight: int = 64, ratio: float = 1.0) -> DecodeLocalDecider:
+def _decider(feed: FakeFeed, max_uncached: int = 8, in_flight: int = 64, ratio: float = 1.0) -> DecodeFirstDecider:
     from pdconnect.router.engines import EngineRegistry
-    return DecodeLocalDecider(DeciderSettings(GROUPS, max_uncached, ratio, in_flight), feed,
+    return DecodeFirstDecider(DeciderSettings(GROUPS, max_uncached, ratio, in_flight), feed,
                               RouterMetrics(EngineRegistry(lambda: None, probed=False)))  # type: ignore[arg-type, return-value]
 
 
@@ -133,9 +135,9 @@ def _engine(url: str = D0) -> Engine:
     return Engine(url=url, role=Role.DECODE, breaker=None)  # type: ignore[arg-type]
 
 
-def test_a_prompt_decode_holds_goes_decode_local_with_vllms_cap_and_alignment() -> None:
+def test_a_prompt_decode_holds_goes_local_with_vllms_cap_and_alignment() -> None:
     decider = _decider(FakeFeed({D0: _index(*HELD)}))
-    route = decider.decide(_engine(), TOKENS, {})
+    route = decider.decide(_engine(), RoutingPrompt(TOKENS), {})
     # 32 tokens, all cached: vLLM still computes the last block (the hit stops at 31, aligned to 28).
     assert (route.local, route.reason, route.hit, route.prompt_tokens) == (True, "cached", 28, 32)
     assert decider.local_tokens_in_flight(D0) == 4
@@ -147,22 +149,22 @@ def test_a_prompt_decode_holds_goes_decode_local_with_vllms_cap_and_alignment() 
 def test_a_prompt_whose_window_blocks_are_gone_is_pd_although_full_attention_holds_it() -> None:
     """The case a full-attention-only decider gets wrong: it predicts 28 cached tokens, but
     vLLM's lookup needs the sliding group's block before the hit, and finds it only at 12."""
-    route = _decider(FakeFeed({D0: _index(*WINDOW_GONE)})).decide(_engine(), TOKENS, {})
+    route = _decider(FakeFeed({D0: _index(*WINDOW_GONE)})).decide(_engine(), RoutingPrompt(TOKENS), {})
     assert (route.local, route.reason, route.hit, route.full_attention_hit) == (False, "uncached", 12, 28)
     # ... and a sliding group that never published at all counts as holding nothing.
-    alone = _decider(FakeFeed({D0: _index(_stored(range(0, 8), 0, "full_attention"))})).decide(_engine(), TOKENS, {})
+    alone = _decider(FakeFeed({D0: _index(_stored(range(0, 8), 0, "full_attention"))})).decide(_engine(), RoutingPrompt(TOKENS), {})
     assert (alone.local, alone.hit, alone.full_attention_hit) == (False, 0, 28)
 
 
 def test_predicted_hits_take_the_eagle_drop_on_the_flagged_groups() -> None:
     index, eagle = _index(*HELD), parse_groups("full:4:eagle,sliding:4:4:eagle")
-    assert predicted_hits(GROUPS, index, TOKENS) == (28, 28)
-    assert predicted_hits(eagle, index, TOKENS) == (28, 24)  # look-ahead block 7 is there; alone, no margin
+    assert predicted_hits(GROUPS, index, RoutingPrompt(TOKENS)) == (28, 28)
+    assert predicted_hits(eagle, index, RoutingPrompt(TOKENS)) == (28, 24)  # look-ahead block 7 is there; alone, no margin
     # 31 tokens: EAGLE's lookup drops the last matched block, so the sliding group needs
     # blocks 5 and 6 (it holds 6 and 7) and nothing hits; full attention alone would say 24.
-    assert predicted_hits(GROUPS, index, TOKENS[:31]) == (28, 28)
-    assert predicted_hits(eagle, index, TOKENS[:31]) == (0, 24)
-    assert predicted_hits(CacheGroups((CacheGroup("full", 4),)), index, TOKENS[:1]) == (0, 0)  # one token: nothing
+    assert predicted_hits(GROUPS, index, RoutingPrompt(TOKENS[:31])) == (28, 28)
+    assert predicted_hits(eagle, index, RoutingPrompt(TOKENS[:31])) == (0, 24)
+    assert predicted_hits(CacheGroups((CacheGroup("full", 4),)), index, RoutingPrompt(TOKENS[:1])) == (0, 0)  # one token: nothing
 
 
 @pytest.mark.parametrize(("tokens", "body", "feed", "reason"), [
@@ -174,20 +176,20 @@ def test_predicted_hits_take_the_eagle_drop_on_the_flagged_groups() -> None:
 def test_without_a_prediction_the_request_is_pd_and_says_why(
         tokens: list[int] | None, body: dict[str, Any], feed: dict[str, Any], reason: str) -> None:
     indexes = {url: (_index(*HELD) if v == "held" else None) for url, v in feed.items()}
-    route = _decider(FakeFeed(indexes)).decide(_engine(), tokens, body)
+    route = _decider(FakeFeed(indexes)).decide(_engine(), RoutingPrompt(tokens), body)
     assert (route.local, route.reason) == (False, reason)
 
 
 def test_thresholds_and_decodes_own_load_bound_local_prefills() -> None:
     feed = FakeFeed({D0: _index(_stored(range(0, 5), 0, "full_attention"), _stored(range(3, 5), 1, "sliding_window", 4))})
-    assert _decider(feed, max_uncached=11).decide(_engine(), TOKENS, {}).reason == "uncached"  # 12 uncached
-    assert _decider(feed, max_uncached=12, ratio=0.25).decide(_engine(), TOKENS, {}).reason == "uncached"
+    assert _decider(feed, max_uncached=11).decide(_engine(), RoutingPrompt(TOKENS), {}).reason == "uncached"  # 12 uncached
+    assert _decider(feed, max_uncached=12, ratio=0.25).decide(_engine(), RoutingPrompt(TOKENS), {}).reason == "uncached"
     decider = _decider(feed, max_uncached=12, in_flight=24)
-    first, second, third = (decider.decide(_engine(), TOKENS, {}) for _ in range(3))
+    first, second, third = (decider.decide(_engine(), RoutingPrompt(TOKENS), {}) for _ in range(3))
     assert [first.reason, second.reason, third.reason] == ["cached", "cached", "busy"]
     assert decider.local_tokens_in_flight(D0) == 24
     first.prefilled()
-    assert decider.decide(_engine(), TOKENS, {}).local
+    assert decider.decide(_engine(), RoutingPrompt(TOKENS), {}).local
 
 
 def test_the_reported_hit_is_checked_against_the_prediction() -> None:
@@ -201,9 +203,9 @@ def test_the_reported_hit_is_checked_against_the_prediction() -> None:
         {"match": 1, "over": 1, "under": 1}
 
 
-def test_decode_local_needs_kv_aware_and_the_groups() -> None:
+def test_decode_first_needs_kv_aware_and_the_groups() -> None:
     from pdconnect.router import load_config
-    base = {"decode": [D0], "decode_local": True}
+    base = {"decode": [D0], "decode_first": True}
     with pytest.raises(ConfigError, match="kv-aware"):
         load_config({**base, "kv_cache_groups": "full:4"})
     with pytest.raises(ConfigError, match="kv-cache-groups"):
@@ -234,7 +236,7 @@ class _Publisher:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-async def test_decode_local_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) -> None:
+async def test_decode_first_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) -> None:
     import aiohttp
     import zmq
 
@@ -247,7 +249,7 @@ async def test_decode_local_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) 
     router = await start_router(load_config({
         "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
         "policy": "kv-aware", "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
-        "decode_local": True, "kv_cache_groups": str(GROUPS), "decode_local_max_uncached_tokens": 8}))
+        "decode_first": True, "kv_cache_groups": str(GROUPS), "decode_first_max_uncached_tokens": 8}))
     body: dict[str, Any] = {"model": "fake-model", "prompt": TOKENS, "max_tokens": 2, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
@@ -297,7 +299,7 @@ async def test_decode_local_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) 
 
 
 @pytest.mark.asyncio
-async def test_a_failed_decode_local_attempt_is_retried_pd_on_the_next_engine() -> None:
+async def test_a_failed_local_attempt_is_retried_pd_on_the_next_engine() -> None:
     import aiohttp
     import zmq
 
@@ -310,7 +312,7 @@ async def test_a_failed_decode_local_attempt_is_retried_pd_on_the_next_engine() 
     router = await start_router(load_config({
         "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
         "policy": "kv-aware", "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
-        "decode_local": True, "kv_cache_groups": str(GROUPS), "decode_local_max_uncached_tokens": 8}))
+        "decode_first": True, "kv_cache_groups": str(GROUPS), "decode_first_max_uncached_tokens": 8}))
     holder, other = fakes.decode_urls[1], fakes.decode_urls[0]
     try:
         await publishers[holder].publish(router, *HELD)
@@ -342,11 +344,11 @@ async def test_a_long_prompts_chain_keys_are_computed_once_off_the_event_loop(mo
     import aiohttp
     import zmq
 
-    from pdconnect.router import kvindex, load_config, start_router
+    from pdconnect.router import load_config, prompt as routing_prompt, start_router
     from pdconnect.testbed.fake_engine import FakeCluster
 
     calls: list[tuple[bool, int, int]] = []  # (on the loop's thread, tokens, block size)
-    chain_keys = kvindex.chain_keys
+    chain_keys = routing_prompt.chain_keys
 
     def spy(tokens: Any, block_size: int, parent: int = 0) -> list[int]:
         calls.append((threading.current_thread() is threading.main_thread(), len(tokens), block_size))
@@ -358,12 +360,12 @@ async def test_a_long_prompts_chain_keys_are_computed_once_off_the_event_loop(mo
     router = await start_router(load_config({
         "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
         "policy": "kv-aware", "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
-        "decode_local": True, "kv_cache_groups": str(GROUPS), "decode_local_max_uncached_tokens": 8}))
+        "decode_first": True, "kv_cache_groups": str(GROUPS), "decode_first_max_uncached_tokens": 8}))
     prompt = TOKENS + [7] * (1 << 14)  # its body is far over the size tokenized inline
     try:
         for publisher in publishers.values():  # both engines fresh: the policy scores both
             await publisher.publish(router, *HELD)
-        monkeypatch.setattr(kvindex, "chain_keys", spy)
+        monkeypatch.setattr(routing_prompt, "chain_keys", spy)
         async with aiohttp.ClientSession() as http, asyncio.timeout(15):
             async with http.post(router.url + "/v1/completions",
                                  json={"model": "fake-model", "prompt": prompt, "max_tokens": 2}) as resp:

@@ -4,7 +4,7 @@ membership rules (several sources per engine, DNS sync)."""
 from __future__ import annotations
 
 from pdconnect.router.engines import Engine, EngineRegistry, Role
-from pdconnect.router.health import BreakerState, CircuitBreaker
+from pdconnect.router.breaker import BreakerState, CircuitBreaker
 
 
 class Clock:

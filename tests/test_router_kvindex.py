@@ -11,9 +11,9 @@ import pytest
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
-from pdconnect.router.kvindex import (  # noqa: E402
-    AllBlocksCleared, BlockRemoved, BlockStored, EngineKVIndex, decode_batch,
-)
+from pdconnect.router.kvindex import EngineKVIndex  # noqa: E402
+from pdconnect.router.kvwire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch  # noqa: E402
+from pdconnect.router.prompt import RoutingPrompt  # noqa: E402
 
 BS = 4
 TOKENS = list(range(100, 132))  # 8 blocks of 4
@@ -52,12 +52,12 @@ def test_vllm_batches_decode_into_our_mirror_structs() -> None:
 def test_full_attention_hit_is_the_stored_prefix_and_follows_removals() -> None:
     index = EngineKVIndex()
     _publish(index, _stored(range(0, 3), 0, "full_attention"), _stored(range(3, 6), 0, "full_attention"))
-    assert index.hit_tokens(TOKENS) == 6 * BS
-    assert index.hit_tokens(TOKENS[:4] + [0] * 28) == BS  # diverges in the second block
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 6 * BS
+    assert index.hit_tokens(RoutingPrompt(TOKENS[:4] + [0] * 28)) == BS  # diverges in the second block
     _publish(index, kv_events.BlockRemoved(block_hashes=[b"g0b2"], medium="GPU", group_idx=0))
-    assert index.hit_tokens(TOKENS) == 2 * BS
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 2 * BS
     _publish(index, kv_events.AllBlocksCleared())
-    assert index.hit_tokens(TOKENS) == 0
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 0
 
 
 def test_hybrid_hit_needs_the_window_tail_of_the_sliding_group_too() -> None:
@@ -67,21 +67,21 @@ def test_hybrid_hit_needs_the_window_tail_of_the_sliding_group_too() -> None:
     _publish(index, _stored(range(0, 6), 0, "full_attention"), _stored(range(0, 5), 1, "sliding_window", 8))
     _publish(index, kv_events.BlockRemoved(block_hashes=[b"g1b0", b"g1b1"], medium="GPU", group_idx=1))
     # 5 blocks: the window tail (blocks 3, 4) is there although blocks 0 and 1 are gone.
-    assert index.hit_tokens(TOKENS) == 5 * BS
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 5 * BS
     # Without block 3 no length has its window tail (5 and 4 blocks need block 3, shorter
     # ones need blocks 0 or 1): no hit, though the full group alone would say 6 blocks.
     _publish(index, kv_events.BlockRemoved(block_hashes=[b"g1b3"], medium="GPU", group_idx=1))
-    assert index.hit_tokens(TOKENS) == 0
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 0
 
 
 def test_a_store_whose_parent_was_never_seen_is_not_indexed() -> None:
     index = EngineKVIndex(max_pending=3)
     _publish(index, _stored(range(2, 4), 0, "full_attention"))  # blocks 0, 1 missed
-    assert index.hit_tokens(TOKENS) == 0
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 0
     assert len(index.groups[0].pending) == 2 and index.groups[0].orphans == 0
     _publish(index, _stored(range(5, 7), 0, "full_attention"))  # more than max_pending wait
     assert len(index.groups[0].pending) == 3 and index.groups[0].orphans == 1
-    assert index.hit_tokens(TOKENS) == 0
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 0
 
 
 def _window_tail(blocks: range, group: int, window: int) -> object:
@@ -109,8 +109,8 @@ def test_window_tail_hashes_are_keyed_at_their_own_positions_through_the_full_gr
     # index called a 2-block prefix cached (wrong) and the 6-block one not (wrong).
     index = EngineKVIndex()
     _publish(index, _full(range(0, 6)), _window_tail(range(0, 6), 1, 2 * BS))
-    assert index.hit_tokens(TOKENS[:6 * BS]) == 6 * BS
-    assert index.hit_tokens(TOKENS[:2 * BS]) == 0  # block 0 and 1 of the sliding group are gone
+    assert index.hit_tokens(RoutingPrompt(TOKENS[:6 * BS])) == 6 * BS
+    assert index.hit_tokens(RoutingPrompt(TOKENS[:2 * BS])) == 0  # block 0 and 1 of the sliding group are gone
 
 
 def test_a_window_run_published_before_its_full_attention_blocks_waits_for_them() -> None:
@@ -118,11 +118,11 @@ def test_a_window_run_published_before_its_full_attention_blocks_waits_for_them(
     # stored, one batch before the full-attention blocks of the same prompt.
     index = EngineKVIndex()
     _publish(index, _window_tail(range(3, 5), 1, 2 * BS))
-    assert index.hit_tokens(TOKENS) == 0 and len(index.groups[1].pending) == 2
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 0 and len(index.groups[1].pending) == 2
     _publish(index, _full(range(0, 6)))
     assert index.groups[1].pending == {} and index.groups[1].orphans == 0
-    assert index.hit_tokens(TOKENS[:5 * BS]) == 5 * BS
-    assert index.hit_tokens(TOKENS[:6 * BS]) == 5 * BS  # block 5's window tail (4, 5) is not all there
+    assert index.hit_tokens(RoutingPrompt(TOKENS[:5 * BS])) == 5 * BS
+    assert index.hit_tokens(RoutingPrompt(TOKENS[:6 * BS])) == 5 * BS  # block 5's window tail (4, 5) is not all there
 
 
 # --- the kv-aware policy end to end: FAKE engines, a FAKE publisher with vLLM's classes ------
@@ -201,16 +201,16 @@ async def test_a_sequence_gap_without_replay_drops_the_index_until_it_is_rebuilt
         batch = kv_events.KVEventBatch(ts=0.0, events=list(events))
         return [b"", seq.to_bytes(8, "big"), msgspec.msgpack.Encoder().encode(batch)]
     try:
-        assert feed.hit_tokens(sub.url, TOKENS) is None  # nothing heard: not fresh, affinity decides
+        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) is None  # nothing heard: not fresh, affinity decides
         await feed._receive(sub, frames(0, _stored(range(0, 4), 0, "full_attention")))
-        assert feed.hit_tokens(sub.url, TOKENS) == 4 * BS
+        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 4 * BS
         # Batches 1 and 2 are lost (one of them may have removed blocks): the index cannot
         # be trusted, so it starts over from batch 3.
         await feed._receive(sub, frames(3, _stored(range(4, 6), 0, "full_attention")))
         assert counted.count("gap") == 1
-        assert feed.hit_tokens(sub.url, TOKENS) == 0  # blocks 4, 5 alone are no prefix
+        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 0  # blocks 4, 5 alone are no prefix
         await feed._receive(sub, frames(4, _stored(range(0, 2), 0, "full_attention")))
-        assert feed.hit_tokens(sub.url, TOKENS) == 2 * BS
+        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 2 * BS
     finally:
         await feed.close()
 
@@ -282,7 +282,7 @@ def test_the_index_finds_what_vllms_own_lookup_finds_on_a_hybrid_model(chunk: in
         probe = _real_request(f"probe{i}", tokens, hash_block)
         _, real_hit, _ = manager.get_computed_blocks(probe)
         # vLLM looks up at most num_tokens - 1 tokens (one must be computed for logits).
-        assert index.hit_tokens(tokens[:len(tokens) - 1]) == real_hit, f"sibling {i} sharing {shared} tokens"
+        assert index.hit_tokens(RoutingPrompt(tokens[:len(tokens) - 1])) == real_hit, f"sibling {i} sharing {shared} tokens"
         served += real_hit > 0
         _serve_prompt(manager, _real_request(f"r{i}", tokens, hash_block), chunk)
         _publish(index, *manager.take_events())
@@ -319,7 +319,7 @@ def test_the_index_predicts_a_mimo_mtp_engines_own_hit_after_p_d_loads(kind: str
     for i, (shared, new) in enumerate(_MIMO_MTP_PROMPTS):
         tokens = prefix[:shared] + [rng.randrange(1000, 30000) for _ in range(new)]
         real = engine.lookup(engine.new_request(f"probe{i}", tokens))
-        assert index.hit_tokens(tokens, eagle_groups={0, 1}) == real, f"request {i}: {shared}+{new}"
+        assert index.hit_tokens(RoutingPrompt(tokens), eagle_groups={0, 1}) == real, f"request {i}: {shared}+{new}"
         hits.append(real)
         pair.serve(f"r{i}", tokens)
         _publish(index, *engine.manager.take_events())
@@ -338,7 +338,7 @@ def _mixed_index(*sliding: BlockStored) -> tuple[EngineKVIndex, list[str]]:
     end the 16-token boundaries); in the same batch (as vLLM publishes a step's stores), the
     `sliding` stores (window 8 over blocks of 4: cdiv(7, 4) = 2 blocks before a boundary),
     after it or before it."""
-    from pdconnect.router.kvindex import KVEventBatch
+    from pdconnect.router.kvwire import KVEventBatch
     counted: list[str] = []
     index = EngineKVIndex(count=counted.append)
     full = _fine_store(0, ["h3", "h7"], 16, "full_attention")
@@ -351,9 +351,9 @@ def test_a_sparse_sliding_store_is_placed_by_its_anchors_in_the_finest_key_space
     # the others; the sliding store comes first in its batch, as on MiMo-V2.
     index, counted = _mixed_index(_fine_store(1, ["h2", "h3", "h6", "h7"], 4, "sliding_window", 8))
     assert index.granularity == 4 and not counted
-    assert index.hit_tokens(TOKENS) == 32  # blocks 6, 7 before the end
-    assert index.hit_tokens(TOKENS[:24]) == 16  # blocks 4, 5 are masked; 2, 3 serve 16 tokens
-    assert index.hit_tokens(TOKENS[:16] + [0] * 16) == 16
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 32  # blocks 6, 7 before the end
+    assert index.hit_tokens(RoutingPrompt(TOKENS[:24])) == 16  # blocks 4, 5 are masked; 2, 3 serve 16 tokens
+    assert index.hit_tokens(RoutingPrompt(TOKENS[:16] + [0] * 16)) == 16
 
 
 def test_under_mtp_the_block_after_each_boundary_is_placed_after_its_anchor() -> None:
@@ -363,7 +363,7 @@ def test_under_mtp_the_block_after_each_boundary_is_placed_after_its_anchor() ->
     assert not counted
     # 23 tokens looked up: full attention serves 16; the window's run 2, 3, 4 ends past 16
     # and drops back to it. Had x4 been put anywhere else, nothing would be served.
-    assert index.hit_tokens(TOKENS[:20] + [0] * 4, eagle_groups={1}) == 16
+    assert index.hit_tokens(RoutingPrompt(TOKENS[:20] + [0] * 4), eagle_groups={1}) == 16
 
 
 def test_a_published_slack_run_is_the_run_ending_at_its_range_end() -> None:
@@ -374,13 +374,13 @@ def test_a_published_slack_run_is_the_run_ending_at_its_range_end() -> None:
                            group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=8)
     index, counted = _mixed_index(slack(["h2", "h3", "x4"], 5), slack(["x6"], 7))
     assert not counted
-    assert index.hit_tokens(TOKENS[:20] + [0] * 4, eagle_groups={1}) == 16
+    assert index.hit_tokens(RoutingPrompt(TOKENS[:20] + [0] * 4), eagle_groups={1}) == 16
     assert b"x6" in index.groups[1].by_hash and not index.groups[1].pending
 
 
 def test_a_block_removed_later_in_the_batch_of_its_waiting_store_stays_removed() -> None:
     # The sparse store is read after its batch, but a removal after it in the batch wins.
-    from pdconnect.router.kvindex import KVEventBatch
+    from pdconnect.router.kvwire import KVEventBatch
     counted: list[str] = []
     index = EngineKVIndex(count=counted.append)
     sliding = _fine_store(1, ["h2", "h3", "h6", "h7"], 4, "sliding_window", 8)
@@ -401,9 +401,9 @@ def test_a_sparse_store_whose_runs_do_not_fit_keys_only_its_anchors(hashes: list
 
 
 def test_a_finer_group_appearing_later_starts_the_index_over() -> None:
-    from pdconnect.router.kvindex import KVEventBatch
+    from pdconnect.router.kvwire import KVEventBatch
     index, counted = _mixed_index()
-    assert index.granularity == 16 and index.hit_tokens(TOKENS) == 32
+    assert index.granularity == 16 and index.hit_tokens(RoutingPrompt(TOKENS)) == 32
     index.apply(KVEventBatch(0.0, [_fine_store(1, ["h6", "h7"], 4, "sliding_window", 8)]))
     assert counted == ["granularity"] and index.granularity == 4
     assert list(index.groups) == [1]  # the full group's 16-level keys are gone with it
@@ -435,7 +435,7 @@ def test_a_store_with_block_size_zero_is_dropped_and_later_lookups_still_answer(
     bad = kv_events.BlockStored(block_hashes=[b"x"], parent_block_hash=None, token_ids=[], block_size=0,
                                 lora_id=None, medium="GPU", lora_name=None, group_idx=1)
     _publish(index, bad)
-    assert index.hit_tokens(TOKENS) == 4 * BS
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 4 * BS
 
 
 # Values that break a field's type or range, for the fuzz below: the Struct definitions say
@@ -479,7 +479,7 @@ async def test_any_malformed_field_of_any_event_is_dropped_and_lookups_stay_righ
             await feed._receive(sub, [b"", (1).to_bytes(8, "big"), _raw_payload(fuzzed, valid)])
             await feed._receive(sub, [b"", (2).to_bytes(8, "big"), _raw_payload(
                 _raw_event("BlockStored", **_stored_fields(range(6, 8))))])
-            hit = feed.hit_tokens(sub.url, TOKENS)
+            hit = feed.hit_tokens(sub.url, RoutingPrompt(TOKENS))
         except Exception as exc:  # noqa: BLE001 - collected: the assertion lists them all
             failures.append(f"{tag}.{name}={value!r:.40}: raised {exc!r:.80}")
             continue
@@ -504,7 +504,7 @@ def test_a_batch_that_is_no_batch_is_refused_and_the_index_dropped(payload: byte
     counted: list[str] = []
     index.count = counted.append
     applied = index.apply_payload(payload)
-    assert index.hit_tokens(TOKENS) in (0, 4 * BS)
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) in (0, 4 * BS)
     assert not applied or counted  # either refused as a whole, or each bad event counted
 
 
@@ -525,7 +525,7 @@ def test_an_invalid_store_is_counted_by_reason_and_changes_nothing(fields: dict[
     base = _stored_fields(range(0, 2), tokens=_OTHER, tag="o")
     assert index.apply_payload(_raw_payload(_raw_event("BlockStored", **(base | fields))))
     assert counted == [reason]
-    assert index.hit_tokens(TOKENS) == 4 * BS and index.hit_tokens(_OTHER) == 0
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 4 * BS and index.hit_tokens(RoutingPrompt(_OTHER)) == 0
 
 
 def test_a_removal_with_malformed_hashes_still_removes_the_well_formed_ones() -> None:
@@ -533,23 +533,23 @@ def test_a_removal_with_malformed_hashes_still_removes_the_well_formed_ones() ->
     index = EngineKVIndex(count=counted.append)
     _publish(index, _stored(range(0, 6), 0, "full_attention"))
     assert index.apply_payload(_raw_payload(_raw_event("BlockRemoved", block_hashes=[1.5, b"g0b3", "x"], medium="GPU")))
-    assert index.hit_tokens(TOKENS) == 3 * BS and "undecodable" in counted
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 3 * BS and "undecodable" in counted
     # An unknown group: removed from every group, the side that never over-reports.
     assert index.apply_payload(_raw_payload(_raw_event("BlockRemoved", block_hashes=[b"g0b1"], group_idx=-5)))
-    assert index.hit_tokens(TOKENS) == BS and "group" in counted
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == BS and "group" in counted
 
 
 def test_an_engines_index_holds_at_most_max_blocks_and_evicts_the_oldest() -> None:
     counted: list[str] = []
     index = EngineKVIndex(max_blocks=4, count=counted.append)
     _publish(index, _stored(range(0, 3), 0, "full_attention"))
-    assert index.hit_tokens(TOKENS) == 3 * BS
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 3 * BS
     _publish(index, _stored(range(3, 6), 0, "full_attention"))  # 6 blocks: blocks 0 and 1 go
     assert len(index.groups[0].by_hash) == 4 and counted == ["index_full", "index_full"]
-    assert index.hit_tokens(TOKENS) == 0  # the prefix lost its first blocks: no hit, never a false one
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 0  # the prefix lost its first blocks: no hit, never a false one
     other = EngineKVIndex(max_blocks=4)
     _publish(other, _stored(range(0, 4), 0, "full_attention"))
-    assert other.hit_tokens(TOKENS) == 4 * BS  # at the bound, nothing evicted
+    assert other.hit_tokens(RoutingPrompt(TOKENS)) == 4 * BS  # at the bound, nothing evicted
 
 
 def test_the_block_bound_holds_for_all_groups_of_an_engine_together() -> None:
@@ -563,7 +563,7 @@ def test_the_block_bound_holds_for_all_groups_of_an_engine_together() -> None:
     _publish(full, _stored(range(0, 2), 0, "full_attention"), _stored(range(0, 1), 1, "sliding_window", 8))
     assert len(full.groups[1].by_hash) == 0 and full.budget.held == 2  # refused: group 1 held nothing
     _publish(full, kv_events.AllBlocksCleared(), _stored(range(0, 2), 0, "full_attention"))
-    assert full.budget.held == 2 and full.hit_tokens(TOKENS) == 2 * BS
+    assert full.budget.held == 2 and full.hit_tokens(RoutingPrompt(TOKENS)) == 2 * BS
 
 
 def test_subscriber_sockets_cap_message_size() -> None:
@@ -607,16 +607,16 @@ async def test_a_frame_over_the_cap_never_reaches_the_index_and_the_feed_keeps_g
         feed.watch(url)
         async with asyncio.timeout(15):
             seq = 0
-            while feed.hit_tokens(url, TOKENS) != 4 * BS:  # SUB joins asynchronously: publish until heard
+            while feed.hit_tokens(url, RoutingPrompt(TOKENS)) != 4 * BS:  # SUB joins asynchronously: publish until heard
                 pub.send_multipart([b"", seq.to_bytes(8, "big"), small(4)])
                 seq += 1
                 await asyncio.sleep(0.02)
             pub.send_multipart([b"", seq.to_bytes(8, "big"), big])  # ZMQ drops the connection
-            while feed.hit_tokens(url, TOKENS) != 6 * BS:  # the SUB reconnects; the feed goes on
+            while feed.hit_tokens(url, RoutingPrompt(TOKENS)) != 6 * BS:  # the SUB reconnects; the feed goes on
                 seq += 1
                 pub.send_multipart([b"", seq.to_bytes(8, "big"), small(6)])
                 await asyncio.sleep(0.02)
-        assert feed.hit_tokens(url, long_tokens) == 0
+        assert feed.hit_tokens(url, RoutingPrompt(long_tokens)) == 0
     finally:
         await feed.close()
         context.destroy(linger=0)
@@ -676,14 +676,14 @@ async def test_a_replay_that_cannot_fill_the_gap_drops_the_index(answer: str) ->
     feed._subs[sub.url] = sub
     try:
         await feed._receive(sub, _frames(0, _stored(range(0, 6), 0, "full_attention")))
-        assert feed.hit_tokens(sub.url, TOKENS) == 6 * BS
+        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 6 * BS
         del lost_removal  # never delivered: that is the point
         await feed._receive(sub, _frames(3, _stored(range(6, 8), 0, "full_attention")))
         # Before: a late-starting replay was applied on top of the old index, which kept
         # claiming block 0. The index may only hold what batches from the gap on proved.
-        assert feed.hit_tokens(sub.url, TOKENS) == 0
+        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 0
         await feed._receive(sub, _frames(4, _stored(range(0, 2), 0, "full_attention")))
-        assert feed.hit_tokens(sub.url, TOKENS) == 2 * BS
+        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 2 * BS
     finally:
         server.cancel()
         await feed.close()
@@ -705,11 +705,11 @@ async def test_live_copies_of_replayed_batches_are_skipped_not_taken_for_a_resta
     try:
         await feed._receive(sub, _frames(0, _stored(range(0, 4), 0, "full_attention")))
         await feed._receive(sub, _frames(2, _stored(range(5, 6), 0, "full_attention")))  # 1 lost: replayed 1..3
-        assert feed.hit_tokens(sub.url, TOKENS) == 7 * BS
+        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 7 * BS
         await feed._receive(sub, _frames(3, _stored(range(6, 7), 0, "full_attention")))  # the live copy of 3
-        assert feed.hit_tokens(sub.url, TOKENS) == 7 * BS and "restart" not in counted
+        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 7 * BS and "restart" not in counted
         await feed._receive(sub, _frames(0, kv_events.AllBlocksCleared()))  # a real restart: numbering from 0
-        assert "restart" in counted and feed.hit_tokens(sub.url, TOKENS) == 0
+        assert "restart" in counted and feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 0
     finally:
         server.cancel()
         await feed.close()
@@ -724,7 +724,7 @@ def _reference_hit(index: EngineKVIndex, tokens: list[int]) -> int:
     rule (the max(1, ceil((w - 1) / b)) blocks before the end)."""
     import math
 
-    from pdconnect.router.kvindex import block_keys
+    from pdconnect.router.prompt import block_keys
     groups = list(index.groups.values())
     if not groups:
         return 0
@@ -761,7 +761,8 @@ def _random_index(rng: Any, geometry: tuple[tuple[int, int | None], ...], tokens
     the same content as logical block indices per group."""
     import math
 
-    from pdconnect.router.kvindex import GroupIndex, block_keys
+    from pdconnect.router.kvindex import GroupIndex
+    from pdconnect.router.prompt import block_keys
     index, cached = EngineKVIndex(), {}
     grain = math.gcd(*(size for size, _ in geometry))  # the engine's key space
     for gid, (size, window) in enumerate(geometry):
@@ -787,7 +788,7 @@ def test_the_lookup_equals_the_slow_reference_on_random_indexes(name: str) -> No
     for case in range(600):
         tokens = [rng.randrange(1, 50000) for _ in range(rng.randrange(1, 1600))]
         index, _ = _random_index(rng, geometry, tokens)
-        assert index.hit_tokens(tokens) == _reference_hit(index, tokens), f"case {case}"
+        assert index.hit_tokens(RoutingPrompt(tokens)) == _reference_hit(index, tokens), f"case {case}"
 
 
 @pytest.mark.parametrize("name", list(_LOOKUP_GEOMETRIES))
@@ -810,7 +811,7 @@ def test_the_lookup_equals_vllms_own_coordinator_on_random_indexes(name: str) ->
         index, cached = _random_index(rng, geometry, tokens)
         real = rules.lookup_hit(cached, len(tokens), len(tokens))
         # vLLM looks up at most num_tokens - 1 tokens (one must be computed for logits).
-        assert index.hit_tokens(tokens[:-1]) == real, f"case {case}"
+        assert index.hit_tokens(RoutingPrompt(tokens[:-1])) == real, f"case {case}"
         hits += real > 0
     assert hits >= 30  # the comparison covered real hits, not only misses
 
@@ -820,7 +821,8 @@ def test_a_window_one_past_a_block_multiple_needs_one_block_less_as_in_vllm() ->
     # index asked for two and reported no hit where vLLM hits.
     from connectors.geometry import Geometry, GroupGeometry
     from connectors.vllm_adapter import CacheRules
-    from pdconnect.router.kvindex import GroupIndex, chain_keys
+    from pdconnect.router.kvindex import GroupIndex
+    from pdconnect.router.prompt import chain_keys
 
     rules = CacheRules.for_geometry(Geometry((GroupGeometry("full_attention", 16),
                                               GroupGeometry("sliding_window", 16, 17))))
@@ -831,7 +833,7 @@ def test_a_window_one_past_a_block_multiple_needs_one_block_less_as_in_vllm() ->
         keys = chain_keys(tokens, 16)
         index.groups[gid] = GroupIndex(16, window, present={keys[i]: 1 for i in cached[gid]})
     real = rules.lookup_hit(cached, len(tokens), len(tokens))
-    assert real == 64 and index.hit_tokens(tokens[:-1]) == real
+    assert real == 64 and index.hit_tokens(RoutingPrompt(tokens[:-1])) == real
 
 
 class _CountingDict(dict):  # type: ignore[type-arg]
@@ -849,7 +851,8 @@ def test_a_lookup_looks_each_block_up_at_most_once_per_group(blocks: int) -> Non
     # Full attention holds the whole prompt, the sliding group only its first half: every
     # length above the half fails the window. Before, each of those lengths re-checked all
     # full-attention blocks below it: blocks^2 / 8 lookups.
-    from pdconnect.router.kvindex import GroupIndex, chain_keys
+    from pdconnect.router.kvindex import GroupIndex
+    from pdconnect.router.prompt import chain_keys
 
     tokens = list(range(blocks * 16))
     keys = chain_keys(tokens, 16)
@@ -857,7 +860,7 @@ def test_a_lookup_looks_each_block_up_at_most_once_per_group(blocks: int) -> Non
     index.groups[0] = GroupIndex(16, present=_CountingDict({k: 1 for k in keys}))
     index.groups[1] = GroupIndex(16, 128, present=_CountingDict({k: 1 for k in keys[: blocks // 2]}))
     _CountingDict.lookups = 0
-    assert index.hit_tokens(tokens) == blocks // 2 * 16
+    assert index.hit_tokens(RoutingPrompt(tokens)) == blocks // 2 * 16
     assert _CountingDict.lookups <= 2 * blocks
 
 
@@ -872,10 +875,11 @@ async def test_keys_computed_off_the_loop_give_every_engine_the_same_hit() -> No
     try:
         await feed._receive(subs[0], _frames(0, _stored(range(0, 6), 0, "full_attention")))
         await feed._receive(subs[1], _frames(0, _stored(range(0, 3), 0, "full_attention")))
-        keys = await feed.keys_for(TOKENS)
-        assert set(keys) == {BS} and len(keys[BS]) == len(TOKENS) // BS
-        assert [feed.hit_tokens(s.url, TOKENS, keys) for s in subs] == [6 * BS, 3 * BS]
-        assert [feed.hit_tokens(s.url, TOKENS) for s in subs] == [6 * BS, 3 * BS]
+        prompt = RoutingPrompt(TOKENS)
+        await feed.fill_keys(prompt)
+        assert set(prompt.keys) == {BS} and len(prompt.keys[BS]) == len(TOKENS) // BS
+        assert [feed.hit_tokens(s.url, prompt) for s in subs] == [6 * BS, 3 * BS]
+        assert [feed.hit_tokens(s.url, RoutingPrompt(TOKENS)) for s in subs] == [6 * BS, 3 * BS]
     finally:
         await feed.close()
 
@@ -911,7 +915,7 @@ def test_the_eagle_lookup_equals_vllms_own_coordinator_on_random_indexes(name: s
         tokens = [rng.randrange(1, 50000) for _ in range(rng.randrange(2, 1600))]
         index, cached = _random_index(rng, tuple((size, window) for size, window, _ in geometry), tokens)
         real = rules.lookup_hit(cached, len(tokens), len(tokens))
-        assert index.hit_tokens(tokens, eagle_groups=eagle_groups) == real, f"case {case}"
+        assert index.hit_tokens(RoutingPrompt(tokens), eagle_groups=eagle_groups) == real, f"case {case}"
         hits += real > 0
     assert hits >= 30  # the comparison covered real hits, not only misses
 
@@ -934,6 +938,6 @@ async def test_frames_of_the_wrong_shape_are_counted_and_change_nothing(frames: 
         await feed._receive(sub, frames)
         assert invalid == ["frame"] and sub.last_seq == 0
         await feed._receive(sub, _frames(1, _stored(range(4, 6), 0, "full_attention")))
-        assert feed.hit_tokens(sub.url, TOKENS) == 6 * BS and "gap" not in counted
+        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 6 * BS and "gap" not in counted
     finally:
         await feed.close()

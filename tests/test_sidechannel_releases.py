@@ -27,10 +27,10 @@ import zmq
 from pdconnect.envelope import encode_message, open_envelope, request_id_of
 from pdconnect.notifier import PeerNotifier
 from pdconnect.protocol import Ack, Message, Release
+from pdconnect.router.breaker import CircuitBreaker
 from pdconnect.router.engines import EngineRegistry
-from pdconnect.router.flow import PrefillReleaser
-from pdconnect.router.health import CircuitBreaker
 from pdconnect.router.metrics import RouterMetrics
+from pdconnect.router.releaser import PrefillReleaser
 from pdconnect.sidechannel import SideChannelServer
 from pdconnect.testbed.keys import keyring
 from pdconnect.testbed.processes import freeze

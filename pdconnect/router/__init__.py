@@ -6,12 +6,20 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
 
 - `config`: the options (file and argv) as one validated `RouterConfig`.
 - `app`: the HTTP face, lifecycle and `main`; `body`: the client's body within limits.
-- `engines`: the registry; `health`: polling and circuit breaker; `discovery`: DNS.
-- `policy`: which engine serves a request; `kvindex` and `kvevents`: what each engine
-  caches, from its KV events; `chat_template`: a chat's token ids as the engine computes them.
-- `flow`: prefill then decode, retries, fallback, abort; `upstream`: the HTTP/1.1
-  client that calls engines; `errors`: why a routed request failed.
-- `usage`: what the client is told it used; `metrics`: the router's Prometheus metrics.
+- `request`: the request's typed view (`Call`) and the bodies of its two legs.
+- `engines`: the registry; `health`: `/health` polling; `breaker`: the circuit breaker
+  over request outcomes; `discovery`: engines from DNS.
+- `policy`: which engine serves a request. For kv-aware: `tokenizing` turns the request
+  into a `prompt.RoutingPrompt` (token ids and their chain keys; `chat_template`: a chat's
+  token ids as the engine computes them); `kvevents` subscribes to each engine's KV
+  events, `kvwire` is their wire format, `kvindex` what each engine caches, and `lookup`
+  vLLM's cache-hit rule over it.
+- `decider`: decode-first routing, which skips the prefill leg when decode holds the prompt.
+- `flow`: prefill then decode, relay, retries, fallback, abort; `upstream`: the HTTP/1.1
+  client that calls engines; `errors`: why a routed request failed, with its status;
+  `releaser`: frees a prefill engine's blocks nobody will pull.
+- `writer`: each write to the client within a deadline; `usage`: what the client is told
+  it used; `metrics`: the router's Prometheus metrics.
 """
 
 from pdconnect.router.app import Router, RunningRouter, main, start_router

@@ -29,32 +29,29 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from prometheus_client import Counter
 
+from pdconnect.router.breaker import CircuitBreaker
+from pdconnect.router.chat_template import PromptTokenizer
 from pdconnect.router.config import ConfigError, RouterConfig, engine_origin, parse_args
-from pdconnect.router.decider import DeciderSettings, DecodeLocalDecider
+from pdconnect.router.decider import DeciderSettings, DecodeFirstDecider
 from pdconnect.router.discovery import DnsDiscovery, Resolver, resolve_addresses
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
     AdminUnauthorized,
     BadRequest,
-    BodyTimeout,
-    BodyTooLarge,
-    DecodeFailed,
-    DecodeTimeout,
-    EngineAnswerTooLarge,
     EngineRejected,
     NoEngineAvailable,
-    PrefillFailed,
     RouterError,
     UnknownEngine,
-    UnsupportedEncoding,
     openai_error_body,
 )
-from pdconnect.router.flow import Endpoint, PDFlow, PrefillReleaser
-from pdconnect.router.health import CircuitBreaker, HealthMonitor
+from pdconnect.router.flow import PDFlow
+from pdconnect.router.health import HealthMonitor
 from pdconnect.router.kvevents import KVEventsFeed, events_endpoint
 from pdconnect.router.lookup import parse_groups
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.policy import LeastLoaded, LoadBound, make_policy
+from pdconnect.router.releaser import PrefillReleaser
+from pdconnect.router.request import Endpoint
 from pdconnect.router.upstream import UpstreamPool
 from pdconnect.serving import serve_until_signalled
 
@@ -62,29 +59,10 @@ __all__ = ["Router", "RunningRouter", "main", "start_router"]
 
 logger = logging.getLogger("pdconnect.router")
 
-# The one place where a cause becomes an HTTP status.
-_STATUS: dict[type[RouterError], int] = {
-    BadRequest: 400,
-    AdminUnauthorized: 401,
-    UnknownEngine: 404,
-    BodyTimeout: 408,
-    BodyTooLarge: 413,
-    UnsupportedEncoding: 415,
-    PrefillFailed: 502,
-    DecodeFailed: 502,
-    EngineAnswerTooLarge: 502,
-    NoEngineAvailable: 503,
-    DecodeTimeout: 504,
-}
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # An engine's /v1/models answer, relayed: a model list (with every LoRA adapter) is small.
 _MODELS_LIMIT = 16 * 1024 * 1024
-
-
-# The body was not (fully) read: close the connection rather than drain what is left.
-_CLOSE_AFTER = (BodyTooLarge, BodyTimeout, UnsupportedEncoding)
 
 
 def openai_error(status: int, message: str, kind: str) -> web.Response:
@@ -94,8 +72,8 @@ def openai_error(status: int, message: str, kind: str) -> web.Response:
 def error_response(exc: RouterError) -> web.Response:
     if isinstance(exc, EngineRejected):
         return web.Response(status=exc.status, body=exc.body, headers={"Content-Type": exc.content_type})
-    response = openai_error(_STATUS.get(type(exc), 500), str(exc), type(exc).__name__)
-    if isinstance(exc, _CLOSE_AFTER):
+    response = openai_error(exc.http_status, str(exc), type(exc).__name__)
+    if exc.closes:  # the body was not (fully) read: close rather than drain what is left
         response.force_close()
     return response
 
@@ -137,8 +115,22 @@ class Router:
         self._resolver = resolver
         self._side_channel_keys = config.resolve_side_channel_keys()
         self._admin_token = config.resolve_admin_token()
+        # Loaded before anything listens: a path that holds no tokenizer is a ConfigError in `main`.
+        self._tokenizer = self._load_tokenizer(config)
         self._flow: PDFlow | None = None
         self._session: aiohttp.ClientSession | None = None
+
+    @staticmethod
+    def _load_tokenizer(config: RouterConfig) -> PromptTokenizer | None:
+        """`--tokenizer`, for the kv-aware policy only (the others read no token ids)."""
+        if config.policy != "kv-aware" or not config.tokenizer:
+            return None
+        tokenizer = PromptTokenizer.load(config.tokenizer)
+        if tokenizer.template is None:
+            logger.warning(
+                "kv-aware: no usable chat template in %s; chat requests are placed by prefix affinity", config.tokenizer
+            )
+        return tokenizer
 
     @property
     def admin_enabled(self) -> bool:
@@ -200,6 +192,7 @@ class Router:
             make_policy(config.policy, load, config.affinity_vnodes, feed),
             make_policy(config.policy, load, config.affinity_vnodes, feed),
             self._decider(feed),
+            self._tokenizer,
         )
         tasks: list[asyncio.Task[None]] = []
         monitor = None
@@ -252,17 +245,17 @@ class Router:
                 await feed.close()
             releaser.close(wait=True)
 
-    def _decider(self, feed: KVEventsFeed | None) -> DecodeLocalDecider | None:
+    def _decider(self, feed: KVEventsFeed | None) -> DecodeFirstDecider | None:
         config = self.config
-        if not config.decode_local or feed is None or config.kv_cache_groups is None:
-            return None  # RouterConfig refuses decode_local without kv-aware and groups
+        if not config.decode_first or feed is None or config.kv_cache_groups is None:
+            return None  # RouterConfig refuses decode_first without kv-aware and groups
         settings = DeciderSettings(
             groups=parse_groups(config.kv_cache_groups),
-            max_uncached_tokens=config.decode_local_max_uncached_tokens,
-            max_uncached_ratio=config.decode_local_max_uncached_ratio,
-            max_local_tokens_in_flight=config.decode_local_max_tokens_in_flight,
+            max_uncached_tokens=config.decode_first_max_uncached_tokens,
+            max_uncached_ratio=config.decode_first_max_uncached_ratio,
+            max_local_tokens_in_flight=config.decode_first_max_tokens_in_flight,
         )
-        return DecodeLocalDecider(settings, feed, self.metrics)
+        return DecodeFirstDecider(settings, feed, self.metrics)
 
     def _kv_events_feed(self) -> KVEventsFeed:
         """Subscribe to every engine's KV events as it joins; drop it as it leaves."""

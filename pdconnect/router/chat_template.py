@@ -49,6 +49,8 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
+from pdconnect.errors import ConfigError
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
@@ -484,16 +486,20 @@ class PromptTokenizer:
         """From a model (or tokenizer) directory, or a bare tokenizer.json (text prompts only).
 
         A template that does not compile leaves chat to prefix affinity rather than stop
-        the router: vLLM fails those requests itself.
+        the router: vLLM fails those requests itself. A path that holds no readable
+        tokenizer is a ConfigError naming it: the router would tokenize nothing.
         """
-        from tokenizers import Tokenizer  # only the kv-aware policy needs it
-
         where = Path(path)
         if not where.is_dir():
-            return cls(Tokenizer.from_file(str(where)), None, f"{path} is a tokenizer file, not a model directory")
-        tokenizer = Tokenizer.from_file(str(where / "tokenizer.json"))
+            return cls(_read_tokenizer(where), None, f"{path} is a tokenizer file, not a model directory")
+        tokenizer = _read_tokenizer(where / "tokenizer.json")
         config_file = where / "tokenizer_config.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--tokenizer: {config_file} is not readable JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"--tokenizer: {config_file} is not a JSON object")
         source = load_template_source(where, config)
         if source is None:
             return cls(tokenizer, None, f"{path} has no chat template")
@@ -522,3 +528,15 @@ class PromptTokenizer:
     def chat(self, body: Mapping[str, Any]) -> list[int]:
         """The ids vLLM computes for this chat request; NotRendered when unknown here."""
         return self.text(*self.chat_text(body))
+
+
+def _read_tokenizer(path: Path) -> Tokenizer:
+    """A tokenizer.json; ConfigError naming `path` when it is missing or no tokenizer."""
+    from tokenizers import Tokenizer  # only the kv-aware policy needs it
+
+    if not path.is_file():
+        raise ConfigError(f"--tokenizer: {path} does not exist (expected a model directory or a tokenizer.json)")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for every failure
+        raise ConfigError(f"--tokenizer: {path} is not a tokenizer file: {exc}") from None

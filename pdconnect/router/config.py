@@ -9,6 +9,7 @@ side-channel secret, which `resolve_secret` reads once at start.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import tomllib
 from pathlib import Path
@@ -22,6 +23,8 @@ from pdconnect.keyring import Keyring, SigningKey, TrustedKeys
 from pdconnect.router.lookup import parse_groups
 
 __all__ = ["ConfigError", "DnsTarget", "RouterConfig", "engine_origin", "load_config", "parse_args"]
+
+logger = logging.getLogger("pdconnect.router.config")
 
 Policy = Literal["kv-aware", "prefix-affinity", "least-loaded", "round-robin"]
 
@@ -133,11 +136,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # share of the prompt) skips the prefill leg; local prefills in flight per decode
     # engine stay under the token bound. The engines' KV cache groups (`lookup.py`
     # syntax) say how vLLM's lookup treats each group.
-    decode_local: bool = False
+    decode_first: bool = False
     kv_cache_groups: str | None = None
-    decode_local_max_uncached_tokens: int = 256
-    decode_local_max_uncached_ratio: float = 1.0
-    decode_local_max_tokens_in_flight: int = 512
+    decode_first_max_uncached_tokens: int = 256
+    decode_first_max_uncached_ratio: float = 1.0
+    decode_first_max_tokens_in_flight: int = 512
 
     connect_timeout: float = 2.0
     # Idle pooled connections to engines are closed after this many seconds: below the
@@ -200,6 +203,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     route_headers: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    @property
+    def decode_local(self) -> bool:
+        """The deprecated name of `decode_first`, for callers written before the rename."""
+        return self.decode_first
+
     def __post_init__(self) -> None:
         for name in (
             "dns_interval",
@@ -243,15 +251,15 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise ConfigError(f"affinity_load_factor must be >= 1, got {self.affinity_load_factor}")
         if self.policy == "kv-aware" and self.kv_events_port is None and not self.kv_events_endpoints:
             raise ConfigError("the kv-aware policy needs --kv-events-port (or kv_events_endpoints)")
-        if self.decode_local:
+        if self.decode_first:
             if self.policy != "kv-aware":
-                raise ConfigError("decode_local needs the kv-aware policy (it reads the engines' KV events)")
+                raise ConfigError("decode_first needs the kv-aware policy (it reads the engines' KV events)")
             if not self.kv_cache_groups:
-                raise ConfigError("decode_local needs --kv-cache-groups (the engines' KV cache groups)")
-            if self.decode_local_max_uncached_tokens < 1 or self.decode_local_max_tokens_in_flight < 1:
-                raise ConfigError("decode_local token bounds must be >= 1")
-            if not 0 < self.decode_local_max_uncached_ratio <= 1:
-                raise ConfigError("decode_local_max_uncached_ratio must be in (0, 1]")
+                raise ConfigError("decode_first needs --kv-cache-groups (the engines' KV cache groups)")
+            if self.decode_first_max_uncached_tokens < 1 or self.decode_first_max_tokens_in_flight < 1:
+                raise ConfigError("decode_first token bounds must be >= 1")
+            if not 0 < self.decode_first_max_uncached_ratio <= 1:
+                raise ConfigError("decode_first_max_uncached_ratio must be in (0, 1]")
         if self.kv_cache_groups is not None:
             parse_groups(self.kv_cache_groups)
         if not (self.decode or self.decode_dns):
@@ -310,8 +318,18 @@ def _read_env(name: str | None) -> bytes | None:
 
 def load_config(values: dict[str, Any]) -> RouterConfig:
     """Validate a mapping of options (file or argv); ConfigError names the bad key."""
+    options: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        new = _RENAMED_KEYS.get(name)
+        if new is not None:
+            if new in values or new.replace("_", "-") in values:
+                raise ConfigError(f"{name} is the deprecated name of {new}: give only {new}")
+            logger.warning("router option %s is deprecated: it is now %s", name, new)
+            name = new
+        options[name] = value
     try:
-        return msgspec.convert({k.replace("-", "_"): v for k, v in values.items()}, RouterConfig)
+        return msgspec.convert(options, RouterConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid router configuration: {exc}") from None
 
@@ -332,6 +350,17 @@ def _default(name: str) -> Any:
     return defaults[fields.index(name) - (len(fields) - len(defaults))]
 
 
+# Options renamed: new flag -> the old one, still accepted (deploy manifests and scripts
+# written before the rename). In a config file the old key is accepted the same way.
+_RENAMED_FLAGS = {
+    "decode-first": "decode-local",
+    "decode-first-max-uncached-tokens": "decode-local-max-uncached-tokens",
+    "decode-first-max-uncached-ratio": "decode-local-max-uncached-ratio",
+    "decode-first-max-tokens-in-flight": "decode-local-max-tokens-in-flight",
+}
+_RENAMED_KEYS = {old.replace("-", "_"): new.replace("-", "_") for new, old in _RENAMED_FLAGS.items()}
+
+
 def _add(group: Any, name: str, help: str, **kw: Any) -> None:
     """One option whose help ends with its default, taken from RouterConfig (one source)."""
     dest = name.replace("-", "_")
@@ -342,7 +371,12 @@ def _add(group: Any, name: str, help: str, **kw: Any) -> None:
         shown = "none"
     else:
         shown = str(default)
-    group.add_argument(f"--{name}", help=f"{help} (default: {shown})", **kw)
+    names = [f"--{name}"]
+    old = _RENAMED_FLAGS.get(name)
+    if old is not None:
+        names.append(f"--{old}")
+        help = f"{help}; --{old} is its deprecated name"
+    group.add_argument(*names, dest=dest, help=f"{help} (default: {shown})", **kw)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -399,7 +433,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add(
         routing,
-        "decode-local",
+        "decode-first",
         "kv-aware: a request whose decode engine already caches all but a few prompt tokens "
         "skips the prefill leg (decode prefills them itself)",
         action=argparse.BooleanOptionalAction,
@@ -407,27 +441,27 @@ def _parser() -> argparse.ArgumentParser:
     _add(
         routing,
         "kv-cache-groups",
-        "decode-local: the engines' KV cache groups, e.g. full:128:eagle,sliding:128:64:eagle "
+        "decode-first: the engines' KV cache groups, e.g. full:128:eagle,sliding:128:64:eagle "
         "(:eagle on the groups that take the EAGLE/MTP drop: every group under EAGLE, the "
         "drafter's group under MTP)",
         metavar="SPEC",
     )
     _add(
         routing,
-        "decode-local-max-uncached-tokens",
-        "decode-local: most prompt tokens a decode engine may compute itself for one request",
+        "decode-first-max-uncached-tokens",
+        "decode-first: most prompt tokens a decode engine may compute itself for one request",
         type=int,
     )
     _add(
         routing,
-        "decode-local-max-uncached-ratio",
-        "decode-local: most share of a prompt a decode engine may compute itself",
+        "decode-first-max-uncached-ratio",
+        "decode-first: most share of a prompt a decode engine may compute itself",
         type=float,
     )
     _add(
         routing,
-        "decode-local-max-tokens-in-flight",
-        "decode-local: most local-prefill tokens in flight per decode engine; beyond it, P/D",
+        "decode-first-max-tokens-in-flight",
+        "decode-first: most local-prefill tokens in flight per decode engine; beyond it, P/D",
         type=int,
     )
     _add(routing, "affinity-prefix-chars", "characters of prompt text hashed for the affinity key", type=int)

@@ -16,17 +16,17 @@ Invariants:
 - a prediction is made only from a fresh index (KV events without an unrepaired gap); no
   index, no token ids, or a request vLLM would not look up (prompt logprobs) or would hash
   differently from the index (a cache salt) is P/D, with the reason named;
-- decode's own load bounds local prefills: the uncached tokens of the decode-local
-  requests not yet past their first byte, per engine, never exceed
+- decode's own load bounds local prefills: the uncached tokens of the requests on the local
+  route not yet past their first byte, per engine, never exceed
   `max_local_tokens_in_flight`; a request that would is P/D ("busy"). Each reservation is
   released exactly once (`Route.prefilled`), on the first byte, a failure or the end;
-- a decode-local request whose engine reports its cached prompt tokens is checked
+- a request on the local route whose engine reports its cached prompt tokens is checked
   against the prediction (`pdconnect_router_decode_local_hit_checks`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,9 +36,10 @@ from pdconnect.router.engines import Engine
 from pdconnect.router.kvindex import EngineKVIndex
 from pdconnect.router.lookup import CacheGroups, predicted_hits
 from pdconnect.router.metrics import RouterMetrics
+from pdconnect.router.prompt import RoutingPrompt
 from pdconnect.router.usage import UsageMerger
 
-__all__ = ["DeciderSettings", "DecodeLocalDecider", "IndexSource", "Route"]
+__all__ = ["DeciderSettings", "DecodeFirstDecider", "IndexSource", "Route"]
 
 LOCAL = "decode-local"
 PD = "pd"
@@ -95,8 +96,8 @@ class Route:
             release()
 
 
-class DecodeLocalDecider:
-    """Decides decode-local vs P/D per request and tracks local prefills per decode engine."""
+class DecodeFirstDecider:
+    """Decode-first routing: decides the local route vs P/D per request and tracks local prefills per decode engine."""
 
     def __init__(self, settings: DeciderSettings, indexes: IndexSource, metrics: RouterMetrics) -> None:
         self._settings = settings
@@ -110,13 +111,12 @@ class DecodeLocalDecider:
     def decide(
         self,
         engine: Engine | None,
-        tokens: Sequence[int] | None,
+        prompt: RoutingPrompt | None,
         body: dict[str, Any],
-        keys: dict[int, list[int]] | None = None,
     ) -> Route:
-        """The route for a request of prompt `tokens` whose decode engine the policy picked;
-        `keys`: the prompt's chain keys as the policy's lookups left them (`kvindex.longest_hit`)."""
-        route = self._decide(engine, tokens, body, keys)
+        """The route for a request whose decode engine the policy picked; `prompt`: its tokens
+        with the chain keys the policy's lookups computed (`lookup.longest_hit`), or None."""
+        route = self._decide(engine, prompt, body)
         self._metrics.decode_routes.labels(route.name, route.reason).inc()
         if route.full_attention_hit >= 0:
             shadow = LOCAL if self._small(route.prompt_tokens - route.full_attention_hit, route.prompt_tokens) else PD
@@ -126,13 +126,12 @@ class DecodeLocalDecider:
     def _decide(
         self,
         engine: Engine | None,
-        tokens: Sequence[int] | None,
+        prompt: RoutingPrompt | None,
         body: dict[str, Any],
-        keys: dict[int, list[int]] | None,
     ) -> Route:
         if engine is None:
             return Route(False, "no_engine")
-        if not tokens:
+        if prompt is None or not prompt.tokens:
             return Route(False, "no_tokens")
         if body.get("prompt_logprobs") is not None or body.get("cache_salt") is not None:
             # vLLM skips its lookup for prompt logprobs; a salt changes the engine's
@@ -141,8 +140,8 @@ class DecodeLocalDecider:
         index = self._indexes.index(engine.url)
         if index is None:
             return Route(False, "no_events")
-        hit, full_hit = predicted_hits(self._settings.groups, index, tokens, keys)
-        count = len(tokens)
+        hit, full_hit = predicted_hits(self._settings.groups, index, prompt)
+        count = len(prompt.tokens)
         uncached = count - hit
         if not self._small(uncached, count):
             return Route(False, "uncached", count, hit, full_hit)
@@ -151,7 +150,7 @@ class DecodeLocalDecider:
         if busy + uncached > self._settings.max_local_tokens_in_flight:
             return Route(False, "busy", count, hit, full_hit)
         self._in_flight[url] = busy + uncached
-        self._metrics.decode_local_prefill_tokens.labels().inc(uncached)
+        self._metrics.decode_first_prefill_tokens.labels().inc(uncached)
         return Route(True, "cached", count, hit, full_hit, release=lambda: self._release(url, uncached))
 
     def _small(self, uncached: int, count: int) -> bool:

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pdconnect.router.health import CircuitBreaker
+from pdconnect.router.breaker import CircuitBreaker
 
 __all__ = ["Engine", "EngineRegistry", "Role"]
 

@@ -1,10 +1,14 @@
-"""Why a routed request failed: one exception type per cause, mapped to HTTP in `app.py` only.
+"""Why a routed request failed: one exception type per cause, each carrying its HTTP status and outcome.
 
 Code that knows the cause raises one of these; nothing below the HTTP layer picks a
-status code, so the mapping from cause to status lives in exactly one table.
+status code. Each class says once what its cause becomes: `http_status` (the response
+`app.error_response` builds), `outcome` (the request's label in `metrics.OUTCOMES`) and
+`closes` (whether the connection is closed after the answer, the body not fully read).
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import msgspec
 
@@ -34,25 +38,43 @@ def openai_error_body(status: int, message: str, kind: str) -> bytes:
 class RouterError(Exception):
     """Base of every error the router turns into an HTTP response."""
 
+    http_status: ClassVar[int] = 500
+    outcome: ClassVar[str] = "bad_request"
+    closes: ClassVar[bool] = False
+
 
 class BadRequest(RouterError):
     """The client's request cannot be routed (not JSON, not an object, bad admin body)."""
+
+    http_status = 400
 
 
 class BodyTooLarge(RouterError):
     """The request body, as sent or once inflated, is over `max_body_bytes`."""
 
+    http_status = 413
+    closes = True
+
 
 class BodyTimeout(RouterError):
     """The request body did not arrive within `body_read_timeout`."""
+
+    http_status = 408
+    closes = True
 
 
 class UnsupportedEncoding(RouterError):
     """The request body uses a Content-Encoding the router does not inflate."""
 
+    http_status = 415
+    closes = True
+
 
 class NoEngineAvailable(RouterError):
     """No engine of the needed role is registered and healthy."""
+
+    http_status = 503
+    outcome = "no_engine"
 
     def __init__(self, role: str) -> None:
         super().__init__(f"no healthy {role} engine available")
@@ -62,26 +84,41 @@ class NoEngineAvailable(RouterError):
 class PrefillFailed(RouterError):
     """Every prefill attempt failed and decode-only fallback is switched off."""
 
+    http_status = 502
+    outcome = "prefill_failed"
+
 
 class DecodeFailed(RouterError):
     """Every decode attempt failed before the client got a byte."""
+
+    http_status = 502
+    outcome = "decode_failed"
 
 
 class DecodeTimeout(RouterError):
     """A non-streaming decode took longer than `decode_timeout` (not retried: it may be
     a long generation, and running it twice would double the cost)."""
 
+    http_status = 504
+    outcome = "decode_timeout"
+
 
 class EngineAnswerTooLarge(RouterError):
     """A decode engine's whole answer is over `max_answer_bytes`: dropped unread, not
     retried (another engine would produce the same answer for the same request)."""
 
+    http_status = 502
+    outcome = "decode_failed"
+
 
 class EngineRejected(RouterError):
     """An engine refused the request itself (4xx): the client gets the engine's answer.
 
-    Retrying elsewhere cannot help: every engine would refuse the same body.
+    Retrying elsewhere cannot help: every engine would refuse the same body. The answer
+    is the engine's own, status included (`status`).
     """
+
+    outcome = "rejected"
 
     def __init__(self, status: int, body: bytes, content_type: str) -> None:
         super().__init__(f"engine answered {status}")
@@ -93,6 +130,10 @@ class EngineRejected(RouterError):
 class AdminUnauthorized(RouterError):
     """An admin call without the configured bearer token."""
 
+    http_status = 401
+
 
 class UnknownEngine(RouterError):
     """An admin call names an engine the registry does not hold."""
+
+    http_status = 404

@@ -1,13 +1,11 @@
-"""Whether an engine may get traffic: a circuit breaker over request outcomes, and active polling.
+"""Whether an engine answers: its `/health` polled, the signal beside the circuit breaker.
 
-Two independent signals decide it (`Engine.routable`):
+Two independent signals decide whether an engine may get traffic (`Engine.routable`):
 - active: `/health` polled every `health_interval`; `health_failures` failed polls in a
   row mark the engine down, one good poll marks it up. Until its first poll answers,
   a new engine is not routable (a pod that is still loading its model must not get
   traffic just because DNS already lists it).
-- passive: `CircuitBreaker` counts consecutive failed requests; at the threshold it
-  opens for `cooldown` seconds, then lets exactly one trial request through
-  (half-open): success closes it, failure reopens it. The breaker catches engines
+- passive: `breaker.CircuitBreaker` over request outcomes, which catches engines
   whose `/health` says fine while their completions fail.
 
 The monitor never stops on its own: an unexpected error in a round or a probe is
@@ -17,72 +15,19 @@ logged, counted (`on_error`) and taken as a failed poll, and polling goes on.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
-import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import aiohttp
 
-if TYPE_CHECKING:
-    from pdconnect.router.engines import Engine, EngineRegistry
+from pdconnect.router.engines import Engine, EngineRegistry
 
-__all__ = ["BreakerState", "CircuitBreaker", "HealthMonitor"]
+__all__ = ["HealthMonitor"]
 
 logger = logging.getLogger("pdconnect.router.health")
 
-Clock = Callable[[], float]
 # Read of a /health answer's body: vLLM's is empty; only the status counts.
 _BODY_LIMIT = 64 * 1024
-
-
-class BreakerState(enum.Enum):
-    CLOSED = "closed"
-    OPEN = "open"
-    HALF_OPEN = "half_open"
-
-
-class CircuitBreaker:
-    """Per-engine breaker. Invariant: at most one trial request is out while half-open,
-    and a trial that never reports back (its client vanished) stops blocking after one
-    cooldown, so an engine can never stay excluded for good by accident."""
-
-    def __init__(self, failure_threshold: int, cooldown: float, clock: Clock = time.monotonic) -> None:
-        self._threshold = failure_threshold
-        self._cooldown = cooldown
-        self._clock = clock
-        self.state = BreakerState.CLOSED
-        self.consecutive_failures = 0
-        self.opens = 0
-        self._since = 0.0  # when it opened, or when the trial went out
-
-    def allows(self) -> bool:
-        """May a request be sent now? Read-only: `on_attempt` takes the trial slot."""
-        if self.state is BreakerState.CLOSED:
-            return True
-        return self._clock() - self._since >= self._cooldown
-
-    def on_attempt(self) -> None:
-        if self.state is not BreakerState.CLOSED:
-            self.state = BreakerState.HALF_OPEN
-            self._since = self._clock()
-
-    def record_success(self) -> None:
-        self.consecutive_failures = 0
-        self.state = BreakerState.CLOSED
-
-    def record_failure(self) -> bool:
-        """Count one failed request; True when this failure opened the breaker."""
-        self.consecutive_failures += 1
-        if self.state is BreakerState.HALF_OPEN or (
-            self.state is BreakerState.CLOSED and self.consecutive_failures >= self._threshold
-        ):
-            self.state = BreakerState.OPEN
-            self._since = self._clock()
-            self.opens += 1
-            return True
-        return False
 
 
 class HealthMonitor:

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
 
-from pdconnect.router.kvindex import DEFAULT_MAX_BLOCKS, EngineKVIndex, prompt_keys
+from pdconnect.router.kvindex import DEFAULT_MAX_BLOCKS, EngineKVIndex
+from pdconnect.router.prompt import RoutingPrompt
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "KVEventsFeed", "events_endpoint"]
 
@@ -111,34 +112,26 @@ class KVEventsFeed:
         if sub is not None and sub.task is not None:
             sub.task.cancel()
 
-    def hit_tokens(
-        self,
-        url: str,
-        tokens: Sequence[int],
-        keys: dict[int, list[int]] | None = None,
-        *,
-        eagle_groups: Collection[int] = (),
-    ) -> int | None:
-        """Prefix tokens the engine caches for `tokens`; None while its index is not fresh.
-        Pass the same `keys` dict for every engine of one request: chain keys are computed once.
+    def hit_tokens(self, url: str, prompt: RoutingPrompt, *, eagle_groups: Collection[int] = ()) -> int | None:
+        """Prefix tokens the engine caches for the prompt; None while its index is not fresh.
+        Pass the same prompt for every engine of one request: chain keys are computed once.
         `eagle_groups`: see `EngineKVIndex.hit_tokens` (an engine drafting with EAGLE/MTP)."""
         sub = self._subs.get(url)
         if sub is None or not sub.fresh:
             return None
-        return sub.index.hit_tokens(tokens, keys, eagle_groups=eagle_groups)
+        return sub.index.hit_tokens(prompt, eagle_groups=eagle_groups)
 
-    async def keys_for(self, tokens: Sequence[int]) -> dict[int, list[int]]:
-        """The prompt's chain keys at every granularity the watched engines key blocks at
-        (`EngineKVIndex.granularity`: each engine's finest block size), computed on
-        the loop's default executor: the part of a lookup that scales with the prompt. Pass
-        the result as `keys` to `hit_tokens` for each engine and to the decider
-        (`lookup.predicted_hits`); what stays on the loop is then one dict lookup per block
-        up to each engine's hit (`make bench-lookup`). The lookups themselves stay on the
-        loop: it is the loop that applies events to the indexes they read."""
+    async def fill_keys(self, prompt: RoutingPrompt) -> None:
+        """Compute the prompt's chain keys at every granularity the watched engines key
+        blocks at (`EngineKVIndex.granularity`: each engine's finest block size) on the
+        loop's default executor: the part of a lookup that scales with the prompt. What
+        stays on the loop for `hit_tokens` on each engine and the decider
+        (`lookup.predicted_hits`) is then one dict lookup per block up to each engine's hit
+        (`make bench-lookup`). The lookups themselves stay on the loop: it is the loop that
+        applies events to the indexes they read."""
         sizes = {s.index.granularity for s in list(self._subs.values()) if s.fresh} - {0}
-        if not sizes:
-            return {}
-        return await asyncio.get_running_loop().run_in_executor(None, prompt_keys, tokens, sizes)
+        if sizes:
+            await asyncio.get_running_loop().run_in_executor(None, prompt.fill, sizes)
 
     def index(self, url: str) -> EngineKVIndex | None:
         """The engine's index, or None while it is not fresh (the same rule as `hit_tokens`)."""

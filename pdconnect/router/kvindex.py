@@ -1,15 +1,12 @@
-"""What each engine really caches, from vLLM's KV events: wire types, a per-group index, vLLM's hit rule.
+"""What each engine really caches: one index per engine and KV cache group, fed by vLLM's KV events.
 
-vLLM engines started with `--kv-events-config` publish msgpack `KVEventBatch`es of
-`BlockStored` / `BlockRemoved` / `AllBlocksCleared` over ZMQ. The structs below mirror
-that wire format (vllm/distributed/kv_events.py, 0.32; `pdconnect` never imports vLLM,
-and a test decodes batches encoded with vLLM's own classes), tolerant of fields added
-later.
+The events arrive as `kvwire` structs (vLLM's wire format, checked by `invalid_reason`
+before they touch an index); `kvevents` subscribes to them.
 
 Block hashes cannot be recomputed here (vLLM seeds them per process), so the index keys
 blocks by *content*, in one key space per engine at its finest granularity g (the gcd of
 its groups' block sizes, vLLM's `hash_block_size`): g-level chain keys
-(`chain_keys(tokens, g)`, each = hash(previous key, g token ids)) name token prefixes, and
+(`prompt.chain_keys(tokens, g)`, each = hash(previous key, g token ids)) name token prefixes, and
 a block of B tokens ending at token t is keyed by the g-level key of the prefix [0, t)
 (`block_keys`). vLLM does the same with its hashes (`BlockHashListWithBlockSize`, vLLM
 0.32 and 0.33: a B-block's hash *is* the `hash_block_size` hash of its last sub-block), so
@@ -28,7 +25,7 @@ positions the listed hashes stand for is then unknown. A listed hash another gro
 engine has keyed (any block size: see above) whose key is the content key of a block of
 the range is *anchored* there, content-verified; one listed by the group of the largest
 block size (vLLM's scheduler block, the cache-hit alignment) ends an aligned *boundary*.
-The others of a sliding-window store are placed by vLLM's rule (`_run_blocks`): what it
+The others of a sliding-window store are placed by vLLM's rule (`lookup.run_blocks`): what it
 keeps of a sliding group are runs of `cdiv(window - 1, B)` blocks ending at an aligned
 boundary, plus, in a group that takes the EAGLE/MTP drop, the block after it (its lookup
 peeks at it and drops back); under vLLM's default sparse retention only at the boundaries
@@ -45,13 +42,8 @@ until then they wait, bounded, and a hash that never resolves is dropped and cou
 The argument and its limits are in docs/router.md.
 
 Hybrid models: every KV cache group (full attention, sliding window, ...) is indexed on
-its own, and a prefix is a hit only if *every* group can serve it. `longest_hit` is vLLM's
-rule for that (`HybridKVCacheCoordinator`: the lcm alignment, a sliding group's window
-run, the EAGLE/MTP drop), the one copy both the kv-aware policy (`hit_tokens`, over the
-groups the engine has published) and the decode-local decider (`lookup.predicted_hits`,
-over the configured groups) use. vLLM's per-group events do not mix the group into the
-hash, so mixing the groups here would call a prefix cached that one group has already
-evicted.
+its own, and a prefix is a hit only if *every* group can serve it: `hit_tokens` asks
+vLLM's rule for that (`lookup.longest_hit`) over the groups the engine has published.
 
 Untrusted input: every event is checked (`invalid_reason`) before it touches the index; an
 invalid one is dropped and counted by reason, never raised, and never affects another
@@ -66,171 +58,35 @@ engine's index near 136 MB.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
-__all__ = [
-    "DEFAULT_MAX_BLOCKS",
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
-    "EngineKVIndex",
-    "GroupIndex",
-    "KVEventBatch",
-    "LookupGroup",
-    "block_keys",
-    "chain_keys",
-    "decode_batch",
-    "invalid_reason",
-    "longest_hit",
-    "prompt_keys",
-]
+from pdconnect.router.kvwire import (
+    DECODE_ERRORS,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    decode_batch,
+    decode_event,
+    decode_raw_batch,
+    invalid_reason,
+    is_sliding,
+    valid_group,
+    valid_hash,
+)
+from pdconnect.router.lookup import LookupGroup, longest_hit, run_blocks
+from pdconnect.router.prompt import RoutingPrompt, chain_keys
 
-BlockHash = bytes | int
+__all__ = ["DEFAULT_MAX_BLOCKS", "EngineKVIndex", "GroupIndex"]
 
-# What a well-formed event stays within. vLLM's block sizes are a few tokens to a few
-# thousand (Mamba's can reach tens of thousands); hashes are 32-byte digests or 64-bit ints.
-MAX_BLOCK_SIZE = 1 << 16
-MAX_GROUPS = 256
-MAX_WINDOW = 1 << 24
-MAX_HASH_BYTES = 64
-MAX_TOKEN_ID = 1 << 32  # exclusive
-MAX_NAME_CHARS = 256  # medium, kind, LoRA name
 DEFAULT_MAX_BLOCKS = 1 << 19
-
-
-class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None = None
-    token_ids: list[int] = []
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
-    block_hashes: list[BlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    ts: float
-    events: list[KVEvent]
-    data_parallel_rank: int | None = None
-
-
-class _RawBatch(msgspec.Struct, array_like=True):
-    """A batch whose events are read one by one: one malformed event spoils only itself."""
-
-    ts: Any
-    events: list[msgspec.Raw]
-    data_parallel_rank: Any = None
-
-
-# What reading a payload may raise: msgspec's errors, and RecursionError for deep nesting.
-_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
-
-_decoder: msgspec.msgpack.Decoder[KVEventBatch] = msgspec.msgpack.Decoder(KVEventBatch)
-_raw_decoder: msgspec.msgpack.Decoder[_RawBatch] = msgspec.msgpack.Decoder(_RawBatch)
-_event_decoder: msgspec.msgpack.Decoder[KVEvent] = msgspec.msgpack.Decoder(KVEvent)
-
-
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """One published payload; msgspec.DecodeError/ValidationError names what is wrong."""
-    return _decoder.decode(payload)
-
-
-def chain_keys(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[int]:
-    """The content key of every full block of `tokens` (a block's key covers its whole prefix)."""
-    keys = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tuple(tokens[start : start + block_size])))
-        keys.append(parent)
-    return keys
-
-
-def block_keys(tokens: Sequence[int], block_size: int, granularity: int) -> list[int]:
-    """The content key of every full `block_size` block of `tokens` in the key space of
-    `granularity` (which divides `block_size`): the g-level chain key of its last sub-block."""
-    ratio = block_size // granularity
-    return chain_keys(tokens, granularity)[ratio - 1 :: ratio]
-
-
-def prompt_keys(tokens: Sequence[int], granularities: Iterable[int]) -> dict[int, list[int]]:
-    """Every chain key of `tokens` at each granularity (`EngineKVIndex.granularity`): the
-    `keys` argument of `hit_tokens`, complete. A pure function, for a worker thread (a
-    128k-token prompt costs milliseconds)."""
-    return {size: chain_keys(tokens, size) for size in set(granularities)}
-
-
-def _valid_hash(value: object) -> bool:
-    if isinstance(value, bytes):
-        return 0 < len(value) <= MAX_HASH_BYTES
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _valid_name(value: object) -> bool:
-    return value is None or (isinstance(value, str) and len(value) <= MAX_NAME_CHARS)
-
-
-def _valid_group(value: object) -> bool:
-    return value is None or (isinstance(value, int) and 0 <= value < MAX_GROUPS)
-
-
-def invalid_reason(event: KVEvent) -> str | None:
-    """Why `event` must not touch the index (a bounded set of metric labels), or None."""
-    if isinstance(event, AllBlocksCleared):
-        return None
-    if not _valid_group(event.group_idx):
-        return "group"
-    if not _valid_name(event.medium):
-        return "medium"
-    if isinstance(event, BlockRemoved):
-        return None  # its hashes are checked one by one (see EngineKVIndex._remove)
-    size = event.block_size
-    if not isinstance(size, int) or not 0 < size <= MAX_BLOCK_SIZE:
-        return "block_size"
-    tokens = event.token_ids
-    if not tokens or len(tokens) % size or min(tokens) < 0 or max(tokens) >= MAX_TOKEN_ID:
-        return "token_ids"
-    if not 0 < len(event.block_hashes) <= len(tokens) // size or not all(map(_valid_hash, event.block_hashes)):
-        return "hashes"
-    if event.parent_block_hash is not None and not _valid_hash(event.parent_block_hash):
-        return "parent"
-    if not _valid_name(event.kv_cache_spec_kind):
-        return "kind"
-    if _is_sliding(event):
-        window = event.kv_cache_spec_sliding_window
-        if window is None or not 0 < window <= MAX_WINDOW:
-            return "window"
-    if (event.lora_id is not None and event.lora_id < 0) or not _valid_name(event.lora_name):
-        return "lora"
-    return None
-
-
-def _is_sliding(event: BlockStored) -> bool:
-    # Only sliding-window kinds may skip early blocks; any other kind (full, MLA,
-    # unknown) is held to the whole prefix, the safe side.
-    return (event.kv_cache_spec_kind or "").startswith("sliding_window")
 
 
 def _no_count(reason: str) -> None:
@@ -327,19 +183,19 @@ class EngineKVIndex:
         """Apply one published payload, event by event; False when it is no batch at all
         (then nothing was applied and the caller must distrust the index: removals may be lost)."""
         try:
-            self.apply(_decoder.decode(payload))
+            self.apply(decode_batch(payload))
             return True
-        except _DECODE_ERRORS:
+        except DECODE_ERRORS:
             pass
         try:
-            raw = _raw_decoder.decode(payload)
-        except _DECODE_ERRORS:
+            raw = decode_raw_batch(payload)
+        except DECODE_ERRORS:
             return False
         events: list[KVEvent] = []
         for item in raw.events:
             try:
-                events.append(_event_decoder.decode(item))
-            except _DECODE_ERRORS:
+                events.append(decode_event(item))
+            except DECODE_ERRORS:
                 self.count("undecodable")
                 self._unreadable(item, events)
         self.apply(KVEventBatch(ts=0.0, events=events))
@@ -350,13 +206,13 @@ class EngineKVIndex:
         as far as it can be read (the index keeps nothing it cannot vouch for)."""
         try:
             value = msgspec.msgpack.decode(item)
-        except (*_DECODE_ERRORS, TypeError, ValueError):
+        except (*DECODE_ERRORS, TypeError, ValueError):
             return  # not even a map: no kind we could name
         if not isinstance(value, dict) or value.get("type") not in ("BlockRemoved", "AllBlocksCleared"):
             return  # a store (skipping it under-reports) or a kind we do not model
         hashes, group = value.get("block_hashes"), value.get("group_idx")
         if value["type"] == "BlockRemoved" and isinstance(hashes, list):
-            events.append(BlockRemoved(hashes, None, group if _valid_group(group) else -1))
+            events.append(BlockRemoved(hashes, None, group if valid_group(group) else -1))
         else:
             self.count("removal_unreadable")
             events.append(AllBlocksCleared())
@@ -372,7 +228,7 @@ class EngineKVIndex:
             if isinstance(event, BlockRemoved):
                 self._remove(event)
                 for waiting in deferred:
-                    waiting.removed.update(h for h in event.block_hashes if _valid_hash(h))
+                    waiting.removed.update(h for h in event.block_hashes if valid_hash(h))
                 continue
             if isinstance(event, AllBlocksCleared):
                 self.groups.clear()
@@ -425,7 +281,7 @@ class EngineKVIndex:
         """The store's group, created by its first store; None (counted) for a store that
         contradicts the group's block size or kind: an engine keeps its layout for life."""
         gid = event.group_idx or 0
-        window = event.kv_cache_spec_sliding_window if _is_sliding(event) else None
+        window = event.kv_cache_spec_sliding_window if is_sliding(event) else None
         group = self.groups.get(gid)
         if group is None:
             group = self.groups[gid] = GroupIndex(event.block_size, window, self.budget)
@@ -435,10 +291,10 @@ class EngineKVIndex:
         return group
 
     def _remove(self, event: BlockRemoved) -> None:
-        hashes = [h for h in event.block_hashes if _valid_hash(h)]
+        hashes = [h for h in event.block_hashes if valid_hash(h)]
         if len(hashes) < len(event.block_hashes):
             self.count("hashes")  # malformed hashes were never accepted in a store: nothing to do
-        if _valid_group(event.group_idx):
+        if valid_group(event.group_idx):
             group = self.groups.get(event.group_idx or 0)
             targets = [] if group is None else [group]
         else:
@@ -522,7 +378,7 @@ class EngineKVIndex:
             return placed
         if parent is not None and any(parent in g.by_hash for g in aligned):
             boundaries.insert(0, -1)  # the range starts right after a boundary
-        blocks = _run_blocks(hashes, anchors, boundaries, len(own), group, alignment)
+        blocks = run_blocks(hashes, anchors, boundaries, len(own), group, alignment)
         if blocks is None:
             self.count("unanchored")
             return placed
@@ -547,18 +403,14 @@ class EngineKVIndex:
             for _ in range(group.evicted - evicted):
                 self.count("index_full")
 
-    def hit_tokens(
-        self, tokens: Sequence[int], keys: dict[int, list[int]] | None = None, *, eagle_groups: Collection[int] = ()
-    ) -> int:
-        """The longest prefix of `tokens` every group can serve (0 before any event): vLLM's
-        lookup (`longest_hit`) over this engine's groups, with at most len(tokens) tokens.
-
-        `keys` caches chain keys by granularity across engines and lookups (one request, many
-        engines; see `longest_hit`).
+    def hit_tokens(self, prompt: RoutingPrompt, *, eagle_groups: Collection[int] = ()) -> int:
+        """The longest prefix of the prompt every group can serve (0 before any event): vLLM's
+        lookup (`longest_hit`) over this engine's groups, with at most all its tokens. The
+        prompt's chain keys are shared across engines and lookups (see `longest_hit`).
 
         `eagle_groups`: the engine runs EAGLE/MTP drafting and these group ids get vLLM's
-        last-block drop. `tokens` is then the whole prompt, and the answer is vLLM's for it
-        exactly: it looks up len(tokens) - 1 tokens and lets a dropping group peek one block
+        last-block drop. The prompt is then the whole prompt, and the answer is vLLM's for it
+        exactly: it looks up all tokens but the last and lets a dropping group peek one block
         further.
         """
         # vLLM looks groups of one spec up together, full attention first (a stable sort).
@@ -567,8 +419,8 @@ class EngineKVIndex:
         eagle = {(g.block_size, g.sliding_window) for gid, g in ordered if gid in eagle_groups}
         grain = self.granularity
         groups = [self.lookup_group(size, window, (size, window) in eagle, grain) for size, window in specs]
-        max_length = len(tokens) - 1 if eagle_groups else len(tokens)
-        return longest_hit(groups, tokens, {} if keys is None else keys, max_length)
+        max_length = len(prompt.tokens) - 1 if eagle_groups else len(prompt.tokens)
+        return longest_hit(groups, prompt, max_length)
 
     def lookup_group(
         self, block_size: int, sliding_window: int | None, eagle: bool, granularity: int | None = None
@@ -590,255 +442,3 @@ class _Deferred:
     group: GroupIndex
     event: BlockStored
     removed: set[BlockHash] = field(default_factory=set)
-
-
-def _run_blocks(
-    hashes: Sequence[BlockHash],
-    anchors: dict[int, int],
-    boundaries: Sequence[int],
-    length: int,
-    group: GroupIndex,
-    alignment: int,
-) -> list[int] | None:
-    """The block of the range each listed hash of a sparse sliding-window store stands for,
-    by vLLM's rule (`SlidingWindowManager.reachable_block_mask`), or None when it cannot be
-    told.
-
-    vLLM keeps, around each cache-hit-aligned boundary a prompt can be replayed from, the
-    `cdiv(window - 1, B)` blocks before it, plus with EAGLE/MTP (shift 1) the block after
-    it that its lookup peeks at; nulls (blocks behind the window when the range was
-    cached) precede them. Our decode connector publishes a slack run as a store of its own
-    that ends at the run's last block. So for either shift the listed hashes are the runs
-    around the boundaries anchored in the range (`boundaries`: blocks that end one, -1 for
-    the block before the range), exactly, or their last ones, or followed by a run
-    ending at the range's end. Whether the group takes the drop is not published: both
-    shifts are tried, the first rule above that fits best wins, and every hash another
-    group anchored (`anchors`) must land on its own block. Two shifts that fit equally
-    well but disagree leave the store unplaced.
-    """
-    assert group.sliding_window is not None
-    size = group.block_size
-    per_segment = alignment // size
-    base = -(-(group.sliding_window - 1) // size)
-    found: dict[int, set[tuple[int, ...]]] = {}  # rank (lower is better) -> placements
-    count = len(hashes)
-    for shift in (0, 1):
-        if base + shift >= per_segment:
-            expected = list(range(length))  # vLLM keeps every block: nulls first
-        else:
-            expected = sorted({p for b in boundaries for p in range(b - base + 1, b + shift + 1) if 0 <= p < length})
-        if count == len(expected):
-            rank, blocks = 0, expected
-        elif count < len(expected):
-            rank, blocks = 1, expected[len(expected) - count :]
-        else:
-            extra = count - len(expected)
-            rank, blocks = 2, [*expected, *range(length - extra, length)]
-            if length - extra < 0 or (expected and blocks[len(expected)] <= expected[-1]):
-                continue
-        if all(blocks[i] == p for i, p in anchors.items()):
-            found.setdefault(rank, set()).add(tuple(blocks))
-    if not found:
-        return None
-    best = found[min(found)]
-    return list(next(iter(best))) if len(best) == 1 else None
-
-
-# --- vLLM's hit rule ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LookupGroup:
-    """One KV cache spec as vLLM's coordinator looks it up: a block is cached when every
-    index group of the spec holds its content key (with none, no block is), and `eagle`
-    says whether the spec takes vLLM's EAGLE/MTP last-block drop. `granularity`: the
-    members' key space (their engine's `granularity`, a divisor of `block_size`)."""
-
-    block_size: int
-    sliding_window: int | None  # None: full attention (and any kind not known to skip blocks)
-    eagle: bool
-    members: tuple[GroupIndex, ...]
-    granularity: int
-
-
-def longest_hit(
-    groups: Sequence[LookupGroup], tokens: Sequence[int], keys: dict[int, list[int]], max_length: int
-) -> int:
-    """The prompt tokens vLLM's `find_longest_cache_hit` reports as computed for the prompt
-    `tokens`, looking up at most `max_length` of them (the engine asks len(tokens) - 1: the
-    last token is always computed, for its logits), `groups` in vLLM's order (full attention
-    first). The one copy of vLLM's rule here, step for step (vLLM 0.32; tests compare it
-    with vLLM's real coordinator on random cache states):
-    - one group (`UnitaryKVCacheCoordinator`): its own finder, aligned to its block;
-    - several (`HybridKVCacheCoordinator`): hits land on the lcm of the block sizes, and
-      the groups lower the candidate in turn until none does (a full group with a sliding
-      one: one round); a dropping group may peek one block past the candidate (within
-      the blocks the request's hashes cover) and is re-checked after another group lowers it;
-    - full attention: the leading run of cached blocks, less one block under the drop;
-    - sliding window w, block b: the highest end whose `cdiv(w - 1, b)` blocks before it
-      (one more under the drop) are cached and which is aligned after the drop; without
-      one, the aligned leading run.
-
-    `keys[g]` is always a prefix of `chain_keys(tokens, g)` for a granularity g (a group
-    of block size b reads every (b/g)-th key: `block_keys`), extended only as far as a
-    lookup reaches: pass one dict for every engine of a request (or `prompt_keys`' result,
-    computed off the event loop) and each key is computed once per request. Cost:
-    linear in the blocks up to the full-attention hit (the whole prompt for a model
-    without full attention); each block is looked up at most once per group and lookup.
-    """
-    if max_length <= 0 or not groups:
-        return 0
-    if len(groups) == 1:  # no look-ahead margin, no alignment beyond the group's block
-        group = groups[0]
-        return _Finder(group, tokens, keys, group.block_size).hit(max_length, group.eagle)
-    sizes = [g.block_size for g in groups]
-    align, hash_block = math.lcm(*sizes), math.gcd(*sizes)
-    hashed = len(tokens) // hash_block * hash_block  # what the request's block hashes cover
-    finders = [_Finder(g, tokens, keys, align) for g in groups]
-    simple = len(groups) == 2 and groups[0].sliding_window is None
-    full_hits: dict[int, int] = {}  # full attention is downward-closed: looked up once
-    verified: set[int] = set()  # dropping groups whose drop holds at the current candidate
-    hit_length = max_length
-    while True:
-        current = hit_length
-        for position, (group, finder) in enumerate(zip(groups, finders)):
-            full = group.sliding_window is None
-            if full and position in full_hits:
-                current = min(current, full_hits[position])
-                continue
-            drop = group.eagle and position not in verified
-            found = finder.hit(min(current + group.block_size, hashed) if drop else current, drop)
-            if drop:
-                verified.add(position)
-            elif found < current:
-                verified.clear()
-            current = found
-            if full:
-                full_hits[position] = found
-            if not current:
-                return 0  # no group finds more than the candidate, even peeking one block ahead
-        if current >= hit_length:
-            break
-        hit_length = current
-        if simple:
-            break
-    return hit_length
-
-
-class _Finder:
-    """One group's finder (vLLM's single-type managers' `find_longest_cache_hit`) for one
-    lookup, over "is block i cached". A sliding group's scan goes down from the candidate
-    end and jumps below each missing block, and remembers the run it verified, so across
-    the coordinator's rounds each block is looked up at most once."""
-
-    def __init__(self, group: LookupGroup, tokens: Sequence[int], keys: dict[int, list[int]], align: int) -> None:
-        self._group = group
-        self._tokens = tokens
-        self._keys = keys
-        self._size = group.block_size
-        self._grain = group.granularity
-        self._ratio = group.block_size // group.granularity
-        self._own: list[int] = []  # this group's block keys derived so far (ratio > 1)
-        self._step = align // group.block_size  # blocks per alignment unit
-        presents = self._presents = [m.present for m in group.members]
-        self._contains: Callable[[int], bool] = (
-            presents[0].__contains__ if len(presents) == 1 else lambda key: all(key in p for p in presents)
-        )
-        self._lo = self._hi = 0  # blocks [lo, hi) verified cached
-
-    def hit(self, max_length: int, drop: bool) -> int:
-        """The tokens this group serves with at most `max_length`, `drop`: EAGLE/MTP's drop."""
-        if not self._group.members:
-            return 0  # nothing of this spec published (or all of it evicted)
-        if self._group.sliding_window is None:
-            return self._full_attention(max_length, drop)
-        return self._sliding_window(self._group.sliding_window, max_length, drop)
-
-    def _full_attention(self, max_length: int, drop: bool) -> int:
-        size = self._size
-        hit = self._extending_run(min(max_length // size, len(self._tokens) // size)) * size
-        if drop and hit:
-            hit -= size
-        return hit - hit % (self._step * size)
-
-    def _extending_run(self, blocks: int) -> int:
-        """The leading run of cached blocks, at most `blocks`, computing chain keys only as
-        far as the run goes (in doubling chunks): a miss costs a block's key, not the prompt's.
-        Member by member (the joint run is the shortest), each at C speed."""
-        run = blocks
-        for present in self._presents:
-            run = self._run_in(present.__contains__, run)
-        return run
-
-    def _run_in(self, contains: Callable[[int], bool], blocks: int) -> int:
-        run, want = 0, 64
-        while True:
-            known = self._block_keys(min(blocks, want))
-            available = min(blocks, len(known))
-            run += sum(1 for _ in itertools.takewhile(contains, itertools.islice(known, run, available)))
-            if run < available or run >= blocks:
-                return run
-            want *= 2
-
-    def _sliding_window(self, window: int, max_length: int, drop: bool) -> int:
-        size, step, d = self._size, self._step, int(drop)
-        need = max(1, -(-(window - 1) // size) + d)  # vLLM: cdiv(w - 1, b), one more under the drop
-        keys = self._block_keys(max_length // size)
-        top = min(max_length // size, len(keys))
-        contains = self._contains
-
-        def candidate(at_most: int) -> int:  # the highest end <= at_most that is aligned after the drop
-            return (at_most - d) // step * step + d if at_most >= d else -1
-
-        end = candidate(top)
-        while end >= need:
-            start, i = end - need, end - 1
-            lo, hi = self._lo, self._hi
-            while i >= start:
-                if lo <= i < hi:
-                    i = lo - 1
-                elif contains(keys[i]):
-                    i -= 1
-                else:
-                    break
-            if i < start:  # no block missing in [start, end)
-                if end >= lo and start <= hi:
-                    self._lo, self._hi = min(start, lo), max(end, hi)
-                else:
-                    self._lo, self._hi = start, end
-                return (end - d) * size
-            end = candidate(i)  # every end above block i has i in its window
-        # No whole window: vLLM keeps the leading run its scan counted, aligned, then drops.
-        stop, run = min(top, need + step), 0
-        while run < stop:
-            if self._lo <= run < self._hi:
-                run = self._hi
-            elif contains(keys[run]):
-                run += 1
-            else:
-                break
-        blocks = max(candidate(min(run, stop)), 0) // step * step
-        if d and blocks:
-            blocks = (blocks - 1) // step * step
-        return blocks * size
-
-    def _block_keys(self, blocks: int) -> list[int]:
-        """This group's block keys (`block_keys`), at least `blocks` of them (fewer if the
-        prompt is shorter); with ratio 1, the shared `keys[granularity]` itself."""
-        ratio = self._ratio
-        fine = _keys_upto(self._tokens, self._keys, self._grain, blocks * ratio)
-        if ratio == 1:
-            return fine
-        own = self._own
-        if len(own) < blocks:
-            own.extend(itertools.islice(fine, (len(own) + 1) * ratio - 1, blocks * ratio, ratio))
-        return own
-
-
-def _keys_upto(tokens: Sequence[int], keys: dict[int, list[int]], block_size: int, blocks: int) -> list[int]:
-    """`keys[block_size]`, extended to at least `blocks` keys (fewer if the prompt is shorter)."""
-    known = keys.setdefault(block_size, [])
-    if len(known) < blocks:
-        start = len(known) * block_size
-        known.extend(chain_keys(tokens[start : blocks * block_size], block_size, known[-1] if known else 0))
-    return known

@@ -27,8 +27,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from pdconnect.router.breaker import BreakerState
 from pdconnect.router.engines import EngineRegistry
-from pdconnect.router.health import BreakerState
 
 __all__ = ["OUTCOMES", "RouterMetrics"]
 
@@ -295,7 +295,7 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
-        # The decode-local decider (`decider.py`): every decided request's route and why,
+        # The decode-first decider (`decider.py`): every decided request's route and why,
         # what a full-attention-only reading would have chosen, and each decode-local hit
         # checked against the hit the engine reported.
         self.decode_routes = _LoopCounter(
@@ -317,9 +317,9 @@ class RouterMetrics:
             ["result"],
             r,
         )
-        self.decode_local_prefill_tokens = _LoopCounter(
-            "pdconnect_router_decode_local_prefill_tokens",
-            "Prompt tokens the decider predicted a decode engine computes itself (decode-local requests)",
+        self.decode_first_prefill_tokens = _LoopCounter(
+            "pdconnect_router_decode_first_prefill_tokens",
+            "Prompt tokens the decider predicted a decode engine computes itself (requests on the local route)",
             [],
             r,
         )

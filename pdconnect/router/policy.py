@@ -24,8 +24,8 @@ longest hit first among the engines under the same load bound. The tokens are th
 the engine will compute (`chat_template`: text tokenized, chat rendered with the model's
 template); with none (no `--tokenizer`, a request the router cannot render), no fresh
 index, or no hit anywhere, it is prefix affinity. The flow passes the prompt's chain keys
-along (`keys`): one request computes them once, off the event loop for a long prompt
-(`KvAware.keys_for`), for every engine it scores and for the decider.
+along in the request's `RoutingPrompt`: one request computes them once, off the event
+loop for a long prompt (`KvAware.fill_keys`), for every engine it scores and for the decider.
 
 Every policy returns the routable engines in preference order; the flow tries them in
 that order, so a retry goes to the key's next engine on the ring and stays stable.
@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdconnect.router.engines import Engine
+from pdconnect.router.prompt import RoutingPrompt
 
 __all__ = [
     "AffinityTracker",
@@ -135,8 +136,7 @@ class RoutingPolicy(Protocol):
         self,
         engines: tuple[Engine, ...],
         key: int | None,
-        tokens: Sequence[int] | None = None,
-        keys: dict[int, list[int]] | None = None,
+        prompt: RoutingPrompt | None = None,
     ) -> list[Engine]: ...
 
 
@@ -150,8 +150,7 @@ class RoundRobin:
         self,
         engines: tuple[Engine, ...],
         key: int | None,
-        tokens: Sequence[int] | None = None,
-        keys: dict[int, list[int]] | None = None,
+        prompt: RoutingPrompt | None = None,
     ) -> list[Engine]:
         live = [e for e in engines if e.routable]
         if not live:
@@ -172,8 +171,7 @@ class LeastLoaded:
         self,
         engines: tuple[Engine, ...],
         key: int | None,
-        tokens: Sequence[int] | None = None,
-        keys: dict[int, list[int]] | None = None,
+        prompt: RoutingPrompt | None = None,
     ) -> list[Engine]:
         rotated = self._rotation.order(engines, key)
         return sorted(rotated, key=lambda e: e.in_flight)  # stable: ties keep the rotation
@@ -252,8 +250,7 @@ class PrefixAffinity:
         self,
         engines: tuple[Engine, ...],
         key: int | None,
-        tokens: Sequence[int] | None = None,
-        keys: dict[int, list[int]] | None = None,
+        prompt: RoutingPrompt | None = None,
     ) -> list[Engine]:
         if key is None:
             return self._fallback.order(engines, key)
@@ -268,9 +265,11 @@ class PrefixAffinity:
 
 
 class HitSource(Protocol):
-    def hit_tokens(self, url: str, tokens: Sequence[int], keys: dict[int, list[int]] | None = None) -> int | None: ...
+    """What the kv-aware policy reads an engine's cache through (`kvevents.KVEventsFeed`)."""
 
-    async def keys_for(self, tokens: Sequence[int]) -> dict[int, list[int]]: ...
+    def hit_tokens(self, url: str, prompt: RoutingPrompt) -> int | None: ...
+
+    async def fill_keys(self, prompt: RoutingPrompt) -> None: ...
 
 
 class KvAware:
@@ -282,29 +281,26 @@ class KvAware:
         self._hits = hits
         self._affinity = PrefixAffinity(load, vnodes)
 
-    async def keys_for(self, tokens: Sequence[int]) -> dict[int, list[int]]:
-        """A long prompt's chain keys, computed off the event loop (`KVEventsFeed.keys_for`):
-        pass them as `keys` to `order` and the decider, so one request computes them once."""
-        return await self._hits.keys_for(tokens)
+    async def fill_keys(self, prompt: RoutingPrompt) -> None:
+        """A long prompt's chain keys, computed off the event loop (`KVEventsFeed.fill_keys`)
+        into the prompt that `order` and the decider then read, so one request computes them once."""
+        await self._hits.fill_keys(prompt)
 
     def order(
         self,
         engines: tuple[Engine, ...],
         key: int | None,
-        tokens: Sequence[int] | None = None,
-        keys: dict[int, list[int]] | None = None,
+        prompt: RoutingPrompt | None = None,
     ) -> list[Engine]:
         ranked = self._affinity.order(engines, key)
-        if not tokens or len(ranked) < 2:
+        if prompt is None or not prompt.tokens or len(ranked) < 2:
             return ranked
         bound = self._affinity.bound(ranked)
         best, best_hit = None, 0
-        if keys is None:
-            keys = {}  # the prompt's chain keys, shared by every engine
         for engine in ranked:  # affinity order: ties keep the affinity choice
             if engine.in_flight >= bound:
                 continue
-            hit = self._hits.hit_tokens(engine.url, tokens, keys) or 0
+            hit = self._hits.hit_tokens(engine.url, prompt) or 0
             if hit > best_hit:
                 best, best_hit = engine, hit
         if best is None:

