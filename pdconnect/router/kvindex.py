@@ -235,12 +235,12 @@ class EngineKVIndex:
                 self.budget = BlockBudget(self.max_blocks)
                 deferred.clear()
                 continue
-            reason = invalid_reason(event)
+            reason = _store_reason(event)
             if reason is not None:
                 self.count(reason)
                 continue
             group = self._group_for(event)
-            if group is None:
+            if group is None or not event.block_hashes:
                 continue
             if self._is_sparse_sliding(group, event):
                 deferred.append(_Deferred(group, event))
@@ -272,7 +272,7 @@ class EngineKVIndex:
 
     def _may_store(self, event: BlockStored) -> bool:
         """Whether `apply` may index `event` (valid, and no `group_mismatch`)."""
-        if invalid_reason(event) is not None:
+        if _store_reason(event) is not None:
             return False
         group = self.groups.get(event.group_idx or 0)
         return group is None or group.block_size == event.block_size
@@ -433,6 +433,17 @@ class EngineKVIndex:
         )
         grain = self.granularity if granularity is None else granularity
         return LookupGroup(block_size, sliding_window, eagle, members, grain if members else block_size)
+
+
+def _store_reason(event: BlockStored) -> str | None:
+    """`invalid_reason` for a store, except that one listing no hash is valid: vLLM publishes
+    it for a sliding-window group that keeps none of the range (behind the window, or masked),
+    and it still tells the group's block size, hence the engine's key granularity. Missing
+    it, a first step whose sliding store is empty sets a coarser key space, and the group's
+    first real store starts the index over (issue 32's sweep)."""
+    if event.block_hashes:
+        return invalid_reason(event)
+    return invalid_reason(msgspec.structs.replace(event, block_hashes=[0]))
 
 
 @dataclass
