@@ -58,6 +58,7 @@ engine's index near 136 MB.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Collection
@@ -85,6 +86,8 @@ from pdconnect.router.lookup import LookupGroup, longest_hit, run_blocks
 from pdconnect.router.prompt import RoutingPrompt, chain_keys
 
 __all__ = ["DEFAULT_MAX_BLOCKS", "EngineKVIndex", "GroupIndex"]
+
+logger = logging.getLogger("pdconnect.router.kvindex")
 
 DEFAULT_MAX_BLOCKS = 1 << 19
 
@@ -167,8 +170,13 @@ class EngineKVIndex:
     max_blocks: int = DEFAULT_MAX_BLOCKS  # over all groups
     count: Callable[[str], None] = _no_count
     budget: BlockBudget = field(init=False)
+    engine: str = ""  # the engine's url, for log lines
+    # Block keys of the ranges of stores that could not be placed, at most this many (oldest dropped).
+    max_unplaced: int = 1 << 16
     # The key space's granularity set by the stores read (0: none yet; see `granularity`).
     _grain: int = field(default=0, init=False)
+    _unplaced: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
+    _warned: set[str] = field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
         self.budget = BlockBudget(self.max_blocks)
@@ -232,6 +240,7 @@ class EngineKVIndex:
                 continue
             if isinstance(event, AllBlocksCleared):
                 self.groups.clear()
+                self._unplaced.clear()
                 self.budget = BlockBudget(self.max_blocks)
                 deferred.clear()
                 continue
@@ -267,6 +276,7 @@ class EngineKVIndex:
         if self.groups:
             self.count("granularity")
             self.groups.clear()
+            self._unplaced.clear()
             self.budget = BlockBudget(self.max_blocks)
         self._grain = grain
 
@@ -330,11 +340,8 @@ class EngineKVIndex:
         else:
             ratio = size // grain
             own = chain_keys(event.token_ids, grain, parent)[ratio - 1 :: ratio]  # the range's block keys
-            if len(hashes) == len(own):
-                # Every block of the range is listed: positions, hence content keys, are known.
-                placed = list(zip(hashes, own))
-            else:
-                placed = self._place(group, hashes, own, event.parent_block_hash)
+            # Every block of the range listed: positions, hence content keys, are known.
+            placed = list(zip(hashes, own)) if len(hashes) == len(own) else self._place(group, event, own)
         for block_hash, slot in zip(hashes, placed):
             if block_hash in removed:
                 continue
@@ -350,12 +357,12 @@ class EngineKVIndex:
         for _ in range(group.orphans - orphans):
             self.count("orphan")
 
-    def _place(
-        self, group: GroupIndex, hashes: list[BlockHash], own: list[int], parent: BlockHash | None
-    ) -> list[tuple[BlockHash, int] | None]:
+    def _place(self, group: GroupIndex, event: BlockStored, own: list[int]) -> list[tuple[BlockHash, int] | None]:
         """(hash, content key) for each listed hash of a sparse store whose range's block
         keys are `own`, None where its position is unknown: anchors, and for a sliding-window
-        group the runs vLLM keeps around them (see the module docstring). Linear in the range."""
+        group the runs vLLM keeps around them (see the module docstring). Linear in the range.
+        A store it cannot place is reported (`_unplaceable`)."""
+        hashes, parent = event.block_hashes, event.parent_block_hash
         position = {key: p for p, key in enumerate(own)}
         anchors: dict[int, int] = {}  # index in hashes -> block of the range
         boundaries: list[int] = []  # blocks of the range that end a cache-hit-aligned boundary
@@ -374,15 +381,51 @@ class EngineKVIndex:
             placed[i] = (hashes[i], own[p])
         if group.sliding_window is None or foreign:
             if len(anchors) < len(hashes):
-                self.count("unanchored")
+                self._unplaceable(event, own, "contradicts_index" if foreign else "sparse_full_attention")
             return placed
         if parent is not None and any(parent in g.by_hash for g in aligned):
             boundaries.insert(0, -1)  # the range starts right after a boundary
         blocks = run_blocks(hashes, anchors, boundaries, len(own), group, alignment)
         if blocks is None:
-            self.count("unanchored")
+            self._unplaceable(event, own, "runs_do_not_fit")
             return placed
         return [(block_hash, own[p]) for block_hash, p in zip(hashes, blocks)]
+
+    def _unplaceable(self, event: BlockStored, own: list[int], reason: str) -> None:
+        """A store whose listed hashes cannot all be placed: counted (`unanchored`), logged
+        with the engine and the reason (a warning the first time per reason, then debug),
+        and its range's block keys marked, so that the decider predicts P/D for the prompts
+        that reach into it (`unplaced_in`) and only for those. The marks are conservative:
+        they outlive the blocks (dropped oldest first past `max_unplaced`, or on a restart)."""
+        self.count("unanchored")
+        level = logging.DEBUG if reason in self._warned else logging.WARNING
+        self._warned.add(reason)
+        logger.log(
+            level,
+            "KV index of engine %s: cannot place a store of %d hashes over %d blocks of group %s (%s): %s; "
+            "prompts reaching into them are predicted P/D",
+            self.engine or "?",
+            len(event.block_hashes),
+            len(own),
+            event.group_idx or 0,
+            event.kv_cache_spec_kind,
+            reason,
+        )
+        unplaced = self._unplaced
+        for key in own:
+            unplaced[key] = None
+            unplaced.move_to_end(key)
+        while len(unplaced) > self.max_unplaced:
+            unplaced.popitem(last=False)
+
+    def unplaced_in(self, prompt: RoutingPrompt) -> bool:
+        """Whether the prompt reaches into the range of a store this index could not place:
+        then what the engine holds for it is unknown, and no hit can be predicted."""
+        if not self._unplaced or not self.groups:
+            return False
+        grain = self.granularity
+        keys = prompt.keys_upto(grain, len(prompt.tokens) // grain)
+        return not self._unplaced.keys().isdisjoint(keys)
 
     def _alignment(self) -> int:
         """Tokens per cache-hit-aligned boundary: the lcm of the groups' block sizes (vLLM's
