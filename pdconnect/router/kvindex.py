@@ -58,6 +58,7 @@ engine's index near 136 MB.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections import OrderedDict
@@ -90,6 +91,9 @@ __all__ = ["DEFAULT_MAX_BLOCKS", "EngineKVIndex", "GroupIndex"]
 logger = logging.getLogger("pdconnect.router.kvindex")
 
 DEFAULT_MAX_BLOCKS = 1 << 19
+# Recent range ends an unknown parent is looked for among (a request's stores follow each
+# other closely within an engine's event stream).
+_TAILS_TRIED = 32
 
 
 def _no_count(reason: str) -> None:
@@ -176,6 +180,10 @@ class EngineKVIndex:
     # The key space's granularity set by the stores read (0: none yet; see `granularity`).
     _grain: int = field(default=0, init=False)
     _unplaced: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
+    # Content keys at the ends of recent stores' ranges, newest last, and the keys learned
+    # for parent hashes no store lists (see `_parent_key`).
+    _tails: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
+    _learned: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict, init=False)
     _warned: set[str] = field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
@@ -239,9 +247,7 @@ class EngineKVIndex:
                     waiting.removed.update(h for h in event.block_hashes if valid_hash(h))
                 continue
             if isinstance(event, AllBlocksCleared):
-                self.groups.clear()
-                self._unplaced.clear()
-                self.budget = BlockBudget(self.max_blocks)
+                self._forget()
                 deferred.clear()
                 continue
             reason = _store_reason(event)
@@ -249,7 +255,10 @@ class EngineKVIndex:
                 self.count(reason)
                 continue
             group = self._group_for(event)
-            if group is None or not event.block_hashes:
+            if group is not None and not event.block_hashes:
+                self._note_tail(event)  # caches nothing, but its range end is a key a later store continues from
+                continue
+            if group is None:
                 continue
             if self._is_sparse_sliding(group, event):
                 deferred.append(_Deferred(group, event))
@@ -275,9 +284,7 @@ class EngineKVIndex:
             return
         if self.groups:
             self.count("granularity")
-            self.groups.clear()
-            self._unplaced.clear()
-            self.budget = BlockBudget(self.max_blocks)
+            self._forget()
         self._grain = grain
 
     def _may_store(self, event: BlockStored) -> bool:
@@ -333,13 +340,14 @@ class EngineKVIndex:
         size, grain = group.block_size, self._grain
         evicted, orphans = group.evicted, group.orphans
         hashes = event.block_hashes
-        parent = 0 if event.parent_block_hash is None else self._key_of(event.parent_block_hash)
+        parent = self._parent_key(event)
         placed: list[tuple[BlockHash, int] | None]
         if parent is None:
             placed = [None] * len(hashes)
         else:
             ratio = size // grain
             own = chain_keys(event.token_ids, grain, parent)[ratio - 1 :: ratio]  # the range's block keys
+            self._add_tail(own[-1])
             # Every block of the range listed: positions, hence content keys, are known.
             placed = list(zip(hashes, own)) if len(hashes) == len(own) else self._place(group, event, own)
         for block_hash, slot in zip(hashes, placed):
@@ -390,6 +398,54 @@ class EngineKVIndex:
             self._unplaceable(event, own, "runs_do_not_fit")
             return placed
         return [(block_hash, own[p]) for block_hash, p in zip(hashes, blocks)]
+
+    def _forget(self) -> None:
+        """Drop everything held (a restart of the engine's cache or of the key space)."""
+        self.groups.clear()
+        self.budget = BlockBudget(self.max_blocks)
+        self._unplaced.clear()
+        self._tails.clear()
+        self._learned.clear()
+
+    def _parent_key(self, event: BlockStored) -> int | None:
+        """The content key the store's range continues from (0: the prompt's start), None
+        when unknown. vLLM names the block before the range as the parent even when no
+        group listed it (a sliding-window block behind the window or masked, whose store
+        listed nothing, MTP's one-block lag): then the key is found by content, as the end
+        of a recent store's range from which the range's chain reaches a key another group
+        listed among the store's own hashes, and learned for that hash."""
+        parent = event.parent_block_hash
+        if parent is None:
+            return 0
+        key = self._key_of(parent)
+        if key is None:
+            key = self._learned.get(parent)
+        if key is not None or not self._tails:
+            return key
+        anchors = {k for h in event.block_hashes if (k := self._key_of(h)) is not None}
+        if not anchors:
+            return None
+        grain = self._grain
+        for tail in itertools.islice(reversed(self._tails), _TAILS_TRIED):
+            if not anchors.isdisjoint(chain_keys(event.token_ids, grain, tail)):
+                self._learned[parent] = tail
+                while len(self._learned) > self.max_pending:
+                    self._learned.popitem(last=False)
+                return tail
+        return None
+
+    def _note_tail(self, event: BlockStored) -> None:
+        """Remember where a store listing no hash ends, when its start is known."""
+        parent = self._parent_key(event)
+        if parent is not None:
+            self._add_tail(chain_keys(event.token_ids, self._grain, parent)[-1])
+
+    def _add_tail(self, key: int) -> None:
+        tails = self._tails
+        tails[key] = None
+        tails.move_to_end(key)
+        while len(tails) > _TAILS_TRIED:
+            tails.popitem(last=False)
 
     def _unplaceable(self, event: BlockStored, own: list[int], reason: str) -> None:
         """A store whose listed hashes cannot all be placed: counted (`unanchored`), logged
