@@ -61,9 +61,6 @@ for _name in ("fa256-swa64-w200", "fa128-swa32-w32-mtp", "mimo-w200-mtp", "swa16
 
 # Geometries today's index still mispredicts (issue 32): each must fail until fixed.
 KNOWN_WRONG = {
-    "fa128-swa32-w64-mtp",
-    "fa128-swa32-w200-mtp",
-    "fa256-swa64-w128-mtp",
     "fa256-swa64-w544-mtp",
 }
 

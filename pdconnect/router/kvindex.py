@@ -93,7 +93,7 @@ logger = logging.getLogger("pdconnect.router.kvindex")
 DEFAULT_MAX_BLOCKS = 1 << 19
 # Recent range ends an unknown parent is looked for among (a request's stores follow each
 # other closely within an engine's event stream).
-_TAILS_TRIED = 32
+_TAILS_TRIED = 8
 
 
 def _no_count(reason: str) -> None:
@@ -435,10 +435,13 @@ class EngineKVIndex:
         return None
 
     def _note_tail(self, event: BlockStored) -> None:
-        """Remember where a store listing no hash ends, when its start is known."""
+        """Remember where a store listing no hash ends; when its start is unknown, where it
+        would end after each recent range end (a candidate: only a later store whose chain
+        through it reaches a listed key confirms it, see `_parent_key`)."""
         parent = self._parent_key(event)
-        if parent is not None:
-            self._add_tail(chain_keys(event.token_ids, self._grain, parent)[-1])
+        starts = [parent] if parent is not None else list(itertools.islice(reversed(self._tails), _TAILS_TRIED))
+        for start in reversed(starts):  # the likeliest start ends up newest
+            self._add_tail(chain_keys(event.token_ids, self._grain, start)[-1])
 
     def _add_tail(self, key: int) -> None:
         tails = self._tails
