@@ -35,11 +35,17 @@ published, so both shifts are tried and must agree, every anchor landing on its 
 sparse sliding store is read after the rest of its batch (vLLM publishes a step's groups in
 group order: MiMo-V2 numbers full attention last), so its anchors are known. A store
 whose runs do not fit (a run longer than the room before its anchor, anchors out of
-order) keeps its unanchored hashes unplaced (counted `unanchored`). A store whose parent
-is unknown (vLLM names a block the window did not cache, whose hash no event lists)
-cannot be keyed: its hashes are keyed through the other groups when their stores arrive;
-until then they wait, bounded, and a hash that never resolves is dropped and counted.
-The argument and its limits are in docs/router.md.
+order) keeps its unanchored hashes unplaced: counted `unanchored`, logged with the engine
+and the reason, and its range's keys marked so that the decider predicts P/D for the
+prompts reaching into it (`unplaced_in`), and only those. A store listing no hash (a
+sliding group keeping none of its range) is valid: it still sets the group's block size.
+A store whose parent vLLM names by a hash no event lists (a block the window did not
+cache, an empty store's last block) starts from a recent store's range end, chosen by
+content: the one from which the range's chain reaches a key another group listed among
+the store's hashes (`_parent_key`). Failing that, its hashes are keyed through the other
+groups when their stores arrive; until then they wait, bounded, and a hash that never
+resolves is dropped and counted. The argument and its limits are in docs/router.md;
+`tests/test_router_kvindex_sweep.py` checks the whole against vLLM's own manager.
 
 Hybrid models: every KV cache group (full attention, sliding window, ...) is indexed on
 its own, and a prefix is a hit only if *every* group can serve it: `hit_tokens` asks
