@@ -66,7 +66,7 @@ UV_VERSION := 0.13.9
 COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell cat pyproject.toml constraints-compat.txt | sha1sum | cut -c1-12)
 # test_router_chat_template: the router renders chats as the deployments' vLLM does;
 # test_router_kvindex: its index reads the events that vLLM's managers publish.
-COMPAT_TESTS := tests/test_compat.py tests/test_replay_slack.py tests/test_vllm_adapter.py \
+COMPAT_TESTS := tests/test_router_kvindex_sweep.py tests/test_compat.py tests/test_replay_slack.py tests/test_vllm_adapter.py \
 	tests/test_junctions.py tests/test_plan_cli.py tests/test_connector_scheduler.py \
 	tests/test_router_chat_template.py tests/test_router_kvindex.py
 COMPAT_PYTEST_ARGS ?=

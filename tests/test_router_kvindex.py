@@ -512,7 +512,8 @@ def test_a_batch_that_is_no_batch_is_refused_and_the_index_dropped(payload: byte
     ({"block_size": 0}, "block_size"), ({"block_size": -4}, "block_size"), ({"block_size": 1 << 40}, "block_size"),
     ({"token_ids": list(range(6))}, "token_ids"), ({"token_ids": [-1] * 8}, "token_ids"),
     ({"block_hashes": [b"a", b"b", b"c"]}, "hashes"), ({"block_hashes": [b"a" * 65, b"b"]}, "hashes"),
-    ({"block_hashes": []}, "hashes"), ({"group_idx": -1}, "group"), ({"group_idx": 10**6}, "group"),
+    ({"block_hashes": [], "block_size": 0}, "block_size"),
+    ({"group_idx": -1}, "group"), ({"group_idx": 10**6}, "group"),
     ({"kv_cache_spec_kind": "sliding_window"}, "window"),
     ({"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 0}, "window"),
     ({"lora_id": -3}, "lora"), ({"medium": "G" * 1000}, "medium"), ({"parent_block_hash": b""}, "parent"),
@@ -941,3 +942,22 @@ async def test_frames_of_the_wrong_shape_are_counted_and_change_nothing(frames: 
         assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 6 * BS and "gap" not in counted
     finally:
         await feed.close()
+
+
+def test_an_empty_sliding_store_sets_the_key_granularity_so_later_stores_keep_the_index() -> None:
+    """vLLM publishes a store listing no hash for a sliding-window group that keeps none of
+    the range (window below its block, sparse retention). It is valid, and its block size
+    sets the engine's key space: otherwise the group's first real store, finer, starts the
+    index over and the full-attention blocks already held are lost."""
+    counted: list[str] = []
+    index = EngineKVIndex(count=counted.append)
+    empty = kv_events.BlockStored(
+        block_hashes=[], parent_block_hash=None, token_ids=TOKENS[:8], block_size=2, lora_id=None, medium="GPU",
+        lora_name=None, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=1)
+    _publish(index, _stored(range(0, 2), 0, "full_attention"), empty)
+    assert index.granularity == 2
+    _publish(index, kv_events.BlockStored(
+        block_hashes=[b"s3"], parent_block_hash=None, token_ids=TOKENS[:8], block_size=2, lora_id=None, medium="GPU",
+        lora_name=None, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=1))
+    assert counted == []
+    assert index.hit_tokens(RoutingPrompt(TOKENS)) == 2 * BS

@@ -140,6 +140,8 @@ class DecodeFirstDecider:
         index = self._indexes.index(engine.url)
         if index is None:
             return Route(False, "no_events")
+        if index.unplaced_in(prompt):
+            return Route(False, "unplaced")  # the engine published a store the index could not place
         hit, full_hit = predicted_hits(self._settings.groups, index, prompt)
         count = len(prompt.tokens)
         uncached = count - hit

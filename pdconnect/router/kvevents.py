@@ -104,7 +104,7 @@ class KVEventsFeed:
         where = self._endpoints(url)
         if where is None:
             return
-        sub = self._subs[url] = _Subscription(url, *where, index=self._new_index())
+        sub = self._subs[url] = _Subscription(url, *where, index=self._new_index(url))
         sub.task = asyncio.get_running_loop().create_task(self._run(sub))
 
     def forget(self, url: str) -> None:
@@ -148,8 +148,8 @@ class KVEventsFeed:
 
     # --- one engine ----------------------------------------------------------------------------
 
-    def _new_index(self) -> EngineKVIndex:
-        return EngineKVIndex(max_blocks=self._max_blocks, count=self._invalid)
+    def _new_index(self, url: str) -> EngineKVIndex:
+        return EngineKVIndex(max_blocks=self._max_blocks, count=self._invalid, engine=url)
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
         socket = self._context.socket(kind)
@@ -260,7 +260,7 @@ class KVEventsFeed:
             socket.close(linger=0)
 
     def _reset(self, sub: _Subscription) -> None:
-        sub.index = self._new_index()
+        sub.index = self._new_index(sub.url)
         sub.last_seq = None
         sub.replayed = range(0)
         sub.fresh = False

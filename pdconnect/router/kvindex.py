@@ -35,11 +35,17 @@ published, so both shifts are tried and must agree, every anchor landing on its 
 sparse sliding store is read after the rest of its batch (vLLM publishes a step's groups in
 group order: MiMo-V2 numbers full attention last), so its anchors are known. A store
 whose runs do not fit (a run longer than the room before its anchor, anchors out of
-order) keeps its unanchored hashes unplaced (counted `unanchored`). A store whose parent
-is unknown (vLLM names a block the window did not cache, whose hash no event lists)
-cannot be keyed: its hashes are keyed through the other groups when their stores arrive;
-until then they wait, bounded, and a hash that never resolves is dropped and counted.
-The argument and its limits are in docs/router.md.
+order) keeps its unanchored hashes unplaced: counted `unanchored`, logged with the engine
+and the reason, and its range's keys marked so that the decider predicts P/D for the
+prompts reaching into it (`unplaced_in`), and only those. A store listing no hash (a
+sliding group keeping none of its range) is valid: it still sets the group's block size.
+A store whose parent vLLM names by a hash no event lists (a block the window did not
+cache, an empty store's last block) starts from a recent store's range end, chosen by
+content: the one from which the range's chain reaches a key another group listed among
+the store's hashes (`_parent_key`). Failing that, its hashes are keyed through the other
+groups when their stores arrive; until then they wait, bounded, and a hash that never
+resolves is dropped and counted. The argument and its limits are in docs/router.md;
+`tests/test_router_kvindex_sweep.py` checks the whole against vLLM's own manager.
 
 Hybrid models: every KV cache group (full attention, sliding window, ...) is indexed on
 its own, and a prefix is a hit only if *every* group can serve it: `hit_tokens` asks
@@ -58,6 +64,8 @@ engine's index near 136 MB.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Collection
@@ -86,7 +94,12 @@ from pdconnect.router.prompt import RoutingPrompt, chain_keys
 
 __all__ = ["DEFAULT_MAX_BLOCKS", "EngineKVIndex", "GroupIndex"]
 
+logger = logging.getLogger("pdconnect.router.kvindex")
+
 DEFAULT_MAX_BLOCKS = 1 << 19
+# Recent range ends an unknown parent is looked for among (a request's stores follow each
+# other closely within an engine's event stream).
+_TAILS_TRIED = 8
 
 
 def _no_count(reason: str) -> None:
@@ -167,8 +180,17 @@ class EngineKVIndex:
     max_blocks: int = DEFAULT_MAX_BLOCKS  # over all groups
     count: Callable[[str], None] = _no_count
     budget: BlockBudget = field(init=False)
+    engine: str = ""  # the engine's url, for log lines
+    # Block keys of the ranges of stores that could not be placed, at most this many (oldest dropped).
+    max_unplaced: int = 1 << 16
     # The key space's granularity set by the stores read (0: none yet; see `granularity`).
     _grain: int = field(default=0, init=False)
+    _unplaced: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
+    # Content keys at the ends of recent stores' ranges, newest last, and the keys learned
+    # for parent hashes no store lists (see `_parent_key`).
+    _tails: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
+    _learned: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict, init=False)
+    _warned: set[str] = field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
         self.budget = BlockBudget(self.max_blocks)
@@ -231,15 +253,17 @@ class EngineKVIndex:
                     waiting.removed.update(h for h in event.block_hashes if valid_hash(h))
                 continue
             if isinstance(event, AllBlocksCleared):
-                self.groups.clear()
-                self.budget = BlockBudget(self.max_blocks)
+                self._forget()
                 deferred.clear()
                 continue
-            reason = invalid_reason(event)
+            reason = _store_reason(event)
             if reason is not None:
                 self.count(reason)
                 continue
             group = self._group_for(event)
+            if group is not None and not event.block_hashes:
+                self._note_tail(event)  # caches nothing, but its range end is a key a later store continues from
+                continue
             if group is None:
                 continue
             if self._is_sparse_sliding(group, event):
@@ -266,13 +290,12 @@ class EngineKVIndex:
             return
         if self.groups:
             self.count("granularity")
-            self.groups.clear()
-            self.budget = BlockBudget(self.max_blocks)
+            self._forget()
         self._grain = grain
 
     def _may_store(self, event: BlockStored) -> bool:
         """Whether `apply` may index `event` (valid, and no `group_mismatch`)."""
-        if invalid_reason(event) is not None:
+        if _store_reason(event) is not None:
             return False
         group = self.groups.get(event.group_idx or 0)
         return group is None or group.block_size == event.block_size
@@ -323,18 +346,16 @@ class EngineKVIndex:
         size, grain = group.block_size, self._grain
         evicted, orphans = group.evicted, group.orphans
         hashes = event.block_hashes
-        parent = 0 if event.parent_block_hash is None else self._key_of(event.parent_block_hash)
+        parent = self._parent_key(event)
         placed: list[tuple[BlockHash, int] | None]
         if parent is None:
             placed = [None] * len(hashes)
         else:
             ratio = size // grain
             own = chain_keys(event.token_ids, grain, parent)[ratio - 1 :: ratio]  # the range's block keys
-            if len(hashes) == len(own):
-                # Every block of the range is listed: positions, hence content keys, are known.
-                placed = list(zip(hashes, own))
-            else:
-                placed = self._place(group, hashes, own, event.parent_block_hash)
+            self._add_tail(own[-1])
+            # Every block of the range listed: positions, hence content keys, are known.
+            placed = list(zip(hashes, own)) if len(hashes) == len(own) else self._place(group, event, own)
         for block_hash, slot in zip(hashes, placed):
             if block_hash in removed:
                 continue
@@ -350,12 +371,12 @@ class EngineKVIndex:
         for _ in range(group.orphans - orphans):
             self.count("orphan")
 
-    def _place(
-        self, group: GroupIndex, hashes: list[BlockHash], own: list[int], parent: BlockHash | None
-    ) -> list[tuple[BlockHash, int] | None]:
+    def _place(self, group: GroupIndex, event: BlockStored, own: list[int]) -> list[tuple[BlockHash, int] | None]:
         """(hash, content key) for each listed hash of a sparse store whose range's block
         keys are `own`, None where its position is unknown: anchors, and for a sliding-window
-        group the runs vLLM keeps around them (see the module docstring). Linear in the range."""
+        group the runs vLLM keeps around them (see the module docstring). Linear in the range.
+        A store it cannot place is reported (`_unplaceable`)."""
+        hashes, parent = event.block_hashes, event.parent_block_hash
         position = {key: p for p, key in enumerate(own)}
         anchors: dict[int, int] = {}  # index in hashes -> block of the range
         boundaries: list[int] = []  # blocks of the range that end a cache-hit-aligned boundary
@@ -374,15 +395,102 @@ class EngineKVIndex:
             placed[i] = (hashes[i], own[p])
         if group.sliding_window is None or foreign:
             if len(anchors) < len(hashes):
-                self.count("unanchored")
+                self._unplaceable(event, own, "contradicts_index" if foreign else "sparse_full_attention")
             return placed
         if parent is not None and any(parent in g.by_hash for g in aligned):
             boundaries.insert(0, -1)  # the range starts right after a boundary
         blocks = run_blocks(hashes, anchors, boundaries, len(own), group, alignment)
         if blocks is None:
-            self.count("unanchored")
+            self._unplaceable(event, own, "runs_do_not_fit")
             return placed
         return [(block_hash, own[p]) for block_hash, p in zip(hashes, blocks)]
+
+    def _forget(self) -> None:
+        """Drop everything held (a restart of the engine's cache or of the key space)."""
+        self.groups.clear()
+        self.budget = BlockBudget(self.max_blocks)
+        self._unplaced.clear()
+        self._tails.clear()
+        self._learned.clear()
+
+    def _parent_key(self, event: BlockStored) -> int | None:
+        """The content key the store's range continues from (0: the prompt's start), None
+        when unknown. vLLM names the block before the range as the parent even when no
+        group listed it (a sliding-window block behind the window or masked, whose store
+        listed nothing, MTP's one-block lag): then the key is found by content, as the end
+        of a recent store's range from which the range's chain reaches a key another group
+        listed among the store's own hashes, and learned for that hash."""
+        parent = event.parent_block_hash
+        if parent is None:
+            return 0
+        key = self._key_of(parent)
+        if key is None:
+            key = self._learned.get(parent)
+        if key is not None or not self._tails:
+            return key
+        anchors = {k for h in event.block_hashes if (k := self._key_of(h)) is not None}
+        if not anchors:
+            return None
+        grain = self._grain
+        for tail in itertools.islice(reversed(self._tails), _TAILS_TRIED):
+            if not anchors.isdisjoint(chain_keys(event.token_ids, grain, tail)):
+                self._learned[parent] = tail
+                while len(self._learned) > self.max_pending:
+                    self._learned.popitem(last=False)
+                return tail
+        return None
+
+    def _note_tail(self, event: BlockStored) -> None:
+        """Remember where a store listing no hash ends; when its start is unknown, where it
+        would end after each recent range end (a candidate: only a later store whose chain
+        through it reaches a listed key confirms it, see `_parent_key`)."""
+        parent = self._parent_key(event)
+        starts = [parent] if parent is not None else list(itertools.islice(reversed(self._tails), _TAILS_TRIED))
+        for start in reversed(starts):  # the likeliest start ends up newest
+            self._add_tail(chain_keys(event.token_ids, self._grain, start)[-1])
+
+    def _add_tail(self, key: int) -> None:
+        tails = self._tails
+        tails[key] = None
+        tails.move_to_end(key)
+        while len(tails) > _TAILS_TRIED:
+            tails.popitem(last=False)
+
+    def _unplaceable(self, event: BlockStored, own: list[int], reason: str) -> None:
+        """A store whose listed hashes cannot all be placed: counted (`unanchored`), logged
+        with the engine and the reason (a warning the first time per reason, then debug),
+        and its range's block keys marked, so that the decider predicts P/D for the prompts
+        that reach into it (`unplaced_in`) and only for those. The marks are conservative:
+        they outlive the blocks (dropped oldest first past `max_unplaced`, or on a restart)."""
+        self.count("unanchored")
+        level = logging.DEBUG if reason in self._warned else logging.WARNING
+        self._warned.add(reason)
+        logger.log(
+            level,
+            "KV index of engine %s: cannot place a store of %d hashes over %d blocks of group %s (%s): %s; "
+            "prompts reaching into them are predicted P/D",
+            self.engine or "?",
+            len(event.block_hashes),
+            len(own),
+            event.group_idx or 0,
+            event.kv_cache_spec_kind,
+            reason,
+        )
+        unplaced = self._unplaced
+        for key in own:
+            unplaced[key] = None
+            unplaced.move_to_end(key)
+        while len(unplaced) > self.max_unplaced:
+            unplaced.popitem(last=False)
+
+    def unplaced_in(self, prompt: RoutingPrompt) -> bool:
+        """Whether the prompt reaches into the range of a store this index could not place:
+        then what the engine holds for it is unknown, and no hit can be predicted."""
+        if not self._unplaced or not self.groups:
+            return False
+        grain = self.granularity
+        keys = prompt.keys_upto(grain, len(prompt.tokens) // grain)
+        return not self._unplaced.keys().isdisjoint(keys)
 
     def _alignment(self) -> int:
         """Tokens per cache-hit-aligned boundary: the lcm of the groups' block sizes (vLLM's
@@ -433,6 +541,17 @@ class EngineKVIndex:
         )
         grain = self.granularity if granularity is None else granularity
         return LookupGroup(block_size, sliding_window, eagle, members, grain if members else block_size)
+
+
+def _store_reason(event: BlockStored) -> str | None:
+    """`invalid_reason` for a store, except that one listing no hash is valid: vLLM publishes
+    it for a sliding-window group that keeps none of the range (behind the window, or masked),
+    and it still tells the group's block size, hence the engine's key granularity. Missing
+    it, a first step whose sliding store is empty sets a coarser key space, and the group's
+    first real store starts the index over (issue 32's sweep)."""
+    if event.block_hashes:
+        return invalid_reason(event)
+    return invalid_reason(msgspec.structs.replace(event, block_hashes=[0]))
 
 
 @dataclass

@@ -344,22 +344,32 @@ def run_blocks(
     found: dict[int, set[tuple[int, ...]]] = {}  # rank (lower is better) -> placements
     count = len(hashes)
     for shift in (0, 1):
-        if base + shift >= per_segment:
-            expected = list(range(length))  # vLLM keeps every block: nulls first
-        else:
-            expected = sorted({p for b in boundaries for p in range(b - base + 1, b + shift + 1) if 0 <= p < length})
-        if count == len(expected):
-            rank, blocks = 0, expected
-        elif count < len(expected):
-            rank, blocks = 1, expected[len(expected) - count :]
-        else:
-            extra = count - len(expected)
-            rank, blocks = 2, [*expected, *range(length - extra, length)]
-            if length - extra < 0 or (expected and blocks[len(expected)] <= expected[-1]):
-                continue
-        if all(blocks[i] == p for i, p in anchors.items()):
-            found.setdefault(rank, set()).add(tuple(blocks))
+        # The runs around the boundaries; and where a run spans a whole alignment segment,
+        # also every block (vLLM's dense mask, nulls first). Under sparse retention vLLM
+        # keeps only the runs even then: both readings are tried.
+        runs = sorted({p for b in boundaries for p in range(b - base + 1, b + shift + 1) if 0 <= p < length})
+        readings = [runs, list(range(length))] if base + shift >= per_segment else [runs]
+        for expected in readings:
+            _fit(expected, count, length, anchors, found)
     if not found:
         return None
     best = found[min(found)]
     return list(next(iter(best))) if len(best) == 1 else None
+
+
+def _fit(
+    expected: list[int], count: int, length: int, anchors: dict[int, int], found: dict[int, set[tuple[int, ...]]]
+) -> None:
+    """Rank how `count` listed hashes fit the blocks a reading of vLLM's mask keeps
+    (`expected`), adding the placement to `found` if every anchor lands on its block."""
+    if count == len(expected):
+        rank, blocks = 0, expected
+    elif count < len(expected):
+        rank, blocks = 1, expected[len(expected) - count :]
+    else:
+        extra = count - len(expected)
+        rank, blocks = 2, [*expected, *range(length - extra, length)]
+        if length - extra < 0 or (expected and blocks[len(expected)] <= expected[-1]):
+            return
+    if all(blocks[i] == p for i, p in anchors.items()):
+        found.setdefault(rank, set()).add(tuple(blocks))

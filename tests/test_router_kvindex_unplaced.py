@@ -1,0 +1,79 @@
+"""A store the KV index cannot place: counted, logged with the engine and the reason, and
+the decider predicts P/D for the prompts reaching into it, and only for those.
+
+The stores come from a real vLLM KVCacheManager (the sweep's prompt stream on a geometry
+where the index meets a store it cannot place); the decider is the real one, over the
+real index.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from pdconnect.router.decider import DeciderSettings, DecodeLocalDecider
+from pdconnect.router.engines import Engine, EngineRegistry, Role
+from pdconnect.router.kvindex import EngineKVIndex
+from pdconnect.router.metrics import RouterMetrics
+from pdconnect.router.prompt import RoutingPrompt
+from tests.test_router_kvindex_sweep import SWEEP, _geometry, _groups_text, _prompts, _request, _serve
+
+URL = "http://d0:8000"
+
+
+class _Indexes:
+    """The feed's `index(url)`, over the one real index (no subscription needed here)."""
+
+    def __init__(self, index: EngineKVIndex) -> None:
+        self._index = index
+
+    def index(self, url: str) -> EngineKVIndex | None:
+        return self._index if url == URL else None
+
+
+def test_an_unplaceable_store_is_counted_logged_and_routes_only_its_prompts_to_pd(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The sweep's prompt stream on DeepSeek-V4-like full attention 256 + sliding 64, window
+    128, MTP: the index meets a store it cannot place (issue 32); what it says and decides."""
+    from connectors.vllm_adapter import build_kv_cache_manager
+
+    name = "fa256-swa64-w128-mtp"
+    groups, retention = SWEEP[name]
+    geometry = _geometry(groups, retention)
+    manager = build_kv_cache_manager(geometry, num_blocks=6000, max_model_len=4096, enable_kv_cache_events=True)
+    counted: list[str] = []
+    index = EngineKVIndex(count=counted.append, engine=URL)
+    caplog.set_level(logging.DEBUG, logger="pdconnect.router.kvindex")
+    rng = random.Random(name)
+    lost: list[int] | None = None
+    for i, (_, tokens) in enumerate(_prompts(rng, 128, 14)):
+        _serve(manager, _request(f"r{i}", tokens, geometry.hash_block_size), rng.choice((10_000, 96)), index)
+        if "unanchored" in counted:
+            lost = tokens
+            break
+    assert lost is not None, "the stream no longer meets an unplaceable store: pick another"
+    lines = [r for r in caplog.records if r.name == "pdconnect.router.kvindex"]
+    assert lines and lines[0].levelno == logging.WARNING
+    assert URL in lines[0].getMessage() and "contradicts_index" in lines[0].getMessage()
+
+    assert index.unplaced_in(RoutingPrompt(lost))
+    assert index.unplaced_in(RoutingPrompt([*lost[:-1], 7]))  # a sibling cut inside it
+    # An unrelated conversation served next is placed, and its prompts are not affected.
+    other = [rng.randrange(1000, 30000) for _ in range(700)]
+    _serve(manager, _request("other", other, geometry.hash_block_size), 96, index)
+    assert counted.count("unanchored") == 1
+    assert not index.unplaced_in(RoutingPrompt(other))
+
+    settings = DeciderSettings(_groups_text(groups), 1 << 16, 1.0, 1 << 20)  # any predicted hit is small enough
+    decider = DecodeLocalDecider(settings, _Indexes(index), RouterMetrics(EngineRegistry(lambda: None, probed=False)))  # type: ignore[arg-type, return-value]
+    engine = Engine(url=URL, role=Role.DECODE, breaker=None)  # type: ignore[arg-type]
+    unknown = decider.decide(engine, RoutingPrompt(lost), {})
+    assert (unknown.local, unknown.reason) == (False, "unplaced")
+    known = decider.decide(engine, RoutingPrompt(other), {})
+    _, real, _ = manager.get_computed_blocks(_request("probe", other, geometry.hash_block_size))
+    assert (known.local, known.reason, known.hit) == (True, "cached", real) and real > 0
