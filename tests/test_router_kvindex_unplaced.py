@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from pdconnect.router.decider import DeciderSettings, DecodeLocalDecider
+from pdconnect.router.decider import DeciderSettings, DecodeFirstDecider
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.kvindex import EngineKVIndex
 from pdconnect.router.metrics import RouterMetrics
@@ -70,7 +70,7 @@ def test_an_unplaceable_store_is_counted_logged_and_routes_only_its_prompts_to_p
     assert not index.unplaced_in(RoutingPrompt(other))
 
     settings = DeciderSettings(_groups_text(groups), 1 << 16, 1.0, 1 << 20)  # any predicted hit is small enough
-    decider = DecodeLocalDecider(settings, _Indexes(index), RouterMetrics(EngineRegistry(lambda: None, probed=False)))  # type: ignore[arg-type, return-value]
+    decider = DecodeFirstDecider(settings, _Indexes(index), RouterMetrics(EngineRegistry(lambda: None, probed=False)))  # type: ignore[arg-type, return-value]
     engine = Engine(url=URL, role=Role.DECODE, breaker=None)  # type: ignore[arg-type]
     unknown = decider.decide(engine, RoutingPrompt(lost), {})
     assert (unknown.local, unknown.reason) == (False, "unplaced")
