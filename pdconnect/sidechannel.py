@@ -328,6 +328,11 @@ class SideChannelServer:
                     self._admit()
                     if self._socket in ready:
                         self._serve_one(self._socket.recv_multipart())
+                        # Drained whenever the queue is empty after a message, not only after an
+                        # idle poll: a channel busy with traffic is never idle for a whole poll.
+                        checked_at = time.monotonic()
+                        if not self._socket.poll(0, zmq.POLLIN):
+                            self._drained_at = checked_at
                     else:
                         # Nothing was waiting: every message sent before `polled_at` is answered.
                         self._drained_at = polled_at
