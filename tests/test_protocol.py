@@ -330,7 +330,7 @@ def test_settings_refuse_unknown_keys_and_bad_values():
         ({"lease_seconds": 5, "heartbeat_seconds": 10}, "heartbeat_seconds (10.0) must be shorter"),
         ({"side_channel_port": 70000}, "side_channel_port must be in 0..65535"),
         ({"transfer_timeout_seconds": 0}, "transfer_timeout_seconds must be positive"),
-        ({"secret": "a", "secret_env": "B"}, "either secret or secret_env"),
+        ({"secret": "a", "secret_env": "B"}, "not several"),
         ({"secret": SECRETS["decode"]}, "go together"),
         ({"peer_keys": PEER_KEYS}, "go together"),
         ({"secret": SECRETS["decode"], "peer_keys": "decode:AAAA"}, "not a base64 Ed25519 public key"),
