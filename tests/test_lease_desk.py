@@ -23,7 +23,7 @@ import zmq
 from connectors.lease_desk import DeskGone, Ended, LeaseDesk, Start
 from connectors.settings import ConnectorSettings
 from pdconnect.protocol import Ack, Claim, CompatInfo, Heartbeat
-from pdconnect.sidechannel import NoAnswer, SideChannelClient, release_remote
+from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError, release_remote
 from pdconnect.testbed.keys import connector_keys, keyring
 
 pytestmark = pytest.mark.transport
@@ -199,3 +199,31 @@ def test_the_desk_answers_a_claim_within_its_deadline_under_the_same_traffic(bus
     with _Traffic(busy_desk.port):
         time.sleep(0.3)
         _each_claim_finds_its_lease(busy_desk, 20, 2.0)
+
+
+def test_a_release_for_one_prefill_engine_is_refused_by_another():
+    """Issue 35: a router-signed Release names the engine it is for; another engine's
+    desk refuses it and keeps its lease, the named engine's desk accepts it."""
+    settings = ConnectorSettings.from_extra_config({**BASE, **connector_keys("kv_producer")})
+    desk_a = LeaseDesk(Start("prefill-a", COMPAT, settings, ["prefill"], 0))
+    desk_b = LeaseDesk(Start("prefill-b", COMPAT, settings, ["prefill"], 0))
+    try:
+        for desk in (desk_a, desk_b):
+            desk.open("r1", "lease-1", "digest")
+        address_a, address_b = (f"tcp://127.0.0.1:{d.port}" for d in (desk_a, desk_b))
+        with pytest.raises(SideChannelError, match="refused Release: .*engine"):
+            release_remote(address_b, ["r1"], "client disconnected", keyring("router"))
+        client = SideChannelClient(address_b, "decode", keyring("decode"), WAIT_S)
+        try:  # B still lends lease-1: its claimant is told it is held
+            assert client.request(Claim(lease_id="lease-1", claimant="decode-a", plan_digest="digest")) == Ack()
+        finally:
+            client.close()
+        assert desk_b.take_ended() == []
+        assert release_remote(address_a, ["r1"], "client disconnected", keyring("router")) == Ack()
+        ended: list = []
+        _wait_for(lambda: ended.extend(desk_a.take_ended()) or ended, "A did not end the released lease")
+        assert [(e.request_id, e.reason) for e in ended] == [("r1", "released: client disconnected")]
+        assert desk_b.totals().get("refused_wrong_engine") == 1
+    finally:
+        desk_a.close()
+        desk_b.close()
