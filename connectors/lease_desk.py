@@ -36,6 +36,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import IO, Any
 
 import msgspec
@@ -273,6 +274,7 @@ class _Desk:
         self._replies: dict[int, HandshakeReply] = {}
         self._counts = dict.fromkeys(DESK_COUNTERS, 0)
         self._open = True
+        self._lease_seconds = start.settings.lease_seconds
         self.leases: LeaseTable[None] = LeaseTable(start.settings.lease_seconds)
         settings = start.settings
         self.server = SideChannelServer(
@@ -293,7 +295,7 @@ class _Desk:
         while self._open:
             select.select([self._stdin_fd], [], [], _ROUND_SECONDS)
             self._apply_waiting_frames()
-            self.leases.expire(self.server.drained_at)
+            self.leases.expire(self._judged_at())
             for lease in self.leases.take_ended():
                 self._report(Ended(lease.request_id, lease.ended_because))
             totals = {**self.server.counts(), **self._counts}
@@ -301,6 +303,16 @@ class _Desk:
                 self._report(Counts(totals))
                 sent = totals
         self.server.close()
+
+    def _judged_at(self) -> float:
+        """The instant up to which a silent peer loses its leases.
+
+        The side channel's `drained_at`, so a heartbeat queued behind a starved serving
+        thread keeps its lease; but never more than one lease time behind now, so a channel
+        that stays backed up cannot hold an abandoned lease: it ends within twice its lease
+        time plus one round (docs/handoff-integrity.md).
+        """
+        return max(self.server.drained_at, time.monotonic() - self._lease_seconds)
 
     def _apply_waiting_frames(self) -> None:
         with self._lock:

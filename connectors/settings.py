@@ -8,6 +8,7 @@ manifests' `--kv-transfer-config` with it. `ConfigError` is `pdconnect.errors`'.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Literal
 
@@ -25,6 +26,8 @@ from pdconnect.sidechannel import (
 )
 
 __all__ = ["ConfigError", "ConnectorSettings", "parse_kv_transfer_config", "side_channel_roles"]
+
+logger = logging.getLogger(__name__)
 
 
 class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -63,9 +66,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     coalesce_wait_seconds: float = 10.0
     # This engine's side-channel secret (at least 32 bytes): the key its role (prefill
     # or decode) signs with, held by that role's pods only; `secret_env` names an
-    # environment variable holding it (Kubernetes Secrets), so it never sits in argv.
+    # environment variable holding it (Kubernetes Secrets), `secret_file` a file (a
+    # mounted Secret), so it never sits in argv; an inline `secret` does (`ps` shows it).
     secret: str | None = None
     secret_env: str | None = None
+    secret_file: str | None = None
     # The public keys this engine trusts, as `role:key` tokens (`pdconnect.keyring`):
     # a prefill engine needs decode's (and router's, for releases), a decode engine
     # prefill's. Several per role while a key is rotated. Needed with a secret.
@@ -114,14 +119,19 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
             )
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"side_channel_port must be in 0..65535, got {self.side_channel_port}")
-        if self.secret is not None and self.secret_env is not None:
-            raise ConfigError("set either secret or secret_env, not both")
+        if sum(value is not None for value in (self.secret, self.secret_env, self.secret_file)) > 1:
+            raise ConfigError("set one of secret, secret_env and secret_file, not several")
         if self.peer_keys is not None and self.peer_keys_env is not None:
             raise ConfigError("set either peer_keys or peer_keys_env, not both")
-        if (self.secret is None and self.secret_env is None) != (self.peer_keys is None and self.peer_keys_env is None):
-            raise ConfigError("secret (or secret_env) and peer_keys (or peer_keys_env) go together")
+        if (not self._keyed) != (self.peer_keys is None and self.peer_keys_env is None):
+            raise ConfigError("secret (or secret_env, secret_file) and peer_keys (or peer_keys_env) go together")
         if self.secret is not None and len(self.secret.strip().encode()) < MIN_SECRET_BYTES:
             raise ConfigError(f"secret is shorter than {MIN_SECRET_BYTES} bytes (e.g. `openssl rand -hex 32`)")
+        if self.secret is not None:
+            logger.warning(
+                "kv_connector_extra_config holds the side-channel secret inline: it is on the engine's "
+                "command line, where `ps` shows it to every user of the machine; use secret_env or secret_file"
+            )
         if self.peer_keys is not None:
             TrustedKeys.parse(self.peer_keys)
         if self.side_channel_max_message_bytes <= 0 or self.side_channel_max_age_seconds <= 0:
@@ -131,15 +141,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
                 "need 0 < side_channel_max_connections_per_host <= side_channel_max_connections, got "
                 f"{self.side_channel_max_connections_per_host} and {self.side_channel_max_connections}"
             )
-        if (
-            self.secret is None
-            and self.secret_env is None
-            and not self.allow_insecure_side_channel
-            and not is_loopback_host(self.side_channel_host)
-        ):
+        if not self._keyed and not self.allow_insecure_side_channel and not is_loopback_host(self.side_channel_host):
             raise ConfigError(
                 f"side_channel_host {self.side_channel_host!r} is reachable from other machines: set "
-                "secret_env (or secret), or allow_insecure_side_channel on an isolated network"
+                "secret_env (or secret_file), or allow_insecure_side_channel on an isolated network"
             )
 
     @classmethod
@@ -151,6 +156,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
             raise ConfigError(f"invalid kv_connector_extra_config: {exc}") from None
 
     @property
+    def _keyed(self) -> bool:
+        return self.secret is not None or self.secret_env is not None or self.secret_file is not None
+
+    @property
     def peer_host(self) -> str:
         """The host peers should dial for this engine's side channel."""
         return self.advertise_host or self.side_channel_host
@@ -158,14 +167,14 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     def may_dial(self, host: str) -> bool:
         """Whether this engine may talk to a side channel on `host`: with keys anywhere,
         without them only on this machine (unless the operator opted out)."""
-        keyed = self.secret is not None or self.secret_env is not None
-        return keyed or self.allow_insecure_side_channel or is_loopback_host(host)
+        return self._keyed or self.allow_insecure_side_channel or is_loopback_host(host)
 
     def resolve_keys(self, roles: frozenset[Role]) -> Keyring | None:
         """This engine's side-channel keys for `roles` (what its `kv_role` makes it), read
         from the environment if so configured; None without a secret. ConfigError for a
         secret shorter than a key, unreadable peer keys, or no keys for a peer role."""
-        secret = _value(self.secret, self.secret_env, "secret_env")
+        secret = _file_value(self.secret_file) if self.secret_file is not None else None
+        secret = secret or _value(self.secret, self.secret_env, "secret_env")
         peer_keys = _value(self.peer_keys, self.peer_keys_env, "peer_keys_env")
         if secret is None or peer_keys is None:
             return None
@@ -197,6 +206,17 @@ def _value(inline: str | None, env: str | None, env_key: str) -> str | None:
             raise ConfigError(f"{env_key} names {env!r}, which is unset or empty")
         return value
     return inline
+
+
+def _file_value(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as file:
+            value = file.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"secret_file {path!r} cannot be read: {exc.strerror}") from None
+    if len(value.encode()) < MIN_SECRET_BYTES:
+        raise ConfigError(f"secret_file {path!r} holds fewer than {MIN_SECRET_BYTES} bytes")
+    return value
 
 
 _ROLES = ("kv_producer", "kv_consumer", "kv_both")

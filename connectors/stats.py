@@ -69,6 +69,9 @@ COUNTERS: dict[str, str] = {
     "side_channel_connections_over_limit": (
         "Side-channel connections closed on arrival: the server held side_channel_max_connections"
     ),
+    "side_channel_connections_closed": (
+        "Side-channel connections closed, by their peer, a cut or an error (every close counts)"
+    ),
     "side_channel_handler_errors": "Side-channel handler errors (logged; the server keeps serving)",
     "side_channel_serve_errors": "Side-channel serving-loop errors (logged; the server keeps serving)",
     "side_channel_late_rounds": (

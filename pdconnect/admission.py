@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import resource
 import socket
 from collections import deque
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ from typing import Literal
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-__all__ = ["ConnectionGate", "ConnectionTable", "Refused"]
+__all__ = ["ConnectionGate", "ConnectionTable", "Refused", "descriptor_cap"]
 
 # Which limit cut a connection: its host's, or the server's total.
 Refused = Literal["host", "total"]
@@ -52,6 +53,26 @@ EVENTS_PER_ROUND = 64
 # Handshakes that wait for the monitor to catch up; beyond this (a storm of connections
 # faster than this thread judges them) the oldest are refused, and their peers retry.
 WAITING_HANDSHAKES = 1024
+
+
+# Descriptors kept free beyond the connections: zmq's own (its I/O thread, signalers,
+# inproc pipes), the files and sockets the process opens, and the connections accepted
+# and not yet cut (at most about a round's worth). A cap closer to the limit lets a flood
+# exhaust the process: zmq's accept then fails in a loop and nothing else can open a file.
+DESCRIPTOR_HEADROOM = 64
+
+
+def descriptor_cap(requested: int) -> int:
+    """`requested` connections, or fewer if the process's descriptor limit (RLIMIT_NOFILE,
+    soft) leaves less room beside the descriptors open now and `DESCRIPTOR_HEADROOM`."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return requested
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc: count none, the headroom still holds
+        open_now = 0
+    return max(1, min(requested, soft - open_now - DESCRIPTOR_HEADROOM))
 
 
 def host_key(address: str) -> str:
@@ -148,6 +169,7 @@ class ConnectionGate:
         self.table = ConnectionTable(max_connections, max_per_host)
         self._router = router
         self._port = 0
+        self.closed = 0  # connections zmq closed, whatever the cause (the serving thread's)
         self._waiting: deque[list[bytes]] = deque()
         self._zap = context.socket(zmq.ROUTER)
         self._zap.setsockopt(zmq.LINGER, 0)
@@ -203,6 +225,7 @@ class ConnectionGate:
                 if cut is not None:
                     refused.append(cut)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.closed += 1
                 self.table.remove(int(event["value"]))
         return refused, False
 

@@ -166,6 +166,12 @@ class ReplayGuard:
     refused as stale, so forgetting its nonce afterwards is safe. The cache is bounded by
     `capacity`: when full, new messages are refused (failing closed) rather than older
     nonces dropped, which would reopen them to replay. Thread-safe; one per server.
+
+    The guard's own time never runs backwards (the latest wall-clock reading it has seen):
+    were the clock stepped back, a message whose nonce was already forgotten would be
+    inside the window again. After a step back the window stays where it was until the
+    clock catches up, so peers whose clocks stepped with it by more than the window are
+    refused as stale (failing closed) meanwhile.
     """
 
     def __init__(
@@ -181,18 +187,19 @@ class ReplayGuard:
         self._capacity = capacity
         self._clock = clock
         self._lock = threading.Lock()
+        self._latest = float("-inf")  # the latest time read from `clock`
         self._expiry: dict[bytes, float] = {}
         self._by_expiry: list[tuple[float, bytes]] = []
 
     def check(self, nonce: bytes, sent_at: float) -> None:
         """Accept (and remember) this nonce, or raise EnvelopeError saying stale/replayed."""
-        now = self._clock()
-        # Written so that NaN fails too: only a time inside the window passes.
-        if not (now - self.max_age_seconds <= sent_at <= now + self.max_age_seconds):
-            raise EnvelopeError(
-                "stale", "stale side-channel message (its time is outside the accepted window; check clocks)"
-            )
         with self._lock:
+            now = self._latest = max(self._latest, self._clock())
+            # Written so that NaN fails too: only a time inside the window passes.
+            if not (now - self.max_age_seconds <= sent_at <= now + self.max_age_seconds):
+                raise EnvelopeError(
+                    "stale", "stale side-channel message (its time is outside the accepted window; check clocks)"
+                )
             self._forget_expired(now)
             if nonce in self._expiry:
                 raise EnvelopeError("replayed", "replayed side-channel message (nonce already seen)")

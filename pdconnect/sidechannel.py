@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import resource
 import threading
 import time
 from collections import OrderedDict
@@ -52,7 +53,7 @@ from collections.abc import Callable
 
 import zmq
 
-from pdconnect.admission import ConnectionGate, Refused
+from pdconnect.admission import ConnectionGate, Refused, descriptor_cap
 from pdconnect.envelope import (
     DEFAULT_MAX_AGE_SECONDS,
     EnvelopeError,
@@ -139,6 +140,7 @@ SERVER_COUNTERS = (
     "dropped_over_budget",  # a connection past its refusal budget: dropped unread
     "connections_over_host_limit",  # a connection cut: its host held max_connections_per_host
     "connections_over_limit",  # a connection cut: the server held max_connections
+    "connections_closed",  # every accepted connection closed, by its peer, a cut or an error
     "handler_errors",  # the handler raised or answered something unencodable
     "serve_errors",  # anything else that went wrong in one round of the serving loop
     "late_rounds",  # rounds that began LATE_ROUND_SECONDS or more after the one before
@@ -277,6 +279,17 @@ class SideChannelServer:
                 "need 0 < max_connections_per_host <= max_connections, "
                 f"got {max_connections_per_host} and {max_connections}"
             )
+        capped = descriptor_cap(max_connections)
+        if capped < max_connections:
+            logger.warning(
+                "side channel: at most %d connections (not %d): the process may open %d descriptors "
+                "(RLIMIT_NOFILE), and needs some for itself",
+                capped,
+                max_connections,
+                resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            )
+        self.max_connections = capped
+        max_connections_per_host = min(max_connections_per_host, capped)
         self._handler = handler
         self._keys = keys
         self._guard = ReplayGuard(max_age_seconds) if keys is not None else None
@@ -292,7 +305,8 @@ class SideChannelServer:
         for option, value in _KEEPALIVE_OPTIONS:
             self._socket.setsockopt(option, value)
         # Before the bind: no connection may be accepted unseen.
-        self._gate = ConnectionGate(self._context, self._socket, max_connections, max_connections_per_host)
+        self._gate = ConnectionGate(self._context, self._socket, capped, max_connections_per_host)
+        self._closes_counted = 0
         try:
             self._socket.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
@@ -328,6 +342,11 @@ class SideChannelServer:
                     self._admit()
                     if self._socket in ready:
                         self._serve_one(self._socket.recv_multipart())
+                        # Drained whenever the queue is empty after a message, not only after an
+                        # idle poll: a channel busy with traffic is never idle for a whole poll.
+                        checked_at = time.monotonic()
+                        if not self._socket.poll(0, zmq.POLLIN):
+                            self._drained_at = checked_at
                     else:
                         # Nothing was waiting: every message sent before `polled_at` is answered.
                         self._drained_at = polled_at
@@ -365,6 +384,9 @@ class SideChannelServer:
             if (note := self._log.admit("admission_error")) is not None:
                 logger.exception("side channel: error while admitting connections; still serving%s", note)
             self._stop.wait(0.01)  # a fault that repeats must not spin a core
+        finally:  # closes seen before a fault are counted too
+            self._counters.add("connections_closed", self._gate.closed - self._closes_counted)
+            self._closes_counted = self._gate.closed
 
     def _cut(self, limit: Refused, host: str) -> None:
         name, what = {
@@ -430,6 +452,11 @@ class SideChannelServer:
             logger.exception("side channel handler failed on %s", type(message).__name__)
             # The exception text stays in our log: it may name local state.
             return self._encode(Refusal(reason="internal error"), reply_to)
+
+    @property
+    def connections(self) -> int:
+        """Connections counted as open now (read from another thread: a moment's snapshot)."""
+        return len(self._gate.table)
 
     def counts(self) -> dict[str, int]:
         """A snapshot of the server's counters (`SERVER_COUNTERS`), e.g. for metrics."""

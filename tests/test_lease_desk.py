@@ -9,16 +9,21 @@ These tests drive a real desk process over a real side channel.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterator
+from typing import Self
 
 import pytest
+import zmq
 
-from connectors.lease_desk import DeskGone, LeaseDesk, Start
+from connectors.lease_desk import DeskGone, Ended, LeaseDesk, Start
 from connectors.settings import ConnectorSettings
-from pdconnect.protocol import Ack, Claim, CompatInfo
-from pdconnect.sidechannel import SideChannelClient, release_remote
+from pdconnect.protocol import Ack, Claim, CompatInfo, Heartbeat
+from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError, release_remote
 from pdconnect.testbed.keys import connector_keys, keyring
 
 pytestmark = pytest.mark.transport
@@ -33,8 +38,8 @@ COMPAT = CompatInfo(model="tiny", dtype="float32", cache_dtype="auto", groups=()
 WAIT_S = 10.0  # bound on waits for the desk's reports; none is a performance claim
 
 
-def _desk(port: int = 0) -> LeaseDesk:
-    settings = ConnectorSettings.from_extra_config({**BASE, **connector_keys("kv_producer")})
+def _desk(port: int = 0, **overrides: float) -> LeaseDesk:
+    settings = ConnectorSettings.from_extra_config({**BASE, **overrides, **connector_keys("kv_producer")})
     return LeaseDesk(Start("prefill-desk", COMPAT, settings, ["prefill"], port))
 
 
@@ -49,15 +54,22 @@ def test_a_claim_sent_the_moment_its_lease_is_opened_finds_it():
     """The desk applies every waiting `Open` before it answers: a plan handed out the
     instant its lease was opened is never "unknown" to its claimant."""
     desk = _desk()
-    client = SideChannelClient(f"tcp://127.0.0.1:{desk.port}", "decode", keyring("decode"), 5.0)
     try:
-        for i in range(50):
+        _each_claim_finds_its_lease(desk, 50, 5.0)
+    finally:
+        desk.close()
+
+
+def _each_claim_finds_its_lease(desk: LeaseDesk, count: int, deadline_s: float) -> None:
+    """Open `count` leases, each claimed at once by a client that waits `deadline_s` for its answer."""
+    client = SideChannelClient(f"tcp://127.0.0.1:{desk.port}", "decode", keyring("decode"), deadline_s)
+    try:
+        for i in range(count):
             desk.open(f"r{i}", f"lease-{i}", "digest")
             answer = client.request(Claim(lease_id=f"lease-{i}", claimant="decode-a", plan_digest="digest"))
             assert answer == Ack(unknown=[]), i
     finally:
         client.close()
-        desk.close()
 
 
 def test_a_lease_that_ends_on_the_desk_is_reported_to_the_scheduler():
@@ -94,3 +106,124 @@ def test_a_desk_that_dies_is_gone_and_lends_nothing_more():
             desk.open("r2", "lease-2", "digest")
     finally:
         desk.close()
+
+
+# --- a side channel that is never idle (issue 35) --------------------------------------
+# The desk used to expire leases only up to the side channel's `drained_at`, which moved
+# only when a 100 ms poll found nothing: under a steady stream of signed heartbeats and
+# junk, an abandoned lease stayed held until the traffic stopped. Bounded traffic, loopback.
+
+LEASE_S = 1.0
+# Each source sends about 100 messages a second (200 in all) for at most this long: the
+# documented bound (twice the lease time plus a round) with room for a loaded machine.
+TRAFFIC_S = 2 * LEASE_S + 3.0
+GAP_S = 0.01
+
+
+class _Traffic:
+    """Signed heartbeats (for leases the desk does not hold) and junk frames, until stopped."""
+
+    def __init__(self, port: int) -> None:
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.stop = threading.Event()
+        self.sent = {"heartbeats": 0, "junk": 0}
+        self.ran_out = False
+        self._threads = [threading.Thread(target=self._beats), threading.Thread(target=self._junk)]
+
+    def _beats(self) -> None:
+        client = SideChannelClient(self.address, "decode", keyring("decode"), 2.0)
+        try:
+            self._every_gap(lambda: self._count("heartbeats", client.request(Heartbeat(request_ids=["gone"]))))
+        finally:
+            client.close()
+
+    def _junk(self) -> None:
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        try:
+            self._every_gap(lambda: self._count("junk", sock.send(b"\x00junk, not an envelope")))
+        finally:
+            sock.close()
+            context.term()
+
+    def _count(self, kind: str, _: object) -> None:
+        self.sent[kind] += 1
+
+    def _every_gap(self, send) -> None:  # type: ignore[no-untyped-def]
+        ends = time.monotonic() + TRAFFIC_S
+        while not self.stop.is_set():
+            if time.monotonic() >= ends:
+                self.ran_out = True
+                return
+            # A busy desk may not answer one heartbeat in time; the traffic goes on.
+            with contextlib.suppress(NoAnswer):
+                send()
+            time.sleep(GAP_S)
+
+    def __enter__(self) -> Self:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(TRAFFIC_S + 5)
+
+
+@pytest.fixture
+def busy_desk() -> Iterator[LeaseDesk]:
+    desk = _desk(lease_seconds=LEASE_S, heartbeat_seconds=0.3)
+    yield desk
+    desk.close()
+
+
+def test_an_abandoned_lease_ends_while_the_side_channel_stays_busy(busy_desk: LeaseDesk) -> None:
+    desk = busy_desk
+    ended: list[Ended] = []
+    with _Traffic(desk.port) as traffic:
+        time.sleep(0.3)  # the traffic is flowing before the lease is lent
+        desk.open("r1", "lease-1", "digest")  # its decode engine died: nobody beats for it
+        while not ended and not traffic.ran_out:
+            ended.extend(desk.take_ended())
+            time.sleep(0.02)
+        still_busy = not traffic.ran_out
+    assert [(e.request_id, e.reason) for e in ended] == [("r1", "lease expired")]
+    assert still_busy, "the lease ended only once the traffic stopped"
+    assert traffic.sent["heartbeats"] > 0 and traffic.sent["junk"] > 0
+
+
+def test_the_desk_answers_a_claim_within_its_deadline_under_the_same_traffic(busy_desk: LeaseDesk) -> None:
+    with _Traffic(busy_desk.port):
+        time.sleep(0.3)
+        _each_claim_finds_its_lease(busy_desk, 20, 2.0)
+
+
+def test_a_release_for_one_prefill_engine_is_refused_by_another():
+    """Issue 35: a router-signed Release names the engine it is for; another engine's
+    desk refuses it and keeps its lease, the named engine's desk accepts it."""
+    settings = ConnectorSettings.from_extra_config({**BASE, **connector_keys("kv_producer")})
+    desk_a = LeaseDesk(Start("prefill-a", COMPAT, settings, ["prefill"], 0))
+    desk_b = LeaseDesk(Start("prefill-b", COMPAT, settings, ["prefill"], 0))
+    try:
+        for desk in (desk_a, desk_b):
+            desk.open("r1", "lease-1", "digest")
+        address_a, address_b = (f"tcp://127.0.0.1:{d.port}" for d in (desk_a, desk_b))
+        with pytest.raises(SideChannelError, match="refused Release: .*engine"):
+            release_remote(address_b, ["r1"], "client disconnected", keyring("router"))
+        client = SideChannelClient(address_b, "decode", keyring("decode"), WAIT_S)
+        try:  # B still lends lease-1: its claimant is told it is held
+            assert client.request(Claim(lease_id="lease-1", claimant="decode-a", plan_digest="digest")) == Ack()
+        finally:
+            client.close()
+        assert desk_b.take_ended() == []
+        assert release_remote(address_a, ["r1"], "client disconnected", keyring("router")) == Ack()
+        ended: list = []
+        _wait_for(lambda: ended.extend(desk_a.take_ended()) or ended, "A did not end the released lease")
+        assert [(e.request_id, e.reason) for e in ended] == [("r1", "released: client disconnected")]
+        assert desk_b.totals().get("refused_wrong_engine") == 1
+    finally:
+        desk_a.close()
+        desk_b.close()

@@ -203,6 +203,23 @@ def test_the_replay_guard_refuses_replays_and_messages_outside_the_window():
     assert len(guard) == 1
 
 
+def test_a_clock_stepped_back_does_not_reopen_a_captured_message_to_replay():
+    """Issue 35: after the receiver's clock stepped back 2 s, a message whose nonce had
+    been forgotten (its window had passed) was inside the window again and accepted."""
+    clock = _Clock(1000.0)
+    guard = ReplayGuard(30.0, clock=clock)
+    data = encode_message(Heartbeat(request_ids=["lease"]), "decode", DECODE, now=1000.0)
+    _open(data, PREFILL, replay_guard=guard)
+    clock.now = 1030.5  # the window has just passed: the nonce is forgotten...
+    _open(encode_message(Done(request_ids=[]), "decode", DECODE, now=1030.5), PREFILL, replay_guard=guard)
+    clock.now = 1028.5  # ...and the wall clock steps back 2 s
+    with pytest.raises(EnvelopeError, match="stale") as info:
+        _open(data, PREFILL, replay_guard=guard)
+    assert info.value.kind == "stale"
+    # A fresh message sent on the stepped clock is still accepted.
+    assert _open(encode_message(Done(request_ids=[]), "decode", DECODE, now=1028.5), PREFILL, replay_guard=guard)
+
+
 def test_a_full_replay_cache_refuses_instead_of_forgetting_nonces():
     guard = ReplayGuard(30.0, capacity=2)
     kept = [encode_message(Done(request_ids=[]), "decode", DECODE) for _ in range(2)]
@@ -313,7 +330,7 @@ def test_settings_refuse_unknown_keys_and_bad_values():
         ({"lease_seconds": 5, "heartbeat_seconds": 10}, "heartbeat_seconds (10.0) must be shorter"),
         ({"side_channel_port": 70000}, "side_channel_port must be in 0..65535"),
         ({"transfer_timeout_seconds": 0}, "transfer_timeout_seconds must be positive"),
-        ({"secret": "a", "secret_env": "B"}, "either secret or secret_env"),
+        ({"secret": "a", "secret_env": "B"}, "not several"),
         ({"secret": SECRETS["decode"]}, "go together"),
         ({"peer_keys": PEER_KEYS}, "go together"),
         ({"secret": SECRETS["decode"], "peer_keys": "decode:AAAA"}, "not a base64 Ed25519 public key"),

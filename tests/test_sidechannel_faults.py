@@ -156,7 +156,9 @@ def test_an_oversized_message_is_cut_by_zmq_before_the_server_reads_it():
         finally:
             dealer.disable_monitor()
             monitor.close()
-        assert handler.seen == [] and sum(server.counts().values()) == 0
+        counts = server.counts()
+        # Nothing was read or refused; the close itself is counted (once the server has seen it).
+        assert handler.seen == [] and sum(v for k, v in counts.items() if k != "connections_closed") == 0
         # Just under the limit is served, on the connection zmq re-establishes.
         dealer.send(_signed(Heartbeat(request_ids=["y" * (60 << 10)])))
         assert _reply(dealer) == Ack(unknown=["y" * (60 << 10)])
