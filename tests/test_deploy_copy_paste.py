@@ -72,3 +72,41 @@ def test_the_guides_image_override_pins_every_image_by_digest(overlay: str, tmp_
                      "resources": [os.path.relpath(DEPLOY / overlay, tmp_path)], **override}
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     assert images(render_dir(tmp_path)) == {f"{name}@{digest}" for name, digest in digests.items()}
+
+
+# ------------------------------------------------------------- the in-cluster bench
+
+
+def _bench_commands() -> str:
+    section = MEASURING.read_text().split("## On the Kubernetes deployment", 1)[1]
+    (block,) = re.findall(r"```\n(.*?)```", section.split("\n## ", 1)[0], flags=re.S)
+    return block
+
+
+def test_the_docs_bench_pod_is_the_one_the_policies_admit_and_the_namespace_accepts() -> None:
+    """The docs apply deploy/bench's pod with the router image substituted; the pod must
+    meet the namespace's Pod Security level, and its label is what the NetworkPolicies
+    admit (tests/test_network_policy.py evaluates the reach of exactly this pod)."""
+    from tests.test_deploy import _pod_security_level
+
+    commands = _bench_commands()
+    applied = re.search(r'sed "s\|([^|]+)\|\$IMAGE\|" (\S+)', commands)
+    assert applied, "the docs no longer apply deploy/bench's pod with sed"
+    placeholder, manifest = applied.groups()
+    pod = yaml.safe_load((REPO / manifest).read_text())
+    assert [c["image"] for c in pod["spec"]["containers"]] == [placeholder]
+    assert _pod_security_level(pod["spec"]) == "restricted"
+    namespace = yaml.safe_load((DEPLOY / "base" / "namespace.yaml").read_text())
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert "kubectl -n $NS exec -it pdconnect-bench " in commands
+    assert pod["metadata"]["name"] == "pdconnect-bench"
+
+
+def test_the_docs_bench_reads_the_engines_on_their_metrics_proxy_port() -> None:
+    """The engines' API port is closed to the bench pod; their metrics proxy is not."""
+    base = yaml.safe_load_all((DEPLOY / "base" / "prefill.yaml").read_text())
+    (workload,) = [d for d in base if d and d["kind"] in ("Deployment", "StatefulSet")]
+    proxy = next(c for c in pod_spec(workload).get("initContainers", []) if c["name"] == "metrics")
+    (port,) = [p["containerPort"] for p in proxy["ports"]]
+    urls = re.findall(r"http://\{\.status\.podIP\}:(\d+)(\S*) ", _bench_commands())
+    assert urls == [(str(port), "/metrics")]
