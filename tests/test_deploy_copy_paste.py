@@ -30,7 +30,7 @@ EXAMPLE_IMAGES = {"registry.internal.example/ml/pdconnect-engine-cuda:0.1.0",
 
 
 def render_dir(path: Path) -> Render:
-    proc = subprocess.run([deploy_tool("kubectl"), "kustomize", str(path)],
+    proc = subprocess.run([deploy_tool("kubectl"), "kustomize", str(path)], check=False,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return Render(str(path), proc.stdout)
@@ -43,7 +43,7 @@ def images(render: Render) -> set[str]:
 
 
 def yaml_blocks(path: Path) -> list[str]:
-    return re.findall(r"```yaml\n(.*?)```", path.read_text(), flags=re.S)
+    return re.findall(r"```yaml\n(.*?)```", path.read_text(), flags=re.DOTALL)
 
 
 def test_the_custom_cluster_example_pulls_only_its_own_images() -> None:
@@ -79,7 +79,7 @@ def test_the_guides_image_override_pins_every_image_by_digest(overlay: str, tmp_
 
 def _bench_commands() -> str:
     section = MEASURING.read_text().split("## On the Kubernetes deployment", 1)[1]
-    (block,) = re.findall(r"```\n(.*?)```", section.split("\n## ", 1)[0], flags=re.S)
+    (block,) = re.findall(r"```\n(.*?)```", section.split("\n## ", 1)[0], flags=re.DOTALL)
     return block
 
 
