@@ -71,6 +71,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     where.add_argument("--model", help="served model name (default: the router's first /v1/models entry)")
     where.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="sent with every request to the router (repeatable), e.g. 'Authorization: Bearer $KEY'",
+    )
+    where.add_argument(
         "--reference",
         metavar="URL",
         help="a colocated engine (same model and flags, no KV connector): every step's "
@@ -170,8 +177,19 @@ def _scenario(args: argparse.Namespace) -> Scenario:
     return scenario
 
 
-def _served_model(router: str, timeout: float) -> str:
-    response = httpx.get(f"{router.rstrip('/')}/v1/models", timeout=timeout)
+def _headers(given: list[str]) -> tuple[tuple[str, str], ...]:
+    """`--header` values ('NAME: VALUE') as pairs; ValueError names a malformed one."""
+    pairs = []
+    for header in given:
+        name, sep, value = header.partition(":")
+        if not sep or not name.strip() or name != name.strip():
+            raise ValueError(f"--header {header!r}: expected 'NAME: VALUE'")
+        pairs.append((name, value.strip()))
+    return tuple(pairs)
+
+
+def _served_model(router: str, timeout: float, headers: tuple[tuple[str, str], ...]) -> str:
+    response = httpx.get(f"{router.rstrip('/')}/v1/models", timeout=timeout, headers=dict(headers))
     response.raise_for_status()
     return str(response.json()["data"][0]["id"])
 
@@ -210,7 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--reference-concurrency must be >= 1, got {args.reference_concurrency}")
         seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
         tokens = TokenSource.parse_range(args.token_range, seed=seed)
-        model = args.model or _served_model(args.router, timeout=30.0)
+        headers = _headers(args.header)
+        model = args.model or _served_model(args.router, timeout=30.0, headers=headers)
     except (ValueError, httpx.HTTPError, KeyError, IndexError) as exc:
         print(f"pdconnect bench: {exc}", file=sys.stderr)
         return 2
@@ -223,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         request_timeout_s=args.timeout,
         reference=args.reference,
         reference_concurrency=args.reference_concurrency,
+        headers=headers,
     )
     label = args.label or f"{scenario.name} via {deployment.router}"
     try:

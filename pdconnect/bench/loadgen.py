@@ -90,6 +90,9 @@ class Deployment:
     # How many requests at once the reference replays (None: as the step sends them).
     # 1 measures what serial siblings hit, the figure coalescing is held to.
     reference_concurrency: int | None = None
+    # (name, value) pairs sent with every request to the router, e.g. its clients'
+    # `Authorization` (the router passes that one on to engines started with --api-key).
+    headers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "router", self.router.rstrip("/"))
@@ -473,7 +476,9 @@ class LoadGenerator:
         usage: dict[str, Any] = {}
         output_ids: list[int] = []
         try:
-            async with self._session.post(f"{target or d.router}/v1/completions", json=body) as resp:
+            # The headers are the router's clients'; a reference engine is reached directly.
+            headers = dict(d.headers) if target is None else None
+            async with self._session.post(f"{target or d.router}/v1/completions", json=body, headers=headers) as resp:
                 fallback = FALLBACK_HEADER in resp.headers
                 if resp.status != 200:
                     text = (await resp.text())[:300]

@@ -1,0 +1,44 @@
+"""`pdconnect bench --header`: a deployment whose engines want an API key, reached through the real router."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdconnect.bench import cli
+from pdconnect.bench.loadgen import Deployment, LoadGenerator
+from pdconnect.bench.scenarios import Step
+from tests.router_support import start_setup
+
+KEY = "bench-test-key"
+STEP = Step("keyed", prompts=((11, 12, 13, 14),), output_len=2)
+
+
+async def _step_ok(router: str, headers: tuple[tuple[str, str], ...]) -> bool:
+    deployment = Deployment(router=router, model="fake-model", headers=headers)
+    async with LoadGenerator(deployment, progress=False) as generator:
+        result = await generator.run_step("headers", STEP)
+    return result.ok == result.requests
+
+
+@pytest.mark.asyncio
+async def test_the_bench_sends_its_authorization_header_to_engines_that_want_a_key() -> None:
+    """Fake engines (like `vllm serve --api-key`) behind the real router: without the
+    header every request is refused, with the one `--header` gives it is served."""
+    setup = await start_setup()
+    try:
+        for engine in setup.p + setup.d:
+            engine.api_key = KEY
+        assert not await _step_ok(setup.router.url, ())
+        headers = cli._headers([f"Authorization: Bearer {KEY}"])
+        assert headers == (("Authorization", f"Bearer {KEY}"),)
+        assert await _step_ok(setup.router.url, headers)
+    finally:
+        await setup.http.close()
+        await setup.router.close()
+        await setup.fakes.close()
+
+
+@pytest.mark.parametrize("bad", ["Authorization", ": x", " Authorization: x"])
+def test_a_malformed_header_is_refused_with_its_text(bad: str) -> None:
+    with pytest.raises(ValueError, match="expected 'NAME: VALUE'"):
+        cli._headers([bad])
