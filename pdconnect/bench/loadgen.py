@@ -117,6 +117,11 @@ def render_prompt(
     return " ".join(f"w{i - first_word_id}" for i in prompt)
 
 
+def mean(values: Sequence[float]) -> float:
+    """The arithmetic mean; NaN when empty (a step with no successful request)."""
+    return sum(values) / len(values) if values else math.nan
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile with linear interpolation (numpy's default); NaN when empty."""
     ordered = sorted(values)
@@ -208,6 +213,16 @@ class RequestResult:
     output_ids: tuple[int, ...] = ()
     # time.perf_counter() when the request was sent.
     sent_at: float = 0.0
+    # Inter-token latencies: the gaps between successive streamed events that carry
+    # output (a server may put several tokens in one event: that gap counts once).
+    itl_s: tuple[float, ...] = ()
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT); None below two tokens."""
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
 @dataclass(frozen=True)
@@ -239,6 +254,10 @@ class StepResult:
     groups: tuple[int, ...] = ()
     sent_s: tuple[float, ...] = ()
     request_ttft_s: tuple[float | None, ...] = ()
+    # Each successful request's TPOT (two tokens or more), and every inter-token gap of
+    # the step's successful requests pooled.
+    tpot_s: tuple[float, ...] = ()
+    itl_s: tuple[float, ...] = ()
 
     @property
     def failed(self) -> int:
@@ -246,11 +265,19 @@ class StepResult:
 
     @property
     def ttft_mean_s(self) -> float:
-        return sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else math.nan
+        return mean(self.ttft_s)
 
     @property
     def ttft_p99_s(self) -> float:
         return percentile(self.ttft_s, 99)
+
+    @property
+    def tpot_mean_s(self) -> float:
+        return mean(self.tpot_s)
+
+    @property
+    def itl_p99_s(self) -> float:
+        return percentile(self.itl_s, 99)
 
     @property
     def request_throughput(self) -> float:
@@ -263,6 +290,8 @@ class StepResult:
             "failed": self.failed,
             "ttft_mean_s": self.ttft_mean_s,
             "ttft_p99_s": self.ttft_p99_s,
+            "tpot_mean_s": self.tpot_mean_s,
+            "itl_p99_s": self.itl_p99_s,
             "request_throughput": self.request_throughput,
             "decode_local_hit_tokens": self.decode.cache.hits,
             "decode_external_hit_tokens": self.decode.cache.external_hits,
@@ -423,6 +452,8 @@ class LoadGenerator:
             groups=step.groups,
             sent_s=tuple(r.sent_at - started for r in results),
             request_ttft_s=tuple(r.ttft_s if r.ok else None for r in results),
+            tpot_s=tuple(r.tpot_s for r in good if r.tpot_s is not None),
+            itl_s=tuple(gap for r in good for gap in r.itl_s),
         )
 
     async def _send_all(
@@ -475,6 +506,8 @@ class LoadGenerator:
         ttft: float | None = None
         usage: dict[str, Any] = {}
         output_ids: list[int] = []
+        itl: list[float] = []
+        last_output: float | None = None
         try:
             # The headers are the router's clients'; a reference engine is reached directly.
             headers = dict(d.headers) if target is None else None
@@ -506,8 +539,13 @@ class LoadGenerator:
                             error=f"stream error: {event['error']}",
                             sent_at=started,
                         )
-                    if ttft is None and event.get("choices"):
-                        ttft = time.perf_counter() - started
+                    if event.get("choices"):
+                        now = time.perf_counter()
+                        if ttft is None:
+                            ttft = now - started
+                        if last_output is not None:
+                            itl.append(now - last_output)
+                        last_output = now
                     for choice in event.get("choices") or ():
                         output_ids.extend(choice.get("token_ids") or ())
                     usage = event.get("usage") or usage
@@ -528,6 +566,7 @@ class LoadGenerator:
             error=error,
             output_ids=tuple(output_ids),
             sent_at=started,
+            itl_s=tuple(itl),
         )
 
 

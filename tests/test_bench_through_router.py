@@ -1,11 +1,12 @@
-"""`pdconnect bench --header`: a deployment whose engines want an API key, reached through the real router."""
+"""`pdconnect bench` through the real router in front of fake engines: auth headers, TPOT and ITL."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdconnect.bench import cli
-from pdconnect.bench.loadgen import Deployment, LoadGenerator
+from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult
+from pdconnect.bench.report import format_run
 from pdconnect.bench.scenarios import Step
 from tests.router_support import start_setup
 
@@ -42,3 +43,24 @@ async def test_the_bench_sends_its_authorization_header_to_engines_that_want_a_k
 def test_a_malformed_header_is_refused_with_its_text(bad: str) -> None:
     with pytest.raises(ValueError, match="expected 'NAME: VALUE'"):
         cli._headers([bad])
+
+
+@pytest.mark.asyncio
+async def test_each_request_reports_its_inter_token_gaps_and_the_step_its_tpot() -> None:
+    """The fake engines stream one token per event (8 by default) through the real
+    router: 7 gaps per request, and a TPOT for every request of two tokens or more."""
+    setup = await start_setup()
+    try:
+        chunks = setup.d[0].chunks
+        deployment = Deployment(router=setup.router.url, model="fake-model")
+        step = Step("stream", prompts=((21, 22, 23), (31, 32, 33)), output_len=chunks)
+        async with LoadGenerator(deployment, progress=False) as generator:
+            result = await generator.run_step("stream", step)
+        assert result.ok == 2, result.errors
+        assert len(result.itl_s) == 2 * (chunks - 1)
+        assert len(result.tpot_s) == 2
+        assert "TPOT mean" in format_run(RunResult("stream", (result,)))
+    finally:
+        await setup.http.close()
+        await setup.router.close()
+        await setup.fakes.close()
