@@ -1,11 +1,14 @@
-"""`pdconnect bench` through the real router in front of fake engines: auth headers, TPOT and ITL."""
+"""`pdconnect bench` through the real router in front of fake engines: auth headers, TPOT and ITL, open loop."""
 
 from __future__ import annotations
+
+import itertools
+import random
 
 import pytest
 
 from pdconnect.bench import cli
-from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult
+from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, poisson_arrivals
 from pdconnect.bench.report import format_run
 from pdconnect.bench.scenarios import Step
 from tests.router_support import start_setup
@@ -60,6 +63,35 @@ async def test_each_request_reports_its_inter_token_gaps_and_the_step_its_tpot()
         assert len(result.itl_s) == 2 * (chunks - 1)
         assert len(result.tpot_s) == 2
         assert "TPOT mean" in format_run(RunResult("stream", (result,)))
+    finally:
+        await setup.http.close()
+        await setup.router.close()
+        await setup.fakes.close()
+
+
+def test_poisson_arrivals_start_at_once_and_average_one_over_the_rate() -> None:
+    arrivals = poisson_arrivals(4001, 20.0, random.Random(7))
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    assert arrivals[0] == 0.0 and min(gaps) >= 0.0
+    # 4000 exponential gaps of mean 50 ms: their mean is within 5% (about 3 sigma).
+    assert abs(sum(gaps) / len(gaps) - 0.05) < 0.0025
+    assert poisson_arrivals(5, 20.0, random.Random(7)) == arrivals[:5]  # a seed is a schedule
+    with pytest.raises(ValueError, match="positive"):
+        poisson_arrivals(3, 0.0, random.Random(7))
+
+
+@pytest.mark.asyncio
+async def test_open_loop_serves_every_request_in_arrival_order_under_its_in_flight_cap() -> None:
+    """Open loop, 6 Poisson arrivals, at most 2 in flight: every request is served and
+    sent in arrival order (the schedule itself: the test above; no timing is asserted)."""
+    setup = await start_setup()
+    try:
+        deployment = Deployment(router=setup.router.url, model="fake-model")
+        step = Step("open", prompts=tuple((40 + i, 41, 42) for i in range(6)), output_len=2, concurrency=2)
+        async with LoadGenerator(deployment, progress=False, request_rate=50.0, arrival_seed=3) as generator:
+            result = await generator.run_step("open", step)
+        assert result.ok == 6, result.errors
+        assert sorted(range(6), key=lambda i: result.sent_s[i]) == list(range(6))
     finally:
         await setup.http.close()
         await setup.router.close()

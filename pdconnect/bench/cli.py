@@ -105,6 +105,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         help="random token ids are drawn from [LOW, HIGH) (default: %(default)s)",
     )
     how.add_argument(
+        "--request-rate",
+        type=float,
+        metavar="PER_SECOND",
+        help="open loop: Poisson arrivals at this rate, each step's concurrency capping only "
+        "requests in flight (default: closed loop, concurrency workers back to back)",
+    )
+    how.add_argument(
         "--seed",
         type=int,
         help="same seed, same prompts (default: a fresh one, printed and saved): reuse it "
@@ -195,15 +202,23 @@ def _served_model(router: str, timeout: float, headers: tuple[tuple[str, str], .
 
 
 async def _run(
-    deployment: Deployment, scenario: Scenario, tokens: TokenSource, warmups: int, progress: bool | None, label: str
+    deployment: Deployment,
+    scenario: Scenario,
+    tokens: TokenSource,
+    warmups: int,
+    progress: bool | None,
+    label: str,
+    request_rate: float | None = None,
+    seed: int = 0,
 ) -> RunResult:
-    async with LoadGenerator(deployment, progress=progress) as generator:
+    async with LoadGenerator(deployment, progress=progress, request_rate=request_rate, arrival_seed=seed) as generator:
         steps = await run_scenario(generator, scenario, tokens, warmups)
         transport = await generator.transport() if deployment.decode_metrics else None
     # Every scenario is a dataclass; the Scenario protocol cannot say so.
     settings = {
         "scenario": scenario.name,
         **dataclasses.asdict(scenario),  # type: ignore[call-overload]
+        "request_rate": request_rate,
         "router": deployment.router,
         "model": deployment.model,
         "prompt_format": deployment.prompt_format,
@@ -226,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.reference_concurrency is not None and args.reference_concurrency < 1:
             raise ValueError(f"--reference-concurrency must be >= 1, got {args.reference_concurrency}")
+        if args.request_rate is not None and not args.request_rate > 0:
+            raise ValueError(f"--request-rate must be positive, got {args.request_rate}")
         seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
         tokens = TokenSource.parse_range(args.token_range, seed=seed)
         headers = _headers(args.header)
@@ -246,7 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     label = args.label or f"{scenario.name} via {deployment.router}"
     try:
-        run = asyncio.run(_run(deployment, scenario, tokens, args.warmups, args.progress, label))
+        run = asyncio.run(
+            _run(deployment, scenario, tokens, args.warmups, args.progress, label, args.request_rate, seed)
+        )
     except (RuntimeError, httpx.HTTPError) as exc:
         print(f"pdconnect bench: {exc}", file=sys.stderr)
         return 1

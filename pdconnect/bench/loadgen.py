@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import math
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -120,6 +122,15 @@ def render_prompt(
 def mean(values: Sequence[float]) -> float:
     """The arithmetic mean; NaN when empty (a step with no successful request)."""
     return sum(values) / len(values) if values else math.nan
+
+
+def poisson_arrivals(requests: int, rate: float, rng: random.Random) -> tuple[float, ...]:
+    """When each of `requests` is sent, in seconds after the first (sent at 0): a Poisson
+    process of `rate` requests per second, i.e. exponential gaps, as vLLM's bench draws them."""
+    if rate <= 0:
+        raise ValueError(f"request rate must be positive, got {rate}")
+    gaps = [0.0] + [rng.expovariate(rate) for _ in range(requests - 1)]
+    return tuple(itertools.accumulate(gaps))[:requests]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -334,8 +345,23 @@ class LoadGenerator:
     counters of concurrent steps could not be told apart).
     """
 
-    def __init__(self, deployment: Deployment, *, progress: bool | None = None) -> None:
+    def __init__(
+        self,
+        deployment: Deployment,
+        *,
+        progress: bool | None = None,
+        request_rate: float | None = None,
+        arrival_seed: int = 0,
+    ) -> None:
         self.deployment = deployment
+        # Open loop: requests to the router arrive as a Poisson process of this rate
+        # (requests per second), whether or not earlier ones have finished, and a step's
+        # `concurrency` caps only how many are in flight. None: closed loop, each of
+        # `concurrency` workers sends its next request when its last one ends.
+        if request_rate is not None and request_rate <= 0:
+            raise ValueError(f"request rate must be positive, got {request_rate}")
+        self._request_rate = request_rate
+        self._arrivals = random.Random(arrival_seed)
         # None: bars only on a terminal (tqdm's rule), and only for long steps.
         self._progress = progress
         self._session: aiohttp.ClientSession | None = None
@@ -477,7 +503,19 @@ class LoadGenerator:
                     results[index] = await self._send(step.prompts[index], step.output_len, target, want_ids)
                     bar.update(1)
 
-            await asyncio.gather(*(worker() for _ in range(min(step.concurrency, len(step.prompts)))))
+            async def arrive(index: int, at: float, in_flight: asyncio.Semaphore, start: float) -> None:
+                await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+                async with in_flight:
+                    results[index] = await self._send(step.prompts[index], step.output_len, target, want_ids)
+                bar.update(1)
+
+            # A reference engine replays closed-loop: it is measured for hits, not latency.
+            if self._request_rate is not None and target is None:
+                arrivals = poisson_arrivals(len(step.prompts), self._request_rate, self._arrivals)
+                in_flight, start = asyncio.Semaphore(step.concurrency), time.perf_counter()
+                await asyncio.gather(*(arrive(i, at, in_flight, start) for i, at in enumerate(arrivals)))
+            else:
+                await asyncio.gather(*(worker() for _ in range(min(step.concurrency, len(step.prompts)))))
         return [r for r in results if r is not None]
 
     def _bar_disabled(self, requests: int) -> bool | None:
