@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 import random
+import sys
+from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from pdconnect.bench import cli
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, poisson_arrivals
-from pdconnect.bench.report import format_run
+from pdconnect.bench.report import format_run, write_json
 from pdconnect.bench.scenarios import Step
 from tests.router_support import start_setup
 
@@ -96,3 +99,37 @@ async def test_open_loop_serves_every_request_in_arrival_order_under_its_in_flig
         await setup.http.close()
         await setup.router.close()
         await setup.fakes.close()
+
+
+@pytest_asyncio.fixture
+async def measured_run() -> RunResult:
+    """One step measured through the real router, as `pdconnect bench` records it."""
+    setup = await start_setup()
+    try:
+        deployment = Deployment(router=setup.router.url, model="fake-model")
+        async with LoadGenerator(deployment, progress=False) as generator:
+            result = await generator.run_step("charted", STEP)
+        return RunResult("charted", (result,))
+    finally:
+        await setup.http.close()
+        await setup.router.close()
+        await setup.fakes.close()
+
+
+@pytest.mark.asyncio
+async def test_compare_draws_the_demos_chart_or_says_why_not(
+    measured_run: RunResult, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = [tmp_path / "on.json", tmp_path / "off.json"]
+    for path in files:
+        write_json(path, [measured_run])
+    chart = tmp_path / "chart.png"
+    assert cli.main(["compare", *map(str, files), "--chart", str(chart)]) == 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"chart: {chart}" in capsys.readouterr().out
+    # Without matplotlib (the bench extra) the comparison still prints, and says so.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    missing = tmp_path / "missing.png"
+    assert cli.main(["compare", *map(str, files), "--chart", str(missing)]) == 0
+    assert not missing.exists()
+    assert "no chart: matplotlib is not installed" in capsys.readouterr().err

@@ -32,7 +32,7 @@ import httpx
 import msgspec
 
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, run_scenario
-from pdconnect.bench.report import format_comparison, format_run, write_json
+from pdconnect.bench.report import format_comparison, format_run, write_chart, write_json
 from pdconnect.bench.scenarios import (
     MultiTurnScenario,
     PrefixRepetitionScenario,
@@ -48,6 +48,9 @@ COMPARE = "compare"
 SCENARIOS: dict[str, type[Any]] = {
     cls.name: cls for cls in (ProbeScenario, PrefixRepetitionScenario, SharedPrefixScenario, MultiTurnScenario)
 }
+
+
+CHART_HELP = "also draw decode's hit tokens and TTFT per scenario here, as `make demo` does (PNG; needs matplotlib)"
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +127,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", type=Path, metavar="PATH", help="also write the results here")
     out.add_argument("--label", help="the run's name in the table and JSON")
+    out.add_argument("--chart", type=Path, metavar="PATH", help=CHART_HELP)
     out.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -163,10 +167,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("a", type=Path, metavar="A.json")
     compare.add_argument("b", type=Path, metavar="B.json")
+    compare.add_argument("--chart", type=Path, metavar="PATH", help=CHART_HELP)
     return parser
 
 
-def _compare(a_path: Path, b_path: Path) -> int:
+def _chart(path: Path | None, runs: list[RunResult], title: str) -> None:
+    """`--chart`: `make demo`'s bars, or why there are none (the bench runs without matplotlib)."""
+    if path is None:
+        return
+    if write_chart(path, runs, title):
+        print(f"chart: {path}")
+    else:
+        print("no chart: matplotlib is not installed (pip install 'pdconnect[bench]')", file=sys.stderr)
+
+
+def _compare(a_path: Path, b_path: Path, chart: Path | None = None) -> int:
     try:
         a, b = (RunResult.from_json(json.loads(p.read_text())["runs"][0]) for p in (a_path, b_path))
     except (OSError, ValueError, KeyError, IndexError, msgspec.ValidationError) as exc:
@@ -175,6 +190,7 @@ def _compare(a_path: Path, b_path: Path) -> int:
     if a.label == b.label:  # e.g. two default labels: name the columns after the files
         a, b = dataclasses.replace(a, label=a_path.stem), dataclasses.replace(b, label=b_path.stem)
     print(format_comparison(a, b))
+    _chart(chart, [a, b], f"{a.label} vs {b.label}")
     return 0
 
 
@@ -231,7 +247,7 @@ async def _run(
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.scenario == COMPARE:
-        return _compare(args.a, args.b)
+        return _compare(args.a, args.b, args.chart)
     try:
         scenario = _scenario(args)
         if isinstance(scenario, MultiTurnScenario) and args.prompt_format != "ids":
@@ -274,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         write_json(args.json, [run])
         print(f"results: {args.json}")
+    _chart(args.chart, [run], label)
     return 0 if all(s.failed == 0 for s in run.steps) else 1
 
 
