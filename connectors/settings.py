@@ -43,7 +43,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     protocol: Literal["rdma", "tcp"] = "rdma"
     # Mooncake RDMA NIC names, comma separated (e.g. "mlx5_0,mlx5_1"); "" = auto.
     device_name: str = ""
-    # Mooncake: refuse to start instead of silently falling back from rdma to tcp.
+    # Refuse to start instead of silently falling back to TCP: Mooncake with protocol
+    # rdma, and NIXL where UCX cannot use RDMA (no device, or its ib modules off).
     require_rdma: bool = False
     # Address the prefill engine's side channel binds to and advertises to peers.
     side_channel_host: str = "127.0.0.1"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 
 # Subcommand -> "module:function" taking argv and returning an exit code. Imported only
@@ -17,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _usage() -> str:
-    lines = ["usage: pdconnect <command> [options]", "", "commands:"]
+    lines = ["usage: pdconnect [--version] <command> [options]", "", "commands:"]
     lines += [f"  {name:<16} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
+    if args[0] == "--version":
+        # The installed distribution's version: pyproject.toml's [project] version.
+        print(f"pdconnect {importlib.metadata.version('pdconnect')}")
+        return 0
     if args[0] not in SUBCOMMANDS:
         print(f"pdconnect: unknown command {args[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2

@@ -274,9 +274,16 @@ def parse_args(argv: list[str]) -> ProxySettings:
         prog="pdconnect metrics-proxy",
         description="Serve GET /metrics from one fixed upstream URL (and the proxy's own at /proxy/metrics); "
         "refuse everything else.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--listen", default=f"{defaults.host}:{defaults.port}", help="host:port to serve on")
-    parser.add_argument("--upstream", required=True, help="the URL scraped, e.g. http://127.0.0.1:8000/metrics")
+    # SUPPRESS: a required flag has no default to show.
+    parser.add_argument(
+        "--upstream",
+        required=True,
+        default=argparse.SUPPRESS,
+        help="the URL scraped, e.g. http://127.0.0.1:8000/metrics",
+    )
     parser.add_argument("--timeout", type=float, default=defaults.timeout, help="seconds for upstream's whole answer")
     parser.add_argument("--max-bytes", type=int, default=defaults.max_bytes, help="largest answer relayed")
     parser.add_argument(
@@ -285,7 +292,12 @@ def parse_args(argv: list[str]) -> ProxySettings:
         default=defaults.max_concurrent,
         help="scrapes waiting on upstream at once; more are answered 503",
     )
-    parser.add_argument("--log-level", default=defaults.log_level, choices=("debug", "info", "warning", "error"))
+    parser.add_argument(
+        "--log-level",
+        default=defaults.log_level,
+        choices=("debug", "info", "warning", "error"),
+        help="what the proxy logs",
+    )
     args = parser.parse_args(argv)
     host, port = _listen_address(args.listen)
     if not args.timeout > 0 or args.max_bytes < 1 or args.max_concurrent < 1:

@@ -6,7 +6,8 @@ kustomization under deploy/, the rendered policies are evaluated for each port e
 component serves, from each kind of pod that could try: the router, both engines, a pod
 of the namespace that is none of them (still labelled part-of=pdconnect), a pod
 elsewhere labelled part-of=pdconnect, a client in another namespace, Prometheus in its
-namespace. The expected table (`REACH`) is written out by hand: the data path and
+namespace, and the bench pod (deploy/bench/) that `pdconnect bench` runs from in the
+cluster. The expected table (`REACH`) is written out by hand: the data path and
 nothing else; Prometheus reaches the engines only on the metrics proxy's port, never
 vLLM's API (issue 18: NetworkPolicy cannot filter by path). The transport ports are the range the engines' environment pins
 (Mooncake's RPC/TCP ports, UCX's TCP listener); RDMA traffic itself never passes the
@@ -18,8 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 
-from tests.deploy_support import TARGETS, Render, container_env, pod_spec, require_tools_venv
+from tests.deploy_support import DEPLOY, TARGETS, Render, container_env, pod_spec, require_tools_venv
 from tests.netpol import NetworkPolicies, Pod, selector_matches
 
 # ------------------------------------------------------------------ the evaluator
@@ -172,28 +174,31 @@ def test_unknown_fields_are_refused() -> None:
 PART_OF = {"app.kubernetes.io/part-of": "pdconnect"}
 # Where Prometheus runs, per kustomization (README: another cluster).
 MONITORING_NAMESPACE = {"examples/custom-cluster": "observability"}
-SOURCES = ("router", "prefill", "decode", "stranger", "outsider", "client", "prometheus")
+SOURCES = ("router", "prefill", "decode", "stranger", "outsider", "client", "prometheus", "bench")
+# The pod docs/measuring-a-deployment.md runs `pdconnect bench` from, as it is applied.
+BENCH_POD = DEPLOY / "bench" / "pdconnect-bench.yaml"
 
 # (component, port) -> the sources that may connect; everything else must be refused.
 REACH: dict[tuple[str, str], set[str]] = {
     # vLLM's API: the router alone (it serves /metrics too, but to nobody else).
     ("prefill", "http"): {"router"},
     # The metrics proxy (pdconnect metrics-proxy, a native sidecar): GET /metrics only.
-    ("prefill", "metrics"): {"prometheus"},
+    # The bench pod (docs/measuring-a-deployment.md) reads the hit counters there too.
+    ("prefill", "metrics"): {"prometheus", "bench"},
     ("prefill", "kv-events"): {"router"},
     ("prefill", "kv-replay"): {"router"},
     # decode engines: handshakes, heartbeats, claims; the router: lease releases.
     ("prefill", "side-channel"): {"decode", "router"},
     ("prefill", "transport"): {"decode"},
     ("decode", "http"): {"router"},
-    ("decode", "metrics"): {"prometheus"},
+    ("decode", "metrics"): {"prometheus", "bench"},
     ("decode", "kv-events"): {"router"},
     ("decode", "kv-replay"): {"router"},
     # Decode only pulls: nobody needs to open its transport ports.
     ("decode", "transport"): set(),
     # The entry point: clients and Prometheus from anywhere; the engines never call it,
     # and pods of the namespace reach only what they need.
-    ("router", "http"): {"client", "prometheus", "outsider"},
+    ("router", "http"): {"client", "prometheus", "outsider", "bench"},
 }
 
 
@@ -246,6 +251,7 @@ def cluster(render: Render) -> tuple[NetworkPolicies, dict[str, Pod]]:
         "outsider": Pod("outsider", "elsewhere", PART_OF),
         "client": Pod("client", "ingress-nginx", {"app.kubernetes.io/name": "ingress-nginx"}),
         "prometheus": Pod("prometheus", monitoring, {"app.kubernetes.io/name": "prometheus"}),
+        "bench": Pod("bench", ns, yaml.safe_load(BENCH_POD.read_text())["metadata"]["labels"]),
     }
     namespaces = {ns: namespace["metadata"].get("labels", {}), monitoring: {}, "elsewhere": {},
                   "ingress-nginx": {}, "kube-system": {}}

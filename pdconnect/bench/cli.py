@@ -32,7 +32,7 @@ import httpx
 import msgspec
 
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, run_scenario
-from pdconnect.bench.report import format_comparison, format_run, write_json
+from pdconnect.bench.report import format_comparison, format_run, write_chart, write_json
 from pdconnect.bench.scenarios import (
     MultiTurnScenario,
     PrefixRepetitionScenario,
@@ -48,6 +48,9 @@ COMPARE = "compare"
 SCENARIOS: dict[str, type[Any]] = {
     cls.name: cls for cls in (ProbeScenario, PrefixRepetitionScenario, SharedPrefixScenario, MultiTurnScenario)
 }
+
+
+CHART_HELP = "also draw decode's hit tokens and TTFT per scenario here, as `make demo` does (PNG; needs matplotlib)"
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +73,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         help="decode engines' base or /metrics URLs",
     )
     where.add_argument("--model", help="served model name (default: the router's first /v1/models entry)")
+    where.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="sent with every request to the router (repeatable), e.g. 'Authorization: Bearer $KEY'",
+    )
     where.add_argument(
         "--reference",
         metavar="URL",
@@ -98,6 +108,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         help="random token ids are drawn from [LOW, HIGH) (default: %(default)s)",
     )
     how.add_argument(
+        "--request-rate",
+        type=float,
+        metavar="PER_SECOND",
+        help="open loop: Poisson arrivals at this rate, each step's concurrency capping only "
+        "requests in flight (default: closed loop, concurrency workers back to back)",
+    )
+    how.add_argument(
         "--seed",
         type=int,
         help="same seed, same prompts (default: a fresh one, printed and saved): reuse it "
@@ -110,6 +127,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", type=Path, metavar="PATH", help="also write the results here")
     out.add_argument("--label", help="the run's name in the table and JSON")
+    out.add_argument("--chart", type=Path, metavar="PATH", help=CHART_HELP)
     out.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -149,10 +167,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("a", type=Path, metavar="A.json")
     compare.add_argument("b", type=Path, metavar="B.json")
+    compare.add_argument("--chart", type=Path, metavar="PATH", help=CHART_HELP)
     return parser
 
 
-def _compare(a_path: Path, b_path: Path) -> int:
+def _chart(path: Path | None, runs: list[RunResult], title: str) -> None:
+    """`--chart`: `make demo`'s bars, or why there are none (the bench runs without matplotlib)."""
+    if path is None:
+        return
+    if write_chart(path, runs, title):
+        print(f"chart: {path}")
+    else:
+        print("no chart: matplotlib is not installed (pip install 'pdconnect[bench]')", file=sys.stderr)
+
+
+def _compare(a_path: Path, b_path: Path, chart: Path | None = None) -> int:
     try:
         a, b = (RunResult.from_json(json.loads(p.read_text())["runs"][0]) for p in (a_path, b_path))
     except (OSError, ValueError, KeyError, IndexError, msgspec.ValidationError) as exc:
@@ -161,6 +190,7 @@ def _compare(a_path: Path, b_path: Path) -> int:
     if a.label == b.label:  # e.g. two default labels: name the columns after the files
         a, b = dataclasses.replace(a, label=a_path.stem), dataclasses.replace(b, label=b_path.stem)
     print(format_comparison(a, b))
+    _chart(chart, [a, b], f"{a.label} vs {b.label}")
     return 0
 
 
@@ -170,22 +200,41 @@ def _scenario(args: argparse.Namespace) -> Scenario:
     return scenario
 
 
-def _served_model(router: str, timeout: float) -> str:
-    response = httpx.get(f"{router.rstrip('/')}/v1/models", timeout=timeout)
+def _headers(given: list[str]) -> tuple[tuple[str, str], ...]:
+    """`--header` values ('NAME: VALUE') as pairs; ValueError names a malformed one."""
+    pairs = []
+    for header in given:
+        name, sep, value = header.partition(":")
+        if not sep or not name.strip() or name != name.strip():
+            raise ValueError(f"--header {header!r}: expected 'NAME: VALUE'")
+        pairs.append((name, value.strip()))
+    return tuple(pairs)
+
+
+def _served_model(router: str, timeout: float, headers: tuple[tuple[str, str], ...]) -> str:
+    response = httpx.get(f"{router.rstrip('/')}/v1/models", timeout=timeout, headers=dict(headers))
     response.raise_for_status()
     return str(response.json()["data"][0]["id"])
 
 
 async def _run(
-    deployment: Deployment, scenario: Scenario, tokens: TokenSource, warmups: int, progress: bool | None, label: str
+    deployment: Deployment,
+    scenario: Scenario,
+    tokens: TokenSource,
+    warmups: int,
+    progress: bool | None,
+    label: str,
+    request_rate: float | None = None,
+    seed: int = 0,
 ) -> RunResult:
-    async with LoadGenerator(deployment, progress=progress) as generator:
+    async with LoadGenerator(deployment, progress=progress, request_rate=request_rate, arrival_seed=seed) as generator:
         steps = await run_scenario(generator, scenario, tokens, warmups)
         transport = await generator.transport() if deployment.decode_metrics else None
     # Every scenario is a dataclass; the Scenario protocol cannot say so.
     settings = {
         "scenario": scenario.name,
         **dataclasses.asdict(scenario),  # type: ignore[call-overload]
+        "request_rate": request_rate,
         "router": deployment.router,
         "model": deployment.model,
         "prompt_format": deployment.prompt_format,
@@ -198,7 +247,7 @@ async def _run(
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.scenario == COMPARE:
-        return _compare(args.a, args.b)
+        return _compare(args.a, args.b, args.chart)
     try:
         scenario = _scenario(args)
         if isinstance(scenario, MultiTurnScenario) and args.prompt_format != "ids":
@@ -208,9 +257,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.reference_concurrency is not None and args.reference_concurrency < 1:
             raise ValueError(f"--reference-concurrency must be >= 1, got {args.reference_concurrency}")
+        if args.request_rate is not None and not args.request_rate > 0:
+            raise ValueError(f"--request-rate must be positive, got {args.request_rate}")
         seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
         tokens = TokenSource.parse_range(args.token_range, seed=seed)
-        model = args.model or _served_model(args.router, timeout=30.0)
+        headers = _headers(args.header)
+        model = args.model or _served_model(args.router, timeout=30.0, headers=headers)
     except (ValueError, httpx.HTTPError, KeyError, IndexError) as exc:
         print(f"pdconnect bench: {exc}", file=sys.stderr)
         return 2
@@ -223,10 +275,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         request_timeout_s=args.timeout,
         reference=args.reference,
         reference_concurrency=args.reference_concurrency,
+        headers=headers,
     )
     label = args.label or f"{scenario.name} via {deployment.router}"
     try:
-        run = asyncio.run(_run(deployment, scenario, tokens, args.warmups, args.progress, label))
+        run = asyncio.run(
+            _run(deployment, scenario, tokens, args.warmups, args.progress, label, args.request_rate, seed)
+        )
     except (RuntimeError, httpx.HTTPError) as exc:
         print(f"pdconnect bench: {exc}", file=sys.stderr)
         return 1
@@ -235,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         write_json(args.json, [run])
         print(f"results: {args.json}")
+    _chart(args.chart, [run], label)
     return 0 if all(s.failed == 0 for s in run.steps) else 1
 
 

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import math
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -90,6 +92,9 @@ class Deployment:
     # How many requests at once the reference replays (None: as the step sends them).
     # 1 measures what serial siblings hit, the figure coalescing is held to.
     reference_concurrency: int | None = None
+    # (name, value) pairs sent with every request to the router, e.g. its clients'
+    # `Authorization` (the router passes that one on to engines started with --api-key).
+    headers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "router", self.router.rstrip("/"))
@@ -112,6 +117,20 @@ def render_prompt(
     if min(prompt) < first_word_id:
         raise ValueError(f"text prompts need token ids >= {first_word_id}")
     return " ".join(f"w{i - first_word_id}" for i in prompt)
+
+
+def mean(values: Sequence[float]) -> float:
+    """The arithmetic mean; NaN when empty (a step with no successful request)."""
+    return sum(values) / len(values) if values else math.nan
+
+
+def poisson_arrivals(requests: int, rate: float, rng: random.Random) -> tuple[float, ...]:
+    """When each of `requests` is sent, in seconds after the first (sent at 0): a Poisson
+    process of `rate` requests per second, i.e. exponential gaps, as vLLM's bench draws them."""
+    if rate <= 0:
+        raise ValueError(f"request rate must be positive, got {rate}")
+    gaps = [0.0] + [rng.expovariate(rate) for _ in range(requests - 1)]
+    return tuple(itertools.accumulate(gaps))[:requests]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -205,6 +224,16 @@ class RequestResult:
     output_ids: tuple[int, ...] = ()
     # time.perf_counter() when the request was sent.
     sent_at: float = 0.0
+    # Inter-token latencies: the gaps between successive streamed events that carry
+    # output (a server may put several tokens in one event: that gap counts once).
+    itl_s: tuple[float, ...] = ()
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT); None below two tokens."""
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
 @dataclass(frozen=True)
@@ -236,6 +265,10 @@ class StepResult:
     groups: tuple[int, ...] = ()
     sent_s: tuple[float, ...] = ()
     request_ttft_s: tuple[float | None, ...] = ()
+    # Each successful request's TPOT (two tokens or more), and every inter-token gap of
+    # the step's successful requests pooled.
+    tpot_s: tuple[float, ...] = ()
+    itl_s: tuple[float, ...] = ()
 
     @property
     def failed(self) -> int:
@@ -243,11 +276,19 @@ class StepResult:
 
     @property
     def ttft_mean_s(self) -> float:
-        return sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else math.nan
+        return mean(self.ttft_s)
 
     @property
     def ttft_p99_s(self) -> float:
         return percentile(self.ttft_s, 99)
+
+    @property
+    def tpot_mean_s(self) -> float:
+        return mean(self.tpot_s)
+
+    @property
+    def itl_p99_s(self) -> float:
+        return percentile(self.itl_s, 99)
 
     @property
     def request_throughput(self) -> float:
@@ -260,6 +301,8 @@ class StepResult:
             "failed": self.failed,
             "ttft_mean_s": self.ttft_mean_s,
             "ttft_p99_s": self.ttft_p99_s,
+            "tpot_mean_s": self.tpot_mean_s,
+            "itl_p99_s": self.itl_p99_s,
             "request_throughput": self.request_throughput,
             "decode_local_hit_tokens": self.decode.cache.hits,
             "decode_external_hit_tokens": self.decode.cache.external_hits,
@@ -302,8 +345,23 @@ class LoadGenerator:
     counters of concurrent steps could not be told apart).
     """
 
-    def __init__(self, deployment: Deployment, *, progress: bool | None = None) -> None:
+    def __init__(
+        self,
+        deployment: Deployment,
+        *,
+        progress: bool | None = None,
+        request_rate: float | None = None,
+        arrival_seed: int = 0,
+    ) -> None:
         self.deployment = deployment
+        # Open loop: requests to the router arrive as a Poisson process of this rate
+        # (requests per second), whether or not earlier ones have finished, and a step's
+        # `concurrency` caps only how many are in flight. None: closed loop, each of
+        # `concurrency` workers sends its next request when its last one ends.
+        if request_rate is not None and request_rate <= 0:
+            raise ValueError(f"request rate must be positive, got {request_rate}")
+        self._request_rate = request_rate
+        self._arrivals = random.Random(arrival_seed)
         # None: bars only on a terminal (tqdm's rule), and only for long steps.
         self._progress = progress
         self._session: aiohttp.ClientSession | None = None
@@ -420,6 +478,8 @@ class LoadGenerator:
             groups=step.groups,
             sent_s=tuple(r.sent_at - started for r in results),
             request_ttft_s=tuple(r.ttft_s if r.ok else None for r in results),
+            tpot_s=tuple(r.tpot_s for r in good if r.tpot_s is not None),
+            itl_s=tuple(gap for r in good for gap in r.itl_s),
         )
 
     async def _send_all(
@@ -443,7 +503,19 @@ class LoadGenerator:
                     results[index] = await self._send(step.prompts[index], step.output_len, target, want_ids)
                     bar.update(1)
 
-            await asyncio.gather(*(worker() for _ in range(min(step.concurrency, len(step.prompts)))))
+            async def arrive(index: int, at: float, in_flight: asyncio.Semaphore, start: float) -> None:
+                await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+                async with in_flight:
+                    results[index] = await self._send(step.prompts[index], step.output_len, target, want_ids)
+                bar.update(1)
+
+            # A reference engine replays closed-loop: it is measured for hits, not latency.
+            if self._request_rate is not None and target is None:
+                arrivals = poisson_arrivals(len(step.prompts), self._request_rate, self._arrivals)
+                in_flight, start = asyncio.Semaphore(step.concurrency), time.perf_counter()
+                await asyncio.gather(*(arrive(i, at, in_flight, start) for i, at in enumerate(arrivals)))
+            else:
+                await asyncio.gather(*(worker() for _ in range(min(step.concurrency, len(step.prompts)))))
         return [r for r in results if r is not None]
 
     def _bar_disabled(self, requests: int) -> bool | None:
@@ -472,8 +544,12 @@ class LoadGenerator:
         ttft: float | None = None
         usage: dict[str, Any] = {}
         output_ids: list[int] = []
+        itl: list[float] = []
+        last_output: float | None = None
         try:
-            async with self._session.post(f"{target or d.router}/v1/completions", json=body) as resp:
+            # The headers are the router's clients'; a reference engine is reached directly.
+            headers = dict(d.headers) if target is None else None
+            async with self._session.post(f"{target or d.router}/v1/completions", json=body, headers=headers) as resp:
                 fallback = FALLBACK_HEADER in resp.headers
                 if resp.status != 200:
                     text = (await resp.text())[:300]
@@ -501,8 +577,13 @@ class LoadGenerator:
                             error=f"stream error: {event['error']}",
                             sent_at=started,
                         )
-                    if ttft is None and event.get("choices"):
-                        ttft = time.perf_counter() - started
+                    if event.get("choices"):
+                        now = time.perf_counter()
+                        if ttft is None:
+                            ttft = now - started
+                        if last_output is not None:
+                            itl.append(now - last_output)
+                        last_output = now
                     for choice in event.get("choices") or ():
                         output_ids.extend(choice.get("token_ids") or ())
                     usage = event.get("usage") or usage
@@ -523,6 +604,7 @@ class LoadGenerator:
             error=error,
             output_ids=tuple(output_ids),
             sent_at=started,
+            itl_s=tuple(itl),
         )
 
 

@@ -66,6 +66,8 @@ RUN_HEADERS = (
     "slack blocks",
     "TTFT mean",
     "TTFT p99",
+    "TPOT mean",
+    "ITL p99",
     "req/s",
 )
 # With a colocated reference engine, its local hit goes right after decode's.
@@ -86,6 +88,8 @@ def _run_row(s: StepResult, with_reference: bool = False) -> list[str]:
         _tokens(d.slack_blocks_published, d.engines > 0),
         _ms(s.ttft_mean_s),
         _ms(s.ttft_p99_s),
+        _ms(s.tpot_mean_s),
+        _ms(s.itl_p99_s),
         _rate(s.request_throughput),
     ]
 
