@@ -70,13 +70,13 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H20"},
         "capabilities": [], "servicemonitor": True, "replicas": 2, "route_headers": False,
         # DeepSeek-V4-Flash's KV cache groups cannot be known here (README: Decode-first routing).
-        "decode_local": False,
+        "decode_first": False,
     },
     "overlays/nixl": {
         "transport": "nixl", "require_rdma": True, "gpus": 8, "tensor_parallel_size": 8,
         "speculative_method": "mtp", "rdma_resource": "rdma/hca_shared_devices_a",
         "capabilities": [], "env": {"UCX_TLS": None, "UCX_NET_DEVICES": None},
-        "servicemonitor": True, "replicas": 2, "decode_local": False,
+        "servicemonitor": True, "replicas": 2, "decode_first": False,
     },
     "overlays/cpu-smoke": {
         "transport": "mooncake", "protocol": "tcp", "require_rdma": False, "gpus": 0,
@@ -86,7 +86,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
                 "OMP_NUM_THREADS": "1"},
         "servicemonitor": False, "replicas": 1, "route_headers": True,
         # Its window is the generated model's (the init container's tinymodel arguments).
-        "decode_local": True,
+        "decode_first": True,
     },
     "examples/custom-cluster": {
         "transport": "mooncake", "protocol": "rdma", "gpus": 4, "tensor_parallel_size": 4,
@@ -94,7 +94,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "node_selector": {"node.example.com/accelerator": "h20"},
         "namespace": "llm-serving", "model": "/models/gemma-3-27b-it",
         # gemma-3-27b-it's config.json: text_config.sliding_window.
-        "decode_local": True, "sliding_window": 1024,
+        "decode_first": True, "sliding_window": 1024,
     },
 }
 
@@ -602,16 +602,16 @@ def _model_sliding_window(render: Render, workload: dict[str, Any], want: dict[s
     return int(tinymodel._parse_args(argv[3:]).sliding_window)
 
 
-def check_decode_local(render: Render, want: dict[str, Any]) -> None:
+def check_decode_first(render: Render, want: dict[str, Any]) -> None:
     """Decode-first routing is on exactly where the kustomization promises it, with kv-aware
     and KV cache groups that describe the engines: every group at the block size the engine
     args pin, every sliding group at the model's window, and the EAGLE drop on every group
     under EAGLE, on none without speculation. A model outside that shape (per-group block
-    sizes, MTP) needs its own rule here before it may turn decode-local on."""
+    sizes, MTP) needs its own rule here before it may turn decode-first on."""
     config = router_config(render)
-    assert config.decode_local == want["decode_local"], f"decode-local is {'off' if want['decode_local'] else 'on'}"
-    if not config.decode_local:
-        assert config.kv_cache_groups is None, "KV cache groups without decode-local: nothing checks them"
+    assert config.decode_first == want["decode_first"], f"decode-first is {'off' if want["decode_first"] else 'on'}"
+    if not config.decode_first:
+        assert config.kv_cache_groups is None, "KV cache groups without decode-first: nothing checks them"
         return
     assert config.policy == "kv-aware"
     assert config.kv_cache_groups is not None
@@ -638,7 +638,7 @@ def check_decode_local(render: Render, want: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("target", sorted(EXPECTED))
 def test_router_routes_decode_first_with_the_engines_kv_cache_groups(render_of, target: str) -> None:
-    check_decode_local(render_of(target), EXPECTED[target])
+    check_decode_first(render_of(target), EXPECTED[target])
 
 
 @pytest.mark.parametrize(("old", "new", "complaint"), [
@@ -659,7 +659,7 @@ def test_kv_cache_groups_that_do_not_describe_the_engines_are_caught(render_of, 
             cm["data"][name] = text.replace(old, new)
     assert edited, f"{old!r} is not in the rendered cpu-smoke"
     with pytest.raises(AssertionError, match=complaint):
-        check_decode_local(render, EXPECTED["overlays/cpu-smoke"])
+        check_decode_first(render, EXPECTED["overlays/cpu-smoke"])
 
 
 @pytest.mark.parametrize("target", TARGETS)

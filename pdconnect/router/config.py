@@ -203,11 +203,6 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     route_headers: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
-    @property
-    def decode_local(self) -> bool:
-        """The deprecated name of `decode_first`, for callers written before the rename."""
-        return self.decode_first
-
     def __post_init__(self) -> None:
         for name in (
             "dns_interval",
