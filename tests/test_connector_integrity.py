@@ -33,8 +33,12 @@ pytestmark = pytest.mark.transport
 
 LEASE = 3.0
 BASE = {
-    "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0,
-    "lease_seconds": LEASE, "heartbeat_seconds": 0.5, "handshake_timeout_seconds": 3.0,
+    "transport": "mooncake",
+    "protocol": "tcp",
+    "side_channel_port": 0,
+    "lease_seconds": LEASE,
+    "heartbeat_seconds": 0.5,
+    "handshake_timeout_seconds": 3.0,
     "transfer_timeout_seconds": 10.0,
 }
 PROMPT = 1100  # 5 full-attention blocks, a sliding-window tail and replay slack
@@ -106,7 +110,9 @@ def plan_blocks_intact(prefill: RemoteEngine, tokens: list[int], params: dict[st
     """Whether every block the plan names still holds this prompt's KV on the prefill engine."""
     return all(
         prefill.call("block_matches", tokens, group["group"], run["start"] + i, block_id)
-        for group in params["groups"] for run in group["runs"] for i, block_id in enumerate(run["block_ids"])
+        for group in params["groups"]
+        for run in group["runs"]
+        for i, block_id in enumerate(run["block_ids"])
     )
 
 
@@ -191,8 +197,12 @@ def test_release_while_decode_waits_fails_the_load_and_publishes_nothing(prefill
     time.sleep(0.5)  # claimed
 
     # The client went away: the router releases the plan while decode still has it queued.
-    release_remote(f"tcp://{params['remote_host']}:{params['remote_port']}", [params["remote_request_id"]],
-                   "client disconnected", keyring("router"))
+    release_remote(
+        f"tcp://{params['remote_host']}:{params['remote_port']}",
+        [params["remote_request_id"]],
+        "client disconnected",
+        keyring("router"),
+    )
     reuse_prefill_blocks(prefill, "q5")
     done = decode.result("q5")
 
@@ -338,8 +348,7 @@ def test_a_prefill_engine_holding_its_interpreter_lock_still_confirms_a_claim(sl
     params = slow_prefill.prefill("held1", tokens).kv_transfer_params
     attempts_s = CLAIM_ATTEMPTS * SLOW_PEER["handshake_timeout_seconds"]
     held: list[float] = []
-    holder = threading.Thread(
-        target=lambda: held.append(slow_prefill.call("hold_interpreter_lock", attempts_s + 1.5)))
+    holder = threading.Thread(target=lambda: held.append(slow_prefill.call("hold_interpreter_lock", attempts_s + 1.5)))
     holder.start()
     try:
         time.sleep(0.3)  # the engine takes the command between two steps
@@ -366,9 +375,21 @@ _ANY = st.one_of(st.none(), st.booleans(), _INT, st.text(max_size=8), st.lists(_
 
 @st.composite
 def _mutation(draw: st.DrawFn) -> tuple[str, Any]:
-    kind = draw(st.sampled_from([
-        "field", "drop", "run_start", "block_id", "slack", "group", "prompt_len", "extra", "runs_swap",
-    ]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "field",
+                "drop",
+                "run_start",
+                "block_id",
+                "slack",
+                "group",
+                "prompt_len",
+                "extra",
+                "runs_swap",
+            ]
+        )
+    )
     return kind, draw(st.tuples(st.integers(0, 10), _ANY, _INT))
 
 
@@ -411,7 +432,9 @@ def _apply(params: dict[str, Any], mutation: tuple[str, Any]) -> None:
         params[f"x{pick}"] = value
     elif kind == "runs_swap" and len(group["runs"]) > 1:
         group["runs"][0]["block_ids"], group["runs"][-1]["block_ids"] = (
-            group["runs"][-1]["block_ids"], group["runs"][0]["block_ids"])
+            group["runs"][-1]["block_ids"],
+            group["runs"][0]["block_ids"],
+        )
 
 
 def test_fuzzed_transfer_params_fail_cleanly_or_load_true_kv(prefill, decode, clean):
@@ -420,8 +443,9 @@ def test_fuzzed_transfer_params_fail_cleanly_or_load_true_kv(prefill, decode, cl
     fresh: dict[str, Any] = {}
     case = iter(range(10**6))
 
-    @settings(max_examples=1000, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=1000, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
     @given(mutations=st.lists(_mutation(), min_size=1, max_size=3))
     def run(mutations: list[tuple[str, Any]]) -> None:
         n = next(case)
@@ -436,7 +460,8 @@ def test_fuzzed_transfer_params_fail_cleanly_or_load_true_kv(prefill, decode, cl
         # are ignored: either way decode computes the prompt itself.
         expected = expected_ask(params)
         altered = expected == "plan" and any(
-            params.get(key, _MISSING) != fresh["params"].get(key) for key in _DECIDES_BYTES)
+            params.get(key, _MISSING) != fresh["params"].get(key) for key in _DECIDES_BYTES
+        )
         kind = "altered" if altered else ("ill-typed" if expected == "invalid" else "harmless")
         outcome = f"{done.finish_reason} ({kind})"
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
