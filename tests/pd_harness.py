@@ -21,6 +21,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from pdconnect.stallwatch import start_from_environment
 from pdconnect.testbed.interpreter import hold_the_interpreter_lock
 from pdconnect.testbed.keys import connector_keys
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_target_and_draft
+from tests.waiting import wait_until
 
 # DeepSeek-V4-like: different block sizes per group, which no tiny CPU model gives us.
 GEOMETRY = Geometry(
@@ -208,9 +210,12 @@ class SimEngine:
         assert producer is not None, "not a prefill engine"
         return producer.desk.pid
 
-    def hold_interpreter_lock(self, seconds: float) -> float:
+    def hold_interpreter_lock(self, seconds: float, started: str | None = None) -> float:
         """Keep this engine process's interpreter lock for `seconds` in one C call, as a long
-        C call in its step would; the seconds it was held."""
+        C call in its step would; the seconds it was held. `started`: a file created just
+        before, so a test knows the engine took the command (it answers once it is over)."""
+        if started is not None:
+            Path(started).touch()
         return hold_the_interpreter_lock(seconds)
 
     def abort(self, request_id: str) -> None:
@@ -308,23 +313,28 @@ class SimEngine:
         local, external = self._prefill.pop(request_id, (0, 0))
         self.finished[request_id] = Finished(str(out.finish_reason), out.kv_transfer_params, tokens, local, external)
 
-    def run_until(self, done: Callable[[], bool], timeout: float = 60.0) -> None:
+    def run_until(self, done: Callable[[], bool], timeout: float = 60.0, what: str = "the expected state") -> None:
+        """Step this engine (the test's thread is its step loop) until `done()`: the
+        stepping twin of `tests.waiting.wait_until`, failing the same way."""
         deadline = time.monotonic() + timeout
         while not done():
             if time.monotonic() > deadline:
-                raise TimeoutError("engine did not reach the expected state in time")
+                raise AssertionError(
+                    f"waited {timeout:g} s, stepping {self.engine_id}, for {what}; "
+                    f"requests in the scheduler: {sorted(self.scheduler.requests)}"
+                )
             if self.scheduler.has_requests():
                 self.step()
             else:
                 time.sleep(0.002)
 
     def result(self, request_id: str, timeout: float = 60.0) -> Finished:
-        self.run_until(lambda: self.get_finished(request_id) is not None, timeout)
+        self.run_until(lambda: self.get_finished(request_id) is not None, timeout, f"{request_id} to finish")
         return self.finished[request_id]
 
     def drain(self, timeout: float = 30.0) -> None:
         """Step until no request (finished or not) holds anything in the scheduler."""
-        self.run_until(lambda: not self.has_requests(), timeout)
+        self.run_until(lambda: not self.has_requests(), timeout, "no request left in the scheduler")
 
     def block_matches(self, tokens: list[int], group_id: int, index: int, block_id: int) -> bool:
         block_size = self.geometry.groups[group_id].block_size
@@ -402,19 +412,13 @@ class RemoteEngine:
     ) -> Finished:
         """Run the prefill leg (max_tokens=1, do_remote_decode) and wait for its params."""
         self.call("add", request_id, tokens, {"do_remote_decode": True}, 1, stop_token_ids)
-        deadline = time.monotonic() + timeout
-        while (done := self.call("get_finished", request_id)) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"prefill of {request_id} did not finish")
-            time.sleep(0.005)
+        done: Finished = wait_until(
+            lambda: self.call("get_finished", request_id), f"the prefill of {request_id}", timeout
+        )
         return done
 
     def wait_idle(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.call("has_requests"):
-            if time.monotonic() > deadline:
-                raise TimeoutError("prefill engine still holds requests")
-            time.sleep(0.01)
+        wait_until(lambda: not self.call("has_requests"), "the prefill engine to hold no request", timeout)
 
     def kill(self) -> None:
         self.process.kill()

@@ -39,6 +39,7 @@ from pdconnect.testbed.processes import Cluster, ManagedProcess
 from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server, warm_up
 from pdconnect.testbed.tinymodel import DSV4_LIKE_MIMO_V2, FIRST_WORD_ID, TinyModelSpec, ensure_model
 from tests.params_fuzz import JSON_VALUES
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -260,11 +261,13 @@ def test_ill_typed_transfer_params_are_computed_locally_and_the_engine_keeps_ser
     response = completion(http, pair.decode.base_url, prompt, DECODE_TOKENS, broken)
 
     assert token_ids(completed(response)) == token_ids(_colocated(http, pair, prompt)[1])
-    deadline = time.monotonic() + 10  # the counter travels with the engine's next stats
-    while (counted := fetch_metrics(pair.decode.base_url, http).total("pdconnect:invalid_transfer_params")) == before:
-        assert time.monotonic() < deadline, "the refusal was not counted"
-        time.sleep(0.2)
-    assert counted == before + 1
+
+    def invalid() -> float:
+        return fetch_metrics(pair.decode.base_url, http).total("pdconnect:invalid_transfer_params")
+
+    # The counter travels with the engine's next stats.
+    wait_until(lambda: invalid() != before, f"the refusal counted (was {before})", 10, observe=invalid)
+    assert invalid() == before + 1
     # Every JSON value as vllm_xargs.kv_transfer_params: vLLM's own checks answer some
     # (400, or a 500 for a truthy non-object, which its output processor calls .get on);
     # the falsy ones (0, "", []) reach the scheduler, which the connector must not crash.
@@ -309,15 +312,15 @@ def _colocated(http: httpx.Client, pair: Pair, prompt: list[int]) -> tuple[int, 
 
 def _assert_pools_back_to_baseline(http: httpx.Client, pair: Pair) -> None:
     """Nothing held by the connector and no block in use once every request ended."""
-    deadline = time.monotonic() + 10
     for proc in (pair.prefill, pair.decode):
-        while True:
+
+        def held_and_used(proc: ManagedProcess = proc) -> tuple[float, float]:
             metrics = fetch_metrics(proc.base_url, http)
-            held, used = metrics.total("pdconnect:blocks_held"), metrics.total("vllm:kv_cache_usage_perc")
-            if (held, used) == (0, 0) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert (held, used) == (0, 0), (proc.name, held, used)
+            return metrics.total("pdconnect:blocks_held"), metrics.total("vllm:kv_cache_usage_perc")
+
+        wait_until(
+            lambda: held_and_used() == (0, 0), f"{proc.name}: no block held or in use", 10, observe=held_and_used
+        )
 
 
 def _same_answer(served: dict, alone: dict) -> None:

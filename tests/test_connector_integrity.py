@@ -28,6 +28,7 @@ from pdconnect.testbed.keys import keyring
 from pdconnect.testbed.processes import freeze
 from tests.params_fuzz import expected_ask
 from tests.pd_harness import GEOMETRY, RemoteEngine, SimEngine
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.transport
 
@@ -72,10 +73,13 @@ def clean(prefill, decode, decode_b):
     for engine in (decode, decode_b):
         engine.drain()
     prefill.wait_idle(timeout=15)
-    deadline = time.monotonic() + 2 * LEASE + 2
-    while prefill.call("free_blocks") != prefill.start_free_blocks and time.monotonic() < deadline:
-        time.sleep(0.1)  # leases of failed loads may end by expiry
-    assert prefill.call("free_blocks") == prefill.start_free_blocks
+    # Leases of failed loads may end by expiry.
+    wait_until(
+        lambda: prefill.call("free_blocks") == prefill.start_free_blocks,
+        f"prefill's {prefill.start_free_blocks} free blocks back",
+        2 * LEASE + 2,
+        observe=lambda: f"{prefill.call('free_blocks')} free",
+    )
     for engine in (decode, decode_b):
         assert engine.free_blocks() == engine.start_free_blocks, engine.engine_id
         assert engine.connector.scheduler_half.blocks_held() == 0
@@ -100,10 +104,11 @@ def reuse_prefill_blocks(prefill: RemoteEngine, tag: str, count: int = 32) -> No
     once stayed intact). Each prompt is its own, seeded by its name."""
     names = [f"{tag}-filler{i}" for i in range(count)]
     prefill.call("add_prompts", {name: random_tokens(PROMPT, seed=zlib.crc32(name.encode())) for name in names})
-    deadline = time.monotonic() + 30
-    while not all(prefill.call("get_finished", name) for name in names):
-        assert time.monotonic() < deadline, "prefill did not run the fillers"
-        time.sleep(0.02)
+    wait_until(
+        lambda: all(prefill.call("get_finished", name) for name in names),
+        f"prefill to run the {count} fillers",
+        observe=lambda: f"{sum(bool(prefill.call('get_finished', name)) for name in names)} finished",
+    )
 
 
 def plan_blocks_intact(prefill: RemoteEngine, tokens: list[int], params: dict[str, Any]) -> bool:
@@ -144,10 +149,7 @@ def test_expired_plan_is_refused_before_any_pull(prefill, decode, clean, caplog)
     # The lease ends one lease after the hand-off, later if the side channel was starved
     # meanwhile (expiry is judged against its drain time): wait for it, not a fixed time
     # (0.5 s of slack once ran out on a loaded machine and the fillers found no free block).
-    deadline = time.monotonic() + 4 * LEASE
-    while prefill.call("counter", "lease_expiries") == expiries:
-        assert time.monotonic() < deadline, "the unclaimed lease never expired"
-        time.sleep(0.05)
+    wait_until(lambda: prefill.call("counter", "lease_expiries") > expiries, "the unclaimed lease to expire", 4 * LEASE)
     reuse_prefill_blocks(prefill, "q2")
     assert not plan_blocks_intact(prefill, tokens, params)  # freed and reused
 
@@ -180,9 +182,12 @@ def test_a_plan_is_claimed_by_one_decode_request_at_a_time(prefill, decode, deco
     params = prefill.prefill("q4", tokens).kv_transfer_params
 
     decode.add("q4-a", tokens, params)
-    time.sleep(0.5)  # the first claim reaches prefill first
+    # Decode claims at its first sight of the request and loads once the claim is held.
+    decode.run_until(lambda: decode.status("q4-a") == "WAITING_FOR_REMOTE_KVS")
+    # q4-a holds the lease and has not reported its load (decode has not stepped since).
     decode_b.add("q4-b", tokens, copy.deepcopy(params))
-    first, second = decode.result("q4-a"), decode_b.result("q4-b")
+    second = decode_b.result("q4-b")
+    first = decode.result("q4-a")
 
     assert first.finish_reason == "length"
     assert second.finish_reason == "error"
@@ -194,9 +199,9 @@ def test_release_while_decode_waits_fails_the_load_and_publishes_nothing(prefill
     tokens = random_tokens(PROMPT, seed=105)
     params = prefill.prefill("q5", tokens).kv_transfer_params
     decode.add("q5", tokens, params)
-    time.sleep(0.5)  # claimed
 
-    # The client went away: the router releases the plan while decode still has it queued.
+    # The client went away: the router releases the plan while decode still has it queued
+    # (decode first looks at a request, and claims its plan, at its next step).
     release_remote(
         f"tcp://{params['remote_host']}:{params['remote_port']}",
         [params["remote_request_id"]],
@@ -297,8 +302,9 @@ def test_a_claim_the_prefill_engine_answers_late_is_sent_again(slow_prefill, pat
     freeze(desk)
     try:
         patient_decode.add("slow1", tokens, params)
+        # The first claim went unanswered while the desk was stopped; the second, sent
+        # already, is answered whenever the desk runs again.
         patient_decode.run_until(lambda: "claiming again" in caplog.text, timeout=10)
-        time.sleep(0.3)  # the second claim is on its way
     finally:
         os.kill(desk, signal.SIGCONT)
     done = patient_decode.result("slow1")
@@ -331,14 +337,18 @@ def test_a_prefill_engine_silent_past_every_attempt_fails_the_load(slow_prefill,
     assert patient_decode.cached_blocks(tokens, 1) == {}
     patient_decode.drain()
     slow_prefill.wait_idle(timeout=15)
-    deadline = time.monotonic() + 2 * SLOW_PEER["lease_seconds"] + 2
-    while slow_prefill.call("free_blocks") != slow_prefill.start_free_blocks and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert slow_prefill.call("free_blocks") == slow_prefill.start_free_blocks
+    wait_until(
+        lambda: slow_prefill.call("free_blocks") == slow_prefill.start_free_blocks,
+        f"the slow prefill's {slow_prefill.start_free_blocks} free blocks back",
+        2 * SLOW_PEER["lease_seconds"] + 2,
+        observe=lambda: f"{slow_prefill.call('free_blocks')} free",
+    )
     assert patient_decode.free_blocks() == patient_decode.start_free_blocks
 
 
-def test_a_prefill_engine_holding_its_interpreter_lock_still_confirms_a_claim(slow_prefill, patient_decode, caplog):
+def test_a_prefill_engine_holding_its_interpreter_lock_still_confirms_a_claim(
+    slow_prefill, patient_decode, caplog, tmp_path
+):
     """The prefill engine's process keeps its interpreter lock in one C call for longer than
     both of decode's claim attempts wait. Its side channel answers from the lease desk, a
     process of its own, and Mooncake serves the read from its own threads: the first claim
@@ -348,10 +358,13 @@ def test_a_prefill_engine_holding_its_interpreter_lock_still_confirms_a_claim(sl
     params = slow_prefill.prefill("held1", tokens).kv_transfer_params
     attempts_s = CLAIM_ATTEMPTS * SLOW_PEER["handshake_timeout_seconds"]
     held: list[float] = []
-    holder = threading.Thread(target=lambda: held.append(slow_prefill.call("hold_interpreter_lock", attempts_s + 1.5)))
+    started = tmp_path / "holding"
+    holder = threading.Thread(
+        target=lambda: held.append(slow_prefill.call("hold_interpreter_lock", attempts_s + 1.5, str(started)))
+    )
     holder.start()
     try:
-        time.sleep(0.3)  # the engine takes the command between two steps
+        wait_until(started.exists, "the prefill engine to take the command between two steps")
         patient_decode.add("held1", tokens, params)
         done = patient_decode.result("held1", timeout=20)
     finally:

@@ -222,11 +222,20 @@ def test_decode_abort_while_loading_frees_shadow_blocks_unpublished(prefill, dec
 
 
 def test_decode_abort_while_decoding(prefill, decode, clean):
+    """An abort after the load: the request ends, decode holds nothing for it, and prefill
+    (told Done when the load finished) gets no release for a lease it no longer holds."""
     _, xa, _ = _siblings(seed=8)
     params = prefill.prefill("s8-xa", xa).kv_transfer_params
+    releases = prefill.call("counter", "releases")
     decode.add("s8-xa", xa, params, max_tokens=1000)
     decode.run_until(lambda: len(decode.finished.get("s8-xa", Finished(None, None, [], 0, 0)).output_tokens) >= 2)
     decode.abort("s8-xa")
+    decode.drain()
+
+    assert decode.status("s8-xa") is None  # gone from the scheduler
+    assert decode.connector.scheduler_half.blocks_held() == 0
+    assert decode.free_blocks() == decode.start_free_blocks
+    assert prefill.call("counter", "releases") == releases
 
 
 def test_lease_expiry_frees_prefill_blocks_nobody_pulled(prefill, clean):

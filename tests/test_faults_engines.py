@@ -76,6 +76,7 @@ from pdconnect.testbed.recipes import (
 from pdconnect.testbed.tinymodel import ensure_model
 from tests.params_fuzz import JSON_VALUES, cases, expected_ask, json_type
 from tests.rogue_reader import RogueReader, TcpSocket, group_pids
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.faults]
 
@@ -460,18 +461,15 @@ def _slot_kept_busy(http: httpx.Client, pd: EngineSet) -> Iterator[None]:
     for holder in holders:
         holder.start()
     try:
-        try:
-            _wait_for(
-                f"{SLOT_HOLDERS} urgent requests on decode",
-                lambda: _queued_on_decode(http, pd) >= SLOT_HOLDERS,
-                REQUEST_TIMEOUT_S,
-            )
-        except AssertionError as exc:
-            raise AssertionError(
-                f"{exc} (decode holds {_queued_on_decode(http, pd):.0f}; "
-                f"{sum(h.is_alive() for h in holders)} holders running; "
-                f"their errors: {errors[-4:]})"
-            ) from None
+        wait_until(
+            lambda: _queued_on_decode(http, pd) >= SLOT_HOLDERS,
+            f"{SLOT_HOLDERS} urgent requests on decode",
+            REQUEST_TIMEOUT_S,
+            observe=lambda: (
+                f"decode holds {_queued_on_decode(http, pd):.0f}; "
+                f"{sum(h.is_alive() for h in holders)} holders running; their errors: {errors[-4:]}"
+            ),
+        )
         yield
     finally:
         stop.set()
@@ -495,9 +493,9 @@ def test_lease_survives_a_wait_in_the_decode_queue(pd: EngineSet, http: httpx.Cl
         waiter = threading.Thread(target=lambda: result.append(decode_with(http, pd, prompt, plan)), daemon=True)
         waiter.start()
         # Two leases long, prefill serves other prompts: blocks freed at expiry would be reused.
-        wait_until = time.monotonic() + 2 * LEASE_S
+        until = time.monotonic() + 2 * LEASE_S
         others = 0
-        while time.monotonic() < wait_until:
+        while time.monotonic() < until:
             completion(
                 http, pd.prefill.base_url, prompt_ids(pd.seed(100 + others), PROMPT_TOKENS), 4
             ).raise_for_status()
@@ -636,13 +634,6 @@ def _hang_up(sock: socket.socket) -> None:
     sock.close()
 
 
-def _wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize("phase", ["before prefill", "during prefill", "queued for the pull", "during decode stream"])
 def test_client_disconnect_through_the_router(pd: EngineSet, http: httpx.Client, phase: str) -> None:
     row = Row(f"client disconnect {phase}", pd.transport, "")
@@ -676,15 +667,15 @@ def test_client_disconnect_through_the_router(pd: EngineSet, http: httpx.Client,
                     seen.append("just after P computed it")
                 return bool(seen)
 
-            _wait_for("the prefill engine to take the request", on_prefill)
+            wait_until(on_prefill, "the prefill engine to take the request")
             _hang_up(sock)
             row.outcome = f"hung up {seen[0]}"
         elif phase == "queued for the pull":
             with _slot_kept_busy(http, pd):
                 sock = _raw_request(router, body)
-                _wait_for(
-                    "the request to wait on decode",
+                wait_until(
                     lambda: _queued_on_decode(http, pd) >= SLOT_HOLDERS + 1,
+                    "the request to wait on decode",
                     REQUEST_TIMEOUT_S,
                 )
                 _hang_up(sock)
