@@ -42,7 +42,7 @@ import httpx
 from pdconnect.bench.loadgen import percentile
 from pdconnect.bench.report import format_table
 from pdconnect.bench.scrape import MetricsSnapshot, fetch_metrics
-from pdconnect.testbed.local_pd import LocalPDConfig, start_local_pd
+from pdconnect.testbed.local_pd import LocalPDConfig, Transport, start_local_pd
 from pdconnect.testbed.processes import Cluster
 from pdconnect.testbed.recipes import MODEL_NAME, SPEC
 from pdconnect.testbed.tinymodel import FIRST_WORD_ID
@@ -324,7 +324,7 @@ def _say(message: str) -> None:
 
 
 def run_variant(
-    decode_local: bool, sizes: Sizes, transport: str, threshold: int, in_flight: int, sweep: bool
+    decode_local: bool, sizes: Sizes, transport: Transport, threshold: int, in_flight: int, sweep: bool
 ) -> tuple[list[TurnResult], list[tuple[int, float, float]]]:
     variant = "on" if decode_local else "off"
     # The decider's settings are given to both: the "off" router predicts nothing (no
@@ -339,7 +339,7 @@ def run_variant(
     ]
     if decode_local:
         args.insert(0, "--decode-local")
-    config = LocalPDConfig(transport=transport, kv_events=True, router_args=tuple(args))  # type: ignore[arg-type]
+    config = LocalPDConfig(transport=transport, kv_events=True, router_args=tuple(args))
     with Cluster() as cluster, httpx.Client(timeout=30) as client:
         _say(f"decider {variant}: starting a fresh P/D pair and the router")
         pd = start_local_pd(cluster, config, name=f"decider-{variant}")

@@ -248,7 +248,7 @@ def test_merge_range_groups_equals_merging_the_concatenation() -> None:
 
 def test_merge_ranges_refuses_ranges_that_are_not_triples() -> None:
     with pytest.raises(ValueError, match="triples; 2 ranges hold 7 numbers"):
-        merge_ranges([(0x1000, 0x2000, 64), (0x3000, 0x4000, 64, 1)])  # type: ignore[list-item]
+        merge_ranges([(0x1000, 0x2000, 64), (0x3000, 0x4000, 64, 1)])  # type: ignore[list-item]  # the wrong shape on purpose
 
 
 def test_merge_ranges_refuses_overlapping_destinations() -> None:
