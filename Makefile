@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export VLLM_CACHE_ROOT ?= $(CURDIR)/build/vllm-cache
 export UCX_MODULES ?= ^ib
 
-.PHONY: images gpu-check install compat-install test-compat test test-fast test-transport test-faults test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench-coalesce bench-routing bench-handoff bench-decider clean
+.PHONY: images gpu-check install compat-install test-compat test test-fast test-transport test-faults test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench-coalesce bench-routing bench-handoff bench-decider clean lint fmt
 
 install: $(STAMP)
 
@@ -188,6 +188,21 @@ gpu-check:
 	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip==25.3
 	$(GPU_VENV)/bin/python -m pip install -q -c deploy/images/constraints-gpu.txt -e '.[gpu,bench]'
 	$(GPU_VENV)/bin/python scripts/gpu_check.py
+
+# The static gates (tests/test_static_checks.py and tests/test_import_contracts.py run the
+# same under `make test`): ruff's lint and format check and mypy over pdconnect/, connectors/,
+# tests/, benchmarks/ and scripts/ ([tool.ruff], [tool.mypy]), then the import contracts.
+# PYTHONPATH first: mypy and lint-imports resolve the packages to this tree.
+lint: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) -m ruff check --no-fix
+	PYTHONPATH=$(CURDIR) $(PY) -m ruff format --check
+	PYTHONPATH=$(CURDIR) $(PY) -m mypy
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
+
+# Rewrites the code to the gates: the formatter, then ruff's safe fixes (what remains, `make lint` names).
+fmt: $(STAMP)
+	$(PY) -m ruff format
+	$(PY) -m ruff check --fix
 
 clean:
 	rm -rf build results

@@ -42,7 +42,7 @@ import httpx
 from pdconnect.bench.loadgen import percentile
 from pdconnect.bench.report import format_table
 from pdconnect.bench.scrape import MetricsSnapshot, fetch_metrics
-from pdconnect.testbed.local_pd import LocalPDConfig, start_local_pd
+from pdconnect.testbed.local_pd import LocalPDConfig, Transport, start_local_pd
 from pdconnect.testbed.processes import Cluster
 from pdconnect.testbed.recipes import MODEL_NAME, SPEC
 from pdconnect.testbed.tinymodel import FIRST_WORD_ID
@@ -70,9 +70,21 @@ class Sizes:
     seed: int = 7
 
 
-TINY = Sizes(conversations=2, turns=2, concurrency=2, system_words=200, question_words=16, answer_tokens=4,
-             groups=1, siblings=2, prefix_tokens=256, suffix_tokens=16, itl_streams=1, itl_stream_tokens=8,
-             itl_prefills=(0, 128))
+TINY = Sizes(
+    conversations=2,
+    turns=2,
+    concurrency=2,
+    system_words=200,
+    question_words=16,
+    answer_tokens=4,
+    groups=1,
+    siblings=2,
+    prefix_tokens=256,
+    suffix_tokens=16,
+    itl_streams=1,
+    itl_stream_tokens=8,
+    itl_prefills=(0, 128),
+)
 
 
 @dataclass
@@ -114,14 +126,21 @@ def _words(rng: random.Random, count: int) -> str:
     return " ".join(f"w{rng.randrange(0, SPEC.vocab_size - FIRST_WORD_ID)}" for _ in range(count))
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
-                  need_content: bool = True) -> tuple[Request, str]:
+async def _stream(
+    session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any], need_content: bool = True
+) -> tuple[Request, str]:
     """One streamed request: TTFT, the gaps between content chunks, the route, the text."""
     sent = time.perf_counter()
     arrivals: list[float] = []
     text: list[str] = []
-    payload = {"model": MODEL_NAME, "temperature": 0.0, "ignore_eos": True, "stream": True,
-               "stream_options": {"include_usage": True}, **body}
+    payload = {
+        "model": MODEL_NAME,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **body,
+    }
     async with session.post(url + path, json=payload) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -149,13 +168,15 @@ class _Counters:
     @classmethod
     def scrape(cls, client: httpx.Client, prefill: str, decode: str, router: str) -> _Counters:
         p, d, r = (fetch_metrics(u, client) for u in (prefill, decode, router))
-        return cls({
-            "prefill_queries": p.total("vllm:prefix_cache_queries"),
-            "prefill_hits": p.total("vllm:prefix_cache_hits"),
-            "pulled": d.total("vllm:external_prefix_cache_hits"),
-            "decode_hits": d.total("vllm:prefix_cache_hits"),
-            "mispredicted": _mispredicted(r),
-        })
+        return cls(
+            {
+                "prefill_queries": p.total("vllm:prefix_cache_queries"),
+                "prefill_hits": p.total("vllm:prefix_cache_hits"),
+                "pulled": d.total("vllm:external_prefix_cache_hits"),
+                "decode_hits": d.total("vllm:prefix_cache_hits"),
+                "mispredicted": _mispredicted(r),
+            }
+        )
 
     def __sub__(self, other: _Counters) -> dict[str, float]:
         return {k: v - other.snapshot.get(k, 0.0) for k, v in self.snapshot.items()}
@@ -165,8 +186,9 @@ def _mispredicted(router: MetricsSnapshot) -> float:
     return sum(router.total("pdconnect_router_decode_local_hit_checks", result=r) for r in ("over", "under"))
 
 
-def summarize(variant: str, workload: str, turn: int, requests: Sequence[Request], delta: dict[str, float],
-              threshold: int) -> TurnResult:
+def summarize(
+    variant: str, workload: str, turn: int, requests: Sequence[Request], delta: dict[str, float], threshold: int
+) -> TurnResult:
     ttfts = [r.ttft_s for r in requests]
     gaps = [g for r in requests for g in r.gaps_s]
     local = sum(r.route.get("route") == "decode-local" for r in requests)
@@ -179,17 +201,31 @@ def summarize(variant: str, workload: str, turn: int, requests: Sequence[Request
             fa_local += 1
             fa_missed += prompt - hit > threshold
     return TurnResult(
-        variant, workload, turn, len(requests), percentile(ttfts, 50), percentile(ttfts, 99),
-        percentile(gaps, 50) if gaps else math.nan, percentile(gaps, 99) if gaps else math.nan,
-        delta["prefill_queries"] - delta["prefill_hits"], delta["pulled"], delta["decode_hits"], local,
-        delta["mispredicted"], fa_local, fa_missed)
+        variant,
+        workload,
+        turn,
+        len(requests),
+        percentile(ttfts, 50),
+        percentile(ttfts, 99),
+        percentile(gaps, 50) if gaps else math.nan,
+        percentile(gaps, 99) if gaps else math.nan,
+        delta["prefill_queries"] - delta["prefill_hits"],
+        delta["pulled"],
+        delta["decode_hits"],
+        local,
+        delta["mispredicted"],
+        fa_local,
+        fa_missed,
+    )
 
 
-async def _chat(url: str, sizes: Sizes, client: httpx.Client, urls: tuple[str, str, str], variant: str,
-                threshold: int) -> list[TurnResult]:
+async def _chat(
+    url: str, sizes: Sizes, client: httpx.Client, urls: tuple[str, str, str], variant: str, threshold: int
+) -> list[TurnResult]:
     rng = random.Random(sizes.seed)
     histories: list[list[dict[str, str]]] = [
-        [{"role": "system", "content": _words(rng, sizes.system_words)}] for _ in range(sizes.conversations)]
+        [{"role": "system", "content": _words(rng, sizes.system_words)}] for _ in range(sizes.conversations)
+    ]
     questions = [[_words(rng, sizes.question_words) for _ in range(sizes.turns)] for _ in range(sizes.conversations)]
     out = []
     timeout = aiohttp.ClientTimeout(total=600)
@@ -201,25 +237,33 @@ async def _chat(url: str, sizes: Sizes, client: httpx.Client, urls: tuple[str, s
             async def one(c: int, turn: int = turn, gate: asyncio.Semaphore = gate) -> Request:
                 async with gate:
                     histories[c].append({"role": "user", "content": questions[c][turn]})
-                    request, answer = await _stream(session, url, "/v1/chat/completions",
-                                                    {"messages": histories[c], "max_tokens": sizes.answer_tokens})
+                    request, answer = await _stream(
+                        session,
+                        url,
+                        "/v1/chat/completions",
+                        {"messages": histories[c], "max_tokens": sizes.answer_tokens},
+                    )
                     histories[c].append({"role": "assistant", "content": answer})
                     return request
 
             requests = await asyncio.gather(*(one(c) for c in range(sizes.conversations)))
             await asyncio.sleep(0.5)  # the last KV events and counters settle
-            out.append(summarize(variant, "chat", turn + 1, requests, _Counters.scrape(client, *urls) - before,
-                                 threshold))
+            out.append(
+                summarize(variant, "chat", turn + 1, requests, _Counters.scrape(client, *urls) - before, threshold)
+            )
     return out
 
 
-async def _prefix_repetition(url: str, sizes: Sizes, client: httpx.Client, urls: tuple[str, str, str],
-                             variant: str, threshold: int) -> list[TurnResult]:
+async def _prefix_repetition(
+    url: str, sizes: Sizes, client: httpx.Client, urls: tuple[str, str, str], variant: str, threshold: int
+) -> list[TurnResult]:
     rng = random.Random(sizes.seed + 1)
     vocab = range(FIRST_WORD_ID, SPEC.vocab_size)
     prefixes = [[rng.choice(vocab) for _ in range(sizes.prefix_tokens)] for _ in range(sizes.groups)]
-    suffixes = [[[rng.choice(vocab) for _ in range(sizes.suffix_tokens)] for _ in range(sizes.siblings)]
-                for _ in range(sizes.groups)]
+    suffixes = [
+        [[rng.choice(vocab) for _ in range(sizes.suffix_tokens)] for _ in range(sizes.siblings)]
+        for _ in range(sizes.groups)
+    ]
     out = []
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -230,14 +274,16 @@ async def _prefix_repetition(url: str, sizes: Sizes, client: httpx.Client, urls:
             async def one(g: int, round_: int = round_, gate: asyncio.Semaphore = gate) -> Request:
                 async with gate:
                     prompt = prefixes[g] + suffixes[g][round_]
-                    request, _ = await _stream(session, url, "/v1/completions",
-                                               {"prompt": prompt, "max_tokens": sizes.answer_tokens})
+                    request, _ = await _stream(
+                        session, url, "/v1/completions", {"prompt": prompt, "max_tokens": sizes.answer_tokens}
+                    )
                     return request
 
             requests = await asyncio.gather(*(one(g) for g in range(sizes.groups)))
             await asyncio.sleep(0.5)
-            out.append(summarize(variant, "prefix", round_ + 1, requests, _Counters.scrape(client, *urls) - before,
-                                 threshold))
+            out.append(
+                summarize(variant, "prefix", round_ + 1, requests, _Counters.scrape(client, *urls) - before, threshold)
+            )
     return out
 
 
@@ -250,14 +296,23 @@ async def _itl_sweep(decode: str, sizes: Sizes) -> list[tuple[int, float, float]
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         for length in sizes.itl_prefills:
             streams = [
-                _stream(session, decode, "/v1/completions",
-                        {"prompt": [rng.choice(vocab) for _ in range(64)], "max_tokens": sizes.itl_stream_tokens})
-                for _ in range(sizes.itl_streams)]
+                _stream(
+                    session,
+                    decode,
+                    "/v1/completions",
+                    {"prompt": [rng.choice(vocab) for _ in range(64)], "max_tokens": sizes.itl_stream_tokens},
+                )
+                for _ in range(sizes.itl_streams)
+            ]
             tasks = [asyncio.create_task(s) for s in streams]
             while length and not all(t.done() for t in tasks):  # one local prefill after another
-                await _stream(session, decode, "/v1/completions",
-                              {"prompt": [rng.choice(vocab) for _ in range(length)], "max_tokens": 1},
-                              need_content=False)
+                await _stream(
+                    session,
+                    decode,
+                    "/v1/completions",
+                    {"prompt": [rng.choice(vocab) for _ in range(length)], "max_tokens": 1},
+                    need_content=False,
+                )
             done = [await t for t in tasks]
             gaps = [g for r, _ in done for g in r.gaps_s]
             out.append((length, percentile(gaps, 50), percentile(gaps, 99)))
@@ -268,16 +323,23 @@ def _say(message: str) -> None:
     print(f"[bench-decider] {message}", flush=True)
 
 
-def run_variant(decode_local: bool, sizes: Sizes, transport: str, threshold: int, in_flight: int,
-                sweep: bool) -> tuple[list[TurnResult], list[tuple[int, float, float]]]:
+def run_variant(
+    decode_local: bool, sizes: Sizes, transport: Transport, threshold: int, in_flight: int, sweep: bool
+) -> tuple[list[TurnResult], list[tuple[int, float, float]]]:
     variant = "on" if decode_local else "off"
     # The decider's settings are given to both: the "off" router predicts nothing (no
     # --decode-local), the same groups and bounds keep the two command lines comparable.
-    args = ["--kv-cache-groups", GROUPS, "--decode-local-max-uncached-tokens", str(threshold),
-            "--decode-local-max-tokens-in-flight", str(in_flight)]
+    args = [
+        "--kv-cache-groups",
+        GROUPS,
+        "--decode-local-max-uncached-tokens",
+        str(threshold),
+        "--decode-local-max-tokens-in-flight",
+        str(in_flight),
+    ]
     if decode_local:
         args.insert(0, "--decode-local")
-    config = LocalPDConfig(transport=transport, kv_events=True, router_args=tuple(args))  # type: ignore[arg-type]
+    config = LocalPDConfig(transport=transport, kv_events=True, router_args=tuple(args))
     with Cluster() as cluster, httpx.Client(timeout=30) as client:
         _say(f"decider {variant}: starting a fresh P/D pair and the router")
         pd = start_local_pd(cluster, config, name=f"decider-{variant}")
@@ -301,14 +363,35 @@ def _ms(seconds: float) -> str:
 
 
 def format_turns(results: Sequence[TurnResult]) -> str:
-    headers = ["workload", "turn", "decider", "TTFT p50/p99 ms", "prefill computed", "pulled", "decode-local hit",
-               "ITL p50/p99 ms", "decode-local", "mispredicted", "FA-only local (missed)"]
-    rows = [[r.workload, str(r.turn), r.variant, f"{_ms(r.ttft_p50_s)}/{_ms(r.ttft_p99_s)}",
-             f"{r.prefill_computed:.0f}", f"{r.pulled:.0f}", f"{r.decode_hit:.0f}",
-             f"{_ms(r.itl_p50_s)}/{_ms(r.itl_p99_s)}", f"{r.local}/{r.requests}",
-             "-" if r.variant == "off" else f"{r.mispredicted:.0f}",
-             "-" if r.variant == "off" else f"{r.full_attention_local} ({r.full_attention_missed})"]
-            for r in results]
+    headers = [
+        "workload",
+        "turn",
+        "decider",
+        "TTFT p50/p99 ms",
+        "prefill computed",
+        "pulled",
+        "decode-local hit",
+        "ITL p50/p99 ms",
+        "decode-local",
+        "mispredicted",
+        "FA-only local (missed)",
+    ]
+    rows = [
+        [
+            r.workload,
+            str(r.turn),
+            r.variant,
+            f"{_ms(r.ttft_p50_s)}/{_ms(r.ttft_p99_s)}",
+            f"{r.prefill_computed:.0f}",
+            f"{r.pulled:.0f}",
+            f"{r.decode_hit:.0f}",
+            f"{_ms(r.itl_p50_s)}/{_ms(r.itl_p99_s)}",
+            f"{r.local}/{r.requests}",
+            "-" if r.variant == "off" else f"{r.mispredicted:.0f}",
+            "-" if r.variant == "off" else f"{r.full_attention_local} ({r.full_attention_missed})",
+        ]
+        for r in results
+    ]
     return format_table(headers, rows, left=3)
 
 
@@ -319,11 +402,30 @@ def format_ratios(results: Sequence[TurnResult]) -> str:
         off = by.get((workload, turn, "off"))
         if variant != "on" or off is None:
             continue
-        rows.append([workload, str(turn), ratio(on.ttft_p50_s, off.ttft_p50_s), ratio(on.ttft_p99_s, off.ttft_p99_s),
-                     ratio(on.prefill_computed, off.prefill_computed), ratio(on.pulled, off.pulled),
-                     ratio(on.itl_p99_s, off.itl_p99_s)])
-    return format_table(["workload", "turn", "TTFT p50 on/off", "TTFT p99 on/off", "prefill computed on/off",
-                         "pulled on/off", "ITL p99 on/off"], rows, left=2)
+        rows.append(
+            [
+                workload,
+                str(turn),
+                ratio(on.ttft_p50_s, off.ttft_p50_s),
+                ratio(on.ttft_p99_s, off.ttft_p99_s),
+                ratio(on.prefill_computed, off.prefill_computed),
+                ratio(on.pulled, off.pulled),
+                ratio(on.itl_p99_s, off.itl_p99_s),
+            ]
+        )
+    return format_table(
+        [
+            "workload",
+            "turn",
+            "TTFT p50 on/off",
+            "TTFT p99 on/off",
+            "prefill computed on/off",
+            "pulled on/off",
+            "ITL p99 on/off",
+        ],
+        rows,
+        left=2,
+    )
 
 
 def format_itl(sweep: Sequence[tuple[int, float, float]]) -> str:
@@ -348,22 +450,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[TurnResult] = []
     sweep: list[tuple[int, float, float]] = []
     for decode_local in (False, True):
-        turns, itl = run_variant(decode_local, sizes, args.transport, args.threshold, args.in_flight,
-                                 sweep=decode_local)
+        turns, itl = run_variant(
+            decode_local, sizes, args.transport, args.threshold, args.in_flight, sweep=decode_local
+        )
         results += turns
         sweep += itl
         print(format_turns(turns), flush=True)  # as it comes: a later failure keeps this
     ordered = sorted(results, key=lambda r: (r.workload, r.turn, r.variant != "off"))
-    print(f"\nthe same prompts, fresh engines each, decider off vs on (threshold {args.threshold} uncached tokens, "
-          f"{args.in_flight} local-prefill tokens in flight per decode engine), {args.transport}")
+    print(
+        f"\nthe same prompts, fresh engines each, decider off vs on (threshold {args.threshold} uncached tokens, "
+        f"{args.in_flight} local-prefill tokens in flight per decode engine), {args.transport}"
+    )
     print(format_turns(ordered) + "\n")
     print("ratios, on / off")
     print(format_ratios(ordered) + "\n")
     print("decode streams' ITL while the same engine prefills prompts of each length")
     print(format_itl(sweep))
     if args.json:
-        args.json.write_text(json.dumps({"sizes": asdict(sizes), "turns": [asdict(r) for r in results],
-                                         "itl_sweep": sweep}, indent=1))
+        args.json.write_text(
+            json.dumps({"sizes": asdict(sizes), "turns": [asdict(r) for r in results], "itl_sweep": sweep}, indent=1)
+        )
     mispredicted = sum(r.mispredicted for r in results if r.variant == "on")
     if mispredicted:
         print(f"FAIL: {mispredicted:.0f} decode-local hits differ from the prediction", file=sys.stderr)

@@ -29,7 +29,9 @@ def engine_phase(name: str, logs: Path, *failures: type[Exception]) -> Iterator[
     except (KeyboardInterrupt, SystemExit) as exc:
         print(f"\n[{name}] interrupted: every process it started has been stopped", file=sys.stderr)
         raise SystemExit(130 if isinstance(exc, KeyboardInterrupt) else (exc.code or 1)) from None
-    except (StartupError, RuntimeError, *failures) as exc:
-        print(f"\n[{name}] FAILED: {exc}\n[{name}] every process it started has been stopped; logs in {logs}",
-              file=sys.stderr)
+    except (StartupError, RuntimeError, *failures) as exc:  # type: ignore[misc]  # mypy cannot see a starred tuple of types
+        print(
+            f"\n[{name}] FAILED: {exc}\n[{name}] every process it started has been stopped; logs in {logs}",
+            file=sys.stderr,
+        )
         raise SystemExit(1) from None

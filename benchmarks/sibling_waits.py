@@ -34,12 +34,12 @@ from benchmarks.engine_phase import engine_phase
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, StepResult, percentile, run_scenario
 from pdconnect.bench.report import format_run, format_table, write_json
 from pdconnect.bench.scenarios import ProbeScenario, Scenario, SharedPrefixScenario, TokenSource
-from pdconnect.testbed.local_pd import LocalPDConfig, start_colocated, start_local_pd
+from pdconnect.testbed.local_pd import LocalPDConfig, Transport, start_colocated, start_local_pd
 from pdconnect.testbed.paths import default_build_dir
 from pdconnect.testbed.processes import Cluster
 from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, warm_up
 
-__all__ = ["SiblingWaitSetup", "Role", "main", "sibling_roles"]
+__all__ = ["Role", "SiblingWaitSetup", "main", "sibling_roles"]
 
 Role = str  # "first" | "concurrent" | "later"
 ROLES: tuple[Role, ...] = ("first", "concurrent", "later")
@@ -57,9 +57,9 @@ class SiblingWaitSetup:
     """
 
     shared_prefix: SharedPrefixScenario = SharedPrefixScenario(
-        groups=4, prompts_per_group=8, system_prompt_len=1024, question_len=64, output_len=16, concurrency=8)
-    probe: ProbeScenario = ProbeScenario(prefix_len=1024, suffix_len=64, output_len=16, overlap=4,
-                                         long_suffix_len=300)
+        groups=4, prompts_per_group=8, system_prompt_len=1024, question_len=64, output_len=16, concurrency=8
+    )
+    probe: ProbeScenario = ProbeScenario(prefix_len=1024, suffix_len=64, output_len=16, overlap=4, long_suffix_len=300)
     seed: int = 2027
     warmups: int = 1
     # Every engine's per-step token budget (None: vLLM's 2048, as in the demo). 8192 was
@@ -134,13 +134,34 @@ def format_hits(on: RunResult, off: RunResult) -> str:
     rows = []
     for a, b in zip(on.steps, off.steps, strict=True):
         serial = a.reference.cache.hits if a.reference.engines else float("nan")
-        rows.append([a.scenario, a.step, f"{a.decode.cache.hits:.0f}", f"{b.decode.cache.hits:.0f}",
-                     "-" if serial != serial else f"{serial:.0f}", _pct(a.decode.cache.hits, serial),
-                     f"{a.decode.cache.external_hits:.0f}", f"{b.decode.cache.external_hits:.0f}",
-                     _x(a.decode.cache.external_hits, b.decode.cache.external_hits),
-                     f"{a.decode.coalesced_waits:.0f}", f"{b.decode.coalesced_waits:.0f}"])
-    headers = ("scenario", "step", "D-local on", "D-local off", "serial hit", "on/serial",
-               "pulled on", "pulled off", "on/off", "waits on", "waits off")
+        rows.append(
+            [
+                a.scenario,
+                a.step,
+                f"{a.decode.cache.hits:.0f}",
+                f"{b.decode.cache.hits:.0f}",
+                "-" if serial != serial else f"{serial:.0f}",
+                _pct(a.decode.cache.hits, serial),
+                f"{a.decode.cache.external_hits:.0f}",
+                f"{b.decode.cache.external_hits:.0f}",
+                _x(a.decode.cache.external_hits, b.decode.cache.external_hits),
+                f"{a.decode.coalesced_waits:.0f}",
+                f"{b.decode.coalesced_waits:.0f}",
+            ]
+        )
+    headers = (
+        "scenario",
+        "step",
+        "D-local on",
+        "D-local off",
+        "serial hit",
+        "on/serial",
+        "pulled on",
+        "pulled off",
+        "on/off",
+        "waits on",
+        "waits off",
+    )
     return format_table(headers, rows, left=2)
 
 
@@ -149,8 +170,18 @@ def format_ttft(on: RunResult, off: RunResult) -> str:
     rows = []
     for a, b in zip(on.steps, off.steps, strict=True):
         pa50, pb50 = percentile(a.ttft_s, 50), percentile(b.ttft_s, 50)
-        rows.append([a.scenario, a.step, _ms(pa50), _ms(pb50), _x(pa50, pb50),
-                     _ms(a.ttft_p99_s), _ms(b.ttft_p99_s), _x(a.ttft_p99_s, b.ttft_p99_s)])
+        rows.append(
+            [
+                a.scenario,
+                a.step,
+                _ms(pa50),
+                _ms(pb50),
+                _x(pa50, pb50),
+                _ms(a.ttft_p99_s),
+                _ms(b.ttft_p99_s),
+                _x(a.ttft_p99_s, b.ttft_p99_s),
+            ]
+        )
     headers = ("scenario", "step", "p50 on", "p50 off", "ratio", "p99 on", "p99 off", "ratio")
     return format_table(headers, rows, left=2)
 
@@ -165,10 +196,15 @@ def format_groups(on: RunResult, off: RunResult, scenario: SharedPrefixScenario)
     serial = (a.prompt_tokens - a.reference.cache.hits) / groups if a.reference.engines else float("nan")
     per_on, per_off = a.decode.cache.external_hits / groups, b.decode.cache.external_hits / groups
     rows = [
-        ["coalesce on", f"{per_on:.0f}", f"{one_prefix}", _x(per_on, one_prefix), f"{serial:.0f}",
-         _x(per_on, serial)],
-        ["coalesce off", f"{per_off:.0f}", f"{one_prefix}", _x(per_off, one_prefix), f"{serial:.0f}",
-         _x(per_off, serial)],
+        ["coalesce on", f"{per_on:.0f}", f"{one_prefix}", _x(per_on, one_prefix), f"{serial:.0f}", _x(per_on, serial)],
+        [
+            "coalesce off",
+            f"{per_off:.0f}",
+            f"{one_prefix}",
+            _x(per_off, one_prefix),
+            f"{serial:.0f}",
+            _x(per_off, serial),
+        ],
     ]
     headers = ("run", "pulled per group", "one prefix + suffixes", "ratio", "serial siblings pull", "ratio")
     return format_table(headers, rows, left=1)
@@ -184,8 +220,17 @@ def format_roles(on: RunResult, off: RunResult) -> str:
             for role in ROLES:
                 values = pooled[role]
                 if values:
-                    rows.append([run.label, scope, role, str(len(values)), _ms(percentile(values, 50)),
-                                 _ms(percentile(values, 99)), _ms(sum(values) / len(values))])
+                    rows.append(
+                        [
+                            run.label,
+                            scope,
+                            role,
+                            str(len(values)),
+                            _ms(percentile(values, 50)),
+                            _ms(percentile(values, 99)),
+                            _ms(sum(values) / len(values)),
+                        ]
+                    )
     return format_table(("run", "step", "role", "n", "TTFT p50", "TTFT p99", "TTFT mean"), rows, left=3)
 
 
@@ -201,12 +246,14 @@ def _cost(on: RunResult, off: RunResult) -> str:
     a = ttft_by_role([s for s in on.steps if s.groups])
     b = ttft_by_role([s for s in off.steps if s.groups])
     p50 = {(run, role): percentile(pool[role], 50) for run, pool in (("on", a), ("off", b)) for role in ROLES}
-    return (f"the wait: concurrent siblings' TTFT p50 with coalescing {_ms(p50['on', 'concurrent'])} vs "
-            f"{_ms(p50['on', 'first'])} for the groups' first requests "
-            f"({_x(p50['on', 'concurrent'], p50['on', 'first'])}); without coalescing "
-            f"{_ms(p50['off', 'concurrent'])} vs {_ms(p50['off', 'first'])} "
-            f"({_x(p50['off', 'concurrent'], p50['off', 'first'])}); concurrent siblings on/off "
-            f"{_x(p50['on', 'concurrent'], p50['off', 'concurrent'])}")
+    return (
+        f"the wait: concurrent siblings' TTFT p50 with coalescing {_ms(p50['on', 'concurrent'])} vs "
+        f"{_ms(p50['on', 'first'])} for the groups' first requests "
+        f"({_x(p50['on', 'concurrent'], p50['on', 'first'])}); without coalescing "
+        f"{_ms(p50['off', 'concurrent'])} vs {_ms(p50['off', 'first'])} "
+        f"({_x(p50['off', 'concurrent'], p50['off', 'first'])}); concurrent siblings on/off "
+        f"{_x(p50['on', 'concurrent'], p50['off', 'concurrent'])}"
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,8 +264,11 @@ def _say(message: str) -> None:
     print(f"[bench-coalesce] {message}", flush=True)
 
 
-async def _measure(generator: LoadGenerator, setup: SiblingWaitSetup, serial: bool = False,
-                   ) -> tuple[list[StepResult], str | None]:
+async def _measure(
+    generator: LoadGenerator,
+    setup: SiblingWaitSetup,
+    serial: bool = False,
+) -> tuple[list[StepResult], str | None]:
     steps: list[StepResult] = []
     tokens = TokenSource(seed=setup.seed)  # same seed in every run: the same prompts
     async with generator:
@@ -228,8 +278,12 @@ async def _measure(generator: LoadGenerator, setup: SiblingWaitSetup, serial: bo
     return steps, transport
 
 
-SETTINGS = {"model": "tiny hybrid Llama + EAGLE3", "block_size": BLOCK_SIZE, "sliding_window": SPEC.sliding_window,
-            "max_num_batched_tokens": SiblingWaitSetup.max_num_batched_tokens}
+SETTINGS = {
+    "model": "tiny hybrid Llama + EAGLE3",
+    "block_size": BLOCK_SIZE,
+    "sliding_window": SPEC.sliding_window,
+    "max_num_batched_tokens": SiblingWaitSetup.max_num_batched_tokens,
+}
 
 
 def _reference(cluster: Cluster, setup: SiblingWaitSetup) -> RunResult:
@@ -246,21 +300,24 @@ def _reference(cluster: Cluster, setup: SiblingWaitSetup) -> RunResult:
         steps, _ = asyncio.run(_measure(LoadGenerator(deployment), setup, serial=True))
     finally:
         cluster.stop(engine)
-    return RunResult(label="colocated, serial", steps=tuple(steps),
-                     settings={**SETTINGS, "seed": setup.seed, "serial": True})
+    return RunResult(
+        label="colocated, serial", steps=tuple(steps), settings={**SETTINGS, "seed": setup.seed, "serial": True}
+    )
 
 
 def _with_reference(run: RunResult, reference: RunResult) -> RunResult:
     """`run` with the colocated engine's per-step counters as each step's reference."""
-    steps = tuple(replace(step, reference=ref.decode)
-                  for step, ref in zip(run.steps, reference.steps, strict=True))
+    steps = tuple(replace(step, reference=ref.decode) for step, ref in zip(run.steps, reference.steps, strict=True))
     return replace(run, steps=steps)
 
 
-def _run(cluster: Cluster, setup: SiblingWaitSetup, coalesce: bool, transport: str) -> RunResult:
+def _run(cluster: Cluster, setup: SiblingWaitSetup, coalesce: bool, transport: Transport) -> RunResult:
     state = "on" if coalesce else "off"
-    config = LocalPDConfig(transport=transport, coalesce=coalesce,  # type: ignore[arg-type]
-                           max_num_batched_tokens=setup.max_num_batched_tokens)
+    config = LocalPDConfig(
+        transport=transport,
+        coalesce=coalesce,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+    )
     _say(f"coalescing {state.upper()}: starting a fresh prefill and decode engine, then the router")
     started = time.monotonic()
     local = start_local_pd(cluster, config, name=f"coalesce-{state}")
@@ -274,12 +331,18 @@ def _run(cluster: Cluster, setup: SiblingWaitSetup, coalesce: bool, transport: s
 
 
 def _verdict(on: RunResult, off: RunResult) -> tuple[bool, str]:
-    problems = [f"{r.label} {s.scenario} {s.step}: {s.failed} failed, {s.fallbacks} fallbacks"
-                for r in (on, off) for s in r.steps if s.failed or s.fallbacks]
+    problems = [
+        f"{r.label} {s.scenario} {s.step}: {s.failed} failed, {s.fallbacks} fallbacks"
+        for r in (on, off)
+        for s in r.steps
+        if s.failed or s.fallbacks
+    ]
     hit, serial = _share(on)
-    line = (f"decode-local hit with coalescing: {hit:.0f} of the serial siblings' {serial:.0f} tokens "
-            f"({_pct(hit, serial)}; goal >= {GOAL_SHARE:.0%}); without coalescing: "
-            f"{sum(s.decode.cache.hits for s in off.steps):.0f}")
+    line = (
+        f"decode-local hit with coalescing: {hit:.0f} of the serial siblings' {serial:.0f} tokens "
+        f"({_pct(hit, serial)}; goal >= {GOAL_SHARE:.0%}); without coalescing: "
+        f"{sum(s.decode.cache.hits for s in off.steps):.0f}"
+    )
     if problems:
         return False, line + "\nFAIL: " + "; ".join(problems)
     if serial <= 0 or hit < GOAL_SHARE * serial:
@@ -287,19 +350,28 @@ def _verdict(on: RunResult, off: RunResult) -> tuple[bool, str]:
     waits = sum(s.decode.coalesced_waits for s in on.steps)
     if waits == 0:
         # Met, but vacuously: every sibling reached decode after its prefix was published.
-        return True, line + ("\nGOAL MET, NOT EXERCISED: no request waited for a sibling's load in this run "
-                             "(every sibling reached decode after its prefix was published), so on and off "
-                             "saw the same hits")
-    return True, line + (f"\nGOAL MET: coalesced siblings hit what serial siblings hit "
-                         f"({waits:.0f} requests waited for a sibling's load)")
+        return True, line + (
+            "\nGOAL MET, NOT EXERCISED: no request waited for a sibling's load in this run "
+            "(every sibling reached decode after its prefix was published), so on and off "
+            "saw the same hits"
+        )
+    return True, line + (
+        f"\nGOAL MET: coalesced siblings hit what serial siblings hit "
+        f"({waits:.0f} requests waited for a sibling's load)"
+    )
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.sibling_waits",
-                                     description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.sibling_waits", description=(__doc__ or "").splitlines()[0]
+    )
     parser.add_argument("--transport", choices=("mooncake", "nixl"), default="mooncake")
-    parser.add_argument("--out", type=Path, default=default_build_dir().parent / "results" / "bench-coalesce",
-                        help="where bench-coalesce.json and the process logs go (default: %(default)s)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=default_build_dir().parent / "results" / "bench-coalesce",
+        help="where bench-coalesce.json and the process logs go (default: %(default)s)",
+    )
     return parser.parse_args(argv)
 
 
@@ -316,17 +388,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n" + format_run(run) + "\n", flush=True)
             runs.append(run)
     on, off = runs
-    print("coalescing on vs off: same prompts, fresh engines each, measured in this one run. serial hit = "
-          "a colocated engine's\nprefix-cache hit on the same prompts sent one at a time; pulled = "
-          "decode's external hit tokens;\nwaits = requests the decode engine made wait for a sibling's load\n")
+    print(
+        "coalescing on vs off: same prompts, fresh engines each, measured in this one run. serial hit = "
+        "a colocated engine's\nprefix-cache hit on the same prompts sent one at a time; pulled = "
+        "decode's external hit tokens;\nwaits = requests the decode engine made wait for a sibling's load\n"
+    )
     print(format_hits(on, off) + "\n")
     print("tokens pulled per prefix group (shared-prefix)")
     print(format_groups(on, off, setup.shared_prefix) + "\n")
     print("TTFT per step (client side, prefill leg and KV pull included)")
     print(format_ttft(on, off) + "\n")
-    print("TTFT by sibling role: first = the group's first request; concurrent = sent before an earlier "
-          "sibling's\nfirst token (its load may be in flight: the ones coalescing makes wait); later = "
-          "after every earlier sibling's")
+    print(
+        "TTFT by sibling role: first = the group's first request; concurrent = sent before an earlier "
+        "sibling's\nfirst token (its load may be in flight: the ones coalescing makes wait); later = "
+        "after every earlier sibling's"
+    )
     print(format_roles(on, off) + "\n")
     print(_cost(on, off))
     print("Hit and pulled tokens are exact; TTFT on a shared 2-core machine swings run to run.\n")

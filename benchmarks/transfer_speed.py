@@ -61,7 +61,11 @@ import numpy as np
 
 from pdconnect.kvlayout import TensorLayout, pull_ranges
 from pdconnect.transfer import (
-    TRANSPORT_KINDS, TransferState, Transport, create_transport, decode_metadata,
+    TRANSPORT_KINDS,
+    TransferState,
+    Transport,
+    create_transport,
+    decode_metadata,
 )
 from pdconnect.transfer._host import scoped_env
 from pdconnect.transfer.loopback import Buffer, LoopbackPeer, digest
@@ -82,8 +86,7 @@ class Case:
 
     @property
     def name(self) -> str:
-        size = (f"{self.block_bytes >> 20} MiB" if self.block_bytes >= 1 << 20
-                else f"{self.block_bytes >> 10} KiB")
+        size = f"{self.block_bytes >> 20} MiB" if self.block_bytes >= 1 << 20 else f"{self.block_bytes >> 10} KiB"
         return f"{self.count} x {size} {'scattered' if self.scattered else 'contiguous'}"
 
     @property
@@ -95,8 +98,7 @@ class Case:
         if not self.scattered:
             return [(i, i) for i in range(self.count)]
         rng = random.Random(seed)
-        return list(zip(rng.sample(range(pool_blocks), self.count),
-                        rng.sample(range(pool_blocks), self.count)))
+        return list(zip(rng.sample(range(pool_blocks), self.count), rng.sample(range(pool_blocks), self.count)))
 
 
 CASES = (
@@ -118,9 +120,9 @@ class Result:
     bare_gbps: float
     ours_unmerged_gbps: float
     ours_gbps: float
-    fair_ratio: float          # ours unmerged / bare: median of per-round ratios
-    fair_best_ratio: float     # the same, fastest run of each
-    merging_gain: float     # ours / ours unmerged: median of per-round ratios
+    fair_ratio: float  # ours unmerged / bare: median of per-round ratios
+    fair_best_ratio: float  # the same, fastest run of each
+    merging_gain: float  # ours / ours unmerged: median of per-round ratios
     bare_cpu_s_per_gb: float
     ours_unmerged_cpu_s_per_gb: float
     ours_cpu_s_per_gb: float
@@ -152,8 +154,7 @@ class Blocks:
     def addresses(self) -> tuple[Any, Any]:
         """Per-block local and remote addresses, the vectorized way a careful user would."""
         ids = np.array(self.pairs, dtype=np.int64).reshape(-1, 2)
-        return (self.local_base + ids[:, 0] * self.block_bytes,
-                self.remote_base + ids[:, 1] * self.block_bytes)
+        return (self.local_base + ids[:, 0] * self.block_bytes, self.remote_base + ids[:, 1] * self.block_bytes)
 
 
 class BareMooncake:
@@ -177,7 +178,8 @@ class BareMooncake:
     def read(self, blocks: Blocks) -> bool:
         local, remote = blocks.addresses()
         rc = self._engine.batch_transfer_sync_read(
-            self._session, local.tolist(), remote.tolist(), [blocks.block_bytes] * len(local))
+            self._session, local.tolist(), remote.tolist(), [blocks.block_bytes] * len(local)
+        )
         return bool(rc == 0)
 
     def close(self) -> None:
@@ -194,8 +196,8 @@ class BareNixl:
         # No progress thread: the reader's own polls progress it (the Python API's
         # default thread is a busy loop that would eat a core during every timed run).
         self._agent = api.nixl_agent(
-            f"bare-{uuid.uuid4().hex[:8]}",
-            api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+            f"bare-{uuid.uuid4().hex[:8]}", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
         self._agent.register_memory([(local.addr, local.size, 0, "")], "DRAM")
         self._remote = self._agent.add_remote_agent(decode_metadata(peer_metadata).endpoint)
 
@@ -206,8 +208,8 @@ class BareNixl:
         local[:, 0], remote[:, 0] = local_addrs, remote_addrs
         local[:, 1] = remote[:, 1] = blocks.block_bytes
         handle = self._agent.initialize_xfer(
-            "READ", self._agent.get_xfer_descs(local, "DRAM"),
-            self._agent.get_xfer_descs(remote, "DRAM"), self._remote)
+            "READ", self._agent.get_xfer_descs(local, "DRAM"), self._agent.get_xfer_descs(remote, "DRAM"), self._remote
+        )
         state = self._agent.transfer(handle)
         pause = 20e-6  # the backoff `Transfer.wait` uses
         while state == "PROC":
@@ -223,7 +225,8 @@ class BareNixl:
 
 
 BARE: dict[str, Callable[[Buffer, bytes, str], BareMooncake | BareNixl]] = {
-    "mooncake": BareMooncake, "nixl": BareNixl,
+    "mooncake": BareMooncake,
+    "nixl": BareNixl,
 }
 
 
@@ -272,8 +275,7 @@ def bench_transport(kind: str, repeats: int, log: Callable[[str], None]) -> list
                 ours[-1].connect(PEER, peer.ready.metadata)
             bare = BARE[kind](local, peer.ready.metadata, ours[0].effective_protocol)
             for number, case in enumerate(CASES):
-                results.append(_bench_case(kind, case, number, repeats, ours[0], ours[1], bare,
-                                           local, peer))
+                results.append(_bench_case(kind, case, number, repeats, ours[0], ours[1], bare, local, peer))
                 log(_row(results[-1]))
         finally:
             if bare is not None:
@@ -283,9 +285,17 @@ def bench_transport(kind: str, repeats: int, log: Callable[[str], None]) -> list
     return results
 
 
-def _bench_case(kind: str, case: Case, seed: int, repeats: int, ours: Transport[Any],
-                ours_unmerged: Transport[Any], bare: BareMooncake | BareNixl, local: Buffer,
-                peer: LoopbackPeer) -> Result:
+def _bench_case(
+    kind: str,
+    case: Case,
+    seed: int,
+    repeats: int,
+    ours: Transport[Any],
+    ours_unmerged: Transport[Any],
+    bare: BareMooncake | BareNixl,
+    local: Buffer,
+    peer: LoopbackPeer,
+) -> Result:
     local_layout = kv_layout(local.addr, POOL_BYTES, case.block_bytes)
     remote_layout = kv_layout(peer.ready.pool_addr, POOL_BYTES, case.block_bytes)
     pairs = case.block_pairs(local_layout.num_blocks, seed)
@@ -293,8 +303,11 @@ def _bench_case(kind: str, case: Case, seed: int, repeats: int, ours: Transport[
     per_block = pull_ranges(local_layout, remote_layout, pairs, merged=False)
     merged = pull_ranges(local_layout, remote_layout, pairs)
     local_addrs, remote_addrs = blocks.addresses()
-    if (len(per_block) != case.count or local_addrs.tolist() != per_block.table[:, 0].tolist()
-            or remote_addrs.tolist() != per_block.table[:, 1].tolist()):
+    if (
+        len(per_block) != case.count
+        or local_addrs.tolist() != per_block.table[:, 0].tolist()
+        or remote_addrs.tolist() != per_block.table[:, 1].tolist()
+    ):
         raise RuntimeError(f"{kind} {case.name}: bare and ours would not send the same ranges")
 
     def run_ours(transport: Transport[Any], merge: bool) -> bool:
@@ -321,19 +334,29 @@ def _bench_case(kind: str, case: Case, seed: int, repeats: int, ours: Transport[
     gb = case.total_bytes / 1e9
     gbps = {name: gb / statistics.median(r.wall) for name, r in runs.items()}
     cpu = {name: statistics.median(r.cpu) / gb for name, r in runs.items()}
+
     def paired(path: str, baseline: str) -> float:
         """Median over rounds of `path`'s speed relative to `baseline`'s in that round."""
-        return statistics.median(
-            base / mine for mine, base in zip(runs[path].wall, runs[baseline].wall))
+        return statistics.median(base / mine for mine, base in zip(runs[path].wall, runs[baseline].wall))
 
     return Result(
-        kind, ours.effective_protocol, case.name, case.total_bytes,
-        round(gbps["bare"], 3), round(gbps["ours_unmerged"], 3), round(gbps["ours"], 3),
+        kind,
+        ours.effective_protocol,
+        case.name,
+        case.total_bytes,
+        round(gbps["bare"], 3),
+        round(gbps["ours_unmerged"], 3),
+        round(gbps["ours"], 3),
         round(paired("ours_unmerged", "bare"), 3),
         round(min(runs["bare"].wall) / min(runs["ours_unmerged"].wall), 3),
         round(paired("ours", "ours_unmerged"), 3),
-        round(cpu["bare"], 3), round(cpu["ours_unmerged"], 3), round(cpu["ours"], 3),
-        case.count, len(merged), repeats)
+        round(cpu["bare"], 3),
+        round(cpu["ours_unmerged"], 3),
+        round(cpu["ours"], 3),
+        case.count,
+        len(merged),
+        repeats,
+    )
 
 
 @dataclass(frozen=True)
@@ -370,8 +393,7 @@ def bench_busy_caller(kind: str, repeats: int, step_s: float) -> list[BusyCaller
             for count in BUSY_RANGES:
                 size = BUSY_PULL_BYTES // count
                 # Every other slot, so no two ranges merge into one.
-                ranges = [(local.addr + 2 * i * size, peer.ready.pool_addr + 2 * i * size, size)
-                          for i in range(count)]
+                ranges = [(local.addr + 2 * i * size, peer.ready.pool_addr + 2 * i * size, size) for i in range(count)]
                 times: dict[bool, list[float]] = {False: [], True: []}
                 for repeat in range(repeats + 1):  # round 0 is a warm-up, not counted
                     for busy in (repeat % 2 == 0, repeat % 2 == 1):
@@ -385,14 +407,22 @@ def bench_busy_caller(kind: str, repeats: int, step_s: float) -> list[BusyCaller
                         if state is not TransferState.DONE:
                             raise RuntimeError(f"{kind}, {count} ranges: a read failed")
                         if not repeat and digest(local, [(a, n) for a, _, n in ranges]) != peer.digest(
-                                [(r, n) for _, r, n in ranges]):
+                            [(r, n) for _, r, n in ranges]
+                        ):
                             raise RuntimeError(f"{kind}, {count} ranges: pulled bytes differ from the peer's")
                         if repeat:
                             times[busy].append((time.perf_counter() - start) * 1e3)
                 idle, busy_ms = sorted(times[False]), sorted(times[True])
-                results.append(BusyCallerResult(
-                    kind, count, round(statistics.median(idle), 2), round(idle[int(0.9 * len(idle))], 2),
-                    round(statistics.median(busy_ms), 2), round(busy_ms[int(0.9 * len(busy_ms))], 2)))
+                results.append(
+                    BusyCallerResult(
+                        kind,
+                        count,
+                        round(statistics.median(idle), 2),
+                        round(idle[int(0.9 * len(idle))], 2),
+                        round(statistics.median(busy_ms), 2),
+                        round(busy_ms[int(0.9 * len(busy_ms))], 2),
+                    )
+                )
         finally:
             ours.close()
     return results
@@ -403,8 +433,8 @@ class DelayResult:
     """One row of the progress-delay sweep."""
 
     delay_us: int
-    idle_cpu_percent: float      # the serving process, % of one core, nothing moving
-    first_read_ms: float         # the first one-block read after connecting (wire-up)
+    idle_cpu_percent: float  # the serving process, % of one core, nothing moving
+    first_read_ms: float  # the first one-block read after connecting (wire-up)
     rates_gbps: dict[str, float]  # case name -> our median read rate
 
 
@@ -413,8 +443,7 @@ SWEEP_POOL_BYTES = 64 << 20  # both cases fit; several peers at once stay small
 IDLE_SECONDS = 2.0
 
 
-def sweep_progress_delay(delays: Sequence[int], repeats: int,
-                         log: Callable[[str], None]) -> list[DelayResult]:
+def sweep_progress_delay(delays: Sequence[int], repeats: int, log: Callable[[str], None]) -> list[DelayResult]:
     """Our NIXL reads against serving peers run with each progress-thread delay.
 
     The peers with a delay run side by side and are read in interleaved rounds (so load
@@ -422,8 +451,10 @@ def sweep_progress_delay(delays: Sequence[int], repeats: int,
     of 0 is NIXL's busy loop, which would slow every other measurement on a small host:
     it runs alone, afterwards.
     """
-    log(f"{'nixl serving delay':>18}  {'idle CPU':>9}  {'first read':>10}  "
-        + "  ".join(f"{c.name + ' GB/s':>30}" for c in SWEEP_CASES))
+    log(
+        f"{'nixl serving delay':>18}  {'idle CPU':>9}  {'first read':>10}  "
+        + "  ".join(f"{c.name + ' GB/s':>30}" for c in SWEEP_CASES)
+    )
     together = [d for d in dict.fromkeys(delays) if d > 0]
     alone = [d for d in dict.fromkeys(delays) if d == 0]
     results = {}
@@ -432,9 +463,11 @@ def sweep_progress_delay(delays: Sequence[int], repeats: int,
             results.update(_sweep_group(group, repeats))
     for delay in delays:
         r = results[delay]
-        log(f"{delay:>15} us  {r.idle_cpu_percent:>8.1f}%  {r.first_read_ms:>7.1f} ms  "
+        log(
+            f"{delay:>15} us  {r.idle_cpu_percent:>8.1f}%  {r.first_read_ms:>7.1f} ms  "
             + "  ".join(f"{r.rates_gbps[c.name]:>30.2f}" for c in SWEEP_CASES)
-            + ("  (measured alone)" if delay == 0 and together else ""))
+            + ("  (measured alone)" if delay == 0 and together else "")
+        )
     return [results[d] for d in dict.fromkeys(delays)]
 
 
@@ -451,15 +484,13 @@ def _sweep_group(delays: Sequence[int], repeats: int) -> dict[int, DelayResult]:
         for delay, peer in peers.items():
             ours.connect(f"{PEER}-{delay}", peer.ready.metadata)
             started = time.perf_counter()
-            first = ours.pull(f"{PEER}-{delay}", [(local.addr, peer.ready.pool_addr, 4096)],
-                              TIMEOUT)
+            first = ours.pull(f"{PEER}-{delay}", [(local.addr, peer.ready.pool_addr, 4096)], TIMEOUT)
             if first.wait(TIMEOUT) is not TransferState.DONE:
                 raise RuntimeError(f"delay {delay} us: the first read failed")
             first_ms[delay] = (time.perf_counter() - started) * 1e3
         idle_before = {delay: peer.cpu_seconds() for delay, peer in peers.items()}
         time.sleep(IDLE_SECONDS)
-        idle = {delay: (peer.cpu_seconds() - idle_before[delay]) / IDLE_SECONDS * 100
-                for delay, peer in peers.items()}
+        idle = {delay: (peer.cpu_seconds() - idle_before[delay]) / IDLE_SECONDS * 100 for delay, peer in peers.items()}
         rates: dict[int, dict[str, float]] = {delay: {} for delay in peers}
         for number, case in enumerate(SWEEP_CASES):
             layout = kv_layout(local.addr, SWEEP_POOL_BYTES, case.block_bytes)
@@ -469,7 +500,7 @@ def _sweep_group(delays: Sequence[int], repeats: int) -> dict[int, DelayResult]:
                 reads[delay] = (remote, case.block_pairs(layout.num_blocks, number))
             times: dict[int, list[float]] = {delay: [] for delay in peers}
             for repeat in range(repeats + 1):  # round 0 is a warm-up, not counted
-                order = list(peers)[repeat % len(peers):] + list(peers)[:repeat % len(peers)]
+                order = list(peers)[repeat % len(peers) :] + list(peers)[: repeat % len(peers)]
                 for delay in order:
                     remote, pairs = reads[delay]
                     start = time.perf_counter()
@@ -480,14 +511,14 @@ def _sweep_group(delays: Sequence[int], repeats: int) -> dict[int, DelayResult]:
                     if repeat:
                         times[delay].append(time.perf_counter() - start)
             for delay in peers:
-                rates[delay][case.name] = round(
-                    case.total_bytes / statistics.median(times[delay]) / 1e9, 3)
+                rates[delay][case.name] = round(case.total_bytes / statistics.median(times[delay]) / 1e9, 3)
     finally:
         ours.close()
         for peer in peers.values():
             peer.close()
-    return {delay: DelayResult(delay, round(idle[delay], 1), round(first_ms[delay], 1),
-                               rates[delay]) for delay in peers}
+    return {
+        delay: DelayResult(delay, round(idle[delay], 1), round(first_ms[delay], 1), rates[delay]) for delay in peers
+    }
 
 
 _HEADER = (
@@ -500,22 +531,27 @@ _HEADER = (
 
 def _row(r: Result) -> str:
     descriptors = f"{r.bare_descriptors}->{r.ours_descriptors}"
-    return (f"{r.transport + '/' + r.effective_protocol:<16} {r.case:<27} {r.bare_gbps:>7.2f} "
-            f"{r.ours_unmerged_gbps:>7.2f} {r.ours_gbps:>7.2f}  {r.fair_ratio:>8.2f} "
-            f"{r.fair_best_ratio:>7.2f} {r.merging_gain:>6.2f}  {r.bare_cpu_s_per_gb:>7.3f} "
-            f"{r.ours_unmerged_cpu_s_per_gb:>8.3f} {r.ours_cpu_s_per_gb:>8.3f}  "
-            f"{descriptors:>12}")
+    return (
+        f"{r.transport + '/' + r.effective_protocol:<16} {r.case:<27} {r.bare_gbps:>7.2f} "
+        f"{r.ours_unmerged_gbps:>7.2f} {r.ours_gbps:>7.2f}  {r.fair_ratio:>8.2f} "
+        f"{r.fair_best_ratio:>7.2f} {r.merging_gain:>6.2f}  {r.bare_cpu_s_per_gb:>7.3f} "
+        f"{r.ours_unmerged_cpu_s_per_gb:>8.3f} {r.ours_cpu_s_per_gb:>8.3f}  "
+        f"{descriptors:>12}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transport", choices=(*TRANSPORT_KINDS, "all"), default="all")
-    parser.add_argument("--repeats", type=int, default=24,
-                        help="timed runs per path and case (a multiple of 6 balances orders)")
-    parser.add_argument("--step-ms", type=float, default=5.0,
-                        help="the busy caller's Python time between polls (an engine step)")
-    parser.add_argument("--delays", default="0,50,200,1000,5000",
-                        help="NIXL serving progress-thread delays to sweep, in us ('' = none)")
+    parser.add_argument(
+        "--repeats", type=int, default=24, help="timed runs per path and case (a multiple of 6 balances orders)"
+    )
+    parser.add_argument(
+        "--step-ms", type=float, default=5.0, help="the busy caller's Python time between polls (an engine step)"
+    )
+    parser.add_argument(
+        "--delays", default="0,50,200,1000,5000", help="NIXL serving progress-thread delays to sweep, in us ('' = none)"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -525,42 +561,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--delays must be comma-separated integers, got {args.delays!r}")
     kinds = TRANSPORT_KINDS if args.transport == "all" else (args.transport,)
-    print(f"pool {POOL_BYTES >> 20} MiB per side, {args.repeats} interleaved runs per path "
-          f"and case, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
-          "unc. = ours without merging (same ranges as bare); fair = unc./bare and "
-          "coal. gain = ours/unc. (medians of per-round ratios; best = fastest runs)",
-          flush=True)
+    print(
+        f"pool {POOL_BYTES >> 20} MiB per side, {args.repeats} interleaved runs per path "
+        f"and case, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+        "unc. = ours without merging (same ranges as bare); fair = unc./bare and "
+        "coal. gain = ours/unc. (medians of per-round ratios; best = fastest runs)",
+        flush=True,
+    )
     print(_HEADER, flush=True)
     started = time.monotonic()
     results: list[Result] = []
     for kind in kinds:
         results.extend(bench_transport(kind, args.repeats, lambda line: print(line, flush=True)))
     worst = min(r.fair_ratio for r in results)
-    print(f"({time.monotonic() - started:.0f} s; lowest fair ratio {worst:.2f}, load average "
-          f"now {os.getloadavg()[0]:.1f})", flush=True)
-    print(f"\nOur pulls behind a busy caller: {BUSY_PULL_BYTES >> 10} KiB in N ranges; idle = "
-          f"Transfer.wait's backoff, busy = one poll per {args.step_ms:g} ms of Python (an "
-          "engine step); latency in ms", flush=True)
+    print(
+        f"({time.monotonic() - started:.0f} s; lowest fair ratio {worst:.2f}, load average "
+        f"now {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
+    print(
+        f"\nOur pulls behind a busy caller: {BUSY_PULL_BYTES >> 10} KiB in N ranges; idle = "
+        f"Transfer.wait's backoff, busy = one poll per {args.step_ms:g} ms of Python (an "
+        "engine step); latency in ms",
+        flush=True,
+    )
     print(f"{'transport':<10} {'ranges':>6}  {'idle p50':>8} {'p90':>7}  {'busy p50':>8} {'p90':>7}", flush=True)
     busy_rows: list[BusyCallerResult] = []
     for kind in kinds:
         for row in bench_busy_caller(kind, args.repeats, args.step_ms / 1e3):
             busy_rows.append(row)
-            print(f"{row.transport:<10} {row.ranges:>6}  {row.idle_p50_ms:>8.2f} {row.idle_p90_ms:>7.2f}  "
-                  f"{row.busy_p50_ms:>8.2f} {row.busy_p90_ms:>7.2f}", flush=True)
+            print(
+                f"{row.transport:<10} {row.ranges:>6}  {row.idle_p50_ms:>8.2f} {row.idle_p90_ms:>7.2f}  "
+                f"{row.busy_p50_ms:>8.2f} {row.busy_p90_ms:>7.2f}",
+                flush=True,
+            )
     sweep: list[DelayResult] = []
     if "nixl" in kinds and delays:
-        print("\nNIXL serving agent's progress-thread delay (ours reads with no progress "
-              f"thread; serving process idle CPU over {IDLE_SECONDS:g} s, % of one core; "
-              f"rates: medians of {min(args.repeats, 7)} interleaved reads)", flush=True)
-        sweep = sweep_progress_delay(delays, min(args.repeats, 7),
-                                     lambda line: print(line, flush=True))
+        print(
+            "\nNIXL serving agent's progress-thread delay (ours reads with no progress "
+            f"thread; serving process idle CPU over {IDLE_SECONDS:g} s, % of one core; "
+            f"rates: medians of {min(args.repeats, 7)} interleaved reads)",
+            flush=True,
+        )
+        sweep = sweep_progress_delay(delays, min(args.repeats, 7), lambda line: print(line, flush=True))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(
-            {"paths": [asdict(r) for r in results],
-             "busy_caller": [asdict(r) for r in busy_rows],
-             "nixl_progress_delay": [asdict(r) for r in sweep]}), indent=2))
+        args.json.write_bytes(
+            msgspec.json.format(
+                msgspec.json.encode(
+                    {
+                        "paths": [asdict(r) for r in results],
+                        "busy_caller": [asdict(r) for r in busy_rows],
+                        "nixl_progress_delay": [asdict(r) for r in sweep],
+                    }
+                ),
+                indent=2,
+            )
+        )
     return 0
 
 

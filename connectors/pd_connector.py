@@ -31,6 +31,7 @@ from connectors.worker import PDWorker
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -158,7 +159,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     def build_prom_metrics(
         cls,
         vllm_config: VllmConfig,
-        metric_types: dict,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> PDPromMetrics:

@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -128,7 +128,7 @@ class PDWorker:
         keys = settings.resolve_keys(side_channel_roles(transfer.is_kv_producer, transfer.is_kv_consumer))
         self._keys = keys.acting_as("decode") if keys is not None and transfer.is_kv_consumer else None
         self._kv_cache_config = kv_cache_config
-        self._transport: Transport | None = None
+        self._transport: Transport[Any] | None = None
         self._layouts: dict[int, list[TensorLayout]] = {}
         # Transport thread only: peers handshaken with, side-channel clients for claims.
         self._remotes: dict[tuple[str, str], _Remote] = {}

@@ -60,7 +60,7 @@ def find_nvidia_gpus() -> list[str]:
     found = sorted(p.name for p in gpus_dir.iterdir()) if gpus_dir.is_dir() else []
     smi = shutil.which("nvidia-smi")
     if not found and smi:
-        proc = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+        proc = subprocess.run([smi, "-L"], check=False, capture_output=True, text=True, timeout=30)
         found = [line for line in proc.stdout.splitlines() if line.startswith("GPU ")]
     return found
 
@@ -71,7 +71,8 @@ def preflight() -> list[str]:
         raise Refused(
             "no NVIDIA GPU on this machine (no /proc/driver/nvidia/gpus, and nvidia-smi "
             f"{'lists none' if shutil.which('nvidia-smi') else 'is not installed'}): nothing was checked. "
-            "Run `make gpu-check` on a machine with an NVIDIA GPU and its driver.")
+            "Run `make gpu-check` on a machine with an NVIDIA GPU and its driver."
+        )
     return gpus
 
 
@@ -80,18 +81,21 @@ def cuda_stack() -> tuple[Any, str]:
     try:
         import torch
     except ImportError as exc:
-        raise Refused(f"torch is not importable ({exc}): run through `make gpu-check`, which "
-                      "installs the CUDA stack into build/venv-gpu") from None
+        raise Refused(
+            f"torch is not importable ({exc}): run through `make gpu-check`, which "
+            "installs the CUDA stack into build/venv-gpu"
+        ) from None
     if not torch.cuda.is_available():
-        raise Refused(f"torch {torch.__version__} sees no CUDA device (CUDA build: "
-                      f"{torch.version.cuda or 'no'}): nothing was checked")
+        raise Refused(
+            f"torch {torch.__version__} sees no CUDA device (CUDA build: "
+            f"{torch.version.cuda or 'no'}): nothing was checked"
+        )
     try:
         import vllm
     except ImportError as exc:
         raise Refused(f"vLLM is not importable ({exc}): `make gpu-check` installs vllm==0.33.0") from None
     if not vllm.__version__.startswith(VLLM_SERIES):
-        raise Refused(f"this check is written against vLLM {VLLM_SERIES}x's allocator; found "
-                      f"{vllm.__version__}")
+        raise Refused(f"this check is written against vLLM {VLLM_SERIES}x's allocator; found {vllm.__version__}")
     return torch, vllm.__version__
 
 
@@ -108,7 +112,11 @@ BLOCK_PAIRS = [(0, 5), (7, 0), (36, 17), (3, 36), (20, 21)]
 def check_layouts(torch: Any, device: str) -> list[str]:
     """Failures (empty: all passed) of kvlayout on vLLM 0.33's own KV allocations."""
     from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, compute_layout_strides,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        compute_layout_strides,
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
@@ -121,9 +129,14 @@ def check_layouts(torch: Any, device: str) -> list[str]:
         layer_stride, block_stride, *_ = compute_layout_strides(spec, NUM_BLOCKS, len(LAYERS), layout)
         config = KVCacheConfig(
             num_blocks=NUM_BLOCKS,
-            kv_cache_tensors=[KVCacheTensor(size=len(LAYERS) * NUM_BLOCKS * spec.page_size_bytes,
-                                            layers=list(LAYERS), layer_stride=layer_stride,
-                                            block_stride=block_stride)],
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=len(LAYERS) * NUM_BLOCKS * spec.page_size_bytes,
+                    layers=list(LAYERS),
+                    layer_stride=layer_stride,
+                    block_stride=block_stride,
+                )
+            ],
             kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
         )
         try:
@@ -137,12 +150,13 @@ def check_layouts(torch: Any, device: str) -> list[str]:
                 # What connectors/worker.py does with each registered tensor.
                 return TensorLayout.of(view, block_dim=locate_block_dim(tuple(view.shape), NUM_BLOCKS))
 
-            ranges = pull_ranges_for_layers([describe(local[n]) for n in LAYERS],
-                                            [describe(remote[n]) for n in LAYERS], BLOCK_PAIRS)
+            ranges = pull_ranges_for_layers(
+                [describe(local[n]) for n in LAYERS], [describe(remote[n]) for n in LAYERS], BLOCK_PAIRS
+            )
             local_base, remote_base = local_bytes.data_ptr(), remote_bytes.data_ptr()
             for local_addr, remote_addr, length in ranges:
                 lo, ro = local_addr - local_base, remote_addr - remote_base
-                local_bytes[lo:lo + length].copy_(remote_bytes[ro:ro + length])
+                local_bytes[lo : lo + length].copy_(remote_bytes[ro : ro + length])
             if device == "cuda":
                 torch.cuda.synchronize()
             copied = {lb for lb, _ in BLOCK_PAIRS}
@@ -157,9 +171,12 @@ def check_layouts(torch: Any, device: str) -> list[str]:
                 if int(mine[untouched].count_nonzero()) != 0:
                     failures.append(f"{layout.name}: {name}: a block outside the pairs was written")
             verdict = "blocks equal" if len(failures) == before else f"{len(failures) - before} mismatches"
-            print(f"  layout {layout.name:6} view {tuple(local[LAYERS[0]].shape)} strides "
-                  f"{tuple(local[LAYERS[0]].stride())}: {len(ranges)} ranges, "
-                  f"{sum(n for _, _, n in ranges)} bytes, {verdict}", flush=True)
+            print(
+                f"  layout {layout.name:6} view {tuple(local[LAYERS[0]].shape)} strides "
+                f"{tuple(local[LAYERS[0]].stride())}: {len(ranges)} ranges, "
+                f"{sum(n for _, _, n in ranges)} bytes, {verdict}",
+                flush=True,
+            )
         except Exception as exc:  # noqa: BLE001 - every layout is reported, not just the first
             failures.append(f"{layout.name}: {type(exc).__name__}: {exc}")
     return failures
@@ -211,11 +228,22 @@ def check_engines(transport: str, backend: str) -> EngineRun:
     with Cluster() as cluster, httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         engines = {}
         # One after the other: each engine sizes its KV cache from the memory still free.
-        for role, kv in (("colocated", None), ("prefill", pd_kv_transfer("kv_producer", transport)),
-                         ("decode", pd_kv_transfer("kv_consumer", transport))):
-            proc = cluster.start(vllm_server(f"gpu-{transport}-{backend}-{role}", target, port=cluster.free_port(),
-                                             served_model_name=MODEL_NAME, args=_gpu_args(draft, kv, backend),
-                                             env=env, startup_timeout_s=900.0))
+        for role, kv in (
+            ("colocated", None),
+            ("prefill", pd_kv_transfer("kv_producer", transport)),
+            ("decode", pd_kv_transfer("kv_consumer", transport)),
+        ):
+            proc = cluster.start(
+                vllm_server(
+                    f"gpu-{transport}-{backend}-{role}",
+                    target,
+                    port=cluster.free_port(),
+                    served_model_name=MODEL_NAME,
+                    args=_gpu_args(draft, kv, backend),
+                    env=env,
+                    startup_timeout_s=900.0,
+                )
+            )
             cluster.wait_healthy([proc])
             warm_up(proc.base_url, MODEL_NAME)
             engines[role] = proc.base_url
@@ -236,8 +264,10 @@ def check_engines(transport: str, backend: str) -> EngineRun:
     for name, pd, colo in (("x+a", first.tokens, colocated_tokens[0]), ("x+b", second.tokens, colocated_tokens[1])):
         if pd != colo:
             failures.append(f"{name}: P/D tokens {pd} differ from the colocated engine's {colo}")
-    summary = (f"x+a pulled {first.decode.external_hits:.0f}/{len(xa)}; x+b decode-local {second.decode.hits:.0f}"
-               f" vs colocated {colocated_hits[1]:.0f}, pulled {second.decode.external_hits:.0f}")
+    summary = (
+        f"x+a pulled {first.decode.external_hits:.0f}/{len(xa)}; x+b decode-local {second.decode.hits:.0f}"
+        f" vs colocated {colocated_hits[1]:.0f}, pulled {second.decode.external_hits:.0f}"
+    )
     return EngineRun(transport, backend, tuple(failures), summary)
 
 
@@ -246,14 +276,18 @@ def check_engines(transport: str, backend: str) -> EngineRun:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--preflight", action="store_true",
-                        help="only check that an NVIDIA GPU is present (no torch/vLLM import)")
+    parser.add_argument(
+        "--preflight", action="store_true", help="only check that an NVIDIA GPU is present (no torch/vLLM import)"
+    )
     parser.add_argument("--part", choices=("all", "layouts", "engines"), default="all")
     parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS))
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
-    parser.add_argument("--layouts-on-cpu", action="store_true",
-                        help="not a GPU check: part 1 only, on CPU tensors from the same vLLM 0.33 "
-                             "allocator (for working on this script or kvlayout without a GPU)")
+    parser.add_argument(
+        "--layouts-on-cpu",
+        action="store_true",
+        help="not a GPU check: part 1 only, on CPU tensors from the same vLLM 0.33 "
+        "allocator (for working on this script or kvlayout without a GPU)",
+    )
     return parser
 
 
@@ -263,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         print("gpu-check --layouts-on-cpu: vLLM's allocate_kv_cache on CPU tensors (NOT a GPU check):")
-        failures = check_layouts(torch, "cpu")
-        print(*failures, sep="\n  ", file=sys.stderr) if failures else print("layouts: PASS (on CPU)")
-        return 1 if failures else 0
+        layout_failures = check_layouts(torch, "cpu")
+        print(*layout_failures, sep="\n  ", file=sys.stderr) if layout_failures else print("layouts: PASS (on CPU)")
+        return 1 if layout_failures else 0
     try:
         gpus = preflight()
         if args.preflight:
@@ -275,8 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     except Refused as exc:
         print(f"gpu-check: refused: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    print(f"gpu-check: {torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-          f"vLLM {vllm_version}", flush=True)
+    print(
+        f"gpu-check: {torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"vLLM {vllm_version}",
+        flush=True,
+    )
     failures: list[str] = []
     started = time.monotonic()
     if args.part in ("all", "layouts"):

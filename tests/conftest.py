@@ -39,8 +39,13 @@ def renders(rendered_dir: Path) -> dict[str, str | Exception]:
     """Target -> rendered YAML text, or the error kustomize gave."""
     out: dict[str, str | Exception] = {}
     for target in TARGETS:
-        proc = subprocess.run([deploy_tool("kubectl"), "kustomize", str(DEPLOY / target)],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [deploy_tool("kubectl"), "kustomize", str(DEPLOY / target)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if proc.returncode != 0:
             out[target] = RuntimeError(proc.stderr.strip())
             continue
@@ -61,6 +66,7 @@ def render_of(renders: dict[str, str | Exception]):
         if target not in cache:
             cache[target] = Render(target, text)
         return cache[target]
+
     return get
 
 
@@ -88,7 +94,7 @@ _RECORD_LINES = 400
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
     report = yield
     if report.failed and call.when in ("setup", "call"):
         logs = default_build_dir() / "logs"

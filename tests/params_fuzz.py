@@ -28,7 +28,24 @@ __all__ = ["JSON_VALUES", "Case", "cases", "expected_ask", "json_type", "well_ty
 
 # One or more values of each JSON type. 2**64 - 1 is past every signed 64-bit integer and
 # the largest vLLM accepts in extra_args (it answers 400 to a larger one itself).
-JSON_VALUES: tuple[Any, ...] = (None, True, False, 0, -1, 7, 2**64 - 1, 1.5, "", "x", [], [1], ["x"], [[1]], {}, {"a": 1})
+JSON_VALUES: tuple[Any, ...] = (
+    None,
+    True,
+    False,
+    0,
+    -1,
+    7,
+    2**64 - 1,
+    1.5,
+    "",
+    "x",
+    [],
+    [1],
+    ["x"],
+    [[1]],
+    {},
+    {"a": 1},
+)
 
 Path = tuple[str | int, ...]
 

@@ -21,6 +21,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,12 +44,15 @@ from pdconnect.stallwatch import start_from_environment
 from pdconnect.testbed.interpreter import hold_the_interpreter_lock
 from pdconnect.testbed.keys import connector_keys
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_target_and_draft
+from tests.waiting import wait_until
 
 # DeepSeek-V4-like: different block sizes per group, which no tiny CPU model gives us.
-GEOMETRY = Geometry((
-    GroupGeometry("full_attention", 256, eagle=True),
-    GroupGeometry("sliding_window", 64, 128, eagle=True),
-))
+GEOMETRY = Geometry(
+    (
+        GroupGeometry("full_attention", 256, eagle=True),
+        GroupGeometry("sliding_window", 64, 128, eagle=True),
+    )
+)
 KV_HEADS, HEAD_DIM = 1, 8
 SAMPLED_TOKEN = 7
 MAX_MODEL_LEN = 16384
@@ -64,19 +68,39 @@ def _with_keys(role: str, extra: dict[str, Any]) -> dict[str, Any]:
     return {**connector_keys(role), **extra}
 
 
-def engine_config(role: str, extra: dict[str, Any], engine_id: str, *, eagle: bool = True,
-                  max_num_batched_tokens: int = MAX_MODEL_LEN, failure_policy: str = "fail") -> VllmConfig:
+def engine_config(
+    role: str,
+    extra: dict[str, Any],
+    engine_id: str,
+    *,
+    eagle: bool = True,
+    max_num_batched_tokens: int = MAX_MODEL_LEN,
+    failure_policy: str = "fail",
+) -> VllmConfig:
     """A real VllmConfig as `vllm serve` would build it, with our connector configured
     (and its role's side-channel keys, unless `extra` names others)."""
     extra = _with_keys(role, extra)
     target, draft = _models()
-    speculative = ({"method": "eagle3", "model": draft, "num_speculative_tokens": 1,
-                    "draft_load_config": {"load_format": "dummy"}} if eagle else None)
+    speculative = (
+        {"method": "eagle3", "model": draft, "num_speculative_tokens": 1, "draft_load_config": {"load_format": "dummy"}}
+        if eagle
+        else None
+    )
     return EngineArgs(
-        model=target, dtype="float32", max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True,
-        block_size=128, max_num_batched_tokens=max_num_batched_tokens, speculative_config=speculative,
-        kv_transfer_config={"kv_connector": "PDConnector", "kv_role": role, "engine_id": engine_id,
-                            "kv_connector_extra_config": extra, "kv_load_failure_policy": failure_policy},
+        model=target,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        enable_prefix_caching=True,
+        block_size=128,
+        max_num_batched_tokens=max_num_batched_tokens,
+        speculative_config=speculative,
+        kv_transfer_config={
+            "kv_connector": "PDConnector",
+            "kv_role": role,
+            "engine_id": engine_id,
+            "kv_connector_extra_config": extra,
+            "kv_load_failure_policy": failure_policy,
+        },
     ).create_engine_config()
 
 
@@ -114,44 +138,65 @@ class SimEngine:
 
     def __post_init__(self) -> None:
         init_none_hash(sha256)
-        config = engine_config(self.role, self.extra, self.engine_id,
-                               max_num_batched_tokens=self.max_num_batched_tokens,
-                               failure_policy=self.failure_policy)
+        config = engine_config(
+            self.role,
+            self.extra,
+            self.engine_id,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            failure_policy=self.failure_policy,
+        )
         config.cache_config.num_gpu_blocks = self.num_blocks  # what profiling would have set
         kv_cache_config = build_kv_cache_config(self.geometry, self.num_blocks)
         for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
             group.layer_names = [f"g{group_id}.layer{i}" for i in range(self.layers_per_group)]
         self.scheduler = Scheduler(
-            config, kv_cache_config, StructuredOutputManager(config),
-            block_size=self.geometry.scheduler_block_size, hash_block_size=self.geometry.hash_block_size,
+            config,
+            kv_cache_config,
+            StructuredOutputManager(config),
+            block_size=self.geometry.scheduler_block_size,
+            hash_block_size=self.geometry.hash_block_size,
             log_stats=True,
         )
         self.connector = self.scheduler.connector
         assert isinstance(self.connector, PDConnector)
-        self.worker = PDWorker(config, kv_cache_config, ConnectorSettings.from_extra_config(_with_keys(self.role, self.extra)),
-                              tp_rank=0)
+        self.worker = PDWorker(
+            config, kv_cache_config, ConnectorSettings.from_extra_config(_with_keys(self.role, self.extra)), tp_rank=0
+        )
         self.kv_caches = {
             name: torch.zeros(self.num_blocks, KV_HEADS, group.block_size, 2 * HEAD_DIM)
             for group, spec in zip(self.geometry.groups, kv_cache_config.kv_cache_groups)
             for name in spec.layer_names
         }
         self.worker.register_kv_caches(self.kv_caches)
-        self.connector.set_xfer_handshake_metadata({0: self.worker.handshake_metadata()})
+        handshake = self.worker.handshake_metadata()
+        assert handshake is not None, "the worker registered its caches but has no handshake to publish"
+        self.connector.set_xfer_handshake_metadata({0: handshake})
         self._hasher = get_request_block_hasher(self.geometry.hash_block_size, sha256)
         self._prefill: dict[str, tuple[int, int]] = {}
         self.start_free_blocks = self.free_blocks()
 
     # --- requests -------------------------------------------------------------------------
 
-    def add(self, request_id: str, tokens: list[int], params: dict[str, Any] | None = None,
-            max_tokens: int = 4, stop_token_ids: list[int] | None = None) -> None:
+    def add(
+        self,
+        request_id: str,
+        tokens: list[int],
+        params: dict[str, Any] | None = None,
+        max_tokens: int = 4,
+        stop_token_ids: list[int] | None = None,
+    ) -> None:
         extra = {"kv_transfer_params": params} if params is not None else None
-        self.scheduler.add_request(Request(
-            request_id=request_id, prompt_token_ids=list(tokens),
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra,
-                                           stop_token_ids=stop_token_ids),
-            pooling_params=None, block_hasher=self._hasher,
-        ))
+        self.scheduler.add_request(
+            Request(
+                request_id=request_id,
+                prompt_token_ids=list(tokens),
+                sampling_params=SamplingParams(
+                    max_tokens=max_tokens, ignore_eos=True, extra_args=extra, stop_token_ids=stop_token_ids
+                ),
+                pooling_params=None,
+                block_hasher=self._hasher,
+            )
+        )
 
     def add_prompts(self, prompts: dict[str, list[int]], max_tokens: int = 1) -> None:
         """Add plain requests (no hand-off) all before the next step: the step then schedules
@@ -165,16 +210,20 @@ class SimEngine:
         assert producer is not None, "not a prefill engine"
         return producer.desk.pid
 
-    def hold_interpreter_lock(self, seconds: float) -> float:
+    def hold_interpreter_lock(self, seconds: float, started: str | None = None) -> float:
         """Keep this engine process's interpreter lock for `seconds` in one C call, as a long
-        C call in its step would; the seconds it was held."""
+        C call in its step would; the seconds it was held. `started`: a file created just
+        before, so a test knows the engine took the command (it answers once it is over)."""
+        if started is not None:
+            Path(started).touch()
         return hold_the_interpreter_lock(seconds)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
 
-    def add_steps_abort(self, request_id: str, tokens: list[int], params: dict[str, Any] | None,
-                        steps: int, max_tokens: int = 1) -> None:
+    def add_steps_abort(
+        self, request_id: str, tokens: list[int], params: dict[str, Any] | None, steps: int, max_tokens: int = 1
+    ) -> None:
         """Add a request, run `steps` steps, abort it: an abort at a chosen phase."""
         self.add(request_id, tokens, params, max_tokens)
         for _ in range(steps):
@@ -208,8 +257,10 @@ class SimEngine:
         results = self.worker.transfer_results()
         stats = self.worker.take_stats()
         connector_output = KVConnectorOutput(
-            finished_sending=results.finished_sending, finished_recving=results.finished_recving,
-            failed_recving=results.failed_recving, kv_connector_stats=stats,
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
+            kv_connector_stats=stats,
         )
         req_ids = list(output.num_scheduled_tokens)
         runner_output = ModelRunnerOutput(
@@ -232,8 +283,10 @@ class SimEngine:
         for request_id, count in scheduled.items():
             request = self.scheduler.requests[request_id]
             if request.prefill_stats is not None and request.prefill_stats.num_prompt_tokens:
-                self._prefill.setdefault(request_id, (request.prefill_stats.num_local_cached_tokens,
-                                                      request.prefill_stats.num_external_cached_tokens))
+                self._prefill.setdefault(
+                    request_id,
+                    (request.prefill_stats.num_local_cached_tokens, request.prefill_stats.num_external_cached_tokens),
+                )
             end = request.num_computed_tokens
             self.write_blocks(request, end - count, end)
             sampled[request_id] = end >= request.num_tokens
@@ -260,29 +313,36 @@ class SimEngine:
         local, external = self._prefill.pop(request_id, (0, 0))
         self.finished[request_id] = Finished(str(out.finish_reason), out.kv_transfer_params, tokens, local, external)
 
-    def run_until(self, done: Callable[[], bool], timeout: float = 60.0) -> None:
+    def run_until(self, done: Callable[[], bool], timeout: float = 60.0, what: str = "the expected state") -> None:
+        """Step this engine (the test's thread is its step loop) until `done()`: the
+        stepping twin of `tests.waiting.wait_until`, failing the same way."""
         deadline = time.monotonic() + timeout
         while not done():
             if time.monotonic() > deadline:
-                raise TimeoutError("engine did not reach the expected state in time")
+                raise AssertionError(
+                    f"waited {timeout:g} s, stepping {self.engine_id}, for {what}; "
+                    f"requests in the scheduler: {sorted(self.scheduler.requests)}"
+                )
             if self.scheduler.has_requests():
                 self.step()
             else:
                 time.sleep(0.002)
 
     def result(self, request_id: str, timeout: float = 60.0) -> Finished:
-        self.run_until(lambda: self.get_finished(request_id) is not None, timeout)
+        self.run_until(lambda: self.get_finished(request_id) is not None, timeout, f"{request_id} to finish")
         return self.finished[request_id]
 
     def drain(self, timeout: float = 30.0) -> None:
         """Step until no request (finished or not) holds anything in the scheduler."""
-        self.run_until(lambda: not self.has_requests(), timeout)
+        self.run_until(lambda: not self.has_requests(), timeout, "no request left in the scheduler")
 
     def block_matches(self, tokens: list[int], group_id: int, index: int, block_id: int) -> bool:
         block_size = self.geometry.groups[group_id].block_size
         return all(
-            torch.all(self.kv_caches[f"g{group_id}.layer{layer}"][block_id]
-                      == kv_value(tokens, group_id, layer, index, block_size)).item()
+            torch.all(
+                self.kv_caches[f"g{group_id}.layer{layer}"][block_id]
+                == kv_value(tokens, group_id, layer, index, block_size)
+            ).item()
             for layer in range(self.layers_per_group)
         )
 
@@ -318,7 +378,7 @@ def _serve(conn: Any, kwargs: dict[str, Any]) -> None:
                 return
             try:
                 conn.send(("ok", getattr(engine, command)(*args)))
-            except Exception as exc:  # report to the test instead of dying silently
+            except Exception as exc:  # noqa: BLE001 - any failure goes back to the test instead of killing the engine loop
                 conn.send(("error", repr(exc)))
         if engine.scheduler.has_requests():
             engine.step()
@@ -347,23 +407,18 @@ class RemoteEngine:
             raise RuntimeError(f"remote engine failed in {command}: {value}")
         return value
 
-    def prefill(self, request_id: str, tokens: list[int], timeout: float = 60.0,
-                stop_token_ids: list[int] | None = None) -> Finished:
+    def prefill(
+        self, request_id: str, tokens: list[int], timeout: float = 60.0, stop_token_ids: list[int] | None = None
+    ) -> Finished:
         """Run the prefill leg (max_tokens=1, do_remote_decode) and wait for its params."""
         self.call("add", request_id, tokens, {"do_remote_decode": True}, 1, stop_token_ids)
-        deadline = time.monotonic() + timeout
-        while (done := self.call("get_finished", request_id)) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"prefill of {request_id} did not finish")
-            time.sleep(0.005)
+        done: Finished = wait_until(
+            lambda: self.call("get_finished", request_id), f"the prefill of {request_id}", timeout
+        )
         return done
 
     def wait_idle(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.call("has_requests"):
-            if time.monotonic() > deadline:
-                raise TimeoutError("prefill engine still holds requests")
-            time.sleep(0.01)
+        wait_until(lambda: not self.call("has_requests"), "the prefill engine to hold no request", timeout)
 
     def kill(self) -> None:
         self.process.kill()

@@ -233,6 +233,7 @@ class RogueReader:
 
     def close(self) -> None:
         """SIGCONT (a stopped process cannot act on SIGTERM), SIGTERM, then SIGKILL if need be."""
+
         def ask() -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.process.pid, signal.SIGCONT)

@@ -9,13 +9,17 @@ import pytest
 
 from benchmarks.decider import Request, format_turns, main, ratio, summarize
 
-DELTA = {"prefill_queries": 1200.0, "prefill_hits": 200.0, "pulled": 768.0, "decode_hits": 256.0,
-         "mispredicted": 0.0}
+DELTA = {"prefill_queries": 1200.0, "prefill_hits": 200.0, "pulled": 768.0, "decode_hits": 256.0, "mispredicted": 0.0}
 
 
 def _request(route: str, prompt: int, hit: int, full_attention_hit: int) -> Request:
-    fields = {"route": route, "reason": "cached" if route == "decode-local" else "uncached", "prompt": str(prompt),
-              "hit": str(hit), "full_attention_hit": str(full_attention_hit)}
+    fields = {
+        "route": route,
+        "reason": "cached" if route == "decode-local" else "uncached",
+        "prompt": str(prompt),
+        "hit": str(hit),
+        "full_attention_hit": str(full_attention_hit),
+    }
     return Request(ttft_s=0.1, gaps_s=[0.01, 0.03], route=fields)
 
 

@@ -10,8 +10,20 @@ from dataclasses import replace
 import pytest
 
 from benchmarks.handoff import (
-    PATHS, TimedPulls, Histogram, PathResult, PullMetrics, Pulls, _parse_paths, format_bare, format_paths, format_pulls,
-    goal, goal_beside_load, histogram_quantile, ratio,
+    PATHS,
+    Histogram,
+    PathResult,
+    PullMetrics,
+    Pulls,
+    TimedPulls,
+    _parse_paths,
+    format_bare,
+    format_paths,
+    format_pulls,
+    goal,
+    goal_beside_load,
+    histogram_quantile,
+    ratio,
 )
 from pdconnect.bench.loadgen import RoleCounters, StepResult
 from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters
@@ -38,7 +50,9 @@ def test_a_rank_in_the_inf_bucket_gives_the_largest_finite_bound_and_empty_is_na
 
 def _scrape(buckets: dict[str, float], count: float, total: float, ranges: float = 0.0) -> MetricsSnapshot:
     name = "pdconnect:transfer_seconds"
-    samples = [(f"{name}_bucket", (("engine", "0"), ("le", le)), v) for le, v in buckets.items()]
+    samples: list[tuple[str, tuple[tuple[str, str], ...], float]] = [
+        (f"{name}_bucket", (("engine", "0"), ("le", le)), v) for le, v in buckets.items()
+    ]
     samples += [(f"{name}_count", (("engine", "0"),), count), (f"{name}_sum", (("engine", "0"),), total)]
     samples += [("pdconnect:ranges_transferred_total", (("engine", "0"),), ranges)]
     return MetricsSnapshot(tuple(samples))
@@ -73,15 +87,28 @@ def test_ratios_are_a_over_b_and_say_when_there_is_nothing_to_divide() -> None:
 
 def _step(ok: int, hits: float, pulled: float, wall: float, ttfts: tuple[float, ...]) -> StepResult:
     decode = RoleCounters(engines=1, cache=PrefixCacheCounters(1000.0, hits, 1000.0, pulled))
-    return StepResult(scenario="shared-prefix", step="s", requests=4, concurrency=2, output_len=8, ok=ok,
-                      fallbacks=0, prompt_tokens=0, output_tokens=0, duration_s=wall, ttft_s=ttfts,
-                      decode=decode, prefill=RoleCounters(engines=1))
+    return StepResult(
+        scenario="shared-prefix",
+        step="s",
+        requests=4,
+        concurrency=2,
+        output_len=8,
+        ok=ok,
+        fallbacks=0,
+        prompt_tokens=0,
+        output_tokens=0,
+        duration_s=wall,
+        ttft_s=ttfts,
+        decode=decode,
+        prefill=RoleCounters(engines=1),
+    )
 
 
 def _pulls(p50_bucket: float, mean_bytes: float, ranges: float = 48.0) -> Pulls:
     # Two pulls, both in (p50_bucket / 2, p50_bucket]: p50 is half-way up that bucket.
-    seconds = Histogram("pdconnect:transfer_seconds", ((p50_bucket / 2, 0.0), (p50_bucket, 2.0), (INF, 2.0)),
-                        2.0, p50_bucket)
+    seconds = Histogram(
+        "pdconnect:transfer_seconds", ((p50_bucket / 2, 0.0), (p50_bucket, 2.0), (INF, 2.0)), 2.0, p50_bucket
+    )
     return Pulls(seconds, Histogram("pdconnect:transfer_bytes", ((INF, 2.0),), 2.0, 2 * mean_bytes), ranges)
 
 
@@ -90,23 +117,33 @@ def _cells(table: str, row: int) -> list[str]:
 
 
 def test_the_path_table_puts_each_figure_beside_its_ratio_to_the_stock_connector() -> None:
-    results = [PathResult("stock-nixl", _step(4, 800.0, 2000.0, 10.0, (0.1, 0.2, 0.3, 0.4))),
-               PathResult("ours-nixl", _step(4, 1600.0, 1000.0, 5.0, (0.05, 0.1, 0.15, 0.25)))]
+    results = [
+        PathResult("stock-nixl", _step(4, 800.0, 2000.0, 10.0, (0.1, 0.2, 0.3, 0.4))),
+        PathResult("ours-nixl", _step(4, 1600.0, 1000.0, 5.0, (0.05, 0.1, 0.15, 0.25))),
+    ]
     table = format_paths(results)
     # TTFT p99 of 4 values: rank 3 x 0.99 = 2.97, so 0.3 + 0.97 x 0.1 and 0.15 + 0.97 x 0.1.
     assert _cells(table, 2) == ["stock-nixl", "4/4", "800", "2000", "10.0 s", "250 ms", "397 ms"]
-    assert _cells(table, 3) == ["ours-nixl", "4/4", "1600 (2.00x)", "1000 (0.50x)", "5.0 s (0.50x)",
-                                "125 ms (0.50x)", "247 ms (0.62x)"]
+    assert _cells(table, 3) == [
+        "ours-nixl",
+        "4/4",
+        "1600 (2.00x)",
+        "1000 (0.50x)",
+        "5.0 s (0.50x)",
+        "125 ms (0.50x)",
+        "247 ms (0.62x)",
+    ]
     # Without the stock path there is no baseline: figures alone.
     assert _cells(format_paths(results[1:]), 2)[2] == "1600"
 
 
 def test_the_pull_table_and_goal_compare_in_engine_p50_with_nixl_and_bare_mooncake() -> None:
     step = _step(4, 0.0, 0.0, 1.0, (0.1,))
-    results = [PathResult("ours-nixl", step, _pulls(0.004, 2e6)),
-               PathResult("ours-mooncake", step, _pulls(0.008, 2e6))]
-    bare = [TimedPulls("nixl", "bare", 2_000_000, 1, 10, 0.001, 0.002),
-            TimedPulls("mooncake", "bare", 2_000_000, 1, 10, 0.002, 0.003)]
+    results = [PathResult("ours-nixl", step, _pulls(0.004, 2e6)), PathResult("ours-mooncake", step, _pulls(0.008, 2e6))]
+    bare = [
+        TimedPulls("nixl", "bare", 2_000_000, 1, 10, 0.001, 0.002),
+        TimedPulls("mooncake", "bare", 2_000_000, 1, 10, 0.002, 0.003),
+    ]
     table = format_pulls(results, bare)
     # ours-nixl: p50 = 2 + 2 * 1/2 = 3 ms, p99 = 2 + 2 * 0.99 = 3.98 ms, bare 1 ms;
     # ours-mooncake: p50 = 4 + 4 * 1/2 = 6 ms, p99 = 7.96 ms, bare 2 ms.
@@ -129,9 +166,12 @@ def test_the_goal_beside_the_load_reads_in_engine_and_bare_pulls_from_the_same_s
     ours = TimedPulls("mooncake", "ours", 2_000_000, 13, 40, 0.0055, 0.03)
     # The measured step's figures (3 ms, 12 ms) differ from the second serving's (3 ms, 6 ms):
     # only the second serving is compared with the bare pulls made during it.
-    results = [PathResult("ours-nixl", step, _pulls(0.004, 2e6), rerun=_pulls(0.004, 2e6)),
-               PathResult("ours-mooncake", step, _pulls(0.016, 2e6), beside=beside, rerun=_pulls(0.008, 2e6),
-                          ours_beside=ours)]
+    results = [
+        PathResult("ours-nixl", step, _pulls(0.004, 2e6), rerun=_pulls(0.004, 2e6)),
+        PathResult(
+            "ours-mooncake", step, _pulls(0.016, 2e6), beside=beside, rerun=_pulls(0.008, 2e6), ours_beside=ours
+        ),
+    ]
     # 6 ms against max(3 ms NIXL, 5 ms bare Mooncake in the same seconds) = 1.20x: within 1.5x.
     met, line = goal_beside_load(results)
     assert met is True and "-> 1.20x of 5.0 ms; MET" in line

@@ -38,7 +38,9 @@ def test_bench_handoffs_beside_puller_pulls_its_shape_from_begin_to_finish(kind:
         puller.close()
     assert pulls is not None
     assert [(p.transport, p.client, p.ranges, p.nbytes) for p in pulls] == [
-        (kind, "bare", 13, 13 * 65536), (kind, "ours", 13, 13 * 65536)]
+        (kind, "bare", 13, 13 * 65536),
+        (kind, "ours", 13, 13 * 65536),
+    ]
     for pull in pulls:
         assert pull.repeats > 0 and 0 < pull.p50_s <= pull.p99_s
 

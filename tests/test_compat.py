@@ -58,16 +58,30 @@ def test_gpu_extra_pins_the_transports_the_compat_venv_tested():
     assert f"nixl=={_extra_pin('gpu', 'nixl')}\n" in constraints
     # The CUDA Mooncake wheel cannot be imported without libcuda: the compat venv tests the
     # non-CUDA build of the same release, which has the same Python API.
-    mooncake = _extra_pin('gpu', 'mooncake-transfer-engine-cuda13')
+    mooncake = _extra_pin("gpu", "mooncake-transfer-engine-cuda13")
     assert f"mooncake-transfer-engine-non-cuda=={mooncake}\n" in constraints
 
 
 def test_pdconnect_plan_command_prints_the_worked_example():
     command = Path(sys.executable).parent / "pdconnect"
     out = subprocess.run(
-        [str(command), "plan", "--fa-block-size", "256", "--swa-block-size", "64", "--window", "128",
-         "--eagle", "--prompt-tokens", "5131", "--json"],
-        capture_output=True, text=True, check=True,
+        [
+            str(command),
+            "plan",
+            "--fa-block-size",
+            "256",
+            "--swa-block-size",
+            "64",
+            "--window",
+            "128",
+            "--eagle",
+            "--prompt-tokens",
+            "5131",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     report = json.loads(out)
     assert report["expected_sibling_hit_tokens"] == 4864

@@ -17,8 +17,12 @@ from tests.pd_harness import RemoteEngine, SimEngine
 pytestmark = pytest.mark.transport
 
 BASE = {
-    "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0,
-    "lease_seconds": 20.0, "heartbeat_seconds": 1.0, "handshake_timeout_seconds": 5.0,
+    "transport": "mooncake",
+    "protocol": "tcp",
+    "side_channel_port": 0,
+    "lease_seconds": 20.0,
+    "heartbeat_seconds": 1.0,
+    "handshake_timeout_seconds": 5.0,
     "transfer_timeout_seconds": 10.0,
 }
 X_LEN, SUFFIX, SIBLINGS = 5131, 16, 4
@@ -97,9 +101,11 @@ def test_concurrent_siblings_pull_the_prefix_once_and_hit_like_serial_siblings(p
         assert follower.local_cached_tokens == reference[1], i  # what a serial sibling hits
         assert follower.external_cached_tokens == len(siblings[i]) - reference[1]
     pulled = sum(done.external_cached_tokens for done in (leader, *followers))
-    print(f"[coalescing] reference hits {reference}; decode hits "
-          f"{[d.local_cached_tokens for d in (leader, *followers)]}; pulled {pulled} tokens "
-          f"(one prefix + suffixes = {X_LEN + SIBLINGS * SUFFIX})")
+    print(
+        f"[coalescing] reference hits {reference}; decode hits "
+        f"{[d.local_cached_tokens for d in (leader, *followers)]}; pulled {pulled} tokens "
+        f"(one prefix + suffixes = {X_LEN + SIBLINGS * SUFFIX})"
+    )
     # A follower admitted while the first load runs waits for it; one admitted after that
     # load was published hits the published blocks at once. Both hit what a serial sibling
     # hits and pull only their suffix (asserted above); how many waited depends on how

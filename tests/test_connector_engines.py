@@ -39,6 +39,7 @@ from pdconnect.testbed.processes import Cluster, ManagedProcess
 from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server, warm_up
 from pdconnect.testbed.tinymodel import DSV4_LIKE_MIMO_V2, FIRST_WORD_ID, TinyModelSpec, ensure_model
 from tests.params_fuzz import JSON_VALUES
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -87,8 +88,9 @@ def on_setups(*names: str, marks: Mapping[str, pytest.MarkDecorator] | None = No
 # Real traffic shapes (long suffixes, concurrent siblings, multi-turn) run on the
 # block-128 Llama setups (both transports, EAGLE on and off) and on MiMo-V2 with MTP
 # (both transports).
-on_traffic_setups = on_setups("llama-mooncake", "llama-nixl", "llama-mooncake-no-eagle",
-                              "mimo-v2-mtp-mooncake", "mimo-v2-mtp-nixl")
+on_traffic_setups = on_setups(
+    "llama-mooncake", "llama-nixl", "llama-mooncake-no-eagle", "mimo-v2-mtp-mooncake", "mimo-v2-mtp-nixl"
+)
 
 
 @dataclass(frozen=True)
@@ -127,20 +129,22 @@ def run_order(request: pytest.FixtureRequest) -> list[Setup]:
     """The setups the selected tests use, in the order pytest runs them."""
     order: list[Setup] = []
     for item in request.session.items:
-        setup = getattr(item, "callspec", None) and item.callspec.params.get("pair")
+        callspec = getattr(item, "callspec", None)
+        setup = callspec and callspec.params.get("pair")
         if isinstance(setup, Setup) and setup not in order:
             order.append(setup)
     return order
 
 
 @pytest.fixture(scope="module", params=SETUPS, ids=lambda setup: setup.name)
-def pair(request: pytest.FixtureRequest, cluster: Cluster, references: dict[str, ManagedProcess],
-         run_order: list[Setup]) -> Iterator[Pair]:
+def pair(
+    request: pytest.FixtureRequest, cluster: Cluster, references: dict[str, ManagedProcess], run_order: list[Setup]
+) -> Iterator[Pair]:
     setup: Setup = request.param
     target = ensure_model(setup.spec)
     draft = ensure_model(setup.spec.with_kind("eagle3-draft")) if setup.speculation == "eagle3" else None
     # One MTP layer, one draft token per step: the production MTP setting.
-    speculative = {"mtp": True, "num_speculative_tokens": 1} if setup.speculation == "mtp" else {}
+    speculative: dict[str, Any] = {"mtp": True, "num_speculative_tokens": 1} if setup.speculation == "mtp" else {}
 
     events: dict[str, list[str]] = {}
 
@@ -164,7 +168,7 @@ def pair(request: pytest.FixtureRequest, cluster: Cluster, references: dict[str,
         warm_up(proc.base_url, MODEL_NAME)
     yield Pair(setup, references[setup.reference_key], prefill, decode, target, events)
     done = [prefill, decode]
-    later = run_order[run_order.index(setup) + 1:] if setup in run_order else []
+    later = run_order[run_order.index(setup) + 1 :] if setup in run_order else []
     if all(other.reference_key != setup.reference_key for other in later):
         # No later setup compares with this reference: free its memory now (six of
         # these engines at once would crowd a small machine), not at the module's end.
@@ -197,7 +201,8 @@ def test_decode_tokens_and_logprobs_equal_one_engine_alone(pair: Pair, http: htt
 
 
 def test_sibling_hits_the_decode_engines_own_prefix_cache_like_a_colocated_engine(
-        pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]) -> None:
+    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
+) -> None:
     prefix = prompt_ids(seed=pair.seed(22), length=PROMPT_TOKENS)
     sibling = prefix + prompt_ids(seed=pair.seed(23), length=SIBLING_EXTRA)
     completed(completion(http, pair.single.base_url, prefix, 1))
@@ -215,10 +220,15 @@ def test_sibling_hits_the_decode_engines_own_prefix_cache_like_a_colocated_engin
     metrics = fetch_metrics(pair.decode.base_url, http)
     assert metrics.total("pdconnect:slack_blocks_published") > 0
     assert metrics.total("pdconnect:transfers") >= 2
-    _report(capsys, pair.setup.name, colocated_sibling_hit=int(colocated_hit),
-            decode_local_hit=int(second.decode.hits), decode_pulled=int(second.decode.external_hits),
-            prefill_local_hit=int(second.prefill.hits),
-            slack_published=int(metrics.total("pdconnect:slack_blocks_published")))
+    _report(
+        capsys,
+        pair.setup.name,
+        colocated_sibling_hit=int(colocated_hit),
+        decode_local_hit=int(second.decode.hits),
+        decode_pulled=int(second.decode.external_hits),
+        prefill_local_hit=int(second.prefill.hits),
+        slack_published=int(metrics.total("pdconnect:slack_blocks_published")),
+    )
 
 
 def test_the_transport_really_in_use_is_exported(pair: Pair, http: httpx.Client) -> None:
@@ -228,8 +238,7 @@ def test_the_transport_really_in_use_is_exported(pair: Pair, http: httpx.Client)
 
 
 @on_setups("mimo-v2-mtp-mooncake", "mimo-v2-mtp-nixl")
-def test_mtp_engines_draft_with_the_models_own_layer_in_a_sliding_window_group(
-        pair: Pair, http: httpx.Client) -> None:
+def test_mtp_engines_draft_with_the_models_own_layer_in_a_sliding_window_group(pair: Pair, http: httpx.Client) -> None:
     # What makes these setups the production layout, and not EAGLE3 under another name:
     # vLLM loaded the checkpoint's MTP layer as the draft, the groups are 64/64/256 (the
     # MTP layer's sliding-window KV needs a group of its own), and decode speculated.
@@ -242,7 +251,8 @@ def test_mtp_engines_draft_with_the_models_own_layer_in_a_sliding_window_group(
 
 @on_setups("llama-mooncake")  # the path does not depend on the model or transport
 def test_ill_typed_transfer_params_are_computed_locally_and_the_engine_keeps_serving(
-        pair: Pair, http: httpx.Client) -> None:
+    pair: Pair, http: httpx.Client
+) -> None:
     # No API guard on these engines: the connector itself meets the params.
     prompt = prompt_ids(seed=pair.seed(24), length=300)
     broken = {"do_remote_prefill": True, "remote_engine_id": "nobody", "remote_port": "not-a-port"}
@@ -251,20 +261,31 @@ def test_ill_typed_transfer_params_are_computed_locally_and_the_engine_keeps_ser
     response = completion(http, pair.decode.base_url, prompt, DECODE_TOKENS, broken)
 
     assert token_ids(completed(response)) == token_ids(_colocated(http, pair, prompt)[1])
-    deadline = time.monotonic() + 10  # the counter travels with the engine's next stats
-    while (counted := fetch_metrics(pair.decode.base_url, http).total("pdconnect:invalid_transfer_params")) == before:
-        assert time.monotonic() < deadline, "the refusal was not counted"
-        time.sleep(0.2)
-    assert counted == before + 1
+
+    def invalid() -> float:
+        return fetch_metrics(pair.decode.base_url, http).total("pdconnect:invalid_transfer_params")
+
+    # The counter travels with the engine's next stats.
+    wait_until(lambda: invalid() != before, f"the refusal counted (was {before})", 10, observe=invalid)
+    assert invalid() == before + 1
     # Every JSON value as vllm_xargs.kv_transfer_params: vLLM's own checks answer some
     # (400, or a 500 for a truthy non-object, which its output processor calls .get on);
     # the falsy ones (0, "", []) reach the scheduler, which the connector must not crash.
     want = token_ids(_colocated(http, pair, prompt)[1])
     outcomes = []
     for value in JSON_VALUES:
-        response = http.post(f"{pair.decode.base_url}/v1/completions", json={
-            "model": MODEL_NAME, "prompt": prompt, "max_tokens": DECODE_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True, "vllm_xargs": {"kv_transfer_params": value}})
+        response = http.post(
+            f"{pair.decode.base_url}/v1/completions",
+            json={
+                "model": MODEL_NAME,
+                "prompt": prompt,
+                "max_tokens": DECODE_TOKENS,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "vllm_xargs": {"kv_transfer_params": value},
+            },
+        )
         outcomes.append((value, response.status_code))
         assert pair.decode.is_running(), f"decode died on vllm_xargs.kv_transfer_params={value!r}: {outcomes}"
         if response.status_code == 200:
@@ -291,15 +312,15 @@ def _colocated(http: httpx.Client, pair: Pair, prompt: list[int]) -> tuple[int, 
 
 def _assert_pools_back_to_baseline(http: httpx.Client, pair: Pair) -> None:
     """Nothing held by the connector and no block in use once every request ended."""
-    deadline = time.monotonic() + 10
     for proc in (pair.prefill, pair.decode):
-        while True:
+
+        def held_and_used(proc: ManagedProcess = proc) -> tuple[float, float]:
             metrics = fetch_metrics(proc.base_url, http)
-            held, used = metrics.total("pdconnect:blocks_held"), metrics.total("vllm:kv_cache_usage_perc")
-            if (held, used) == (0, 0) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert (held, used) == (0, 0), (proc.name, held, used)
+            return metrics.total("pdconnect:blocks_held"), metrics.total("vllm:kv_cache_usage_perc")
+
+        wait_until(
+            lambda: held_and_used() == (0, 0), f"{proc.name}: no block held or in use", 10, observe=held_and_used
+        )
 
 
 def _same_answer(served: dict, alone: dict) -> None:
@@ -307,32 +328,42 @@ def _same_answer(served: dict, alone: dict) -> None:
     prompt's last token in another batch than the colocated engine (and EAGLE's
     acceptance then shapes later batches differently), which moves the 7th digit."""
     assert token_ids(served) == token_ids(alone)
-    assert (served["choices"][0]["logprobs"]["token_logprobs"]
-            == pytest.approx(alone["choices"][0]["logprobs"]["token_logprobs"], rel=1e-5, abs=1e-5))
+    assert served["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        alone["choices"][0]["logprobs"]["token_logprobs"], rel=1e-5, abs=1e-5
+    )
 
 
 @on_traffic_setups
 def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
-        pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]) -> None:
+    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
+) -> None:
     prefix = prompt_ids(seed=pair.seed(31), length=1100)
     siblings = [prefix + prompt_ids(seed=pair.seed(32 + i), length=LONG_SUFFIX) for i in range(3)]
 
     reference = [_colocated(http, pair, prompt) for prompt in siblings]
-    served = [serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
-              for prompt in siblings]
+    served = [
+        serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
+        for prompt in siblings
+    ]
 
     assert reference[2][0] > 0  # the third sibling hits at the junction the second left
     assert [int(s.decode.hits) for s in served] == [hit for hit, _ in reference]
     for done, (_, alone) in zip(served, reference):
         _same_answer(done.body, alone)
-    _report(capsys, f"{pair.setup.name} long-suffix siblings", colocated=[h for h, _ in reference],
-            decode_local=[int(s.decode.hits) for s in served], pulled=[int(s.decode.external_hits) for s in served])
+    _report(
+        capsys,
+        f"{pair.setup.name} long-suffix siblings",
+        colocated=[h for h, _ in reference],
+        decode_local=[int(s.decode.hits) for s in served],
+        pulled=[int(s.decode.external_hits) for s in served],
+    )
     _assert_pools_back_to_baseline(http, pair)
 
 
 @on_traffic_setups
 def test_concurrent_siblings_each_hit_what_a_serial_sibling_would(
-        pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]) -> None:
+    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
+) -> None:
     # 1200 + 64: the first sibling's replay run covers blocks the second fully shares, so
     # a serial sibling hits (1100 + 64 would hit 0 even colocated: the run ends past 1100).
     prefix = prompt_ids(seed=pair.seed(41), length=1200)
@@ -342,13 +373,21 @@ def test_concurrent_siblings_each_hit_what_a_serial_sibling_would(
     before = PrefixCacheCounters.scrape(pair.decode.base_url, http)
 
     with ThreadPoolExecutor(len(siblings)) as pool:
-        served = list(pool.map(
-            lambda p: serve_pd(http, pair.prefill.base_url, pair.decode.base_url, p, DECODE_TOKENS, logprobs=1),
-            siblings))
+        served = list(
+            pool.map(
+                lambda p: serve_pd(http, pair.prefill.base_url, pair.decode.base_url, p, DECODE_TOKENS, logprobs=1),
+                siblings,
+            )
+        )
 
     decode = PrefixCacheCounters.scrape(pair.decode.base_url, http) - before
-    _report(capsys, f"{pair.setup.name} 4 concurrent siblings", colocated_serial_followers=serial_hits,
-            decode_local_total=int(decode.hits), pulled_total=int(decode.external_hits))
+    _report(
+        capsys,
+        f"{pair.setup.name} 4 concurrent siblings",
+        colocated_serial_followers=serial_hits,
+        decode_local_total=int(decode.hits),
+        pulled_total=int(decode.external_hits),
+    )
     assert serial_hits[0] > 0
     # Every follower hits at least the leader's replay run, as the second serial sibling
     # does, not only a later one. Where a follower's hit leaves a shared-prefix junction
@@ -380,7 +419,8 @@ def _chat(serve: Callable[[list[int]], tuple[int, dict]], seed: int) -> list[int
 
 @on_traffic_setups
 def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
-        pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]) -> None:
+    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
+) -> None:
     answers: dict[int, dict] = {}
 
     def colocated(prompt: list[int]) -> tuple[int, dict]:
@@ -453,11 +493,22 @@ class Routed:
 def routed(pair: Pair, cluster: Cluster) -> Iterator[Routed]:
     """A kv-aware router, decode-first, in front of the pair's engines (their KV events)."""
     decider = DECIDERS[pair.setup.name]
-    router_args = ("--decode-local", "--kv-cache-groups", decider.groups,
-                   "--decode-local-max-uncached-tokens", str(decider.threshold))
-    router, _ = start_router(cluster, pair.setup.name, pair.prefill, pair.decode,
-                             request_timeout_s=REQUEST_TIMEOUT_S, kv_events=(pair.kv_events, pair.target),
-                             router_args=router_args)
+    router_args = (
+        "--decode-local",
+        "--kv-cache-groups",
+        decider.groups,
+        "--decode-local-max-uncached-tokens",
+        str(decider.threshold),
+    )
+    router, _ = start_router(
+        cluster,
+        pair.setup.name,
+        pair.prefill,
+        pair.decode,
+        request_timeout_s=REQUEST_TIMEOUT_S,
+        kv_events=(pair.kv_events, pair.target),
+        router_args=router_args,
+    )
     yield Routed(pair, decider, router)
     cluster.stop(router)
 
@@ -516,7 +567,8 @@ def _text(ids: list[int]) -> str:
 # Seeds from 61 on: the parity tests above take 21 to 55 of each setup's thousand.
 @on_decider_setups
 def test_token_id_prompts_decide_on_every_kv_group_and_predict_decodes_own_hit(
-        routed: Routed, http: httpx.Client) -> None:
+    routed: Routed, http: httpx.Client
+) -> None:
     seed = routed.pair.seed
     prefix = prompt_ids(seed=seed(61), length=routed.decider.prefix)
     first = _serve_routed(routed, http, "/v1/completions", {"prompt": prefix})
@@ -540,15 +592,15 @@ def test_text_prompts_are_predicted_through_the_tokenizer(routed: Routed, http: 
     words = prompt_ids(seed=routed.pair.seed(63), length=600)
     first = _serve_routed(routed, http, "/v1/completions", {"prompt": _text(words)})
     _check_prediction(first)
-    longer = _serve_routed(routed, http, "/v1/completions",
-                           {"prompt": _text(words + prompt_ids(seed=routed.pair.seed(64), length=80))})
+    longer = _serve_routed(
+        routed, http, "/v1/completions", {"prompt": _text(words + prompt_ids(seed=routed.pair.seed(64), length=80))}
+    )
     _check_prediction(longer)
     assert longer.local, longer
 
 
 @on_decider_setups
-def test_multi_turn_chat_through_the_template_skips_prefill_on_later_turns(
-        routed: Routed, http: httpx.Client) -> None:
+def test_multi_turn_chat_through_the_template_skips_prefill_on_later_turns(routed: Routed, http: httpx.Client) -> None:
     seed = routed.pair.seed
     messages: list[dict[str, str]] = [{"role": "system", "content": _text(prompt_ids(seed=seed(65), length=500))}]
     routes = []
@@ -559,4 +611,3 @@ def test_multi_turn_chat_through_the_template_skips_prefill_on_later_turns(
         routes.append(served.route["route"])
         messages.append({"role": "assistant", "content": served.body["choices"][0]["message"]["content"]})
     assert routes[0] == "pd" and "decode-local" in routes[1:], routes
-

@@ -28,13 +28,18 @@ from pdconnect.testbed.keys import keyring
 from pdconnect.testbed.processes import freeze
 from tests.params_fuzz import expected_ask
 from tests.pd_harness import GEOMETRY, RemoteEngine, SimEngine
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.transport
 
 LEASE = 3.0
 BASE = {
-    "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0,
-    "lease_seconds": LEASE, "heartbeat_seconds": 0.5, "handshake_timeout_seconds": 3.0,
+    "transport": "mooncake",
+    "protocol": "tcp",
+    "side_channel_port": 0,
+    "lease_seconds": LEASE,
+    "heartbeat_seconds": 0.5,
+    "handshake_timeout_seconds": 3.0,
     "transfer_timeout_seconds": 10.0,
 }
 PROMPT = 1100  # 5 full-attention blocks, a sliding-window tail and replay slack
@@ -68,10 +73,13 @@ def clean(prefill, decode, decode_b):
     for engine in (decode, decode_b):
         engine.drain()
     prefill.wait_idle(timeout=15)
-    deadline = time.monotonic() + 2 * LEASE + 2
-    while prefill.call("free_blocks") != prefill.start_free_blocks and time.monotonic() < deadline:
-        time.sleep(0.1)  # leases of failed loads may end by expiry
-    assert prefill.call("free_blocks") == prefill.start_free_blocks
+    # Leases of failed loads may end by expiry.
+    wait_until(
+        lambda: prefill.call("free_blocks") == prefill.start_free_blocks,
+        f"prefill's {prefill.start_free_blocks} free blocks back",
+        2 * LEASE + 2,
+        observe=lambda: f"{prefill.call('free_blocks')} free",
+    )
     for engine in (decode, decode_b):
         assert engine.free_blocks() == engine.start_free_blocks, engine.engine_id
         assert engine.connector.scheduler_half.blocks_held() == 0
@@ -96,17 +104,20 @@ def reuse_prefill_blocks(prefill: RemoteEngine, tag: str, count: int = 32) -> No
     once stayed intact). Each prompt is its own, seeded by its name."""
     names = [f"{tag}-filler{i}" for i in range(count)]
     prefill.call("add_prompts", {name: random_tokens(PROMPT, seed=zlib.crc32(name.encode())) for name in names})
-    deadline = time.monotonic() + 30
-    while not all(prefill.call("get_finished", name) for name in names):
-        assert time.monotonic() < deadline, "prefill did not run the fillers"
-        time.sleep(0.02)
+    wait_until(
+        lambda: all(prefill.call("get_finished", name) for name in names),
+        f"prefill to run the {count} fillers",
+        observe=lambda: f"{sum(bool(prefill.call('get_finished', name)) for name in names)} finished",
+    )
 
 
 def plan_blocks_intact(prefill: RemoteEngine, tokens: list[int], params: dict[str, Any]) -> bool:
     """Whether every block the plan names still holds this prompt's KV on the prefill engine."""
     return all(
         prefill.call("block_matches", tokens, group["group"], run["start"] + i, block_id)
-        for group in params["groups"] for run in group["runs"] for i, block_id in enumerate(run["block_ids"])
+        for group in params["groups"]
+        for run in group["runs"]
+        for i, block_id in enumerate(run["block_ids"])
     )
 
 
@@ -138,10 +149,7 @@ def test_expired_plan_is_refused_before_any_pull(prefill, decode, clean, caplog)
     # The lease ends one lease after the hand-off, later if the side channel was starved
     # meanwhile (expiry is judged against its drain time): wait for it, not a fixed time
     # (0.5 s of slack once ran out on a loaded machine and the fillers found no free block).
-    deadline = time.monotonic() + 4 * LEASE
-    while prefill.call("counter", "lease_expiries") == expiries:
-        assert time.monotonic() < deadline, "the unclaimed lease never expired"
-        time.sleep(0.05)
+    wait_until(lambda: prefill.call("counter", "lease_expiries") > expiries, "the unclaimed lease to expire", 4 * LEASE)
     reuse_prefill_blocks(prefill, "q2")
     assert not plan_blocks_intact(prefill, tokens, params)  # freed and reused
 
@@ -174,9 +182,12 @@ def test_a_plan_is_claimed_by_one_decode_request_at_a_time(prefill, decode, deco
     params = prefill.prefill("q4", tokens).kv_transfer_params
 
     decode.add("q4-a", tokens, params)
-    time.sleep(0.5)  # the first claim reaches prefill first
+    # Decode claims at its first sight of the request and loads once the claim is held.
+    decode.run_until(lambda: decode.status("q4-a") == "WAITING_FOR_REMOTE_KVS")
+    # q4-a holds the lease and has not reported its load (decode has not stepped since).
     decode_b.add("q4-b", tokens, copy.deepcopy(params))
-    first, second = decode.result("q4-a"), decode_b.result("q4-b")
+    second = decode_b.result("q4-b")
+    first = decode.result("q4-a")
 
     assert first.finish_reason == "length"
     assert second.finish_reason == "error"
@@ -188,11 +199,15 @@ def test_release_while_decode_waits_fails_the_load_and_publishes_nothing(prefill
     tokens = random_tokens(PROMPT, seed=105)
     params = prefill.prefill("q5", tokens).kv_transfer_params
     decode.add("q5", tokens, params)
-    time.sleep(0.5)  # claimed
 
-    # The client went away: the router releases the plan while decode still has it queued.
-    release_remote(f"tcp://{params['remote_host']}:{params['remote_port']}", [params["remote_request_id"]],
-                   "client disconnected", keyring("router"))
+    # The client went away: the router releases the plan while decode still has it queued
+    # (decode first looks at a request, and claims its plan, at its next step).
+    release_remote(
+        f"tcp://{params['remote_host']}:{params['remote_port']}",
+        [params["remote_request_id"]],
+        "client disconnected",
+        keyring("router"),
+    )
     reuse_prefill_blocks(prefill, "q5")
     done = decode.result("q5")
 
@@ -287,8 +302,9 @@ def test_a_claim_the_prefill_engine_answers_late_is_sent_again(slow_prefill, pat
     freeze(desk)
     try:
         patient_decode.add("slow1", tokens, params)
+        # The first claim went unanswered while the desk was stopped; the second, sent
+        # already, is answered whenever the desk runs again.
         patient_decode.run_until(lambda: "claiming again" in caplog.text, timeout=10)
-        time.sleep(0.3)  # the second claim is on its way
     finally:
         os.kill(desk, signal.SIGCONT)
     done = patient_decode.result("slow1")
@@ -321,14 +337,18 @@ def test_a_prefill_engine_silent_past_every_attempt_fails_the_load(slow_prefill,
     assert patient_decode.cached_blocks(tokens, 1) == {}
     patient_decode.drain()
     slow_prefill.wait_idle(timeout=15)
-    deadline = time.monotonic() + 2 * SLOW_PEER["lease_seconds"] + 2
-    while slow_prefill.call("free_blocks") != slow_prefill.start_free_blocks and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert slow_prefill.call("free_blocks") == slow_prefill.start_free_blocks
+    wait_until(
+        lambda: slow_prefill.call("free_blocks") == slow_prefill.start_free_blocks,
+        f"the slow prefill's {slow_prefill.start_free_blocks} free blocks back",
+        2 * SLOW_PEER["lease_seconds"] + 2,
+        observe=lambda: f"{slow_prefill.call('free_blocks')} free",
+    )
     assert patient_decode.free_blocks() == patient_decode.start_free_blocks
 
 
-def test_a_prefill_engine_holding_its_interpreter_lock_still_confirms_a_claim(slow_prefill, patient_decode, caplog):
+def test_a_prefill_engine_holding_its_interpreter_lock_still_confirms_a_claim(
+    slow_prefill, patient_decode, caplog, tmp_path
+):
     """The prefill engine's process keeps its interpreter lock in one C call for longer than
     both of decode's claim attempts wait. Its side channel answers from the lease desk, a
     process of its own, and Mooncake serves the read from its own threads: the first claim
@@ -338,11 +358,13 @@ def test_a_prefill_engine_holding_its_interpreter_lock_still_confirms_a_claim(sl
     params = slow_prefill.prefill("held1", tokens).kv_transfer_params
     attempts_s = CLAIM_ATTEMPTS * SLOW_PEER["handshake_timeout_seconds"]
     held: list[float] = []
+    started = tmp_path / "holding"
     holder = threading.Thread(
-        target=lambda: held.append(slow_prefill.call("hold_interpreter_lock", attempts_s + 1.5)))
+        target=lambda: held.append(slow_prefill.call("hold_interpreter_lock", attempts_s + 1.5, str(started)))
+    )
     holder.start()
     try:
-        time.sleep(0.3)  # the engine takes the command between two steps
+        wait_until(started.exists, "the prefill engine to take the command between two steps")
         patient_decode.add("held1", tokens, params)
         done = patient_decode.result("held1", timeout=20)
     finally:
@@ -366,9 +388,21 @@ _ANY = st.one_of(st.none(), st.booleans(), _INT, st.text(max_size=8), st.lists(_
 
 @st.composite
 def _mutation(draw: st.DrawFn) -> tuple[str, Any]:
-    kind = draw(st.sampled_from([
-        "field", "drop", "run_start", "block_id", "slack", "group", "prompt_len", "extra", "runs_swap",
-    ]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "field",
+                "drop",
+                "run_start",
+                "block_id",
+                "slack",
+                "group",
+                "prompt_len",
+                "extra",
+                "runs_swap",
+            ]
+        )
+    )
     return kind, draw(st.tuples(st.integers(0, 10), _ANY, _INT))
 
 
@@ -411,7 +445,9 @@ def _apply(params: dict[str, Any], mutation: tuple[str, Any]) -> None:
         params[f"x{pick}"] = value
     elif kind == "runs_swap" and len(group["runs"]) > 1:
         group["runs"][0]["block_ids"], group["runs"][-1]["block_ids"] = (
-            group["runs"][-1]["block_ids"], group["runs"][0]["block_ids"])
+            group["runs"][-1]["block_ids"],
+            group["runs"][0]["block_ids"],
+        )
 
 
 def test_fuzzed_transfer_params_fail_cleanly_or_load_true_kv(prefill, decode, clean):
@@ -420,8 +456,9 @@ def test_fuzzed_transfer_params_fail_cleanly_or_load_true_kv(prefill, decode, cl
     fresh: dict[str, Any] = {}
     case = iter(range(10**6))
 
-    @settings(max_examples=1000, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=1000, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
     @given(mutations=st.lists(_mutation(), min_size=1, max_size=3))
     def run(mutations: list[tuple[str, Any]]) -> None:
         n = next(case)
@@ -436,7 +473,8 @@ def test_fuzzed_transfer_params_fail_cleanly_or_load_true_kv(prefill, decode, cl
         # are ignored: either way decode computes the prompt itself.
         expected = expected_ask(params)
         altered = expected == "plan" and any(
-            params.get(key, _MISSING) != fresh["params"].get(key) for key in _DECIDES_BYTES)
+            params.get(key, _MISSING) != fresh["params"].get(key) for key in _DECIDES_BYTES
+        )
         kind = "altered" if altered else ("ill-typed" if expected == "invalid" else "harmless")
         outcome = f"{done.finish_reason} ({kind})"
         outcomes[outcome] = outcomes.get(outcome, 0) + 1

@@ -23,8 +23,12 @@ from tests.pd_harness import GEOMETRY, Finished, RemoteEngine, SimEngine
 pytestmark = pytest.mark.transport
 
 BASE = {
-    "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0,
-    "lease_seconds": 4.0, "heartbeat_seconds": 1.0, "handshake_timeout_seconds": 5.0,
+    "transport": "mooncake",
+    "protocol": "tcp",
+    "side_channel_port": 0,
+    "lease_seconds": 4.0,
+    "heartbeat_seconds": 1.0,
+    "handshake_timeout_seconds": 5.0,
     "transfer_timeout_seconds": 10.0,
 }
 X_LEN, SUFFIX = 5131, 16
@@ -49,8 +53,9 @@ def decode():
 @pytest.fixture(scope="module")
 def decode_stock():
     """Today's behaviour: only the window tail is received; failed loads recompute."""
-    engine = SimEngine(role="kv_consumer", extra={**BASE, "replay_slack": False}, engine_id="decode-stock",
-                       failure_policy="recompute")
+    engine = SimEngine(
+        role="kv_consumer", extra={**BASE, "replay_slack": False}, engine_id="decode-stock", failure_policy="recompute"
+    )
     yield engine
     engine.shutdown()
 
@@ -70,11 +75,12 @@ def clean(prefill, decode, decode_stock):
 def _siblings(seed: int) -> tuple[list[int], list[int], list[int]]:
     tokens = random_tokens(X_LEN + 2 * SUFFIX, seed)
     x = tokens[:X_LEN]
-    return x, x + tokens[X_LEN:X_LEN + SUFFIX], x + tokens[X_LEN + SUFFIX:]
+    return x, x + tokens[X_LEN : X_LEN + SUFFIX], x + tokens[X_LEN + SUFFIX :]
 
 
-def _serve(prefill: RemoteEngine, decode: SimEngine, request_id: str, tokens: list[int],
-           max_tokens: int = 4) -> Finished:
+def _serve(
+    prefill: RemoteEngine, decode: SimEngine, request_id: str, tokens: list[int], max_tokens: int = 4
+) -> Finished:
     params = prefill.prefill(request_id, tokens).kv_transfer_params
     assert params is not None
     decode.add(request_id, tokens, params, max_tokens)
@@ -88,8 +94,10 @@ def _expected_sibling_hit(first: list[int], shared: int, sibling: list[int]) -> 
 
 
 def _report(label: str, done: Finished) -> None:
-    print(f"[scheduler-level] {label}: decode-local hit {done.local_cached_tokens}, "
-          f"pulled {done.external_cached_tokens} tokens")
+    print(
+        f"[scheduler-level] {label}: decode-local hit {done.local_cached_tokens}, "
+        f"pulled {done.external_cached_tokens} tokens"
+    )
 
 
 def test_sibling_hits_locally_after_remote_load(prefill, decode, clean):
@@ -109,7 +117,7 @@ def test_sibling_hits_locally_after_remote_load(prefill, decode, clean):
 
 
 def test_stock_tail_only_loses_the_decode_local_hit(prefill, decode_stock, clean):
-    x, xa, xb = _siblings(seed=2)
+    _x, xa, xb = _siblings(seed=2)
 
     _serve(prefill, decode_stock, "s2-xa", xa)
     second = _serve(prefill, decode_stock, "s2-xb", xb)
@@ -214,11 +222,20 @@ def test_decode_abort_while_loading_frees_shadow_blocks_unpublished(prefill, dec
 
 
 def test_decode_abort_while_decoding(prefill, decode, clean):
+    """An abort after the load: the request ends, decode holds nothing for it, and prefill
+    (told Done when the load finished) gets no release for a lease it no longer holds."""
     _, xa, _ = _siblings(seed=8)
     params = prefill.prefill("s8-xa", xa).kv_transfer_params
+    releases = prefill.call("counter", "releases")
     decode.add("s8-xa", xa, params, max_tokens=1000)
     decode.run_until(lambda: len(decode.finished.get("s8-xa", Finished(None, None, [], 0, 0)).output_tokens) >= 2)
     decode.abort("s8-xa")
+    decode.drain()
+
+    assert decode.status("s8-xa") is None  # gone from the scheduler
+    assert decode.connector.scheduler_half.blocks_held() == 0
+    assert decode.free_blocks() == decode.start_free_blocks
+    assert prefill.call("counter", "releases") == releases
 
 
 def test_lease_expiry_frees_prefill_blocks_nobody_pulled(prefill, clean):
@@ -239,16 +256,41 @@ def _tampered(params: dict, **changes) -> dict:
 
 # Ill-typed params (a field missing, of the wrong type) are not a failed load: they are
 # served as if absent (test_decode_params_of_every_json_type_... below).
-@pytest.mark.parametrize(("label", "tamper", "reason"), [
-    ("compat mismatch", lambda p: _tampered(p, compat_hash="0" * 16), "incompatible"),
-    # Edited plans are refused by the prefill engine: the claim names another plan digest.
-    ("unknown engine", lambda p: _tampered(p, remote_engine_id="prefill-999"), "differs from the plan lent"),
-    ("bad block ids", lambda p: _tampered(p, groups=[{**g, "runs": [{"start": r["start"], "block_ids": [10**6] * len(r["block_ids"])} for r in g["runs"]]} for g in p["groups"]]), "differs from the plan lent"),
-    ("index past the prompt", lambda p: _tampered(p, groups=[{**g, "runs": [{"start": 10**4, "block_ids": [1]}]} for g in p["groups"]]), "the prompt has"),
-    ("prefill unreachable", lambda p: _tampered(p, remote_engine_id="prefill-gone", remote_port=1), "not sent: no connection"),
-])
+@pytest.mark.parametrize(
+    ("label", "tamper", "reason"),
+    [
+        ("compat mismatch", lambda p: _tampered(p, compat_hash="0" * 16), "incompatible"),
+        # Edited plans are refused by the prefill engine: the claim names another plan digest.
+        ("unknown engine", lambda p: _tampered(p, remote_engine_id="prefill-999"), "differs from the plan lent"),
+        (
+            "bad block ids",
+            lambda p: _tampered(
+                p,
+                groups=[
+                    {
+                        **g,
+                        "runs": [{"start": r["start"], "block_ids": [10**6] * len(r["block_ids"])} for r in g["runs"]],
+                    }
+                    for g in p["groups"]
+                ],
+            ),
+            "differs from the plan lent",
+        ),
+        (
+            "index past the prompt",
+            lambda p: _tampered(p, groups=[{**g, "runs": [{"start": 10**4, "block_ids": [1]}]} for g in p["groups"]]),
+            "the prompt has",
+        ),
+        (
+            "prefill unreachable",
+            lambda p: _tampered(p, remote_engine_id="prefill-gone", remote_port=1),
+            "not sent: no connection",
+        ),
+    ],
+)
 def test_bad_transfer_params_end_the_request_with_an_error_and_leak_nothing(
-        prefill, decode, clean, caplog, label, tamper, reason):
+    prefill, decode, clean, caplog, label, tamper, reason
+):
     _, xa, _ = _siblings(seed=10 + len(label))
     params = tamper(prefill.prefill(f"bad-{label}", xa).kv_transfer_params)
 
@@ -274,8 +316,9 @@ def test_recompute_policy_serves_the_request_despite_a_failed_load(prefill, deco
 
 def test_wrong_secret_is_refused_with_a_clear_error(prefill, clean, caplog):
     # The harness gives each role its keys; this decode engine signs with a key nobody trusts.
-    wrong = SimEngine(role="kv_consumer", extra={**BASE, "secret": "not-the-decode-secret-" + "x" * 20},
-                      engine_id="decode-bad")
+    wrong = SimEngine(
+        role="kv_consumer", extra={**BASE, "secret": "not-the-decode-secret-" + "x" * 20}, engine_id="decode-bad"
+    )
     try:
         _, xa, _ = _siblings(seed=12)
         params = prefill.prefill("s12-xa", xa).kv_transfer_params
@@ -298,7 +341,8 @@ def test_nixl_transport_restores_the_sibling_hit_too():
         second = _serve(prefill, decode, "n-xb", xb)
         assert second.local_cached_tokens == _expected_sibling_hit(xa, len(x), xb)
         assert decode.cached_blocks(xa, SWA) and all(
-            decode.block_matches(xa, SWA, i, b) for i, b in decode.cached_blocks(xa, SWA).items())
+            decode.block_matches(xa, SWA, i, b) for i, b in decode.cached_blocks(xa, SWA).items()
+        )
         _report("x+b over NIXL (slack on)", second)
         decode.drain()
         prefill.wait_idle()
@@ -321,17 +365,17 @@ def test_a_pull_that_ends_while_its_step_computes_is_reported_by_that_step(monke
     reported: list[set[str]] = []
     start, results, compute = decode.worker.start, decode.worker.transfer_results, decode._compute
 
-    def start_and_record(metadata):  # type: ignore[no-untyped-def]
+    def start_and_record(metadata):
         posted.append({pull.request_id for pull in metadata.pulls})
         reported.append(set())
         start(metadata)
 
-    def compute_then_let_the_transport_thread_finish(scheduled):  # type: ignore[no-untyped-def]
+    def compute_then_let_the_transport_thread_finish(scheduled):
         sampled = compute(scheduled)
         decode.worker._executor.submit(lambda: None).result(timeout=30)
         return sampled
 
-    def record_results():  # type: ignore[no-untyped-def]
+    def record_results():
         out = results()
         reported[-1] = set(out.finished_recving)
         return out
@@ -398,8 +442,9 @@ def test_prefill_params_of_every_json_type_hand_off_only_when_asked(prefill, cle
     `{"do_remote_decode": true}` opens a lease; the rest are computed and hand off nothing."""
     tokens = random_tokens(600, seed=122)
     before = prefill.call("counter", "invalid_transfer_params")
-    legs = [("<params>", value) for value in JSON_VALUES] + [("do_remote_decode", {"do_remote_decode": value})
-                                                              for value in JSON_VALUES]
+    legs = [("<params>", value) for value in JSON_VALUES] + [
+        ("do_remote_decode", {"do_remote_decode": value}) for value in JSON_VALUES
+    ]
     invalid = 0
     for n, (place, params) in enumerate(legs):
         prefill.call("add", f"pj{n}", tokens, params, 1, None)

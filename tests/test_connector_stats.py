@@ -1,4 +1,4 @@
-"""The connector's metrics: every counter a component reports has a Prometheus series, and gauges survive aggregation."""
+"""The connector's metrics: every counter a component reports has a Prometheus series; gauges survive aggregation."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ def test_every_side_channel_server_counter_is_exported():
 
 
 def test_notifier_counters_are_exported():
-    assert {"notification_failures", "notifier_callback_errors", "notifier_errors", "notifier_overflow"} <= set(COUNTERS)
+    assert {"notification_failures", "notifier_callback_errors", "notifier_errors", "notifier_overflow"} <= set(
+        COUNTERS
+    )
 
 
 def test_blocks_held_gauge_is_reported_when_it_changes_and_back_to_zero():

@@ -28,7 +28,13 @@ from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters, engine_
 from pdconnect.testbed.engine_calls import PDResult, completed, completion, prompt_ids, serve_pd, token_ids
 from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec, StartupError
 from pdconnect.testbed.recipes import (
-    BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, stock_nixl_kv_transfer, vllm_server, warm_up,
+    BLOCK_SIZE,
+    MODEL_NAME,
+    SPEC,
+    engine_args,
+    stock_nixl_kv_transfer,
+    vllm_server,
+    warm_up,
 )
 from pdconnect.testbed.tinymodel import ensure_target_and_draft
 
@@ -85,7 +91,7 @@ def test_failed_start_reports_the_log_tail(tmp_path: Path) -> None:
             argv=_python("import sys; print('no model here', flush=True); sys.exit(3)"),
             health_url=f"http://127.0.0.1:{port}/health",
         )
-        with pytest.raises(StartupError, match="exited with 3(.|\n)*no model here"):
+        with pytest.raises(StartupError, match=r"exited with 3(.|\n)*no model here"):
             cluster.launch(spec)
 
 
@@ -122,6 +128,7 @@ class PDPair:
 def _engine_args(draft: Path, kv_transfer: dict[str, Any] | None = None) -> list[str]:
     return engine_args(draft, kv_transfer)
 
+
 def _nixl(role: str) -> dict[str, Any]:
     return stock_nixl_kv_transfer(role)
 
@@ -130,12 +137,18 @@ def _nixl(role: str) -> dict[str, Any]:
 def booting() -> Iterator[Booting]:
     target, draft = ensure_target_and_draft(SPEC)
     with Cluster() as cluster:
+
         def server(name: str, kv_transfer: dict[str, Any] | None) -> ManagedProcess:
-            return cluster.start(vllm_server(
-                name, target, port=cluster.free_port(), served_model_name=MODEL_NAME,
-                args=_engine_args(draft, kv_transfer),
-                side_channel_port=cluster.free_port(),
-            ))
+            return cluster.start(
+                vllm_server(
+                    name,
+                    target,
+                    port=cluster.free_port(),
+                    served_model_name=MODEL_NAME,
+                    args=_engine_args(draft, kv_transfer),
+                    side_channel_port=cluster.free_port(),
+                )
+            )
 
         yield Booting(
             cluster=cluster,
@@ -197,10 +210,15 @@ def pd_pair(booting: Booting, client: httpx.Client) -> PDPair:
 def _prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
     return prompt_ids(seed, length)
 
+
 # vLLM's toy proxy's prefill request (vllm-internals.md section 5), for the stock connector.
 TOY_PROXY_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
 }
 
 
@@ -209,8 +227,9 @@ def _completion(client: httpx.Client, proc: ManagedProcess, prompt: list[int], m
 
 
 def _serve_pd(client: httpx.Client, pair: PDPair, prompt: list[int], max_tokens: int) -> PDResult:
-    return serve_pd(client, pair.prefill.base_url, pair.decode.base_url, prompt, max_tokens,
-                    prefill_params=TOY_PROXY_PARAMS)
+    return serve_pd(
+        client, pair.prefill.base_url, pair.decode.base_url, prompt, max_tokens, prefill_params=TOY_PROXY_PARAMS
+    )
 
 
 def _local_hit(client: httpx.Client, proc: ManagedProcess, prompt: list[int]) -> int:
@@ -226,9 +245,7 @@ def _report(capsys: pytest.CaptureFixture[str], title: str, rows: dict[str, Any]
 
 
 @engine
-def test_greedy_completion_is_deterministic(
-    single: ManagedProcess, client: httpx.Client
-) -> None:
+def test_greedy_completion_is_deterministic(single: ManagedProcess, client: httpx.Client) -> None:
     prompt = _prompt(seed=1, length=40)
     first = token_ids(_completion(client, single, prompt, DECODE_TOKENS))
     second = token_ids(_completion(client, single, prompt, DECODE_TOKENS))
@@ -241,16 +258,17 @@ def test_greedy_completion_is_deterministic(
 
 
 @engine
-def test_chat_completion_works_with_the_local_tokenizer(
-    single: ManagedProcess, client: httpx.Client
-) -> None:
-    response = client.post(f"{single.base_url}/v1/chat/completions", json={
-        "model": MODEL_NAME,
-        "messages": [{"role": "user", "content": "w1 w2 w3"}],
-        "max_tokens": 4,
-        "temperature": 0.0,
-        "ignore_eos": True,
-    })
+def test_chat_completion_works_with_the_local_tokenizer(single: ManagedProcess, client: httpx.Client) -> None:
+    response = client.post(
+        f"{single.base_url}/v1/chat/completions",
+        json={
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "w1 w2 w3"}],
+            "max_tokens": 4,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+    )
     response.raise_for_status()
     assert response.json()["usage"]["completion_tokens"] == 4
 
@@ -263,8 +281,9 @@ def test_resent_long_prompt_hits_up_to_the_eagle_replay_boundary(
     cold = _local_hit(client, single, prompt)
     resent = _local_hit(client, single, prompt)
     sibling = _local_hit(client, single, prompt + _prompt(seed=4, length=SIBLING_EXTRA_TOKENS))
-    _report(capsys, "colocated", {"prompt": PROMPT_TOKENS, "cold_hit": cold,
-                                  "resent_hit": resent, "sibling_hit": sibling})
+    _report(
+        capsys, "colocated", {"prompt": PROMPT_TOKENS, "cold_hit": cold, "resent_hit": resent, "sibling_hit": sibling}
+    )
     assert cold == 0
     # Not 896 (the last full block): EAGLE drops one aligned block from every lookup.
     assert resent == COLOCATED_HIT
@@ -272,9 +291,7 @@ def test_resent_long_prompt_hits_up_to_the_eagle_replay_boundary(
 
 
 @engine
-def test_pd_decode_output_equals_single_engine(
-    single: ManagedProcess, pd_pair: PDPair, client: httpx.Client
-) -> None:
+def test_pd_decode_output_equals_single_engine(single: ManagedProcess, pd_pair: PDPair, client: httpx.Client) -> None:
     prompt = _prompt(seed=5)
     reference = token_ids(_completion(client, single, prompt, DECODE_TOKENS))
     result = _serve_pd(client, pd_pair, prompt, DECODE_TOKENS)
@@ -286,8 +303,11 @@ def test_pd_decode_output_equals_single_engine(
 
 @engine
 def test_stock_connector_decode_local_sibling_hit_baseline(
-    single: ManagedProcess, pd_pair: PDPair, client: httpx.Client,
-    capsys: pytest.CaptureFixture[str], record_property: Any,
+    single: ManagedProcess,
+    pd_pair: PDPair,
+    client: httpx.Client,
+    capsys: pytest.CaptureFixture[str],
+    record_property: Any,
 ) -> None:
     """The bug our connector fixes, measured: after a P/D load of x, a sibling x+64 on
     the same decode engine should hit the colocated 768 tokens locally; with the stock

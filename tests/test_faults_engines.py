@@ -32,12 +32,12 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import httpx
 import msgspec
@@ -76,6 +76,7 @@ from pdconnect.testbed.recipes import (
 from pdconnect.testbed.tinymodel import ensure_model
 from tests.params_fuzz import JSON_VALUES, cases, expected_ask, json_type
 from tests.rogue_reader import RogueReader, TcpSocket, group_pids
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.faults]
 
@@ -175,13 +176,28 @@ class EngineSet:
         """`pdconnect router` in front of this set (same URLs survive engine restarts)."""
         if name not in self.routers or not self.routers[name].is_running():
             spec = router_server(
-                f"faults-router-{self.transport}-{name}", port=self.cluster.free_port(),
-                prefill=[self.prefill.base_url], decode=list(decode or (self.decode.base_url,)),
-                args=["--policy", "round-robin", "--health-interval", "0", "--no-fallback",
-                      "--side-channel-secret-env", SECRET_ENV, "--side-channel-peer-keys-env", PEER_KEYS_ENV,
-                      "--prefill-timeout", str(REQUEST_TIMEOUT_S),
-                      "--decode-timeout", str(REQUEST_TIMEOUT_S),
-                      "--decode-first-byte-timeout", str(REQUEST_TIMEOUT_S)])
+                f"faults-router-{self.transport}-{name}",
+                port=self.cluster.free_port(),
+                prefill=[self.prefill.base_url],
+                decode=list(decode or (self.decode.base_url,)),
+                args=[
+                    "--policy",
+                    "round-robin",
+                    "--health-interval",
+                    "0",
+                    "--no-fallback",
+                    "--side-channel-secret-env",
+                    SECRET_ENV,
+                    "--side-channel-peer-keys-env",
+                    PEER_KEYS_ENV,
+                    "--prefill-timeout",
+                    str(REQUEST_TIMEOUT_S),
+                    "--decode-timeout",
+                    str(REQUEST_TIMEOUT_S),
+                    "--decode-first-byte-timeout",
+                    str(REQUEST_TIMEOUT_S),
+                ],
+            )
             spec = dataclasses.replace(spec, env={**spec.env, SECRET_ENV: SECRETS["router"], PEER_KEYS_ENV: PEER_KEYS})
             [self.routers[name]] = self.cluster.launch(spec)
         return self.routers[name].base_url
@@ -197,12 +213,18 @@ class Fleet:
         self.reference: ManagedProcess | None = None
         self.sets: dict[str, EngineSet] = {}
 
-    def _server(self, name: str, kv: dict[str, Any] | None, extra: list[str] = ()) -> ManagedProcess:
+    def _server(self, name: str, kv: dict[str, Any] | None, extra: Sequence[str] = ()) -> ManagedProcess:
         # The connector engines run as a deployment should: behind the API server's params
         # guard, which `engine_args` adds to them (connectors/api_guard.py).
-        return self.cluster.start(vllm_server(
-            name, self.model, port=self.cluster.free_port(), served_model_name=MODEL_NAME,
-            args=[*engine_args(self.draft, kv), *extra]))
+        return self.cluster.start(
+            vllm_server(
+                name,
+                self.model,
+                port=self.cluster.free_port(),
+                served_model_name=MODEL_NAME,
+                args=[*engine_args(self.draft, kv), *extra],
+            )
+        )
 
     def engines(self, transport: str) -> EngineSet:
         if transport in self.sets:
@@ -212,9 +234,12 @@ class Fleet:
         for other in self.sets.values():
             self.cluster.stop(*other.routers.values(), other.prefill, other.decode)
         self.sets.clear()
-        settings = {"lease_seconds": LEASE_S, "heartbeat_seconds": HEARTBEAT_S,
-                    "handshake_timeout_seconds": HANDSHAKE_TIMEOUT_S,
-                    "transfer_timeout_seconds": TRANSFER_TIMEOUT_S}
+        settings = {
+            "lease_seconds": LEASE_S,
+            "heartbeat_seconds": HEARTBEAT_S,
+            "handshake_timeout_seconds": HANDSHAKE_TIMEOUT_S,
+            "transfer_timeout_seconds": TRANSFER_TIMEOUT_S,
+        }
 
         def kv(role: str) -> dict[str, Any]:
             keyed = {**settings, **connector_keys(role)}
@@ -227,8 +252,9 @@ class Fleet:
         prefill = self._server(f"faults-prefill-{transport}", kv("kv_producer"))
         # One sequence slot, and urgent requests ahead of default ones: the next request waits
         # in the queue for as long as urgent ones keep coming (case 1).
-        decode = self._server(f"faults-decode-{transport}", kv("kv_consumer"),
-                              ["--max-num-seqs", "1", "--scheduling-policy", "priority"])
+        decode = self._server(
+            f"faults-decode-{transport}", kv("kv_consumer"), ["--max-num-seqs", "1", "--scheduling-policy", "priority"]
+        )
         self.cluster.wait_healthy([*started, prefill, decode])
         for proc in (*started, prefill, decode):
             warm_up(proc.base_url, MODEL_NAME)
@@ -354,7 +380,7 @@ def settle(http: httpx.Client, engines: EngineSet, *procs: ManagedProcess) -> di
             if (held, used) == (0, 0) or time.monotonic() > deadline:
                 break
             time.sleep(0.25)
-        left[proc.name] = held if held else (0 if used == 0 else -1)
+        left[proc.name] = held or (0 if used == 0 else -1)
     return left
 
 
@@ -368,7 +394,8 @@ def assert_settled(http: httpx.Client, engines: EngineSet, row: Row, *procs: Man
             row.leaked_d = value
     TABLE.append(row)
     assert all(v == 0 for v in left.values()), (
-        f"pools not back to baseline within {SETTLE_TIMEOUT_S}s (blocks held; -1 = KV usage above 0): {left}")
+        f"pools not back to baseline within {SETTLE_TIMEOUT_S}s (blocks held; -1 = KV usage above 0): {left}"
+    )
 
 
 def sibling_ok(http: httpx.Client, engines: EngineSet, prefix: list[int], seed: int, row: Row) -> None:
@@ -393,8 +420,15 @@ def _hold_the_slot(url: str, stop: threading.Event, errors: list[str]) -> None:
     it, the stream is closed, which aborts its request. A request that fails is recorded
     in `errors` and sent again: a holder that gave up would hand the slot to the request
     under test (a CI run saw decode hold 2-3 holders instead of 4 for two minutes)."""
-    payload = {"model": MODEL_NAME, "prompt": prompt_ids(7, 16), "max_tokens": HOLDER_TOKENS,
-               "temperature": 0.0, "ignore_eos": True, "stream": True, "priority": HOLDER_PRIORITY}
+    payload = {
+        "model": MODEL_NAME,
+        "prompt": prompt_ids(7, 16),
+        "max_tokens": HOLDER_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "priority": HOLDER_PRIORITY,
+    }
     with engine_client(REQUEST_TIMEOUT_S) as client:
         # A queued holder gets no byte until the ones ahead of it are done, however long.
         client.timeout = httpx.Timeout(REQUEST_TIMEOUT_S, read=None)
@@ -420,18 +454,22 @@ def _slot_kept_busy(http: httpx.Client, pd: EngineSet) -> Iterator[None]:
     missed a 30 s window for "the second one queued")."""
     stop = threading.Event()
     errors: list[str] = []
-    holders = [threading.Thread(target=_hold_the_slot, daemon=True, args=(pd.decode.base_url, stop, errors))
-               for _ in range(SLOT_HOLDERS)]
+    holders = [
+        threading.Thread(target=_hold_the_slot, daemon=True, args=(pd.decode.base_url, stop, errors))
+        for _ in range(SLOT_HOLDERS)
+    ]
     for holder in holders:
         holder.start()
     try:
-        try:
-            _wait_for(f"{SLOT_HOLDERS} urgent requests on decode",
-                      lambda: _queued_on_decode(http, pd) >= SLOT_HOLDERS, REQUEST_TIMEOUT_S)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc} (decode holds {_queued_on_decode(http, pd):.0f}; "
-                                 f"{sum(h.is_alive() for h in holders)} holders running; "
-                                 f"their errors: {errors[-4:]})") from None
+        wait_until(
+            lambda: _queued_on_decode(http, pd) >= SLOT_HOLDERS,
+            f"{SLOT_HOLDERS} urgent requests on decode",
+            REQUEST_TIMEOUT_S,
+            observe=lambda: (
+                f"decode holds {_queued_on_decode(http, pd):.0f}; "
+                f"{sum(h.is_alive() for h in holders)} holders running; their errors: {errors[-4:]}"
+            ),
+        )
         yield
     finally:
         stop.set()
@@ -455,14 +493,16 @@ def test_lease_survives_a_wait_in_the_decode_queue(pd: EngineSet, http: httpx.Cl
         waiter = threading.Thread(target=lambda: result.append(decode_with(http, pd, prompt, plan)), daemon=True)
         waiter.start()
         # Two leases long, prefill serves other prompts: blocks freed at expiry would be reused.
-        wait_until = time.monotonic() + 2 * LEASE_S
+        until = time.monotonic() + 2 * LEASE_S
         others = 0
-        while time.monotonic() < wait_until:
-            completion(http, pd.prefill.base_url, prompt_ids(pd.seed(100 + others), PROMPT_TOKENS),
-                       4).raise_for_status()
+        while time.monotonic() < until:
+            completion(
+                http, pd.prefill.base_url, prompt_ids(pd.seed(100 + others), PROMPT_TOKENS), 4
+            ).raise_for_status()
             others += 1
-        assert waiter.is_alive(), ("the P/D request finished while urgent requests held decode's only slot: "
-                                   "the fault was not set up")
+        assert waiter.is_alive(), (
+            "the P/D request finished while urgent requests held decode's only slot: the fault was not set up"
+        )
     waiter.join(REQUEST_TIMEOUT_S)
     assert result, "the queued P/D request did not finish"
     [answer] = result
@@ -485,8 +525,8 @@ class _ClaimThenFail(BaseHTTPRequestHandler):
     """A decode engine that claims the plan it is handed, then answers 503 before any byte:
     what a real engine that died after its claim looks like to the router."""
 
-    plans: list[dict[str, Any]] = []
-    claims: list[str] = []
+    plans: ClassVar[list[dict[str, Any]]] = []
+    claims: ClassVar[list[str]] = []
 
     def log_message(self, *args: Any) -> None:  # keep pytest's output clean
         pass
@@ -504,12 +544,12 @@ class _ClaimThenFail(BaseHTTPRequestHandler):
             plan = decode_plan(params)
             client = SideChannelClient(plan.side_channel, "decode", keyring("decode"), timeout=5.0)
             try:
-                reply = client.request(Claim(lease_id=plan.lease_id, claimant="fake-decode",
-                                             plan_digest=plan.digest()))
+                reply = client.request(Claim(lease_id=plan.lease_id, claimant="fake-decode", plan_digest=plan.digest()))
             finally:
                 client.close()
-            type(self).claims.append("held" if isinstance(reply, Ack) and plan.lease_id not in reply.unknown
-                                     else "not held")
+            type(self).claims.append(
+                "held" if isinstance(reply, Ack) and plan.lease_id not in reply.unknown else "not held"
+            )
         except Exception as exc:  # noqa: BLE001 - recorded, the test asserts on it
             type(self).claims.append(f"error: {exc}")
         data = b'{"error": "decode engine failed"}'
@@ -522,7 +562,8 @@ class _ClaimThenFail(BaseHTTPRequestHandler):
 
 def test_router_retries_decode_with_a_fresh_plan(pd: EngineSet, http: httpx.Client) -> None:
     row = Row("router decode retry after a claim", pd.transport, "")
-    handler = type("Fake", (_ClaimThenFail,), {"plans": [], "claims": []})
+    # A subclass per test: its class-level lists start empty.
+    handler: type[_ClaimThenFail] = type("Fake", (_ClaimThenFail,), {"plans": [], "claims": []})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     fake = f"http://127.0.0.1:{server.server_address[1]}"
@@ -531,9 +572,17 @@ def test_router_retries_decode_with_a_fresh_plan(pd: EngineSet, http: httpx.Clie
         router = pd.router("retry", decode=(fake, pd.decode.base_url))
         prompt = prompt_ids(pd.seed(3), PROMPT_TOKENS)
         expected = reference(http, pd, prompt)
-        response = http.post(f"{router}/v1/completions", json={
-            "model": MODEL_NAME, "prompt": prompt, "max_tokens": DECODE_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True})
+        response = http.post(
+            f"{router}/v1/completions",
+            json={
+                "model": MODEL_NAME,
+                "prompt": prompt,
+                "max_tokens": DECODE_TOKENS,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         answer = answer_of(response)
         row.wrong_tokens += wrong(answer, expected)
         row.outcome = f"{describe(answer)}; fake decode claim {handler.claims}"
@@ -542,8 +591,9 @@ def test_router_retries_decode_with_a_fresh_plan(pd: EngineSet, http: httpx.Clie
             assert handler.claims == ["held"], handler.claims
             assert answer.served, f"the retried request failed: {answer.error} {response.text[:300]}"
             assert answer.tokens == expected
-            retries = fetch_metrics(router, http).total("pdconnect_router_retries", role="prefill",
-                                                        reason="decode_retry")
+            retries = fetch_metrics(router, http).total(
+                "pdconnect_router_retries", role="prefill", reason="decode_retry"
+            )
             assert retries >= 1, "the router did not prefill again for the retry"
             # The first plan's lease ended (released), so nobody can pull it any more.
             old = decode_plan(handler.plans[0])
@@ -570,8 +620,10 @@ def _raw_request(url: str, body: dict[str, Any], *, send_all: bool = True) -> so
     host, port = url.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     sock = socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S)
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
     sock.sendall(head + (data if send_all else data[: len(data) // 2]))
     return sock
 
@@ -582,21 +634,20 @@ def _hang_up(sock: socket.socket) -> None:
     sock.close()
 
 
-def _wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize("phase", ["before prefill", "during prefill", "queued for the pull", "during decode stream"])
 def test_client_disconnect_through_the_router(pd: EngineSet, http: httpx.Client, phase: str) -> None:
     row = Row(f"client disconnect {phase}", pd.transport, "")
     router = pd.router()
     index = ["before prefill", "during prefill", "queued for the pull", "during decode stream"].index(phase)
     prompt = prompt_ids(pd.seed(10 + index), 3000 if phase == "during prefill" else PROMPT_TOKENS)
-    body = {"model": MODEL_NAME, "prompt": prompt, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "max_tokens": 2000 if phase == "during decode stream" else DECODE_TOKENS}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "max_tokens": 2000 if phase == "during decode stream" else DECODE_TOKENS,
+    }
     try:
         if phase == "before prefill":
             _hang_up(_raw_request(router, body, send_all=False))
@@ -616,34 +667,47 @@ def test_client_disconnect_through_the_router(pd: EngineSet, http: httpx.Client,
                     seen.append("just after P computed it")
                 return bool(seen)
 
-            _wait_for("the prefill engine to take the request", on_prefill)
+            wait_until(on_prefill, "the prefill engine to take the request")
             _hang_up(sock)
             row.outcome = f"hung up {seen[0]}"
         elif phase == "queued for the pull":
             with _slot_kept_busy(http, pd):
                 sock = _raw_request(router, body)
-                _wait_for("the request to wait on decode",
-                          lambda: _queued_on_decode(http, pd) >= SLOT_HOLDERS + 1, REQUEST_TIMEOUT_S)
+                wait_until(
+                    lambda: _queued_on_decode(http, pd) >= SLOT_HOLDERS + 1,
+                    "the request to wait on decode",
+                    REQUEST_TIMEOUT_S,
+                )
                 _hang_up(sock)
                 time.sleep(HEARTBEAT_S)  # let the router's abort reach decode while it still waits
             row.outcome = "hung up with the plan claimed, queued on D"
         else:
             sock = _raw_request(router, body)
             sock.settimeout(REQUEST_TIMEOUT_S)
-            seen = b""
-            while b"data: " not in seen:
+            streamed = b""
+            while b"data: " not in streamed:
                 chunk = sock.recv(4096)
-                assert chunk, f"router closed before streaming: {seen[:300]!r}"
-                seen += chunk
+                assert chunk, f"router closed before streaming: {streamed[:300]!r}"
+                streamed += chunk
             _hang_up(sock)
             row.outcome = "hung up after the first streamed token"
         prefix = prompt[:PROMPT_TOKENS]
         sibling = prefix + prompt_ids(pd.seed(20 + index), SIBLING_EXTRA)
         expected = reference(http, pd, sibling)
         settle(http, pd)  # the next request should find the pools clean, as asserted below
-        answer = answer_of(http.post(f"{router}/v1/completions", json={
-            "model": MODEL_NAME, "prompt": sibling, "max_tokens": DECODE_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}))
+        answer = answer_of(
+            http.post(
+                f"{router}/v1/completions",
+                json={
+                    "model": MODEL_NAME,
+                    "prompt": sibling,
+                    "max_tokens": DECODE_TOKENS,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
+        )
         row.wrong_tokens += wrong(answer, expected)
         row.outcome += f"; next request {describe(answer)}"
         assert answer.served and answer.tokens == expected, answer
@@ -690,8 +754,9 @@ def test_side_channel_messages_do_not_take_prefill_down(pd: EngineSet, http: htt
 
     # Forged: a release of the live plan signed with the wrong key, and one not signed at all.
     for keys in (keyring("router", secret="wrong-router-secret-" + "w" * 20), None):
-        _exchange(address, [encode_message(Release(request_ids=[parsed.remote_request_id], reason="forged"),
-                                           "router", keys)])
+        _exchange(
+            address, [encode_message(Release(request_ids=[parsed.remote_request_id], reason="forged"), "router", keys)]
+        )
         sent["unauthenticated"] += 1
     # The forged releases freed nothing: the plan still loads and serves the reference.
     answer = decode_with(http, engines, prompt, plan)
@@ -702,8 +767,9 @@ def test_side_channel_messages_do_not_take_prefill_down(pd: EngineSet, http: htt
     assert _exchange(address, [signed]) is not None
     _exchange(address, [signed])
     sent["replayed"] += 1
-    _exchange(address, [encode_message(Heartbeat(request_ids=["x"]), "decode", keyring("decode"),
-                                       now=time.time() - 3600)])
+    _exchange(
+        address, [encode_message(Heartbeat(request_ids=["x"]), "decode", keyring("decode"), now=time.time() - 3600)]
+    )
     sent["stale"] += 1
     # Another protocol version.
     _exchange(address, [msgspec.msgpack.encode({"version": 99, "body": b"\x80", "nonce": new_nonce()})])
@@ -730,8 +796,10 @@ def test_side_channel_messages_do_not_take_prefill_down(pd: EngineSet, http: htt
     moved: dict[str, float] = {}
     deadline = time.monotonic() + 30
     while True:
-        moved = {kind: counter(http, engines.prefill, f"pdconnect:side_channel_refused_{kind}") - before[kind]
-                 for kind in REFUSALS}
+        moved = {
+            kind: counter(http, engines.prefill, f"pdconnect:side_channel_refused_{kind}") - before[kind]
+            for kind in REFUSALS
+        }
         if all(moved[kind] >= sent[kind] for kind in REFUSALS) or time.monotonic() > deadline:
             break
         completion(http, engines.prefill.base_url, prompt_ids(rng.randrange(1 << 30), 8), 1)
@@ -774,8 +842,16 @@ def test_plan_for_another_prompt_is_refused(pd: EngineSet, http: httpx.Client) -
 
 # --- 8. fuzzed kv_transfer_params on a live engine -------------------------------------------
 
-REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "compat_hash",
-            "num_prompt_tokens", "lease_expires_at", "groups")
+REQUIRED = (
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "compat_hash",
+    "num_prompt_tokens",
+    "lease_expires_at",
+    "groups",
+)
 
 
 def _runs(plan: dict[str, Any]) -> list[dict[str, Any]]:
@@ -831,6 +907,7 @@ def _mutations() -> list[tuple[str, str, Callable[[dict[str, Any], random.Random
     def field(name: str, value: Callable[[random.Random], Any]) -> Callable[[dict, random.Random], None]:
         def mutate(p: dict, r: random.Random) -> None:
             p[name] = value(r)
+
         return mutate
 
     def missing(p: dict, r: random.Random) -> None:
@@ -858,12 +935,18 @@ def _mutations() -> list[tuple[str, str, Callable[[dict[str, Any], random.Random
         return r.randbytes(16).hex()
 
     return [
-        ("block id changed", "fail", block_id), ("block id huge", "fail", huge_block_id),
-        ("block id negative", "fail", negative_block_id), ("block ids reordered", "fail", swap_ids),
-        ("run start moved", "fail", run_start), ("run shortened", "fail", drop_block),
-        ("group dropped", "fail", drop_group), ("group duplicated", "fail", duplicate_group),
-        ("group index changed", "fail", group_index), ("slack index added", "fail", slack_add),
-        ("slack index negative", "fail", slack_negative), ("prompt length changed", "fail", prompt_len),
+        ("block id changed", "fail", block_id),
+        ("block id huge", "fail", huge_block_id),
+        ("block id negative", "fail", negative_block_id),
+        ("block ids reordered", "fail", swap_ids),
+        ("run start moved", "fail", run_start),
+        ("run shortened", "fail", drop_block),
+        ("group dropped", "fail", drop_group),
+        ("group duplicated", "fail", duplicate_group),
+        ("group index changed", "fail", group_index),
+        ("slack index added", "fail", slack_add),
+        ("slack index negative", "fail", slack_negative),
+        ("prompt length changed", "fail", prompt_len),
         ("lease id replaced", "fail", field("lease_id", hexstr)),
         ("lease id empty", "fail", field("lease_id", lambda r: "")),
         ("prompt digest replaced", "fail", field("prompt_digest", hexstr)),
@@ -874,8 +957,10 @@ def _mutations() -> list[tuple[str, str, Callable[[dict[str, Any], random.Random
         ("remote port invalid", "fail", field("remote_port", lambda r: r.choice([0, -1, 70000]))),
         ("remote host bogus", "fail", field("remote_host", lambda r: r.choice(["256.0.0.1", "no such host!", ""]))),
         ("protocol version", "fail", field("pdconnect", lambda r: PROTOCOL_VERSION + 1)),
-        ("required key missing", "fail", missing), ("required key wrong type", "fail", wrong_type),
-        ("block ids wrong type", "fail", run_type), ("groups wrong shape", "fail", groups_type),
+        ("required key missing", "fail", missing),
+        ("required key wrong type", "fail", wrong_type),
+        ("block ids wrong type", "fail", run_type),
+        ("groups wrong shape", "fail", groups_type),
         ("unknown key", "fail", unknown_key),
         ("request id replaced", "either", field("remote_request_id", hexstr)),
         ("lease expiry extended", "either", field("lease_expires_at", lambda r: time.time() + 3600)),
@@ -920,11 +1005,18 @@ def test_fuzzed_transfer_params_never_serve_wrong_tokens(pd: EngineSet, http: ht
 # --- 9. kv_transfer_params of every JSON type, at every level ---------------------------------
 
 
-def _post(http: httpx.Client, url: str, prompt: list[int], max_tokens: int, carrier: str,
-          params: Any) -> httpx.Response:
+def _post(
+    http: httpx.Client, url: str, prompt: list[int], max_tokens: int, carrier: str, params: Any
+) -> httpx.Response:
     """A completion carrying `params` as the body's kv_transfer_params or as vllm_xargs's."""
-    body: dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                            "ignore_eos": True, "return_token_ids": True}
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     if carrier == "vllm_xargs":
         body["vllm_xargs"] = {"kv_transfer_params": params}
     else:
@@ -953,7 +1045,8 @@ def _judge(response: httpx.Response, expected: str, want: list[int]) -> str:
 
 @mooncake_only
 def test_transfer_params_of_every_json_type_are_refused_with_400_and_leak_nothing(
-        pd: EngineSet, http: httpx.Client) -> None:
+    pd: EngineSet, http: httpx.Client
+) -> None:
     """Every case of `tests.params_fuzz` (every JSON type at every place of a real plan, and
     the whole params as every JSON type through vllm_xargs) against the decode engine, and
     the prefill leg's params as every JSON type against the prefill engine. One prompt for
@@ -963,7 +1056,8 @@ def test_transfer_params_of_every_json_type_are_refused_with_400_and_leak_nothin
     want = reference(http, engines, prompt)
     plan = prefill_plan(http, engines, prompt)
     sent = [("kv_transfer_params", case) for case in cases(plan)] + [
-        ("vllm_xargs", case) for case in cases(plan) if not case.path]
+        ("vllm_xargs", case) for case in cases(plan) if not case.path
+    ]
     outcomes: Counter[str] = Counter()
     problems: list[str] = []
     for carrier, case in sent:
@@ -978,10 +1072,15 @@ def test_transfer_params_of_every_json_type_are_refused_with_400_and_leak_nothin
             break
     # The prefill leg: the whole params, and do_remote_decode, as every JSON value.
     legs = [(c, v) for c in ("kv_transfer_params", "vllm_xargs") for v in JSON_VALUES] + [
-        ("kv_transfer_params", {"do_remote_decode": v}) for v in JSON_VALUES]
+        ("kv_transfer_params", {"do_remote_decode": v}) for v in JSON_VALUES
+    ]
     for carrier, params in legs:
-        expected = "invalid" if params is not None and (not isinstance(params, dict) or json_type(
-            params.get("do_remote_decode")) not in ("bool", "null")) else "none"
+        expected = (
+            "invalid"
+            if params is not None
+            and (not isinstance(params, dict) or json_type(params.get("do_remote_decode")) not in ("bool", "null"))
+            else "none"
+        )
         try:
             response = _post(http, engines.prefill.base_url, prompt, 1, carrier, params)
             if response.status_code == 200:
@@ -994,8 +1093,11 @@ def test_transfer_params_of_every_json_type_are_refused_with_400_and_leak_nothin
         except (AssertionError, httpx.HTTPError, ValueError) as exc:
             problems.append(f"prefill {carrier}={params!r} ({expected}): {type(exc).__name__}: {exc}")
     total = len(sent) + len(legs)
-    row = Row(f"kv_transfer_params of wrong JSON types (via vllm_xargs and top-level) x{total}", engines.transport,
-              "; ".join(f"{n} {k}" for k, n in sorted(outcomes.items())) + "; P and D serve")
+    row = Row(
+        f"kv_transfer_params of wrong JSON types (via vllm_xargs and top-level) x{total}",
+        engines.transport,
+        "; ".join(f"{n} {k}" for k, n in sorted(outcomes.items())) + "; P and D serve",
+    )
     try:
         assert not problems, f"{len(problems)} of {total} cases: " + "\n".join(problems[:20])
         assert outcomes["400 from the guard"] > 300  # the generator really sends ill-typed params
@@ -1012,8 +1114,9 @@ def test_transfer_params_of_every_json_type_are_refused_with_400_and_leak_nothin
 # --- 4. decode killed mid-load and restarted; 3. prefill killed mid-transfer -----------------
 
 
-def _send_then_kill(http: httpx.Client, engines: EngineSet, prompt: list[int], plan: dict[str, Any],
-                    victim: ManagedProcess) -> Answer:
+def _send_then_kill(
+    http: httpx.Client, engines: EngineSet, prompt: list[int], plan: dict[str, Any], victim: ManagedProcess
+) -> Answer:
     """Send the decode leg, SIGKILL `victim` as soon as it is on its way, return decode's answer."""
     result: list[Answer] = []
     sender = threading.Thread(target=lambda: result.append(decode_with(http, engines, prompt, plan)), daemon=True)
@@ -1034,7 +1137,9 @@ def test_decode_killed_mid_load_and_restarted(pd: EngineSet, http: httpx.Client)
     row.wrong_tokens += wrong(answer, expected)
     # Nobody heartbeats any more: prefill frees at lease expiry, without any request of its own.
     left = settle(http, pd, pd.prefill)
-    row.outcome = f"killed 50 ms into the decode leg: client got {describe(answer)}; P freed by lease; restarted D serves"
+    row.outcome = (
+        f"killed 50 ms into the decode leg: client got {describe(answer)}; P freed by lease; restarted D serves"
+    )
     pd.live()
     try:
         assert left[pd.prefill.name] == 0, f"prefill still holds {left} after the decode engine died"
@@ -1097,10 +1202,20 @@ def _engine_compat(model: Path) -> CompatInfo:
     def group(kind: Literal["full_attention", "sliding_window"], window: int | None) -> GroupCompat:
         return GroupCompat(kind=kind, block_size=BLOCK_SIZE, sliding_window=window, eagle=False, page_bytes=page)
 
-    return CompatInfo(model=str(model), dtype="torch.float32", cache_dtype="auto",
-                      groups=(group("sliding_window", SPEC.sliding_window), group("full_attention", None),
-                              group("full_attention", None)),
-                      cache_hit_alignment=BLOCK_SIZE, speculative="eagle3:2", tp_size=1, kv_layout="LBHNC")
+    return CompatInfo(
+        model=str(model),
+        dtype="torch.float32",
+        cache_dtype="auto",
+        groups=(
+            group("sliding_window", SPEC.sliding_window),
+            group("full_attention", None),
+            group("full_attention", None),
+        ),
+        cache_hit_alignment=BLOCK_SIZE,
+        speculative="eagle3:2",
+        tp_size=1,
+        kv_layout="LBHNC",
+    )
 
 
 def _prefill_pids(engines: EngineSet) -> list[int]:
@@ -1148,7 +1263,8 @@ def _prefill_answers(http: httpx.Client, engines: EngineSet, plan: TransferPlan)
 
 @pytest.mark.parametrize("fault", ["stops reading", "disappears"])
 def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
-        pd: EngineSet, http: httpx.Client, fleet: Fleet, fault: str) -> None:
+    pd: EngineSet, http: httpx.Client, fleet: Fleet, fault: str
+) -> None:
     """A rogue decode-role process (`tests.rogue_reader`: a real signed handshake with P,
     a real transport) pulls 256 MiB of P's KV memory at a time, over and over; it is
     SIGSTOPped mid-pull (and, in the second case, then SIGKILLed). While it is stopped, or
@@ -1158,14 +1274,16 @@ def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
 
     Mooncake (TCP): P's worker really holds bytes it cannot send: measured, its socket to
     the stopped rogue kept 3.0-4.2 MB queued (4 runs), still there 15 s later; the test
-    asserts such an established socket before anything else. NIXL (UCX): over one host UCX reads the peer's memory itself
+    asserts such an established socket before anything else. NIXL (UCX): over one host UCX reads the peer's memory
+    itself
     (cma, process_vm_readv), so P has nothing to send: measured, the one TCP socket between
     P and the rogue (UCX's wire-up) had 0 bytes queued; the row records it, nothing is
     asserted about it."""
     engines = pd
     index = ["stops reading", "disappears"].index(fault)
-    row = Row(f"rogue reader {'SIGSTOPped' if index == 0 else 'SIGSTOPped then SIGKILLed'} mid-pull",
-              engines.transport, "")
+    row = Row(
+        f"rogue reader {'SIGSTOPped' if index == 0 else 'SIGSTOPped then SIGKILLed'} mid-pull", engines.transport, ""
+    )
     prompt = prompt_ids(engines.seed(90 + index), PROMPT_TOKENS)
     expected = reference(http, engines, prompt)
     # A plan made before the fault, pulled during it: its side channel is the rogue's target too.
@@ -1175,27 +1293,33 @@ def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
     try:
         assert compat.digest() == plan.compat_hash, (
             "_engine_compat no longer describes the engines (their recipe changed): the rogue's handshake would be "
-            f"refused; the prefill log names what differs after a refused handshake: {engines.prefill.log_path}")
+            f"refused; the prefill log names what differs after a refused handshake: {engines.prefill.log_path}"
+        )
         with RogueReader(plan.side_channel, engines.transport, compat, HANDSHAKE_TIMEOUT_S, ROGUE_START_S) as rogue:
             queued = _stop_mid_pull(engines, rogue)
             assert rogue.failure() is None, f"the rogue reader failed before it was stopped: {rogue.failure()}"
             held = sum(s.tx_queue for s in queued)
             if engines.transport == "mooncake":
-                assert queued, ("no socket of P holds bytes for the stopped rogue: the stop did not land mid-pull "
-                                f"(P's sockets to it: {rogue.sockets_from(_prefill_pids(engines))})")
+                assert queued, (
+                    "no socket of P holds bytes for the stopped rogue: the stop did not land mid-pull "
+                    f"(P's sockets to it: {rogue.sockets_from(_prefill_pids(engines))})"
+                )
                 evidence = f"P held {held} bytes unsent for it"
             else:
                 links = rogue.sockets_from(_prefill_pids(engines))
-                evidence = (f"P held {held} bytes unsent for it on {len(links)} socket(s) to it "
-                            "(UCX reads over cma by itself)")
+                evidence = (
+                    f"P held {held} bytes unsent for it on {len(links)} socket(s) to it (UCX reads over cma by itself)"
+                )
             if index == 1:
                 rogue.kill()
             _prefill_answers(http, engines, plan)
             answer = decode_with(http, engines, prompt, params)
             row.wrong_tokens += wrong(answer, expected)
-            row.outcome = (f"{rogue.pulling.nbytes >> 20} MiB pulls over {rogue.pulling.effective_protocol}; "
-                           f"{evidence}; {'while it was stopped' if index == 0 else 'once it was killed'}: "
-                           f"/health, heartbeat, earlier plan {describe(answer)}")
+            row.outcome = (
+                f"{rogue.pulling.nbytes >> 20} MiB pulls over {rogue.pulling.effective_protocol}; "
+                f"{evidence}; {'while it was stopped' if index == 0 else 'once it was killed'}: "
+                f"/health, heartbeat, earlier plan {describe(answer)}"
+            )
             assert answer.served, f"the plan made before the fault failed: {answer.error}"
             assert answer.tokens == expected, "served tokens differ from the colocated reference"
             sibling_ok(http, engines, prompt, engines.seed(92 + index), row)
@@ -1224,4 +1348,3 @@ def test_print_fault_table(capsys: pytest.CaptureFixture[str]) -> None:
     with capsys.disabled():
         print("\n\n[fault suite]\n" + text, file=sys.stdout, flush=True)
     assert all(r.wrong_tokens == 0 for r in TABLE)
-

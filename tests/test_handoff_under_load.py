@@ -57,22 +57,29 @@ def _counter(client: httpx.Client, base_url: str, name: str) -> float:
 
 def test_every_shared_prefix_request_is_served_with_cpu_hogs_beside_the_engines(loaded_pd: LocalPD) -> None:
     prefixes = [prompt_ids(seed=700 + g, length=1000 + 100 * g) for g in range(GROUPS)]
-    prompts = [prefixes[i % GROUPS] + prompt_ids(seed=800 + i, length=150 + 50 * (i % 5))
-               for i in range(GROUPS * SIBLINGS)]
+    prompts = [
+        prefixes[i % GROUPS] + prompt_ids(seed=800 + i, length=150 + 50 * (i % 5)) for i in range(GROUPS * SIBLINGS)
+    ]
     router = loaded_pd.router.base_url
 
     with engine_client(REQUEST_TIMEOUT_S + 30) as client:
+
         def serve(prompt: list[int]) -> tuple[int, float, str]:
             started = time.monotonic()
-            response = client.post(f"{router}/v1/completions", json={
-                "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+            response = client.post(
+                f"{router}/v1/completions",
+                json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+            )
             return response.status_code, time.monotonic() - started, response.text[:200]
 
         with ThreadPoolExecutor(CONCURRENCY) as pool:
             outcomes = list(pool.map(serve, prompts))
 
-        failed = [(status, round(took, 1), body) for status, took, body in outcomes
-                  if status != 200 or took > REQUEST_TIMEOUT_S]
+        failed = [
+            (status, round(took, 1), body)
+            for status, took, body in outcomes
+            if status != 200 or took > REQUEST_TIMEOUT_S
+        ]
         assert not failed, f"{len(failed)} of {len(prompts)} requests not served in time: {failed[:3]}"
         decode, prefill = loaded_pd.decode.base_url, loaded_pd.prefill.base_url
         assert _counter(client, decode, "transfers") >= GROUPS  # P/D really happened (no fallback)

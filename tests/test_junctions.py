@@ -30,10 +30,12 @@ SIBLINGS = 4  # x+a, x+b, x+c, x+d
 
 def _geometry(name: str, eagle: bool, cacheable: bool = True) -> Geometry:
     fa, swa, window = GEOMETRIES[name]
-    return Geometry((
-        GroupGeometry("full_attention", fa, eagle=eagle),
-        GroupGeometry("sliding_window", swa, window, eagle=eagle, prefix_cacheable=cacheable),
-    ))
+    return Geometry(
+        (
+            GroupGeometry("full_attention", fa, eagle=eagle),
+            GroupGeometry("sliding_window", swa, window, eagle=eagle, prefix_cacheable=cacheable),
+        )
+    )
 
 
 def _siblings(prefix_len: int, suffix_len: int, count: int = SIBLINGS) -> list[list[int]]:
@@ -68,8 +70,10 @@ def _serve(geometry: Geometry, prompts: list[list[int]], chunk: int | None, junc
         for group in plan.groups:
             after = colocated.cached_indices(request, group.group_id)
             if after != before[group.group_id] | set(group.cached_blocks):
-                mismatches.append(f"request {k} group {group.group_id}: core {sorted(after)}, "
-                                  f"before {sorted(before[group.group_id])}, plan {group.cached_blocks}")
+                mismatches.append(
+                    f"request {k} group {group.group_id}: core {sorted(after)}, "
+                    f"before {sorted(before[group.group_id])}, plan {group.cached_blocks}"
+                )
         colocated.free(request)
     served = [pair.serve(f"r{k}", tokens) for k, tokens in enumerate(prompts)]
     return Served(
@@ -89,10 +93,20 @@ def _assert_parity(served: Served) -> None:
 
 
 SIBLING_CASES = [
-    pytest.param(name, eagle, prefix, suffix, chunk,
-                 id=f"{name}-{'eagle' if eagle else 'no-eagle'}-x{prefix}+{suffix}-{'chunk' + str(chunk) if chunk else 'one-step'}")
-    for name in GEOMETRIES for eagle in (True, False) for prefix in (1100, 5131)
-    for suffix in (40, 300) for chunk in (None, 512)
+    pytest.param(
+        name,
+        eagle,
+        prefix,
+        suffix,
+        chunk,
+        id=f"{name}-{'eagle' if eagle else 'no-eagle'}-x{prefix}+{suffix}-"
+        f"{'chunk' + str(chunk) if chunk else 'one-step'}",
+    )
+    for name in GEOMETRIES
+    for eagle in (True, False)
+    for prefix in (1100, 5131)
+    for suffix in (40, 300)
+    for chunk in (None, 512)
 ]
 
 
@@ -159,8 +173,11 @@ def test_shared_prefix_tokens_reads_the_junction_vllms_lookup_pinned():
     engine.prefill(request)
 
     assert CacheRules.shared_prefix_tokens(request) == request.shared_prefix_boundary == 896
-    for absent in (object(), type("R", (), {"shared_prefix_boundary": None})(),
-                   type("R", (), {"shared_prefix_boundary": 0})()):
+    for absent in (
+        object(),
+        type("R", (), {"shared_prefix_boundary": None})(),
+        type("R", (), {"shared_prefix_boundary": 0})(),
+    ):
         assert CacheRules.shared_prefix_tokens(absent) is None
 
 
@@ -200,8 +217,18 @@ def test_bounded_replay_group_moves_its_window_and_publishes_nothing(eagle):
 
 
 def test_plan_command_shows_the_junction_runs(capsys):
-    args = ["--fa-block-size", "128", "--swa-block-size", "128", "--window", "64", "--eagle",
-            "--prompt-tokens", "1400", "--json"]
+    args = [
+        "--fa-block-size",
+        "128",
+        "--swa-block-size",
+        "128",
+        "--window",
+        "64",
+        "--eagle",
+        "--prompt-tokens",
+        "1400",
+        "--json",
+    ]
     assert plan_main(args) == 0
     plain = json.loads(capsys.readouterr().out)
     assert plan_main([*args, "--shared-prefix-tokens", "896"]) == 0

@@ -15,7 +15,11 @@ import pytest
 import torch
 
 from pdconnect.kvlayout import (
-    BLOCK_DIM_SENTINEL, LayoutError, TensorLayout, locate_block_dim, pull_ranges,
+    BLOCK_DIM_SENTINEL,
+    LayoutError,
+    TensorLayout,
+    locate_block_dim,
+    pull_ranges,
     pull_ranges_for_layers,
 )
 
@@ -79,16 +83,14 @@ CUDA_LAYOUTS: dict[str, tuple[Callable[[int], torch.Tensor], int]] = {
 }
 
 
-def _layout(make: Callable[[int], torch.Tensor], num_blocks: int = NUM_BLOCKS) -> tuple[
-        torch.Tensor, TensorLayout]:
+def _layout(make: Callable[[int], torch.Tensor], num_blocks: int = NUM_BLOCKS) -> tuple[torch.Tensor, TensorLayout]:
     """A tensor and its layout, the block dim found the way the connector finds it."""
     block_dim = locate_block_dim(make(BLOCK_DIM_SENTINEL).shape, BLOCK_DIM_SENTINEL)
     tensor = make(num_blocks)
     return tensor, TensorLayout.of(tensor, block_dim=block_dim)
 
 
-def _element_indices(storage_addr: int, itemsize: int,
-                     segments: list[tuple[int, int]]) -> list[int]:
+def _element_indices(storage_addr: int, itemsize: int, segments: list[tuple[int, int]]) -> list[int]:
     """Storage element indices covered by byte segments (counted from the storage's
     start, not the view's: a layer's view of a shared buffer starts inside it)."""
     indices: list[int] = []
@@ -130,13 +132,15 @@ def test_block_segments_cover_exactly_the_block_cuda_layout_on_cpu_tensor(name: 
         assert sum(length for _, length in segments) == layout.bytes_per_block
 
 
-@pytest.mark.parametrize("local_name,remote_name", [
-    ("flash_attn", "flashinfer"),
-    ("flashinfer_hnd", "flash_attn_blocks_outermost"),
-    ("flash_attn_hnd", "flashinfer_hnd"),
-])
-def test_pull_ranges_move_blocks_between_backends_cuda_layout_on_cpu_tensor(
-        local_name: str, remote_name: str) -> None:
+@pytest.mark.parametrize(
+    "local_name,remote_name",
+    [
+        ("flash_attn", "flashinfer"),
+        ("flashinfer_hnd", "flash_attn_blocks_outermost"),
+        ("flash_attn_hnd", "flashinfer_hnd"),
+    ],
+)
+def test_pull_ranges_move_blocks_between_backends_cuda_layout_on_cpu_tensor(local_name: str, remote_name: str) -> None:
     local, local_layout = _layout(CUDA_LAYOUTS[local_name][0])
     remote, remote_layout = _layout(CUDA_LAYOUTS[remote_name][0])
     local.zero_()
@@ -145,17 +149,22 @@ def test_pull_ranges_move_blocks_between_backends_cuda_layout_on_cpu_tensor(
     for local_addr, remote_addr, length in pull_ranges(local_layout, remote_layout, pairs):
         ctypes.memmove(local_addr, remote_addr, length)
     for local_block, remote_block in pairs:
-        assert torch.equal(local.select(local_layout.block_dim, local_block),
-                           remote.select(remote_layout.block_dim, remote_block))
+        assert torch.equal(
+            local.select(local_layout.block_dim, local_block), remote.select(remote_layout.block_dim, remote_block)
+        )
     untouched = local.select(local_layout.block_dim, 2)
     assert not untouched.any()
 
 
-@pytest.mark.parametrize("local_name,remote_name", [
-    ("bhlnc", "bhlnc"), ("bhlnc", "lbhnc"), ("lbhnc", "bhlnc"),
-])
-def test_pull_ranges_move_interleaved_layer_blocks_cuda_layout_on_cpu_tensor(
-        local_name: str, remote_name: str) -> None:
+@pytest.mark.parametrize(
+    "local_name,remote_name",
+    [
+        ("bhlnc", "bhlnc"),
+        ("bhlnc", "lbhnc"),
+        ("lbhnc", "bhlnc"),
+    ],
+)
+def test_pull_ranges_move_interleaved_layer_blocks_cuda_layout_on_cpu_tensor(local_name: str, remote_name: str) -> None:
     """vLLM 0.33's BHLNC against itself and against the layer-compact LBHNC (the CPU
     backend's `[blocks, heads, tokens, 2*head]` per layer), every layer of a group.
 
@@ -164,6 +173,7 @@ def test_pull_ranges_move_interleaved_layer_blocks_cuda_layout_on_cpu_tensor(
     layer, and nothing else in either buffer changes — neither blocks outside the pairs
     nor, when only one layer is pulled, the other layers' slices between its heads.
     """
+
     def layer_views(name: str, num_blocks: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if name == "bhlnc":
             whole = _bhlnc_all_layers(num_blocks)
@@ -181,8 +191,7 @@ def test_pull_ranges_move_interleaved_layer_blocks_cuda_layout_on_cpu_tensor(
     for only in (None, 1):
         local_whole.zero_()
         layers = range(LAYERS) if only is None else [only]
-        ranges = pull_ranges_for_layers([local_layouts[i] for i in layers],
-                                        [remote_layouts[i] for i in layers], pairs)
+        ranges = pull_ranges_for_layers([local_layouts[i] for i in layers], [remote_layouts[i] for i in layers], pairs)
         for local_addr, remote_addr, length in ranges:
             ctypes.memmove(local_addr, remote_addr, length)
         for layer in range(LAYERS):
@@ -205,8 +214,8 @@ def test_interleaved_layout_against_another_element_order_is_refused() -> None:
 
 
 def test_pull_ranges_merge_runs_of_blocks_per_kv_plane_cuda_layout_on_cpu_tensor() -> None:
-    local, local_layout = _layout(_flash_attn)
-    remote, remote_layout = _layout(_flash_attn, num_blocks=NUM_BLOCKS + 4)
+    _local, local_layout = _layout(_flash_attn)
+    _remote, remote_layout = _layout(_flash_attn, num_blocks=NUM_BLOCKS + 4)
     ranges = pull_ranges(local_layout, remote_layout, [(b, b + 2) for b in range(4)])
     # Four blocks, each a K and a V segment: one range per plane once merged.
     assert len(ranges) == 2
@@ -227,8 +236,7 @@ def test_incompatible_layouts_are_refused_naming_the_mismatch() -> None:
     _, flash = _layout(_flash_attn)
     with pytest.raises(LayoutError, match="block shape differs"):
         pull_ranges(cpu, flash, [(0, 0)])
-    half = TensorLayout.of(torch.empty(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD, dtype=torch.float16),
-                           block_dim=0)
+    half = TensorLayout.of(torch.empty(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD, dtype=torch.float16), block_dim=0)
     with pytest.raises(LayoutError, match="element size differs: local 4 B vs remote 2 B"):
         pull_ranges(cpu, half, [(0, 0)])
     with pytest.raises(LayoutError, match="block 6 out of range"):
@@ -243,7 +251,8 @@ def test_block_with_gaps_inside_is_one_segment_per_contiguous_run() -> None:
     more segments, it is not refused (it was before vLLM 0.33's interleaved layouts).
     """
     whole = torch.arange(NUM_BLOCKS * HEADS * BLOCK * 2 * HEAD, dtype=torch.float32).reshape(
-        NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
+        NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD
+    )
     keys = whole[..., :HEAD]
     layout = TensorLayout.of(keys, block_dim=0)
     assert layout.segments_per_block == HEADS * BLOCK
@@ -253,7 +262,8 @@ def test_block_with_gaps_inside_is_one_segment_per_contiguous_run() -> None:
         assert covered == keys[block].flatten().long().tolist()  # memory order, K only
     other = torch.zeros_like(whole)
     for local_addr, remote_addr, length in pull_ranges(
-            TensorLayout.of(other[..., :HEAD], block_dim=0), layout, [(1, 2)]):
+        TensorLayout.of(other[..., :HEAD], block_dim=0), layout, [(1, 2)]
+    ):
         ctypes.memmove(local_addr, remote_addr, length)
     assert torch.equal(other[1, ..., :HEAD], keys[2])
     assert not other[1, ..., HEAD:].any() and not other[[0, *range(2, NUM_BLOCKS)]].any()
@@ -273,8 +283,7 @@ def test_block_dim_is_located_only_when_unambiguous() -> None:
 def test_layout_travels_as_msgspec_and_is_validated_on_arrival() -> None:
     _, layout = _layout(_flash_attn_hnd)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(layout), type=TensorLayout) == layout
-    broken = msgspec.msgpack.encode({"base_addr": 1, "shape": [4, 8], "strides": [4, 1],
-                                     "itemsize": 2, "block_dim": 0})
+    broken = msgspec.msgpack.encode({"base_addr": 1, "shape": [4, 8], "strides": [4, 1], "itemsize": 2, "block_dim": 0})
     with pytest.raises(msgspec.ValidationError, match="overlaps itself"):
         msgspec.msgpack.decode(broken, type=TensorLayout)
 

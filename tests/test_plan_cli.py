@@ -16,7 +16,9 @@ WORKED_EXAMPLE = ["--fa-block-size", "256", "--swa-block-size", "64", "--window"
 def test_installed_command_prints_the_worked_example_as_json():
     out = subprocess.run(
         [sys.executable, "-m", "pdconnect.cli", "plan", *WORKED_EXAMPLE, "--eagle", "--json"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     report = json.loads(out)
     assert report["expected_sibling_hit_tokens"] == 4864
@@ -46,19 +48,23 @@ def test_table_output_names_groups_and_the_sibling_hit(capsys):
     assert "sliding_window" in out and "74-76" in out and "4864 tokens" in out
 
 
-@pytest.mark.parametrize(("flag", "value", "message"), [
-    ("--window", "0", "--window must be positive"),
-    ("--window", "-5", "--window must be positive"),
-    ("--swa-block-size", "0", "--swa-block-size must be positive"),
-    ("--fa-block-size", "-256", "--fa-block-size must be positive"),
-    ("--prompt-tokens", "100", "shorter than one block"),
-    ("--window", "abc", "invalid int value"),
-])
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--window", "0", "--window must be positive"),
+        ("--window", "-5", "--window must be positive"),
+        ("--swa-block-size", "0", "--swa-block-size must be positive"),
+        ("--fa-block-size", "-256", "--fa-block-size must be positive"),
+        ("--prompt-tokens", "100", "shorter than one block"),
+        ("--window", "abc", "invalid int value"),
+    ],
+)
 def test_bad_arguments_give_one_line_and_exit_code_2(flag, value, message):
     args = list(WORKED_EXAMPLE)
     args[args.index(flag) + 1] = value
-    result = subprocess.run([sys.executable, "-m", "pdconnect.cli", "plan", *args],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pdconnect.cli", "plan", *args], check=False, capture_output=True, text=True
+    )
     assert result.returncode == 2
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()

@@ -11,19 +11,21 @@ import random
 
 import pytest
 
+from connectors.kvsim import Engine, random_tokens
 from connectors.replay_slack import plan_request
 from connectors.vllm_adapter import CacheRules, Geometry, GroupGeometry
-from connectors.kvsim import Engine, random_tokens
 from tests.geometries import GEOMETRIES
 
 SWA = 1  # group id of the sliding-window group in every geometry below
 
 
 def _geometry(fa: int, swa: int, window: int, eagle: bool) -> Geometry:
-    return Geometry((
-        GroupGeometry("full_attention", fa, eagle=eagle),
-        GroupGeometry("sliding_window", swa, window, eagle=eagle),
-    ))
+    return Geometry(
+        (
+            GroupGeometry("full_attention", fa, eagle=eagle),
+            GroupGeometry("sliding_window", swa, window, eagle=eagle),
+        )
+    )
 
 
 FIXED_LENGTHS = [5119, 5120, 5131, 5376, 5377]
@@ -33,7 +35,9 @@ SIBLING_SUFFIX = 64
 
 CASES = [
     pytest.param(name, eagle, n, id=f"{name}-{'eagle' if eagle else 'no-eagle'}-{n}")
-    for name in GEOMETRIES for eagle in (True, False) for n in LENGTHS
+    for name in GEOMETRIES
+    for eagle in (True, False)
+    for n in LENGTHS
 ]
 
 
@@ -124,11 +128,14 @@ def test_worked_example_5131_tokens_needs_blocks_74_to_76_and_hits_4864():
     assert stock.lookup(stock.new_request("sibling", tokens)) == 0
 
 
-@pytest.mark.parametrize(("eagle", "n", "slack"), [
-    (True, 5120, (70, 71, 72, 74, 75, 76)),  # block-aligned: resend and extension boundaries
-    (False, 5131, ()),                      # run 78-79 lies inside the tail
-    (False, 5376, (78, 79)),                # tail 82-83: the stock clip misses it without EAGLE too
-])
+@pytest.mark.parametrize(
+    ("eagle", "n", "slack"),
+    [
+        (True, 5120, (70, 71, 72, 74, 75, 76)),  # block-aligned: resend and extension boundaries
+        (False, 5131, ()),  # run 78-79 lies inside the tail
+        (False, 5376, (78, 79)),  # tail 82-83: the stock clip misses it without EAGLE too
+    ],
+)
 def test_slack_depends_on_eagle_and_prompt_length(eagle, n, slack):
     _, plan = _setup("fa256-swa64-w128", eagle, n)
     assert plan.groups[SWA].slack_blocks == slack

@@ -39,8 +39,14 @@ print(f"stalls {watch.stalls}", flush=True)
 
 def _child(mode: str) -> subprocess.Popen[str]:
     env = {**os.environ, STALL_WATCH_ENV: "0.8"}
-    return subprocess.Popen([sys.executable, "-c", _CHILD, mode], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-c", _CHILD, mode],
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_a_thread_keeping_the_interpreter_lock_is_the_one_that_used_the_stall() -> None:
@@ -90,7 +96,7 @@ def test_threads_are_sampled_by_kernel_id() -> None:
     assert samples[os.getpid()].cpu_seconds > 0
 
 
-def test_a_bad_setting_starts_no_watch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_bad_setting_starts_no_watch(monkeypatch) -> None:
     for value in ("", "0", "-1", "soon", "nan"):
         monkeypatch.setenv(STALL_WATCH_ENV, value)
         assert start_from_environment() is None

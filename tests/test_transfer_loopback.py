@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from pdconnect.kvlayout import TensorLayout, pull_ranges
+from pdconnect.testbed.processes import freeze
 from pdconnect.transfer import (
     TRANSPORT_KINDS,
     PeerInfo,
@@ -42,7 +43,6 @@ from pdconnect.transfer import (
     merge_ranges,
 )
 from pdconnect.transfer._host import rdma_devices
-from pdconnect.testbed.processes import freeze
 from pdconnect.transfer.loopback import Buffer, LoopbackPeer, digest
 from pdconnect.transfer.transport import METADATA_VERSION
 
@@ -74,12 +74,14 @@ class Decode:
     buffer: Buffer
     peer: LoopbackPeer
 
-    def ranges(self, block_pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-        return pull_ranges(kv_layout(self.buffer.addr, self.buffer.size // BLOCK_BYTES),
-                           kv_layout(self.peer.ready.pool_addr, self.peer.ready.pool_size
-                                     // BLOCK_BYTES), block_pairs)
+    def ranges(self, block_pairs: list[tuple[int, int]]) -> RangeTable:
+        return pull_ranges(
+            kv_layout(self.buffer.addr, self.buffer.size // BLOCK_BYTES),
+            kv_layout(self.peer.ready.pool_addr, self.peer.ready.pool_size // BLOCK_BYTES),
+            block_pairs,
+        )
 
-    def assert_pulled(self, ranges: list[tuple[int, int, int]]) -> None:
+    def assert_pulled(self, ranges: Sequence[tuple[int, int, int]]) -> None:
         mine = digest(self.buffer, [(local, n) for local, _, n in ranges])
         theirs = self.peer.digest([(remote, n) for _, remote, n in ranges])
         assert mine == theirs, "pulled bytes differ from the prefill side's"
@@ -119,8 +121,9 @@ def own(kind: str) -> Iterator[Decode]:
         yield side
 
 
-def _pull_and_wait(side: Decode, ranges: list[tuple[int, int, int]], timeout: float
-                   ) -> tuple[Transfer, TransferState, float]:
+def _pull_and_wait(
+    side: Decode, ranges: Sequence[tuple[int, int, int]], timeout: float
+) -> tuple[Transfer, TransferState, float]:
     """Pull, wait well past the deadline, and time it from the start of the pull."""
     start = time.monotonic()
     transfer = side.transport.pull(PEER, ranges, timeout=timeout)
@@ -150,8 +153,9 @@ def test_partial_pull_of_scattered_blocks_touches_only_those_blocks(shared: Deco
     untouched = set(range(POOL_BLOCKS)) - set(local_blocks)
     zero = bytes(BLOCK_BYTES)
     for block in untouched:
-        assert shared.buffer.bytes_at(shared.buffer.addr + block * BLOCK_BYTES,
-                                      BLOCK_BYTES) == zero, f"block {block} was written"
+        assert shared.buffer.bytes_at(shared.buffer.addr + block * BLOCK_BYTES, BLOCK_BYTES) == zero, (
+            f"block {block} was written"
+        )
 
 
 def test_empty_pull_is_done_at_once(shared: Decode) -> None:
@@ -160,25 +164,22 @@ def test_empty_pull_is_done_at_once(shared: Decode) -> None:
 
 def test_pull_refuses_ranges_outside_registered_memory(shared: Decode) -> None:
     local, remote = shared.buffer.addr, shared.peer.ready.pool_addr
-    with pytest.raises(TransferError, match="local range .* is not inside memory registered"):
+    with pytest.raises(TransferError, match=r"local range .* is not inside memory registered"):
         shared.transport.pull(PEER, [(local + POOL_BYTES - 8, remote, 16)], timeout=1)
-    with pytest.raises(TransferError, match="remote range .* is not inside memory the peer"):
+    with pytest.raises(TransferError, match=r"remote range .* is not inside memory the peer"):
         shared.transport.pull(PEER, [(local, remote - 16, 16)], timeout=1)
     with pytest.raises(TransferError, match="'nobody': not connected"):
         shared.transport.pull("nobody", [(local, remote, 16)], timeout=1)
     with pytest.raises(TransferError, match="negative length -16"):
-        shared.transport.pull(PEER, [(local + 64, remote, 16), (local + 32, remote, -16)],
-                              timeout=1)
+        shared.transport.pull(PEER, [(local + 64, remote, 16), (local + 32, remote, -16)], timeout=1)
     with pytest.raises(TransferError, match="negative length -16"):
         shared.transport.pull(PEER, RangeTable(np.array([[local + 32, remote, -16]])), timeout=1)
     # The numpy-backed ranges kvlayout returns are checked just the same, range by range.
     inside = [(local + 64 * i, remote + 64 * i, 32) for i in range(100)]
     with pytest.raises(TransferError, match=f"local range \\[{local + POOL_BYTES - 8:#x}, "):
-        shared.transport.pull(PEER, merge_ranges([*inside, (local + POOL_BYTES - 8, remote, 16)]),
-                              timeout=1)
+        shared.transport.pull(PEER, merge_ranges([*inside, (local + POOL_BYTES - 8, remote, 16)]), timeout=1)
     with pytest.raises(TransferError, match=f"remote range \\[{remote - 16:#x}, "):
-        shared.transport.pull(PEER, merge_ranges([(local, remote - 16, 16), *inside[1:]]),
-                              timeout=1)
+        shared.transport.pull(PEER, merge_ranges([(local, remote - 16, 16), *inside[1:]]), timeout=1)
 
 
 def test_connect_with_garbage_metadata_raises_a_clear_error(shared: Decode) -> None:
@@ -201,8 +202,9 @@ def test_connect_with_garbage_metadata_raises_a_clear_error(shared: Decode) -> N
 
 def _metadata(kind: str, protocol: str, endpoint: bytes) -> bytes:
     """Hand-made peer metadata, for what a real peer would never send."""
-    return msgspec.msgpack.encode(PeerInfo(kind=kind, version=METADATA_VERSION,
-                                           protocol=protocol, endpoint=endpoint, regions=()))
+    return msgspec.msgpack.encode(
+        PeerInfo(kind=kind, version=METADATA_VERSION, protocol=protocol, endpoint=endpoint, regions=())
+    )
 
 
 def test_peer_killed_before_pull_fails_within_the_timeout(own: Decode) -> None:
@@ -263,8 +265,7 @@ def test_frozen_peer_fails_at_the_deadline_then_settles(own: Decode) -> None:
 
 
 @pytest.mark.skipif(bool(rdma_devices()), reason="this host has RDMA devices")
-def test_mooncake_reports_tcp_when_rdma_was_asked_for_on_a_host_without_rdma(
-        caplog: pytest.LogCaptureFixture) -> None:
+def test_mooncake_reports_tcp_when_rdma_was_asked_for_on_a_host_without_rdma(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="pdconnect.transfer")
     transport = create_transport("mooncake", host="127.0.0.1", protocol="rdma")
     try:
@@ -300,8 +301,7 @@ def test_transports_never_import_torch() -> None:
         "import pdconnect.kvlayout\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -324,9 +324,15 @@ def _stalled_reader(metadata: bytes, pool_addr: int, pipe: Any) -> None:
     start = time.monotonic()
     transfer = transport.pull(PEER, ranges, timeout=20)
     state = transfer.wait(30)
-    pipe.send((state.name, time.monotonic() - start, transfer.error,
-               [(remote_addr, n) for _, remote_addr, n in ranges],
-               digest(buffer, [(local, n) for local, _, n in ranges])))
+    pipe.send(
+        (
+            state.name,
+            time.monotonic() - start,
+            transfer.error,
+            [(remote_addr, n) for _, remote_addr, n in ranges],
+            digest(buffer, [(local, n) for local, _, n in ranges]),
+        )
+    )
     transport.close()
 
 
@@ -342,8 +348,9 @@ def test_mooncake_read_on_a_stalled_session_is_made_again_until_the_deadline(fro
     context = multiprocessing.get_context("spawn")
     with LoopbackPeer("mooncake", POOL_BYTES, protocol="tcp") as peer:
         parent, child = context.Pipe()
-        reader = context.Process(target=_stalled_reader, args=(peer.ready.metadata, peer.ready.pool_addr, child),
-                                 daemon=True)
+        reader = context.Process(
+            target=_stalled_reader, args=(peer.ready.metadata, peer.ready.pool_addr, child), daemon=True
+        )
         reader.start()
         try:
             assert parent.poll(60) and parent.recv() == "DONE"
@@ -367,6 +374,7 @@ def test_mooncake_read_on_a_stalled_session_is_made_again_until_the_deadline(fro
 
 
 # --- sharing the host: waiting costs no core, one stalled reader stalls no other ---
+
 
 def _process_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -422,7 +430,8 @@ def test_a_mooncake_pull_from_a_peer_in_use_is_submitted_by_the_caller(monkeypat
         transfer = side.transport.pull(PEER, ranges, timeout=30)
         assert transfer.wait(30) is TransferState.DONE, transfer.error
         assert not [name for name in started if name.startswith("pdconnect-")], (
-            f"a pull from a peer in use waited on helper threads: {started}")
+            f"a pull from a peer in use waited on helper threads: {started}"
+        )
         side.assert_pulled(ranges)
 
 
@@ -446,8 +455,11 @@ def test_a_reader_that_stops_mid_transfer_stalls_no_other_reader(kind: str) -> N
     context = multiprocessing.get_context("spawn")
     with LoopbackPeer(kind, POOL_BYTES, protocol="tcp") as peer:
         parent, child = context.Pipe()
-        reader = context.Process(target=_stopped_reader, daemon=True,
-                                 args=(kind, peer.ready.metadata, peer.ready.pool_addr, peer.ready.pool_size, child))
+        reader = context.Process(
+            target=_stopped_reader,
+            daemon=True,
+            args=(kind, peer.ready.metadata, peer.ready.pool_addr, peer.ready.pool_size, child),
+        )
         reader.start()
         transport = create_transport(kind, host="127.0.0.1")
         buffer = Buffer(POOL_BYTES)
@@ -458,8 +470,10 @@ def test_a_reader_that_stops_mid_transfer_stalls_no_other_reader(kind: str) -> N
             freeze(reader.pid)
             transport.register([buffer.region])
             transport.connect(PEER, peer.ready.metadata)
-            layouts = (kv_layout(buffer.addr, POOL_BYTES // BLOCK_BYTES),
-                       kv_layout(peer.ready.pool_addr, peer.ready.pool_size // BLOCK_BYTES))
+            layouts = (
+                kv_layout(buffer.addr, POOL_BYTES // BLOCK_BYTES),
+                kv_layout(peer.ready.pool_addr, peer.ready.pool_size // BLOCK_BYTES),
+            )
             for round_ in range(3):
                 ranges = pull_ranges(*layouts, [(i, i) for i in range(round_ * 8, round_ * 8 + 8)])
                 started = time.monotonic()
@@ -467,7 +481,8 @@ def test_a_reader_that_stops_mid_transfer_stalls_no_other_reader(kind: str) -> N
                 assert transfer.wait(40) is TransferState.DONE, transfer.error
                 assert time.monotonic() - started < 15, "a stopped reader held up another reader's pull"
                 assert digest(buffer, [(local, n) for local, _, n in ranges]) == peer.digest(
-                    [(remote, n) for _, remote, n in ranges])
+                    [(remote, n) for _, remote, n in ranges]
+                )
         finally:
             if reader.pid is not None:
                 os.kill(reader.pid, signal.SIGCONT)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import MutableMapping
 from typing import Any
 
 import httpx
@@ -23,12 +24,24 @@ from pdconnect.protocol import PROTOCOL_VERSION
 from tests.params_fuzz import JSON_VALUES, cases, expected_ask
 
 PLAN: dict[str, Any] = {
-    "remote_engine_id": "prefill-0", "remote_request_id": "r1", "remote_host": "10.0.0.5", "remote_port": 5700,
-    "compat_hash": "c" * 16, "num_prompt_tokens": 600, "lease_expires_at": 1.0e9,
-    "groups": [{"group": 0, "runs": [{"start": 0, "block_ids": [4, 5, 6]}], "slack": []},
-               {"group": 1, "runs": [{"start": 6, "block_ids": [9, 10]}], "slack": [6]}],
-    "lease_id": "lease-1", "prompt_digest": "d" * 32, "do_remote_prefill": True, "do_remote_decode": False,
-    "pdconnect": PROTOCOL_VERSION, "remote_prefill_cached_tokens": 0, "prompt_token_ids": None,
+    "remote_engine_id": "prefill-0",
+    "remote_request_id": "r1",
+    "remote_host": "10.0.0.5",
+    "remote_port": 5700,
+    "compat_hash": "c" * 16,
+    "num_prompt_tokens": 600,
+    "lease_expires_at": 1.0e9,
+    "groups": [
+        {"group": 0, "runs": [{"start": 0, "block_ids": [4, 5, 6]}], "slack": []},
+        {"group": 1, "runs": [{"start": 6, "block_ids": [9, 10]}], "slack": [6]},
+    ],
+    "lease_id": "lease-1",
+    "prompt_digest": "d" * 32,
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "pdconnect": PROTOCOL_VERSION,
+    "remote_prefill_cached_tokens": 0,
+    "prompt_token_ids": None,
 }
 
 
@@ -39,24 +52,35 @@ def _ask_kind(params: Any) -> str:
 
 def test_every_json_type_at_every_place_is_decoded_as_the_rules_say():
     fuzz = cases(PLAN)
-    wrong = [(c.name, expected_ask(c.params), _ask_kind(c.params)) for c in fuzz
-             if expected_ask(c.params) != _ask_kind(c.params)]
+    wrong = [
+        (c.name, expected_ask(c.params), _ask_kind(c.params))
+        for c in fuzz
+        if expected_ask(c.params) != _ask_kind(c.params)
+    ]
     assert not wrong, wrong[:10]
     kinds = {expected_ask(c.params) for c in fuzz}
     assert kinds == {"invalid", "plan", "none"}  # the cases reach every outcome
 
 
 def test_refusals_name_the_field():
-    assert "$.groups[0].runs[0].block_ids[0]" in read_params(
-        {**PLAN, "groups": [{"group": 0, "runs": [{"start": 0, "block_ids": ["4"]}]}]}).invalid
+    assert (
+        "$.groups[0].runs[0].block_ids[0]"
+        in read_params({**PLAN, "groups": [{"group": 0, "runs": [{"start": 0, "block_ids": ["4"]}]}]}).invalid
+    )
     assert "Expected `object`, got `str`" in read_params("x").invalid
     assert "do_remote_prefill" in read_params({"do_remote_prefill": "yes"}).invalid
 
 
 def test_prefill_leg_keeps_other_proxies_keys():
     # vLLM's toy proxy sends these with the prefill leg.
-    toy = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-           "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    toy = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
     assert read_params(toy).leg is Leg.PREFILL and not read_params(toy).invalid
 
 
@@ -75,7 +99,7 @@ def test_the_gate_counts_each_request_once_and_strips_what_it_refused(caplog):
     with caplog.at_level(logging.WARNING, logger="pdconnect.connector"):
         for _ in range(3):  # the scheduler asks about a request many times
             for request in requests:
-                gate.ask(request)  # type: ignore[arg-type]
+                gate.ask(request)
     refused = [r for r, v in zip(requests, JSON_VALUES) if v is not None and not isinstance(v, dict)]
     taken = stats.take()
     assert taken is not None and taken.data["counters"]["invalid_transfer_params"] == len(refused)
@@ -94,9 +118,9 @@ def test_the_bounded_warning_says_how_many_it_held_back(caplog, monkeypatch):
     monkeypatch.setattr("connectors.transfer_params.time.monotonic", lambda: clock[0])
     with caplog.at_level(logging.WARNING, logger="pdconnect.connector"):
         for i in range(5):
-            gate.ask(_Request(f"a{i}", "x"))  # type: ignore[arg-type]
+            gate.ask(_Request(f"a{i}", "x"))
         clock[0] += 11
-        gate.ask(_Request("b", 1))  # type: ignore[arg-type]
+        gate.ask(_Request("b", 1))
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and "4 more like it" in messages[1]
 
@@ -104,7 +128,7 @@ def test_the_bounded_warning_says_how_many_it_held_back(caplog, monkeypatch):
 # --- the API server's guard --------------------------------------------------------------
 
 
-async def _echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def _echo(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
     """Stands in for vLLM's app: answers 200 with the body it received."""
     body = b""
     while True:
@@ -121,6 +145,7 @@ def _post(body: bytes) -> httpx.Response:
         transport = httpx.ASGITransport(app=TransferParamsGuard(_echo))
         async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
             return await client.post("/v1/completions", content=body)
+
     return asyncio.run(go())
 
 
@@ -128,8 +153,11 @@ def _post(body: bytes) -> httpx.Response:
 def test_the_guard_answers_400_for_every_invalid_case_and_passes_the_rest(carrier):
     for case in cases(PLAN):
         params = case.params
-        request = ({"prompt": "hi", "kv_transfer_params": params} if carrier == "kv_transfer_params"
-                   else {"prompt": "hi", "vllm_xargs": {"kv_transfer_params": params}})
+        request = (
+            {"prompt": "hi", "kv_transfer_params": params}
+            if carrier == "kv_transfer_params"
+            else {"prompt": "hi", "vllm_xargs": {"kv_transfer_params": params}}
+        )
         body = json.dumps(request).encode()
         response = _post(body)
         if expected_ask(params) == "invalid":

@@ -32,12 +32,10 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _permuted(base: int, shape: tuple[int, ...], order: tuple[int, ...], itemsize: int,
-              block_dim: int) -> TensorLayout:
+def _permuted(base: int, shape: tuple[int, ...], order: tuple[int, ...], itemsize: int, block_dim: int) -> TensorLayout:
     """A contiguous tensor of `shape` viewed through `.permute(order)`, as torch would."""
     strides = _contiguous_strides(shape)
-    return TensorLayout(base, tuple(shape[d] for d in order), tuple(strides[d] for d in order),
-                        itemsize, block_dim)
+    return TensorLayout(base, tuple(shape[d] for d in order), tuple(strides[d] for d in order), itemsize, block_dim)
 
 
 LAYERS = 3  # layers sharing one allocation in the interleaved layouts
@@ -53,8 +51,13 @@ def _bhlnc(base: int, n: int, layer: int = 0) -> TensorLayout:
     """
     c = 2 * HEAD  # K and V packed in the content dim, as in vLLM 0.33's [B, H, N, C] views
     itemsize = 2
-    return TensorLayout(base + layer * TOKENS * c * itemsize, (n, HEADS, TOKENS, c),
-                        (HEADS * LAYERS * TOKENS * c, LAYERS * TOKENS * c, c, 1), itemsize, 0)
+    return TensorLayout(
+        base + layer * TOKENS * c * itemsize,
+        (n, HEADS, TOKENS, c),
+        (HEADS * LAYERS * TOKENS * c, LAYERS * TOKENS * c, c, 1),
+        itemsize,
+        0,
+    )
 
 
 # name -> (make(base, num_blocks), the logical block shape every backend agrees on)
@@ -62,19 +65,14 @@ LAYOUTS = {
     # [blocks, heads, tokens, 2*head]: the CPU backend, K and V packed in the last dim.
     "cpu": lambda base, n: _permuted(base, (n, HEADS, TOKENS, 2 * HEAD), (0, 1, 2, 3), 2, 0),
     # [2, blocks, tokens, heads, head]: flash-attn NHD, a K and a V plane per block.
-    "flash_attn": lambda base, n: _permuted(base, (2, n, TOKENS, HEADS, HEAD),
-                                            (0, 1, 2, 3, 4), 2, 1),
+    "flash_attn": lambda base, n: _permuted(base, (2, n, TOKENS, HEADS, HEAD), (0, 1, 2, 3, 4), 2, 1),
     # flash-attn's logical shape over HND memory ([2, blocks, heads, tokens, head]).
-    "flash_attn_hnd": lambda base, n: _permuted(base, (2, n, HEADS, TOKENS, HEAD),
-                                                (0, 1, 3, 2, 4), 2, 1),
+    "flash_attn_hnd": lambda base, n: _permuted(base, (2, n, HEADS, TOKENS, HEAD), (0, 1, 3, 2, 4), 2, 1),
     # [blocks, 2, tokens, heads, head]: FlashInfer NHD, one range per block.
-    "flashinfer": lambda base, n: _permuted(base, (n, 2, TOKENS, HEADS, HEAD),
-                                            (0, 1, 2, 3, 4), 2, 0),
-    "flashinfer_hnd": lambda base, n: _permuted(base, (n, 2, HEADS, TOKENS, HEAD),
-                                                (0, 1, 3, 2, 4), 2, 0),
+    "flashinfer": lambda base, n: _permuted(base, (n, 2, TOKENS, HEADS, HEAD), (0, 1, 2, 3, 4), 2, 0),
+    "flashinfer_hnd": lambda base, n: _permuted(base, (n, 2, HEADS, TOKENS, HEAD), (0, 1, 3, 2, 4), 2, 0),
     # flash-attn's logical shape over HND memory with the block dim outermost.
-    "flash_attn_blocks_outermost": lambda base, n: _permuted(base, (n, 2, HEADS, TOKENS, HEAD),
-                                                             (1, 0, 3, 2, 4), 2, 1),
+    "flash_attn_blocks_outermost": lambda base, n: _permuted(base, (n, 2, HEADS, TOKENS, HEAD), (1, 0, 3, 2, 4), 2, 1),
     # [B, H, L, N, C] in memory, the middle layer's view: heads of a block interleaved
     # with the other layers' (the same logical block as "cpu", i.e. vLLM 0.33's LBHNC).
     "bhlnc": lambda base, n: _bhlnc(base, n, layer=1),
@@ -82,11 +80,16 @@ LAYOUTS = {
 
 # Pairs whose blocks hold the same elements in the same packed order.
 COMPATIBLE = [
-    ("cpu", "cpu"), ("flash_attn", "flash_attn"), ("flash_attn", "flashinfer"),
-    ("flashinfer", "flash_attn"), ("flash_attn_hnd", "flashinfer_hnd"),
+    ("cpu", "cpu"),
+    ("flash_attn", "flash_attn"),
+    ("flash_attn", "flashinfer"),
+    ("flashinfer", "flash_attn"),
+    ("flash_attn_hnd", "flashinfer_hnd"),
     ("flashinfer_hnd", "flash_attn_blocks_outermost"),
     ("flash_attn_blocks_outermost", "flash_attn_hnd"),
-    ("bhlnc", "bhlnc"), ("bhlnc", "cpu"), ("cpu", "bhlnc"),
+    ("bhlnc", "bhlnc"),
+    ("bhlnc", "cpu"),
+    ("cpu", "bhlnc"),
 ]
 
 
@@ -97,8 +100,7 @@ def _element_address(layout: TensorLayout, block: int, index: tuple[int, ...]) -
     return layout.base_addr + sum(i * s for i, s in zip(full, layout.strides)) * layout.itemsize
 
 
-def _reference_byte_map(local: TensorLayout, remote: TensorLayout,
-                        pairs: list[tuple[int, int]]) -> dict[int, int]:
+def _reference_byte_map(local: TensorLayout, remote: TensorLayout, pairs: list[tuple[int, int]]) -> dict[int, int]:
     """local byte -> remote byte, element by element: what a correct pull must copy."""
     block_shape = [n for d, n in enumerate(local.shape) if d != local.block_dim]
     mapping = {}
@@ -127,8 +129,7 @@ def _pairs(seed: int, count: int, local_blocks: int, remote_blocks: int) -> list
 
 @pytest.mark.parametrize("local_name,remote_name", COMPATIBLE)
 @pytest.mark.parametrize("merged", [True, False])
-def test_pull_ranges_copy_every_element_to_its_place(local_name: str, remote_name: str,
-                                                     merged: bool) -> None:
+def test_pull_ranges_copy_every_element_to_its_place(local_name: str, remote_name: str, merged: bool) -> None:
     local = LAYOUTS[local_name](1 << 20, BLOCKS)
     remote = LAYOUTS[remote_name](1 << 30, BLOCKS + 3)
     for seed in range(3):
@@ -172,12 +173,10 @@ def test_interleaved_layers_of_one_buffer_are_pulled_without_touching_each_other
             if not merged:
                 assert len(ranges) == LAYERS * len(pairs) * HEADS  # one range per head
     contiguous = pull_ranges_for_layers(local, remote, [(1, 4), (2, 5), (3, 6)])
-    assert contiguous == [(local[0].base_addr + block_bytes, remote[0].base_addr + 4 * block_bytes,
-                           3 * block_bytes)]
+    assert contiguous == [(local[0].base_addr + block_bytes, remote[0].base_addr + 4 * block_bytes, 3 * block_bytes)]
     only_middle = _byte_map(list(pull_ranges(local[1], remote[1], [(2, 5)])))
     assert only_middle == _reference_byte_map(local[1], remote[1], [(2, 5)])
-    neighbours = _reference_byte_map(local[0], remote[0], [(2, 5)]) | _reference_byte_map(
-        local[2], remote[2], [(2, 5)])
+    neighbours = _reference_byte_map(local[0], remote[0], [(2, 5)]) | _reference_byte_map(local[2], remote[2], [(2, 5)])
     assert not only_middle.keys() & neighbours.keys()
 
 
@@ -187,8 +186,11 @@ def test_unmerged_ranges_come_layer_then_pair_then_piece() -> None:
     remote = [LAYOUTS["cpu"](1 << 30, BLOCKS), LAYOUTS["cpu"](2 << 30, BLOCKS)]
     pairs = [(3, 0), (1, 5), (2, 2)]
     block_bytes = HEADS * TOKENS * 2 * HEAD * 2
-    expected = [(mine.base_addr + lb * block_bytes, theirs.base_addr + rb * block_bytes,
-                 block_bytes) for mine, theirs in zip(local, remote) for lb, rb in pairs]
+    expected = [
+        (mine.base_addr + lb * block_bytes, theirs.base_addr + rb * block_bytes, block_bytes)
+        for mine, theirs in zip(local, remote)
+        for lb, rb in pairs
+    ]
     assert pull_ranges_for_layers(local, remote, pairs, merged=False) == expected
     assert pull_ranges_for_layers(local, remote, [], merged=False) == []
 
@@ -225,8 +227,7 @@ def test_merge_ranges_matches_a_range_by_range_reference() -> None:
         ranges = []
         for slot in slots:
             remote_slot = slot + rng.choice([0, 0, 0, 1, 7])
-            ranges.append((4096 + 64 * slot, (1 << 20) + 64 * remote_slot,
-                           rng.choice([64, 64, 64, 0])))
+            ranges.append((4096 + 64 * slot, (1 << 20) + 64 * remote_slot, rng.choice([64, 64, 64, 0])))
         rng.shuffle(ranges)
         assert merge_ranges(ranges) == _reference_merge(ranges)
 
@@ -235,8 +236,10 @@ def test_merge_range_groups_equals_merging_the_concatenation() -> None:
     """The per-KV-cache-group form the worker can use: same answer, no tuples in between."""
     full = [LAYOUTS["flash_attn"]((i + 1) << 24, BLOCKS) for i in range(2)]
     window = [LAYOUTS["cpu"]((i + 5) << 24, BLOCKS) for i in range(2)]
-    groups = [pull_ranges_for_layers(full, full, [(b, b) for b in range(4)]),
-              pull_ranges_for_layers(window, window, [(4, 2), (5, 3)])]
+    groups = [
+        pull_ranges_for_layers(full, full, [(b, b) for b in range(4)]),
+        pull_ranges_for_layers(window, window, [(4, 2), (5, 3)]),
+    ]
     merged = merge_range_groups(groups)
     assert merged == _reference_merge([r for group in groups for r in group])
     assert merged.total_bytes == sum(length for *_, length in merged)
@@ -245,12 +248,15 @@ def test_merge_range_groups_equals_merging_the_concatenation() -> None:
 
 def test_merge_ranges_refuses_ranges_that_are_not_triples() -> None:
     with pytest.raises(ValueError, match="triples; 2 ranges hold 7 numbers"):
-        merge_ranges([(0x1000, 0x2000, 64), (0x3000, 0x4000, 64, 1)])  # type: ignore[list-item]
+        merge_ranges([(0x1000, 0x2000, 64), (0x3000, 0x4000, 64, 1)])  # type: ignore[list-item]  # the wrong shape on purpose
 
 
 def test_merge_ranges_refuses_overlapping_destinations() -> None:
-    with pytest.raises(ValueError, match=r"destination ranges overlap: \[0x1000, \+64\) and "
-                                         r"\[0x1020, \+64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"destination ranges overlap: \[0x1000, \+64\) and "
+        r"\[0x1020, \+64\)",
+    ):
         merge_ranges([(0x1020, 0, 64), (0x1000, 0x9000, 64)])
 
 

@@ -28,16 +28,18 @@ def test_empty_ranges_vanish_and_overlapping_destinations_are_refused() -> None:
 
 
 def test_metadata_decoding_names_what_is_wrong() -> None:
-    good = PeerInfo(kind="nixl", version=METADATA_VERSION, protocol="ucx", endpoint=b"blob",
-                    regions=(MemoryRegion(4096, 8192),))
+    good = PeerInfo(
+        kind="nixl", version=METADATA_VERSION, protocol="ucx", endpoint=b"blob", regions=(MemoryRegion(4096, 8192),)
+    )
     blob = msgspec.msgpack.encode(good)
     assert decode_metadata(blob, expected_kind="nixl") == good
     with pytest.raises(TransferError, match="not pdconnect transfer metadata"):
         decode_metadata(b"\x00garbage")
     with pytest.raises(TransferError, match="for transport 'nixl', this side runs 'mooncake'"):
         decode_metadata(blob, expected_kind="mooncake")
-    future = msgspec.msgpack.encode(PeerInfo(kind="nixl", version=METADATA_VERSION + 1,
-                                             protocol="ucx", endpoint=b"", regions=()))
+    future = msgspec.msgpack.encode(
+        PeerInfo(kind="nixl", version=METADATA_VERSION + 1, protocol="ucx", endpoint=b"", regions=())
+    )
     with pytest.raises(TransferError, match="different pdconnect releases"):
         decode_metadata(future)
 

@@ -14,8 +14,9 @@ from connectors.kvsim import Engine, random_tokens
 from connectors.replay_slack import plan_request
 from connectors.vllm_adapter import CacheRules, Geometry, GroupGeometry, UnsupportedLayout, group_kind
 
-GEOMETRY = Geometry((GroupGeometry("full_attention", 256, eagle=True),
-                     GroupGeometry("sliding_window", 64, 128, eagle=True)))
+GEOMETRY = Geometry(
+    (GroupGeometry("full_attention", 256, eagle=True), GroupGeometry("sliding_window", 64, 128, eagle=True))
+)
 N = 5131
 
 
@@ -91,8 +92,7 @@ def test_cached_block_views_hashes_at_the_groups_block_size(engine):
 
 
 def test_specs_pdconnect_cannot_plan_are_refused():
-    legacy_swa = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16,
-                                   sliding_window=128)
+    legacy_swa = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16, sliding_window=128)
     with pytest.raises(UnsupportedLayout, match="FullAttentionSpec is not supported"):
         group_kind(legacy_swa)
     with pytest.raises(UnsupportedLayout, match="sliding window must be positive"):
