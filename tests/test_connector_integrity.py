@@ -191,7 +191,8 @@ def test_release_while_decode_waits_fails_the_load_and_publishes_nothing(prefill
     time.sleep(0.5)  # claimed
 
     # The client went away: the router releases the plan while decode still has it queued.
-    release_remote(f"tcp://{params['remote_host']}:{params['remote_port']}", [params["remote_request_id"]],
+    release_remote(f"tcp://{params['remote_host']}:{params['remote_port']}", params["remote_engine_id"],
+                   [params["remote_request_id"]],
                    "client disconnected", keyring("router"))
     reuse_prefill_blocks(prefill, "q5")
     done = decode.result("q5")
