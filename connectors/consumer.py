@@ -173,7 +173,7 @@ class Consumer(CacheBound):
             elif lost:
                 self.stats.count("leases_lost")
                 assert incoming.plan is not None
-                self._notifier.unwatch(incoming.plan.side_channel, lease_id)
+                self._notifier.unwatch(incoming.plan.side_channel, incoming.plan.remote_engine_id, lease_id)
                 incoming.claim = ClaimState.LOST
                 incoming.failure = incoming.failure or lost
                 logger.error("request %s: %s", incoming.request.request_id, lost)
@@ -197,7 +197,7 @@ class Consumer(CacheBound):
         incoming = self._incoming[request_id] = _Incoming(request, plan, None)
         self._by_lease[plan.lease_id] = request_id
         self._claim(incoming)
-        self._notifier.watch(plan.side_channel, plan.lease_id)
+        self._notifier.watch(plan.side_channel, plan.remote_engine_id, plan.lease_id)
 
     def _claim(self, incoming: _Incoming) -> None:
         assert incoming.plan is not None
@@ -206,6 +206,7 @@ class Consumer(CacheBound):
         self._notifier.send(
             plan.side_channel,
             Claim(
+                to_engine=plan.remote_engine_id,
                 lease_id=plan.lease_id,
                 claimant=claimant_of(self.engine_id, incoming.request.request_id),
                 plan_digest=plan.digest(),
@@ -451,7 +452,12 @@ class Consumer(CacheBound):
             self._tell_prefill(
                 load.plan,
                 request_id,
-                Done(request_ids=[load.plan.lease_id], ok=ok, claimant=claimant_of(self.engine_id, request_id)),
+                Done(
+                    to_engine=load.plan.remote_engine_id,
+                    request_ids=[load.plan.lease_id],
+                    ok=ok,
+                    claimant=claimant_of(self.engine_id, request_id),
+                ),
             )
         if not load.aborted:
             self._settled.add(request_id)  # done or failed: this request never loads again
@@ -479,7 +485,7 @@ class Consumer(CacheBound):
         return published
 
     def _tell_prefill(self, plan: TransferPlan, request_id: str, message: Message) -> None:
-        self._notifier.unwatch(plan.side_channel, plan.lease_id)
+        self._notifier.unwatch(plan.side_channel, plan.remote_engine_id, plan.lease_id)
         self._notifier.send(plan.side_channel, message)
 
     def request_finished(self, request: Request) -> None:
@@ -496,6 +502,7 @@ class Consumer(CacheBound):
                 incoming.plan,
                 request_id,
                 Release(
+                    to_engine=incoming.plan.remote_engine_id,
                     request_ids=[incoming.plan.lease_id],
                     reason="decode request ended before its load",
                     claimant=claimant_of(self.engine_id, request_id),

@@ -282,6 +282,7 @@ class _Desk:
             start.port,
             self.answer,
             settings.resolve_keys(frozenset(start.roles)),
+            engine_id=start.engine_id,
             max_message_bytes=settings.side_channel_max_message_bytes,
             max_age_seconds=settings.side_channel_max_age_seconds,
             allow_insecure=settings.allow_insecure_side_channel,

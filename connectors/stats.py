@@ -62,6 +62,7 @@ COUNTERS: dict[str, str] = {
     "side_channel_refused_stale": "Side-channel messages refused: timestamp outside the allowed age",
     "side_channel_refused_replayed": "Side-channel messages refused: nonce seen before (replay)",
     "side_channel_refused_overloaded": "Side-channel messages refused: replay guard full",
+    "side_channel_refused_wrong_engine": "Side-channel lease messages refused: they name another prefill engine",
     "side_channel_dropped_over_budget": "Side-channel messages dropped unread: their connection was refused too often",
     "side_channel_connections_over_host_limit": (
         "Side-channel connections closed on arrival: their host held side_channel_max_connections_per_host"

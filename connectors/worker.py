@@ -264,7 +264,12 @@ class PDWorker:
             self.stats.count("claim_retries")
             logger.warning("request %s: %s; confirming again", spec.request_id, exc)
 
-        claim = Claim(lease_id=spec.lease_id, claimant=spec.claimant, plan_digest=spec.plan_digest)
+        claim = Claim(
+            to_engine=spec.remote_engine_id,
+            lease_id=spec.lease_id,
+            claimant=spec.claimant,
+            plan_digest=spec.plan_digest,
+        )
         return confirm_claim(client, claim, retrying)
 
     def _handshake(self, spec: PullSpec) -> _Remote:

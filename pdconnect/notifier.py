@@ -7,12 +7,13 @@ must never wait on the network, so it only enqueues here; the network waits happ
 notifier threads.
 
 Heartbeats and releases are batched per peer: whatever is due for an address when its
-worker gets to it goes out as one message. A release the peer did not answer (down, or
-stalled past the deadline) is kept and sent again until its own deadline (the lease's
-end: after that the prefill engine frees the blocks itself), so a stalled prefill engine
-still gets it when it runs again; at most `max_pending_releases` ids wait per peer, and
-any beyond are dropped and counted ("releases_dropped"), as are those whose deadline
-passed unanswered ("releases_expired").
+worker gets to it goes out as one message per engine named (every notice names the
+prefill engine it is for, `to_engine`, and a server refuses one naming another engine).
+A release the peer did not answer (down, or stalled past the deadline) is kept and sent
+again until its own deadline (the lease's end: after that the prefill engine frees the
+blocks itself), so a stalled prefill engine still gets it when it runs again; at most
+`max_pending_releases` ids wait per peer, and any beyond are dropped and counted
+("releases_dropped"), as are those whose deadline passed unanswered ("releases_expired").
 
 Each peer address has its own FIFO queue and worker thread, so a prefill engine that is
 down (every request waits out the full timeout) delays only messages for itself. Every
@@ -131,9 +132,10 @@ class PeerNotifier:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._overflow: _Peer | None = None
-        self._watched: dict[str, set[str]] = {}
+        self._watched: dict[str, set[tuple[str, str]]] = {}  # address -> (engine id, request id)
         self._beats_pending: set[str] = set()  # addresses with a heartbeat queued
-        self._releases: dict[str, dict[str, _PendingRelease]] = {}  # address -> request id -> why, until when
+        # address -> (engine id, request id) -> why, until when
+        self._releases: dict[str, dict[tuple[str, str], _PendingRelease]] = {}
         self._releases_queued: set[str] = set()  # addresses with their releases' batch queued
         self._releases_in_flight = 0
         self._releases_full: set[str] = set()  # addresses that dropped releases since their last batch
@@ -143,16 +145,16 @@ class PeerNotifier:
 
     # --- called from the scheduler thread -------------------------------------------
 
-    def watch(self, address: str, request_id: str) -> None:
-        """Heartbeat `request_id` to `address` every `heartbeat_seconds` until unwatched."""
+    def watch(self, address: str, engine_id: str, request_id: str) -> None:
+        """Heartbeat `request_id` to engine `engine_id` at `address` every `heartbeat_seconds` until unwatched."""
         with self._lock:
-            self._watched.setdefault(address, set()).add(request_id)
+            self._watched.setdefault(address, set()).add((engine_id, request_id))
 
-    def unwatch(self, address: str, request_id: str) -> None:
+    def unwatch(self, address: str, engine_id: str, request_id: str) -> None:
         with self._lock:
             ids = self._watched.get(address)
             if ids is not None:
-                ids.discard(request_id)
+                ids.discard((engine_id, request_id))
                 if not ids:
                     del self._watched[address]
 
@@ -169,9 +171,9 @@ class PeerNotifier:
             self._count("notifier_errors")
             logger.exception("notifier could not queue %s to %s", type(message).__name__, address)
 
-    def release(self, address: str, request_ids: list[str], reason: str, until: float) -> None:
-        """Free `request_ids` on `address`, resent while unanswered until `until` (monotonic);
-        returns at once and never raises."""
+    def release(self, address: str, engine_id: str, request_ids: list[str], reason: str, until: float) -> None:
+        """Free `request_ids` on engine `engine_id` at `address`, resent while unanswered until
+        `until` (monotonic); returns at once and never raises."""
         if self._stop.is_set():
             self._count("releases_dropped", len(request_ids))
             return
@@ -179,9 +181,9 @@ class PeerNotifier:
             with self._lock:
                 pending = self._releases.setdefault(address, {})
                 room = self._max_pending_releases - len(pending)
-                fresh = [i for i in request_ids if i not in pending]
-                for request_id in fresh[: max(room, 0)]:
-                    pending[request_id] = _PendingRelease(reason, until)
+                fresh = [(engine_id, i) for i in request_ids if (engine_id, i) not in pending]
+                for key in fresh[: max(room, 0)]:
+                    pending[key] = _PendingRelease(reason, until)
                 if len(fresh) > room:
                     self._count("releases_dropped", len(fresh) - max(room, 0))
                     if address not in self._releases_full:  # once per episode: the counter has the rest
@@ -300,10 +302,13 @@ class PeerNotifier:
         if message == "heartbeat":
             with self._lock:
                 self._beats_pending.discard(address)
-                ids = sorted(self._watched.get(address, ()))
-            if not ids:
-                return
-            message = Heartbeat(request_ids=ids)
+                watched = sorted(self._watched.get(address, ()))
+            by_engine: dict[str, list[str]] = {}
+            for engine_id, request_id in watched:
+                by_engine.setdefault(engine_id, []).append(request_id)
+            for engine_id, ids in by_engine.items():
+                self._send(item, Heartbeat(to_engine=engine_id, request_ids=ids), client)
+            return
         assert not isinstance(message, str)
         self._send(item, message, client)
 
@@ -350,7 +355,7 @@ class PeerNotifier:
                 self._releases_in_flight -= len(pending)
 
     def _send_releases(
-        self, item: _Outgoing, client: SideChannelClient | None, pending: dict[str, _PendingRelease]
+        self, item: _Outgoing, client: SideChannelClient | None, pending: dict[tuple[str, str], _PendingRelease]
     ) -> None:
         address = item.address
         now = time.monotonic()
@@ -358,21 +363,22 @@ class PeerNotifier:
         if expired:
             self._count("releases_expired", len(expired))
             logger.warning("notifier: %d releases to %s unanswered until their leases ended", len(expired), address)
-        by_reason: dict[str, list[str]] = {}
-        for request_id, wanted in pending.items():
+        batches: dict[tuple[str, str], list[str]] = {}  # (engine id, reason) -> request ids
+        for (engine_id, request_id), wanted in pending.items():
             if wanted.until > now:
-                by_reason.setdefault(wanted.reason, []).append(request_id)
-        for reason, ids in by_reason.items():
-            if self._stop.is_set() or self._send(item, Release(request_ids=ids, reason=reason), client):
+                batches.setdefault((engine_id, wanted.reason), []).append(request_id)
+        for (engine_id, reason), ids in batches.items():
+            release = Release(to_engine=engine_id, request_ids=ids, reason=reason)
+            if self._stop.is_set() or self._send(item, release, client):
                 continue
             # Unanswered: the peer may be down or stalled; keep them for another try.
             self._count("release_retries", len(ids))
             with self._lock:
                 kept = self._releases.setdefault(address, {})
-                for request_id in ids:
+                for key in ((engine_id, i) for i in ids):
                     if len(kept) < self._max_pending_releases:
-                        kept.setdefault(request_id, pending[request_id])
-                    elif request_id not in kept:
+                        kept.setdefault(key, pending[key])
+                    elif key not in kept:
                         self._count("releases_dropped")
                 self._queue_releases(address)
 

@@ -34,6 +34,7 @@ __all__ = [
     "Handshake",
     "HandshakeReply",
     "Heartbeat",
+    "LeaseMessage",
     "Message",
     "ProtocolError",
     "Refusal",
@@ -46,7 +47,8 @@ __all__ = [
 
 # 2: replies name the request they answer (`Envelope.reply_to`, signed with the rest).
 # 3: envelopes name the sender's role and direction; signatures are per role (Ed25519).
-PROTOCOL_VERSION = 3
+# 4: messages that act on a lease name the prefill engine they are for (`to_engine`).
+PROTOCOL_VERSION = 4
 
 
 class ProtocolError(ValueError):
@@ -207,6 +209,18 @@ class _Msg(_Strict, frozen=True, tag_field="type"):
     """Base of side-channel messages; `type` names the kind on the wire."""
 
 
+class _ToEngine(_Msg, frozen=True):
+    """Base of the messages that act on a lease: each names the prefill engine it is for.
+
+    Lease and request ids are only unique per engine, and a signature proves who sent a
+    message, not where: without `to_engine`, a notice signed for engine A and delivered
+    (by a proxy, a stale address, a replay within the window) to engine B would act on
+    B's lease of the same id. The side-channel server refuses one naming another engine.
+    """
+
+    to_engine: str
+
+
 class Handshake(_Msg, frozen=True, tag="handshake"):
     """A decode worker asks the prefill engine for one TP rank's transport details."""
 
@@ -227,7 +241,7 @@ class HandshakeReply(_Msg, frozen=True, tag="handshake_reply"):
     layouts: bytes
 
 
-class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
+class Heartbeat(_ToEngine, frozen=True, tag="heartbeat"):
     """The decode engine still wants these leases' blocks: extend them.
 
     Ids are lease ids (or, from older peers, prefill request ids); the `Ack` lists in
@@ -237,7 +251,7 @@ class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
     request_ids: list[str]
 
 
-class Claim(_Msg, frozen=True, tag="claim"):
+class Claim(_ToEngine, frozen=True, tag="claim"):
     """A decode request takes the loan of a plan's blocks, or confirms it still holds it.
 
     Sent when decode first sees the request and again after its pull has read the
@@ -252,7 +266,7 @@ class Claim(_Msg, frozen=True, tag="claim"):
     plan_digest: str
 
 
-class Done(_Msg, frozen=True, tag="done"):
+class Done(_ToEngine, frozen=True, tag="done"):
     """The decode engine finished pulling (or gave up): P may free these blocks.
 
     With `claimant` set, a lease claimed by somebody else is left alone: a refused
@@ -264,7 +278,7 @@ class Done(_Msg, frozen=True, tag="done"):
     claimant: str | None = None
 
 
-class Release(_Msg, frozen=True, tag="release"):
+class Release(_ToEngine, frozen=True, tag="release"):
     """Free these requests' blocks now (client gone, decode aborted)."""
 
     request_ids: list[str]
@@ -285,6 +299,7 @@ class Refusal(_Msg, frozen=True, tag="refusal"):
 
 
 Message = Handshake | HandshakeReply | Heartbeat | Claim | Done | Release | Ack | Refusal
+LeaseMessage = Heartbeat | Claim | Done | Release
 
 # --- who may send what -----------------------------------------------------------------
 

@@ -64,7 +64,7 @@ from pdconnect.envelope import (
     request_id_of,
 )
 from pdconnect.keyring import Keyring
-from pdconnect.protocol import Ack, Message, ProtocolError, Refusal, Release, Role
+from pdconnect.protocol import Ack, LeaseMessage, Message, ProtocolError, Refusal, Release, Role
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -137,6 +137,7 @@ SERVER_COUNTERS = (
     "refused_stale",
     "refused_replayed",
     "refused_overloaded",  # the envelope checks, by `EnvelopeError.kind`
+    "refused_wrong_engine",  # a lease message naming another engine (`to_engine`)
     "dropped_over_budget",  # a connection past its refusal budget: dropped unread
     "connections_over_host_limit",  # a connection cut: its host held max_connections_per_host
     "connections_over_limit",  # a connection cut: the server held max_connections
@@ -241,7 +242,8 @@ class SideChannelServer:
     gets at most one reply, to the identity that sent it; nothing a peer sends is
     answered with a local value (keys, version, window, exception text); the handler
     sees only messages whose sender role may send them (`protocol.SENDERS`), signed by
-    that role when the server has `keys` (which sign its answers as "prefill").
+    that role when the server has `keys` (which sign its answers as "prefill"); a
+    message that acts on a lease reaches it only if it names this server's `engine_id`.
 
     Binding an address other machines can reach needs `keys`, unless the operator opts
     out with `allow_insecure=True` (a trusted, isolated network). At most
@@ -256,6 +258,7 @@ class SideChannelServer:
         handler: Handler,
         keys: Keyring | None = None,
         *,
+        engine_id: str,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_age_seconds: float = DEFAULT_MAX_AGE_SECONDS,
         allow_insecure: bool = False,
@@ -290,6 +293,9 @@ class SideChannelServer:
             )
         self.max_connections = capped
         max_connections_per_host = min(max_connections_per_host, capped)
+        if not engine_id:
+            raise SideChannelError("a side-channel server needs the id of the engine it serves")
+        self.engine_id = engine_id
         self._handler = handler
         self._keys = keys
         self._guard = ReplayGuard(max_age_seconds) if keys is not None else None
@@ -444,6 +450,11 @@ class SideChannelServer:
             self._refused(identity, exc.kind, str(exc))
             # Without a readable id no client can be waiting for an answer: none is sent.
             return None if reply_to is None else self._encode(Refusal(reason=str(exc)), reply_to)
+        if isinstance(message, LeaseMessage) and message.to_engine != self.engine_id:
+            # Signed and fresh, but for another engine: its ids may name our leases by chance.
+            text = f"a {type(message).__name__} for engine {message.to_engine!r} reached engine {self.engine_id!r}"
+            self._refused(identity, "wrong_engine", text)
+            return self._encode(Refusal(reason=f"this is not engine {message.to_engine!r}"), reply_to)
         self._counters.add("received")
         try:
             return self._encode(self._handler(message), reply_to)
@@ -594,12 +605,18 @@ def _sent(socket: zmq.Socket, data: bytes) -> bool:
 
 
 def release_remote(
-    address: str, request_ids: list[str], reason: str, keys: Keyring | None = None, timeout: float = 2.0
+    address: str,
+    engine_id: str,
+    request_ids: list[str],
+    reason: str,
+    keys: Keyring | None = None,
+    timeout: float = 2.0,
 ) -> Ack:
-    """Tell a prefill engine, as the router, to free requests' blocks now (one connection, one message)."""
+    """Tell prefill engine `engine_id` at `address`, as the router, to free requests' blocks
+    now (one connection, one message)."""
     client = SideChannelClient(address, "router", keys, timeout)
     try:
-        reply = client.request(Release(request_ids=request_ids, reason=reason))
+        reply = client.request(Release(to_engine=engine_id, request_ids=request_ids, reason=reason))
     finally:
         client.close()
     if not isinstance(reply, Ack):

@@ -204,6 +204,7 @@ def test_release_while_decode_waits_fails_the_load_and_publishes_nothing(prefill
     # (decode first looks at a request, and claims its plan, at its next step).
     release_remote(
         f"tcp://{params['remote_host']}:{params['remote_port']}",
+        params["remote_engine_id"],
         [params["remote_request_id"]],
         "client disconnected",
         keyring("router"),

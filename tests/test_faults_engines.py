@@ -544,7 +544,14 @@ class _ClaimThenFail(BaseHTTPRequestHandler):
             plan = decode_plan(params)
             client = SideChannelClient(plan.side_channel, "decode", keyring("decode"), timeout=5.0)
             try:
-                reply = client.request(Claim(lease_id=plan.lease_id, claimant="fake-decode", plan_digest=plan.digest()))
+                reply = client.request(
+                    Claim(
+                        to_engine=plan.remote_engine_id,
+                        lease_id=plan.lease_id,
+                        claimant="fake-decode",
+                        plan_digest=plan.digest(),
+                    )
+                )
             finally:
                 client.close()
             type(self).claims.append(
@@ -599,7 +606,14 @@ def test_router_retries_decode_with_a_fresh_plan(pd: EngineSet, http: httpx.Clie
             old = decode_plan(handler.plans[0])
             client = SideChannelClient(old.side_channel, "decode", keyring("decode"), timeout=5.0)
             try:
-                reply = client.request(Claim(lease_id=old.lease_id, claimant="probe", plan_digest=old.digest()))
+                reply = client.request(
+                    Claim(
+                        to_engine=old.remote_engine_id,
+                        lease_id=old.lease_id,
+                        claimant="probe",
+                        plan_digest=old.digest(),
+                    )
+                )
                 assert isinstance(reply, Ack) and old.lease_id in reply.unknown, reply
             except SideChannelError:
                 pass  # refused: not held for this claimant either
@@ -755,7 +769,14 @@ def test_side_channel_messages_do_not_take_prefill_down(pd: EngineSet, http: htt
     # Forged: a release of the live plan signed with the wrong key, and one not signed at all.
     for keys in (keyring("router", secret="wrong-router-secret-" + "w" * 20), None):
         _exchange(
-            address, [encode_message(Release(request_ids=[parsed.remote_request_id], reason="forged"), "router", keys)]
+            address,
+            [
+                encode_message(
+                    Release(to_engine=parsed.remote_engine_id, request_ids=[parsed.remote_request_id], reason="forged"),
+                    "router",
+                    keys,
+                )
+            ],
         )
         sent["unauthenticated"] += 1
     # The forged releases freed nothing: the plan still loads and serves the reference.
@@ -763,12 +784,22 @@ def test_side_channel_messages_do_not_take_prefill_down(pd: EngineSet, http: htt
     row.wrong_tokens += wrong(answer, expected)
     assert answer.served and answer.tokens == expected, f"plan unusable after forged releases: {answer}"
     # Replayed: one signed heartbeat twice. Stale: signed an hour ago.
-    signed = encode_message(Heartbeat(request_ids=[parsed.lease_id]), "decode", keyring("decode"))
+    signed = encode_message(
+        Heartbeat(to_engine=parsed.remote_engine_id, request_ids=[parsed.lease_id]), "decode", keyring("decode")
+    )
     assert _exchange(address, [signed]) is not None
     _exchange(address, [signed])
     sent["replayed"] += 1
     _exchange(
-        address, [encode_message(Heartbeat(request_ids=["x"]), "decode", keyring("decode"), now=time.time() - 3600)]
+        address,
+        [
+            encode_message(
+                Heartbeat(to_engine=parsed.remote_engine_id, request_ids=["x"]),
+                "decode",
+                keyring("decode"),
+                now=time.time() - 3600,
+            )
+        ],
     )
     sent["stale"] += 1
     # Another protocol version.
@@ -1253,7 +1284,7 @@ def _prefill_answers(http: httpx.Client, engines: EngineSet, plan: TransferPlan)
     assert health.status_code == 200, f"prefill /health answered {health.status_code}"
     client = SideChannelClient(plan.side_channel, "decode", keyring("decode"), HANDSHAKE_TIMEOUT_S)
     try:
-        reply = client.request(Heartbeat(request_ids=[plan.lease_id]))
+        reply = client.request(Heartbeat(to_engine=plan.remote_engine_id, request_ids=[plan.lease_id]))
     except SideChannelError as exc:
         raise AssertionError(f"prefill side channel: heartbeat failed within {HANDSHAKE_TIMEOUT_S}s: {exc}") from None
     finally:

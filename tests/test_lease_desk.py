@@ -66,7 +66,8 @@ def _each_claim_finds_its_lease(desk: LeaseDesk, count: int, deadline_s: float) 
     try:
         for i in range(count):
             desk.open(f"r{i}", f"lease-{i}", "digest")
-            answer = client.request(Claim(lease_id=f"lease-{i}", claimant="decode-a", plan_digest="digest"))
+            claim = Claim(to_engine="prefill-desk", lease_id=f"lease-{i}", claimant="decode-a", plan_digest="digest")
+            answer = client.request(claim)
             assert answer == Ack(unknown=[]), i
     finally:
         client.close()
@@ -77,7 +78,7 @@ def test_a_lease_that_ends_on_the_desk_is_reported_to_the_scheduler():
     try:
         desk.open("r1", "lease-1", "digest")
         address = f"tcp://127.0.0.1:{desk.port}"
-        assert release_remote(address, ["r1"], "client disconnected", keyring("router")).unknown == []
+        assert release_remote(address, "prefill-desk", ["r1"], "client disconnected", keyring("router")).unknown == []
         ended: list = []
         _wait_for(lambda: ended.extend(desk.take_ended()) or ended, "the release was not reported")
         assert [(e.request_id, e.reason) for e in ended] == [("r1", "released: client disconnected")]
@@ -133,7 +134,7 @@ class _Traffic:
     def _beats(self) -> None:
         client = SideChannelClient(self.address, "decode", keyring("decode"), 2.0)
         try:
-            self._every_gap(lambda: self._count("heartbeats", client.request(Heartbeat(request_ids=["gone"]))))
+            self._every_gap(lambda: self._count("heartbeats", client.request(Heartbeat(to_engine="prefill-desk", request_ids=["gone"]))))
         finally:
             client.close()
 
@@ -212,18 +213,19 @@ def test_a_release_for_one_prefill_engine_is_refused_by_another():
             desk.open("r1", "lease-1", "digest")
         address_a, address_b = (f"tcp://127.0.0.1:{d.port}" for d in (desk_a, desk_b))
         with pytest.raises(SideChannelError, match="refused Release: .*engine"):
-            release_remote(address_b, ["r1"], "client disconnected", keyring("router"))
+            release_remote(address_b, "prefill-a", ["r1"], "client disconnected", keyring("router"))
         client = SideChannelClient(address_b, "decode", keyring("decode"), WAIT_S)
         try:  # B still lends lease-1: its claimant is told it is held
-            assert client.request(Claim(lease_id="lease-1", claimant="decode-a", plan_digest="digest")) == Ack()
+            claim = Claim(to_engine="prefill-b", lease_id="lease-1", claimant="decode-a", plan_digest="digest")
+            assert client.request(claim) == Ack()
         finally:
             client.close()
         assert desk_b.take_ended() == []
-        assert release_remote(address_a, ["r1"], "client disconnected", keyring("router")) == Ack()
+        assert release_remote(address_a, "prefill-a", ["r1"], "client disconnected", keyring("router")) == Ack()
         ended: list = []
         _wait_for(lambda: ended.extend(desk_a.take_ended()) or ended, "A did not end the released lease")
         assert [(e.request_id, e.reason) for e in ended] == [("r1", "released: client disconnected")]
-        assert desk_b.totals().get("refused_wrong_engine") == 1
+        _wait_for(lambda: desk_b.totals().get("refused_wrong_engine") == 1, "B did not count the refusal")
     finally:
         desk_a.close()
         desk_b.close()

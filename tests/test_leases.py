@@ -126,11 +126,11 @@ def test_the_side_channel_reports_when_it_last_drained_its_queue():
         release.wait(5)
         return Ack()
 
-    server = SideChannelServer("127.0.0.1", 0, slow)
+    server = SideChannelServer("127.0.0.1", 0, slow, engine_id="prefill-0")
     try:
         client = SideChannelClient(server.address, "decode", None, timeout=5)
         answer: list[object] = []
-        sender = _threading.Thread(target=lambda: answer.append(client.request(Heartbeat(request_ids=["L"]))))
+        sender = _threading.Thread(target=lambda: answer.append(client.request(Heartbeat(to_engine="prefill-0", request_ids=["L"]))))
         sender.start()
         assert entered.wait(5)
         stuck = server.drained_at
@@ -156,7 +156,7 @@ class _Peer:
     def __init__(self, answer: Callable[[int], Message]) -> None:
         self.calls = 0
         self._answer = answer
-        self.server = SideChannelServer("127.0.0.1", 0, self._handle)
+        self.server = SideChannelServer("127.0.0.1", 0, self._handle, engine_id="prefill-0")
 
     def _handle(self, message: Message) -> Message:
         self.calls += 1
@@ -167,7 +167,7 @@ class _Peer:
         return f"tcp://127.0.0.1:{self.server.port}"
 
 
-CLAIM = Claim(lease_id="lease-1", claimant="decode/r1", plan_digest="d")
+CLAIM = Claim(to_engine="prefill-0", lease_id="lease-1", claimant="decode/r1", plan_digest="d")
 # The late answer leaves the second attempt 0.75 s: room for a loaded machine's scheduling.
 TIMEOUT = 1.0
 

@@ -64,7 +64,7 @@ class _Events:
 
 @contextlib.contextmanager
 def _prefill(handler: Callable[[Message], Message] | None = None) -> Iterator[SideChannelServer]:
-    server = SideChannelServer("127.0.0.1", 0, handler or (lambda m: Ack()), PREFILL)
+    server = SideChannelServer("127.0.0.1", 0, handler or (lambda m: Ack()), PREFILL, engine_id="prefill-0")
     try:
         yield server
     finally:
@@ -108,22 +108,22 @@ def _notifier_threads() -> list[threading.Thread]:
 def test_a_hung_prefill_engine_does_not_delay_another_engines_messages():
     events = _Events()
     with _hung_peer() as (hung, hung_socket), _prefill() as live, _notifier(events) as notifier:
-        notifier.send(hung, Done(request_ids=["to-hung-1"]))
-        notifier.send(hung, Done(request_ids=["to-hung-2"]))
+        notifier.send(hung, Done(to_engine="prefill-0", request_ids=["to-hung-1"]))
+        notifier.send(hung, Done(to_engine="prefill-0", request_ids=["to-hung-2"]))
         # The hung engine has the first message: its worker now waits out a 60 s timeout.
         assert hung_socket.poll(WAIT * 1000, zmq.POLLIN)
-        notifier.send(live.address, Done(request_ids=["to-live"]))
+        notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["to-live"]))
         events.wait_for(lambda: events.of("reply", live.address))
         # The live engine was answered while both messages to the hung one are pending
         # (sent one at a time, it would have waited for their timeouts first).
         assert events.of("failure", hung) == [] and events.of("reply", hung) == []
-        assert events.of("reply", live.address) == [("reply", live.address, Done(request_ids=["to-live"]), Ack())]
+        assert events.of("reply", live.address) == [("reply", live.address, Done(to_engine="prefill-0", request_ids=["to-live"]), Ack())]
 
 
 def test_messages_queued_behind_a_hung_engine_all_fail_and_the_queue_drains():
     events = _Events()
     with _hung_peer() as (hung, _), _notifier(events, timeout_seconds=0.3) as notifier:
-        sent = [Release(request_ids=[f"r{i}"], reason="client gone") for i in range(5)]
+        sent = [Release(to_engine="prefill-0", request_ids=[f"r{i}"], reason="client gone") for i in range(5)]
         for message in sent:
             notifier.send(hung, message)
         events.wait_for(lambda: len(events.of("failure", hung)) == len(sent))
@@ -138,8 +138,8 @@ def test_a_malformed_address_fails_that_message_only():
     bad = "tcp://no such host:0"
     with _prefill() as live, _notifier(events) as notifier:
         for _ in range(2):  # the worker for the bad address survives its own failure
-            notifier.send(bad, Done(request_ids=["r"]))
-        notifier.send(live.address, Done(request_ids=["ok"]))
+            notifier.send(bad, Done(to_engine="prefill-0", request_ids=["r"]))
+        notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["ok"]))
         events.wait_for(lambda: len(events.of("failure", bad)) == 2 and events.of("reply", live.address))
         assert all("Invalid argument" in e[3] for e in events.of("failure", bad))
         assert events.counts["notification_failures"] == 2 and events.counts["notifier_errors"] == 0
@@ -149,7 +149,7 @@ def test_a_malformed_address_fails_that_message_only():
 def test_a_refusal_is_a_failure_with_the_peers_reason():
     events = _Events()
     with _prefill() as live, _notifier(events, keys=keyring("decode", secret="not-the-decode-secret-" + "x" * 20)) as notifier:
-        notifier.send(live.address, Done(request_ids=["r"]))
+        notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["r"]))
         events.wait_for(lambda: events.of("failure", live.address))
         assert "authentication failed" in events.of("failure", live.address)[0][3]
         assert events.unanswered == [False]  # the peer decided: no resend
@@ -180,8 +180,8 @@ def test_callback_and_counter_errors_do_not_end_delivery():
                                 on_reply=on_reply, on_failure=on_failure)
         try:
             for round_ in range(2):
-                notifier.send(bad, Done(request_ids=[f"bad{round_}"]))
-                notifier.send(live.address, Done(request_ids=[f"ok{round_}"]))
+                notifier.send(bad, Done(to_engine="prefill-0", request_ids=[f"bad{round_}"]))
+                notifier.send(live.address, Done(to_engine="prefill-0", request_ids=[f"ok{round_}"]))
             events.wait_for(lambda: calls["reply"] == 2 and calls["failure"] == 2)
             events.wait_for(lambda: events.counts["notifier_callback_errors"] == 4)
         finally:
@@ -200,22 +200,48 @@ def test_heartbeats_carry_every_watched_id_and_unknown_ids_reach_on_reply():
     events = _Events()
     with _prefill(prefill) as live, _prefill() as other, _notifier(events, heartbeat_seconds=0.05) as notifier:
         for request_id in ("lease-b", "lease-a"):
-            notifier.watch(live.address, request_id)
-        notifier.watch(other.address, "lease-c")
+            notifier.watch(live.address, "prefill-0", request_id)
+        notifier.watch(other.address, "prefill-0", "lease-c")
         events.wait_for(lambda: events.of("reply", live.address) and events.of("reply", other.address))
         first = events.of("reply", live.address)[0]
-        assert first[2:] == (Heartbeat(request_ids=["lease-a", "lease-b"]), Ack(unknown=["lease-b"]))
-        assert events.of("reply", other.address)[0][2] == Heartbeat(request_ids=["lease-c"])
+        assert first[2:] == (Heartbeat(to_engine="prefill-0", request_ids=["lease-a", "lease-b"]), Ack(unknown=["lease-b"]))
+        assert events.of("reply", other.address)[0][2] == Heartbeat(to_engine="prefill-0", request_ids=["lease-c"])
         # Unwatched ids drop out of the next heartbeats; an address with none gets none.
-        notifier.unwatch(live.address, "lease-b")
-        notifier.unwatch(other.address, "lease-c")
+        notifier.unwatch(live.address, "prefill-0", "lease-b")
+        notifier.unwatch(other.address, "prefill-0", "lease-c")
         seen = len(events.of("reply", live.address))
         events.wait_for(lambda: len(events.of("reply", live.address)) >= seen + 2)
-        assert events.of("reply", live.address)[-1][2] == Heartbeat(request_ids=["lease-a"])
+        assert events.of("reply", live.address)[-1][2] == Heartbeat(to_engine="prefill-0", request_ids=["lease-a"])
         replies_to_other = len(events.of("reply", other.address))
     assert all(isinstance(m, Heartbeat) for m in received)
     # At most one heartbeat to `other` was already queued when its last id was unwatched.
     assert len(events.of("reply", other.address)) <= replies_to_other + 1
+
+
+def test_notices_name_their_engine_and_ids_for_another_engine_at_the_address_are_refused():
+    """Batches are per engine: ids watched or released for an engine that does not serve
+    the address (a plan naming the wrong one) go out in their own message, which that
+    server refuses, and never ride along with the ids it does hold."""
+    received: list[Message] = []
+
+    def prefill(message: Message) -> Message:
+        received.append(message)
+        return Ack()
+
+    events = _Events()
+    with _prefill(prefill) as live, _notifier(events, heartbeat_seconds=0.05) as notifier:
+        notifier.watch(live.address, "prefill-0", "lease-a")
+        notifier.watch(live.address, "prefill-1", "lease-b")
+        notifier.release(live.address, "prefill-0", ["r1"], "client gone", time.monotonic() + WAIT)
+        notifier.release(live.address, "prefill-1", ["r2"], "client gone", time.monotonic() + WAIT)
+        sent = lambda kind: [e[2] for e in events.of(kind, live.address)]  # noqa: E731
+        events.wait_for(lambda: len(sent("reply")) >= 2 and len(sent("failure")) >= 2)
+        assert Heartbeat(to_engine="prefill-0", request_ids=["lease-a"]) in sent("reply")
+        assert Release(to_engine="prefill-0", request_ids=["r1"], reason="client gone") in sent("reply")
+        assert Heartbeat(to_engine="prefill-1", request_ids=["lease-b"]) in sent("failure")
+        assert Release(to_engine="prefill-1", request_ids=["r2"], reason="client gone") in sent("failure")
+        assert all("not engine 'prefill-1'" in e[3] for e in events.of("failure", live.address))
+    assert {m.to_engine for m in received if isinstance(m, (Heartbeat, Release))} == {"prefill-0"}
 
 
 def test_close_does_not_wait_out_a_hung_engine():
@@ -223,7 +249,7 @@ def test_close_does_not_wait_out_a_hung_engine():
     with _hung_peer() as (hung, hung_socket):
         before = set(_notifier_threads())
         with _notifier(events) as notifier:
-            notifier.send(hung, Done(request_ids=["r"]))
+            notifier.send(hung, Done(to_engine="prefill-0", request_ids=["r"]))
             assert hung_socket.poll(WAIT * 1000, zmq.POLLIN)  # the worker is mid-request (60 s timeout)
         # close() returned: its worker ended, without reporting the abandoned request.
         assert [t for t in _notifier_threads() if t not in before] == []
@@ -234,10 +260,10 @@ def test_an_idle_peer_worker_ends_and_comes_back_when_needed():
     events = _Events()
     with _prefill() as live, _notifier(events, idle_seconds=0.1) as notifier:
         before = set(_notifier_threads())
-        notifier.send(live.address, Done(request_ids=["first"]))
+        notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["first"]))
         events.wait_for(lambda: len(events.of("reply", live.address)) == 1)
         _eventually(lambda: [t for t in _notifier_threads() if t not in before] == [])
-        notifier.send(live.address, Done(request_ids=["second"]))
+        notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["second"]))
         events.wait_for(lambda: len(events.of("reply", live.address)) == 2)
 
 
@@ -248,10 +274,10 @@ def test_addresses_beyond_max_peers_share_one_overflow_worker():
     with _hung_peer() as (hung, hung_socket), _prefill() as live, _prefill() as other, \
             _notifier(events, max_peers=1) as notifier:
         before = set(_notifier_threads())
-        notifier.send(hung, Done(request_ids=["to-hung"]))
+        notifier.send(hung, Done(to_engine="prefill-0", request_ids=["to-hung"]))
         assert hung_socket.poll(WAIT * 1000, zmq.POLLIN)
         for address in (live.address, other.address, live.address):
-            notifier.send(address, Done(request_ids=["r"]))
+            notifier.send(address, Done(to_engine="prefill-0", request_ids=["r"]))
         events.wait_for(lambda: len(events.of("reply", live.address)) == 2 and events.of("reply", other.address))
         assert len([t for t in _notifier_threads() if t not in before]) == 2  # hung's worker + overflow
         assert events.counts["notifier_overflow"] == 3 and events.of("failure", hung) == []

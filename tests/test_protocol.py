@@ -67,10 +67,10 @@ PREFILL, DECODE, ROUTER = (keyring(role) for role in ("prefill", "decode", "rout
 
 
 def test_messages_are_signed_by_their_role_and_checked_by_the_receiver():
-    data = encode_message(Done(request_ids=["r1"]), "decode", DECODE)
-    assert _open(data, PREFILL) == Done(request_ids=["r1"])
-    unsigned = encode_message(Done(request_ids=["r1"]), "decode")
-    guessed = encode_message(Done(request_ids=["r1"]), "decode", keyring("decode", secret="x" * 32))
+    data = encode_message(Done(to_engine="prefill-0", request_ids=["r1"]), "decode", DECODE)
+    assert _open(data, PREFILL) == Done(to_engine="prefill-0", request_ids=["r1"])
+    unsigned = encode_message(Done(to_engine="prefill-0", request_ids=["r1"]), "decode")
+    guessed = encode_message(Done(to_engine="prefill-0", request_ids=["r1"]), "decode", keyring("decode", secret="x" * 32))
     for refused in (unsigned, guessed):
         with pytest.raises(EnvelopeError, match="no valid decode signature") as info:
             _open(refused, PREFILL)
@@ -83,12 +83,12 @@ def test_no_role_can_pass_for_another_or_send_what_its_role_may_not():
     secret signed for all three, and the router pod could answer decode as a prefill engine."""
     ack = Ack(unknown=[])
     # Its own role, but a kind the router may not send: refused after the signature holds.
-    for message in (Heartbeat(request_ids=["l"]), Claim(lease_id="l", claimant="c", plan_digest="d"),
-                    Done(request_ids=["l"])):
+    for message in (Heartbeat(to_engine="prefill-0", request_ids=["l"]), Claim(to_engine="prefill-0", lease_id="l", claimant="c", plan_digest="d"),
+                    Done(to_engine="prefill-0", request_ids=["l"])):
         with pytest.raises(EnvelopeError, match="a router may not send") as info:
             _open(encode_message(message, "router", ROUTER), PREFILL)
         assert info.value.kind == "forbidden"
-    assert _open(encode_message(Release(request_ids=["l"], reason="gone"), "router", ROUTER), PREFILL)
+    assert _open(encode_message(Release(to_engine="prefill-0", request_ids=["l"], reason="gone"), "router", ROUTER), PREFILL)
     # Claiming another role: its key is not that role's, so the signature fails.
     forged = msgspec.msgpack.decode(encode_message(ack, "router", ROUTER))
     as_prefill = {**forged, "sender": "prefill"}
@@ -100,13 +100,13 @@ def test_no_role_can_pass_for_another_or_send_what_its_role_may_not():
     with pytest.raises(EnvelopeError, match="a decode may not send Ack as a reply"):
         _open(encode_message(ack, "decode", DECODE), DECODE, "reply")
     with pytest.raises(EnvelopeError, match="a prefill may not send Heartbeat as a request"):
-        _open(encode_message(Heartbeat(request_ids=["l"]), "prefill", PREFILL), PREFILL)
+        _open(encode_message(Heartbeat(to_engine="prefill-0", request_ids=["l"]), "prefill", PREFILL), PREFILL)
     with pytest.raises(EnvelopeError, match="request sent where a reply was expected"):
-        _open(encode_message(Heartbeat(request_ids=["l"]), "decode", DECODE), DECODE, "reply")
+        _open(encode_message(Heartbeat(to_engine="prefill-0", request_ids=["l"]), "decode", DECODE), DECODE, "reply")
     assert _open(encode_message(ack, "prefill", PREFILL), DECODE, "reply") == ack
     # Without keys the roles are the peer's word, but the rules still hold.
     with pytest.raises(EnvelopeError, match="a router may not send Heartbeat"):
-        _open(encode_message(Heartbeat(request_ids=["l"]), "router"), None)
+        _open(encode_message(Heartbeat(to_engine="prefill-0", request_ids=["l"]), "router"), None)
 
 
 def test_a_role_trusts_every_key_listed_for_it_and_signs_with_its_own():
@@ -117,11 +117,11 @@ def test_a_role_trusts_every_key_listed_for_it_and_signs_with_its_own():
     verifier = keyring("prefill", trusted=both)
     for secret in (current, upcoming):
         assert _open(encode_message(Ack(), "prefill", PREFILL), keyring("decode", secret=secret), "reply") == Ack()
-        signed = encode_message(Heartbeat(request_ids=["l"]), "decode", keyring("decode", secret=secret))
-        assert _open(signed, verifier) == Heartbeat(request_ids=["l"])
+        signed = encode_message(Heartbeat(to_engine="prefill-0", request_ids=["l"]), "decode", keyring("decode", secret=secret))
+        assert _open(signed, verifier) == Heartbeat(to_engine="prefill-0", request_ids=["l"])
     retired = keyring("prefill", trusted=f"decode:{public_key_text(upcoming.encode())}")
     with pytest.raises(EnvelopeError, match="no valid decode signature"):
-        _open(encode_message(Heartbeat(request_ids=["l"]), "decode", keyring("decode")), retired)
+        _open(encode_message(Heartbeat(to_engine="prefill-0", request_ids=["l"]), "decode", keyring("decode")), retired)
 
 
 @pytest.mark.parametrize("secret", ["", "short", "x" * 31])
@@ -178,17 +178,17 @@ def test_every_signed_envelope_carries_a_fresh_nonce_and_time_under_the_signatur
 def test_the_replay_guard_refuses_replays_and_messages_outside_the_window():
     clock = _Clock(1000.0)
     guard = ReplayGuard(30.0, clock=clock)
-    data = encode_message(Heartbeat(request_ids=["lease"]), "decode", DECODE, now=1000.0)
-    assert _open(data, PREFILL, replay_guard=guard) == Heartbeat(request_ids=["lease"])
+    data = encode_message(Heartbeat(to_engine="prefill-0", request_ids=["lease"]), "decode", DECODE, now=1000.0)
+    assert _open(data, PREFILL, replay_guard=guard) == Heartbeat(to_engine="prefill-0", request_ids=["lease"])
     with pytest.raises(EnvelopeError, match="replayed") as info:
         _open(data, PREFILL, replay_guard=guard)
     assert info.value.kind == "replayed"
     # Clock skew up to the window is tolerated both ways; beyond it the message is stale.
     for sent_at, accepted in ((970.0, True), (1030.0, True), (969.0, False), (1031.0, False),
                               (float("nan"), False), (float("inf"), False)):
-        message = encode_message(Done(request_ids=[]), "decode", DECODE, now=sent_at)
+        message = encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE, now=sent_at)
         if accepted:
-            assert _open(message, PREFILL, replay_guard=guard) == Done(request_ids=[])
+            assert _open(message, PREFILL, replay_guard=guard) == Done(to_engine="prefill-0", request_ids=[])
         else:
             with pytest.raises(EnvelopeError, match="stale") as info:
                 _open(message, PREFILL, replay_guard=guard)
@@ -199,7 +199,7 @@ def test_the_replay_guard_refuses_replays_and_messages_outside_the_window():
     clock.now = 1100.0
     with pytest.raises(EnvelopeError, match="stale"):
         _open(data, PREFILL, replay_guard=guard)
-    _open(encode_message(Done(request_ids=[]), "decode", DECODE, now=1100.0), PREFILL, replay_guard=guard)
+    _open(encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE, now=1100.0), PREFILL, replay_guard=guard)
     assert len(guard) == 1
 
 
@@ -208,25 +208,25 @@ def test_a_clock_stepped_back_does_not_reopen_a_captured_message_to_replay():
     been forgotten (its window had passed) was inside the window again and accepted."""
     clock = _Clock(1000.0)
     guard = ReplayGuard(30.0, clock=clock)
-    data = encode_message(Heartbeat(request_ids=["lease"]), "decode", DECODE, now=1000.0)
+    data = encode_message(Heartbeat(to_engine="prefill-0", request_ids=["lease"]), "decode", DECODE, now=1000.0)
     _open(data, PREFILL, replay_guard=guard)
     clock.now = 1030.5  # the window has just passed: the nonce is forgotten...
-    _open(encode_message(Done(request_ids=[]), "decode", DECODE, now=1030.5), PREFILL, replay_guard=guard)
+    _open(encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE, now=1030.5), PREFILL, replay_guard=guard)
     clock.now = 1028.5  # ...and the wall clock steps back 2 s
     with pytest.raises(EnvelopeError, match="stale") as info:
         _open(data, PREFILL, replay_guard=guard)
     assert info.value.kind == "stale"
     # A fresh message sent on the stepped clock is still accepted.
-    assert _open(encode_message(Done(request_ids=[]), "decode", DECODE, now=1028.5), PREFILL, replay_guard=guard)
+    assert _open(encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE, now=1028.5), PREFILL, replay_guard=guard)
 
 
 def test_a_full_replay_cache_refuses_instead_of_forgetting_nonces():
     guard = ReplayGuard(30.0, capacity=2)
-    kept = [encode_message(Done(request_ids=[]), "decode", DECODE) for _ in range(2)]
+    kept = [encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE) for _ in range(2)]
     for data in kept:
         _open(data, PREFILL, replay_guard=guard)
     with pytest.raises(EnvelopeError, match="too many") as info:
-        _open(encode_message(Done(request_ids=[]), "decode", DECODE), PREFILL, replay_guard=guard)
+        _open(encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE), PREFILL, replay_guard=guard)
     assert info.value.kind == "overloaded"
     with pytest.raises(EnvelopeError, match="replayed"):  # still remembered
         _open(kept[0], PREFILL, replay_guard=guard)
@@ -237,9 +237,9 @@ def test_unauthenticated_messages_never_reach_the_replay_cache():
     forger = keyring("decode", secret="f" * 40)
     for _ in range(3):
         with pytest.raises(EnvelopeError, match="authentication failed"):
-            _open(encode_message(Done(request_ids=[]), "decode", forger), PREFILL, replay_guard=guard)
+            _open(encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", forger), PREFILL, replay_guard=guard)
     assert len(guard) == 0
-    assert _open(encode_message(Done(request_ids=[]), "decode", DECODE), PREFILL, replay_guard=guard)
+    assert _open(encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE), PREFILL, replay_guard=guard)
 
 
 def _compat(**changes) -> CompatInfo:
@@ -257,21 +257,21 @@ def test_compat_differences_name_each_field():
 
 
 def test_side_channel_serves_answers_and_times_out_on_a_dead_peer():
-    server = SideChannelServer("127.0.0.1", 0, lambda m: Ack(unknown=list(m.request_ids)), PREFILL)
+    server = SideChannelServer("127.0.0.1", 0, lambda m: Ack(unknown=list(m.request_ids)), PREFILL, engine_id="prefill-0")
     try:
-        assert release_remote(server.address, ["r1"], "client gone", ROUTER) == Ack(unknown=["r1"])
+        assert release_remote(server.address, "prefill-0", ["r1"], "client gone", ROUTER) == Ack(unknown=["r1"])
         client = SideChannelClient(server.address, "decode", DECODE)
-        assert client.request(Heartbeat(request_ids=["a", "b"])) == Ack(unknown=["a", "b"])
+        assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["a", "b"])) == Ack(unknown=["a", "b"])
         client.close()
         with pytest.raises(SideChannelError, match="authentication failed"):
-            release_remote(server.address, ["r1"], "x", keyring("router", secret="w" * 32))
+            release_remote(server.address, "prefill-0", ["r1"], "x", keyring("router", secret="w" * 32))
         # A router that believes another prefill key takes no answer from this one.
         with pytest.raises(SideChannelError, match="bad reply.*no valid prefill signature"):
-            release_remote(server.address, ["r1"], "x", keyring("router", trusted=f"prefill:{public_key_text(b'o' * 32)}"))
+            release_remote(server.address, "prefill-0", ["r1"], "x", keyring("router", trusted=f"prefill:{public_key_text(b'o' * 32)}"))
     finally:
         server.close()
     with pytest.raises(SideChannelError, match="not sent: no connection"):
-        release_remote(server.address, ["r1"], "x", ROUTER, timeout=0.3)
+        release_remote(server.address, "prefill-0", ["r1"], "x", ROUTER, timeout=0.3)
 
 
 def test_an_answer_that_arrived_in_time_is_taken_by_a_client_that_woke_late(monkeypatch):
@@ -281,7 +281,7 @@ def test_an_answer_that_arrived_in_time_is_taken_by_a_client_that_woke_late(monk
     failed with "no answer" (seen as heartbeats "not delivered" to an idle prefill)."""
     import pdconnect.sidechannel as sidechannel
 
-    server = SideChannelServer("127.0.0.1", 0, lambda m: Ack(unknown=list(m.request_ids)))
+    server = SideChannelServer("127.0.0.1", 0, lambda m: Ack(unknown=list(m.request_ids)), engine_id="prefill-0")
     client = SideChannelClient(server.address, "decode", timeout=1.0)
     clock = {"reads": 0}
     real = time.monotonic
@@ -297,9 +297,9 @@ def test_an_answer_that_arrived_in_time_is_taken_by_a_client_that_woke_late(monk
         return real()
 
     try:
-        client.request(Heartbeat(request_ids=["warm"]))  # connected
+        client.request(Heartbeat(to_engine="prefill-0", request_ids=["warm"]))  # connected
         monkeypatch.setattr(sidechannel.time, "monotonic", starved_clock)
-        assert client.request(Heartbeat(request_ids=["late"])) == Ack(unknown=["late"])
+        assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["late"])) == Ack(unknown=["late"])
     finally:
         monkeypatch.undo()
         client.close()
@@ -310,12 +310,12 @@ def test_a_handler_error_is_a_refusal_not_a_dead_server():
     def broken(message):
         raise RuntimeError("boom")
 
-    server = SideChannelServer("127.0.0.1", 0, broken)
+    server = SideChannelServer("127.0.0.1", 0, broken, engine_id="prefill-0")
     try:
         client = SideChannelClient(server.address, "decode", timeout=2)
         for _ in range(2):  # the serving thread survives the first failure
             with pytest.raises(SideChannelError, match="internal error"):
-                client.request(Release(request_ids=["r"], reason="x"))
+                client.request(Release(to_engine="prefill-0", request_ids=["r"], reason="x"))
         client.close()
     finally:
         server.close()
@@ -359,8 +359,8 @@ def test_keys_are_read_from_the_environment_and_must_cover_every_peer_role(monke
     monkeypatch.setenv("PD_KEYS", PEER_KEYS)
     keys = settings.resolve_keys(frozenset({"decode"}))
     assert keys is not None and keys.signs_as == "decode"
-    signed = encode_message(Heartbeat(request_ids=["l"]), "decode", keys)
-    assert _open(signed, PREFILL) == Heartbeat(request_ids=["l"])
+    signed = encode_message(Heartbeat(to_engine="prefill-0", request_ids=["l"]), "decode", keys)
+    assert _open(signed, PREFILL) == Heartbeat(to_engine="prefill-0", request_ids=["l"])
     # A decode engine that was given no prefill key could verify no answer: refused at start.
     monkeypatch.setenv("PD_KEYS", PEER_KEYS.split()[1])
     with pytest.raises(ConfigError, match="needs the public keys of prefill"):

@@ -37,7 +37,7 @@ def _ack(message: Message) -> Message:
 
 @contextlib.contextmanager
 def _serving(per_host: int, total: int) -> Iterator[SideChannelServer]:
-    server = SideChannelServer("127.0.0.1", 0, _ack, max_connections=total, max_connections_per_host=per_host)
+    server = SideChannelServer("127.0.0.1", 0, _ack, max_connections=total, max_connections_per_host=per_host, engine_id="prefill-0")
     try:
         yield server
     finally:
@@ -50,7 +50,7 @@ def _from(host: str, server: SideChannelServer, timeout: float = ANSWER_WITHIN_S
 
 
 def _beat(client: SideChannelClient, tag: str, timeout: float | None = None) -> Message:
-    return client.request(Heartbeat(request_ids=[tag]), timeout=timeout)
+    return client.request(Heartbeat(to_engine="prefill-0", request_ids=[tag]), timeout=timeout)
 
 
 def _refused(client: SideChannelClient) -> bool:
@@ -201,7 +201,7 @@ def test_no_connection_beyond_the_limit_carries_a_message() -> None:
                 dealer = context.socket(zmq.DEALER)
                 dealer.setsockopt(zmq.LINGER, 0)
                 dealer.connect(f"tcp://127.0.0.2:0;127.0.0.1:{server.port}")
-                dealer.send(encode_message(Heartbeat(request_ids=["extra"]), "decode", None))
+                dealer.send(encode_message(Heartbeat(to_engine="prefill-0", request_ids=["extra"]), "decode", None))
                 extras.append(dealer)
             deadline = time.monotonic() + ANSWER_WITHIN_S
             while server.counts()["connections_over_host_limit"] < 50 and time.monotonic() < deadline:
@@ -250,7 +250,7 @@ def test_the_table_counts_per_host_and_in_all_and_forgets_closed_connections() -
 @pytest.mark.parametrize(("per_host", "total"), [(0, 10), (11, 10), (-1, -1)])
 def test_limits_must_be_positive_and_the_host_limit_within_the_total(per_host: int, total: int) -> None:
     with pytest.raises(SideChannelError, match="max_connections_per_host"):
-        SideChannelServer("127.0.0.1", 0, _ack, max_connections=total, max_connections_per_host=per_host)
+        SideChannelServer("127.0.0.1", 0, _ack, max_connections=total, max_connections_per_host=per_host, engine_id="prefill-0")
     with pytest.raises(ConfigError, match="side_channel_max_connections"):
         ConnectorSettings.from_extra_config(
             {"side_channel_max_connections": total, "side_channel_max_connections_per_host": per_host}

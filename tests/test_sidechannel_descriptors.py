@@ -20,7 +20,7 @@ import json, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 from pdconnect.protocol import Ack
 from pdconnect.sidechannel import SideChannelServer
-server = SideChannelServer("0.0.0.0", 0, lambda message: Ack(), allow_insecure=True)
+server = SideChannelServer("0.0.0.0", 0, lambda message: Ack(), allow_insecure=True, engine_id="prefill-0")
 print(json.dumps({"port": server.port, "max_connections": server.max_connections}), flush=True)
 sys.stdin.readline()  # the flood is held
 files = []

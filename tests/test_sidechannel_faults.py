@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from connectors.settings import ConnectorSettings
 from pdconnect.envelope import encode_message, new_nonce, open_envelope
 from pdconnect.keyring import Keyring
-from pdconnect.protocol import PROTOCOL_VERSION, Ack, Heartbeat, Message, Refusal
+from pdconnect.protocol import PROTOCOL_VERSION, Ack, Claim, Done, Heartbeat, Message, Refusal, Release
 from pdconnect.sidechannel import SideChannelClient, SideChannelError, SideChannelServer, is_loopback_host
 from pdconnect.testbed.keys import SECRETS, keyring
 
@@ -55,7 +55,7 @@ class _Recorder:
 @contextlib.contextmanager
 def _serving(keys: Keyring | None = PREFILL, **options) -> Iterator[tuple[SideChannelServer, _Recorder]]:
     handler = _Recorder()
-    server = SideChannelServer("127.0.0.1", 0, handler, keys, **options)
+    server = SideChannelServer("127.0.0.1", 0, handler, keys, **options, engine_id="prefill-0")
     try:
         yield server, handler
     finally:
@@ -90,7 +90,7 @@ def _reply(socket: zmq.Socket, keys: Keyring | None = DECODE) -> Message:
 def _still_serves(server: SideChannelServer, keys: Keyring | None = DECODE) -> None:
     client = SideChannelClient(server.address, "decode", keys, timeout=REPLY_WAIT_MS / 1000)
     try:
-        assert client.request(Heartbeat(request_ids=["alive"])) == Ack(unknown=["alive"])
+        assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["alive"])) == Ack(unknown=["alive"])
     finally:
         client.close()
 
@@ -102,18 +102,18 @@ def test_a_req_socket_is_refused_and_the_server_keeps_serving():
     # A REQ socket sends [b"", data]: the ROUTER sees three frames. Before the fix this
     # unpacking error ended the serving thread and the next handshake timed out.
     with _serving() as (server, handler), _raw(server.address, zmq.REQ) as req:
-        req.send(_signed(Heartbeat(request_ids=["r"])))
+        req.send(_signed(Heartbeat(to_engine="prefill-0", request_ids=["r"])))
         reply = _reply(req)
         assert isinstance(reply, Refusal) and "exactly one frame" in reply.reason
         _still_serves(server)
-        assert handler.seen == [Heartbeat(request_ids=["alive"])]
+        assert handler.seen == [Heartbeat(to_engine="prefill-0", request_ids=["alive"])]
         assert server.counts()["refused_frames"] == 1
 
 
 @pytest.mark.parametrize("frames", [
     [b"", b""],
-    [b"", _signed(Heartbeat(request_ids=[]))],  # a REQ envelope sent by hand
-    [_signed(Heartbeat(request_ids=[]))] * 2,
+    [b"", _signed(Heartbeat(to_engine="prefill-0", request_ids=[]))],  # a REQ envelope sent by hand
+    [_signed(Heartbeat(to_engine="prefill-0", request_ids=[]))] * 2,
     [b"x"] * 10,
     [b""] * 10,
 ], ids=["two-empty", "req-like", "two-valid", "ten", "ten-empty"])
@@ -128,7 +128,7 @@ def test_every_wrong_frame_count_is_refused_and_counted(frames):
 
 def _unanswered_then_served(dealer: zmq.Socket) -> None:
     """Replies come in order: if the next one answers this heartbeat, what came before got none."""
-    dealer.send(_signed(Heartbeat(request_ids=["after"])))
+    dealer.send(_signed(Heartbeat(to_engine="prefill-0", request_ids=["after"])))
     assert _reply(dealer) == Ack(unknown=["after"])
 
 
@@ -150,7 +150,7 @@ def test_an_oversized_message_is_cut_by_zmq_before_the_server_reads_it():
     with _serving(max_message_bytes=64 << 10) as (server, handler), _raw(server.address) as dealer:
         monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
-            dealer.send(_signed(Heartbeat(request_ids=["x" * (1 << 20)])))
+            dealer.send(_signed(Heartbeat(to_engine="prefill-0", request_ids=["x" * (1 << 20)])))
             assert monitor.poll(REPLY_WAIT_MS, zmq.POLLIN), "the server kept the connection"
             assert zmq.utils.monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
         finally:
@@ -160,7 +160,7 @@ def test_an_oversized_message_is_cut_by_zmq_before_the_server_reads_it():
         # Nothing was read or refused; the close itself is counted (once the server has seen it).
         assert handler.seen == [] and sum(v for k, v in counts.items() if k != "connections_closed") == 0
         # Just under the limit is served, on the connection zmq re-establishes.
-        dealer.send(_signed(Heartbeat(request_ids=["y" * (60 << 10)])))
+        dealer.send(_signed(Heartbeat(to_engine="prefill-0", request_ids=["y" * (60 << 10)])))
         assert _reply(dealer) == Ack(unknown=["y" * (60 << 10)])
         _still_serves(server)
 
@@ -169,12 +169,12 @@ def test_an_oversized_message_is_cut_by_zmq_before_the_server_reads_it():
 
 
 def test_forged_and_tampered_messages_are_refused_without_reaching_the_handler():
-    genuine = msgspec.msgpack.decode(_signed(Heartbeat(request_ids=["lease"])))
-    tampered_body = {**genuine, "body": msgspec.msgpack.encode(Heartbeat(request_ids=["other"]))}
+    genuine = msgspec.msgpack.decode(_signed(Heartbeat(to_engine="prefill-0", request_ids=["lease"])))
+    tampered_body = {**genuine, "body": msgspec.msgpack.encode(Heartbeat(to_engine="prefill-0", request_ids=["other"]))}
     forged = [
-        encode_message(Heartbeat(request_ids=["lease"]), "decode", keyring("decode", secret="g" * 32)),
-        encode_message(Heartbeat(request_ids=["lease"]), "decode"),  # unsigned
-        encode_message(Heartbeat(request_ids=["lease"]), "router", keyring("router")),  # the router's key
+        encode_message(Heartbeat(to_engine="prefill-0", request_ids=["lease"]), "decode", keyring("decode", secret="g" * 32)),
+        encode_message(Heartbeat(to_engine="prefill-0", request_ids=["lease"]), "decode"),  # unsigned
+        encode_message(Heartbeat(to_engine="prefill-0", request_ids=["lease"]), "router", keyring("router")),  # the router's key
         msgspec.msgpack.encode(tampered_body),
         msgspec.msgpack.encode({**genuine, "sender": "router"}),
     ]
@@ -189,7 +189,7 @@ def test_forged_and_tampered_messages_are_refused_without_reaching_the_handler()
         # An id of the wrong size is no id: refused as malformed, and nobody to answer.
         dealer.send(msgspec.msgpack.encode({**genuine, "nonce": b"\x00" * 3}))
         _unanswered_then_served(dealer)
-        assert handler.seen == [Heartbeat(request_ids=["after"])]
+        assert handler.seen == [Heartbeat(to_engine="prefill-0", request_ids=["after"])]
         counts = server.counts()
         assert counts["refused_unauthenticated"] == len(forged) - 1
         assert counts["refused_forbidden"] == 1 and counts["refused_malformed"] == 1
@@ -199,7 +199,7 @@ def test_forged_and_tampered_messages_are_refused_without_reaching_the_handler()
 def test_a_captured_heartbeat_cannot_be_replayed_to_keep_a_lease_alive():
     # Before the fix the same bytes were accepted every time, so a recorded heartbeat
     # kept a lease alive forever.
-    captured = _signed(Heartbeat(request_ids=["lease"]))
+    captured = _signed(Heartbeat(to_engine="prefill-0", request_ids=["lease"]))
     with _serving() as (server, handler), _raw(server.address) as dealer:
         replies = []
         for _ in range(3):
@@ -207,16 +207,45 @@ def test_a_captured_heartbeat_cannot_be_replayed_to_keep_a_lease_alive():
             replies.append(_reply(dealer))
         assert replies[0] == Ack(unknown=["lease"])
         assert all(isinstance(r, Refusal) and "replayed" in r.reason for r in replies[1:])
-        assert handler.seen == [Heartbeat(request_ids=["lease"])]
+        assert handler.seen == [Heartbeat(to_engine="prefill-0", request_ids=["lease"])]
         assert server.counts()["refused_replayed"] == 2
         _still_serves(server)
+
+
+def test_a_lease_message_for_another_engine_is_refused_without_reaching_the_handler():
+    """Issue 35: lease and request ids are unique per engine only, so a signed, fresh
+    notice meant for engine prefill-1 must not act on prefill-0's lease of the same id."""
+    elsewhere = [
+        ("decode", DECODE, Heartbeat(to_engine="prefill-1", request_ids=["lease"])),
+        ("decode", DECODE, Claim(to_engine="prefill-1", lease_id="lease", claimant="d/r", plan_digest="p")),
+        ("decode", DECODE, Done(to_engine="prefill-1", request_ids=["lease"])),
+        ("decode", DECODE, Release(to_engine="prefill-1", request_ids=["lease"], reason="aborted")),
+        ("router", keyring("router"), Release(to_engine="prefill-1", request_ids=["r"], reason="client gone")),
+        ("router", keyring("router"), Release(to_engine="", request_ids=["r"], reason="client gone")),
+    ]
+    with _serving(**UNLIMITED) as (server, handler), _raw(server.address) as dealer:
+        for role, keys, message in elsewhere:
+            dealer.send(encode_message(message, role, keys))
+            reply = _reply(dealer)
+            assert isinstance(reply, Refusal) and f"not engine {message.to_engine!r}" in reply.reason, message
+        assert handler.seen == []
+        assert server.counts()["refused_wrong_engine"] == len(elsewhere)
+        here = Release(to_engine="prefill-0", request_ids=["r"], reason="client gone")
+        dealer.send(encode_message(here, "router", keyring("router")))
+        assert _reply(dealer) == Ack(unknown=["r"]) and handler.seen == [here]
+        _still_serves(server)
+
+
+def test_a_server_needs_the_id_of_the_engine_it_serves():
+    with pytest.raises(SideChannelError, match="id of the engine"):
+        SideChannelServer("127.0.0.1", 0, _Recorder(), PREFILL, engine_id="")
 
 
 def test_stale_and_future_messages_are_refused_inside_the_skew_window_accepted():
     now = time.time()
     with _serving(max_age_seconds=30.0) as (server, handler), _raw(server.address) as dealer:
         for sent_at, accepted in ((now - 3600, False), (now + 3600, False), (now - 10, True), (now + 10, True)):
-            dealer.send(_signed(Heartbeat(request_ids=["lease"]), now=sent_at))
+            dealer.send(_signed(Heartbeat(to_engine="prefill-0", request_ids=["lease"]), now=sent_at))
             reply = _reply(dealer)
             if accepted:
                 assert reply == Ack(unknown=["lease"])
@@ -233,12 +262,12 @@ def test_refusals_do_not_echo_local_values():
     def leaky(message: Message) -> Message:
         raise RuntimeError(f"cannot open /etc/pdconnect/{SECRETS['prefill']}")
 
-    server = SideChannelServer("127.0.0.1", 0, leaky, PREFILL)
+    server = SideChannelServer("127.0.0.1", 0, leaky, PREFILL, engine_id="prefill-0")
     try:
         client = SideChannelClient(server.address, "decode", DECODE, timeout=REPLY_WAIT_MS / 1000)
         # Before the fix: "internal error: cannot open /etc/pdconnect/<secret>".
         with pytest.raises(SideChannelError) as info:
-            client.request(Heartbeat(request_ids=["r"]))
+            client.request(Heartbeat(to_engine="prefill-0", request_ids=["r"]))
         client.close()
         assert str(info.value).endswith("refused Heartbeat: internal error")
         with _raw(server.address) as dealer:
@@ -333,7 +362,7 @@ def test_random_traffic_is_refused_message_by_message_and_never_kills_the_server
 
 def _shapes() -> dict[str, bytes]:
     """One envelope of every malformed shape, each with a readable id where it can have one."""
-    genuine = msgspec.msgpack.decode(_signed(Heartbeat(request_ids=["lease"])))
+    genuine = msgspec.msgpack.decode(_signed(Heartbeat(to_engine="prefill-0", request_ids=["lease"])))
     valid = msgspec.msgpack.encode(genuine)
     shapes = {f"reply_to-{size}": msgspec.msgpack.encode({**genuine, "reply_to": b"r" * size})
               for size in (0, 15, 17, 65_535, 65_536, 65_537, 1 << 20)}
@@ -408,7 +437,7 @@ def test_a_flood_of_malformed_envelopes_does_not_starve_a_live_client(keys, trac
             deadline = time.monotonic() + REPLY_WAIT_MS / 1000
             while sum(server.counts().values()) < 1000 and time.monotonic() < deadline:
                 time.sleep(0.01)  # the flood is on
-            answered = [client.request(Heartbeat(request_ids=[f"beat-{i}"])) for i in range(20)]
+            answered = [client.request(Heartbeat(to_engine="prefill-0", request_ids=[f"beat-{i}"])) for i in range(20)]
         finally:
             client.close()
             stop.set()
@@ -438,17 +467,17 @@ def test_loopback_hosts_are_recognised(host, loopback):
 def test_a_reachable_bind_without_keys_refuses_to_start_unless_opted_out():
     # Before the fix this bound 0.0.0.0 silently, unauthenticated.
     with pytest.raises(SideChannelError, match="without keys") as info:
-        SideChannelServer("0.0.0.0", 0, _Recorder())
+        SideChannelServer("0.0.0.0", 0, _Recorder(), engine_id="prefill-0")
     assert "allow_insecure_side_channel" in str(info.value)
     with pytest.raises(SideChannelError, match="answers as prefill"):
-        SideChannelServer("127.0.0.1", 0, _Recorder(), DECODE)
+        SideChannelServer("127.0.0.1", 0, _Recorder(), DECODE, engine_id="prefill-0")
     for keys, allow_insecure in ((PREFILL, False), (None, True)):
-        server = SideChannelServer("0.0.0.0", 0, _Recorder(), keys, allow_insecure=allow_insecure)
+        server = SideChannelServer("0.0.0.0", 0, _Recorder(), keys, allow_insecure=allow_insecure, engine_id="prefill-0")
         try:
             # Served on every interface, so also on loopback.
             client = SideChannelClient(f"tcp://127.0.0.1:{server.port}", "decode", _client_keys(keys),
                                        timeout=REPLY_WAIT_MS / 1000)
-            assert client.request(Heartbeat(request_ids=["a"])) == Ack(unknown=["a"])
+            assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["a"])) == Ack(unknown=["a"])
             client.close()
         finally:
             server.close()

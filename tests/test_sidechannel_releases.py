@@ -50,7 +50,7 @@ def _released(metrics: RouterMetrics, result: str) -> float:
 
 def _plan(address: str, request_id: str, lease_seconds: float = 60.0) -> dict[str, Any]:
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    return {"remote_engine_id": "p0", "remote_request_id": request_id, "remote_host": host,
+    return {"remote_engine_id": "prefill-0", "remote_request_id": request_id, "remote_host": host,
             "remote_port": int(port), "compat_hash": "c", "num_prompt_tokens": 10,
             "lease_expires_at": time.time() + lease_seconds, "groups": []}
 
@@ -72,7 +72,7 @@ def _serve(ready: Any, released: Synchronized[int]) -> None:
             released.value += len(message.request_ids)
         return Ack()
 
-    server = SideChannelServer("127.0.0.1", 0, handler, PREFILL)
+    server = SideChannelServer("127.0.0.1", 0, handler, PREFILL, engine_id="prefill-0")
     ready.put(server.address)
     while True:
         time.sleep(60)
@@ -211,7 +211,7 @@ def test_pending_releases_are_bounded_and_given_up_when_their_lease_is_over() ->
                             count=count, max_pending_releases=3)
     with _hung_peer() as address:
         try:
-            notifier.release(address, [f"r{i}" for i in range(10)], "client gone", time.monotonic() + 2.0)
+            notifier.release(address, "prefill-0", [f"r{i}" for i in range(10)], "client gone", time.monotonic() + 2.0)
             assert counts.get("releases_dropped") == 7
             # Unanswered, retried until their deadline, then given up and counted.
             _eventually(lambda: counts.get("releases_expired") == 3, "expired")

@@ -44,7 +44,7 @@ def _serve(port: int, ready: Any, handled: Synchronized[int]) -> None:
         assert isinstance(message, Heartbeat)
         return Ack(unknown=list(message.request_ids))
 
-    server = SideChannelServer("127.0.0.1", port, handler, PREFILL)
+    server = SideChannelServer("127.0.0.1", port, handler, PREFILL, engine_id="prefill-0")
     ready.put(server.port)
     while True:
         time.sleep(60)
@@ -94,18 +94,18 @@ def child() -> Iterator[Child]:
 def test_requests_sent_to_a_stopped_server_all_reach_it_when_it_runs_again(child: Child) -> None:
     client = SideChannelClient(child.address, "decode", DECODE, timeout=0.5)
     try:
-        assert client.request(Heartbeat(request_ids=["before"])) == Ack(unknown=["before"])
+        assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["before"])) == Ack(unknown=["before"])
         freeze(child.process.pid)
         for beat in range(3):
             with pytest.raises(NoAnswer, match="no answer"):
-                client.request(Heartbeat(request_ids=[f"stopped-{beat}"]))
+                client.request(Heartbeat(to_engine="prefill-0", request_ids=[f"stopped-{beat}"]))
         os.kill(child.process.pid, signal.SIGCONT)
         # Every heartbeat sent while it was stopped is handled (each would extend a lease).
         # Before, only the first was: the others went out on new connections that were
         # closed, unsent, before the stopped server could take them.
         assert child.wait_handled(4) == 4
         # Its late answers wait in the client's socket; the next request gets its own.
-        assert client.request(Heartbeat(request_ids=["after"]), timeout=WAIT_S) == Ack(unknown=["after"])
+        assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["after"]), timeout=WAIT_S) == Ack(unknown=["after"])
     finally:
         client.close()
 
@@ -117,13 +117,13 @@ def test_a_late_answer_is_never_taken_for_the_answer_to_a_later_request() -> Non
             time.sleep(1.0)
         return Ack(unknown=list(message.request_ids))
 
-    server = SideChannelServer("127.0.0.1", 0, slow_first, PREFILL)
+    server = SideChannelServer("127.0.0.1", 0, slow_first, PREFILL, engine_id="prefill-0")
     client = SideChannelClient(server.address, "decode", DECODE, timeout=0.3)
     try:
         with pytest.raises(NoAnswer):
-            client.request(Heartbeat(request_ids=["slow"]))
+            client.request(Heartbeat(to_engine="prefill-0", request_ids=["slow"]))
         # The answer to "slow" arrives first, on the same connection, and is dropped.
-        assert client.request(Heartbeat(request_ids=["next"]), timeout=WAIT_S) == Ack(unknown=["next"])
+        assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["next"]), timeout=WAIT_S) == Ack(unknown=["next"])
     finally:
         client.close()
         server.close()
@@ -136,7 +136,7 @@ def hold_the_interpreter(seconds: float) -> None:
 
 
 def test_a_serving_thread_kept_from_running_is_counted_late() -> None:
-    server = SideChannelServer("127.0.0.1", 0, lambda message: Ack(), PREFILL)
+    server = SideChannelServer("127.0.0.1", 0, lambda message: Ack(), PREFILL, engine_id="prefill-0")
     try:
         time.sleep(0.3)  # the serving thread is in its loop
         before = server.counts()["late_rounds"]
@@ -158,10 +158,10 @@ def test_a_request_that_could_not_be_sent_is_never_delivered_later() -> None:
     client = SideChannelClient(f"tcp://127.0.0.1:{port}", "decode", DECODE, timeout=0.3)
     try:
         with pytest.raises(NoAnswer, match="not sent"):
-            client.request(Heartbeat(request_ids=["early"]))
+            client.request(Heartbeat(to_engine="prefill-0", request_ids=["early"]))
         late = _start(port)
         try:
-            assert client.request(Heartbeat(request_ids=["now"]), timeout=WAIT_S) == Ack(unknown=["now"])
+            assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["now"]), timeout=WAIT_S) == Ack(unknown=["now"])
             time.sleep(0.5)  # room for a queued "early" to arrive, were one queued
             assert late.handled.value == 1
         finally:

@@ -75,7 +75,7 @@ class PrefillReleaser:
         lifetime = min(max(plan.lease_expires_at - time.time(), 0.0), self.MAX_RELEASE_SECONDS)
         # At least one try, even if the plan's clock says the lease is over already.
         until = time.monotonic() + max(lifetime, self._timeout)
-        self._notifier.release(plan.side_channel, [plan.remote_request_id], reason, until)
+        self._notifier.release(plan.side_channel, plan.remote_engine_id, [plan.remote_request_id], reason, until)
 
     def _answered(self, address: str, sent: Message, reply: Message) -> None:
         if isinstance(sent, Release):

@@ -108,7 +108,7 @@ class FakeEngine:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         if self.side_channel:
-            self._side = SideChannelServer(host, 0, self._on_side_message)
+            self._side = SideChannelServer(host, 0, self._on_side_message, engine_id=self.name)
         # handler_cancellation: a caller hanging up cancels the handler, which is how
         # vLLM notices aborts too; the fake records it.
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
