@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from connectors.geometry import Geometry, GroupGeometry, UnsupportedLayout, consecutive_runs
+from connectors.geometry import Geometry, GroupGeometry, GroupKind, UnsupportedLayout, consecutive_runs
 
 if TYPE_CHECKING:
     from connectors.replay_slack import RequestPlan
@@ -18,17 +20,33 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"pdconnect plan: error: {message}\n")
 
 
+_KINDS: dict[str, GroupKind] = {"full": "full_attention", "sliding": "sliding_window"}
+_GROUP_HELP = (
+    "one KV cache group, repeatable, in vLLM's group order: full:BLOCK, sliding:BLOCK:WINDOW, or "
+    "sliding:BLOCK:WINDOW:uncached for a window vLLM does not prefix-cache (DeepSeek-V4.1's bounded replay)"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pdconnect plan", description=__doc__)
-    p.add_argument("--fa-block-size", type=int, required=True, help="full-attention group block size (tokens)")
-    p.add_argument("--swa-block-size", type=int, required=True, help="sliding-window group block size (tokens)")
-    p.add_argument("--window", type=int, required=True, help="sliding window (tokens)")
+    p.add_argument("--fa-block-size", type=int, help="full-attention group block size (tokens)")
+    p.add_argument("--swa-block-size", type=int, help="sliding-window group block size (tokens)")
+    p.add_argument("--window", type=int, help="sliding window (tokens)")
+    p.add_argument("--group", action="append", default=[], metavar="SPEC", help=_GROUP_HELP)
+    p.add_argument(
+        "--config",
+        type=Path,
+        metavar="CONFIG_JSON",
+        help="a model's Hugging Face config.json: its groups as vLLM would build them (needs --block-size)",
+    )
+    p.add_argument("--block-size", type=int, help="with --config: the engine's --block-size (tokens)")
     p.add_argument("--prompt-tokens", type=int, required=True, help="prompt length N (tokens)")
     p.add_argument(
         "--eagle",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="EAGLE/MTP speculative decoding (the lookup drops one aligned block)",
+        default=None,
+        help="EAGLE/MTP speculative decoding (the lookup drops one aligned block); default: on, "
+        "or with --config on when the model has MTP layers (num_nextn_predict_layers)",
     )
     p.add_argument(
         "--shared-prefix-tokens",
@@ -48,25 +66,160 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _positive(flag: str, value: int) -> int:
+    if value <= 0:
+        raise UnsupportedLayout(f"{flag} must be positive, got {value}")
+    return value
+
+
+def _group_from_spec(spec: str, eagle: bool) -> GroupGeometry:
+    """`full:256`, `sliding:64:128`, `sliding:64:128:uncached` -> a group."""
+    kind_name, *fields = spec.split(":")
+    uncached = fields[-1:] == ["uncached"]
+    numbers = fields[:-1] if uncached else fields
+    kind = _KINDS.get(kind_name)
+    if kind is None or len(numbers) != (2 if kind == "sliding_window" else 1):
+        raise UnsupportedLayout(f"--group {spec!r}: expected full:BLOCK or sliding:BLOCK:WINDOW[:uncached]")
+    try:
+        block, *window = (int(n) for n in numbers)
+    except ValueError:
+        raise UnsupportedLayout(f"--group {spec!r}: block size and window must be integers") from None
+    _positive(f"--group {spec!r} block size", block)
+    if window:
+        _positive(f"--group {spec!r} window", window[0])
+    return GroupGeometry(kind, block, window[0] if window else None, eagle=eagle, prefix_cacheable=not uncached)
+
+
+def _groups_from_flags(args: argparse.Namespace, eagle: bool) -> tuple[GroupGeometry, ...]:
+    old = {"--fa-block-size": args.fa_block_size, "--swa-block-size": args.swa_block_size, "--window": args.window}
+    given = [flag for flag, value in old.items() if value is not None]
+    sources = (["--group"] if args.group else []) + (["--config"] if args.config else []) + given[:1]
+    if len(sources) != 1:
+        raise UnsupportedLayout(
+            "describe the groups one way: --group (repeated), --config, or --fa-block-size/--swa-block-size/--window"
+        )
+    if args.group:
+        return tuple(_group_from_spec(spec, eagle) for spec in args.group)
+    missing = [flag for flag, value in old.items() if value is None]
+    if missing:
+        raise UnsupportedLayout(f"{', '.join(missing)} required with {given[0]}")
+    return (
+        GroupGeometry("full_attention", _positive("--fa-block-size", args.fa_block_size), eagle=eagle),
+        GroupGeometry(
+            "sliding_window",
+            _positive("--swa-block-size", args.swa_block_size),
+            _positive("--window", args.window),
+            eagle=eagle,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class ModelLayers:
+    """A model's attention layers as its config.json gives them, before vLLM sizes the blocks.
+
+    Each layer is (kind, KV heads, head size, window); `has_mtp`: the checkpoint carries
+    MTP layers (`num_nextn_predict_layers`), which vLLM serves as an EAGLE-style drafter.
+    """
+
+    layers: tuple[tuple[GroupKind, int, int, int | None], ...]
+    has_mtp: bool
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UnsupportedLayout(f"--config {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise UnsupportedLayout(f"--config {path}: not a JSON object")
+    return config.get("text_config", config)  # multimodal checkpoints nest the language model's
+
+
+def _int(config: dict[str, Any], *keys: str) -> int | None:
+    """The first of `keys` the config sets, as a positive int; None when none is set."""
+    for key in keys:
+        value = config.get(key)
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise UnsupportedLayout(f"config {key} must be a positive integer, got {value!r}")
+            return value
+    return None
+
+
+def model_layers(config: dict[str, Any]) -> ModelLayers:
+    """Which layers slide, and their KV shapes, by the keys vLLM's model classes read.
+
+    Layer kinds come from `layer_types` (transformers' hybrid models) or MiMo-V2's
+    `hybrid_layer_pattern` (1 = sliding); a model with neither is all full attention.
+    Sliding layers may have KV shapes of their own (`swa_num_key_value_heads`,
+    `swa_head_dim`): that is what makes vLLM give their group a different block size.
+    """
+    num_layers = _int(config, "num_hidden_layers")
+    if num_layers is None:
+        raise UnsupportedLayout("config has no num_hidden_layers")
+    if isinstance(config.get("layer_types"), list):
+        sliding = [t == "sliding_attention" for t in config["layer_types"]]
+        unknown = set(config["layer_types"]) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise UnsupportedLayout(f"config layer_types {sorted(unknown)} are not attention pdconnect can plan")
+    elif isinstance(config.get("hybrid_layer_pattern"), list):
+        sliding = [bool(t) for t in config["hybrid_layer_pattern"]]
+    else:
+        sliding = [False] * num_layers
+    if len(sliding) != num_layers:
+        raise UnsupportedLayout(f"config names {len(sliding)} layer kinds for {num_layers} layers")
+    window = _int(config, "sliding_window", "sliding_window_size")
+    if any(sliding) and window is None:
+        raise UnsupportedLayout("config has sliding layers but no sliding_window")
+    heads = _int(config, "num_key_value_heads", "num_attention_heads") or 1
+    head_size = _int(config, "head_dim") or (_int(config, "hidden_size") or 1) // (
+        _int(config, "num_attention_heads") or 1
+    )
+    swa_heads = _int(config, "swa_num_key_value_heads") or heads
+    swa_head_size = _int(config, "swa_head_dim") or head_size
+    return ModelLayers(
+        layers=tuple(
+            ("sliding_window", swa_heads, swa_head_size, window)
+            if slides
+            else ("full_attention", heads, head_size, None)
+            for slides in sliding
+        ),
+        has_mtp=bool(_int(config, "num_nextn_predict_layers")),
+    )
+
+
+def groups_for_model(model: ModelLayers, block_size: int, eagle: bool) -> tuple[GroupGeometry, ...]:
+    """One group per distinct (kind, block size, window), in the order of their first layer.
+
+    The block sizes are vLLM's own (`unified_block_sizes`); vLLM may split one such spec
+    over several groups of equal layer count, which plan identically.
+    """
+    from connectors.vllm_adapter import unified_block_sizes  # vLLM: only for a config
+
+    sizes = unified_block_sizes(model.layers, block_size)
+    specs = dict.fromkeys((kind, size, window) for (kind, _, _, window), size in zip(model.layers, sizes))
+    return tuple(GroupGeometry(kind, size, window, eagle=eagle) for kind, size, window in specs)
+
+
 def _geometry(args: argparse.Namespace) -> Geometry:
-    for flag, value in (("--fa-block-size", args.fa_block_size), ("--swa-block-size", args.swa_block_size)):
-        if value <= 0:
-            raise UnsupportedLayout(f"{flag} must be positive, got {value}")
-    if args.window <= 0:
-        raise UnsupportedLayout(f"--window must be positive, got {args.window}")
     if args.shared_prefix_tokens is not None and args.shared_prefix_tokens < 0:
         raise UnsupportedLayout(f"--shared-prefix-tokens must be >= 0, got {args.shared_prefix_tokens}")
-    one_block = max(args.fa_block_size, args.swa_block_size)
+    retention = None if args.retention_interval == -1 else args.retention_interval
+    if args.config is not None and not (args.group or args.fa_block_size or args.swa_block_size or args.window):
+        if args.block_size is None:
+            raise UnsupportedLayout("--config needs --block-size (the engine's --block-size)")
+        layers = model_layers(read_config(args.config))
+        eagle = layers.has_mtp if args.eagle is None else args.eagle
+        groups = groups_for_model(layers, _positive("--block-size", args.block_size), eagle)
+    else:
+        if args.block_size is not None:
+            raise UnsupportedLayout("--block-size goes with --config")
+        groups = _groups_from_flags(args, True if args.eagle is None else args.eagle)
+    one_block = max(g.block_size for g in groups)
     if args.prompt_tokens < one_block:
         raise UnsupportedLayout(f"--prompt-tokens {args.prompt_tokens} is shorter than one block ({one_block})")
-    retention = None if args.retention_interval == -1 else args.retention_interval
-    return Geometry(
-        (
-            GroupGeometry("full_attention", args.fa_block_size, eagle=args.eagle),
-            GroupGeometry("sliding_window", args.swa_block_size, args.window, eagle=args.eagle),
-        ),
-        retention_interval=retention,
-    )
+    return Geometry(groups, retention_interval=retention)
 
 
 def plan_as_dict(plan: RequestPlan, stock: RequestPlan) -> dict[str, Any]:

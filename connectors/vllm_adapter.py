@@ -16,11 +16,13 @@ Two views are offered:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import importlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
+import vllm.v1.core.kv_cache_utils as kv_cache_utils
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import (
     KVCacheCoordinator,
@@ -54,6 +56,7 @@ __all__ = [
     "build_kv_cache_config",
     "build_kv_cache_manager",
     "group_kind",
+    "unified_block_sizes",
 ]  # geometry types re-exported: callers that already pay for vLLM import them from here
 
 
@@ -486,3 +489,37 @@ class BlockPoolOps:
             )
             published += len(run)
         return published
+
+
+def unified_block_sizes(layers: Sequence[tuple[GroupKind, int, int, int | None]], block_size: int) -> list[int]:
+    """Each layer's block size once vLLM has unified the layers' page sizes.
+
+    A layer is (kind, KV heads, head size, sliding window or None), as a model's config
+    gives them; `block_size` is the engine's `--block-size`. vLLM grows the block of the
+    layers whose pages are smaller until every page is equally large
+    (`unify_kv_cache_spec_page_size`): that is how MiMo-V2 and DeepSeek-V4 end up with
+    sliding blocks of 64 tokens and full-attention blocks of 256.
+    """
+    specs: dict[str, KVCacheSpec] = {}
+    for i, (kind, num_kv_heads, head_size, window) in enumerate(layers):
+        common: _SpecFields = {
+            "block_size": block_size,
+            "num_kv_heads": num_kv_heads,
+            "head_size": head_size,
+            "dtype": torch.float16,
+        }
+        specs[f"layer.{i}"] = (
+            SlidingWindowSpec(sliding_window=window, **common)
+            if kind == "sliding_window" and window is not None
+            else FullAttentionSpec(**common)
+        )
+    # vLLM 0.33 moved it to `kv_cache_planning`, a module 0.32 lacks (hence no static import).
+    unify: Callable[[dict[str, KVCacheSpec]], dict[str, KVCacheSpec]] = (
+        getattr(kv_cache_utils, "unify_kv_cache_spec_page_size", None)
+        or importlib.import_module("vllm.v1.core.kv_cache_planning").unify_kv_cache_spec_page_size
+    )
+    try:
+        unified = unify(specs)
+    except NotImplementedError as exc:
+        raise UnsupportedLayout(f"vLLM cannot unify this model's KV pages: {exc}") from None
+    return [unified[f"layer.{i}"].block_size for i in range(len(layers))]
