@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
+from typing import Any
 
 import zmq
+
+from tests.waiting import wait_until
 
 CHILD = r"""
 import json, resource, sys
@@ -22,22 +24,24 @@ from pdconnect.protocol import Ack
 from pdconnect.sidechannel import SideChannelServer
 server = SideChannelServer("0.0.0.0", 0, lambda message: Ack(), allow_insecure=True, engine_id="prefill-0")
 print(json.dumps({"port": server.port, "max_connections": server.max_connections}), flush=True)
-sys.stdin.readline()  # the flood is held
-files = []
-try:
-    for _ in range(16):
-        files.append(open("/dev/null"))
-    opened = True
-except OSError:
-    opened = False
-for file in files:
-    file.close()
-print(json.dumps({"opened": opened, "counts": server.counts(), "held": server.connections}), flush=True)
+for line in sys.stdin:  # "counts": what the server judged so far; "files": can it still open files?
+    if line.strip() == "counts":
+        print(json.dumps({"counts": server.counts(), "held": server.connections}), flush=True)
+        continue
+    files = []
+    try:
+        for _ in range(16):
+            files.append(open("/dev/null"))
+        opened = True
+    except OSError:
+        opened = False
+    for file in files:
+        file.close()
+    print(json.dumps({"opened": opened, "counts": server.counts(), "held": server.connections}), flush=True)
 server.close()
 """
 HOSTS = [f"127.0.0.{i}" for i in range(2, 10)]
 PER_HOST = 50
-SETTLE_S = 3.0  # the flood connects and is judged; no result depends on how long it took
 
 
 def test_caps_stay_under_the_descriptor_limit_and_every_close_is_counted() -> None:
@@ -54,20 +58,36 @@ def test_caps_stay_under_the_descriptor_limit_and_every_close_is_counted() -> No
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(f"tcp://{host}:0;127.0.0.1:{started['port']}")  # from `host`
                 sockets.append(sock)
-        time.sleep(SETTLE_S)
-        child.stdin.write("\n")
-        child.stdin.flush()
-        result = json.loads(child.stdout.readline())
+
+        def ask(what: str) -> dict[str, Any]:
+            assert child.stdin is not None and child.stdout is not None
+            child.stdin.write(what + "\n")
+            child.stdin.flush()
+            answer: dict[str, Any] = json.loads(child.stdout.readline())
+            return answer
+
+        def cut_and_closed() -> bool:
+            # The flood went past the cap, and every connection cut so far is counted closed.
+            counts = ask("counts")["counts"]
+            cut = counts["connections_over_limit"] + counts["connections_over_host_limit"]
+            return bool(cut > 0 and counts["connections_closed"] >= cut)
+
+        wait_until(cut_and_closed, "the flood cut past the cap, each cut counted closed", observe=lambda: ask("counts"))
+        # A burst is accepted by zmq before the gate judges it, so the descriptors can run out
+        # for a moment (docs/side-channel-trust.md, "Connections"); once the gate has cut the
+        # flood back under the cap, the process opens files again while the flood still dials.
+        result = wait_until(
+            lambda: (answer := ask("files"))["opened"] and answer,
+            "the server to open files again under the flood",
+            observe=lambda: ask("counts"),
+        )
     finally:
         for sock in sockets:
             sock.close()
         context.term()
         child.kill()
         child.wait()
-    assert result["opened"], "the server's process could not open a file under the flood"
     counts = result["counts"]
     assert result["held"] <= started["max_connections"]
     cut = counts["connections_over_limit"] + counts["connections_over_host_limit"]
-    assert cut > 0  # the flood went past the cap
-    # Every connection cut was closed, and every close is counted.
-    assert counts["connections_closed"] >= cut
+    assert cut > 0  # the flood went past the cap (and, awaited above, each cut was counted closed)
