@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,6 @@ __all__ = [
     "COMPLETION",
     "HANG",
     "Setup",
-    "eventually",
     "peak_rss_bytes",
     "router_process_with_fakes",
     "sse_events",
@@ -81,14 +80,6 @@ async def start_setup(prefill: int = 1, decode: int = 1, **options: Any) -> Setu
     )
     router = await start_router(config)
     return Setup(fakes, router, aiohttp.ClientSession())
-
-
-async def eventually(condition: Callable[[], bool], what: str) -> None:
-    """Wait for something that happens after the response (abort, release) — or fail."""
-    async with asyncio.timeout(HANG):
-        while not condition():
-            await asyncio.sleep(0.01)
-    assert condition(), what
 
 
 def sse_events(raw: bytes) -> list[Any]:

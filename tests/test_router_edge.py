@@ -23,6 +23,7 @@ import pytest
 
 from pdconnect.router.engines import Role
 from tests.router_support import CHAT, COMPLETION, HANG, Setup, sse_events
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.asyncio
 
@@ -546,7 +547,9 @@ async def test_a_decode_answer_over_its_limit_is_a_502_and_its_plan_is_released(
     assert sum(len(e.seen) for e in s.d) == 1  # another engine would answer the same: no retry
     assert s.count("pdconnect_router_oversized_answers_total", leg="decode") == 1
     assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="decode_failed") == 1
-    await _eventually_released(s, "big-1")
+    await wait_until_async(
+        lambda: "big-1" in s.p[0].released_ids(), "the release of big-1 at prefill", observe=s.p[0].released_ids
+    )
 
 
 async def test_a_streamed_event_over_its_limit_ends_the_stream_with_an_error_event(make) -> None:
@@ -569,12 +572,6 @@ async def test_an_engine_error_body_over_its_limit_is_replaced_by_the_routers_ow
     assert status == 400 and headers["Content-Type"] == "application/json"
     assert "over 16 bytes" in assert_openai_error(body, 400)["message"]
     assert s.count("pdconnect_router_oversized_answers_total", leg="error") == 1
-
-
-async def _eventually_released(s: Setup, request_id: str) -> None:
-    async with asyncio.timeout(HANG):
-        while request_id not in s.p[0].released_ids():
-            await asyncio.sleep(0.01)
 
 
 # --- several sequences per request -----------------------------------------------------------------

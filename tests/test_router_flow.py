@@ -19,7 +19,8 @@ import pytest
 from pdconnect.router import load_config, start_router
 from pdconnect.router.engines import Role
 from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
-from tests.router_support import CHAT, COMPLETION, HANG, eventually, sse_events
+from tests.router_support import CHAT, COMPLETION, HANG, sse_events
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.asyncio
 
@@ -218,7 +219,7 @@ async def test_slow_prefill_times_out_then_falls_back(make) -> None:
     assert status == 200
     assert headers["X-PDConnect-Fallback"] == "prefill_failed"
     # The timed-out prefill request was abandoned, not left running.
-    await eventually(lambda: len(s.p[0].aborted) == 1, "prefill engine saw the abort")
+    await wait_until_async(lambda: len(s.p[0].aborted) == 1, "prefill engine saw the abort")
 
 
 async def test_fallback_off_turns_prefill_failure_into_502(make) -> None:
@@ -233,12 +234,12 @@ async def test_fallback_off_turns_prefill_failure_into_502(make) -> None:
 async def test_without_any_prefill_engine_requests_are_served_decode_only_unless_fallback_is_off(make) -> None:
     s = await make(health_interval=0.05)
     s.p[0].faults.health_status = 500
-    await eventually(lambda: not s.router.router.registry.get(Role.PREFILL, s.p[0].url).routable, "marked down")
+    await wait_until_async(lambda: not s.router.router.registry.get(Role.PREFILL, s.p[0].url).routable, "marked down")
     _, headers, _ = await s.post("/v1/completions", COMPLETION)
     assert headers["X-PDConnect-Fallback"] == "no_prefill_engine"
     strict = await make(fallback=False, health_interval=0.05)
     strict.p[0].faults.health_status = 500
-    await eventually(
+    await wait_until_async(
         lambda: not strict.router.router.registry.get(Role.PREFILL, strict.p[0].url).routable, "marked down"
     )
     status, _, body = await strict.post("/v1/completions", COMPLETION)
@@ -268,7 +269,7 @@ async def test_decode_retry_gets_a_fresh_plan_never_the_one_whose_claim_ended(ma
         retried.body["kv_transfer_params"]["remote_request_id"]
         != failed.body["kv_transfer_params"]["remote_request_id"]
     )
-    await eventually(
+    await wait_until_async(
         lambda: failed.body["kv_transfer_params"]["remote_request_id"] in prefill.released_ids(),
         "the abandoned plan was released",
     )
@@ -302,7 +303,7 @@ async def test_decode_dropping_before_the_first_byte_is_retried(make) -> None:
     # it is told to free them all.
     plans = [plan["remote_request_id"] for plan in s.p[0].plans]
     assert len(plans) == 2
-    await eventually(lambda: sorted(s.p[0].released_ids()) == sorted(plans), "releases reached prefill")
+    await wait_until_async(lambda: sorted(s.p[0].released_ids()) == sorted(plans), "releases reached prefill")
     assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="decode_failed") == 1
 
 
@@ -326,7 +327,7 @@ async def test_decode_stalling_mid_stream_is_cut_by_the_idle_timeout(make) -> No
     events = sse_events(raw)
     assert "error" in events[1]
     # Cutting the stream closed the connection: the decode engine saw its request aborted.
-    await eventually(lambda: len(s.d[0].aborted) == 1, "decode engine saw the abort")
+    await wait_until_async(lambda: len(s.d[0].aborted) == 1, "decode engine saw the abort")
 
 
 async def test_slow_non_streaming_decode_is_a_504_not_a_retry(make) -> None:
@@ -336,13 +337,13 @@ async def test_slow_non_streaming_decode_is_a_504_not_a_retry(make) -> None:
     status, _, body = await s.post("/v1/completions", COMPLETION)
     assert status == 504 and json.loads(body)["error"]["type"] == "DecodeTimeout"
     assert sum(len(e.seen) for e in s.d) == 1
-    await eventually(lambda: len(s.p[0].released_ids()) == 1, "release reached prefill")
+    await wait_until_async(lambda: len(s.p[0].released_ids()) == 1, "release reached prefill")
 
 
 async def test_no_healthy_decode_engine_is_a_503(make) -> None:
     s = await make(health_interval=0.05)
     s.d[0].faults.health_status = 503
-    await eventually(lambda: not s.router.router.registry.get(Role.DECODE, s.d[0].url).routable, "marked down")
+    await wait_until_async(lambda: not s.router.router.registry.get(Role.DECODE, s.d[0].url).routable, "marked down")
     status, _, body = await s.post("/v1/completions", COMPLETION)
     assert status == 503 and json.loads(body)["error"]["type"] == "NoEngineAvailable"
     assert s.d[0].seen == [] and s.p[0].seen == []  # no prefill work for nobody
@@ -362,9 +363,9 @@ async def test_client_leaving_mid_stream_aborts_decode_and_releases_prefill(make
         ) as resp:
             assert await resp.content.readany()
             resp.close()  # the client hangs up
-    await eventually(lambda: s.d[0].aborted == ["gone-1"], "decode engine saw the abort")
-    await eventually(lambda: s.p[0].released_ids() == ["gone-1"], "prefill engine got the release")
-    await eventually(
+    await wait_until_async(lambda: s.d[0].aborted == ["gone-1"], "decode engine saw the abort")
+    await wait_until_async(lambda: s.p[0].released_ids() == ["gone-1"], "prefill engine got the release")
+    await wait_until_async(
         lambda: s.count("pdconnect_router_requests_total", endpoint="completions", outcome="client_disconnect") == 1,
         "outcome counted",
     )
@@ -375,21 +376,21 @@ async def test_client_leaving_while_decode_computes_aborts_it(make) -> None:
     s = await make(decode_timeout=30.0)
     s.d[0].faults.delay = 30.0
     task = asyncio.create_task(s.post("/v1/chat/completions", {**CHAT}, headers={"X-Request-Id": "gone-2"}))
-    await eventually(lambda: len(s.d[0].seen) == 1, "decode engine got the request")
+    await wait_until_async(lambda: len(s.d[0].seen) == 1, "decode engine got the request")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    await eventually(lambda: s.d[0].aborted == ["gone-2"], "decode engine saw the abort")
-    await eventually(lambda: s.p[0].released_ids() == ["gone-2"], "prefill engine got the release")
+    await wait_until_async(lambda: s.d[0].aborted == ["gone-2"], "decode engine saw the abort")
+    await wait_until_async(lambda: s.p[0].released_ids() == ["gone-2"], "prefill engine got the release")
 
 
 async def test_client_leaving_during_prefill_aborts_prefill(make) -> None:
     s = await make(prefill_timeout=30.0)
     s.p[0].faults.delay = 30.0
     task = asyncio.create_task(s.post("/v1/completions", COMPLETION, headers={"X-Request-Id": "gone-3"}))
-    await eventually(lambda: len(s.p[0].seen) == 1, "prefill engine got the request")
+    await wait_until_async(lambda: len(s.p[0].seen) == 1, "prefill engine got the request")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    await eventually(lambda: s.p[0].aborted == ["gone-3"], "prefill engine saw the abort")
+    await wait_until_async(lambda: s.p[0].aborted == ["gone-3"], "prefill engine saw the abort")
     assert s.d[0].seen == []
 
 
@@ -409,7 +410,7 @@ async def test_failing_engine_opens_its_breaker_and_gets_no_traffic_until_it_rec
     assert s.count("pdconnect_router_engine_healthy", role="decode", engine=bad.url) == 0
     bad.faults.status = 200
     # After the cooldown one trial request goes through, succeeds, and closes the breaker.
-    await eventually(lambda: s.router.router.registry.get(Role.DECODE, bad.url).routable, "cooldown over")
+    await wait_until_async(lambda: s.router.router.registry.get(Role.DECODE, bad.url).routable, "cooldown over")
     served = set()
     for _ in range(4):
         _, headers, _ = await s.post("/v1/completions", COMPLETION)
@@ -421,12 +422,12 @@ async def test_engine_failing_health_polls_is_skipped_then_readmitted(make) -> N
     s = await make(prefill=2, policy="round-robin", health_interval=0.05)
     down, up = s.p
     down.faults.health_status = 500
-    await eventually(lambda: not s.router.router.registry.get(Role.PREFILL, down.url).routable, "marked down")
+    await wait_until_async(lambda: not s.router.router.registry.get(Role.PREFILL, down.url).routable, "marked down")
     for _ in range(4):
         _, headers, _ = await s.post("/v1/completions", COMPLETION)
         assert headers["X-PDConnect-Prefill"] == up.url
     down.faults.health_status = 200
-    await eventually(lambda: s.router.router.registry.get(Role.PREFILL, down.url).routable, "back up")
+    await wait_until_async(lambda: s.router.router.registry.get(Role.PREFILL, down.url).routable, "back up")
 
 
 # --- runtime membership -----------------------------------------------------------------------
@@ -439,7 +440,7 @@ async def test_admin_api_adds_and_removes_engines_at_runtime(make) -> None:
     try:
         async with s.http.post(s.router.url + "/admin/engines", json={"role": "decode", "url": extra.url}) as resp:
             assert resp.status == 201
-        await eventually(lambda: s.router.router.registry.get(Role.DECODE, extra.url).routable, "polled up")
+        await wait_until_async(lambda: s.router.router.registry.get(Role.DECODE, extra.url).routable, "polled up")
         async with s.http.delete(s.router.url + "/admin/engines", json={"role": "decode", "url": s.d[0].url}) as resp:
             assert resp.status == 200
         _, headers, _ = await s.post("/v1/completions", COMPLETION)
@@ -488,11 +489,11 @@ async def test_dns_names_are_re_resolved_and_engines_follow(make) -> None:
         registry = router.router.registry
         assert [e.url for e in registry.engines(Role.DECODE)] == [fakes.decode[0].url]
         records["decode.svc"] = []
-        await eventually(lambda: registry.engines(Role.DECODE) == (), "record gone, engine gone")
+        await wait_until_async(lambda: registry.engines(Role.DECODE) == (), "record gone, engine gone")
         records["decode.svc"] = ["127.0.0.1"]
-        await eventually(lambda: len(registry.engines(Role.DECODE)) == 1, "engine back")
+        await wait_until_async(lambda: len(registry.engines(Role.DECODE)) == 1, "engine back")
         del records["decode.svc"]  # a failing lookup keeps what we had
-        await eventually(
+        await wait_until_async(
             lambda: (router.router.metrics.registry.get_sample_value("pdconnect_router_dns_failures_total") or 0) > 0,
             "lookup failed",
         )
@@ -530,19 +531,19 @@ async def test_a_client_that_stops_reading_is_dropped_its_engine_released_and_ot
     ).encode()
     try:
         await asyncio.get_running_loop().sock_sendall(sock, head + body)  # ... and never read
-        await eventually(lambda: len(decode.seen) == 1, "decode engine got the request")
+        await wait_until_async(lambda: len(decode.seen) == 1, "decode engine got the request")
         status, _, _ = await s.post("/v1/chat/completions", CHAT)  # another client, meanwhile
         assert status == 200
-        await eventually(
+        await wait_until_async(
             lambda: s.count("pdconnect_router_client_write_timeouts_total") == 1, "the stalled client was dropped"
         )
-        await eventually(
+        await wait_until_async(
             lambda: s.count("pdconnect_router_requests_total", endpoint="completions", outcome="client_stalled") == 1,
             "outcome counted",
         )
-        await eventually(lambda: "stalled-1" in s.p[0].released_ids(), "prefill engine got the release")
+        await wait_until_async(lambda: "stalled-1" in s.p[0].released_ids(), "prefill engine got the release")
         if stream:  # a whole answer was complete at the engine before the client stalled
-            await eventually(lambda: decode.aborted == ["stalled-1"], "decode engine saw the abort")
+            await wait_until_async(lambda: decode.aborted == ["stalled-1"], "decode engine saw the abort")
     finally:
         sock.close()
     status, _, _ = await s.post("/v1/completions", COMPLETION)

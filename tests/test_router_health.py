@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pdconnect.router.breaker import BreakerState, CircuitBreaker
 from pdconnect.router.engines import Engine, EngineRegistry, Role
+from tests.waiting import wait_until_async
 
 
 class Clock:
@@ -151,9 +152,9 @@ def test_the_health_loop_logs_counts_and_survives_an_unexpected_error() -> None:
                 on_error=lambda: errors.append(None),
             )
             task = asyncio.create_task(monitor.run())
-            async with asyncio.timeout(15.0):
-                while registry.calls < 3 and not task.done():
-                    await asyncio.sleep(0.01)
+            await wait_until_async(
+                lambda: registry.calls >= 3 or task.done(), "three health rounds", observe=lambda: registry.calls
+            )
             assert not task.done(), task.exception()
             task.cancel()
         assert errors == [None]

@@ -17,6 +17,7 @@ import uvloop
 from pdconnect.router import load_config, start_router
 from pdconnect.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
+from tests.waiting import wait_until_async
 
 HANG = 15.0
 
@@ -117,9 +118,9 @@ def test_a_pooled_connection_the_engine_closed_while_idle_is_not_reused() -> Non
             await engine.close()  # the engine restarts: its side of the idle connection closes
             engine = FakeEngine(chunks=2)
             await engine.start(port=port)
-            async with asyncio.timeout(HANG):  # the close reaches the loop, as it would while idle
-                while any(p._idle for p in pool._pools.values()):
-                    await asyncio.sleep(0.01)
+            await wait_until_async(  # the close reaches the loop, as it would while idle
+                lambda: not any(p._idle for p in pool._pools.values()), "the idle connection's close"
+            )
             assert (await _exchange(pool, engine, {"prompt": "a b"}))[0] == 200
         finally:
             pool.close()
@@ -302,8 +303,7 @@ def test_an_unread_stream_pauses_the_engine_connection_until_the_caller_reads() 
                 resp = await pool.post(
                     f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", "/v1/completions", b"{}", {}
                 )
-                while not resp._paused:  # nobody reads: the mark is reached
-                    await asyncio.sleep(0.01)
+                await wait_until_async(lambda: resp._paused, "the read mark (nobody reads)")
                 assert len(await resp.read()) == len(piece) * pieces
                 assert not resp._paused
                 resp.release()
