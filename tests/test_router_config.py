@@ -226,3 +226,24 @@ def test_the_router_and_the_connector_raise_one_config_error() -> None:
     assert ConfigError is SharedConfigError
     with pytest.raises(ConfigError, match="side_channel_port"):
         ConnectorSettings(side_channel_port=70000)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("decode-timeout", 0.0, "decode_timeout must be positive, got 0.0"),
+        ("max-event-bytes", 0, "max_event_bytes must be >= 1, got 0"),
+        ("health-interval", -1.0, "health_interval must be >= 0, got -1.0 (0 turns active polling off)"),
+        ("admin-port", 70000, "admin_port must be <= 65535, got 70000"),
+    ],
+)
+def test_a_value_outside_its_declared_bound_is_refused_naming_field_bound_and_value(
+    option: str, value: float, message: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_args(["--decode", "http://d:1", f"--{option}", str(value)])
+    assert str(refused.value) == f"invalid router configuration: {message}"
+    # Built directly (tests, the testbed), msgspec checks no bound: __post_init__ does.
+    with pytest.raises(ConfigError) as refused:
+        RouterConfig(decode=("http://d:1",), **{option.replace("-", "_"): value})  # type: ignore[arg-type]  # one field a case
+    assert str(refused.value) == message
