@@ -67,8 +67,8 @@ from pdconnect.bench.scenarios import (
 from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters, engine_client, fetch_metrics
 from pdconnect.router.kvindex import EngineKVIndex
 from pdconnect.router.kvwire import decode_batch
-from pdconnect.router.prompt import RoutingPrompt
 from pdconnect.router.policy import LoadBound
+from pdconnect.router.prompt import RoutingPrompt
 from pdconnect.testbed.local_pd import LocalPDConfig, Transport
 from pdconnect.testbed.paths import default_build_dir
 from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
+from pdconnect.config_fields import Meta, Seconds, check_bounds, check_values
 from pdconnect.envelope import DEFAULT_MAX_AGE_SECONDS
 from pdconnect.errors import ConfigError
 from pdconnect.keyring import MIN_SECRET_BYTES, Keyring, SigningKey, TrustedKeys
@@ -33,9 +34,10 @@ logger = logging.getLogger(__name__)
 class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Everything an operator may set in `kv_connector_extra_config`.
 
-    Invariants (checked in `__post_init__`): heartbeats are sent more often than the
-    lease runs out, so a live decode engine never loses its blocks to expiry; timeouts
-    and ports are positive.
+    Invariants (checked in `__post_init__`): each field's own bounds, declared on its type
+    (`Seconds`: positive, `pdconnect.config_fields`); heartbeats are sent more often than
+    the lease runs out, so a live decode engine never loses its blocks to expiry; the
+    side-channel port is one.
     """
 
     transport: Literal["mooncake", "nixl"] = "mooncake"
@@ -53,18 +55,18 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     # The address peers dial when it differs from the bind host (NAT, 0.0.0.0 binds).
     advertise_host: str | None = None
     # How long the prefill engine holds a request's blocks without news from decode.
-    lease_seconds: float = 60.0
-    heartbeat_seconds: float = 10.0
-    handshake_timeout_seconds: float = 5.0
+    lease_seconds: Seconds = 60.0
+    heartbeat_seconds: Seconds = 10.0
+    handshake_timeout_seconds: Seconds = 5.0
     # A pull that has not completed after this long is failed (never a hang).
-    transfer_timeout_seconds: float = 30.0
+    transfer_timeout_seconds: Seconds = 30.0
     # Keep and send the sliding-window replay slack; false = the stock tail clip (A/B).
     replay_slack: bool = True
     # Decode: a request whose prompt shares blocks with a load in flight on this engine
     # waits for that load to be published instead of pulling the same blocks again;
     # false = every request pulls on its own (A/B). The wait is bounded.
     coalesce: bool = True
-    coalesce_wait_seconds: float = 10.0
+    coalesce_wait_seconds: Seconds = 10.0
     # This engine's side-channel secret (at least 32 bytes): the key its role (prefill
     # or decode) signs with, held by that role's pods only; `secret_env` names an
     # environment variable holding it (Kubernetes Secrets), `secret_file` a file (a
@@ -80,11 +82,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     # The largest side-channel message the prefill engine reads; zmq drops the sender's
     # connection on a bigger one before it is copied (handshakes and notices are far
     # smaller: a heartbeat carries ~100 bytes per watched request).
-    side_channel_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    side_channel_max_message_bytes: Annotated[int, Meta(gt=0)] = DEFAULT_MAX_MESSAGE_BYTES
     # With a secret, a message whose send time is further than this from the receiver's
     # clock, either way, is refused as stale (so it is also the clock skew tolerated);
     # inside it, each message is accepted once and replays are refused.
-    side_channel_max_age_seconds: float = DEFAULT_MAX_AGE_SECONDS
+    side_channel_max_age_seconds: Seconds = DEFAULT_MAX_AGE_SECONDS
     # Connections the prefill engine's side channel holds open from one source address,
     # and from all together; one beyond either is closed before it carries a message and
     # counted (`pdconnect:side_channel_connections_over_host_limit`, `..._over_limit`).
@@ -104,15 +106,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     nixl_progress_delay_us: int = 200
 
     def __post_init__(self) -> None:
-        for name in (
-            "lease_seconds",
-            "heartbeat_seconds",
-            "handshake_timeout_seconds",
-            "transfer_timeout_seconds",
-            "coalesce_wait_seconds",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        check_bounds(self)
         if self.heartbeat_seconds >= self.lease_seconds:
             raise ConfigError(
                 f"heartbeat_seconds ({self.heartbeat_seconds}) must be shorter than "
@@ -135,8 +129,6 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
             )
         if self.peer_keys is not None:
             TrustedKeys.parse(self.peer_keys)
-        if self.side_channel_max_message_bytes <= 0 or self.side_channel_max_age_seconds <= 0:
-            raise ConfigError("side_channel_max_message_bytes and side_channel_max_age_seconds must be positive")
         if not 0 < self.side_channel_max_connections_per_host <= self.side_channel_max_connections:
             raise ConfigError(
                 "need 0 < side_channel_max_connections_per_host <= side_channel_max_connections, got "
@@ -152,8 +144,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     def from_extra_config(cls, extra: dict[str, object] | None) -> ConnectorSettings:
         """Parse `kv_connector_extra_config`; raises ConfigError naming the bad key."""
         try:
+            check_values(cls, extra or {})  # before msgspec, whose own message names no value
             return msgspec.convert(extra or {}, cls, strict=True)
-        except msgspec.ValidationError as exc:
+        except (ConfigError, msgspec.ValidationError) as exc:
             raise ConfigError(f"invalid kv_connector_extra_config: {exc}") from None
 
     @property

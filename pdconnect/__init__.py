@@ -9,8 +9,8 @@ The product:
 - `router`: the P/D router (`pdconnect router`).
 - `metricsproxy`: an engine's `/metrics` alone on a port of its own (`pdconnect
   metrics-proxy`), so monitoring never reaches the engine's API.
-- `errors`: `ConfigError`, the one settings error; `config_fields`: a setting's bounds and
-  help declared once, on its field's type, and checked from there.
+- `errors`: `ConfigError`, the one settings error; `config_fields`: a setting's bounds,
+  declared once on its field's type and checked from there (the router's, the connector's).
 - `serving`: runs an asyncio service until SIGINT or SIGTERM (the router, the metrics proxy).
 - `stallwatch`: which threads used the seconds a process's Python stopped running.
 - `cli`: the `pdconnect` command; its `plan` subcommand is the one place that reaches

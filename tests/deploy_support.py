@@ -15,8 +15,21 @@ from typing import Any
 import pytest
 import yaml
 
-__all__ = ["DEPLOY", "OVERLAYS", "POD_IP", "REPO", "TARGETS", "TOOLS_VENV", "Render", "container_env",
-           "deploy_tool", "deploy_tool_env", "expand", "pod_spec", "require_tools_venv"]
+__all__ = [
+    "DEPLOY",
+    "OVERLAYS",
+    "POD_IP",
+    "REPO",
+    "TARGETS",
+    "TOOLS_VENV",
+    "Render",
+    "container_env",
+    "deploy_tool",
+    "deploy_tool_env",
+    "expand",
+    "pod_spec",
+    "require_tools_venv",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -59,8 +72,7 @@ def deploy_tool(name: str) -> str:
 
 def deploy_tool_env() -> dict[str, str]:
     # checkov phones home for policy metadata and version checks unless told not to.
-    return {**os.environ, "BC_SKIP_MAPPING": "TRUE", "CKV_SKIP_PACKAGE_UPDATE_CHECK": "true",
-            "LOG_LEVEL": "ERROR"}
+    return {**os.environ, "BC_SKIP_MAPPING": "TRUE", "CKV_SKIP_PACKAGE_UPDATE_CHECK": "true", "LOG_LEVEL": "ERROR"}
 
 
 class Render:
@@ -92,9 +104,11 @@ class Render:
         return found
 
     def router(self) -> dict[str, Any]:
-        routers = [w for w in self.workloads()
-                   if w["spec"]["template"]["metadata"]["labels"].get(
-                       "app.kubernetes.io/component") == "router"]
+        routers = [
+            w
+            for w in self.workloads()
+            if w["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == "router"
+        ]
         assert len(routers) == 1, f"expected one router workload, found {len(routers)}"
         return routers[0]
 
@@ -110,15 +124,16 @@ _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 def expand(text: str, env: dict[str, str]) -> str:
     """The kubelet's `$(VAR)` expansion: defined names are replaced, `$$` escapes,
     undefined references stay as they are (and then break whatever parses them)."""
+
     def sub(m: re.Match[str]) -> str:
         if m.group(0) == "$$":
             return "$"
         return env.get(m.group(1), m.group(0))
+
     return _VAR_REF.sub(sub, text)
 
 
-def container_env(render: Render, workload: dict[str, Any],
-                  container: dict[str, Any]) -> dict[str, str]:
+def container_env(render: Render, workload: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
     """The environment the kubelet would give the container (envFrom, then env)."""
     env: dict[str, str] = {}
     namespace = workload["metadata"].get("namespace", "default")
@@ -136,8 +151,9 @@ def container_env(render: Render, workload: dict[str, Any],
         ref = var["valueFrom"]
         if "fieldRef" in ref:
             field = ref["fieldRef"]["fieldPath"]
-            env[var["name"]] = {"status.podIP": POD_IP, "metadata.namespace": namespace,
-                                "metadata.name": "pod-0"}[field]
+            env[var["name"]] = {"status.podIP": POD_IP, "metadata.namespace": namespace, "metadata.name": "pod-0"}[
+                field
+            ]
         elif "configMapKeyRef" in ref:
             cm = render.get("ConfigMap", ref["configMapKeyRef"]["name"])
             assert cm is not None, f"{var['name']}: missing ConfigMap"

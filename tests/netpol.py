@@ -86,9 +86,10 @@ def selector_matches(selector: Mapping[str, Any] | None, labels: Mapping[str, st
 class NetworkPolicies:
     """The rendered NetworkPolicies of a cluster, and the namespaces' labels."""
 
-    def __init__(self, policies: Iterable[Mapping[str, Any]],
-                 namespaces: Mapping[str, Mapping[str, str]] | None = None) -> None:
-        self.policies = [p for p in policies]
+    def __init__(
+        self, policies: Iterable[Mapping[str, Any]], namespaces: Mapping[str, Mapping[str, str]] | None = None
+    ) -> None:
+        self.policies = list(policies)
         for p in self.policies:
             if p.get("kind") != "NetworkPolicy":
                 raise ValueError(f"not a NetworkPolicy: {p.get('kind')}")
@@ -102,13 +103,15 @@ class NetworkPolicies:
 
     def allows(self, source: Pod, destination: Pod, port: int, protocol: str = "TCP") -> bool:
         """Whether a connection from `source` to `port`/`protocol` of `destination` is allowed."""
-        return (self._direction_allows("Egress", source, destination, destination, port, protocol)
-                and self._direction_allows("Ingress", destination, source, destination, port, protocol))
+        return self._direction_allows(
+            "Egress", source, destination, destination, port, protocol
+        ) and self._direction_allows("Ingress", destination, source, destination, port, protocol)
 
     # ------------------------------------------------------------------------------
 
-    def _direction_allows(self, direction: str, subject: Pod, peer: Pod, destination: Pod,
-                          port: int, protocol: str) -> bool:
+    def _direction_allows(
+        self, direction: str, subject: Pod, peer: Pod, destination: Pod, port: int, protocol: str
+    ) -> bool:
         """Whether `subject`'s policies of `direction` admit `peer` (the other end)."""
         rules_key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
         isolated = False
@@ -120,17 +123,16 @@ class NetworkPolicies:
                 unknown = set(rule) - {peers_key, "ports"}
                 if unknown:
                     raise ValueError(f"{policy['metadata']['name']}: unknown rule fields {sorted(unknown)}")
-                if (self._peer_matches(policy, rule.get(peers_key), peer)
-                        and _port_matches(rule.get("ports"), destination, port, protocol)):
+                if self._peer_matches(policy, rule.get(peers_key), peer) and _port_matches(
+                    rule.get("ports"), destination, port, protocol
+                ):
                     return True
         return not isolated
 
     def _selects(self, policy: Mapping[str, Any], pod: Pod) -> bool:
-        return (_namespace(policy) == pod.namespace
-                and selector_matches(policy["spec"]["podSelector"], pod.labels))
+        return _namespace(policy) == pod.namespace and selector_matches(policy["spec"]["podSelector"], pod.labels)
 
-    def _peer_matches(self, policy: Mapping[str, Any], peers: list[dict[str, Any]] | None,
-                      pod: Pod) -> bool:
+    def _peer_matches(self, policy: Mapping[str, Any], peers: list[dict[str, Any]] | None, pod: Pod) -> bool:
         if not peers:
             return True
         for peer in peers:
@@ -167,8 +169,7 @@ def _policy_types(policy: Mapping[str, Any]) -> list[str]:
     return ["Ingress", "Egress"] if "egress" in spec else ["Ingress"]
 
 
-def _port_matches(ports: list[dict[str, Any]] | None, destination: Pod, port: int,
-                  protocol: str) -> bool:
+def _port_matches(ports: list[dict[str, Any]] | None, destination: Pod, port: int, protocol: str) -> bool:
     if not ports:
         return True
     for entry in ports:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,16 @@ from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
 from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec
 from pdconnect.testbed.recipes import router_server
 
-__all__ = ["CHAT", "COMPLETION", "HANG", "Setup", "eventually", "peak_rss_bytes", "router_process_with_fakes",
-           "sse_events", "start_setup"]
+__all__ = [
+    "CHAT",
+    "COMPLETION",
+    "HANG",
+    "Setup",
+    "peak_rss_bytes",
+    "router_process_with_fakes",
+    "sse_events",
+    "start_setup",
+]
 
 HANG = 15.0  # seconds: far beyond any configured timeout; only a hang reaches it
 
@@ -56,20 +64,22 @@ class Setup:
 
 async def start_setup(prefill: int = 1, decode: int = 1, **options: Any) -> Setup:
     fakes = await FakeCluster.start(prefill, decode)
-    config = load_config({"host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls,
-                          "decode": fakes.decode_urls, "prefill_timeout": 1.0,
-                          "decode_first_byte_timeout": 1.0, "decode_timeout": 1.0,
-                          "stream_idle_timeout": 1.0, "connect_timeout": 0.5, **options})
+    config = load_config(
+        {
+            "host": "127.0.0.1",
+            "port": 0,
+            "prefill": fakes.prefill_urls,
+            "decode": fakes.decode_urls,
+            "prefill_timeout": 1.0,
+            "decode_first_byte_timeout": 1.0,
+            "decode_timeout": 1.0,
+            "stream_idle_timeout": 1.0,
+            "connect_timeout": 0.5,
+            **options,
+        }
+    )
     router = await start_router(config)
     return Setup(fakes, router, aiohttp.ClientSession())
-
-
-async def eventually(condition: Callable[[], bool], what: str) -> None:
-    """Wait for something that happens after the response (abort, release) — or fail."""
-    async with asyncio.timeout(HANG):
-        while not condition():
-            await asyncio.sleep(0.01)
-    assert condition(), what
 
 
 def sse_events(raw: bytes) -> list[Any]:
@@ -82,25 +92,50 @@ def sse_events(raw: bytes) -> list[Any]:
 
 
 COMPLETION = {"model": "fake-model", "prompt": "the quick brown fox jumps", "max_tokens": 4}
-CHAT = {"model": "fake-model", "max_tokens": 4,
-        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]}
+CHAT = {
+    "model": "fake-model",
+    "max_tokens": 4,
+    "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}],
+}
 
 
 @contextlib.contextmanager
-def router_process_with_fakes(log_dir: Path, router_args: Sequence[str] = (),
-                              fake_args: Sequence[str] = ()) -> Iterator[ManagedProcess]:
+def router_process_with_fakes(
+    log_dir: Path, router_args: Sequence[str] = (), fake_args: Sequence[str] = ()
+) -> Iterator[ManagedProcess]:
     """`pdconnect router` in a process of its own before one FAKE prefill and one FAKE
     decode engine, each in a process of its own too; yields the router's process."""
     with Cluster(log_dir=log_dir) as cluster:
+
         def fake(name: str, *extra: str) -> ProcessSpec:
             port = cluster.free_port()
-            return ProcessSpec(name=name, argv=(sys.executable, "-m", "pdconnect.testbed.fake_engine", "--port",
-                                                str(port), "--name", name, *extra, *fake_args),
-                               health_url=f"http://127.0.0.1:{port}/health", base_url=f"http://127.0.0.1:{port}")
+            return ProcessSpec(
+                name=name,
+                argv=(
+                    sys.executable,
+                    "-m",
+                    "pdconnect.testbed.fake_engine",
+                    "--port",
+                    str(port),
+                    "--name",
+                    name,
+                    *extra,
+                    *fake_args,
+                ),
+                health_url=f"http://127.0.0.1:{port}/health",
+                base_url=f"http://127.0.0.1:{port}",
+            )
+
         prefill, decode = cluster.launch(fake("fake-p0", "--side-channel"), fake("fake-d0"))
-        [router] = cluster.launch(router_server("router", port=cluster.free_port(), prefill=[prefill.base_url],
-                                                decode=[decode.base_url], args=("--log-level", "warning",
-                                                                                *router_args)))
+        [router] = cluster.launch(
+            router_server(
+                "router",
+                port=cluster.free_port(),
+                prefill=[prefill.base_url],
+                decode=[decode.base_url],
+                args=("--log-level", "warning", *router_args),
+            )
+        )
         yield router
 
 

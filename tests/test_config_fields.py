@@ -8,7 +8,7 @@ from typing import Annotated
 import msgspec
 import pytest
 
-from pdconnect.config_fields import Meta, bounds_of, check_bounds, help_of
+from pdconnect.config_fields import AtLeastOne, Meta, Port, Seconds, bounds_of, check_bounds, check_values, help_of
 from pdconnect.errors import ConfigError
 
 
@@ -31,10 +31,10 @@ def test_values_inside_their_bounds_pass() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"lease_seconds": 0}, "lease_seconds must be > 0, got 0 (how long prefill holds unclaimed blocks)"),
+        ({"lease_seconds": 0}, "lease_seconds must be positive, got 0 (how long prefill holds unclaimed blocks)"),
         ({"port": -1}, "port must be >= 0, got -1"),
         ({"port": 65536}, "port must be <= 65535, got 65536"),
-        ({"ratio": 0.0}, "ratio must be > 0, got 0.0"),
+        ({"ratio": 0.0}, "ratio must be positive, got 0.0"),
         ({"ratio": 1.5}, "ratio must be <= 1, got 1.5"),
         ({"secret": "short"}, "secret must be at least 32 long, got 'short'"),
     ],
@@ -57,3 +57,35 @@ def test_msgspec_enforces_the_same_declaration_when_it_decodes_the_config() -> N
     assert msgspec.convert({"port": 80}, _Settings).port == 80
     with pytest.raises(msgspec.ValidationError, match=r"Expected `int` <= 65535 - at `\$.port`"):
         msgspec.convert({"port": 70000}, _Settings)
+
+
+class _Struct(msgspec.Struct, frozen=True, kw_only=True):
+    """A config as the router's and the connector's are: a Struct, with the shared bounds."""
+
+    lease_seconds: Seconds = 30.0
+    attempts: AtLeastOne = 2
+    port: Port | None = None
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+
+
+def test_a_struct_built_directly_is_checked_from_its_declarations() -> None:
+    assert set(bounds_of(_Struct)) == {"lease_seconds", "attempts", "port"}
+    for changes, message in (
+        ({"attempts": 0}, "attempts must be >= 1, got 0"),
+        ({"lease_seconds": -1.0}, "lease_seconds must be positive, got -1.0"),
+        ({"port": 65536}, "port must be <= 65535, got 65536"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            _Struct(**changes)
+        assert str(refused.value) == message
+
+
+def test_a_mapping_is_checked_before_decoding_naming_the_value_msgspec_would_not() -> None:
+    check_values(_Struct, {"lease_seconds": 0.5, "port": None, "attempts": "two", "other": -1})  # types: msgspec's
+    with pytest.raises(ConfigError) as refused:
+        check_values(_Struct, {"attempts": 1, "port": 70000})
+    assert str(refused.value) == "port must be <= 65535, got 70000"
+    with pytest.raises(msgspec.ValidationError, match=r"\$.port"):
+        msgspec.convert({"port": 70000}, _Struct)  # what the message would be without check_values

@@ -40,15 +40,27 @@ from pdconnect.testbed import tinymodel
 from pdconnect.testbed.recipes import engine_args as recipe_engine_args
 from pdconnect.testbed.recipes import pd_kv_transfer
 from tests.deploy_support import (
-    DEPLOY, OVERLAYS, POD_IP, REPO, TARGETS, Render, container_env, deploy_tool, deploy_tool_env, expand,
-    pod_spec, require_tools_venv,
+    DEPLOY,
+    OVERLAYS,
+    POD_IP,
+    REPO,
+    TARGETS,
+    Render,
+    container_env,
+    deploy_tool,
+    deploy_tool_env,
+    expand,
+    pod_spec,
+    require_tools_venv,
 )
 
 require_tools_venv()
 
 # Objects the manifests use but do not create: the cluster provides them (README).
-EXTERNAL = {*(("Secret", f"pdconnect-side-channel-{role}") for role in ("prefill", "decode", "router")),
-            ("PersistentVolumeClaim", "vllm-models")}
+EXTERNAL = {
+    *(("Secret", f"pdconnect-side-channel-{role}") for role in ("prefill", "decode", "router")),
+    ("PersistentVolumeClaim", "vllm-models"),
+}
 # Custom resources: no built-in schema; their meaning is checked below instead.
 CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 CLUSTER_DOMAIN = "svc.cluster.local"
@@ -64,37 +76,64 @@ EAGLE_METHODS = {"eagle", "eagle3"}
 # What each kustomization promises; checked in test_kustomization_is_what_it_says.
 EXPECTED: dict[str, dict[str, Any]] = {
     "overlays/mooncake-rdma-h20": {
-        "transport": "mooncake", "protocol": "rdma", "require_rdma": True, "gpus": 8,
-        "tensor_parallel_size": 8, "speculative_method": "mtp",
+        "transport": "mooncake",
+        "protocol": "rdma",
+        "require_rdma": True,
+        "gpus": 8,
+        "tensor_parallel_size": 8,
+        "speculative_method": "mtp",
         "rdma_resource": "rdma/hca_shared_devices_a",
         "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H20"},
-        "capabilities": [], "servicemonitor": True, "replicas": 2, "route_headers": False,
+        "capabilities": [],
+        "servicemonitor": True,
+        "replicas": 2,
+        "route_headers": False,
         # DeepSeek-V4-Flash's KV cache groups cannot be known here (README: Decode-first routing).
         "decode_first": False,
     },
     "overlays/nixl": {
-        "transport": "nixl", "require_rdma": True, "gpus": 8, "tensor_parallel_size": 8,
-        "speculative_method": "mtp", "rdma_resource": "rdma/hca_shared_devices_a",
-        "capabilities": [], "env": {"UCX_TLS": None, "UCX_NET_DEVICES": None},
-        "servicemonitor": True, "replicas": 2, "decode_first": False,
+        "transport": "nixl",
+        "require_rdma": True,
+        "gpus": 8,
+        "tensor_parallel_size": 8,
+        "speculative_method": "mtp",
+        "rdma_resource": "rdma/hca_shared_devices_a",
+        "capabilities": [],
+        "env": {"UCX_TLS": None, "UCX_NET_DEVICES": None},
+        "servicemonitor": True,
+        "replicas": 2,
+        "decode_first": False,
     },
     "overlays/cpu-smoke": {
-        "transport": "mooncake", "protocol": "tcp", "require_rdma": False, "gpus": 0,
-        "rdma_resource": None, "node_selector": None, "capabilities": [],
-        "dtype": "float32", "block_size": 128, "speculative_method": "eagle3",
-        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                "OMP_NUM_THREADS": "1"},
-        "servicemonitor": False, "replicas": 1, "route_headers": True,
+        "transport": "mooncake",
+        "protocol": "tcp",
+        "require_rdma": False,
+        "gpus": 0,
+        "rdma_resource": None,
+        "node_selector": None,
+        "capabilities": [],
+        "dtype": "float32",
+        "block_size": 128,
+        "speculative_method": "eagle3",
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"},
+        "servicemonitor": False,
+        "replicas": 1,
+        "route_headers": True,
         # Its window is the generated model's (the init container's tinymodel arguments).
         "decode_first": True,
     },
     "examples/custom-cluster": {
-        "transport": "mooncake", "protocol": "rdma", "gpus": 4, "tensor_parallel_size": 4,
+        "transport": "mooncake",
+        "protocol": "rdma",
+        "gpus": 4,
+        "tensor_parallel_size": 4,
         "rdma_resource": "rdma/rdma_shared_device_a",
         "node_selector": {"node.example.com/accelerator": "h20"},
-        "namespace": "llm-serving", "model": "/models/gemma-3-27b-it",
+        "namespace": "llm-serving",
+        "model": "/models/gemma-3-27b-it",
         # gemma-3-27b-it's config.json: text_config.sliding_window.
-        "decode_first": True, "sliding_window": 1024,
+        "decode_first": True,
+        "sliding_window": 1024,
     },
 }
 
@@ -110,8 +149,7 @@ def _container(workload: dict[str, Any], name: str | None = None) -> dict[str, A
     return next(c for c in containers if c["name"] == name)
 
 
-def expanded_argv(render: Render, workload: dict[str, Any],
-                  container: dict[str, Any]) -> list[str]:
+def expanded_argv(render: Render, workload: dict[str, Any], container: dict[str, Any]) -> list[str]:
     env = container_env(render, workload, container)
     return [expand(a, env) for a in container.get("command", []) + container.get("args", [])]
 
@@ -188,13 +226,24 @@ def schema_report(renders, rendered_dir: Path, tmp_path_factory) -> list[dict[st
     """One run of kubernetes-validate over every render, plus one broken object that
     must be refused (proof the strict validation is really on)."""
     broken = tmp_path_factory.mktemp("broken") / "typo.yaml"
-    broken.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "typo"},
-        "spec": {"containers": [{"name": "c", "image": "i:1", "readinessprobe": {}}]},
-    }))
-    files = sorted(str(p) for p in rendered_dir.glob("*.yaml")) + [str(broken)]
-    proc = subprocess.run([deploy_tool("python"), str(REPO / "tests" / "_deploy_validate.py"), *files],
-                          capture_output=True, text=True, timeout=300)
+    broken.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "typo"},
+                "spec": {"containers": [{"name": "c", "image": "i:1", "readinessprobe": {}}]},
+            }
+        )
+    )
+    files = [*sorted(str(p) for p in rendered_dir.glob("*.yaml")), str(broken)]
+    proc = subprocess.run(
+        [deploy_tool("python"), str(REPO / "tests" / "_deploy_validate.py"), *files],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,  # the returncode is asserted below, with the output
+    )
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
@@ -205,15 +254,16 @@ def test_schema_validation_refuses_a_misspelt_field(schema_report) -> None:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_objects_validate_against_kubernetes_schemas(render_of, schema_report,
-                                                     target: str) -> None:
+def test_objects_validate_against_kubernetes_schemas(render_of, schema_report, target: str) -> None:
     render = render_of(target)
     name = f"{target.replace('/', '__')}.yaml"
     rows = [r for r in schema_report if Path(r["file"]).name == name]
     assert len(rows) == len(render.objects)
-    bad = [f"{r['kind']}/{r['name']}: {r['error']}" for r in rows
-           if r["status"] == "invalid"
-           or (r["status"] == "no-schema" and (r["apiVersion"], r["kind"]) not in CUSTOM_KINDS)]
+    bad = [
+        f"{r['kind']}/{r['name']}: {r['error']}"
+        for r in rows
+        if r["status"] == "invalid" or (r["status"] == "no-schema" and (r["apiVersion"], r["kind"]) not in CUSTOM_KINDS)
+    ]
     assert not bad, f"against Kubernetes {rows[0]['version']}:\n" + "\n".join(bad)
 
 
@@ -229,8 +279,13 @@ def checkov_report(renders, rendered_dir: Path, render_of, tmp_path_factory) -> 
     _container(router)["securityContext"]["privileged"] = True
     (scan / "zz-negative-control.yaml").write_text(yaml.safe_dump(router))
     proc = subprocess.run(
-        [deploy_tool("checkov"), "-d", str(scan), "--framework", "kubernetes", "--skip-download",
-         "-o", "json"], capture_output=True, text=True, timeout=600, env=deploy_tool_env())
+        [deploy_tool("checkov"), "-d", str(scan), "--framework", "kubernetes", "--skip-download", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=deploy_tool_env(),
+        check=False,  # checkov fails on the negative control: its report is read below
+    )
     try:
         report = json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -241,8 +296,9 @@ def checkov_report(renders, rendered_dir: Path, render_of, tmp_path_factory) -> 
 
 @pytest.mark.slow
 def test_checkov_catches_a_privileged_container(checkov_report) -> None:
-    failed = {c["check_id"] for c in checkov_report["failed_checks"]
-              if c["file_path"].endswith("zz-negative-control.yaml")}
+    failed = {
+        c["check_id"] for c in checkov_report["failed_checks"] if c["file_path"].endswith("zz-negative-control.yaml")
+    }
     assert "CKV_K8S_16" in failed
 
 
@@ -250,15 +306,17 @@ def test_checkov_catches_a_privileged_container(checkov_report) -> None:
 @pytest.mark.parametrize("target", TARGETS)
 def test_checkov_passes_or_skips_with_a_reason(checkov_report, target: str) -> None:
     name = f"/{target.replace('/', '__')}.yaml"
-    mine = {k: [c for c in v if c["file_path"].endswith(name)] for k, v in checkov_report.items()
-            if k != "parsing_errors"}
+    mine = {
+        k: [c for c in v if c["file_path"].endswith(name)] for k, v in checkov_report.items() if k != "parsing_errors"
+    }
     assert len(mine["passed_checks"]) > 100, "checkov checked next to nothing: did it parse?"
     failed = [f"{c['check_id']} {c['resource']}: {c['check_name']}" for c in mine["failed_checks"]]
     assert not failed, "\n".join(failed)
     for c in mine["skipped_checks"]:
         reason = c["check_result"].get("suppress_comment", "")
         assert len(reason) > 20 and reason != "No comment provided", (
-            f"{c['check_id']} skipped on {c['resource']} without a reason")
+            f"{c['check_id']} skipped on {c['resource']} without a reason"
+        )
 
 
 # ------------------------------------------------------------------- the engines
@@ -294,8 +352,13 @@ def test_prefill_and_decode_agree_on_connector_settings(render_of, target: str) 
 
 def test_a_typo_in_the_connector_settings_would_fail() -> None:
     """What the previous tests guard against: an unknown key fails at parse time."""
-    text = json.dumps({"kv_connector": "PDConnector", "kv_role": "kv_producer",
-                       "kv_connector_extra_config": {"side_chanel_port": 5700}})
+    text = json.dumps(
+        {
+            "kv_connector": "PDConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"side_chanel_port": 5700},
+        }
+    )
     with pytest.raises(ValueError, match="side_chanel_port"):
         parse_kv_transfer_config(text)
 
@@ -309,8 +372,11 @@ def test_side_channel_port_is_the_one_prefill_exposes(render_of, target: str) ->
     exposed = container_port(_container(prefill), "side-channel")
     assert p_settings.side_channel_port == exposed == d_settings.side_channel_port
     labels = prefill["spec"]["template"]["metadata"]["labels"]
-    services = [s for s in render.of_kind("Service")
-                if s["spec"].get("clusterIP") == "None" and selects(s["spec"]["selector"], labels)]
+    services = [
+        s
+        for s in render.of_kind("Service")
+        if s["spec"].get("clusterIP") == "None" and selects(s["spec"]["selector"], labels)
+    ]
     assert len(services) == 1, "one headless Service must front the prefill engines"
     port = next(p for p in services[0]["spec"]["ports"] if p["name"] == "side-channel")
     assert port["port"] == exposed
@@ -377,6 +443,7 @@ def engine_args(render_of, vllm_serve_parser, tmp_path_factory):
                 parsed[component] = (ns, workload)
             cache[target] = parsed
         return cache[target]
+
     return get
 
 
@@ -399,14 +466,20 @@ def test_engine_command_line_parses_with_vllm(engine_args, target: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
-def test_prefill_and_decode_serve_the_same_model_and_cache_layout(engine_args,
-                                                                  target: str) -> None:
+def test_prefill_and_decode_serve_the_same_model_and_cache_layout(engine_args, target: str) -> None:
     """P sends KV blocks D must be able to place: same weights, served name (the router
     forwards the request's `model`), block size, dtype and speculative config; prefix
     caching on both sides (the point of the project is D's local hits)."""
     (p, _), (d, _) = (engine_args(target)[c] for c in ("prefill", "decode"))
-    for field in ("model", "served_model_name", "block_size", "dtype", "speculative_config",
-                  "max_model_len", "kv_cache_dtype"):
+    for field in (
+        "model",
+        "served_model_name",
+        "block_size",
+        "dtype",
+        "speculative_config",
+        "max_model_len",
+        "kv_cache_dtype",
+    ):
         assert getattr(p, field) == getattr(d, field), f"{field} differs"
     assert p.enable_prefix_caching and d.enable_prefix_caching
 
@@ -452,8 +525,7 @@ def test_router_finds_the_engines_through_rendered_services(render_of, target: s
         assert not service["spec"].get("publishNotReadyAddresses", False)
         workload = render.engines()[component]
         listen = int(one_flag(expanded_argv(render, workload, _container(workload)), "--port"))
-        assert selects(service["spec"]["selector"],
-                       workload["spec"]["template"]["metadata"]["labels"])
+        assert selects(service["spec"]["selector"], workload["spec"]["template"]["metadata"]["labels"])
         # With a headless Service the router dials pod IP:port, so the URL's port must
         # be the engine's container port, the one vLLM listens on.
         port = next(p for p in service["spec"]["ports"] if p["port"] == target_dns.port)
@@ -487,12 +559,11 @@ def _engine_config_file(render: Render, workload: dict[str, Any]) -> dict[str, A
         if source is not None and path.startswith(mount["mountPath"].rstrip("/") + "/"):
             cm = render.get("ConfigMap", source["name"])
             assert cm is not None, f"ConfigMap {source['name']} missing"
-            return yaml.safe_load(cm["data"][path[len(mount["mountPath"].rstrip("/")) + 1:]])
+            return yaml.safe_load(cm["data"][path[len(mount["mountPath"].rstrip("/")) + 1 :]])
     pytest.fail(f"--config {path} is not on a mounted ConfigMap")
 
 
-def path_origin(render: Render, workload: dict[str, Any], container: dict[str, Any],
-                path: str) -> tuple[Any, ...]:
+def path_origin(render: Render, workload: dict[str, Any], container: dict[str, Any], path: str) -> tuple[Any, ...]:
     """Where the files at `path` in `container` come from, comparable across pods: a
     claim and the path inside it, or the init container that writes them into an
     emptyDir (image, command) and the path inside the volume. AssertionError when `path`
@@ -511,7 +582,7 @@ def path_origin(render: Render, workload: dict[str, Any], container: dict[str, A
     found = mount_of(container)
     assert found is not None, f"{path} is on no volume {container['name']} mounts"
     mount, root = found
-    inside = "/".join(p for p in (mount.get("subPath", ""), path[len(root):].strip("/")) if p)
+    inside = "/".join(p for p in (mount.get("subPath", ""), path[len(root) :].strip("/")) if p)
     volume = volumes[mount["name"]]
     if "persistentVolumeClaim" in volume:
         return ("claim", volume["persistentVolumeClaim"]["claimName"], inside)
@@ -564,7 +635,8 @@ def test_a_router_tokenizer_that_is_not_the_engines_is_caught(render_of) -> None
             volume["persistentVolumeClaim"]["claimName"] = "other-models"
     engine = render.engines()["decode"]
     assert path_origin(render, router, container, tokenizer) != path_origin(
-        render, engine, _container(engine), _engine_config_file(render, engine)["model"])
+        render, engine, _container(engine), _engine_config_file(render, engine)["model"]
+    )
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -585,8 +657,7 @@ def test_testbed_engines_with_the_connector_run_behind_the_guard_as_deployed() -
     for role in ENGINE_ROLE.values():
         args = recipe_engine_args(None, pd_kv_transfer(role, "mooncake"))
         assert flag_values(args, "--middleware") == [GUARD_MIDDLEWARE], role
-        assert not flag_values(recipe_engine_args(None, pd_kv_transfer(role, "mooncake"), guard=False),
-                               "--middleware")
+        assert not flag_values(recipe_engine_args(None, pd_kv_transfer(role, "mooncake"), guard=False), "--middleware")
     assert not flag_values(recipe_engine_args(None), "--middleware")
 
 
@@ -609,7 +680,7 @@ def check_decode_first(render: Render, want: dict[str, Any]) -> None:
     under EAGLE, on none without speculation. A model outside that shape (per-group block
     sizes, MTP) needs its own rule here before it may turn decode-first on."""
     config = router_config(render)
-    assert config.decode_first == want["decode_first"], f"decode-first is {'off' if want["decode_first"] else 'on'}"
+    assert config.decode_first == want["decode_first"], f"decode-first is {'off' if want['decode_first'] else 'on'}"
     if not config.decode_first:
         assert config.kv_cache_groups is None, "KV cache groups without decode-first: nothing checks them"
         return
@@ -621,11 +692,13 @@ def check_decode_first(render: Render, want: dict[str, Any]) -> None:
         block = args.get("block-size")
         assert block is not None, f"{component}: block-size not pinned, but the KV cache groups name it"
         assert {g.block_size for g in groups} == {block}, (
-            f"{component}: KV cache groups {config.kv_cache_groups} for block size {block}")
+            f"{component}: KV cache groups {config.kv_cache_groups} for block size {block}"
+        )
         assert any(g.kind == "full" for g in groups), f"{component}: no full-attention group"
         window = _model_sliding_window(render, workload, want)
         assert {g.window for g in groups if g.kind == "sliding"} == {window}, (
-            f"{component}: KV cache groups {config.kv_cache_groups} for sliding window {window}")
+            f"{component}: KV cache groups {config.kv_cache_groups} for sliding window {window}"
+        )
         speculative = args.get("speculative-config")
         method = speculative["method"] if speculative else None
         flagged = [g.eagle for g in groups]
@@ -641,14 +714,18 @@ def test_router_routes_decode_first_with_the_engines_kv_cache_groups(render_of, 
     check_decode_first(render_of(target), EXPECTED[target])
 
 
-@pytest.mark.parametrize(("old", "new", "complaint"), [
-    ("block-size: 128", "block-size: 64", "block size"),
-    ("sliding:128:64:eagle", "sliding:128:32:eagle", "sliding window"),
-    ("sliding:128:64:eagle", "sliding:128:64", "every group takes"),
-    ("method: eagle3", "method: mtp", "no rule here"),
-])
-def test_kv_cache_groups_that_do_not_describe_the_engines_are_caught(render_of, old: str, new: str,
-                                                                      complaint: str) -> None:
+@pytest.mark.parametrize(
+    ("old", "new", "complaint"),
+    [
+        ("block-size: 128", "block-size: 64", "block size"),
+        ("sliding:128:64:eagle", "sliding:128:32:eagle", "sliding window"),
+        ("sliding:128:64:eagle", "sliding:128:64", "every group takes"),
+        ("method: eagle3", "method: mtp", "no rule here"),
+    ],
+)
+def test_kv_cache_groups_that_do_not_describe_the_engines_are_caught(
+    render_of, old: str, new: str, complaint: str
+) -> None:
     """The check above bites: the engine args or the router's groups (both ConfigMaps)
     changed without the other."""
     render = copy.deepcopy(render_of("overlays/cpu-smoke"))
@@ -718,10 +795,9 @@ def _pod_labels(render: Render) -> list[dict[str, str]]:
 def test_selectors_and_references_resolve(render_of, target: str) -> None:
     render = render_of(target)
     for svc in render.of_kind("Service"):
-        assert any(selects(svc["spec"]["selector"], l) for l in _pod_labels(render)), svc
+        assert any(selects(svc["spec"]["selector"], labels) for labels in _pod_labels(render)), svc
     for pdb in render.of_kind("PodDisruptionBudget"):
-        matched = [l for l in _pod_labels(render)
-                   if selects(pdb["spec"]["selector"]["matchLabels"], l)]
+        matched = [labels for labels in _pod_labels(render) if selects(pdb["spec"]["selector"]["matchLabels"], labels)]
         assert len(matched) == 1, f"PDB {pdb['metadata']['name']} covers {len(matched)}"
     for w in render.workloads():
         assert selects(w["spec"]["selector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])
@@ -798,7 +874,8 @@ def scraped_by_service_monitors(render: Render) -> dict[str, set[tuple[int, str]
                 port = next((p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]), None)
                 if port is not None and _relabelings_keep(endpoint, service):
                     scraped.setdefault(component, set()).add(
-                        (_listening_port(workload, port["targetPort"]), endpoint["path"]))
+                        (_listening_port(workload, port["targetPort"]), endpoint["path"])
+                    )
     return scraped
 
 
@@ -820,26 +897,43 @@ def test_metrics_are_scraped_from_a_declared_port(render_of, target: str) -> Non
 def _pod_security_level(pod: dict[str, Any]) -> str:
     """The strictest Pod Security Standard the pod meets (the checks our manifests
     can trip; see kubernetes.io/docs/concepts/security/pod-security-standards)."""
-    baseline_caps = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL",
-                     "MKNOD", "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID",
-                     "SYS_CHROOT"}
+    baseline_caps = {
+        "AUDIT_WRITE",
+        "CHOWN",
+        "DAC_OVERRIDE",
+        "FOWNER",
+        "FSETID",
+        "KILL",
+        "MKNOD",
+        "NET_BIND_SERVICE",
+        "SETFCAP",
+        "SETGID",
+        "SETPCAP",
+        "SETUID",
+        "SYS_CHROOT",
+    }
     containers = pod["containers"] + pod.get("initContainers", [])
-    if (any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
-            or any("hostPath" in v for v in pod.get("volumes", []))
-            or any(c.get("securityContext", {}).get("privileged") for c in containers)
-            or any(set(c.get("securityContext", {}).get("capabilities", {}).get("add", []))
-                   - baseline_caps for c in containers)):
+    if (
+        any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+        or any("hostPath" in v for v in pod.get("volumes", []))
+        or any(c.get("securityContext", {}).get("privileged") for c in containers)
+        or any(
+            set(c.get("securityContext", {}).get("capabilities", {}).get("add", [])) - baseline_caps for c in containers
+        )
+    ):
         return "privileged"
     pod_sc = pod.get("securityContext", {})
     for c in containers:
         sc = c.get("securityContext", {})
         caps = sc.get("capabilities", {})
-        if (sc.get("allowPrivilegeEscalation") is not False
-                or "ALL" not in caps.get("drop", [])
-                or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}
-                or not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))
-                or sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type")
-                not in ("RuntimeDefault", "Localhost")):
+        if (
+            sc.get("allowPrivilegeEscalation") is not False
+            or "ALL" not in caps.get("drop", [])
+            or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}
+            or not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))
+            or sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type")
+            not in ("RuntimeDefault", "Localhost")
+        ):
             return "baseline"
     return "restricted"
 
@@ -866,8 +960,7 @@ def test_every_container_runs_non_root_without_privileges(render_of, target: str
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_namespace_enforces_the_strictest_pod_security_level_its_pods_meet(
-        render_of, target: str) -> None:
+def test_namespace_enforces_the_strictest_pod_security_level_its_pods_meet(render_of, target: str) -> None:
     """Not laxer than needed, and no pod the namespace would refuse."""
     render = render_of(target)
     order = ["restricted", "baseline", "privileged"]
@@ -875,8 +968,11 @@ def test_namespace_enforces_the_strictest_pod_security_level_its_pods_meet(
     enforce = namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
     needed = max((_pod_security_level(pod_spec(w)) for w in render.workloads()), key=order.index)
     assert enforce == needed
-    assert all(o["metadata"].get("namespace") == namespace["metadata"]["name"]
-               for o in render.objects if o["kind"] != "Namespace")
+    assert all(
+        o["metadata"].get("namespace") == namespace["metadata"]["name"]
+        for o in render.objects
+        if o["kind"] != "Namespace"
+    )
 
 
 # ------------------------------------------------------------- per-overlay promises
@@ -1000,11 +1096,19 @@ def test_the_metrics_proxy_is_bounded_in_time_and_memory(render_of, target: str)
     for component, workload in render.engines().items():
         sidecar, settings = _metrics_proxy(workload), _proxy_settings(render, workload)
         # The scrapes of /metrics on a Service port that leads to the proxy.
-        proxy_port_names = {p["name"] for s in render.of_kind("Service") for p in s["spec"]["ports"]
-                            if selects(s["spec"]["selector"], workload["spec"]["template"]["metadata"]["labels"])
-                            and p["targetPort"] in (settings.port, "metrics")}
-        timeouts = [float(e["scrapeTimeout"].removesuffix("s")) for m in render.of_kind("ServiceMonitor")
-                    for e in m["spec"]["endpoints"] if e["port"] in proxy_port_names and e["path"] == "/metrics"]
+        proxy_port_names = {
+            p["name"]
+            for s in render.of_kind("Service")
+            for p in s["spec"]["ports"]
+            if selects(s["spec"]["selector"], workload["spec"]["template"]["metadata"]["labels"])
+            and p["targetPort"] in (settings.port, "metrics")
+        }
+        timeouts = [
+            float(e["scrapeTimeout"].removesuffix("s"))
+            for m in render.of_kind("ServiceMonitor")
+            for e in m["spec"]["endpoints"]
+            if e["port"] in proxy_port_names and e["path"] == "/metrics"
+        ]
         assert timeouts or not render.of_kind("ServiceMonitor"), component
         resources = sidecar["resources"]
         assert {"cpu", "memory"} <= set(resources["requests"]) and {"cpu", "memory"} <= set(resources["limits"])

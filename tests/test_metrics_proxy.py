@@ -90,7 +90,7 @@ class Upstream:
             response.enable_chunked_encoding()
             await response.prepare(request)
             for start in range(0, len(body), 4096):
-                await response.write(body[start:start + 4096])
+                await response.write(body[start : start + 4096])
             await response.write_eof()
             return response
         body, content_type = self.metrics_bytes(request.headers.get("Accept", ""))
@@ -116,9 +116,10 @@ async def upstream() -> AsyncIterator[Upstream]:
     await runner.cleanup()
 
 
-async def _proxy(upstream_url: str, **overrides: float | int) -> RunningProxy:
-    settings = ProxySettings(upstream=upstream_url + "/metrics", host="127.0.0.1", port=0, timeout=2.0,
-                             max_bytes=LIMIT, max_concurrent=4)
+async def _proxy(upstream_url: str, **overrides: float) -> RunningProxy:
+    settings = ProxySettings(
+        upstream=upstream_url + "/metrics", host="127.0.0.1", port=0, timeout=2.0, max_bytes=LIMIT, max_concurrent=4
+    )
     return await start_proxy(msgspec.structs.replace(settings, **overrides))
 
 
@@ -131,9 +132,11 @@ async def proxy(upstream: Upstream) -> AsyncIterator[RunningProxy]:
 
 async def _get(url: str, method: str = "GET", **kwargs: object) -> tuple[int, dict[str, str], bytes]:
     # auto_decompress off: the test reads the bytes that travelled.
-    async with aiohttp.ClientSession(auto_decompress=False, skip_auto_headers=("Accept-Encoding",)) as session:
-        async with session.request(method, url, **kwargs) as response:  # type: ignore[arg-type]
-            return response.status, dict(response.headers), await response.read()
+    async with (
+        aiohttp.ClientSession(auto_decompress=False, skip_auto_headers=("Accept-Encoding",)) as session,
+        session.request(method, url, **kwargs) as response,  # type: ignore[arg-type]
+    ):
+        return response.status, dict(response.headers), await response.read()
 
 
 async def _own_counters(proxy: RunningProxy) -> dict[tuple[str, str], float]:
@@ -169,8 +172,9 @@ async def _raw(proxy: RunningProxy, request: bytes) -> bytes:
 
 
 @pytest.mark.asyncio
-async def test_get_metrics_is_relayed_byte_for_byte_with_its_content_type(upstream: Upstream,
-                                                                         proxy: RunningProxy) -> None:
+async def test_get_metrics_is_relayed_byte_for_byte_with_its_content_type(
+    upstream: Upstream, proxy: RunningProxy
+) -> None:
     status, headers, body = await _get(proxy.url + "/metrics")
     expected, content_type = upstream.metrics_bytes("")
     assert status == 200 and body == expected
@@ -181,11 +185,18 @@ async def test_get_metrics_is_relayed_byte_for_byte_with_its_content_type(upstre
 
 @pytest.mark.asyncio
 async def test_the_scrapers_format_and_compression_choices_travel_and_nothing_else(
-        upstream: Upstream, proxy: RunningProxy) -> None:
+    upstream: Upstream, proxy: RunningProxy
+) -> None:
     status, headers, body = await _get(
         proxy.url + "/metrics?name[]=vllm:prompt_tokens",
-        headers={"Accept": OPENMETRICS, "Accept-Encoding": "gzip", "Authorization": "Bearer scraper",
-                 "X-Forwarded-For": "10.9.9.9", "kv_transfer_params": "{}"})
+        headers={
+            "Accept": OPENMETRICS,
+            "Accept-Encoding": "gzip",
+            "Authorization": "Bearer scraper",
+            "X-Forwarded-For": "10.9.9.9",
+            "kv_transfer_params": "{}",
+        },
+    )
     expected, content_type = upstream.metrics_bytes(OPENMETRICS)
     assert status == 200
     assert headers["Content-Encoding"] == "gzip" and gzip.decompress(body) == expected
@@ -197,8 +208,9 @@ async def test_the_scrapers_format_and_compression_choices_travel_and_nothing_el
 
 
 @pytest.mark.asyncio
-async def test_without_accept_encoding_upstream_is_not_asked_to_compress(upstream: Upstream,
-                                                                        proxy: RunningProxy) -> None:
+async def test_without_accept_encoding_upstream_is_not_asked_to_compress(
+    upstream: Upstream, proxy: RunningProxy
+) -> None:
     status, headers, _ = await _get(proxy.url + "/metrics")
     assert status == 200 and "Content-Encoding" not in headers
     [(_, _, sent)] = upstream.requests
@@ -209,25 +221,28 @@ async def test_without_accept_encoding_upstream_is_not_asked_to_compress(upstrea
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("method", "path", "body", "status", "reason"), [
-    ("POST", "/v1/completions", b'{"prompt": "x", "kv_transfer_params": {"do_remote_decode": true}}', 400, "body"),
-    ("POST", "/v1/completions", b"", 404, "not_found"),
-    ("POST", "/metrics", b"", 405, "method"),
-    ("HEAD", "/metrics", b"", 405, "method"),
-    ("PUT", "/metrics", b"", 405, "method"),
-    ("DELETE", "/metrics", b"", 405, "method"),
-    ("GET", "/metrics", b"x", 400, "body"),
-    ("GET", "/v1/models", b"", 404, "not_found"),
-    ("GET", "/health", b"", 404, "not_found"),
-    ("GET", "/", b"", 404, "not_found"),
-    ("GET", "/metrics/", b"", 404, "not_found"),
-    ("GET", "/metrics/../v1/models", b"", 404, "not_found"),
-    ("GET", "/METRICS", b"", 404, "not_found"),
-    ("POST", "/proxy/metrics", b"", 405, "method"),
-])
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "reason"),
+    [
+        ("POST", "/v1/completions", b'{"prompt": "x", "kv_transfer_params": {"do_remote_decode": true}}', 400, "body"),
+        ("POST", "/v1/completions", b"", 404, "not_found"),
+        ("POST", "/metrics", b"", 405, "method"),
+        ("HEAD", "/metrics", b"", 405, "method"),
+        ("PUT", "/metrics", b"", 405, "method"),
+        ("DELETE", "/metrics", b"", 405, "method"),
+        ("GET", "/metrics", b"x", 400, "body"),
+        ("GET", "/v1/models", b"", 404, "not_found"),
+        ("GET", "/health", b"", 404, "not_found"),
+        ("GET", "/", b"", 404, "not_found"),
+        ("GET", "/metrics/", b"", 404, "not_found"),
+        ("GET", "/metrics/../v1/models", b"", 404, "not_found"),
+        ("GET", "/METRICS", b"", 404, "not_found"),
+        ("POST", "/proxy/metrics", b"", 405, "method"),
+    ],
+)
 async def test_anything_but_get_metrics_is_refused_and_never_reaches_upstream(
-        upstream: Upstream, proxy: RunningProxy, method: str, path: str, body: bytes, status: int,
-        reason: str) -> None:
+    upstream: Upstream, proxy: RunningProxy, method: str, path: str, body: bytes, status: int, reason: str
+) -> None:
     length = f"Content-Length: {len(body)}\r\n".encode() if body or method in ("POST", "PUT") else b""
     head = f"{method} {path} HTTP/1.1\r\nHost: engine\r\nConnection: close\r\n".encode() + length
     answer = await _raw(proxy, head + b"\r\n" + body)
@@ -239,25 +254,35 @@ async def test_anything_but_get_metrics_is_refused_and_never_reaches_upstream(
 
 
 @pytest.mark.asyncio
-async def test_a_request_with_a_body_is_answered_and_the_connection_closed(upstream: Upstream,
-                                                                           proxy: RunningProxy) -> None:
+async def test_a_request_with_a_body_is_answered_and_the_connection_closed(
+    upstream: Upstream, proxy: RunningProxy
+) -> None:
     """Chunked too; and whatever was pipelined behind it is not served."""
-    answer = await _raw(proxy, b"POST /v1/completions HTTP/1.1\r\nHost: e\r\nTransfer-Encoding: chunked\r\n\r\n"
-                               b"5\r\nhello\r\n0\r\n\r\nGET /metrics HTTP/1.1\r\nHost: e\r\n\r\n")
+    answer = await _raw(
+        proxy,
+        b"POST /v1/completions HTTP/1.1\r\nHost: e\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n0\r\n\r\nGET /metrics HTTP/1.1\r\nHost: e\r\n\r\n",
+    )
     assert answer.startswith(b"HTTP/1.1 400 ")
     assert answer.count(b"HTTP/1.1 ") == 1 and not answer.endswith(b"<still open>")
     assert upstream.requests == []
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("name", "head"), [
-    ("long field", b"GET /metrics HTTP/1.1\r\nHost: e\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n"),
-    ("many headers", b"GET /metrics HTTP/1.1\r\nHost: e\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(40))
-     + b"\r\n"),
-    ("long request line", b"GET /metrics?" + b"q" * 3000 + b" HTTP/1.1\r\nHost: e\r\n\r\n"),
-])
-async def test_oversized_request_heads_are_refused(upstream: Upstream, proxy: RunningProxy, name: str,
-                                                   head: bytes) -> None:
+@pytest.mark.parametrize(
+    ("name", "head"),
+    [
+        ("long field", b"GET /metrics HTTP/1.1\r\nHost: e\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n"),
+        (
+            "many headers",
+            b"GET /metrics HTTP/1.1\r\nHost: e\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(40)) + b"\r\n",
+        ),
+        ("long request line", b"GET /metrics?" + b"q" * 3000 + b" HTTP/1.1\r\nHost: e\r\n\r\n"),
+    ],
+)
+async def test_oversized_request_heads_are_refused(
+    upstream: Upstream, proxy: RunningProxy, name: str, head: bytes
+) -> None:
     answer = await _raw(proxy, head)
     assert re.match(rb"HTTP/1\.[01] 400 ", answer), (name, answer[:200])
     assert upstream.requests == []
@@ -277,8 +302,9 @@ async def _scrape_fails(proxy: RunningProxy, status: int, result: str) -> bytes:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
-async def test_an_answer_over_the_limit_is_a_502_not_a_truncated_relay(upstream: Upstream, proxy: RunningProxy,
-                                                                       declared: bool) -> None:
+async def test_an_answer_over_the_limit_is_a_502_not_a_truncated_relay(
+    upstream: Upstream, proxy: RunningProxy, declared: bool
+) -> None:
     upstream.size, upstream.declare_size = LIMIT + 1, declared
     body = await _scrape_fails(proxy, 502, "too_large")
     assert b"over 65536" in body and b"x" not in body.split(b":")[-1]
@@ -359,23 +385,36 @@ async def test_scrapes_beyond_max_concurrent_are_refused_while_upstream_is_slow(
 async def test_every_result_series_exists_before_anything_happened(proxy: RunningProxy) -> None:
     counters = await _own_counters(proxy)
     assert {v for (n, v) in counters if n == "pdconnect_metrics_proxy_scrapes_total"} == {
-        "ok", "unreachable", "timeout", "bad_status", "too_large", "broken", "busy"}
+        "ok",
+        "unreachable",
+        "timeout",
+        "bad_status",
+        "too_large",
+        "broken",
+        "busy",
+    }
     assert {v for (n, v) in counters if n == "pdconnect_metrics_proxy_refused_requests_total"} == {
-        "not_found", "method", "body"}
+        "not_found",
+        "method",
+        "body",
+    }
     assert set(counters.values()) == {0.0}
 
 
 # ------------------------------------------------------------------ the command line
 
 
-@pytest.mark.parametrize("argv", [
-    ["--upstream", "ftp://127.0.0.1/metrics"],
-    ["--upstream", "http://user:pw@127.0.0.1:8000/metrics"],
-    ["--upstream", "http://127.0.0.1:8000/metrics", "--listen", "9400"],
-    ["--upstream", "http://127.0.0.1:8000/metrics", "--listen", "0.0.0.0:99999"],
-    ["--upstream", "http://127.0.0.1:8000/metrics", "--timeout", "0"],
-    ["--upstream", "http://127.0.0.1:8000/metrics", "--max-concurrent", "0"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--upstream", "ftp://127.0.0.1/metrics"],
+        ["--upstream", "http://user:pw@127.0.0.1:8000/metrics"],
+        ["--upstream", "http://127.0.0.1:8000/metrics", "--listen", "9400"],
+        ["--upstream", "http://127.0.0.1:8000/metrics", "--listen", "0.0.0.0:99999"],
+        ["--upstream", "http://127.0.0.1:8000/metrics", "--timeout", "0"],
+        ["--upstream", "http://127.0.0.1:8000/metrics", "--max-concurrent", "0"],
+    ],
+)
 def test_bad_arguments_are_refused_by_name(argv: list[str]) -> None:
     with pytest.raises(ConfigError):
         parse_args(argv)
@@ -384,7 +423,11 @@ def test_bad_arguments_are_refused_by_name(argv: list[str]) -> None:
 def test_arguments_as_the_manifests_give_them() -> None:
     settings = parse_args(["--listen=0.0.0.0:9400", "--upstream=http://127.0.0.1:8000/metrics", "--timeout=8"])
     assert (settings.host, settings.port, settings.upstream, settings.timeout) == (
-        "0.0.0.0", 9400, "http://127.0.0.1:8000/metrics", 8.0)
+        "0.0.0.0",
+        9400,
+        "http://127.0.0.1:8000/metrics",
+        8.0,
+    )
     assert parse_args(["--listen=[::]:9400", "--upstream=http://[::1]:8000/metrics"]).host == "::"
 
 
@@ -392,18 +435,27 @@ def test_arguments_as_the_manifests_give_them() -> None:
 async def test_the_pdconnect_command_serves_until_sigterm_and_loads_no_vllm(upstream: Upstream) -> None:
     """The real entry point, as the sidecar runs it; it must not import vLLM or torch (the
     router image has neither)."""
-    code = ("import sys; sys.argv = ['pdconnect'] + sys.argv[1:]\n"
-            "import pdconnect.cli as cli\n"
-            "rc = 1\n"
-            "try:\n    rc = cli.main()\n"
-            "finally:\n"
-            "    heavy = sorted(m for m in ('torch', 'vllm', 'connectors', 'transformers') if m in sys.modules)\n"
-            "    print('heavy modules:', heavy, file=sys.stderr)\n"
-            "sys.exit(rc)\n")
+    code = (
+        "import sys; sys.argv = ['pdconnect'] + sys.argv[1:]\n"
+        "import pdconnect.cli as cli\n"
+        "rc = 1\n"
+        "try:\n    rc = cli.main()\n"
+        "finally:\n"
+        "    heavy = sorted(m for m in ('torch', 'vllm', 'connectors', 'transformers') if m in sys.modules)\n"
+        "    print('heavy modules:', heavy, file=sys.stderr)\n"
+        "sys.exit(rc)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", code, "metrics-proxy", "--listen=127.0.0.1:0", f"--upstream={upstream.url}/metrics",
-        stderr=subprocess.PIPE, env=env)
+        sys.executable,
+        "-c",
+        code,
+        "metrics-proxy",
+        "--listen=127.0.0.1:0",
+        f"--upstream={upstream.url}/metrics",
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     assert proc.stderr is not None
     try:
         line = b""

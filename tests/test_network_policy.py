@@ -9,9 +9,10 @@ elsewhere labelled part-of=pdconnect, a client in another namespace, Prometheus 
 namespace, and the bench pod (deploy/bench/) that `pdconnect bench` runs from in the
 cluster. The expected table (`REACH`) is written out by hand: the data path and
 nothing else; Prometheus reaches the engines only on the metrics proxy's port, never
-vLLM's API (issue 18: NetworkPolicy cannot filter by path). The transport ports are the range the engines' environment pins
-(Mooncake's RPC/TCP ports, UCX's TCP listener); RDMA traffic itself never passes the
-CNI and is out of any NetworkPolicy's reach (deploy/README.md, "Network isolation").
+vLLM's API (issue 18: NetworkPolicy cannot filter by path). The transport ports are the
+range the engines' environment pins (Mooncake's RPC/TCP ports, UCX's TCP listener); RDMA
+traffic itself never passes the CNI and is out of any NetworkPolicy's reach
+(deploy/README.md, "Network isolation").
 """
 
 from __future__ import annotations
@@ -50,9 +51,13 @@ def test_a_policy_without_rules_denies_its_direction_only() -> None:
 
 
 def test_pod_selector_peers_are_in_the_policy_namespace_and_ports_must_match() -> None:
-    rule = _policy("b-from-a", {"podSelector": {"matchLabels": {"role": "b"}},
-                                "ingress": [{"from": [{"podSelector": {"matchLabels": {"role": "a"}}}],
-                                             "ports": [{"port": 9000}]}]})
+    rule = _policy(
+        "b-from-a",
+        {
+            "podSelector": {"matchLabels": {"role": "b"}},
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {"role": "a"}}}], "ports": [{"port": 9000}]}],
+        },
+    )
     net = NetworkPolicies([rule])
     assert net.allows(A, B, 9000)
     assert not net.allows(A, B, 9001)
@@ -62,10 +67,36 @@ def test_pod_selector_peers_are_in_the_policy_namespace_and_ports_must_match() -
 
 
 def test_namespace_and_pod_selector_in_one_peer_are_anded_in_two_peers_ored() -> None:
-    anded = _policy("and", {"podSelector": {"matchLabels": {"role": "b"}}, "ingress": [{"from": [
-        {"namespaceSelector": {"matchLabels": {"team": "x"}}, "podSelector": {"matchLabels": {"role": "a"}}}]}]})
-    ored = _policy("or", {"podSelector": {"matchLabels": {"role": "b"}}, "ingress": [{"from": [
-        {"namespaceSelector": {"matchLabels": {"team": "x"}}}, {"podSelector": {"matchLabels": {"role": "a"}}}]}]})
+    anded = _policy(
+        "and",
+        {
+            "podSelector": {"matchLabels": {"role": "b"}},
+            "ingress": [
+                {
+                    "from": [
+                        {
+                            "namespaceSelector": {"matchLabels": {"team": "x"}},
+                            "podSelector": {"matchLabels": {"role": "a"}},
+                        }
+                    ]
+                }
+            ],
+        },
+    )
+    ored = _policy(
+        "or",
+        {
+            "podSelector": {"matchLabels": {"role": "b"}},
+            "ingress": [
+                {
+                    "from": [
+                        {"namespaceSelector": {"matchLabels": {"team": "x"}}},
+                        {"podSelector": {"matchLabels": {"role": "a"}}},
+                    ]
+                }
+            ],
+        },
+    )
     in_x = Pod("c", "other", {"role": "c"})
     a_in_x = Pod("a3", "other", {"role": "a"})
     namespaces = {"other": {"team": "x"}}
@@ -78,8 +109,13 @@ def test_namespace_and_pod_selector_in_one_peer_are_anded_in_two_peers_ored() ->
 
 
 def test_namespaces_carry_their_name_label() -> None:
-    by_name = _policy("by-name", {"podSelector": {}, "ingress": [{"from": [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "other"}}}]}]})
+    by_name = _policy(
+        "by-name",
+        {
+            "podSelector": {},
+            "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "other"}}}]}],
+        },
+    )
     net = NetworkPolicies([by_name])
     assert net.allows(A_ELSEWHERE, B, 9000)
     assert not net.allows(A, B, 9000)
@@ -88,13 +124,14 @@ def test_namespaces_carry_their_name_label() -> None:
 def test_match_expressions() -> None:
     labels = {"tier": "web", "env": "prod"}
     assert selector_matches({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["web", "db"]}]}, labels)
-    assert not selector_matches({"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["web"]}]},
-                                labels)
+    assert not selector_matches({"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["web"]}]}, labels)
     assert selector_matches({"matchExpressions": [{"key": "team", "operator": "NotIn", "values": ["x"]}]}, labels)
     assert selector_matches({"matchExpressions": [{"key": "env", "operator": "Exists"}]}, labels)
     assert not selector_matches({"matchExpressions": [{"key": "env", "operator": "DoesNotExist"}]}, labels)
-    assert not selector_matches({"matchLabels": {"tier": "web"},
-                                 "matchExpressions": [{"key": "env", "operator": "In", "values": ["dev"]}]}, labels)
+    assert not selector_matches(
+        {"matchLabels": {"tier": "web"}, "matchExpressions": [{"key": "env", "operator": "In", "values": ["dev"]}]},
+        labels,
+    )
     assert selector_matches({}, {})
     with pytest.raises(ValueError):
         selector_matches({"matchExpressions": [{"key": "env", "operator": "Gt", "values": ["1"]}]}, labels)
@@ -109,8 +146,13 @@ def test_named_ports_resolve_on_the_destination() -> None:
 
 
 def test_port_ranges_and_protocols() -> None:
-    rng = _policy("range", {"podSelector": {}, "ingress": [{"ports": [
-        {"port": 15000, "endPort": 15099}, {"protocol": "UDP", "port": 53}]}]})
+    rng = _policy(
+        "range",
+        {
+            "podSelector": {},
+            "ingress": [{"ports": [{"port": 15000, "endPort": 15099}, {"protocol": "UDP", "port": 53}]}],
+        },
+    )
     net = NetworkPolicies([rng])
     assert net.allows(A, B, 15000) and net.allows(A, B, 15099) and net.allows(A, B, 15050)
     assert not net.allows(A, B, 14999) and not net.allows(A, B, 15100)
@@ -119,11 +161,25 @@ def test_port_ranges_and_protocols() -> None:
 
 
 def test_several_policies_are_a_union() -> None:
-    from_a = _policy("from-a", {"podSelector": {"matchLabels": {"role": "b"}},
-                                "ingress": [{"from": [{"podSelector": {"matchLabels": {"role": "a"}}}]}]})
-    from_other = _policy("from-other", {"podSelector": {"matchLabels": {"role": "b"}}, "ingress": [{"from": [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "other"}}}], "ports": [{"port": 53,
-                                                                                                     "protocol": "UDP"}]}]})
+    from_a = _policy(
+        "from-a",
+        {
+            "podSelector": {"matchLabels": {"role": "b"}},
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {"role": "a"}}}]}],
+        },
+    )
+    from_other = _policy(
+        "from-other",
+        {
+            "podSelector": {"matchLabels": {"role": "b"}},
+            "ingress": [
+                {
+                    "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "other"}}}],
+                    "ports": [{"port": 53, "protocol": "UDP"}],
+                }
+            ],
+        },
+    )
     deny_all = _policy("deny", {"podSelector": {}, "policyTypes": ["Ingress"]})
     net = NetworkPolicies([deny_all, from_a, from_other])
     assert net.allows(A, B, 9000)
@@ -132,11 +188,21 @@ def test_several_policies_are_a_union() -> None:
 
 
 def test_egress_is_checked_at_the_source_and_both_ends_must_agree() -> None:
-    a_out = _policy("a-out", {"podSelector": {"matchLabels": {"role": "a"}}, "policyTypes": ["Egress"],
-                              "egress": [{"to": [{"podSelector": {"matchLabels": {"role": "b"}}}],
-                                          "ports": [{"port": "http"}]}]})
-    b_in = _policy("b-in", {"podSelector": {"matchLabels": {"role": "b"}},
-                            "ingress": [{"from": [{"podSelector": {}}], "ports": [{"port": 9001}]}]})
+    a_out = _policy(
+        "a-out",
+        {
+            "podSelector": {"matchLabels": {"role": "a"}},
+            "policyTypes": ["Egress"],
+            "egress": [{"to": [{"podSelector": {"matchLabels": {"role": "b"}}}], "ports": [{"port": "http"}]}],
+        },
+    )
+    b_in = _policy(
+        "b-in",
+        {
+            "podSelector": {"matchLabels": {"role": "b"}},
+            "ingress": [{"from": [{"podSelector": {}}], "ports": [{"port": 9001}]}],
+        },
+    )
     assert NetworkPolicies([a_out]).allows(A, B, 9000)  # B's http
     assert not NetworkPolicies([a_out]).allows(A, B, 9001)
     assert not NetworkPolicies([a_out]).allows(A, NOBODY, 9000)
@@ -154,8 +220,10 @@ def test_policy_types_default_to_ingress_plus_egress_when_egress_is_given() -> N
 
 
 def test_ip_blocks() -> None:
-    block = _policy("ips", {"podSelector": {}, "ingress": [{"from": [
-        {"ipBlock": {"cidr": "10.0.0.0/16", "except": ["10.0.5.0/24"]}}]}]})
+    block = _policy(
+        "ips",
+        {"podSelector": {}, "ingress": [{"from": [{"ipBlock": {"cidr": "10.0.0.0/16", "except": ["10.0.5.0/24"]}}]}]},
+    )
     net = NetworkPolicies([block])
     assert net.allows(Pod("x", "other", ip="10.0.1.7"), B, 9000)
     assert not net.allows(Pod("y", "other", ip="10.0.5.7"), B, 9000)
@@ -213,8 +281,12 @@ def transport_ports(render: Render, workload: dict[str, Any]) -> tuple[int, int]
 
 
 def _named_ports(containers: list[dict[str, Any]]) -> dict[str, tuple[int, str]]:
-    return {p["name"]: (p["containerPort"], p.get("protocol", "TCP")) for c in containers
-            for p in c.get("ports", []) if "name" in p}
+    return {
+        p["name"]: (p["containerPort"], p.get("protocol", "TCP"))
+        for c in containers
+        for p in c.get("ports", [])
+        if "name" in p
+    }
 
 
 def _sidecars(workload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -253,8 +325,13 @@ def cluster(render: Render) -> tuple[NetworkPolicies, dict[str, Pod]]:
         "prometheus": Pod("prometheus", monitoring, {"app.kubernetes.io/name": "prometheus"}),
         "bench": Pod("bench", ns, yaml.safe_load(BENCH_POD.read_text())["metadata"]["labels"]),
     }
-    namespaces = {ns: namespace["metadata"].get("labels", {}), monitoring: {}, "elsewhere": {},
-                  "ingress-nginx": {}, "kube-system": {}}
+    namespaces = {
+        ns: namespace["metadata"].get("labels", {}),
+        monitoring: {},
+        "elsewhere": {},
+        "ingress-nginx": {},
+        "kube-system": {},
+    }
     return NetworkPolicies(render.of_kind("NetworkPolicy"), namespaces), pods
 
 
@@ -287,7 +364,8 @@ def rendered(request: pytest.FixtureRequest) -> Any:
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize(("component", "port"), sorted(REACH))
 def test_each_port_is_reachable_from_exactly_the_pods_that_need_it(
-        rendered, target: str, component: str, port: str) -> None:
+    rendered, target: str, component: str, port: str
+) -> None:
     assert reachable_from(rendered(target), component, port) == REACH[(component, port)]
 
 
@@ -370,4 +448,6 @@ def test_policies_give_sidecar_ports_by_number(rendered, target: str) -> None:
                 for entry in rule.get("ports") or []:
                     name = entry.get("port")
                     assert not (isinstance(name, str) and name in sidecar_names - container_names), (
-                        policy["metadata"]["name"], name)
+                        policy["metadata"]["name"],
+                        name,
+                    )

@@ -70,9 +70,18 @@ def pair() -> Iterator[tuple[ManagedProcess, ManagedProcess]]:
         engines = []
         for kv_role in ("kv_producer", "kv_consumer"):
             config, env = for_this_machine(settings[kv_role])
-            engines.append(cluster.start(vllm_server(
-                f"readme-{ROLE[kv_role]}", target, port=cluster.free_port(), served_model_name=MODEL_NAME,
-                args=engine_args(None, config), env=env)))
+            engines.append(
+                cluster.start(
+                    vllm_server(
+                        f"readme-{ROLE[kv_role]}",
+                        target,
+                        port=cluster.free_port(),
+                        served_model_name=MODEL_NAME,
+                        args=engine_args(None, config),
+                        env=env,
+                    )
+                )
+            )
         cluster.wait_healthy(engines)
         for proc in engines:
             warm_up(proc.base_url, MODEL_NAME)
@@ -82,9 +91,15 @@ def pair() -> Iterator[tuple[ManagedProcess, ManagedProcess]]:
 def test_the_readmes_two_host_example_serves_a_request_prefilled_on_the_other_host(pair) -> None:
     prefill, decode = pair
     with engine_client(REQUEST_TIMEOUT_S) as client:
-        plan = client.post(f"{prefill.base_url}/v1/completions", json={
-            "model": MODEL_NAME, "prompt": prompt_ids(seed=34, length=PROMPT_TOKENS), "max_tokens": 1,
-            "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+        plan = client.post(
+            f"{prefill.base_url}/v1/completions",
+            json={
+                "model": MODEL_NAME,
+                "prompt": prompt_ids(seed=34, length=PROMPT_TOKENS),
+                "max_tokens": 1,
+                "kv_transfer_params": {"do_remote_decode": True},
+            },
+        ).json()["kv_transfer_params"]
         # Decode dials the address the plan names: the prefill host's, not loopback's default.
         assert "127.0.0.2" in json.dumps(plan), plan
         served = serve_pd(client, prefill.base_url, decode.base_url, prompt_ids(seed=35, length=PROMPT_TOKENS), 4)

@@ -21,7 +21,13 @@ from pdconnect.router import load_config, start_router
 from pdconnect.router.breaker import CircuitBreaker
 from pdconnect.router.engines import Engine, Role
 from pdconnect.router.policy import (
-    AffinityTracker, LeastLoaded, LoadBound, PrefixAffinity, RoundRobin, affinity_key, render_messages,
+    AffinityTracker,
+    LeastLoaded,
+    LoadBound,
+    PrefixAffinity,
+    RoundRobin,
+    affinity_key,
+    render_messages,
 )
 from pdconnect.testbed.fake_engine import FakeCluster
 
@@ -36,8 +42,10 @@ PREFIX_CHARS = 256
 
 
 def engines(n: int = ENGINES) -> tuple[Engine, ...]:
-    return tuple(Engine(url=f"http://decode-{i}.svc:8000", role=Role.DECODE,
-                        breaker=CircuitBreaker(3, 10.0), probe_ok=True) for i in range(n))
+    return tuple(
+        Engine(url=f"http://decode-{i}.svc:8000", role=Role.DECODE, breaker=CircuitBreaker(3, 10.0), probe_ok=True)
+        for i in range(n)
+    )
 
 
 def group_prefix(group: int) -> str:
@@ -56,6 +64,7 @@ def key_of(body: dict[str, object]) -> int:
 
 
 # --- the key ---------------------------------------------------------------------------------
+
 
 def test_siblings_share_a_key_and_other_prefixes_do_not() -> None:
     assert key_of(sibling(1, 0)) == key_of(sibling(1, 5))
@@ -76,12 +85,13 @@ def test_chat_key_is_the_rendered_leading_messages() -> None:
 def test_token_id_prompts_use_their_leading_ids() -> None:
     ids = list(range(100, 400))
     key = lambda body: affinity_key(body, chat=False, prefix_chars=PREFIX_CHARS, prefix_tokens=64)  # noqa: E731
-    assert key({"prompt": ids + [1]}) == key({"prompt": ids + [2, 3]})
-    assert key({"prompt": [ids + [1], ids]}) == key({"prompt": ids})  # a batch: the first prompt
+    assert key({"prompt": [*ids, 1]}) == key({"prompt": [*ids, 2, 3]})
+    assert key({"prompt": [[*ids, 1], ids]}) == key({"prompt": ids})  # a batch: the first prompt
     assert key({"prompt": ""}) is not None and key({}) is None
 
 
 # --- placement -------------------------------------------------------------------------------
+
 
 def test_without_load_every_sibling_lands_on_its_groups_engine_and_groups_spread() -> None:
     pool = engines()
@@ -219,8 +229,10 @@ def test_unhealthy_home_sends_its_keys_to_the_next_engine_and_back() -> None:
 def test_adding_an_engine_moves_only_the_keys_it_takes_over() -> None:
     old_policy, new_policy = PrefixAffinity(PLAIN, vnodes=160), PrefixAffinity(PLAIN, vnodes=160)
     before = engines(4)
-    after = (*before, Engine(url="http://decode-4.svc:8000", role=Role.DECODE,
-                             breaker=CircuitBreaker(3, 10.0), probe_ok=True))
+    after = (
+        *before,
+        Engine(url="http://decode-4.svc:8000", role=Role.DECODE, breaker=CircuitBreaker(3, 10.0), probe_ok=True),
+    )
     moved = 0
     for group in range(GROUPS):
         key = key_of(sibling(group, 0))
@@ -250,12 +262,22 @@ def _homes(pool: tuple[Engine, ...]) -> Callable[[int], Engine]:
 
 # --- through the router ----------------------------------------------------------------------
 
+
 @pytest.mark.asyncio
 async def test_router_sends_siblings_to_one_decode_and_one_prefill_engine() -> None:
     fakes = await FakeCluster.start(prefill=2, decode=ENGINES, chunks=2)
-    router = await start_router(load_config({
-        "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
-        "affinity_prefix_chars": PREFIX_CHARS, "affinity_load_factor": FACTOR}))
+    router = await start_router(
+        load_config(
+            {
+                "host": "127.0.0.1",
+                "port": 0,
+                "prefill": fakes.prefill_urls,
+                "decode": fakes.decode_urls,
+                "affinity_prefix_chars": PREFIX_CHARS,
+                "affinity_load_factor": FACTOR,
+            }
+        )
+    )
     placed: dict[int, set[tuple[str, str]]] = defaultdict(set)
     try:
         async with aiohttp.ClientSession() as http:
@@ -269,10 +291,13 @@ async def test_router_sends_siblings_to_one_decode_and_one_prefill_engine() -> N
         assert all(len(pairs) == 1 for pairs in placed.values())
         assert {d for pairs in placed.values() for _, d in pairs} == set(fakes.decode_urls)
         metrics = router.router.metrics.registry
-        assert metrics.get_sample_value("pdconnect_router_affinity_total",
-                                        {"role": "decode", "outcome": "keep"}) == 2 * GROUPS
-        assert metrics.get_sample_value("pdconnect_router_affinity_total",
-                                        {"role": "decode", "outcome": "move"}) is None
+        assert (
+            metrics.get_sample_value("pdconnect_router_affinity_total", {"role": "decode", "outcome": "keep"})
+            == 2 * GROUPS
+        )
+        assert (
+            metrics.get_sample_value("pdconnect_router_affinity_total", {"role": "decode", "outcome": "move"}) is None
+        )
     finally:
         await router.close()
         await fakes.close()

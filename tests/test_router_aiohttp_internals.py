@@ -23,8 +23,7 @@ from packaging.requirements import Requirement
 REPO = Path(__file__).resolve().parents[1]
 
 # What `_HeadDeadlineHandler` reads or calls on itself (app.py).
-HANDLER_STATE = ("_request_count", "_messages", "_current_request", "_force_close", "_close", "_manager",
-                 "_loop")
+HANDLER_STATE = ("_request_count", "_messages", "_current_request", "_force_close", "_close", "_manager", "_loop")
 HANDLER_METHODS = ("data_received", "connection_lost", "force_close")
 # What `_HeadDeadlineServer` copies from the server aiohttp built (app.py).
 SERVER_STATE = ("_loop", "_kwargs", "request_handler", "request_factory", "handler_cancellation")

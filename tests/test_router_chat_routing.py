@@ -33,19 +33,31 @@ pytestmark = pytest.mark.asyncio
 
 BS = 4
 HANG = 15.0
-CHAT = {"model": "tiny", "max_tokens": 2, "messages": [
-    {"role": "system", "content": "w1 w2 w3 w4 w5 w6 w7 w8"},
-    {"role": "user", "content": "w9 w10 w11 w12 w13 w14 w15 w16"},
-]}
+CHAT: dict[str, Any] = {
+    "model": "tiny",
+    "max_tokens": 2,
+    "messages": [
+        {"role": "system", "content": "w1 w2 w3 w4 w5 w6 w7 w8"},
+        {"role": "user", "content": "w9 w10 w11 w12 w13 w14 w15 w16"},
+    ],
+}
 
 
 def _stored(tokens: list[int]) -> Any:
     """vLLM's BlockStored for every full block of `tokens`."""
     blocks = len(tokens) // BS
     return kv_events.BlockStored(
-        block_hashes=[f"b{i}".encode() for i in range(blocks)], parent_block_hash=None,
-        token_ids=tokens[:blocks * BS], block_size=BS, lora_id=None, medium="GPU", lora_name=None,
-        group_idx=0, kv_cache_spec_kind="full_attention", kv_cache_spec_sliding_window=None)
+        block_hashes=[f"b{i}".encode() for i in range(blocks)],
+        parent_block_hash=None,
+        token_ids=tokens[: blocks * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+        kv_cache_spec_sliding_window=None,
+    )
 
 
 @dataclass
@@ -83,11 +95,22 @@ async def kv_router() -> AsyncIterator[Any]:
     async def factory(**options: Any) -> KvSetup:
         fakes = await FakeCluster.start(prefill=1, decode=2)
         publishers = {url: context.socket(zmq.PUB) for url in fakes.decode_urls}
-        endpoints = {url: [f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"]
-                     for url, sock in publishers.items()}
-        router = await start_router(load_config({
-            "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
-            "policy": "kv-aware", "kv_events_endpoints": endpoints, **options}))
+        endpoints = {
+            url: [f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"] for url, sock in publishers.items()
+        }
+        router = await start_router(
+            load_config(
+                {
+                    "host": "127.0.0.1",
+                    "port": 0,
+                    "prefill": fakes.prefill_urls,
+                    "decode": fakes.decode_urls,
+                    "policy": "kv-aware",
+                    "kv_events_endpoints": endpoints,
+                    **options,
+                }
+            )
+        )
         made.append(KvSetup(fakes, router, aiohttp.ClientSession(), publishers))
         return made[-1]
 
@@ -108,14 +131,15 @@ def _transformers_ids(directory: Path, messages: list[dict[str, Any]]) -> list[i
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(str(directory)).apply_chat_template(
-        messages, tokenize=True, return_dict=False, add_generation_prompt=True)
+        messages, tokenize=True, return_dict=False, add_generation_prompt=True
+    )
     return list(ids)
 
 
 @pytest.mark.parametrize("tokenized", ["inline", "worker-thread"])
-async def test_chat_is_routed_to_the_engine_that_caches_its_rendered_prompt(kv_router, tiny_dir: Path,
-                                                                           tokenized: str,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_chat_is_routed_to_the_engine_that_caches_its_rendered_prompt(
+    kv_router, tiny_dir: Path, tokenized: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if tokenized == "worker-thread":  # as a long prompt is, off the event loop
         monkeypatch.setattr("pdconnect.router.tokenizing._INLINE_PROMPT_BYTES", 0)
     s: KvSetup = await kv_router(tokenizer=str(tiny_dir))
@@ -127,8 +151,9 @@ async def test_chat_is_routed_to_the_engine_that_caches_its_rendered_prompt(kv_r
     assert s.count("pdconnect_router_kv_aware_prompts_total", endpoint="chat", result="ok") == 3
 
 
-async def test_chat_the_router_cannot_render_is_served_by_affinity_and_counted(kv_router, tiny_dir: Path,
-                                                                               tmp_path: Path) -> None:
+async def test_chat_the_router_cannot_render_is_served_by_affinity_and_counted(
+    kv_router, tiny_dir: Path, tmp_path: Path
+) -> None:
     raising = tmp_path / "raising"
     shutil.copytree(tiny_dir, raising, ignore=shutil.ignore_patterns("*.safetensors"))
     (raising / "chat_template.jinja").write_text("{{ raise_exception('this template refuses everything') }}")
@@ -191,7 +216,8 @@ def _readiness_timeout() -> float:
 
 
 async def test_a_chat_of_many_tiny_messages_leaves_health_answered_within_its_probe_deadline(
-        kv_router, tiny_dir: Path, tmp_path: Path) -> None:
+    kv_router, tiny_dir: Path, tmp_path: Path
+) -> None:
     """Rendering scales with the messages: a body of the largest size the router takes
     (4 MiB), all tiny messages, renders for seconds. It must not keep the loop from
     answering anyone else: /health, polled meanwhile, answers within the readiness
@@ -200,16 +226,21 @@ async def test_a_chat_of_many_tiny_messages_leaves_health_answered_within_its_pr
     shutil.copytree(tiny_dir, checking, ignore=shutil.ignore_patterns("*.safetensors"))
     (checking / "chat_template.jinja").write_text(_CHECKING_TEMPLATE)
     s: KvSetup = await kv_router(tokenizer=str(checking))
-    body = msgspec.json.encode({"model": "tiny", "max_tokens": 2,
-                                "messages": [{"role": "user", "content": "w"}] * 130_000})
+    body = msgspec.json.encode(
+        {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "w"}] * 130_000}
+    )
     assert len(body) <= 4 << 20
     deadline = _readiness_timeout()
     waits: list[float] = []
     loop = asyncio.get_running_loop()
 
     async def chat() -> int:
-        async with asyncio.timeout(60), s.http.post(s.router.url + "/v1/chat/completions", data=body,
-                                                    headers={"Content-Type": "application/json"}) as resp:
+        async with (
+            asyncio.timeout(60),
+            s.http.post(
+                s.router.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+            ) as resp,
+        ):
             return resp.status
 
     request = asyncio.create_task(chat())
@@ -228,7 +259,7 @@ async def test_a_chat_of_many_tiny_messages_leaves_health_answered_within_its_pr
     assert max(waits) < deadline, f"/health waited {max(waits):.1f}s (deadline {deadline}s)"
 
 
-class _Counted(list):  # type: ignore[type-arg]
+class _Counted(list[Any]):
     """A list that counts how many of its items were looked at."""
 
     seen = 0
@@ -244,8 +275,10 @@ def test_the_affinity_key_of_a_chat_reads_only_its_prefix_worth_of_messages_and_
     many messages, or content parts in one message, a body holds, only that much is read."""
     from pdconnect.router.policy import affinity_key
 
-    for messages in (_Counted([{"role": "user", "content": ""}] * 1_000_000),
-                     [{"role": "user", "content": _Counted([{"type": "text", "text": ""}] * 1_000_000)}]):
+    for messages in (
+        _Counted([{"role": "user", "content": ""}] * 1_000_000),
+        [{"role": "user", "content": _Counted([{"type": "text", "text": ""}] * 1_000_000)}],
+    ):
         _Counted.seen = 0
         assert affinity_key({"messages": messages}, chat=True, prefix_chars=1024, prefix_tokens=256) is not None
         assert _Counted.seen <= 1024

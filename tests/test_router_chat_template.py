@@ -70,11 +70,14 @@ w0<|im_end|>
  <think> </think>
     {%- endif %}
 {% endif %}
-"""
+"""  # noqa: E501 - the reasoning line as Qwen's template writes it
 # Special tokens each copy adds, and its bos/eos.
 MARKERS = {
-    "llama3": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-               "<|begin_of_text|>", "<|eot_id|>"),
+    "llama3": (
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+    ),
     "mistral": (["[INST]", "[/INST]"], "<s>", "</s>"),
     "chatml": (["<|im_start|>", "<|im_end|>", "<think>", "</think>"], "<s>", "<|im_end|>"),
 }
@@ -88,10 +91,17 @@ CASES: dict[str, dict[str, Any]] = {
     "multi-turn": {"messages": [SYSTEM, USER, ASSISTANT, USER2]},
     "user-assistant-user": {"messages": [USER, ASSISTANT, USER2]},
     "no-generation-prompt": {"messages": [USER, ASSISTANT], "add_generation_prompt": False},
-    "continue-final-message": {"messages": [USER, {"role": "assistant", "content": "w5 w6 "}],
-                               "add_generation_prompt": False, "continue_final_message": True},
-    "text-parts": {"messages": [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "w3 w4"},
-                                                                     {"type": "text", "text": "w8"}]}]},
+    "continue-final-message": {
+        "messages": [USER, {"role": "assistant", "content": "w5 w6 "}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    },
+    "text-parts": {
+        "messages": [
+            SYSTEM,
+            {"role": "user", "content": [{"type": "text", "text": "w3 w4"}, {"type": "text", "text": "w8"}]},
+        ]
+    },
     "template-kwargs": {"messages": [SYSTEM, USER], "chat_template_kwargs": {"enable_thinking": False}},
     "reasoning-effort-none": {"messages": [SYSTEM, USER], "reasoning_effort": "none"},
     "kwargs-none-is-unset": {"messages": [SYSTEM, USER], "chat_template_kwargs": {"bos_token": None}},
@@ -115,7 +125,8 @@ def _with_template(tiny: Path, out: Path, name: str, template: Any) -> Path:
     tokenizer.add_tokens([AddedToken(" ", normalized=False), AddedToken("\n", normalized=False)])
     if name == "llama3":  # like Llama 3: the tokenizer itself prepends BOS
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))])
+            single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+        )
     tokenizer.save(str(out / "tokenizer.json"))
     config = json.loads((tiny / "tokenizer_config.json").read_text())
     config.update(bos_token=bos, eos_token=eos)
@@ -137,8 +148,12 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "llama3": _with_template(tiny, root / "llama3", "llama3", LLAMA3),
         "mistral": _with_template(tiny, root / "mistral", "mistral", MISTRAL),
         # Named templates, as some tokenizer configs carry them: the default one is used.
-        "chatml": _with_template(tiny, root / "chatml", "chatml",
-                                 [{"name": "default", "template": CHATML}, {"name": "tool_use", "template": "x"}]),
+        "chatml": _with_template(
+            tiny,
+            root / "chatml",
+            "chatml",
+            [{"name": "default", "template": CHATML}, {"name": "tool_use", "template": "x"}],
+        ),
     }
 
 
@@ -156,8 +171,12 @@ class VllmReference:
 
             model = ModelConfig(model=str(directory), dtype="float32", max_model_len=2048)
             self._renderers[directory] = OnlineRenderer(
-                model, renderer_from_config(VllmConfig(model_config=model)), request_logger=None,
-                chat_template=None, chat_template_content_format="auto")
+                model,
+                renderer_from_config(VllmConfig(model_config=model)),
+                request_logger=None,
+                chat_template=None,
+                chat_template_content_format="auto",
+            )
         return self._renderers[directory]
 
     def render(self, directory: Path, body: dict[str, Any]) -> tuple[str, list[int]] | None:
@@ -186,8 +205,9 @@ def vllm_reference() -> VllmReference:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("model", ["tiny", "llama3", "mistral", "chatml"])
-def test_router_renders_chat_to_the_text_and_ids_vllm_computes(model_dirs, vllm_reference, model: str,
-                                                              case: str) -> None:
+def test_router_renders_chat_to_the_text_and_ids_vllm_computes(
+    model_dirs, vllm_reference, model: str, case: str
+) -> None:
     body = CASES[case]
     router = PromptTokenizer.load(str(model_dirs[model]))
     expected = vllm_reference.render(model_dirs[model], body)
@@ -218,8 +238,11 @@ def test_router_ids_equal_transformers_apply_chat_template(model_dirs, model: st
 
     body = CASES[case]
     reference = AutoTokenizer.from_pretrained(str(model_dirs[model])).apply_chat_template(
-        body["messages"], tokenize=True, return_dict=False,
-        add_generation_prompt=body.get("add_generation_prompt", True))
+        body["messages"],
+        tokenize=True,
+        return_dict=False,
+        add_generation_prompt=body.get("add_generation_prompt", True),
+    )
     assert PromptTokenizer.load(str(model_dirs[model])).chat(body) == list(reference)
 
 
@@ -248,8 +271,9 @@ def test_a_wrong_rendering_changes_the_ids(model_dirs, vllm_reference) -> None:
     assert llama3.template is not None
     body = CASES["system+user"]
     _, ids = vllm_reference.render(model_dirs["llama3"], body)
-    no_bos = ChatTemplate(LLAMA3, llama3.template.compiled, "string", {**llama3.template.special_tokens,
-                                                                      "bos_token": ""})
+    no_bos = ChatTemplate(
+        LLAMA3, llama3.template.compiled, "string", {**llama3.template.special_tokens, "bos_token": ""}
+    )
     assert llama3.text(no_bos.render(body)[0], False) != ids
     assert llama3.text(llama3.template.render(body)[0], True) != ids  # BOS twice
 
@@ -271,31 +295,53 @@ def test_the_template_is_found_where_transformers_looks(model_dirs, tmp_path: Pa
         bare.chat(CASES["system+user"])
     assert missing.value.reason == "no_chat_template"
     assert bare.text("w1 w2", add_special_tokens=False) == loaded.text("w1 w2", add_special_tokens=False)
-    assert special_tokens_of({"bos_token": {"__type": "AddedToken", "content": "<s>"}, "eos_token": "</s>",
-                              "pad_token": None, "image_token": "<img>", "add_bos_token": True,
-                              "extra_special_tokens": {"audio_token": "<aud>"}}) == {
-        "bos_token": "<s>", "eos_token": "</s>", "image_token": "<img>", "audio_token": "<aud>"}
+    assert special_tokens_of(
+        {
+            "bos_token": {"__type": "AddedToken", "content": "<s>"},
+            "eos_token": "</s>",
+            "pad_token": None,
+            "image_token": "<img>",
+            "add_bos_token": True,
+            "extra_special_tokens": {"audio_token": "<aud>"},
+        }
+    ) == {"bos_token": "<s>", "eos_token": "</s>", "image_token": "<img>", "audio_token": "<aud>"}
 
 
-@pytest.mark.parametrize("body, reason", [
-    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_request"),
-    ({"messages": [USER], "chat_template": "{{ 1 }}"}, "unsupported_request"),
-    ({"messages": [USER], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "unsupported_request"),
-    ({"messages": [USER], "chat_template_kwargs": {"tokenize": True}}, "unsupported_request"),
-    ({"messages": [USER], "truncate_prompt_tokens": 5}, "unsupported_request"),
-    ({"messages": [USER], "cache_salt": "abc"}, "unsupported_request"),
-    ({"messages": [USER], "add_generation_prompt": True, "continue_final_message": True}, "unsupported_request"),
-    ({"messages": [USER, {"role": "assistant", "content": None,
-                          "tool_calls": [{"id": "1", "type": "function",
-                                          "function": {"name": "f", "arguments": "{}"}}]}]},
-     "unsupported_message"),
-    ({"messages": [{"role": "tool", "content": "w1", "tool_call_id": "1"}]}, "unsupported_message"),
-    ({"messages": [{"role": "developer", "content": "w1"}, USER]}, "unsupported_message"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "unsupported_message"),
-    ({"messages": [{"role": "system", "content": "x-anthropic-billing-header: cch=1\nw1"}, USER]},
-     "unsupported_message"),
-])
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_request"),
+        ({"messages": [USER], "chat_template": "{{ 1 }}"}, "unsupported_request"),
+        ({"messages": [USER], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "unsupported_request"),
+        ({"messages": [USER], "chat_template_kwargs": {"tokenize": True}}, "unsupported_request"),
+        ({"messages": [USER], "truncate_prompt_tokens": 5}, "unsupported_request"),
+        ({"messages": [USER], "cache_salt": "abc"}, "unsupported_request"),
+        ({"messages": [USER], "add_generation_prompt": True, "continue_final_message": True}, "unsupported_request"),
+        (
+            {
+                "messages": [
+                    USER,
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    },
+                ]
+            },
+            "unsupported_message",
+        ),
+        ({"messages": [{"role": "tool", "content": "w1", "tool_call_id": "1"}]}, "unsupported_message"),
+        ({"messages": [{"role": "developer", "content": "w1"}, USER]}, "unsupported_message"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "unsupported_message",
+        ),
+        (
+            {"messages": [{"role": "system", "content": "x-anthropic-billing-header: cch=1\nw1"}, USER]},
+            "unsupported_message",
+        ),
+    ],
+)
 def test_what_is_not_reproduced_is_refused_with_a_reason(model_dirs, body: dict[str, Any], reason: str) -> None:
     with pytest.raises(NotRendered) as refused:
         PromptTokenizer.load(str(model_dirs["chatml"])).chat(body)

@@ -20,19 +20,35 @@ from pdconnect.router.config import RouterConfig, _parser
 
 
 def test_argv_options_become_a_typed_config() -> None:
-    config = parse_args(["--prefill", "http://p1:8000/", "http://p2:8000", "--decode", "http://d:8000",
-                         "--decode-dns", "decode.ns.svc:8000", "--policy", "least-loaded",
-                         "--no-fallback", "--prefill-timeout", "5"])
+    config = parse_args(
+        [
+            "--prefill",
+            "http://p1:8000/",
+            "http://p2:8000",
+            "--decode",
+            "http://d:8000",
+            "--decode-dns",
+            "decode.ns.svc:8000",
+            "--policy",
+            "least-loaded",
+            "--no-fallback",
+            "--prefill-timeout",
+            "5",
+        ]
+    )
     assert config.prefill_urls == ("http://p1:8000", "http://p2:8000")
     assert config.decode_urls == ("http://d:8000",)
     assert [str(t) for t in config.dns_targets("decode")] == ["http://decode.ns.svc:8000"]
     assert config.policy == "least-loaded" and config.fallback is False and config.prefill_timeout == 5.0
 
 
-@pytest.mark.parametrize("suffix,text", [
-    (".json", '{"decode": ["http://file:1"], "prefill-timeout": 7, "policy": "round-robin"}'),
-    (".toml", 'decode = ["http://file:1"]\nprefill_timeout = 7\npolicy = "round-robin"\n'),
-])
+@pytest.mark.parametrize(
+    "suffix,text",
+    [
+        (".json", '{"decode": ["http://file:1"], "prefill-timeout": 7, "policy": "round-robin"}'),
+        (".toml", 'decode = ["http://file:1"]\nprefill_timeout = 7\npolicy = "round-robin"\n'),
+    ],
+)
 def test_config_file_is_read_and_argv_overrides_it(tmp_path: Path, suffix: str, text: str) -> None:
     path = tmp_path / f"router{suffix}"
     path.write_text(text)
@@ -42,13 +58,16 @@ def test_config_file_is_read_and_argv_overrides_it(tmp_path: Path, suffix: str, 
     assert config.policy == "prefix-affinity"
 
 
-@pytest.mark.parametrize("argv,named", [
-    ([], "no decode engines"),
-    (["--decode", "d:8000"], "http://"),
-    (["--decode", "http://d:1", "--decode-attempts", "0"], "decode_attempts"),
-    (["--decode", "http://d:1", "--affinity-load-factor", "0.9"], "affinity_load_factor"),
-    (["--decode-dns", "no-port"], "name:port"),
-])
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        ([], "no decode engines"),
+        (["--decode", "d:8000"], "http://"),
+        (["--decode", "http://d:1", "--decode-attempts", "0"], "decode_attempts"),
+        (["--decode", "http://d:1", "--affinity-load-factor", "0.9"], "affinity_load_factor"),
+        (["--decode-dns", "no-port"], "name:port"),
+    ],
+)
 def test_bad_options_are_refused_with_their_name(argv: list[str], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         parse_args(argv)
@@ -103,8 +122,16 @@ def test_a_bad_tokenizer_path_is_a_config_error_at_start_up(
         path.mkdir()
     elif make == "not_a_tokenizer":
         path.write_text("{not json")
-    argv = ["--decode", "http://127.0.0.1:1", "--policy", "kv-aware", "--kv-events-port", "5557",
-            "--tokenizer", str(path)]
+    argv = [
+        "--decode",
+        "http://127.0.0.1:1",
+        "--policy",
+        "kv-aware",
+        "--kv-events-port",
+        "5557",
+        "--tokenizer",
+        str(path),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("pdconnect router: ") and str(path) in err and "Traceback" not in err
@@ -117,16 +144,31 @@ def free_port() -> int:
 
 
 def test_pdconnect_router_command_serves_and_stops_on_sigterm() -> None:
-    fake = subprocess.Popen([sys.executable, "-m", "pdconnect.testbed.fake_engine", "--side-channel"],
-                            stdout=subprocess.PIPE, text=True)
+    fake = subprocess.Popen(
+        [sys.executable, "-m", "pdconnect.testbed.fake_engine", "--side-channel"], stdout=subprocess.PIPE, text=True
+    )
     router = None
     try:
         assert fake.stdout is not None
         engine = json.loads(fake.stdout.readline())["url"]
         port = free_port()
-        router = subprocess.Popen([sys.executable, "-m", "pdconnect.cli", "router", "--host", "127.0.0.1",
-                                   "--port", str(port), "--prefill", engine, "--decode", engine],
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        router = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pdconnect.cli",
+                "router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prefill",
+                engine,
+                "--decode",
+                engine,
+            ],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
@@ -154,6 +196,7 @@ def test_pdconnect_router_command_serves_and_stops_on_sigterm() -> None:
 
 
 # --- help ------------------------------------------------------------------------------------------
+
 
 def test_every_cli_option_has_help_text_with_its_default() -> None:
     missing = []
@@ -183,3 +226,24 @@ def test_the_router_and_the_connector_raise_one_config_error() -> None:
     assert ConfigError is SharedConfigError
     with pytest.raises(ConfigError, match="side_channel_port"):
         ConnectorSettings(side_channel_port=70000)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("decode-timeout", 0.0, "decode_timeout must be positive, got 0.0"),
+        ("max-event-bytes", 0, "max_event_bytes must be >= 1, got 0"),
+        ("health-interval", -1.0, "health_interval must be >= 0, got -1.0 (0 turns active polling off)"),
+        ("admin-port", 70000, "admin_port must be <= 65535, got 70000"),
+    ],
+)
+def test_a_value_outside_its_declared_bound_is_refused_naming_field_bound_and_value(
+    option: str, value: float, message: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_args(["--decode", "http://d:1", f"--{option}", str(value)])
+    assert str(refused.value) == f"invalid router configuration: {message}"
+    # Built directly (tests, the testbed), msgspec checks no bound: __post_init__ does.
+    with pytest.raises(ConfigError) as refused:
+        RouterConfig(decode=("http://d:1",), **{option.replace("-", "_"): value})  # type: ignore[arg-type]  # one field a case
+    assert str(refused.value) == message

@@ -23,6 +23,7 @@ import pytest
 
 from pdconnect.router.engines import Role
 from tests.router_support import CHAT, COMPLETION, HANG, Setup, sse_events
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.asyncio
 
@@ -48,8 +49,7 @@ async def raw_exchange(url: str, head: bytes, body: bytes = b"") -> tuple[int, d
 
 def post_head(url: str, path: str, extra: str) -> bytes:
     host = urlsplit(url).netloc
-    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"{extra}\r\n").encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{extra}\r\n").encode()
 
 
 def assert_openai_error(body: bytes, status: int) -> dict[str, Any]:
@@ -61,11 +61,13 @@ def assert_openai_error(body: bytes, status: int) -> dict[str, Any]:
 
 # --- body size and read deadline --------------------------------------------------------------
 
+
 async def test_body_declared_over_the_limit_is_refused_before_it_is_read(make) -> None:
     s: Setup = await make(max_body_bytes=1 << 20)
     # 100 MiB announced, nothing sent: the answer cannot wait for the body.
     status, _, body = await raw_exchange(
-        s.router.url, post_head(s.router.url, "/v1/completions", "Content-Length: 104857600\r\n"))
+        s.router.url, post_head(s.router.url, "/v1/completions", "Content-Length: 104857600\r\n")
+    )
     assert status == 413
     assert_openai_error(body, 413)
     assert s.p[0].seen == [] and s.d[0].seen == []
@@ -75,11 +77,14 @@ async def test_chunked_body_over_the_limit_is_refused(make) -> None:
     s: Setup = await make(max_body_bytes=1 << 16)
     big = json.dumps({**COMPLETION, "prompt": "x " * 50_000}).encode()
     async with asyncio.timeout(HANG):
+
         async def chunks() -> Any:
             for i in range(0, len(big), 8192):
-                yield big[i:i + 8192]
-        async with s.http.post(s.router.url + "/v1/completions", data=chunks(),
-                               headers={"Content-Type": "application/json"}) as resp:
+                yield big[i : i + 8192]
+
+        async with s.http.post(
+            s.router.url + "/v1/completions", data=chunks(), headers={"Content-Type": "application/json"}
+        ) as resp:
             assert resp.status == 413
             assert_openai_error(await resp.read(), 413)
 
@@ -93,11 +98,13 @@ async def test_gzip_bomb_is_refused_on_its_inflated_size_and_small_gzip_bodies_w
         async with s.http.post(s.router.url + "/v1/completions", data=bomb, headers=headers) as resp:
             assert resp.status == 413
             assert_openai_error(await resp.read(), 413)
-        async with s.http.post(s.router.url + "/v1/completions", data=gzip.compress(json.dumps(COMPLETION).encode()),
-                               headers=headers) as resp:
+        async with s.http.post(
+            s.router.url + "/v1/completions", data=gzip.compress(json.dumps(COMPLETION).encode()), headers=headers
+        ) as resp:
             assert resp.status == 200
-        async with s.http.post(s.router.url + "/v1/completions", data=b"\x1f\x8bnot gzip at all",
-                               headers=headers) as resp:
+        async with s.http.post(
+            s.router.url + "/v1/completions", data=b"\x1f\x8bnot gzip at all", headers=headers
+        ) as resp:
             assert resp.status == 400
             assert_openai_error(await resp.read(), 400)
     assert len(s.d[0].seen) == 1
@@ -106,17 +113,19 @@ async def test_gzip_bomb_is_refused_on_its_inflated_size_and_small_gzip_bodies_w
 async def test_body_that_never_finishes_is_cut_by_the_read_deadline(make) -> None:
     s: Setup = await make(body_read_timeout=0.3)
     status, _, body = await raw_exchange(
-        s.router.url, post_head(s.router.url, "/v1/completions", "Content-Length: 1000\r\n"), b'{"prompt": "')
+        s.router.url, post_head(s.router.url, "/v1/completions", "Content-Length: 1000\r\n"), b'{"prompt": "'
+    )
     assert status == 408
     assert_openai_error(body, 408)
 
 
 # --- request head deadline ---------------------------------------------------------------------
 
+
 def _parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
     head, _, body = raw.partition(b"\r\n\r\n")
     status_line, *lines = head.decode().split("\r\n")
-    headers = {name.strip().lower(): value.strip() for name, _, value in (l.partition(":") for l in lines)}
+    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
     return int(status_line.split()[1]), headers, body
 
 
@@ -151,12 +160,14 @@ async def test_the_header_deadline_spares_slow_bodies_idle_keepalive_and_long_st
     keep-alive connection waits for its next request, and a stream outlasts it."""
     # Each phase lasts twice the deadline: a scheduling hiccup on a loaded machine (one
     # CI run at load 28 with a 0.3 s deadline) must not read as a head that came late.
-    s: Setup = await make(header_read_timeout=1.0, body_read_timeout=10.0, decode_first_byte_timeout=5.0,
-                          decode_timeout=5.0)
+    s: Setup = await make(
+        header_read_timeout=1.0, body_read_timeout=10.0, decode_first_byte_timeout=5.0, decode_timeout=5.0
+    )
     parts = urlsplit(s.router.url)
     body = json.dumps(COMPLETION).encode()
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     try:
+
         async def answer() -> tuple[int, bytes]:
             status_line = await reader.readline()
             headers: dict[str, str] = {}
@@ -169,7 +180,7 @@ async def test_the_header_deadline_spares_slow_bodies_idle_keepalive_and_long_st
             writer.write(post_head(s.router.url, "/v1/completions", f"Content-Length: {len(body)}\r\n"))
             for i in range(0, len(body), len(body) // 4 + 1):  # the body over ~2 s
                 await asyncio.sleep(0.5)
-                writer.write(body[i:i + len(body) // 4 + 1])
+                writer.write(body[i : i + len(body) // 4 + 1])
             assert (await answer())[0] == 200
             await asyncio.sleep(2.0)  # idle between requests: keep-alive's business
             writer.write(post_head(s.router.url, "/v1/completions", f"Content-Length: {len(body)}\r\n") + body)
@@ -201,8 +212,19 @@ async def test_an_idle_client_connection_is_closed_after_the_keepalive(make) -> 
 
 # --- admin API ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:9/internal", "http://127.0.0.1:9/?q=1", "http://u:p@127.0.0.1:9",
-                                 "http://127.0.0.1:9#frag", "ftp://127.0.0.1:9", "http://127.0.0.1", "http://:9"])
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9/internal",
+        "http://127.0.0.1:9/?q=1",
+        "http://u:p@127.0.0.1:9",
+        "http://127.0.0.1:9#frag",
+        "ftp://127.0.0.1:9",
+        "http://127.0.0.1",
+        "http://:9",
+    ],
+)
 async def test_admin_engine_urls_are_scheme_host_and_port_only(make, url: str) -> None:
     s: Setup = await make(admin_open=True)
     async with s.http.post(s.router.url + "/admin/engines", json={"role": "decode", "url": url}) as resp:
@@ -218,6 +240,7 @@ async def test_admin_token_is_compared_in_constant_time(make, monkeypatch: pytes
     def recording(a: bytes, b: bytes) -> bool:
         compared.append((a, b))
         return hmac.compare_digest(a, b)
+
     monkeypatch.setattr("pdconnect.router.app.compare_digest", recording)
     s: Setup = await make(admin_token_env="PDC_TEST_ADMIN")
     async with s.http.get(s.router.url + "/admin/engines", headers={"Authorization": "Bearer wrong"}) as resp:
@@ -242,6 +265,7 @@ async def test_admin_api_can_live_on_its_own_loopback_port_only(make) -> None:
 
 # --- errors the router itself returns ------------------------------------------------------------
 
+
 async def test_every_error_the_router_returns_is_openai_error_json(make) -> None:
     s: Setup = await make()
     async with s.http.get(s.router.url + "/v1/completions") as resp:
@@ -262,6 +286,7 @@ async def test_every_error_the_router_returns_is_openai_error_json(make) -> None
 
 # --- streams --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("with_prefill", [True, False], ids=["usage-merged", "decode-only-fallback"])
 async def test_stream_cut_mid_event_ends_with_a_well_formed_error_event_and_done(make, with_prefill: bool) -> None:
     s: Setup = await make(prefill=1 if with_prefill else 0)
@@ -277,6 +302,7 @@ async def test_stream_cut_mid_event_ends_with_a_well_formed_error_event_and_done
 
 
 # --- engines that compress, engines that need a key ---------------------------------------------
+
 
 async def test_compressing_engines_never_reach_the_client_compressed(make) -> None:
     s: Setup = await make()
@@ -308,23 +334,41 @@ async def test_authorization_reaches_every_engine_call_including_models(make) ->
 
 # --- validation and breakers --------------------------------------------------------------------
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": 5}),
-    ("/v1/completions", {**COMPLETION, "stream": "yes"}),
-    ("/v1/completions", {**COMPLETION, "max_tokens": "many"}),
-    ("/v1/completions", {**COMPLETION, "stream_options": 3}),
-    ("/v1/completions", {"model": "fake-model"}),
-    ("/v1/chat/completions", {**CHAT, "messages": "hi"}),
-    ("/v1/chat/completions", {**CHAT, "messages": [3]}),
-    ("/v1/completions", {**COMPLETION, "kv_transfer_params": "forged"}),
-    ("/v1/completions", {**COMPLETION, "vllm_xargs": "kv_transfer_params=forged"}),
-    ("/v1/chat/completions", {**CHAT, "vllm_xargs": [{"kv_transfer_params": {}}]}),
-    ("/v1/completions", {**COMPLETION, "vllm_xargs": 7}),
-    ("/v1/completions", {**COMPLETION, "n": "2"}),
-], ids=["prompt-int", "stream-str", "max-tokens-str", "stream-options-int", "no-prompt", "messages-str",
-        "message-int", "params-str", "xargs-str", "xargs-list", "xargs-int", "n-str"])
-async def test_fields_the_router_reads_are_validated_before_any_engine_sees_them(make, path: str,
-                                                                                   body: dict[str, Any]) -> None:
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"prompt": 5}),
+        ("/v1/completions", {**COMPLETION, "stream": "yes"}),
+        ("/v1/completions", {**COMPLETION, "max_tokens": "many"}),
+        ("/v1/completions", {**COMPLETION, "stream_options": 3}),
+        ("/v1/completions", {"model": "fake-model"}),
+        ("/v1/chat/completions", {**CHAT, "messages": "hi"}),
+        ("/v1/chat/completions", {**CHAT, "messages": [3]}),
+        ("/v1/completions", {**COMPLETION, "kv_transfer_params": "forged"}),
+        ("/v1/completions", {**COMPLETION, "vllm_xargs": "kv_transfer_params=forged"}),
+        ("/v1/chat/completions", {**CHAT, "vllm_xargs": [{"kv_transfer_params": {}}]}),
+        ("/v1/completions", {**COMPLETION, "vllm_xargs": 7}),
+        ("/v1/completions", {**COMPLETION, "n": "2"}),
+    ],
+    ids=[
+        "prompt-int",
+        "stream-str",
+        "max-tokens-str",
+        "stream-options-int",
+        "no-prompt",
+        "messages-str",
+        "message-int",
+        "params-str",
+        "xargs-str",
+        "xargs-list",
+        "xargs-int",
+        "n-str",
+    ],
+)
+async def test_fields_the_router_reads_are_validated_before_any_engine_sees_them(
+    make, path: str, body: dict[str, Any]
+) -> None:
     s: Setup = await make()
     status, _, answer = await s.post(path, body)
     assert status == 400
@@ -361,20 +405,27 @@ async def test_a_real_engine_fault_still_opens_its_breaker(make) -> None:
 FORGED_PLAN = {"do_remote_prefill": True, "remote_engine_id": "forged", "remote_host": "10.0.0.1"}
 
 
-@pytest.mark.parametrize("path,request_body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)],
-                         ids=["completions", "chat"])
+@pytest.mark.parametrize(
+    "path,request_body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)], ids=["completions", "chat"]
+)
 @pytest.mark.parametrize("leg", ["pd", "decode-only-fallback", "decode-retry"])
-@pytest.mark.parametrize("value", [FORGED_PLAN, "a string vLLM would hand the connector", None, [1]],
-                         ids=["object", "string", "null", "list"])
-async def test_vllm_xargs_kv_transfer_params_is_refused_on_every_leg(make, path: str, request_body: dict[str, Any],
-                                                                     leg: str, value: Any) -> None:
+@pytest.mark.parametrize(
+    "value",
+    [FORGED_PLAN, "a string vLLM would hand the connector", None, [1]],
+    ids=["object", "string", "null", "list"],
+)
+async def test_vllm_xargs_kv_transfer_params_is_refused_on_every_leg(
+    make, path: str, request_body: dict[str, Any], leg: str, value: Any
+) -> None:
     """vLLM takes `vllm_xargs.kv_transfer_params` as the connector's params when the
     top-level field is unset (decode-only) or empty: the router refuses it outright."""
     s: Setup = await make(prefill=0 if leg == "decode-only-fallback" else 1, decode=2, policy="round-robin")
     if leg == "decode-retry":
         s.d[0].faults.status = 500
-    for body in ({**request_body, "vllm_xargs": {"kv_transfer_params": value}},
-                 {**request_body, "kv_transfer_params": {}, "vllm_xargs": {"x": 1, "kv_transfer_params": value}}):
+    for body in (
+        {**request_body, "vllm_xargs": {"kv_transfer_params": value}},
+        {**request_body, "kv_transfer_params": {}, "vllm_xargs": {"x": 1, "kv_transfer_params": value}},
+    ):
         status, _, answer = await s.post(path, body)
         assert status == 400
         assert "vllm_xargs.kv_transfer_params" in assert_openai_error(answer, 400)["message"]
@@ -392,39 +443,89 @@ async def test_other_vllm_xargs_reach_decode_only(make) -> None:
 # --- what prefill gets ----------------------------------------------------------------------------
 
 # Fields that shape only the answer: a prefill engine must never compute or send them.
-ANSWER_ONLY = {"prompt_logprobs": 20, "logprobs": 5, "echo": True, "n": 1, "best_of": 1, "logit_bias": {"5": 1.0},
-               "stop": ["x"], "seed": 3, "temperature": 0.5, "return_token_ids": True, "ignore_eos": True,
-               "structured_outputs": {"regex": "a+"}, "vllm_xargs": {"k": 1}, "user": "u", "min_tokens": 2,
-               "stream": True, "stream_options": {"include_usage": True}, "request_id": "client-chosen"}
+ANSWER_ONLY = {
+    "prompt_logprobs": 20,
+    "logprobs": 5,
+    "echo": True,
+    "n": 1,
+    "best_of": 1,
+    "logit_bias": {"5": 1.0},
+    "stop": ["x"],
+    "seed": 3,
+    "temperature": 0.5,
+    "return_token_ids": True,
+    "ignore_eos": True,
+    "structured_outputs": {"regex": "a+"},
+    "vllm_xargs": {"k": 1},
+    "user": "u",
+    "min_tokens": 2,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "request_id": "client-chosen",
+}
 
 
-@pytest.mark.parametrize("path,request_body,kv_fields", [
-    ("/v1/completions", COMPLETION,
-     {"add_special_tokens": False, "cache_salt": "salt", "truncate_prompt_tokens": 4, "truncation_side": "left",
-      "suffix": "tail", "priority": 1, "session_id": "s"}),
-    ("/v1/chat/completions", CHAT,
-     {"add_special_tokens": True, "cache_salt": "salt", "chat_template_kwargs": {"enable_thinking": False},
-      "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",
-      "response_format": {"type": "json_object"}, "add_generation_prompt": False, "continue_final_message": True,
-      "documents": [{"t": "d"}], "reasoning_effort": "low", "mm_processor_kwargs": {"size": 2},
-      "media_io_kwargs": {"image": {}}, "chat_template": "{{ messages }}", "truncate_prompt_tokens": 9}),
-], ids=["completions", "chat"])
+@pytest.mark.parametrize(
+    "path,request_body,kv_fields",
+    [
+        (
+            "/v1/completions",
+            COMPLETION,
+            {
+                "add_special_tokens": False,
+                "cache_salt": "salt",
+                "truncate_prompt_tokens": 4,
+                "truncation_side": "left",
+                "suffix": "tail",
+                "priority": 1,
+                "session_id": "s",
+            },
+        ),
+        (
+            "/v1/chat/completions",
+            CHAT,
+            {
+                "add_special_tokens": True,
+                "cache_salt": "salt",
+                "chat_template_kwargs": {"enable_thinking": False},
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                "tool_choice": "auto",
+                "response_format": {"type": "json_object"},
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+                "documents": [{"t": "d"}],
+                "reasoning_effort": "low",
+                "mm_processor_kwargs": {"size": 2},
+                "media_io_kwargs": {"image": {}},
+                "chat_template": "{{ messages }}",
+                "truncate_prompt_tokens": 9,
+            },
+        ),
+    ],
+    ids=["completions", "chat"],
+)
 async def test_prefill_gets_what_the_prompts_kv_depends_on_and_nothing_that_shapes_only_the_answer(
-        make, path: str, request_body: dict[str, Any], kv_fields: dict[str, Any]) -> None:
+    make, path: str, request_body: dict[str, Any], kv_fields: dict[str, Any]
+) -> None:
     s: Setup = await make()
     chat_only = {"top_logprobs": 3, "parallel_tool_calls": False} if "chat" in path else {}
     body = {**request_body, **kv_fields, **ANSWER_ONLY, **chat_only}
     status, _, _ = await s.post(path, body)
     assert status == 200
     prefill = s.p[0].seen[0].body
-    overrides = {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True},
-                 **({"max_completion_tokens": 1} if "chat" in path else {})}
+    overrides = {
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+        **({"max_completion_tokens": 1} if "chat" in path else {}),
+    }
     kept = {k: v for k, v in body.items() if k not in ANSWER_ONLY and k not in chat_only}
     assert prefill == {**kept, **overrides}
     assert {k: v for k, v in s.d[0].seen[0].body.items() if k != "kv_transfer_params"} == body
 
 
 # --- what the router reads from engines ------------------------------------------------------------
+
 
 async def test_a_prefill_answer_over_its_limit_is_dropped_unread_and_the_request_served_decode_only(make) -> None:
     s: Setup = await make(prefill_attempts=1, max_prefill_answer_bytes=1 << 20)
@@ -446,7 +547,9 @@ async def test_a_decode_answer_over_its_limit_is_a_502_and_its_plan_is_released(
     assert sum(len(e.seen) for e in s.d) == 1  # another engine would answer the same: no retry
     assert s.count("pdconnect_router_oversized_answers_total", leg="decode") == 1
     assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="decode_failed") == 1
-    await _eventually_released(s, "big-1")
+    await wait_until_async(
+        lambda: "big-1" in s.p[0].released_ids(), "the release of big-1 at prefill", observe=s.p[0].released_ids
+    )
 
 
 async def test_a_streamed_event_over_its_limit_ends_the_stream_with_an_error_event(make) -> None:
@@ -460,7 +563,8 @@ async def test_a_streamed_event_over_its_limit_ends_the_stream_with_an_error_eve
 
 
 async def test_an_engine_error_body_over_its_limit_is_replaced_by_the_routers_own(
-        make, monkeypatch: pytest.MonkeyPatch) -> None:
+    make, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr("pdconnect.router.flow._ERROR_BODY_LIMIT", 16)  # the fake's 400 body is longer
     s: Setup = await make()
     s.p[0].faults.status = 400
@@ -470,22 +574,27 @@ async def test_an_engine_error_body_over_its_limit_is_replaced_by_the_routers_ow
     assert s.count("pdconnect_router_oversized_answers_total", leg="error") == 1
 
 
-async def _eventually_released(s: Setup, request_id: str) -> None:
-    async with asyncio.timeout(HANG):
-        while request_id not in s.p[0].released_ids():
-            await asyncio.sleep(0.01)
-
-
 # --- several sequences per request -----------------------------------------------------------------
 
-@pytest.mark.parametrize("path,extra", [
-    ("/v1/completions", {"n": 2}), ("/v1/completions", {"n": 0}), ("/v1/completions", {"best_of": 3}),
-    ("/v1/completions", {"use_beam_search": True}), ("/v1/completions", {"prompt": ["a b", "c d"]}),
-    ("/v1/completions", {"prompt": ["a b"]}), ("/v1/completions", {"prompt": [[1, 2], [3, 4]]}),
-    ("/v1/chat/completions", {"n": 4}), ("/v1/chat/completions", {"use_beam_search": True}),
-], ids=["n", "n-zero", "best-of", "beam-search", "batch", "batch-of-one", "token-batch", "chat-n", "chat-beam"])
+
+@pytest.mark.parametrize(
+    "path,extra",
+    [
+        ("/v1/completions", {"n": 2}),
+        ("/v1/completions", {"n": 0}),
+        ("/v1/completions", {"best_of": 3}),
+        ("/v1/completions", {"use_beam_search": True}),
+        ("/v1/completions", {"prompt": ["a b", "c d"]}),
+        ("/v1/completions", {"prompt": ["a b"]}),
+        ("/v1/completions", {"prompt": [[1, 2], [3, 4]]}),
+        ("/v1/chat/completions", {"n": 4}),
+        ("/v1/chat/completions", {"use_beam_search": True}),
+    ],
+    ids=["n", "n-zero", "best-of", "beam-search", "batch", "batch-of-one", "token-batch", "chat-n", "chat-beam"],
+)
 async def test_requests_for_several_sequences_are_refused_while_prefill_engines_serve(
-        make, path: str, extra: dict[str, Any]) -> None:
+    make, path: str, extra: dict[str, Any]
+) -> None:
     """Each sequence would make the prefill engine hold a plan; the router keeps and
     releases one per request, so the others would wait for their lease to expire."""
     s: Setup = await make()
@@ -503,8 +612,10 @@ async def test_a_decode_only_router_passes_several_sequences_on(make) -> None:
 
 # --- the router's memory -----------------------------------------------------------------------------
 
+
 def test_a_long_prompt_with_prompt_logprobs_leaves_the_router_far_below_its_memory_limit_with_fake_engines(
-        tmp_path: Any) -> None:
+    tmp_path: Any,
+) -> None:
     """131k prompt tokens with `prompt_logprobs: 20` make a ~150 MB answer (the FAKE
     engines answer the way vLLM does). The prefill leg must not ask for it, and the
     decode answer, relayed, must not become Python objects: the router process (its own,
@@ -517,8 +628,9 @@ def test_a_long_prompt_with_prompt_logprobs_leaves_the_router_far_below_its_memo
     with router_process_with_fakes(tmp_path) as router, httpx.Client(timeout=HANG * 8) as http:
         assert http.post(router.base_url + "/v1/completions", json=COMPLETION).status_code == 200
         before = peak_rss_bytes(router.popen.pid)
-        resp = http.post(router.base_url + "/v1/completions",
-                         json={**COMPLETION, "prompt": prompt, "prompt_logprobs": 20})
+        resp = http.post(
+            router.base_url + "/v1/completions", json={**COMPLETION, "prompt": prompt, "prompt_logprobs": 20}
+        )
         assert resp.status_code == 200
         answer_bytes = len(resp.content)
         after = peak_rss_bytes(router.popen.pid)

@@ -26,7 +26,14 @@ from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_met
 from pdconnect.testbed.engine_calls import prompt_ids
 from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec
 from pdconnect.testbed.recipes import (
-    BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, pd_kv_transfer, stock_nixl_kv_transfer, vllm_server, warm_up,
+    BLOCK_SIZE,
+    MODEL_NAME,
+    SPEC,
+    engine_args,
+    pd_kv_transfer,
+    stock_nixl_kv_transfer,
+    vllm_server,
+    warm_up,
 )
 from pdconnect.testbed.tinymodel import ensure_model
 
@@ -67,13 +74,26 @@ def _engine_args(role: str | None, side_channel_port: int) -> list[str]:
 def engines() -> Iterator[Engines]:
     model = ensure_model(SPEC)
     with Cluster() as cluster:
+
         def server(name: str, role: str | None) -> ManagedProcess:
             side_channel_port = cluster.free_port()
-            return cluster.start(vllm_server(name, model, port=cluster.free_port(), served_model_name=MODEL,
-                                             args=_engine_args(role, side_channel_port),
-                                             side_channel_port=side_channel_port))
-        started = Engines(cluster, server("router-single", None), server("router-prefill", "kv_producer"),
-                          server("router-decode", "kv_consumer"))
+            return cluster.start(
+                vllm_server(
+                    name,
+                    model,
+                    port=cluster.free_port(),
+                    served_model_name=MODEL,
+                    args=_engine_args(role, side_channel_port),
+                    side_channel_port=side_channel_port,
+                )
+            )
+
+        started = Engines(
+            cluster,
+            server("router-single", None),
+            server("router-prefill", "kv_producer"),
+            server("router-decode", "kv_consumer"),
+        )
         cluster.wait_healthy([started.single, started.prefill, started.decode])
         for proc in (started.single, started.prefill, started.decode):
             warm_up(proc.base_url, MODEL)
@@ -85,17 +105,49 @@ def _router_spec(cluster: Cluster, engines: Engines, name: str) -> ProcessSpec:
     url = f"http://127.0.0.1:{port}"
     if name == "pdconnect":
         argv: tuple[str, ...] = (
-            sys.executable, "-m", "pdconnect.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-            "--prefill", engines.prefill.base_url, "--decode", engines.decode.base_url,
-            "--health-interval", "1", "--prefill-timeout", str(TIMEOUT_S),
-            "--decode-first-byte-timeout", str(TIMEOUT_S), "--decode-timeout", str(TIMEOUT_S))
+            sys.executable,
+            "-m",
+            "pdconnect.cli",
+            "router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prefill",
+            engines.prefill.base_url,
+            "--decode",
+            engines.decode.base_url,
+            "--health-interval",
+            "1",
+            "--prefill-timeout",
+            str(TIMEOUT_S),
+            "--decode-first-byte-timeout",
+            str(TIMEOUT_S),
+            "--decode-timeout",
+            str(TIMEOUT_S),
+        )
     else:
-        argv = (str(VLLM_ROUTER), "--vllm-pd-disaggregation", "--prefill", engines.prefill.base_url,
-                "--decode", engines.decode.base_url, "--host", "127.0.0.1", "--port", str(port),
-                "--policy", "round_robin", "--prometheus-port", str(cluster.free_port()),
-                "--request-timeout-secs", str(int(TIMEOUT_S)))
-    return ProcessSpec(name=f"{name}-router", argv=argv, health_url=f"{url}/health", base_url=url,
-                       startup_timeout_s=60.0)
+        argv = (
+            str(VLLM_ROUTER),
+            "--vllm-pd-disaggregation",
+            "--prefill",
+            engines.prefill.base_url,
+            "--decode",
+            engines.decode.base_url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            "--prometheus-port",
+            str(cluster.free_port()),
+            "--request-timeout-secs",
+            str(int(TIMEOUT_S)),
+        )
+    return ProcessSpec(
+        name=f"{name}-router", argv=argv, health_url=f"{url}/health", base_url=url, startup_timeout_s=60.0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -128,14 +180,25 @@ def _words(ids: list[int]) -> str:
 
 def _completion(prompt: list[int], **extra: Any) -> dict[str, Any]:
     # Random weights emit EOS now and then; a fixed length keeps outputs comparable.
-    return {"model": MODEL, "prompt": prompt, "max_tokens": DECODE_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, **extra}
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": DECODE_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def _chat(text: str, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "system", "content": "w10 w11 w12"},
-                                         {"role": "user", "content": text}],
-            "max_tokens": DECODE_TOKENS, "temperature": 0.0, "ignore_eos": True, **extra}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "w10 w11 w12"}, {"role": "user", "content": text}],
+        "max_tokens": DECODE_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def _post(http: httpx.Client, base: str, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -153,21 +216,24 @@ def _streamed(http: httpx.Client, base: str, path: str, body: dict[str, Any]) ->
     """The concatenated text of a stream and its final usage."""
     text: list[str] = []
     usage: dict[str, Any] = {}
-    with http.stream("POST", f"{base}{path}", json={**body, "stream": True,
-                                                    "stream_options": {"include_usage": True}}) as response:
+    with http.stream(
+        "POST", f"{base}{path}", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    ) as response:
         assert response.status_code == 200
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     for line in lines[:-1]:
         event = json.loads(line[6:])
         assert "error" not in event, event
-        for choice in event["choices"]:
-            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+        text.extend(
+            choice.get("text") or (choice.get("delta") or {}).get("content") or "" for choice in event["choices"]
+        )
         usage = event.get("usage") or usage
     return "".join(text), usage
 
 
 # --- pdconnect router -----------------------------------------------------------------------
+
 
 def test_completion_through_router_equals_one_engine(engines: Engines, router: str, http: httpx.Client) -> None:
     prompt = _ids(seed=101, length=PREFIX_TOKENS)
@@ -184,8 +250,9 @@ def test_completion_through_router_equals_one_engine(engines: Engines, router: s
     assert usage["prompt_tokens"] == PREFIX_TOKENS and usage["completion_tokens"] == DECODE_TOKENS
 
 
-def test_streamed_completion_through_router_equals_one_engine(engines: Engines, router: str,
-                                                              http: httpx.Client) -> None:
+def test_streamed_completion_through_router_equals_one_engine(
+    engines: Engines, router: str, http: httpx.Client
+) -> None:
     prompt = _ids(seed=102, length=PREFIX_TOKENS)
     alone = _text(_post(http, engines.single.base_url, "/v1/completions", _completion(prompt)).json())
     text, usage = _streamed(http, router, "/v1/completions", _completion(prompt))
@@ -194,8 +261,7 @@ def test_streamed_completion_through_router_equals_one_engine(engines: Engines, 
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_chat_through_router_equals_one_engine(engines: Engines, router: str, http: httpx.Client,
-                                               stream: bool) -> None:
+def test_chat_through_router_equals_one_engine(engines: Engines, router: str, http: httpx.Client, stream: bool) -> None:
     body = _chat(_words(_ids(seed=103 + stream, length=300)))
     alone = _text(_post(http, engines.single.base_url, "/v1/chat/completions", body).json())
     if stream:
@@ -205,8 +271,7 @@ def test_chat_through_router_equals_one_engine(engines: Engines, router: str, ht
     assert text == alone
 
 
-def test_usage_reports_prefill_side_caching_not_the_transfer(engines: Engines, router: str,
-                                                             http: httpx.Client) -> None:
+def test_usage_reports_prefill_side_caching_not_the_transfer(engines: Engines, router: str, http: httpx.Client) -> None:
     prompt = _ids(seed=105, length=PREFIX_TOKENS)
     first = _post(http, router, "/v1/completions", _completion(prompt)).json()["usage"]
     again = _post(http, router, "/v1/completions", _completion(prompt)).json()["usage"]
@@ -231,12 +296,31 @@ def test_failed_decode_makes_the_router_free_the_prefill_hold_at_once(engines: E
     its hold now instead of waiting out the lease."""
     dead = f"http://127.0.0.1:{engines.cluster.free_port()}"
     port = engines.cluster.free_port()
-    [proc] = engines.cluster.launch(ProcessSpec(
-        name="pdconnect-router-dead-decode",
-        argv=(sys.executable, "-m", "pdconnect.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-              "--prefill", engines.prefill.base_url, "--decode", dead, "--health-interval", "0",
-              "--prefill-timeout", str(TIMEOUT_S)),
-        health_url=f"http://127.0.0.1:{port}/health", base_url=f"http://127.0.0.1:{port}"))
+    [proc] = engines.cluster.launch(
+        ProcessSpec(
+            name="pdconnect-router-dead-decode",
+            argv=(
+                sys.executable,
+                "-m",
+                "pdconnect.cli",
+                "router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prefill",
+                engines.prefill.base_url,
+                "--decode",
+                dead,
+                "--health-interval",
+                "0",
+                "--prefill-timeout",
+                str(TIMEOUT_S),
+            ),
+            health_url=f"http://127.0.0.1:{port}/health",
+            base_url=f"http://127.0.0.1:{port}",
+        )
+    )
     before = fetch_metrics(engines.prefill.base_url, http).total("pdconnect:releases")
     response = http.post(f"{proc.base_url}/v1/completions", json=_completion(_ids(seed=111, length=300)))
     assert response.status_code == 502
@@ -250,8 +334,8 @@ def test_failed_decode_makes_the_router_free_the_prefill_hold_at_once(engines: E
 
 # --- the same pair behind vllm-router ----------------------------------------------------------
 
-def test_pair_behind_vllm_router_equals_one_engine(engines: Engines, reference_router: str,
-                                                   http: httpx.Client) -> None:
+
+def test_pair_behind_vllm_router_equals_one_engine(engines: Engines, reference_router: str, http: httpx.Client) -> None:
     prompt = _ids(seed=109, length=PREFIX_TOKENS)
     alone = _post(http, engines.single.base_url, "/v1/completions", _completion(prompt, return_token_ids=True)).json()
     before = PrefixCacheCounters.scrape(engines.decode.base_url, http)
@@ -260,5 +344,6 @@ def test_pair_behind_vllm_router_equals_one_engine(engines: Engines, reference_r
     assert routed["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
     assert loaded.external_hits >= PREFIX_TOKENS - BLOCK_SIZE
     text, _ = _streamed(http, reference_router, "/v1/completions", _completion(_ids(seed=110, length=300)))
-    assert text == _text(_post(http, engines.single.base_url, "/v1/completions",
-                               _completion(_ids(seed=110, length=300))).json())
+    assert text == _text(
+        _post(http, engines.single.base_url, "/v1/completions", _completion(_ids(seed=110, length=300))).json()
+    )

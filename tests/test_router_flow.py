@@ -19,11 +19,13 @@ import pytest
 from pdconnect.router import load_config, start_router
 from pdconnect.router.engines import Role
 from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
-from tests.router_support import CHAT, COMPLETION, HANG, eventually, sse_events
+from tests.router_support import CHAT, COMPLETION, HANG, sse_events
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.asyncio
 
 # --- the P/D flow --------------------------------------------------------------------------
+
 
 async def test_completion_goes_prefill_then_decode_with_the_prefill_params(make) -> None:
     s = await make()
@@ -51,8 +53,9 @@ async def test_client_params_never_reach_decode_and_prefill_params_are_spliced_i
     for body in (COMPLETION, forged):
         async with asyncio.timeout(HANG):
             raw = json.dumps(body, indent=1).encode() + b"\n"  # odd spacing: must survive the splice
-            async with s.http.post(s.router.url + "/v1/completions", data=raw,
-                                   headers={"Content-Type": "application/json"}) as resp:
+            async with s.http.post(
+                s.router.url + "/v1/completions", data=raw, headers={"Content-Type": "application/json"}
+            ) as resp:
                 assert resp.status == 200
     for decode_leg, plan in zip(s.d[0].seen, s.p[0].plans):
         assert decode_leg.body["kv_transfer_params"] == plan  # P's, never the client's
@@ -61,8 +64,13 @@ async def test_client_params_never_reach_decode_and_prefill_params_are_spliced_i
 
 async def test_prefill_leg_strips_streaming_and_min_tokens_and_caps_chat_tokens(make) -> None:
     s = await make()
-    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 3,
-            "max_completion_tokens": 4}
+    body = {
+        **CHAT,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 3,
+        "max_completion_tokens": 4,
+    }
     status, _, _ = await s.post("/v1/chat/completions", body)
     assert status == 200
     sent = s.p[0].seen[0].body
@@ -78,8 +86,12 @@ async def test_usage_counts_prompt_caching_from_prefill_not_the_transfer(make) -
     s.p[0].prefill_cached_tokens = 2
     _, _, body = await s.post("/v1/completions", COMPLETION)
     usage = json.loads(body)["usage"]
-    assert usage == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9,
-                     "prompt_tokens_details": {"cached_tokens": 2}}
+    assert usage == {
+        "prompt_tokens": 5,
+        "completion_tokens": 4,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
 
 
 @pytest.mark.parametrize("path,request_body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
@@ -92,12 +104,17 @@ async def test_streaming_relays_every_event_and_true_usage(make, path: str, requ
     assert events[-1] == "[DONE]"
     assert len(events) == 4 + 2  # four tokens, the usage chunk, [DONE]
     assert events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-    assert s.count("pdconnect_router_time_to_first_token_seconds_count",
-                   endpoint="chat" if "chat" in path else "completions") == 1
+    assert (
+        s.count(
+            "pdconnect_router_time_to_first_token_seconds_count", endpoint="chat" if "chat" in path else "completions"
+        )
+        == 1
+    )
 
 
 async def test_a_stream_sends_its_status_line_and_headers_with_its_first_bytes(
-        make, monkeypatch: pytest.MonkeyPatch) -> None:
+    make, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each write to the client is a syscall and a wake-up of the client: the head goes
     out with the first events, never alone (aiohttp's StreamResponse writes it alone)."""
     from aiohttp import http_writer
@@ -139,10 +156,15 @@ async def test_models_and_health_and_metrics_endpoints(make) -> None:
     await s.post("/v1/completions", COMPLETION)
     async with s.http.get(s.router.url + "/metrics") as resp:
         text = await resp.text()
-    for name in ("pdconnect_router_requests_total", "pdconnect_router_prefill_seconds_bucket",
-                 "pdconnect_router_decode_seconds_bucket", "pdconnect_router_request_seconds_bucket",
-                 "pdconnect_router_affinity_total", "pdconnect_router_engine_healthy",
-                 "pdconnect_router_engine_in_flight"):
+    for name in (
+        "pdconnect_router_requests_total",
+        "pdconnect_router_prefill_seconds_bucket",
+        "pdconnect_router_decode_seconds_bucket",
+        "pdconnect_router_request_seconds_bucket",
+        "pdconnect_router_affinity_total",
+        "pdconnect_router_engine_healthy",
+        "pdconnect_router_engine_in_flight",
+    ):
         assert name in text, name
 
 
@@ -159,6 +181,7 @@ async def test_invalid_json_is_a_400_and_engine_4xx_passes_through(make) -> None
 
 
 # --- prefill faults ------------------------------------------------------------------------
+
 
 async def test_prefill_500_retries_on_another_prefill_engine(make) -> None:
     s = await make(prefill=2, policy="round-robin")
@@ -196,7 +219,7 @@ async def test_slow_prefill_times_out_then_falls_back(make) -> None:
     assert status == 200
     assert headers["X-PDConnect-Fallback"] == "prefill_failed"
     # The timed-out prefill request was abandoned, not left running.
-    await eventually(lambda: len(s.p[0].aborted) == 1, "prefill engine saw the abort")
+    await wait_until_async(lambda: len(s.p[0].aborted) == 1, "prefill engine saw the abort")
 
 
 async def test_fallback_off_turns_prefill_failure_into_502(make) -> None:
@@ -211,18 +234,20 @@ async def test_fallback_off_turns_prefill_failure_into_502(make) -> None:
 async def test_without_any_prefill_engine_requests_are_served_decode_only_unless_fallback_is_off(make) -> None:
     s = await make(health_interval=0.05)
     s.p[0].faults.health_status = 500
-    await eventually(lambda: not s.router.router.registry.get(Role.PREFILL, s.p[0].url).routable, "marked down")
+    await wait_until_async(lambda: not s.router.router.registry.get(Role.PREFILL, s.p[0].url).routable, "marked down")
     _, headers, _ = await s.post("/v1/completions", COMPLETION)
     assert headers["X-PDConnect-Fallback"] == "no_prefill_engine"
     strict = await make(fallback=False, health_interval=0.05)
     strict.p[0].faults.health_status = 500
-    await eventually(lambda: not strict.router.router.registry.get(Role.PREFILL, strict.p[0].url).routable,
-                     "marked down")
+    await wait_until_async(
+        lambda: not strict.router.router.registry.get(Role.PREFILL, strict.p[0].url).routable, "marked down"
+    )
     status, _, body = await strict.post("/v1/completions", COMPLETION)
     assert status == 503 and "prefill" in json.loads(body)["error"]["message"]
 
 
 # --- decode faults -------------------------------------------------------------------------
+
 
 async def test_decode_retry_gets_a_fresh_plan_never_the_one_whose_claim_ended(make) -> None:
     # Integrity: the failed decode engine may have claimed or half-pulled the plan, so
@@ -240,10 +265,14 @@ async def test_decode_retry_gets_a_fresh_plan_never_the_one_whose_claim_ended(ma
     assert len(prefill.plans) == 3  # one per request, one more for the retry
     assert failed.body["kv_transfer_params"] in prefill.plans
     assert retried.body["kv_transfer_params"] in prefill.plans
-    assert retried.body["kv_transfer_params"]["remote_request_id"] != \
-        failed.body["kv_transfer_params"]["remote_request_id"]
-    await eventually(lambda: failed.body["kv_transfer_params"]["remote_request_id"] in prefill.released_ids(),
-                     "the abandoned plan was released")
+    assert (
+        retried.body["kv_transfer_params"]["remote_request_id"]
+        != failed.body["kv_transfer_params"]["remote_request_id"]
+    )
+    await wait_until_async(
+        lambda: failed.body["kv_transfer_params"]["remote_request_id"] in prefill.released_ids(),
+        "the abandoned plan was released",
+    )
     assert s.count("pdconnect_router_retries_total", role="decode", reason="http_5xx") == 1
 
 
@@ -274,7 +303,7 @@ async def test_decode_dropping_before_the_first_byte_is_retried(make) -> None:
     # it is told to free them all.
     plans = [plan["remote_request_id"] for plan in s.p[0].plans]
     assert len(plans) == 2
-    await eventually(lambda: sorted(s.p[0].released_ids()) == sorted(plans), "releases reached prefill")
+    await wait_until_async(lambda: sorted(s.p[0].released_ids()) == sorted(plans), "releases reached prefill")
     assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="decode_failed") == 1
 
 
@@ -298,7 +327,7 @@ async def test_decode_stalling_mid_stream_is_cut_by_the_idle_timeout(make) -> No
     events = sse_events(raw)
     assert "error" in events[1]
     # Cutting the stream closed the connection: the decode engine saw its request aborted.
-    await eventually(lambda: len(s.d[0].aborted) == 1, "decode engine saw the abort")
+    await wait_until_async(lambda: len(s.d[0].aborted) == 1, "decode engine saw the abort")
 
 
 async def test_slow_non_streaming_decode_is_a_504_not_a_retry(make) -> None:
@@ -308,13 +337,13 @@ async def test_slow_non_streaming_decode_is_a_504_not_a_retry(make) -> None:
     status, _, body = await s.post("/v1/completions", COMPLETION)
     assert status == 504 and json.loads(body)["error"]["type"] == "DecodeTimeout"
     assert sum(len(e.seen) for e in s.d) == 1
-    await eventually(lambda: len(s.p[0].released_ids()) == 1, "release reached prefill")
+    await wait_until_async(lambda: len(s.p[0].released_ids()) == 1, "release reached prefill")
 
 
 async def test_no_healthy_decode_engine_is_a_503(make) -> None:
     s = await make(health_interval=0.05)
     s.d[0].faults.health_status = 503
-    await eventually(lambda: not s.router.router.registry.get(Role.DECODE, s.d[0].url).routable, "marked down")
+    await wait_until_async(lambda: not s.router.router.registry.get(Role.DECODE, s.d[0].url).routable, "marked down")
     status, _, body = await s.post("/v1/completions", COMPLETION)
     assert status == 503 and json.loads(body)["error"]["type"] == "NoEngineAvailable"
     assert s.d[0].seen == [] and s.p[0].seen == []  # no prefill work for nobody
@@ -324,18 +353,22 @@ async def test_no_healthy_decode_engine_is_a_503(make) -> None:
 
 # --- client disconnects --------------------------------------------------------------------
 
+
 async def test_client_leaving_mid_stream_aborts_decode_and_releases_prefill(make) -> None:
     s = await make(stream_idle_timeout=30.0)
     s.d[0].faults.stall_after_chunks = 1
     async with asyncio.timeout(HANG):
-        async with s.http.post(s.router.url + "/v1/completions", json={**COMPLETION, "stream": True},
-                               headers={"X-Request-Id": "gone-1"}) as resp:
+        async with s.http.post(
+            s.router.url + "/v1/completions", json={**COMPLETION, "stream": True}, headers={"X-Request-Id": "gone-1"}
+        ) as resp:
             assert await resp.content.readany()
             resp.close()  # the client hangs up
-    await eventually(lambda: s.d[0].aborted == ["gone-1"], "decode engine saw the abort")
-    await eventually(lambda: s.p[0].released_ids() == ["gone-1"], "prefill engine got the release")
-    await eventually(lambda: s.count("pdconnect_router_requests_total", endpoint="completions",
-                                     outcome="client_disconnect") == 1, "outcome counted")
+    await wait_until_async(lambda: s.d[0].aborted == ["gone-1"], "decode engine saw the abort")
+    await wait_until_async(lambda: s.p[0].released_ids() == ["gone-1"], "prefill engine got the release")
+    await wait_until_async(
+        lambda: s.count("pdconnect_router_requests_total", endpoint="completions", outcome="client_disconnect") == 1,
+        "outcome counted",
+    )
     assert s.count("pdconnect_router_prefill_releases_total", result="ok") == 1
 
 
@@ -343,29 +376,29 @@ async def test_client_leaving_while_decode_computes_aborts_it(make) -> None:
     s = await make(decode_timeout=30.0)
     s.d[0].faults.delay = 30.0
     task = asyncio.create_task(s.post("/v1/chat/completions", {**CHAT}, headers={"X-Request-Id": "gone-2"}))
-    await eventually(lambda: len(s.d[0].seen) == 1, "decode engine got the request")
+    await wait_until_async(lambda: len(s.d[0].seen) == 1, "decode engine got the request")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    await eventually(lambda: s.d[0].aborted == ["gone-2"], "decode engine saw the abort")
-    await eventually(lambda: s.p[0].released_ids() == ["gone-2"], "prefill engine got the release")
+    await wait_until_async(lambda: s.d[0].aborted == ["gone-2"], "decode engine saw the abort")
+    await wait_until_async(lambda: s.p[0].released_ids() == ["gone-2"], "prefill engine got the release")
 
 
 async def test_client_leaving_during_prefill_aborts_prefill(make) -> None:
     s = await make(prefill_timeout=30.0)
     s.p[0].faults.delay = 30.0
     task = asyncio.create_task(s.post("/v1/completions", COMPLETION, headers={"X-Request-Id": "gone-3"}))
-    await eventually(lambda: len(s.p[0].seen) == 1, "prefill engine got the request")
+    await wait_until_async(lambda: len(s.p[0].seen) == 1, "prefill engine got the request")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    await eventually(lambda: s.p[0].aborted == ["gone-3"], "prefill engine saw the abort")
+    await wait_until_async(lambda: s.p[0].aborted == ["gone-3"], "prefill engine saw the abort")
     assert s.d[0].seen == []
 
 
 # --- health and circuit breaking -------------------------------------------------------------
 
+
 async def test_failing_engine_opens_its_breaker_and_gets_no_traffic_until_it_recovers(make) -> None:
-    s = await make(decode=2, policy="round-robin", breaker_failures=2, breaker_cooldown=0.3,
-                   decode_attempts=2)
+    s = await make(decode=2, policy="round-robin", breaker_failures=2, breaker_cooldown=0.3, decode_attempts=2)
     bad, good = s.d
     bad.faults.status = 500
     for _ in range(6):
@@ -377,7 +410,7 @@ async def test_failing_engine_opens_its_breaker_and_gets_no_traffic_until_it_rec
     assert s.count("pdconnect_router_engine_healthy", role="decode", engine=bad.url) == 0
     bad.faults.status = 200
     # After the cooldown one trial request goes through, succeeds, and closes the breaker.
-    await eventually(lambda: s.router.router.registry.get(Role.DECODE, bad.url).routable, "cooldown over")
+    await wait_until_async(lambda: s.router.router.registry.get(Role.DECODE, bad.url).routable, "cooldown over")
     served = set()
     for _ in range(4):
         _, headers, _ = await s.post("/v1/completions", COMPLETION)
@@ -389,15 +422,16 @@ async def test_engine_failing_health_polls_is_skipped_then_readmitted(make) -> N
     s = await make(prefill=2, policy="round-robin", health_interval=0.05)
     down, up = s.p
     down.faults.health_status = 500
-    await eventually(lambda: not s.router.router.registry.get(Role.PREFILL, down.url).routable, "marked down")
+    await wait_until_async(lambda: not s.router.router.registry.get(Role.PREFILL, down.url).routable, "marked down")
     for _ in range(4):
         _, headers, _ = await s.post("/v1/completions", COMPLETION)
         assert headers["X-PDConnect-Prefill"] == up.url
     down.faults.health_status = 200
-    await eventually(lambda: s.router.router.registry.get(Role.PREFILL, down.url).routable, "back up")
+    await wait_until_async(lambda: s.router.router.registry.get(Role.PREFILL, down.url).routable, "back up")
 
 
 # --- runtime membership -----------------------------------------------------------------------
+
 
 async def test_admin_api_adds_and_removes_engines_at_runtime(make) -> None:
     s = await make(admin_open=True)
@@ -406,7 +440,7 @@ async def test_admin_api_adds_and_removes_engines_at_runtime(make) -> None:
     try:
         async with s.http.post(s.router.url + "/admin/engines", json={"role": "decode", "url": extra.url}) as resp:
             assert resp.status == 201
-        await eventually(lambda: s.router.router.registry.get(Role.DECODE, extra.url).routable, "polled up")
+        await wait_until_async(lambda: s.router.router.registry.get(Role.DECODE, extra.url).routable, "polled up")
         async with s.http.delete(s.router.url + "/admin/engines", json={"role": "decode", "url": s.d[0].url}) as resp:
             assert resp.status == 200
         _, headers, _ = await s.post("/v1/completions", COMPLETION)
@@ -425,8 +459,9 @@ async def test_admin_api_needs_its_token_and_is_absent_by_default(make, monkeypa
     guarded = await make(admin_token_env="PDC_TEST_ADMIN")
     async with guarded.http.get(guarded.router.url + "/admin/engines") as resp:
         assert resp.status == 401
-    async with guarded.http.get(guarded.router.url + "/admin/engines",
-                                headers={"Authorization": "Bearer s3cret"}) as resp:
+    async with guarded.http.get(
+        guarded.router.url + "/admin/engines", headers={"Authorization": "Bearer s3cret"}
+    ) as resp:
         assert resp.status == 200 and len(await resp.json()) == 2
 
 
@@ -440,31 +475,39 @@ async def test_dns_names_are_re_resolved_and_engines_follow(make) -> None:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         return records[host]
 
-    config = load_config({"host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls,
-                          "decode_dns": [f"decode.svc:{port}"], "dns_interval": 0.05})
+    config = load_config(
+        {
+            "host": "127.0.0.1",
+            "port": 0,
+            "prefill": fakes.prefill_urls,
+            "decode_dns": [f"decode.svc:{port}"],
+            "dns_interval": 0.05,
+        }
+    )
     router = await start_router(config, resolver=resolver)
     try:
         registry = router.router.registry
         assert [e.url for e in registry.engines(Role.DECODE)] == [fakes.decode[0].url]
         records["decode.svc"] = []
-        await eventually(lambda: registry.engines(Role.DECODE) == (), "record gone, engine gone")
+        await wait_until_async(lambda: registry.engines(Role.DECODE) == (), "record gone, engine gone")
         records["decode.svc"] = ["127.0.0.1"]
-        await eventually(lambda: len(registry.engines(Role.DECODE)) == 1, "engine back")
+        await wait_until_async(lambda: len(registry.engines(Role.DECODE)) == 1, "engine back")
         del records["decode.svc"]  # a failing lookup keeps what we had
-        await eventually(lambda: (router.router.metrics.registry.get_sample_value(
-            "pdconnect_router_dns_failures_total") or 0) > 0, "lookup failed")
+        await wait_until_async(
+            lambda: (router.router.metrics.registry.get_sample_value("pdconnect_router_dns_failures_total") or 0) > 0,
+            "lookup failed",
+        )
         assert len(registry.engines(Role.DECODE)) == 1
     finally:
         await router.close()
         await fakes.close()
 
 
-
 # --- clients that stop reading -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
-async def test_a_client_that_stops_reading_is_dropped_its_engine_released_and_others_served(
-        make, stream: bool) -> None:
+async def test_a_client_that_stops_reading_is_dropped_its_engine_released_and_others_served(make, stream: bool) -> None:
     """A real socket that asks for a 16 MiB answer and never reads it: the router's
     writes stop draining, and the router drops the client after client_write_timeout
     (counted), aborts the decode request, tells prefill to free the plan, and meanwhile
@@ -482,20 +525,25 @@ async def test_a_client_that_stops_reading_is_dropped_its_engine_released_and_ot
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
     body = json.dumps({**COMPLETION, "max_tokens": 64, "stream": stream}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"X-Request-Id: stalled-1\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"X-Request-Id: stalled-1\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     try:
         await asyncio.get_running_loop().sock_sendall(sock, head + body)  # ... and never read
-        await eventually(lambda: len(decode.seen) == 1, "decode engine got the request")
+        await wait_until_async(lambda: len(decode.seen) == 1, "decode engine got the request")
         status, _, _ = await s.post("/v1/chat/completions", CHAT)  # another client, meanwhile
         assert status == 200
-        await eventually(lambda: s.count("pdconnect_router_client_write_timeouts_total") == 1,
-                         "the stalled client was dropped")
-        await eventually(lambda: s.count("pdconnect_router_requests_total", endpoint="completions",
-                                         outcome="client_stalled") == 1, "outcome counted")
-        await eventually(lambda: "stalled-1" in s.p[0].released_ids(), "prefill engine got the release")
+        await wait_until_async(
+            lambda: s.count("pdconnect_router_client_write_timeouts_total") == 1, "the stalled client was dropped"
+        )
+        await wait_until_async(
+            lambda: s.count("pdconnect_router_requests_total", endpoint="completions", outcome="client_stalled") == 1,
+            "outcome counted",
+        )
+        await wait_until_async(lambda: "stalled-1" in s.p[0].released_ids(), "prefill engine got the release")
         if stream:  # a whole answer was complete at the engine before the client stalled
-            await eventually(lambda: decode.aborted == ["stalled-1"], "decode engine saw the abort")
+            await wait_until_async(lambda: decode.aborted == ["stalled-1"], "decode engine saw the abort")
     finally:
         sock.close()
     status, _, _ = await s.post("/v1/completions", COMPLETION)

@@ -3,8 +3,9 @@ membership rules (several sources per engine, DNS sync)."""
 
 from __future__ import annotations
 
-from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.breaker import BreakerState, CircuitBreaker
+from pdconnect.router.engines import Engine, EngineRegistry, Role
+from tests.waiting import wait_until_async
 
 
 class Clock:
@@ -109,7 +110,10 @@ def test_sync_follows_one_source_and_leaves_others_alone() -> None:
     snapshot = r.engines(Role.PREFILL)
     r.sync(Role.PREFILL, "dns:p", ["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
     assert sorted(e.url for e in r.engines(Role.PREFILL)) == [
-        "http://10.0.0.2:8000", "http://10.0.0.3:8000", "http://static:1"]
+        "http://10.0.0.2:8000",
+        "http://10.0.0.3:8000",
+        "http://static:1",
+    ]
     assert r.engines(Role.PREFILL) is not snapshot  # policies rebuild their ring
     r.sync(Role.PREFILL, "dns:p", ["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
     assert r.engines(Role.DECODE) == ()
@@ -139,12 +143,18 @@ def test_the_health_loop_logs_counts_and_survives_an_unexpected_error() -> None:
         registry = _FlakyRegistry()
         errors: list[None] = []
         async with aiohttp.ClientSession() as session:
-            monitor = HealthMonitor(registry, session, 0.01, 1.0, 2,  # type: ignore[arg-type]
-                                    on_error=lambda: errors.append(None))
+            monitor = HealthMonitor(
+                registry,  # type: ignore[arg-type]  # only all_engines is called, and fails once
+                session,
+                0.01,
+                1.0,
+                2,
+                on_error=lambda: errors.append(None),
+            )
             task = asyncio.create_task(monitor.run())
-            async with asyncio.timeout(15.0):
-                while registry.calls < 3 and not task.done():
-                    await asyncio.sleep(0.01)
+            await wait_until_async(
+                lambda: registry.calls >= 3 or task.done(), "three health rounds", observe=lambda: registry.calls
+            )
             assert not task.done(), task.exception()
             task.cancel()
         assert errors == [None]
@@ -164,8 +174,14 @@ def test_a_probe_failing_unexpectedly_is_a_failed_poll_and_counted() -> None:
     async def scenario() -> None:
         errors: list[None] = []
         e = engine(probe_ok=True)
-        monitor = HealthMonitor(registry(), Broken(), 1.0, 1.0, 1,  # type: ignore[arg-type]
-                                on_error=lambda: errors.append(None))
+        monitor = HealthMonitor(
+            registry(),
+            Broken(),  # type: ignore[arg-type]  # a session whose get raises
+            1.0,
+            1.0,
+            1,
+            on_error=lambda: errors.append(None),
+        )
         await monitor.poll([e])
         assert e.probe_ok is False and errors == [None]
 

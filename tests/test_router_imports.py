@@ -41,7 +41,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[module] = 1
         for target in sorted(graph.get(module, ())):
             if state.get(target) == 1:
-                cycles.append([*path[path.index(target):], target])
+                cycles.append([*path[path.index(target) :], target])
             elif target not in state:
                 walk(target, [*path, target])
         state[module] = 2

@@ -4,7 +4,7 @@ pdconnect's mirror structs; hybrid hits need every group."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import pytest
@@ -14,6 +14,9 @@ kv_events = pytest.importorskip("vllm.distributed.kv_events")
 from pdconnect.router.kvindex import EngineKVIndex  # noqa: E402
 from pdconnect.router.kvwire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch  # noqa: E402
 from pdconnect.router.prompt import RoutingPrompt  # noqa: E402
+
+if TYPE_CHECKING:
+    from connectors.geometry import GroupKind
 
 BS = 4
 TOKENS = list(range(100, 132))  # 8 blocks of 4
@@ -25,8 +28,15 @@ def _stored(blocks: range, group: int, kind: str, window: int | None = None) -> 
     return kv_events.BlockStored(
         block_hashes=[f"g{group}b{i}".encode() for i in blocks],
         parent_block_hash=f"g{group}b{first - 1}".encode() if first else None,
-        token_ids=TOKENS[first * BS:last * BS], block_size=BS, lora_id=None, medium="GPU", lora_name=None,
-        group_idx=group, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window)
+        token_ids=TOKENS[first * BS : last * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=group,
+        kv_cache_spec_kind=kind,
+        kv_cache_spec_sliding_window=window,
+    )
 
 
 def _publish(index: EngineKVIndex, *events: object) -> None:
@@ -36,10 +46,17 @@ def _publish(index: EngineKVIndex, *events: object) -> None:
 
 
 def test_vllm_batches_decode_into_our_mirror_structs() -> None:
-    payload = msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=1.5, events=[
-        _stored(range(0, 2), 1, "sliding_window", 8),
-        kv_events.BlockRemoved(block_hashes=[b"g1b0"], medium="GPU", group_idx=1),
-        kv_events.AllBlocksCleared()], data_parallel_rank=0))
+    payload = msgspec.msgpack.Encoder().encode(
+        kv_events.KVEventBatch(
+            ts=1.5,
+            events=[
+                _stored(range(2), 1, "sliding_window", 8),
+                kv_events.BlockRemoved(block_hashes=[b"g1b0"], medium="GPU", group_idx=1),
+                kv_events.AllBlocksCleared(),
+            ],
+            data_parallel_rank=0,
+        )
+    )
     batch = decode_batch(payload)
     stored, removed, cleared = batch.events
     assert isinstance(stored, BlockStored) and stored.group_idx == 1 and stored.block_size == BS
@@ -51,7 +68,7 @@ def test_vllm_batches_decode_into_our_mirror_structs() -> None:
 
 def test_full_attention_hit_is_the_stored_prefix_and_follows_removals() -> None:
     index = EngineKVIndex()
-    _publish(index, _stored(range(0, 3), 0, "full_attention"), _stored(range(3, 6), 0, "full_attention"))
+    _publish(index, _stored(range(3), 0, "full_attention"), _stored(range(3, 6), 0, "full_attention"))
     assert index.hit_tokens(RoutingPrompt(TOKENS)) == 6 * BS
     assert index.hit_tokens(RoutingPrompt(TOKENS[:4] + [0] * 28)) == BS  # diverges in the second block
     _publish(index, kv_events.BlockRemoved(block_hashes=[b"g0b2"], medium="GPU", group_idx=0))
@@ -64,7 +81,7 @@ def test_hybrid_hit_needs_the_window_tail_of_the_sliding_group_too() -> None:
     # Full attention holds 6 blocks; the sliding group (window 8 tokens = 2 blocks) evicted
     # its early blocks and holds blocks 2..4 only.
     index = EngineKVIndex()
-    _publish(index, _stored(range(0, 6), 0, "full_attention"), _stored(range(0, 5), 1, "sliding_window", 8))
+    _publish(index, _stored(range(6), 0, "full_attention"), _stored(range(5), 1, "sliding_window", 8))
     _publish(index, kv_events.BlockRemoved(block_hashes=[b"g1b0", b"g1b1"], medium="GPU", group_idx=1))
     # 5 blocks: the window tail (blocks 3, 4) is there although blocks 0 and 1 are gone.
     assert index.hit_tokens(RoutingPrompt(TOKENS)) == 5 * BS
@@ -92,25 +109,38 @@ def _window_tail(blocks: range, group: int, window: int) -> object:
     return kv_events.BlockStored(
         block_hashes=[f"b{i}".encode() for i in tail],
         parent_block_hash=f"b{blocks.start - 1}".encode() if blocks.start else None,
-        token_ids=TOKENS[blocks.start * BS:blocks.stop * BS], block_size=BS, lora_id=None, medium="GPU",
-        lora_name=None, group_idx=group, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=window)
+        token_ids=TOKENS[blocks.start * BS : blocks.stop * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=group,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=window,
+    )
 
 
 def _full(blocks: range, group: int = 0) -> object:
     return kv_events.BlockStored(
         block_hashes=[f"b{i}".encode() for i in blocks],
         parent_block_hash=f"b{blocks.start - 1}".encode() if blocks.start else None,
-        token_ids=TOKENS[blocks.start * BS:blocks.stop * BS], block_size=BS, lora_id=None, medium="GPU",
-        lora_name=None, group_idx=group, kv_cache_spec_kind="full_attention")
+        token_ids=TOKENS[blocks.start * BS : blocks.stop * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=group,
+        kv_cache_spec_kind="full_attention",
+    )
 
 
 def test_window_tail_hashes_are_keyed_at_their_own_positions_through_the_full_group() -> None:
     # Before: the two tail hashes were paired with the range's first two blocks, so the
     # index called a 2-block prefix cached (wrong) and the 6-block one not (wrong).
     index = EngineKVIndex()
-    _publish(index, _full(range(0, 6)), _window_tail(range(0, 6), 1, 2 * BS))
-    assert index.hit_tokens(RoutingPrompt(TOKENS[:6 * BS])) == 6 * BS
-    assert index.hit_tokens(RoutingPrompt(TOKENS[:2 * BS])) == 0  # block 0 and 1 of the sliding group are gone
+    _publish(index, _full(range(6)), _window_tail(range(6), 1, 2 * BS))
+    assert index.hit_tokens(RoutingPrompt(TOKENS[: 6 * BS])) == 6 * BS
+    assert index.hit_tokens(RoutingPrompt(TOKENS[: 2 * BS])) == 0  # block 0 and 1 of the sliding group are gone
 
 
 def test_a_window_run_published_before_its_full_attention_blocks_waits_for_them() -> None:
@@ -119,13 +149,14 @@ def test_a_window_run_published_before_its_full_attention_blocks_waits_for_them(
     index = EngineKVIndex()
     _publish(index, _window_tail(range(3, 5), 1, 2 * BS))
     assert index.hit_tokens(RoutingPrompt(TOKENS)) == 0 and len(index.groups[1].pending) == 2
-    _publish(index, _full(range(0, 6)))
+    _publish(index, _full(range(6)))
     assert index.groups[1].pending == {} and index.groups[1].orphans == 0
-    assert index.hit_tokens(RoutingPrompt(TOKENS[:5 * BS])) == 5 * BS
-    assert index.hit_tokens(RoutingPrompt(TOKENS[:6 * BS])) == 5 * BS  # block 5's window tail (4, 5) is not all there
+    assert index.hit_tokens(RoutingPrompt(TOKENS[: 5 * BS])) == 5 * BS
+    assert index.hit_tokens(RoutingPrompt(TOKENS[: 6 * BS])) == 5 * BS  # block 5's window tail (4, 5) is not all there
 
 
 # --- the kv-aware policy end to end: FAKE engines, a FAKE publisher with vLLM's classes ------
+
 
 def _word_tokenizer(path: str) -> str:
     """A WordLevel tokenizer where word `w<i>` is token id i (what the engines would use)."""
@@ -140,7 +171,8 @@ def _word_tokenizer(path: str) -> str:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("prompt_kind", ["token-ids", "text-with-tokenizer"])
 async def test_kv_aware_routes_to_the_engine_that_really_caches_the_prompt_and_to_affinity_before(
-        prompt_kind: str, tmp_path: Any) -> None:
+    prompt_kind: str, tmp_path: Any
+) -> None:
     import asyncio
 
     import aiohttp
@@ -156,25 +188,41 @@ async def test_kv_aware_routes_to_the_engine_that_really_caches_the_prompt_and_t
     for url, socket in publishers.items():
         port = socket.bind_to_random_port("tcp://127.0.0.1")
         endpoints[url] = [f"tcp://127.0.0.1:{port}"]
-    router = await start_router(load_config({
-        "host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls,
-        "policy": "kv-aware", "kv_events_endpoints": endpoints,
-        **({"tokenizer": _word_tokenizer(str(tmp_path / "tokenizer.json"))} if prompt_kind != "token-ids" else {})}))
+    router = await start_router(
+        load_config(
+            {
+                "host": "127.0.0.1",
+                "port": 0,
+                "prefill": fakes.prefill_urls,
+                "decode": fakes.decode_urls,
+                "policy": "kv-aware",
+                "kv_events_endpoints": endpoints,
+                **(
+                    {"tokenizer": _word_tokenizer(str(tmp_path / "tokenizer.json"))}
+                    if prompt_kind != "token-ids"
+                    else {}
+                ),
+            }
+        )
+    )
     prompt: Any = TOKENS if prompt_kind == "token-ids" else " ".join(f"w{t}" for t in TOKENS)
     body = {"model": "fake-model", "prompt": prompt, "max_tokens": 2}
     try:
         async with aiohttp.ClientSession() as http, asyncio.timeout(15):
+
             async def decode_engine() -> str:
                 async with http.post(router.url + "/v1/completions", json=body) as resp:
                     assert resp.status == 200
                     return resp.headers["X-PDConnect-Decode"]
+
             # No events yet: prefix affinity decides, and keeps deciding the same.
             by_affinity = await decode_engine()
             assert await decode_engine() == by_affinity
             # The other engine reports (through its FAKE publisher) that it holds the prompt.
             other = next(url for url in fakes.decode_urls if url != by_affinity)
-            batch = msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(
-                ts=0.0, events=[_stored(range(0, 8), 0, "full_attention")]))
+            batch = msgspec.msgpack.Encoder().encode(
+                kv_events.KVEventBatch(ts=0.0, events=[_stored(range(8), 0, "full_attention")])
+            )
             applied = router.router.metrics.kv_events.labels("ok")
             seq = 0
             while applied._value.get() == 0:  # SUB joins asynchronously: publish until heard
@@ -200,16 +248,17 @@ async def test_a_sequence_gap_without_replay_drops_the_index_until_it_is_rebuilt
     def frames(seq: int, *events: object) -> list[bytes]:
         batch = kv_events.KVEventBatch(ts=0.0, events=list(events))
         return [b"", seq.to_bytes(8, "big"), msgspec.msgpack.Encoder().encode(batch)]
+
     try:
         assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) is None  # nothing heard: not fresh, affinity decides
-        await feed._receive(sub, frames(0, _stored(range(0, 4), 0, "full_attention")))
+        await feed._receive(sub, frames(0, _stored(range(4), 0, "full_attention")))
         assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 4 * BS
         # Batches 1 and 2 are lost (one of them may have removed blocks): the index cannot
         # be trusted, so it starts over from batch 3.
         await feed._receive(sub, frames(3, _stored(range(4, 6), 0, "full_attention")))
         assert counted.count("gap") == 1
         assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 0  # blocks 4, 5 alone are no prefix
-        await feed._receive(sub, frames(4, _stored(range(0, 2), 0, "full_attention")))
+        await feed._receive(sub, frames(4, _stored(range(2), 0, "full_attention")))
         assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 2 * BS
     finally:
         await feed.close()
@@ -217,8 +266,10 @@ async def test_a_sequence_gap_without_replay_drops_the_index_until_it_is_rebuilt
 
 # --- against vLLM's own KV cache manager: what the events say vs what its lookup finds ------
 
+
 def _real_manager(geometry: Any, num_blocks: int) -> Any:
     from connectors.vllm_adapter import build_kv_cache_manager
+
     return build_kv_cache_manager(geometry, num_blocks=num_blocks, max_model_len=4096, enable_kv_cache_events=True)
 
 
@@ -227,9 +278,15 @@ def _real_request(request_id: str, tokens: list[int], hash_block_size: int) -> A
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
+
     init_none_hash(sha256)
-    return Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=SamplingParams(max_tokens=1),
-                   pooling_params=None, block_hasher=get_request_block_hasher(hash_block_size, sha256))
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(hash_block_size, sha256),
+    )
 
 
 def _serve_prompt(manager: Any, request: Any, chunk: int) -> None:
@@ -239,21 +296,41 @@ def _serve_prompt(manager: Any, request: Any, chunk: int) -> None:
     computed, first = hit, True
     while computed < request.num_tokens:
         step = min(chunk, request.num_tokens - computed)
-        assert manager.allocate_slots(request, step, num_new_computed_tokens=hit if first else 0,
-                                      new_computed_blocks=blocks if first else None) is not None
+        assert (
+            manager.allocate_slots(
+                request,
+                step,
+                num_new_computed_tokens=hit if first else 0,
+                new_computed_blocks=blocks if first else None,
+            )
+            is not None
+        )
         computed, first = computed + step, False
         request.num_computed_tokens = computed
     manager.free(request)
 
 
-_HYBRID_GEOMETRIES = {
+# name: (groups as (kind, block size, window), hash block size, prefix length, shares, tails)
+_HYBRID_GEOMETRIES: dict[
+    str, tuple[tuple[tuple[GroupKind, int, int | None], ...], int, int, tuple[int, ...], tuple[int, ...]]
+] = {
     # Hybrid Llama-like: both groups of one block size.
-    "fa16+swa16": ((("full_attention", 16, None), ("sliding_window", 16, 32)), 16, 300, (0, 40, 100, 160, 230, 300),
-                   (5, 40, 90)),
+    "fa16+swa16": (
+        (("full_attention", 16, None), ("sliding_window", 16, 32)),
+        16,
+        300,
+        (0, 40, 100, 160, 230, 300),
+        (5, 40, 90),
+    ),
     # MiMo-V2 / DeepSeek-V4-like: 256-token full attention, two 64-token sliding groups,
     # hashed at 64: the sliding stores list hashes no group of their own size ever keys.
-    "fa256+2xswa64": ((("full_attention", 256, None), ("sliding_window", 64, 128), ("sliding_window", 64, 128)),
-                      64, 1200, (0, 300, 600, 900, 1200), (5, 70, 300)),
+    "fa256+2xswa64": (
+        (("full_attention", 256, None), ("sliding_window", 64, 128), ("sliding_window", 64, 128)),
+        64,
+        1200,
+        (0, 300, 600, 900, 1200),
+        (5, 70, 300),
+    ),
 }
 
 
@@ -269,8 +346,12 @@ def test_the_index_finds_what_vllms_own_lookup_finds_on_a_hybrid_model(chunk: in
     from connectors.geometry import Geometry, GroupGeometry
 
     groups, hash_block, prefix_len, shares, tails = _HYBRID_GEOMETRIES[geometry_name]
-    geometry = Geometry(tuple(GroupGeometry(kind, size) if window is None else GroupGeometry(kind, size, window)
-                              for kind, size, window in groups))
+    geometry = Geometry(
+        tuple(
+            GroupGeometry(kind, size) if window is None else GroupGeometry(kind, size, window)
+            for kind, size, window in groups
+        )
+    )
     manager = _real_manager(geometry, num_blocks=800)
     index = EngineKVIndex()
     rng = random.Random(5)
@@ -282,7 +363,9 @@ def test_the_index_finds_what_vllms_own_lookup_finds_on_a_hybrid_model(chunk: in
         probe = _real_request(f"probe{i}", tokens, hash_block)
         _, real_hit, _ = manager.get_computed_blocks(probe)
         # vLLM looks up at most num_tokens - 1 tokens (one must be computed for logits).
-        assert index.hit_tokens(RoutingPrompt(tokens[:len(tokens) - 1])) == real_hit, f"sibling {i} sharing {shared} tokens"
+        assert index.hit_tokens(RoutingPrompt(tokens[: len(tokens) - 1])) == real_hit, (
+            f"sibling {i} sharing {shared} tokens"
+        )
         served += real_hit > 0
         _serve_prompt(manager, _real_request(f"r{i}", tokens, hash_block), chunk)
         _publish(index, *manager.take_events())
@@ -308,8 +391,13 @@ def test_the_index_predicts_a_mimo_mtp_engines_own_hit_after_p_d_loads(kind: str
     from connectors.geometry import Geometry, GroupGeometry
     from connectors.kvsim import PrefillDecodePair
 
-    geometry = Geometry((GroupGeometry("sliding_window", 64, 128, eagle=True), GroupGeometry("sliding_window", 64, 128),
-                         GroupGeometry("full_attention", 256)))
+    geometry = Geometry(
+        (
+            GroupGeometry("sliding_window", 64, 128, eagle=True),
+            GroupGeometry("sliding_window", 64, 128),
+            GroupGeometry("full_attention", 256),
+        )
+    )
     pair = PrefillDecodePair.create(geometry, 2000, kv_events=True)
     engine = pair.decode if kind == "decode" else pair.prefill
     index = EngineKVIndex()
@@ -328,8 +416,14 @@ def test_the_index_predicts_a_mimo_mtp_engines_own_hit_after_p_d_loads(kind: str
 
 def _fine_store(group: int, hashes: list[str], size: int, kind: str, window: int | None = None) -> BlockStored:
     """One of our own stores over all of TOKENS (8 blocks of 4, 4 of 8)."""
-    return BlockStored(block_hashes=[h.encode() for h in hashes], token_ids=TOKENS, block_size=size, group_idx=group,
-                       kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window)
+    return BlockStored(
+        block_hashes=[h.encode() for h in hashes],
+        token_ids=TOKENS,
+        block_size=size,
+        group_idx=group,
+        kv_cache_spec_kind=kind,
+        kv_cache_spec_sliding_window=window,
+    )
 
 
 def _mixed_index(*sliding: BlockStored) -> tuple[EngineKVIndex, list[str]]:
@@ -339,6 +433,7 @@ def _mixed_index(*sliding: BlockStored) -> tuple[EngineKVIndex, list[str]]:
     `sliding` stores (window 8 over blocks of 4: cdiv(7, 4) = 2 blocks before a boundary),
     after it or before it."""
     from pdconnect.router.kvwire import KVEventBatch
+
     counted: list[str] = []
     index = EngineKVIndex(count=counted.append)
     full = _fine_store(0, ["h3", "h7"], 16, "full_attention")
@@ -370,8 +465,15 @@ def test_a_published_slack_run_is_the_run_ending_at_its_range_end() -> None:
     # Our decode connector publishes a slack run as a store from the prompt's start whose
     # last blocks are the run: with its anchor (2, 3, 4 around 16) and without (6 alone).
     def slack(hashes: list[str], blocks: int) -> BlockStored:
-        return BlockStored(block_hashes=[h.encode() for h in hashes], token_ids=TOKENS[:4 * blocks], block_size=4,
-                           group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=8)
+        return BlockStored(
+            block_hashes=[h.encode() for h in hashes],
+            token_ids=TOKENS[: 4 * blocks],
+            block_size=4,
+            group_idx=1,
+            kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=8,
+        )
+
     index, counted = _mixed_index(slack(["h2", "h3", "x4"], 5), slack(["x6"], 7))
     assert not counted
     assert index.hit_tokens(RoutingPrompt(TOKENS[:20] + [0] * 4), eagle_groups={1}) == 16
@@ -381,6 +483,7 @@ def test_a_published_slack_run_is_the_run_ending_at_its_range_end() -> None:
 def test_a_block_removed_later_in_the_batch_of_its_waiting_store_stays_removed() -> None:
     # The sparse store is read after its batch, but a removal after it in the batch wins.
     from pdconnect.router.kvwire import KVEventBatch
+
     counted: list[str] = []
     index = EngineKVIndex(count=counted.append)
     sliding = _fine_store(1, ["h2", "h3", "h6", "h7"], 4, "sliding_window", 8)
@@ -389,8 +492,11 @@ def test_a_block_removed_later_in_the_batch_of_its_waiting_store_stays_removed()
     assert not counted and sorted(index.groups[1].by_hash) == [b"h2", b"h3", b"h7"]
 
 
-@pytest.mark.parametrize("hashes", [["a", "b", "c", "d", "h3"], ["h7", "h3"], ["h3", "b", "c", "d", "e", "f"]],
-                         ids=["run-longer-than-its-room", "anchors-out-of-order", "tail-longer-than-the-range"])
+@pytest.mark.parametrize(
+    "hashes",
+    [["a", "b", "c", "d", "h3"], ["h7", "h3"], ["h3", "b", "c", "d", "e", "f"]],
+    ids=["run-longer-than-its-room", "anchors-out-of-order", "tail-longer-than-the-range"],
+)
 def test_a_sparse_store_whose_runs_do_not_fit_keys_only_its_anchors(hashes: list[str]) -> None:
     index, counted = _mixed_index(_fine_store(1, hashes, 4, "sliding_window", 8))
     assert counted == ["unanchored"]
@@ -402,6 +508,7 @@ def test_a_sparse_store_whose_runs_do_not_fit_keys_only_its_anchors(hashes: list
 
 def test_a_finer_group_appearing_later_starts_the_index_over() -> None:
     from pdconnect.router.kvwire import KVEventBatch
+
     index, counted = _mixed_index()
     assert index.granularity == 16 and index.hit_tokens(RoutingPrompt(TOKENS)) == 32
     index.apply(KVEventBatch(0.0, [_fine_store(1, ["h6", "h7"], 4, "sliding_window", 8)]))
@@ -410,6 +517,7 @@ def test_a_finer_group_appearing_later_starts_the_index_over() -> None:
 
 
 # --- untrusted events: every field of every event type, any engine ---------------------------
+
 
 def _raw_event(tag: str, **fields: Any) -> dict[str, Any]:
     """An event as it travels (a msgpack map with vLLM's `type` tag), any field any value."""
@@ -422,18 +530,33 @@ def _raw_payload(*events: Any) -> bytes:
 
 def _stored_fields(blocks: range, group: int = 0, tokens: list[int] = TOKENS, tag: str = "g0") -> dict[str, Any]:
     first, last = blocks.start, blocks.stop
-    return dict(block_hashes=[f"{tag}b{i}".encode() for i in blocks],
-                parent_block_hash=f"{tag}b{first - 1}".encode() if first else None,
-                token_ids=tokens[first * BS:last * BS], block_size=BS, lora_id=None, medium="GPU", lora_name=None,
-                group_idx=group, kv_cache_spec_kind="full_attention")
+    return {
+        "block_hashes": [f"{tag}b{i}".encode() for i in blocks],
+        "parent_block_hash": f"{tag}b{first - 1}".encode() if first else None,
+        "token_ids": tokens[first * BS : last * BS],
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "group_idx": group,
+        "kv_cache_spec_kind": "full_attention",
+    }
 
 
 def test_a_store_with_block_size_zero_is_dropped_and_later_lookups_still_answer() -> None:
     # Before: the zero-sized group made every later lookup divide by zero.
     index = EngineKVIndex()
-    _publish(index, _stored(range(0, 4), 0, "full_attention"))
-    bad = kv_events.BlockStored(block_hashes=[b"x"], parent_block_hash=None, token_ids=[], block_size=0,
-                                lora_id=None, medium="GPU", lora_name=None, group_idx=1)
+    _publish(index, _stored(range(4), 0, "full_attention"))
+    bad = kv_events.BlockStored(
+        block_hashes=[b"x"],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=1,
+    )
     _publish(index, bad)
     assert index.hit_tokens(RoutingPrompt(TOKENS)) == 4 * BS
 
@@ -441,8 +564,31 @@ def test_a_store_with_block_size_zero_is_dropped_and_later_lookups_still_answer(
 # Values that break a field's type or range, for the fuzz below: the Struct definitions say
 # which fields exist; every one gets every value.
 _BAD_VALUES: list[Any] = [
-    None, 0, -1, 1, 2**63 - 1, -(2**63), 2**64 - 1, 1.5, float("nan"), "", "x" * 1000, b"", b"\x00" * 200,
-    [], [None], [1.5], ["a"], [-1], [2**40], [[1]], [b""], [b"h" * 100], {"a": 1}, True, list(range(7)),
+    None,
+    0,
+    -1,
+    1,
+    2**63 - 1,
+    -(2**63),
+    2**64 - 1,
+    1.5,
+    float("nan"),
+    "",
+    "x" * 1000,
+    b"",
+    b"\x00" * 200,
+    [],
+    [None],
+    [1.5],
+    ["a"],
+    [-1],
+    [2**40],
+    [[1]],
+    [b""],
+    [b"h" * 100],
+    {"a": 1},
+    True,
+    list(range(7)),
 ]
 _OTHER = list(range(500, 532))  # another prompt's tokens: whatever happens to it, TOKENS' hit must hold
 
@@ -468,8 +614,8 @@ async def test_any_malformed_field_of_any_event_is_dropped_and_lookups_stay_righ
         feed = KVEventsFeed(lambda url: None, counted.append)
         sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", None)
         feed._subs[sub.url] = sub
-        valid = _raw_event("BlockStored", **_stored_fields(range(0, 6)))
-        other = _stored_fields(range(0, 8), tokens=_OTHER, tag="o")
+        valid = _raw_event("BlockStored", **_stored_fields(range(6)))
+        other = _stored_fields(range(8), tokens=_OTHER, tag="o")
         if tag == "BlockStored":
             fuzzed = _raw_event(tag, **(other | {name: value}))
         else:
@@ -477,8 +623,10 @@ async def test_any_malformed_field_of_any_event_is_dropped_and_lookups_stay_righ
         try:
             await feed._receive(sub, [b"", (0).to_bytes(8, "big"), _raw_payload(valid)])
             await feed._receive(sub, [b"", (1).to_bytes(8, "big"), _raw_payload(fuzzed, valid)])
-            await feed._receive(sub, [b"", (2).to_bytes(8, "big"), _raw_payload(
-                _raw_event("BlockStored", **_stored_fields(range(6, 8))))])
+            await feed._receive(
+                sub,
+                [b"", (2).to_bytes(8, "big"), _raw_payload(_raw_event("BlockStored", **_stored_fields(range(6, 8))))],
+            )
             hit = feed.hit_tokens(sub.url, RoutingPrompt(TOKENS))
         except Exception as exc:  # noqa: BLE001 - collected: the assertion lists them all
             failures.append(f"{tag}.{name}={value!r:.40}: raised {exc!r:.80}")
@@ -494,13 +642,22 @@ async def test_any_malformed_field_of_any_event_is_dropped_and_lookups_stay_righ
     assert not failures, "\n".join(failures[:20])
 
 
-@pytest.mark.parametrize("payload", [b"", b"\xc1", msgspec.msgpack.encode(5), msgspec.msgpack.encode([1.0, 5]),
-                                     msgspec.msgpack.encode(["t", [5, "x", None]]), b"\x92\xcb" + b"\x00" * 3,
-                                     b"\x91" * 100_000 + b"\xc0",  # nesting deeper than any decoder recurses
-                                     b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 100_000 + b"\xc0"])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\xc1",
+        msgspec.msgpack.encode(5),
+        msgspec.msgpack.encode([1.0, 5]),
+        msgspec.msgpack.encode(["t", [5, "x", None]]),
+        b"\x92\xcb" + b"\x00" * 3,
+        b"\x91" * 100_000 + b"\xc0",  # nesting deeper than any decoder recurses
+        b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 100_000 + b"\xc0",
+    ],
+)
 def test_a_batch_that_is_no_batch_is_refused_and_the_index_dropped(payload: bytes) -> None:
     index = EngineKVIndex()
-    _publish(index, _stored(range(0, 4), 0, "full_attention"))
+    _publish(index, _stored(range(4), 0, "full_attention"))
     counted: list[str] = []
     index.count = counted.append
     applied = index.apply_payload(payload)
@@ -508,22 +665,32 @@ def test_a_batch_that_is_no_batch_is_refused_and_the_index_dropped(payload: byte
     assert not applied or counted  # either refused as a whole, or each bad event counted
 
 
-@pytest.mark.parametrize(("fields", "reason"), [
-    ({"block_size": 0}, "block_size"), ({"block_size": -4}, "block_size"), ({"block_size": 1 << 40}, "block_size"),
-    ({"token_ids": list(range(6))}, "token_ids"), ({"token_ids": [-1] * 8}, "token_ids"),
-    ({"block_hashes": [b"a", b"b", b"c"]}, "hashes"), ({"block_hashes": [b"a" * 65, b"b"]}, "hashes"),
-    ({"block_hashes": [], "block_size": 0}, "block_size"),
-    ({"group_idx": -1}, "group"), ({"group_idx": 10**6}, "group"),
-    ({"kv_cache_spec_kind": "sliding_window"}, "window"),
-    ({"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 0}, "window"),
-    ({"lora_id": -3}, "lora"), ({"medium": "G" * 1000}, "medium"), ({"parent_block_hash": b""}, "parent"),
-    ({"block_size": 8, "token_ids": TOKENS[:8], "block_hashes": [b"g0b0"]}, "group_mismatch"),
-])
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": -4}, "block_size"),
+        ({"block_size": 1 << 40}, "block_size"),
+        ({"token_ids": list(range(6))}, "token_ids"),
+        ({"token_ids": [-1] * 8}, "token_ids"),
+        ({"block_hashes": [b"a", b"b", b"c"]}, "hashes"),
+        ({"block_hashes": [b"a" * 65, b"b"]}, "hashes"),
+        ({"block_hashes": [], "block_size": 0}, "block_size"),
+        ({"group_idx": -1}, "group"),
+        ({"group_idx": 10**6}, "group"),
+        ({"kv_cache_spec_kind": "sliding_window"}, "window"),
+        ({"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 0}, "window"),
+        ({"lora_id": -3}, "lora"),
+        ({"medium": "G" * 1000}, "medium"),
+        ({"parent_block_hash": b""}, "parent"),
+        ({"block_size": 8, "token_ids": TOKENS[:8], "block_hashes": [b"g0b0"]}, "group_mismatch"),
+    ],
+)
 def test_an_invalid_store_is_counted_by_reason_and_changes_nothing(fields: dict[str, Any], reason: str) -> None:
     counted: list[str] = []
     index = EngineKVIndex(count=counted.append)
-    _publish(index, _stored(range(0, 4), 0, "full_attention"))
-    base = _stored_fields(range(0, 2), tokens=_OTHER, tag="o")
+    _publish(index, _stored(range(4), 0, "full_attention"))
+    base = _stored_fields(range(2), tokens=_OTHER, tag="o")
     assert index.apply_payload(_raw_payload(_raw_event("BlockStored", **(base | fields))))
     assert counted == [reason]
     assert index.hit_tokens(RoutingPrompt(TOKENS)) == 4 * BS and index.hit_tokens(RoutingPrompt(_OTHER)) == 0
@@ -532,7 +699,7 @@ def test_an_invalid_store_is_counted_by_reason_and_changes_nothing(fields: dict[
 def test_a_removal_with_malformed_hashes_still_removes_the_well_formed_ones() -> None:
     counted: list[str] = []
     index = EngineKVIndex(count=counted.append)
-    _publish(index, _stored(range(0, 6), 0, "full_attention"))
+    _publish(index, _stored(range(6), 0, "full_attention"))
     assert index.apply_payload(_raw_payload(_raw_event("BlockRemoved", block_hashes=[1.5, b"g0b3", "x"], medium="GPU")))
     assert index.hit_tokens(RoutingPrompt(TOKENS)) == 3 * BS and "undecodable" in counted
     # An unknown group: removed from every group, the side that never over-reports.
@@ -543,27 +710,27 @@ def test_a_removal_with_malformed_hashes_still_removes_the_well_formed_ones() ->
 def test_an_engines_index_holds_at_most_max_blocks_and_evicts_the_oldest() -> None:
     counted: list[str] = []
     index = EngineKVIndex(max_blocks=4, count=counted.append)
-    _publish(index, _stored(range(0, 3), 0, "full_attention"))
+    _publish(index, _stored(range(3), 0, "full_attention"))
     assert index.hit_tokens(RoutingPrompt(TOKENS)) == 3 * BS
     _publish(index, _stored(range(3, 6), 0, "full_attention"))  # 6 blocks: blocks 0 and 1 go
     assert len(index.groups[0].by_hash) == 4 and counted == ["index_full", "index_full"]
     assert index.hit_tokens(RoutingPrompt(TOKENS)) == 0  # the prefix lost its first blocks: no hit, never a false one
     other = EngineKVIndex(max_blocks=4)
-    _publish(other, _stored(range(0, 4), 0, "full_attention"))
+    _publish(other, _stored(range(4), 0, "full_attention"))
     assert other.hit_tokens(RoutingPrompt(TOKENS)) == 4 * BS  # at the bound, nothing evicted
 
 
 def test_the_block_bound_holds_for_all_groups_of_an_engine_together() -> None:
     counted: list[str] = []
     index = EngineKVIndex(max_blocks=4, count=counted.append)
-    _publish(index, _stored(range(0, 3), 0, "full_attention"), _stored(range(0, 3), 1, "sliding_window", 8))
+    _publish(index, _stored(range(3), 0, "full_attention"), _stored(range(3), 1, "sliding_window", 8))
     # Group 1's second and third blocks each evict its own oldest: 3 + 1 held.
     assert [len(g.by_hash) for g in index.groups.values()] == [3, 1] and index.budget.held == 4
     assert counted == ["index_full", "index_full"]
     full = EngineKVIndex(max_blocks=2, count=counted.append)
-    _publish(full, _stored(range(0, 2), 0, "full_attention"), _stored(range(0, 1), 1, "sliding_window", 8))
+    _publish(full, _stored(range(2), 0, "full_attention"), _stored(range(1), 1, "sliding_window", 8))
     assert len(full.groups[1].by_hash) == 0 and full.budget.held == 2  # refused: group 1 held nothing
-    _publish(full, kv_events.AllBlocksCleared(), _stored(range(0, 2), 0, "full_attention"))
+    _publish(full, kv_events.AllBlocksCleared(), _stored(range(2), 0, "full_attention"))
     assert full.budget.held == 2 and full.hit_tokens(RoutingPrompt(TOKENS)) == 2 * BS
 
 
@@ -576,7 +743,8 @@ def test_subscriber_sockets_cap_message_size() -> None:
     try:
         for kind in (zmq.SUB, zmq.DEALER):
             socket = feed._socket(kind)
-            assert socket.getsockopt(zmq.MAXMSGSIZE) == 4096 and socket.getsockopt(zmq.RCVHWM) > 0
+            hwm = socket.getsockopt(zmq.RCVHWM)
+            assert socket.getsockopt(zmq.MAXMSGSIZE) == 4096 and isinstance(hwm, int) and hwm > 0
             socket.close(linger=0)
     finally:
         feed._context.destroy(linger=0)
@@ -597,18 +765,36 @@ async def test_a_frame_over_the_cap_never_reaches_the_index_and_the_feed_keeps_g
     counted: list[str] = []
     feed = KVEventsFeed(lambda u: (f"tcp://127.0.0.1:{port}", None), counted.append, max_message_bytes=2048)
     long_tokens = list(range(4096))
-    big = msgspec.msgpack.encode(kv_events.KVEventBatch(ts=0.0, events=[kv_events.BlockStored(
-        block_hashes=[f"L{i}".encode() for i in range(1024)], parent_block_hash=None, token_ids=long_tokens,
-        block_size=BS, lora_id=None, medium="GPU", lora_name=None)]))
+    big = msgspec.msgpack.encode(
+        kv_events.KVEventBatch(
+            ts=0.0,
+            events=[
+                kv_events.BlockStored(
+                    block_hashes=[f"L{i}".encode() for i in range(1024)],
+                    parent_block_hash=None,
+                    token_ids=long_tokens,
+                    block_size=BS,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                )
+            ],
+        )
+    )
+
     def small(blocks: int) -> bytes:
-        return msgspec.msgpack.encode(kv_events.KVEventBatch(
-            ts=0.0, events=[_stored(range(0, blocks), 0, "full_attention")]))
+        return msgspec.msgpack.encode(
+            kv_events.KVEventBatch(ts=0.0, events=[_stored(range(blocks), 0, "full_attention")])
+        )
+
     assert len(big) > 2048 > len(small(6))
     try:
         feed.watch(url)
         async with asyncio.timeout(15):
             seq = 0
-            while feed.hit_tokens(url, RoutingPrompt(TOKENS)) != 4 * BS:  # SUB joins asynchronously: publish until heard
+            while (
+                feed.hit_tokens(url, RoutingPrompt(TOKENS)) != 4 * BS
+            ):  # SUB joins asynchronously: publish until heard
                 pub.send_multipart([b"", seq.to_bytes(8, "big"), small(4)])
                 seq += 1
                 await asyncio.sleep(0.02)
@@ -624,6 +810,7 @@ async def test_a_frame_over_the_cap_never_reaches_the_index_and_the_feed_keeps_g
 
 
 # --- sequence numbers and replay answers ------------------------------------------------------
+
 
 def _frames(seq: int, *events: object) -> list[bytes]:
     batch = kv_events.KVEventBatch(ts=0.0, events=list(events))
@@ -654,6 +841,7 @@ async def _replay_server(answers: list[list[bytes]]) -> tuple[str, Any, Any]:
             identity, _, _start = await router.recv_multipart()
             for frames in answers:
                 await router.send_multipart([identity, *frames])
+
     task = asyncio.get_running_loop().create_task(serve())
     return f"tcp://127.0.0.1:{port}", task, context
 
@@ -676,14 +864,14 @@ async def test_a_replay_that_cannot_fill_the_gap_drops_the_index(answer: str) ->
     sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", endpoint)
     feed._subs[sub.url] = sub
     try:
-        await feed._receive(sub, _frames(0, _stored(range(0, 6), 0, "full_attention")))
+        await feed._receive(sub, _frames(0, _stored(range(6), 0, "full_attention")))
         assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 6 * BS
         del lost_removal  # never delivered: that is the point
         await feed._receive(sub, _frames(3, _stored(range(6, 8), 0, "full_attention")))
         # Before: a late-starting replay was applied on top of the old index, which kept
         # claiming block 0. The index may only hold what batches from the gap on proved.
         assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 0
-        await feed._receive(sub, _frames(4, _stored(range(0, 2), 0, "full_attention")))
+        await feed._receive(sub, _frames(4, _stored(range(2), 0, "full_attention")))
         assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 2 * BS
     finally:
         server.cancel()
@@ -695,16 +883,19 @@ async def test_a_replay_that_cannot_fill_the_gap_drops_the_index(answer: str) ->
 async def test_live_copies_of_replayed_batches_are_skipped_not_taken_for_a_restart() -> None:
     from pdconnect.router.kvevents import KVEventsFeed, _Subscription
 
-    replay = [_replayed(1, _stored(range(4, 5), 0, "full_attention")),
-              _replayed(2, _stored(range(5, 6), 0, "full_attention")),
-              _replayed(3, _stored(range(6, 7), 0, "full_attention")), _REPLAY_END]
+    replay = [
+        _replayed(1, _stored(range(4, 5), 0, "full_attention")),
+        _replayed(2, _stored(range(5, 6), 0, "full_attention")),
+        _replayed(3, _stored(range(6, 7), 0, "full_attention")),
+        _REPLAY_END,
+    ]
     endpoint, server, context = await _replay_server(replay)
     counted: list[str] = []
     feed = KVEventsFeed(lambda url: None, counted.append)
     sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", endpoint)
     feed._subs[sub.url] = sub
     try:
-        await feed._receive(sub, _frames(0, _stored(range(0, 4), 0, "full_attention")))
+        await feed._receive(sub, _frames(0, _stored(range(4), 0, "full_attention")))
         await feed._receive(sub, _frames(2, _stored(range(5, 6), 0, "full_attention")))  # 1 lost: replayed 1..3
         assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 7 * BS
         await feed._receive(sub, _frames(3, _stored(range(6, 7), 0, "full_attention")))  # the live copy of 3
@@ -719,6 +910,7 @@ async def test_live_copies_of_replayed_batches_are_skipped_not_taken_for_a_resta
 
 # --- the lookup: vLLM's semantics, linear cost -------------------------------------------------
 
+
 def _reference_hit(index: EngineKVIndex, tokens: list[int]) -> int:
     """The previous lookup, kept as the slow reference: walk down from the full-attention
     limit and re-check every group at every aligned length (quadratic), with vLLM's window
@@ -726,6 +918,7 @@ def _reference_hit(index: EngineKVIndex, tokens: list[int]) -> int:
     import math
 
     from pdconnect.router.prompt import block_keys
+
     groups = list(index.groups.values())
     if not groups:
         return 0
@@ -739,6 +932,7 @@ def _reference_hit(index: EngineKVIndex, tokens: list[int]) -> int:
         if g.sliding_window is not None:
             start = max(0, end - max(1, -(-(g.sliding_window - 1) // g.block_size)))
         return all(key in g.present for key in keys[g.block_size][start:end])
+
     for length in range(len(tokens) // step * step, 0, -step):
         if all(serves(g, length) for g in groups):
             return length
@@ -756,21 +950,23 @@ _LOOKUP_GEOMETRIES = {
 }
 
 
-def _random_index(rng: Any, geometry: tuple[tuple[int, int | None], ...], tokens: list[int]) -> tuple[
-        EngineKVIndex, dict[int, set[int]]]:
+def _random_index(
+    rng: Any, geometry: tuple[tuple[int, int | None], ...], tokens: list[int]
+) -> tuple[EngineKVIndex, dict[int, set[int]]]:
     """An index whose groups hold random blocks of `tokens` (runs, holes, evicted heads), and
     the same content as logical block indices per group."""
     import math
 
     from pdconnect.router.kvindex import GroupIndex
     from pdconnect.router.prompt import block_keys
+
     index, cached = EngineKVIndex(), {}
     grain = math.gcd(*(size for size, _ in geometry))  # the engine's key space
     for gid, (size, window) in enumerate(geometry):
         keys = block_keys(tokens, size, grain)
         shape = rng.random()
         if shape < 0.3:  # a prefix, then holes
-            held = {i for i in range(rng.randrange(len(keys) + 1))}
+            held = set(range(rng.randrange(len(keys) + 1)))
         else:
             density = rng.choice([0.5, 0.8, 0.95, 1.0])
             held = {i for i in range(len(keys)) if rng.random() < density}
@@ -802,9 +998,16 @@ def test_the_lookup_equals_vllms_own_coordinator_on_random_indexes(name: str) ->
     from connectors.vllm_adapter import CacheRules
 
     geometry = _LOOKUP_GEOMETRIES[name]
-    rules = CacheRules.for_geometry(Geometry(tuple(
-        GroupGeometry("full_attention", size) if window is None else GroupGeometry("sliding_window", size, window)
-        for size, window in geometry)))
+    rules = CacheRules.for_geometry(
+        Geometry(
+            tuple(
+                GroupGeometry("full_attention", size)
+                if window is None
+                else GroupGeometry("sliding_window", size, window)
+                for size, window in geometry
+            )
+        )
+    )
     rng = random.Random(hash(name) & 0xFFFF)
     hits = 0
     for case in range(300):
@@ -825,8 +1028,9 @@ def test_a_window_one_past_a_block_multiple_needs_one_block_less_as_in_vllm() ->
     from pdconnect.router.kvindex import GroupIndex
     from pdconnect.router.prompt import chain_keys
 
-    rules = CacheRules.for_geometry(Geometry((GroupGeometry("full_attention", 16),
-                                              GroupGeometry("sliding_window", 16, 17))))
+    rules = CacheRules.for_geometry(
+        Geometry((GroupGeometry("full_attention", 16), GroupGeometry("sliding_window", 16, 17)))
+    )
     tokens = list(range(1000, 1065))
     cached = {0: {0, 1, 2, 3}, 1: {3}}
     index = EngineKVIndex()
@@ -837,7 +1041,7 @@ def test_a_window_one_past_a_block_multiple_needs_one_block_less_as_in_vllm() ->
     assert real == 64 and index.hit_tokens(RoutingPrompt(tokens[:-1])) == real
 
 
-class _CountingDict(dict):  # type: ignore[type-arg]
+class _CountingDict(dict[Any, Any]):
     """A group's `present`, counting the lookups made in it."""
 
     lookups = 0
@@ -858,8 +1062,8 @@ def test_a_lookup_looks_each_block_up_at_most_once_per_group(blocks: int) -> Non
     tokens = list(range(blocks * 16))
     keys = chain_keys(tokens, 16)
     index = EngineKVIndex()
-    index.groups[0] = GroupIndex(16, present=_CountingDict({k: 1 for k in keys}))
-    index.groups[1] = GroupIndex(16, 128, present=_CountingDict({k: 1 for k in keys[: blocks // 2]}))
+    index.groups[0] = GroupIndex(16, present=_CountingDict(dict.fromkeys(keys, 1)))
+    index.groups[1] = GroupIndex(16, 128, present=_CountingDict(dict.fromkeys(keys[: blocks // 2], 1)))
     _CountingDict.lookups = 0
     assert index.hit_tokens(RoutingPrompt(tokens)) == blocks // 2 * 16
     assert _CountingDict.lookups <= 2 * blocks
@@ -874,8 +1078,8 @@ async def test_keys_computed_off_the_loop_give_every_engine_the_same_hit() -> No
     for sub in subs:
         feed._subs[sub.url] = sub
     try:
-        await feed._receive(subs[0], _frames(0, _stored(range(0, 6), 0, "full_attention")))
-        await feed._receive(subs[1], _frames(0, _stored(range(0, 3), 0, "full_attention")))
+        await feed._receive(subs[0], _frames(0, _stored(range(6), 0, "full_attention")))
+        await feed._receive(subs[1], _frames(0, _stored(range(3), 0, "full_attention")))
         prompt = RoutingPrompt(TOKENS)
         await feed.fill_keys(prompt)
         assert set(prompt.keys) == {BS} and len(prompt.keys[BS]) == len(TOKENS) // BS
@@ -906,9 +1110,16 @@ def test_the_eagle_lookup_equals_vllms_own_coordinator_on_random_indexes(name: s
     from connectors.vllm_adapter import CacheRules
 
     geometry = _EAGLE_GEOMETRIES[name]
-    rules = CacheRules.for_geometry(Geometry(tuple(
-        GroupGeometry("full_attention", size, eagle=eagle) if window is None
-        else GroupGeometry("sliding_window", size, window, eagle=eagle) for size, window, eagle in geometry)))
+    rules = CacheRules.for_geometry(
+        Geometry(
+            tuple(
+                GroupGeometry("full_attention", size, eagle=eagle)
+                if window is None
+                else GroupGeometry("sliding_window", size, window, eagle=eagle)
+                for size, window, eagle in geometry
+            )
+        )
+    )
     eagle_groups = {gid for gid, (_, _, eagle) in enumerate(geometry) if eagle}
     rng = random.Random(hash(name) & 0xFFFF)
     hits = 0
@@ -922,10 +1133,18 @@ def test_the_eagle_lookup_equals_vllms_own_coordinator_on_random_indexes(name: s
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("frames", [
-    [b"", b"\x00" * 8], [b"", b"\x00\x01", b"x"], [b"", (-5).to_bytes(8, "big", signed=True), b"x"],
-    [b"", b"\x00" * 9, b"x"], [b"a", b"b", b"c", b"d"], [],
-], ids=["two-frames", "short-seq", "negative-seq", "long-seq", "four-frames", "empty"])
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"", b"\x00" * 8],
+        [b"", b"\x00\x01", b"x"],
+        [b"", (-5).to_bytes(8, "big", signed=True), b"x"],
+        [b"", b"\x00" * 9, b"x"],
+        [b"a", b"b", b"c", b"d"],
+        [],
+    ],
+    ids=["two-frames", "short-seq", "negative-seq", "long-seq", "four-frames", "empty"],
+)
 async def test_frames_of_the_wrong_shape_are_counted_and_change_nothing(frames: list[bytes]) -> None:
     from pdconnect.router.kvevents import KVEventsFeed, _Subscription
 
@@ -935,7 +1154,7 @@ async def test_frames_of_the_wrong_shape_are_counted_and_change_nothing(frames: 
     sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", None)
     feed._subs[sub.url] = sub
     try:
-        await feed._receive(sub, _frames(0, _stored(range(0, 4), 0, "full_attention")))
+        await feed._receive(sub, _frames(0, _stored(range(4), 0, "full_attention")))
         await feed._receive(sub, frames)
         assert invalid == ["frame"] and sub.last_seq == 0
         await feed._receive(sub, _frames(1, _stored(range(4, 6), 0, "full_attention")))
@@ -952,12 +1171,33 @@ def test_an_empty_sliding_store_sets_the_key_granularity_so_later_stores_keep_th
     counted: list[str] = []
     index = EngineKVIndex(count=counted.append)
     empty = kv_events.BlockStored(
-        block_hashes=[], parent_block_hash=None, token_ids=TOKENS[:8], block_size=2, lora_id=None, medium="GPU",
-        lora_name=None, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=1)
-    _publish(index, _stored(range(0, 2), 0, "full_attention"), empty)
+        block_hashes=[],
+        parent_block_hash=None,
+        token_ids=TOKENS[:8],
+        block_size=2,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=1,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=1,
+    )
+    _publish(index, _stored(range(2), 0, "full_attention"), empty)
     assert index.granularity == 2
-    _publish(index, kv_events.BlockStored(
-        block_hashes=[b"s3"], parent_block_hash=None, token_ids=TOKENS[:8], block_size=2, lora_id=None, medium="GPU",
-        lora_name=None, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=1))
+    _publish(
+        index,
+        kv_events.BlockStored(
+            block_hashes=[b"s3"],
+            parent_block_hash=None,
+            token_ids=TOKENS[:8],
+            block_size=2,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            group_idx=1,
+            kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=1,
+        ),
+    )
     assert counted == []
     assert index.hit_tokens(RoutingPrompt(TOKENS)) == 2 * BS

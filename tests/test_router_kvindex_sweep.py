@@ -93,8 +93,13 @@ def _request(request_id: str, tokens: list[int], hash_block_size: int) -> Any:
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    return Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=SamplingParams(max_tokens=1),
-                   pooling_params=None, block_hasher=get_request_block_hasher(hash_block_size, sha256))
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(hash_block_size, sha256),
+    )
 
 
 def _serve(manager: Any, request: Any, chunk: int, index: EngineKVIndex) -> None:
@@ -104,8 +109,15 @@ def _serve(manager: Any, request: Any, chunk: int, index: EngineKVIndex) -> None
     computed, first = hit, True
     while computed < request.num_tokens:
         step = min(chunk, request.num_tokens - computed)
-        assert manager.allocate_slots(request, step, num_new_computed_tokens=hit if first else 0,
-                                      new_computed_blocks=blocks if first else None) is not None
+        assert (
+            manager.allocate_slots(
+                request,
+                step,
+                num_new_computed_tokens=hit if first else 0,
+                new_computed_blocks=blocks if first else None,
+            )
+            is not None
+        )
         computed, first = computed + step, False
         request.num_computed_tokens = computed
         if computed < request.num_tokens:
@@ -124,6 +136,7 @@ def _publish(index: EngineKVIndex, events: list[Any]) -> None:
 
 def _prompts(rng: random.Random, window: int, count: int) -> list[tuple[str, list[int]]]:
     """A seeded stream of prompt families, each built from what came before it."""
+
     def fresh(n: int) -> list[int]:
         return [rng.randrange(1000, 30000) for _ in range(n)]
 
@@ -140,7 +153,7 @@ def _prompts(rng: random.Random, window: int, count: int) -> list[tuple[str, lis
             tokens = base[: max(1, len(base) - rng.randrange(1, window + 1))]
         elif family == "diverge-in-window":
             at = max(0, len(base) - rng.randrange(1, window + 1))
-            tokens = [*base[:at], rng.randrange(30000, 31000), *base[at + 1:]]
+            tokens = [*base[:at], rng.randrange(30000, 31000), *base[at + 1 :]]
         elif family == "turn":
             tokens = base + fresh(rng.randrange(20, 500))
         elif family == "resend":
@@ -163,8 +176,10 @@ def _retention_supported() -> bool:
 
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="issue 32")) if n in KNOWN_WRONG else n
-     for n in SWEEP],
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="issue 32")) if n in KNOWN_WRONG else n
+        for n in SWEEP
+    ],
 )
 def test_the_predicted_hit_is_vllms_hit_for_every_geometry(name: str) -> None:
     from connectors.vllm_adapter import build_kv_cache_manager
@@ -188,4 +203,3 @@ def test_the_predicted_hit_is_vllms_hit_for_every_geometry(name: str) -> None:
         _serve(manager, _request(f"r{i}", tokens, geometry.hash_block_size), rng.choice((10_000, 96)), index)
     assert not mismatches, "\n".join(mismatches)
     assert hits >= 3  # the comparison covered real hits, not only misses
-

@@ -17,12 +17,18 @@ def _masked(registry: CollectorRegistry) -> str:
 
 def test_loop_metrics_render_like_prometheus_client() -> None:
     theirs, ours = CollectorRegistry(), CollectorRegistry()
-    counters = (Counter("c", "a counter", ["endpoint", "outcome"], registry=theirs),
-                _LoopCounter("c", "a counter", ["endpoint", "outcome"], ours))
-    labelled = (Histogram("h", "a histogram", ["endpoint"], buckets=_LATENCY_BUCKETS, registry=theirs),
-                _LoopHistogram("h", "a histogram", ["endpoint"], _LATENCY_BUCKETS, ours))
-    plain = (Histogram("p", "an unlabelled histogram", buckets=_LATENCY_BUCKETS, registry=theirs),
-             _LoopHistogram("p", "an unlabelled histogram", [], _LATENCY_BUCKETS, ours))
+    counters = (
+        Counter("c", "a counter", ["endpoint", "outcome"], registry=theirs),
+        _LoopCounter("c", "a counter", ["endpoint", "outcome"], ours),
+    )
+    labelled = (
+        Histogram("h", "a histogram", ["endpoint"], buckets=_LATENCY_BUCKETS, registry=theirs),
+        _LoopHistogram("h", "a histogram", ["endpoint"], _LATENCY_BUCKETS, ours),
+    )
+    plain = (
+        Histogram("p", "an unlabelled histogram", buckets=_LATENCY_BUCKETS, registry=theirs),
+        _LoopHistogram("p", "an unlabelled histogram", [], _LATENCY_BUCKETS, ours),
+    )
     assert _masked(theirs) == _masked(ours)  # nothing observed yet: the unlabelled one has its series
     # On a bucket bound, between bounds, below the first and past the last.
     for value in (0.001, 0.0004, 0.03, 7.0, 600.0, 1e6, 0.0):

@@ -17,14 +17,16 @@ import uvloop
 from pdconnect.router import load_config, start_router
 from pdconnect.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
+from tests.waiting import wait_until_async
 
 HANG = 15.0
 
 
 async def _exchange(pool: UpstreamPool, engine: FakeEngine, body: dict[str, Any]) -> tuple[int, bytes]:
     async with asyncio.timeout(HANG):
-        resp = await pool.post(engine.url, "/v1/completions", json.dumps(body).encode(),
-                               {"Content-Type": "application/json"})
+        resp = await pool.post(
+            engine.url, "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         data = await resp.read()
         resp.release()
         return resp.status, data
@@ -37,12 +39,17 @@ def _run_on_both_loops(coro_factory: Any) -> None:
 
 @pytest.mark.parametrize("gzip_answers", [False, True], ids=["identity", "gzip"])
 def test_one_connection_carries_many_requests_and_compressed_answers_are_inflated(
-        monkeypatch: pytest.MonkeyPatch, gzip_answers: bool) -> None:
+    monkeypatch: pytest.MonkeyPatch, gzip_answers: bool
+) -> None:
     async def scenario() -> None:
         opened: list[object] = []
         made = UpstreamResponse.connection_made
-        monkeypatch.setattr(UpstreamResponse, "connection_made",
-                            lambda self, t: (opened.append(t), made(self, t))[1])
+
+        def connection_made(self: UpstreamResponse, transport: asyncio.BaseTransport) -> None:
+            opened.append(transport)
+            made(self, transport)
+
+        monkeypatch.setattr(UpstreamResponse, "connection_made", connection_made)
         engine = FakeEngine(chunks=3)
         engine.faults.gzip = gzip_answers
         await engine.start()
@@ -57,6 +64,7 @@ def test_one_connection_carries_many_requests_and_compressed_answers_are_inflate
         finally:
             pool.close()
             await engine.close()
+
     _run_on_both_loops(scenario)
 
 
@@ -72,19 +80,22 @@ def test_a_connection_dropped_mid_stream_is_an_upstream_error() -> None:
         finally:
             pool.close()
             await engine.close()
+
     _run_on_both_loops(scenario)
 
 
 def test_router_serves_prefill_then_decode_on_uvloop() -> None:
     async def scenario() -> None:
         fakes = await FakeCluster.start(1, 1)
-        router = await start_router(load_config({"host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls,
-                                                 "decode": fakes.decode_urls}))
+        router = await start_router(
+            load_config({"host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls})
+        )
         try:
             async with aiohttp.ClientSession() as http, asyncio.timeout(HANG):
                 for stream in (False, True, False, True):
-                    async with http.post(router.url + "/v1/completions",
-                                         json={"prompt": "a b c", "max_tokens": 4, "stream": stream}) as resp:
+                    async with http.post(
+                        router.url + "/v1/completions", json={"prompt": "a b c", "max_tokens": 4, "stream": stream}
+                    ) as resp:
                         assert resp.status == 200 and "X-PDConnect-Fallback" not in resp.headers
                         await resp.read()
             assert [kind for kind, _ in fakes.prefill[0].served] == ["prefill"] * 4
@@ -92,6 +103,7 @@ def test_router_serves_prefill_then_decode_on_uvloop() -> None:
         finally:
             await router.close()
             await fakes.close()
+
     uvloop.run(scenario())
 
 
@@ -106,13 +118,14 @@ def test_a_pooled_connection_the_engine_closed_while_idle_is_not_reused() -> Non
             await engine.close()  # the engine restarts: its side of the idle connection closes
             engine = FakeEngine(chunks=2)
             await engine.start(port=port)
-            async with asyncio.timeout(HANG):  # the close reaches the loop, as it would while idle
-                while any(p._idle for p in pool._pools.values()):
-                    await asyncio.sleep(0.01)
+            await wait_until_async(  # the close reaches the loop, as it would while idle
+                lambda: not any(p._idle for p in pool._pools.values()), "the idle connection's close"
+            )
             assert (await _exchange(pool, engine, {"prompt": "a b"}))[0] == 200
         finally:
             pool.close()
             await engine.close()
+
     _run_on_both_loops(scenario)
 
 
@@ -127,8 +140,14 @@ async def _closing_at_keepalive(idle_limit: float) -> tuple[asyncio.Server, str]
         last = loop.time()
         try:
             while head := await reader.readuntil(b"\r\n\r\n"):
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
                 await reader.readexactly(length)
                 if loop.time() - last > idle_limit:
                     break
@@ -164,6 +183,7 @@ def test_an_idle_connection_is_given_up_before_the_engine_closes_it(keepalive: f
         finally:
             pool.close()
             server.close()
+
     _run_on_both_loops(scenario)
 
 
@@ -175,12 +195,20 @@ async def _dripping(first_after: float, gap: float, events: int, then_stall: boo
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
+            length = next(
+                (
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ),
+                0,
+            )
             await reader.readexactly(length)
             await asyncio.sleep(first_after)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-                         b"6\r\ndata:\n\r\n")
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"6\r\ndata:\n\r\n"
+            )
             for _ in range(events):
                 await asyncio.sleep(gap)
                 writer.write(b"6\r\ndata:\n\r\n")
@@ -221,6 +249,7 @@ def test_a_stream_outlives_its_idle_limit_while_bytes_keep_coming_and_a_stall_ti
             finally:
                 pool.close()
                 server.close()
+
     _run_on_both_loops(scenario)
 
 
@@ -246,6 +275,7 @@ def test_the_exchange_deadline_bounds_the_answer_until_cleared() -> None:
             pool.close()
             server.close()
             slow.close()
+
     _run_on_both_loops(scenario)
 
 
@@ -270,16 +300,17 @@ def test_an_unread_stream_pauses_the_engine_connection_until_the_caller_reads() 
         pool = UpstreamPool(1.0, keepalive=30.0)
         try:
             async with asyncio.timeout(HANG):
-                resp = await pool.post(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
-                                       "/v1/completions", b"{}", {})
-                while not resp._paused:  # nobody reads: the mark is reached
-                    await asyncio.sleep(0.01)
+                resp = await pool.post(
+                    f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", "/v1/completions", b"{}", {}
+                )
+                await wait_until_async(lambda: resp._paused, "the read mark (nobody reads)")
                 assert len(await resp.read()) == len(piece) * pieces
                 assert not resp._paused
                 resp.release()
         finally:
             pool.close()
             server.close()
+
     _run_on_both_loops(scenario)
 
 
@@ -310,13 +341,15 @@ def test_a_body_over_the_callers_limit_raises_without_being_read_whole(framing: 
         pool = UpstreamPool(1.0, keepalive=30.0)
         try:
             async with asyncio.timeout(HANG):
-                resp = await pool.post(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
-                                       "/v1/completions", b"{}", {})
+                resp = await pool.post(
+                    f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", "/v1/completions", b"{}", {}
+                )
                 with pytest.raises(AnswerTooLarge):
                     await resp.read(limit)
                 resp.close()
         finally:
             pool.close()
             server.close()
+
     _run_on_both_loops(scenario)
     assert len(sent) < 64  # stopped within a few MiB, not 4 GiB

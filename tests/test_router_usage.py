@@ -7,8 +7,12 @@ import json
 
 from pdconnect.router.usage import SseRewriter, UsageMerger
 
-PREFILL = {"prompt_tokens": 127, "completion_tokens": 1, "total_tokens": 128,
-           "prompt_tokens_details": {"cached_tokens": 64}}
+PREFILL = {
+    "prompt_tokens": 127,
+    "completion_tokens": 1,
+    "total_tokens": 128,
+    "prompt_tokens_details": {"cached_tokens": 64},
+}
 
 
 def merger() -> UsageMerger:
@@ -19,15 +23,23 @@ def merger() -> UsageMerger:
 
 def decode_usage() -> dict[str, object]:
     # What a decode engine says: the transferred prompt looks fully cached.
-    return {"prompt_tokens": 127, "completion_tokens": 8, "total_tokens": 135,
-            "prompt_tokens_details": {"cached_tokens": 127}}
+    return {
+        "prompt_tokens": 127,
+        "completion_tokens": 8,
+        "total_tokens": 135,
+        "prompt_tokens_details": {"cached_tokens": 127},
+    }
 
 
 def test_merge_takes_prompt_side_from_prefill_and_output_from_decode() -> None:
     usage = decode_usage()
     merger().merge(usage)
-    assert usage == {"prompt_tokens": 127, "completion_tokens": 8, "total_tokens": 135,
-                     "prompt_tokens_details": {"cached_tokens": 64}}
+    assert usage == {
+        "prompt_tokens": 127,
+        "completion_tokens": 8,
+        "total_tokens": 135,
+        "prompt_tokens_details": {"cached_tokens": 64},
+    }
 
 
 def test_decode_cache_claim_is_dropped_when_prefill_reports_no_details() -> None:
@@ -50,13 +62,15 @@ def test_body_without_usage_passes_unchanged() -> None:
 
 
 def test_stream_split_anywhere_gives_the_same_events_with_merged_usage() -> None:
-    events = [{"choices": [{"index": 0, "text": " a"}]},
-              {"choices": [{"index": 0, "text": " b"}], "usage": None},
-              {"choices": [], "usage": decode_usage()}]
+    events = [
+        {"choices": [{"index": 0, "text": " a"}]},
+        {"choices": [{"index": 0, "text": " b"}], "usage": None},
+        {"choices": [], "usage": decode_usage()},
+    ]
     stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
     for cut in range(1, 40):
         rewriter = SseRewriter(merger())
-        out = b"".join(rewriter.feed(stream[i:i + cut]) for i in range(0, len(stream), cut)) + rewriter.flush()
+        out = b"".join(rewriter.feed(stream[i : i + cut]) for i in range(0, len(stream), cut)) + rewriter.flush()
         blocks = out.decode().split("\n\n")
         assert blocks[-2:] == ["data: [DONE]", ""]
         parsed = [json.loads(b[6:]) for b in blocks[:-2]]

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -116,7 +116,7 @@ class _GenerationBlocks(jinja2.ext.Extension):
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
-    def _body(self, caller: Any) -> str:
+    def _body(self, caller: Callable[[], str]) -> str:
         return caller()
 
 
@@ -428,9 +428,8 @@ def _token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json stores it: a string or a serialized AddedToken."""
     if isinstance(value, str):
         return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
+    content = value.get("content") if isinstance(value, dict) else None
+    return content if isinstance(content, str) else None
 
 
 def special_tokens_of(config: Mapping[str, Any]) -> dict[str, str]:

@@ -13,11 +13,12 @@ import logging
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
 
+from pdconnect.config_fields import AtLeastOne, Meta, Port, Seconds, check_bounds, check_values
 from pdconnect.errors import ConfigError
 from pdconnect.keyring import Keyring, SigningKey, TrustedKeys
 from pdconnect.router.lookup import parse_groups
@@ -88,35 +89,38 @@ def engine_origin(url: str) -> str:
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Every router option. Invariants (checked in `__post_init__`): at least one decode
-    source; attempts >= 1; timeouts positive; the affinity load factor >= 1 (below 1 no
-    assignment could satisfy the bound)."""
+    """Every router option. Each field's own bounds are declared on its type (`Seconds`:
+    positive, `AtLeastOne`, `Port`: `pdconnect.config_fields`); `__post_init__` checks
+    them, and what involves several fields: at least one decode source, decode-first's
+    needs."""
 
     host: str = "0.0.0.0"
-    port: int = 8000
+    port: Port = 8000
     # Static engines, and DNS names re-resolved every `dns_interval` seconds.
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     prefill_dns: tuple[str, ...] = ()
     decode_dns: tuple[str, ...] = ()
-    dns_interval: float = 10.0
+    dns_interval: Seconds = 10.0
 
     policy: Policy = "prefix-affinity"
     # The affinity key is a hash of the prompt's leading chunk: this many characters of
     # text (completions) or rendered messages (chat), or this many token ids.
-    affinity_prefix_chars: int = 1024
-    affinity_prefix_tokens: int = 256
+    affinity_prefix_chars: AtLeastOne = 1024
+    affinity_prefix_tokens: AtLeastOne = 256
     # Bounded-load consistent hashing: no engine takes more than this factor times the
     # mean in-flight load before its keys spill to the next engine on the ring. Lower
     # balances tighter and splits more sibling groups (64 groups, 4 engines, 32 in
     # flight: 1.25 keeps 72% of siblings together, 1.5 90%, 2.0 99%); a decode engine's
     # cache miss costs a full KV transfer, so the default leans to togetherness.
-    affinity_load_factor: float = 1.5
+    affinity_load_factor: Annotated[float, Meta(ge=1, description="below 1 no assignment could satisfy the bound")] = (
+        1.5
+    )
     # ... but no engine counts as loaded below this many requests in flight: a decode
     # engine batches a burst of siblings for about the cost of one sequence, and each
     # sibling split off pays a full KV pull elsewhere (policy.LoadBound).
-    affinity_min_load: int = 8
-    affinity_vnodes: int = 160
+    affinity_min_load: AtLeastOne = 8
+    affinity_vnodes: AtLeastOne = 160
     # kv-aware: engines publish vLLM KV events (--kv-events-config) on this port of their
     # own address, with a replay socket on the second port; or explicitly per engine URL
     # (config file: {"http://p0:8000": ["tcp://p0:5557", "tcp://p0:5558"]}).
@@ -125,8 +129,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     kv_events_endpoints: dict[str, list[str]] = {}
     # kv-aware: each engine's index holds at most this many blocks, all KV cache groups
     # together (about 260 bytes each, oldest evicted first), and no event frame may exceed this size.
-    kv_index_max_blocks: int = 1 << 19
-    kv_events_max_message_bytes: int = 8 << 20
+    kv_index_max_blocks: AtLeastOne = 1 << 19
+    kv_events_max_message_bytes: AtLeastOne = 8 << 20
     # kv-aware needs a request's token ids: the model's directory (tokenizer.json,
     # tokenizer_config.json, its chat template) for text and chat prompts, or a bare
     # tokenizer.json for text only; without it only token-id prompts route by real hits.
@@ -142,108 +146,69 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     decode_first_max_uncached_ratio: float = 1.0
     decode_first_max_tokens_in_flight: int = 512
 
-    connect_timeout: float = 2.0
+    connect_timeout: Seconds = 2.0
     # Idle pooled connections to engines are closed after this many seconds: below the
     # engines' own keep-alive (vLLM's uvicorn closes after VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
     # 5 s by default), so a request is never sent on a connection the engine is closing.
-    upstream_keepalive: float = 4.0
-    prefill_timeout: float = 60.0
+    upstream_keepalive: Seconds = 4.0
+    prefill_timeout: Seconds = 60.0
     # Streaming: until the decode engine's first chunk (includes its KV pull).
-    decode_first_byte_timeout: float = 60.0
+    decode_first_byte_timeout: Seconds = 60.0
     # Non-streaming: the whole decode; a timeout here is not retried.
-    decode_timeout: float = 600.0
+    decode_timeout: Seconds = 600.0
     # Streaming: the longest silence between two chunks before the stream is cut.
-    stream_idle_timeout: float = 120.0
-    prefill_attempts: int = 2
-    decode_attempts: int = 2
+    stream_idle_timeout: Seconds = 120.0
+    prefill_attempts: AtLeastOne = 2
+    decode_attempts: AtLeastOne = 2
     # After every prefill attempt failed: let a decode engine prefill locally.
     fallback: bool = True
 
-    health_interval: float = 5.0
-    health_timeout: float = 2.0
+    health_interval: Annotated[float, Meta(ge=0, description="0 turns active polling off")] = 5.0
+    health_timeout: Seconds = 2.0
     # Consecutive failed polls before an engine counts as down.
-    health_failures: int = 2
+    health_failures: AtLeastOne = 2
     # Consecutive failed requests that open an engine's circuit breaker, and how long
     # it stays open before one trial request may go through.
-    breaker_failures: int = 3
-    breaker_cooldown: float = 10.0
+    breaker_failures: AtLeastOne = 3
+    breaker_cooldown: Seconds = 10.0
 
     side_channel_secret_env: str | None = None
     # The prefill engines' public side-channel keys (`prefill:KEY` tokens), to check their answers.
     side_channel_peer_keys_env: str | None = None
-    release_timeout: float = 2.0
+    release_timeout: Seconds = 2.0
     # The client's body: at most this many bytes on the wire and once inflated (gzip,
     # deflate), all of it within this many seconds.
-    max_body_bytes: int = 4 * 1024 * 1024
-    body_read_timeout: float = 30.0
+    max_body_bytes: AtLeastOne = 4 * 1024 * 1024
+    body_read_timeout: Seconds = 30.0
     # What the router reads from engines: the prefill answer (it needs only its
     # kv_transfer_params and usage), a whole non-streaming decode answer (relayed), one
     # streamed event. Anything over its limit is dropped unread.
-    max_prefill_answer_bytes: int = 16 * 1024 * 1024
-    max_answer_bytes: int = 256 * 1024 * 1024
-    max_event_bytes: int = 16 * 1024 * 1024
+    max_prefill_answer_bytes: AtLeastOne = 16 * 1024 * 1024
+    max_answer_bytes: AtLeastOne = 256 * 1024 * 1024
+    max_event_bytes: AtLeastOne = 16 * 1024 * 1024
     # Each write to a client must complete within this many seconds: a client that
     # stops reading is dropped instead of holding its answer (and its engine) forever.
-    client_write_timeout: float = 30.0
+    client_write_timeout: Seconds = 30.0
     # A request's head (request line and headers) must arrive whole within this many
     # seconds of its first byte, on every request of a connection: a client trickling
     # header bytes would otherwise hold a connection (and a file descriptor) forever.
     # The wait for a request's first byte is the keep-alive below.
-    header_read_timeout: float = 10.0
+    header_read_timeout: Seconds = 10.0
     # A client connection idle this many seconds between requests is closed (aiohttp's
     # own default is an hour: idle clients would hold descriptors until the limit).
-    client_keepalive: float = 75.0
+    client_keepalive: Seconds = 75.0
     # Admin endpoints (/admin/engines) exist only with a token, or when explicitly open;
     # with `admin_port` they are served only there (on `admin_host`, loopback by default).
     admin_token_env: str | None = None
     admin_open: bool = False
     admin_host: str = "127.0.0.1"
-    admin_port: int | None = None
+    admin_port: Port | None = None
     # Name the chosen engines in response headers (x-pdconnect-prefill/-decode).
     route_headers: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:
-        for name in (
-            "dns_interval",
-            "connect_timeout",
-            "upstream_keepalive",
-            "prefill_timeout",
-            "decode_first_byte_timeout",
-            "decode_timeout",
-            "stream_idle_timeout",
-            "health_timeout",
-            "breaker_cooldown",
-            "release_timeout",
-            "body_read_timeout",
-            "header_read_timeout",
-            "client_keepalive",
-            "client_write_timeout",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.health_interval < 0:
-            raise ConfigError("health_interval must be >= 0 (0 turns active polling off)")
-        for name in (
-            "prefill_attempts",
-            "decode_attempts",
-            "health_failures",
-            "breaker_failures",
-            "affinity_prefix_chars",
-            "affinity_prefix_tokens",
-            "affinity_vnodes",
-            "affinity_min_load",
-            "max_body_bytes",
-            "max_prefill_answer_bytes",
-            "max_answer_bytes",
-            "max_event_bytes",
-            "kv_index_max_blocks",
-            "kv_events_max_message_bytes",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.affinity_load_factor < 1.0:
-            raise ConfigError(f"affinity_load_factor must be >= 1, got {self.affinity_load_factor}")
+        check_bounds(self)
         if self.policy == "kv-aware" and self.kv_events_port is None and not self.kv_events_endpoints:
             raise ConfigError("the kv-aware policy needs --kv-events-port (or kv_events_endpoints)")
         if self.decode_first:
@@ -259,10 +224,6 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             parse_groups(self.kv_cache_groups)
         if not (self.decode or self.decode_dns):
             raise ConfigError("no decode engines: give --decode URL or --decode-dns NAME:PORT")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"port out of range: {self.port}")
-        if self.admin_port is not None and not 0 <= self.admin_port < 65536:
-            raise ConfigError(f"admin_port out of range: {self.admin_port}")
         for url in self.prefill + self.decode:
             _normalize_url(url)
         for target in self.prefill_dns + self.decode_dns:
@@ -324,8 +285,9 @@ def load_config(values: dict[str, Any]) -> RouterConfig:
             name = new
         options[name] = value
     try:
+        check_values(RouterConfig, options)  # before msgspec, whose own message names no value
         return msgspec.convert(options, RouterConfig)
-    except msgspec.ValidationError as exc:
+    except (ConfigError, msgspec.ValidationError) as exc:
         raise ConfigError(f"invalid router configuration: {exc}") from None
 
 

@@ -199,7 +199,8 @@ class _LoopHistogram(Collector):
             cumulative, buckets = 0.0, []
             for bound, count in zip(child.bounds, child.counts):
                 cumulative += count
-                buckets.append((floatToGoString(bound), cumulative))
+                # prometheus_client leaves floatToGoString unannotated.
+                buckets.append((floatToGoString(bound), cumulative))  # type: ignore[no-untyped-call]
             family.add_metric(values, buckets, child.sum)
             if created:
                 family.samples.append(

@@ -31,6 +31,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from pdconnect.protocol import PROTOCOL_VERSION, Ack, Message, Release
 from pdconnect.sidechannel import SideChannelServer
@@ -141,7 +142,7 @@ class FakeEngine:
     # --- handlers -------------------------------------------------------------------------
 
     @web.middleware
-    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if (
             self.api_key is not None
             and request.path.startswith("/v1/")
@@ -151,7 +152,7 @@ class FakeEngine:
         return await handler(request)
 
     @web.middleware
-    async def _compress(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _compress(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         response = await handler(request)
         if self.faults.gzip and not response.prepared:
             response.enable_compression(web.ContentCoding.gzip)
