@@ -133,7 +133,10 @@ def read_config(path: Path) -> dict[str, Any]:
         raise UnsupportedLayout(f"--config {path}: {exc}") from None
     if not isinstance(config, dict):
         raise UnsupportedLayout(f"--config {path}: not a JSON object")
-    return config.get("text_config", config)  # multimodal checkpoints nest the language model's
+    section = config.get("text_config", config)  # multimodal checkpoints nest the language model's
+    if not isinstance(section, dict):
+        raise UnsupportedLayout(f"--config {path}: text_config is not a JSON object")
+    return section
 
 
 def _int(config: dict[str, Any], *keys: str) -> int | None:

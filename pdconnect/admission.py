@@ -165,7 +165,13 @@ class ConnectionGate:
     call `serve()` from that thread; `close()` before closing the ROUTER socket.
     """
 
-    def __init__(self, context: zmq.Context, router: zmq.Socket, max_connections: int, max_per_host: int) -> None:
+    def __init__(
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        router: zmq.Socket[bytes],
+        max_connections: int,
+        max_per_host: int,
+    ) -> None:
         self.table = ConnectionTable(max_connections, max_per_host)
         self._router = router
         self._port = 0
@@ -191,7 +197,7 @@ class ConnectionGate:
         self._port = port
 
     @property
-    def sockets(self) -> tuple[zmq.Socket, zmq.Socket]:
+    def sockets(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
         return self._monitor, self._zap
 
     def serve(self) -> list[tuple[Refused, str]]:

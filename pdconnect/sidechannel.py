@@ -503,10 +503,10 @@ class SideChannelClient:
         self._keys = keys
         self._timeout = timeout
         self._context = zmq.Context.instance()
-        self._socket: zmq.Socket | None = None
+        self._socket: zmq.Socket[bytes] | None = None
         self._lock = threading.Lock()
 
-    def _connected(self) -> zmq.Socket:
+    def _connected(self) -> zmq.Socket[bytes]:
         if self._socket is None:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
@@ -563,7 +563,7 @@ class SideChannelClient:
             if reply is not None:
                 return reply
 
-    def _poll(self, socket: zmq.Socket, event: int, deadline: float, cancel: threading.Event | None) -> bool:
+    def _poll(self, socket: zmq.Socket[bytes], event: int, deadline: float, cancel: threading.Event | None) -> bool:
         """Wait for `event` until `deadline` (in 0.1 s steps when cancellable); False if it did not come.
 
         A thread that was not scheduled (a busy engine on few cores) can wake past its
@@ -596,7 +596,7 @@ class SideChannelClient:
             self._reset()
 
 
-def _sent(socket: zmq.Socket, data: bytes) -> bool:
+def _sent(socket: zmq.Socket[bytes], data: bytes) -> bool:
     try:
         socket.send(data, zmq.NOBLOCK)
     except zmq.Again:

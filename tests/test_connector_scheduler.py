@@ -260,8 +260,9 @@ def _tampered(params: dict, **changes) -> dict:
     ("label", "tamper", "reason"),
     [
         ("compat mismatch", lambda p: _tampered(p, compat_hash="0" * 16), "incompatible"),
-        # Edited plans are refused by the prefill engine: the claim names another plan digest.
-        ("unknown engine", lambda p: _tampered(p, remote_engine_id="prefill-999"), "differs from the plan lent"),
+        # Edited plans are refused by the prefill engine: a claim naming another engine by
+        # its side channel, one naming another plan digest by the lease table.
+        ("unknown engine", lambda p: _tampered(p, remote_engine_id="prefill-999"), "this is not engine 'prefill-999'"),
         (
             "bad block ids",
             lambda p: _tampered(
@@ -311,7 +312,7 @@ def test_recompute_policy_serves_the_request_despite_a_failed_load(prefill, deco
     done = decode_stock.result("s11-xa")
 
     assert done.finish_reason == "length" and len(done.output_tokens) == 4
-    assert "differs from the plan lent" in caplog.text
+    assert "this is not engine 'prefill-999'" in caplog.text
 
 
 def test_wrong_secret_is_refused_with_a_clear_error(prefill, clean, caplog):

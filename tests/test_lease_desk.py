@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Self
 
 import pytest
@@ -25,29 +25,35 @@ from connectors.settings import ConnectorSettings
 from pdconnect.protocol import Ack, Claim, CompatInfo, Heartbeat
 from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError, release_remote
 from pdconnect.testbed.keys import connector_keys, keyring
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.transport
 
 BASE = {
-    "transport": "mooncake", "protocol": "tcp", "side_channel_port": 0,
-    "lease_seconds": 30.0, "heartbeat_seconds": 1.0, "handshake_timeout_seconds": 3.0,
+    "transport": "mooncake",
+    "protocol": "tcp",
+    "side_channel_port": 0,
+    "lease_seconds": 30.0,
+    "heartbeat_seconds": 1.0,
+    "handshake_timeout_seconds": 3.0,
     "transfer_timeout_seconds": 10.0,
 }
-COMPAT = CompatInfo(model="tiny", dtype="float32", cache_dtype="auto", groups=(), cache_hit_alignment=16,
-                    speculative="", tp_size=1, kv_layout="test")
+COMPAT = CompatInfo(
+    model="tiny",
+    dtype="float32",
+    cache_dtype="auto",
+    groups=(),
+    cache_hit_alignment=16,
+    speculative="",
+    tp_size=1,
+    kv_layout="test",
+)
 WAIT_S = 10.0  # bound on waits for the desk's reports; none is a performance claim
 
 
 def _desk(port: int = 0, **overrides: float) -> LeaseDesk:
     settings = ConnectorSettings.from_extra_config({**BASE, **overrides, **connector_keys("kv_producer")})
     return LeaseDesk(Start("prefill-desk", COMPAT, settings, ["prefill"], port))
-
-
-def _wait_for(condition, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def test_a_claim_sent_the_moment_its_lease_is_opened_finds_it():
@@ -80,7 +86,7 @@ def test_a_lease_that_ends_on_the_desk_is_reported_to_the_scheduler():
         address = f"tcp://127.0.0.1:{desk.port}"
         assert release_remote(address, "prefill-desk", ["r1"], "client disconnected", keyring("router")).unknown == []
         ended: list = []
-        _wait_for(lambda: ended.extend(desk.take_ended()) or ended, "the release was not reported")
+        wait_until(lambda: ended.extend(desk.take_ended()) or ended, "the release to be reported", WAIT_S)
         assert [(e.request_id, e.reason) for e in ended] == [("r1", "released: client disconnected")]
         # The scheduler counts it as it frees the blocks; the desk's totals do not.
         assert "releases" not in desk.totals()
@@ -102,7 +108,7 @@ def test_a_desk_that_dies_is_gone_and_lends_nothing_more():
     try:
         desk.open("r1", "lease-1", "digest")
         os.kill(desk.pid, signal.SIGKILL)
-        _wait_for(lambda: desk.gone, "a killed desk was not noticed")
+        wait_until(lambda: desk.gone, "a killed desk to be noticed", WAIT_S)
         with pytest.raises(DeskGone):
             desk.open("r2", "lease-2", "digest")
     finally:
@@ -134,7 +140,11 @@ class _Traffic:
     def _beats(self) -> None:
         client = SideChannelClient(self.address, "decode", keyring("decode"), 2.0)
         try:
-            self._every_gap(lambda: self._count("heartbeats", client.request(Heartbeat(to_engine="prefill-desk", request_ids=["gone"]))))
+            self._every_gap(
+                lambda: self._count(
+                    "heartbeats", client.request(Heartbeat(to_engine="prefill-desk", request_ids=["gone"]))
+                )
+            )
         finally:
             client.close()
 
@@ -152,7 +162,7 @@ class _Traffic:
     def _count(self, kind: str, _: object) -> None:
         self.sent[kind] += 1
 
-    def _every_gap(self, send) -> None:  # type: ignore[no-untyped-def]
+    def _every_gap(self, send: Callable[[], None]) -> None:
         ends = time.monotonic() + TRAFFIC_S
         while not self.stop.is_set():
             if time.monotonic() >= ends:
@@ -212,7 +222,7 @@ def test_a_release_for_one_prefill_engine_is_refused_by_another():
         for desk in (desk_a, desk_b):
             desk.open("r1", "lease-1", "digest")
         address_a, address_b = (f"tcp://127.0.0.1:{d.port}" for d in (desk_a, desk_b))
-        with pytest.raises(SideChannelError, match="refused Release: .*engine"):
+        with pytest.raises(SideChannelError, match=r"refused Release: .*engine"):
             release_remote(address_b, "prefill-a", ["r1"], "client disconnected", keyring("router"))
         client = SideChannelClient(address_b, "decode", keyring("decode"), WAIT_S)
         try:  # B still lends lease-1: its claimant is told it is held
@@ -223,9 +233,14 @@ def test_a_release_for_one_prefill_engine_is_refused_by_another():
         assert desk_b.take_ended() == []
         assert release_remote(address_a, "prefill-a", ["r1"], "client disconnected", keyring("router")) == Ack()
         ended: list = []
-        _wait_for(lambda: ended.extend(desk_a.take_ended()) or ended, "A did not end the released lease")
+        wait_until(lambda: ended.extend(desk_a.take_ended()) or ended, "A to end the released lease", WAIT_S)
         assert [(e.request_id, e.reason) for e in ended] == [("r1", "released: client disconnected")]
-        _wait_for(lambda: desk_b.totals().get("refused_wrong_engine") == 1, "B did not count the refusal")
+        wait_until(
+            lambda: desk_b.totals().get("refused_wrong_engine") == 1,
+            "B to count the refusal",
+            WAIT_S,
+            observe=desk_b.totals,
+        )
     finally:
         desk_a.close()
         desk_b.close()

@@ -98,8 +98,9 @@ def test_concurrent_claims_leave_exactly_one_claimant():
     table = _table()
     table.open("r1", "L1", "plan", [1])
     answers: list[ClaimAnswer] = []
-    threads = [threading.Thread(target=lambda i=i: answers.append(table.claim("L1", f"c{i}", "plan")))
-               for i in range(16)]
+    threads = [
+        threading.Thread(target=lambda i=i: answers.append(table.claim("L1", f"c{i}", "plan"))) for i in range(16)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -130,7 +131,9 @@ def test_the_side_channel_reports_when_it_last_drained_its_queue():
     try:
         client = SideChannelClient(server.address, "decode", None, timeout=5)
         answer: list[object] = []
-        sender = _threading.Thread(target=lambda: answer.append(client.request(Heartbeat(to_engine="prefill-0", request_ids=["L"]))))
+        sender = _threading.Thread(
+            target=lambda: answer.append(client.request(Heartbeat(to_engine="prefill-0", request_ids=["L"])))
+        )
         sender.start()
         assert entered.wait(5)
         stuck = server.drained_at
@@ -149,6 +152,7 @@ def test_the_side_channel_reports_when_it_last_drained_its_queue():
 
 
 # --- confirming a claim from the decode side ---------------------------------------------
+
 
 class _Peer:
     """A real side-channel server whose handler answers claims as told, counting them."""

@@ -21,6 +21,7 @@ from pdconnect.notifier import PeerNotifier
 from pdconnect.protocol import Ack, Done, Heartbeat, Message, Release
 from pdconnect.sidechannel import SideChannelServer
 from pdconnect.testbed.keys import keyring
+from tests.waiting import wait_until
 
 PREFILL, DECODE = keyring("prefill"), keyring("decode")
 # Bounds on waiting for something that must happen; never a measurement.
@@ -93,14 +94,6 @@ def _notifier(events: _Events, **options) -> Iterator[PeerNotifier]:
         notifier.close()
 
 
-def _eventually(predicate: Callable[[], bool]) -> None:
-    """Wait for a condition nothing signals (a thread ending)."""
-    deadline = time.monotonic() + WAIT
-    while not predicate():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.02)
-
-
 def _notifier_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("pdconnect-notifier")]
 
@@ -117,7 +110,9 @@ def test_a_hung_prefill_engine_does_not_delay_another_engines_messages():
         # The live engine was answered while both messages to the hung one are pending
         # (sent one at a time, it would have waited for their timeouts first).
         assert events.of("failure", hung) == [] and events.of("reply", hung) == []
-        assert events.of("reply", live.address) == [("reply", live.address, Done(to_engine="prefill-0", request_ids=["to-live"]), Ack())]
+        assert events.of("reply", live.address) == [
+            ("reply", live.address, Done(to_engine="prefill-0", request_ids=["to-live"]), Ack())
+        ]
 
 
 def test_messages_queued_behind_a_hung_engine_all_fail_and_the_queue_drains():
@@ -148,7 +143,10 @@ def test_a_malformed_address_fails_that_message_only():
 
 def test_a_refusal_is_a_failure_with_the_peers_reason():
     events = _Events()
-    with _prefill() as live, _notifier(events, keys=keyring("decode", secret="not-the-decode-secret-" + "x" * 20)) as notifier:
+    with (
+        _prefill() as live,
+        _notifier(events, keys=keyring("decode", secret="not-the-decode-secret-" + "x" * 20)) as notifier,
+    ):
         notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["r"]))
         events.wait_for(lambda: events.of("failure", live.address))
         assert "authentication failed" in events.of("failure", live.address)[0][3]
@@ -176,8 +174,15 @@ def test_callback_and_counter_errors_do_not_end_delivery():
 
     bad = "tcp://no such host:0"
     with _prefill() as live:
-        notifier = PeerNotifier(sender="decode", keys=DECODE, timeout_seconds=60.0, heartbeat_seconds=3600.0, count=count,
-                                on_reply=on_reply, on_failure=on_failure)
+        notifier = PeerNotifier(
+            sender="decode",
+            keys=DECODE,
+            timeout_seconds=60.0,
+            heartbeat_seconds=3600.0,
+            count=count,
+            on_reply=on_reply,
+            on_failure=on_failure,
+        )
         try:
             for round_ in range(2):
                 notifier.send(bad, Done(to_engine="prefill-0", request_ids=[f"bad{round_}"]))
@@ -204,7 +209,10 @@ def test_heartbeats_carry_every_watched_id_and_unknown_ids_reach_on_reply():
         notifier.watch(other.address, "prefill-0", "lease-c")
         events.wait_for(lambda: events.of("reply", live.address) and events.of("reply", other.address))
         first = events.of("reply", live.address)[0]
-        assert first[2:] == (Heartbeat(to_engine="prefill-0", request_ids=["lease-a", "lease-b"]), Ack(unknown=["lease-b"]))
+        assert first[2:] == (
+            Heartbeat(to_engine="prefill-0", request_ids=["lease-a", "lease-b"]),
+            Ack(unknown=["lease-b"]),
+        )
         assert events.of("reply", other.address)[0][2] == Heartbeat(to_engine="prefill-0", request_ids=["lease-c"])
         # Unwatched ids drop out of the next heartbeats; an address with none gets none.
         notifier.unwatch(live.address, "prefill-0", "lease-b")
@@ -262,7 +270,12 @@ def test_an_idle_peer_worker_ends_and_comes_back_when_needed():
         before = set(_notifier_threads())
         notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["first"]))
         events.wait_for(lambda: len(events.of("reply", live.address)) == 1)
-        _eventually(lambda: [t for t in _notifier_threads() if t not in before] == [])
+        wait_until(
+            lambda: [t for t in _notifier_threads() if t not in before] == [],
+            "the notifier's threads to end",
+            WAIT,
+            observe=lambda: [t.name for t in _notifier_threads() if t not in before],
+        )
         notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["second"]))
         events.wait_for(lambda: len(events.of("reply", live.address)) == 2)
 
@@ -271,8 +284,12 @@ def test_addresses_beyond_max_peers_share_one_overflow_worker():
     # Addresses come from kv_transfer_params, which a client can craft: a flood of
     # distinct ones must not start a thread each.
     events = _Events()
-    with _hung_peer() as (hung, hung_socket), _prefill() as live, _prefill() as other, \
-            _notifier(events, max_peers=1) as notifier:
+    with (
+        _hung_peer() as (hung, hung_socket),
+        _prefill() as live,
+        _prefill() as other,
+        _notifier(events, max_peers=1) as notifier,
+    ):
         before = set(_notifier_threads())
         notifier.send(hung, Done(to_engine="prefill-0", request_ids=["to-hung"]))
         assert hung_socket.poll(WAIT * 1000, zmq.POLLIN)

@@ -99,15 +99,28 @@ def test_any_number_of_groups_including_an_uncached_window(capsys):
     """DeepSeek-V4.1: a second, bounded-replay window vLLM does not prefix-cache."""
     from connectors.vllm_adapter import GroupGeometry
 
-    args = ["--group", "full:256", "--group", "sliding:64:128", "--group", "sliding:64:128:uncached",
-            "--group", "sliding:32:64", "--prompt-tokens", "5131"]
+    args = [
+        "--group",
+        "full:256",
+        "--group",
+        "sliding:64:128",
+        "--group",
+        "sliding:64:128:uncached",
+        "--group",
+        "sliding:32:64",
+        "--prompt-tokens",
+        "5131",
+    ]
     report = _run_json(capsys, args)
-    expected = _real_plan([
-        GroupGeometry("full_attention", 256, eagle=True),
-        GroupGeometry("sliding_window", 64, 128, eagle=True),
-        GroupGeometry("sliding_window", 64, 128, eagle=True, prefix_cacheable=False),
-        GroupGeometry("sliding_window", 32, 64, eagle=True),
-    ], 5131)
+    expected = _real_plan(
+        [
+            GroupGeometry("full_attention", 256, eagle=True),
+            GroupGeometry("sliding_window", 64, 128, eagle=True),
+            GroupGeometry("sliding_window", 64, 128, eagle=True, prefix_cacheable=False),
+            GroupGeometry("sliding_window", 32, 64, eagle=True),
+        ],
+        5131,
+    )
     assert report == expected
     assert len(report["groups"]) == 4 and report["groups"][2]["publish_blocks"] == []
 
@@ -117,9 +130,16 @@ def _dsv4_style_config(path):
     bytes per token in the sliding layers), window 128, one MTP layer."""
     layer_types = ["sliding_attention", "full_attention"] * 3
     config = {
-        "model_type": "deepseek_v4_style", "num_hidden_layers": 6, "layer_types": layer_types,
-        "sliding_window": 128, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 128,
-        "swa_num_key_value_heads": 2, "swa_head_dim": 256, "num_nextn_predict_layers": 1,
+        "model_type": "deepseek_v4_style",
+        "num_hidden_layers": 6,
+        "layer_types": layer_types,
+        "sliding_window": 128,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 1,
+        "head_dim": 128,
+        "swa_num_key_value_heads": 2,
+        "swa_head_dim": 256,
+        "num_nextn_predict_layers": 1,
     }
     path.write_text(json.dumps(config))
     return path
@@ -132,20 +152,26 @@ def test_deepseek_v4_style_config_plans_as_its_engine_geometry(tmp_path, capsys)
     report = _run_json(capsys, ["--config", str(config), "--block-size", "64", "--prompt-tokens", "5131"])
     # The engine's --block-size 64 gives the sliding layers 64-token blocks, the full
     # layers (a quarter of the bytes per token) 256; the MTP layer turns EAGLE on.
-    expected = _real_plan([
-        GroupGeometry("sliding_window", 64, 128, eagle=True),
-        GroupGeometry("full_attention", 256, eagle=True),
-    ], 5131)
+    expected = _real_plan(
+        [
+            GroupGeometry("sliding_window", 64, 128, eagle=True),
+            GroupGeometry("full_attention", 256, eagle=True),
+        ],
+        5131,
+    )
     assert report == expected
     assert report["expected_sibling_hit_tokens"] == 4864
 
 
-@pytest.mark.parametrize(("spec", "block_size", "prompt", "groups"), [
-    # test_connector_engines.py: a real engine on `--block-size 64` reports groups of 64
-    # (sliding, window 128) and 256 tokens for this model; its MTP layer means EAGLE.
-    ("dsv4-mimo", 64, 5131, [("sliding_window", 64, 128, True), ("full_attention", 256, None, True)]),
-    ("hybrid-llama", 16, 300, [("sliding_window", 16, 64, False), ("full_attention", 16, None, False)]),
-])
+@pytest.mark.parametrize(
+    ("spec", "block_size", "prompt", "groups"),
+    [
+        # test_connector_engines.py: a real engine on `--block-size 64` reports groups of 64
+        # (sliding, window 128) and 256 tokens for this model; its MTP layer means EAGLE.
+        ("dsv4-mimo", 64, 5131, [("sliding_window", 64, 128, True), ("full_attention", 256, None, True)]),
+        ("hybrid-llama", 16, 300, [("sliding_window", 16, 64, False), ("full_attention", 16, None, False)]),
+    ],
+)
 def test_tiny_model_configs_plan_as_their_engine_geometry(tmp_path, capsys, spec, block_size, prompt, groups):
     from connectors.vllm_adapter import GroupGeometry
     from pdconnect.testbed.tinymodel import DSV4_LIKE_MIMO_V2, TinyModelSpec, ensure_model
@@ -157,21 +183,28 @@ def test_tiny_model_configs_plan_as_their_engine_geometry(tmp_path, capsys, spec
     assert report == _real_plan([GroupGeometry(k, b, w, eagle=e) for k, b, w, e in groups], prompt)
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--group", "full:256", "--group", "sliding:64"], "expected full:BLOCK or sliding:BLOCK:WINDOW"),
-    (["--group", "mamba:16"], "expected full:BLOCK or sliding:BLOCK:WINDOW"),
-    (["--group", "sliding:64:x"], "must be integers"),
-    (["--group", "sliding:64:0"], "window must be positive"),
-    (["--group", "full:256", "--window", "128"], "describe the groups one way"),
-    (["--fa-block-size", "256", "--window", "128"], "--swa-block-size required"),
-    (["--config", "/nonexistent/config.json", "--block-size", "64"], "No such file"),
-    (["--config", "/nonexistent/config.json"], "--config needs --block-size"),
-    (["--group", "full:256", "--block-size", "64"], "--block-size goes with --config"),
-    ([], "describe the groups one way"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--group", "full:256", "--group", "sliding:64"], "expected full:BLOCK or sliding:BLOCK:WINDOW"),
+        (["--group", "mamba:16"], "expected full:BLOCK or sliding:BLOCK:WINDOW"),
+        (["--group", "sliding:64:x"], "must be integers"),
+        (["--group", "sliding:64:0"], "window must be positive"),
+        (["--group", "full:256", "--window", "128"], "describe the groups one way"),
+        (["--fa-block-size", "256", "--window", "128"], "--swa-block-size required"),
+        (["--config", "/nonexistent/config.json", "--block-size", "64"], "No such file"),
+        (["--config", "/nonexistent/config.json"], "--config needs --block-size"),
+        (["--group", "full:256", "--block-size", "64"], "--block-size goes with --config"),
+        ([], "describe the groups one way"),
+    ],
+)
 def test_bad_group_descriptions_give_one_line_and_exit_code_2(args, message):
-    result = subprocess.run([sys.executable, "-m", "pdconnect.cli", "plan", *args, "--prompt-tokens", "5131"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pdconnect.cli", "plan", *args, "--prompt-tokens", "5131"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 2
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
@@ -182,6 +215,20 @@ def test_bad_config_gives_one_line_and_exit_code_2(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text(json.dumps({"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}))
     result = subprocess.run(
-        [sys.executable, "-m", "pdconnect.cli", "plan", "--config", str(bad), "--block-size", "64",
-         "--prompt-tokens", "5131"], capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pdconnect.cli",
+            "plan",
+            "--config",
+            str(bad),
+            "--block-size",
+            "64",
+            "--prompt-tokens",
+            "5131",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 2 and "no sliding_window" in result.stderr

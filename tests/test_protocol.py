@@ -13,18 +13,38 @@ from pdconnect.envelope import EnvelopeError, ReplayGuard, encode_message, open_
 from pdconnect.errors import ConfigError
 from pdconnect.keyring import Keyring, SigningKey, public_key_text
 from pdconnect.protocol import (
-    PROTOCOL_VERSION, Ack, Claim, CompatInfo, Direction, Done, GroupCompat, Heartbeat, Message, ProtocolError,
-    Release, decode_plan,
+    PROTOCOL_VERSION,
+    Ack,
+    Claim,
+    CompatInfo,
+    Direction,
+    Done,
+    GroupCompat,
+    Heartbeat,
+    Message,
+    ProtocolError,
+    Release,
+    decode_plan,
 )
 from pdconnect.sidechannel import SideChannelClient, SideChannelError, SideChannelServer, release_remote
 from pdconnect.testbed.keys import PEER_KEYS, SECRETS, keyring
 
 PLAN = {
-    "remote_engine_id": "p0", "remote_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": 5700,
-    "compat_hash": "abc", "num_prompt_tokens": 5131, "lease_expires_at": 1.0,
-    "groups": [{"group": 0, "runs": [{"start": 0, "block_ids": [4, 5, 6]}]},
-               {"group": 1, "runs": [{"start": 74, "block_ids": [9, 10, 11]}, {"start": 78, "block_ids": [12]}],
-                "slack": [74, 75, 76]}],
+    "remote_engine_id": "p0",
+    "remote_request_id": "r1",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5700,
+    "compat_hash": "abc",
+    "num_prompt_tokens": 5131,
+    "lease_expires_at": 1.0,
+    "groups": [
+        {"group": 0, "runs": [{"start": 0, "block_ids": [4, 5, 6]}]},
+        {
+            "group": 1,
+            "runs": [{"start": 74, "block_ids": [9, 10, 11]}, {"start": 78, "block_ids": [12]}],
+            "slack": [74, 75, 76],
+        },
+    ],
     "do_remote_prefill": True,
 }
 
@@ -36,13 +56,16 @@ def test_plan_round_trips_and_maps_logical_indices_to_prefill_blocks():
     assert decode_plan(msgspec.to_builtins(plan)) == plan
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"remote_port": "5700"}, "Expected `int`, got `str` - at `$.remote_port`"),
-    ({"num_prompt_tokens": 0}, "num_prompt_tokens must be positive"),
-    ({"surprise": 1}, "unknown field `surprise`"),
-    ({"pdconnect": 99}, "plan protocol 99"),
-    ({"groups": [{"group": 0, "runs": [{"start": 0}]}]}, "missing required field `block_ids`"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"remote_port": "5700"}, "Expected `int`, got `str` - at `$.remote_port`"),
+        ({"num_prompt_tokens": 0}, "num_prompt_tokens must be positive"),
+        ({"surprise": 1}, "unknown field `surprise`"),
+        ({"pdconnect": 99}, "plan protocol 99"),
+        ({"groups": [{"group": 0, "runs": [{"start": 0}]}]}, "missing required field `block_ids`"),
+    ],
+)
 def test_malformed_plans_are_refused_with_the_field_named(change, message):
     with pytest.raises(ProtocolError, match="malformed kv_transfer_params") as info:
         decode_plan({**PLAN, **change})
@@ -63,14 +86,16 @@ def _open(data: bytes, keys: Keyring | None, direction: Direction = "request", *
     return open_envelope(data, keys, direction, **options).message
 
 
-PREFILL, DECODE, ROUTER = (keyring(role) for role in ("prefill", "decode", "router"))
+PREFILL, DECODE, ROUTER = keyring("prefill"), keyring("decode"), keyring("router")
 
 
 def test_messages_are_signed_by_their_role_and_checked_by_the_receiver():
     data = encode_message(Done(to_engine="prefill-0", request_ids=["r1"]), "decode", DECODE)
     assert _open(data, PREFILL) == Done(to_engine="prefill-0", request_ids=["r1"])
     unsigned = encode_message(Done(to_engine="prefill-0", request_ids=["r1"]), "decode")
-    guessed = encode_message(Done(to_engine="prefill-0", request_ids=["r1"]), "decode", keyring("decode", secret="x" * 32))
+    guessed = encode_message(
+        Done(to_engine="prefill-0", request_ids=["r1"]), "decode", keyring("decode", secret="x" * 32)
+    )
     for refused in (unsigned, guessed):
         with pytest.raises(EnvelopeError, match="no valid decode signature") as info:
             _open(refused, PREFILL)
@@ -83,12 +108,17 @@ def test_no_role_can_pass_for_another_or_send_what_its_role_may_not():
     secret signed for all three, and the router pod could answer decode as a prefill engine."""
     ack = Ack(unknown=[])
     # Its own role, but a kind the router may not send: refused after the signature holds.
-    for message in (Heartbeat(to_engine="prefill-0", request_ids=["l"]), Claim(to_engine="prefill-0", lease_id="l", claimant="c", plan_digest="d"),
-                    Done(to_engine="prefill-0", request_ids=["l"])):
+    for message in (
+        Heartbeat(to_engine="prefill-0", request_ids=["l"]),
+        Claim(to_engine="prefill-0", lease_id="l", claimant="c", plan_digest="d"),
+        Done(to_engine="prefill-0", request_ids=["l"]),
+    ):
         with pytest.raises(EnvelopeError, match="a router may not send") as info:
             _open(encode_message(message, "router", ROUTER), PREFILL)
         assert info.value.kind == "forbidden"
-    assert _open(encode_message(Release(to_engine="prefill-0", request_ids=["l"], reason="gone"), "router", ROUTER), PREFILL)
+    assert _open(
+        encode_message(Release(to_engine="prefill-0", request_ids=["l"], reason="gone"), "router", ROUTER), PREFILL
+    )
     # Claiming another role: its key is not that role's, so the signature fails.
     forged = msgspec.msgpack.decode(encode_message(ack, "router", ROUTER))
     as_prefill = {**forged, "sender": "prefill"}
@@ -117,7 +147,9 @@ def test_a_role_trusts_every_key_listed_for_it_and_signs_with_its_own():
     verifier = keyring("prefill", trusted=both)
     for secret in (current, upcoming):
         assert _open(encode_message(Ack(), "prefill", PREFILL), keyring("decode", secret=secret), "reply") == Ack()
-        signed = encode_message(Heartbeat(to_engine="prefill-0", request_ids=["l"]), "decode", keyring("decode", secret=secret))
+        signed = encode_message(
+            Heartbeat(to_engine="prefill-0", request_ids=["l"]), "decode", keyring("decode", secret=secret)
+        )
         assert _open(signed, verifier) == Heartbeat(to_engine="prefill-0", request_ids=["l"])
     retired = keyring("prefill", trusted=f"decode:{public_key_text(upcoming.encode())}")
     with pytest.raises(EnvelopeError, match="no valid decode signature"):
@@ -126,7 +158,7 @@ def test_a_role_trusts_every_key_listed_for_it_and_signs_with_its_own():
 
 @pytest.mark.parametrize("secret", ["", "short", "x" * 31])
 def test_a_secret_shorter_than_a_key_is_refused_at_start(secret, monkeypatch):
-    with pytest.raises(ConfigError, match="at least 32|shorter than 32"):
+    with pytest.raises(ConfigError, match=r"at least 32|shorter than 32"):
         SigningKey(secret.encode())
     with pytest.raises(ConfigError, match="shorter than 32"):
         ConnectorSettings.from_extra_config({"secret": secret or "-", "peer_keys": PEER_KEYS})
@@ -155,24 +187,36 @@ class _Clock:
 
 
 def test_every_signed_envelope_carries_a_fresh_nonce_and_time_under_the_signature():
-    first, second = (msgspec.msgpack.decode(encode_message(Ack(), "prefill", PREFILL, now=100.0,
-                                                           reply_to=b"r" * 16)) for _ in range(2))
+    first, second = (
+        msgspec.msgpack.decode(encode_message(Ack(), "prefill", PREFILL, now=100.0, reply_to=b"r" * 16))
+        for _ in range(2)
+    )
     assert first["nonce"] != second["nonce"] and first["sent_at"] == 100.0 and first["reply_to"] == b"r" * 16
     # Moving the time, changing the nonce, the request answered, the role or the direction
     # breaks the signature: a genuine answer to one request cannot be passed off as the
     # answer to another, nor a message of one role as another's.
-    for field, value in (("sent_at", 200.0), ("nonce", second["nonce"]), ("reply_to", b"s" * 16),
-                         ("version", PROTOCOL_VERSION + 1), ("sender", "decode"), ("direction", "request")):
+    for field, value in (
+        ("sent_at", 200.0),
+        ("nonce", second["nonce"]),
+        ("reply_to", b"s" * 16),
+        ("version", PROTOCOL_VERSION + 1),
+        ("sender", "decode"),
+        ("direction", "request"),
+    ):
         forged = msgspec.msgpack.encode({**first, field: value})
-        with pytest.raises(ProtocolError,
-                           match=f"authentication failed|version {PROTOCOL_VERSION + 1}|expected"):
+        with pytest.raises(ProtocolError, match=f"authentication failed|version {PROTOCOL_VERSION + 1}|expected"):
             _open(forged, DECODE, "reply")
     stripped = msgspec.msgpack.encode({k: v for k, v in first.items() if k != "reply_to"})
     with pytest.raises(ProtocolError, match="authentication failed"):
         _open(stripped, DECODE, "reply")
     # Without keys an envelope is versioned, names its role and direction, and has an id.
     assert set(msgspec.msgpack.decode(encode_message(Ack(), "prefill"))) == {
-        "version", "sender", "direction", "body", "nonce"}
+        "version",
+        "sender",
+        "direction",
+        "body",
+        "nonce",
+    }
 
 
 def test_the_replay_guard_refuses_replays_and_messages_outside_the_window():
@@ -184,8 +228,14 @@ def test_the_replay_guard_refuses_replays_and_messages_outside_the_window():
         _open(data, PREFILL, replay_guard=guard)
     assert info.value.kind == "replayed"
     # Clock skew up to the window is tolerated both ways; beyond it the message is stale.
-    for sent_at, accepted in ((970.0, True), (1030.0, True), (969.0, False), (1031.0, False),
-                              (float("nan"), False), (float("inf"), False)):
+    for sent_at, accepted in (
+        (970.0, True),
+        (1030.0, True),
+        (969.0, False),
+        (1031.0, False),
+        (float("nan"), False),
+        (float("inf"), False),
+    ):
         message = encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE, now=sent_at)
         if accepted:
             assert _open(message, PREFILL, replay_guard=guard) == Done(to_engine="prefill-0", request_ids=[])
@@ -199,7 +249,11 @@ def test_the_replay_guard_refuses_replays_and_messages_outside_the_window():
     clock.now = 1100.0
     with pytest.raises(EnvelopeError, match="stale"):
         _open(data, PREFILL, replay_guard=guard)
-    _open(encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE, now=1100.0), PREFILL, replay_guard=guard)
+    _open(
+        encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE, now=1100.0),
+        PREFILL,
+        replay_guard=guard,
+    )
     assert len(guard) == 1
 
 
@@ -211,13 +265,21 @@ def test_a_clock_stepped_back_does_not_reopen_a_captured_message_to_replay():
     data = encode_message(Heartbeat(to_engine="prefill-0", request_ids=["lease"]), "decode", DECODE, now=1000.0)
     _open(data, PREFILL, replay_guard=guard)
     clock.now = 1030.5  # the window has just passed: the nonce is forgotten...
-    _open(encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE, now=1030.5), PREFILL, replay_guard=guard)
+    _open(
+        encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE, now=1030.5),
+        PREFILL,
+        replay_guard=guard,
+    )
     clock.now = 1028.5  # ...and the wall clock steps back 2 s
     with pytest.raises(EnvelopeError, match="stale") as info:
         _open(data, PREFILL, replay_guard=guard)
     assert info.value.kind == "stale"
     # A fresh message sent on the stepped clock is still accepted.
-    assert _open(encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE, now=1028.5), PREFILL, replay_guard=guard)
+    assert _open(
+        encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE, now=1028.5),
+        PREFILL,
+        replay_guard=guard,
+    )
 
 
 def test_a_full_replay_cache_refuses_instead_of_forgetting_nonces():
@@ -226,7 +288,9 @@ def test_a_full_replay_cache_refuses_instead_of_forgetting_nonces():
     for data in kept:
         _open(data, PREFILL, replay_guard=guard)
     with pytest.raises(EnvelopeError, match="too many") as info:
-        _open(encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE), PREFILL, replay_guard=guard)
+        _open(
+            encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE), PREFILL, replay_guard=guard
+        )
     assert info.value.kind == "overloaded"
     with pytest.raises(EnvelopeError, match="replayed"):  # still remembered
         _open(kept[0], PREFILL, replay_guard=guard)
@@ -237,16 +301,30 @@ def test_unauthenticated_messages_never_reach_the_replay_cache():
     forger = keyring("decode", secret="f" * 40)
     for _ in range(3):
         with pytest.raises(EnvelopeError, match="authentication failed"):
-            _open(encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", forger), PREFILL, replay_guard=guard)
+            _open(
+                encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", forger),
+                PREFILL,
+                replay_guard=guard,
+            )
     assert len(guard) == 0
-    assert _open(encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE), PREFILL, replay_guard=guard)
+    assert _open(
+        encode_message(Done(to_engine="prefill-0", request_ids=[]), "decode", DECODE), PREFILL, replay_guard=guard
+    )
 
 
 def _compat(**changes) -> CompatInfo:
-    base = dict(model="m", dtype="float32", cache_dtype="auto",
-                groups=(GroupCompat(kind="full_attention", block_size=256, sliding_window=None, eagle=True,
-                                    page_bytes=4096),),
-                cache_hit_alignment=256, speculative="eagle3:1", tp_size=8, kv_layout="default")
+    base = {
+        "model": "m",
+        "dtype": "float32",
+        "cache_dtype": "auto",
+        "groups": (
+            GroupCompat(kind="full_attention", block_size=256, sliding_window=None, eagle=True, page_bytes=4096),
+        ),
+        "cache_hit_alignment": 256,
+        "speculative": "eagle3:1",
+        "tp_size": 8,
+        "kv_layout": "default",
+    }
     return CompatInfo(**{**base, **changes})
 
 
@@ -257,7 +335,9 @@ def test_compat_differences_name_each_field():
 
 
 def test_side_channel_serves_answers_and_times_out_on_a_dead_peer():
-    server = SideChannelServer("127.0.0.1", 0, lambda m: Ack(unknown=list(m.request_ids)), PREFILL, engine_id="prefill-0")
+    server = SideChannelServer(
+        "127.0.0.1", 0, lambda m: Ack(unknown=list(m.request_ids)), PREFILL, engine_id="prefill-0"
+    )
     try:
         assert release_remote(server.address, "prefill-0", ["r1"], "client gone", ROUTER) == Ack(unknown=["r1"])
         client = SideChannelClient(server.address, "decode", DECODE)
@@ -266,8 +346,14 @@ def test_side_channel_serves_answers_and_times_out_on_a_dead_peer():
         with pytest.raises(SideChannelError, match="authentication failed"):
             release_remote(server.address, "prefill-0", ["r1"], "x", keyring("router", secret="w" * 32))
         # A router that believes another prefill key takes no answer from this one.
-        with pytest.raises(SideChannelError, match="bad reply.*no valid prefill signature"):
-            release_remote(server.address, "prefill-0", ["r1"], "x", keyring("router", trusted=f"prefill:{public_key_text(b'o' * 32)}"))
+        with pytest.raises(SideChannelError, match=r"bad reply.*no valid prefill signature"):
+            release_remote(
+                server.address,
+                "prefill-0",
+                ["r1"],
+                "x",
+                keyring("router", trusted=f"prefill:{public_key_text(b'o' * 32)}"),
+            )
     finally:
         server.close()
     with pytest.raises(SideChannelError, match="not sent: no connection"):
@@ -344,8 +430,11 @@ def test_settings_refuse_unknown_keys_and_bad_values():
 def test_a_reachable_side_channel_needs_a_secret_or_an_explicit_opt_out():
     with pytest.raises(ConfigError, match="reachable from other machines"):
         ConnectorSettings.from_extra_config({"side_channel_host": "0.0.0.0"})
-    for extra in ({"secret_env": "PD_SECRET", "peer_keys_env": "PD_KEYS"},
-                  {"secret": SECRETS["prefill"], "peer_keys": PEER_KEYS}, {"allow_insecure_side_channel": True}):
+    for extra in (
+        {"secret_env": "PD_SECRET", "peer_keys_env": "PD_KEYS"},
+        {"secret": SECRETS["prefill"], "peer_keys": PEER_KEYS},
+        {"allow_insecure_side_channel": True},
+    ):
         assert ConnectorSettings.from_extra_config({"side_channel_host": "0.0.0.0", **extra})
     assert ConnectorSettings.from_extra_config({"side_channel_host": "localhost"}).secret is None
     for extra in ({"side_channel_max_message_bytes": 0}, {"side_channel_max_age_seconds": -1}):
@@ -375,7 +464,12 @@ def test_without_keys_an_engine_talks_to_this_machine_only():
     answers there, so only loopback hosts are followed (or any, on an explicit opt-out)."""
     unsigned = ConnectorSettings.from_extra_config({})
     assert [unsigned.may_dial(h) for h in ("127.0.0.1", "localhost", "::1", "10.0.0.7", "prefill-0")] == [
-        True, True, True, False, False]
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
     keyed = ConnectorSettings.from_extra_config({"secret": SECRETS["decode"], "peer_keys": PEER_KEYS})
     opted_out = ConnectorSettings.from_extra_config({"allow_insecure_side_channel": True})
     assert keyed.may_dial("10.0.0.7") and opted_out.may_dial("10.0.0.7")
@@ -383,9 +477,13 @@ def test_without_keys_an_engine_talks_to_this_machine_only():
 
 def test_kv_transfer_config_json_is_checked_as_the_engine_would():
     role, settings = parse_kv_transfer_config(
-        '{"kv_connector":"PDConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"transport":"nixl"}}')
+        '{"kv_connector":"PDConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"transport":"nixl"}}'
+    )
     assert role == "kv_consumer" and settings.transport == "nixl"
-    for text, message in [("{", "not valid JSON"), ('{"kv_connector":"Nixl","kv_role":"kv_both"}', "PDConnector"),
-                          ('{"kv_connector":"PDConnector","kv_role":"boss"}', "kv_role")]:
+    for text, message in [
+        ("{", "not valid JSON"),
+        ('{"kv_connector":"Nixl","kv_role":"kv_both"}', "PDConnector"),
+        ('{"kv_connector":"PDConnector","kv_role":"boss"}', "kv_role"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             parse_kv_transfer_config(text)

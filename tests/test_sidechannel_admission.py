@@ -37,7 +37,9 @@ def _ack(message: Message) -> Message:
 
 @contextlib.contextmanager
 def _serving(per_host: int, total: int) -> Iterator[SideChannelServer]:
-    server = SideChannelServer("127.0.0.1", 0, _ack, max_connections=total, max_connections_per_host=per_host, engine_id="prefill-0")
+    server = SideChannelServer(
+        "127.0.0.1", 0, _ack, max_connections=total, max_connections_per_host=per_host, engine_id="prefill-0"
+    )
     try:
         yield server
     finally:
@@ -250,7 +252,9 @@ def test_the_table_counts_per_host_and_in_all_and_forgets_closed_connections() -
 @pytest.mark.parametrize(("per_host", "total"), [(0, 10), (11, 10), (-1, -1)])
 def test_limits_must_be_positive_and_the_host_limit_within_the_total(per_host: int, total: int) -> None:
     with pytest.raises(SideChannelError, match="max_connections_per_host"):
-        SideChannelServer("127.0.0.1", 0, _ack, max_connections=total, max_connections_per_host=per_host, engine_id="prefill-0")
+        SideChannelServer(
+            "127.0.0.1", 0, _ack, max_connections=total, max_connections_per_host=per_host, engine_id="prefill-0"
+        )
     with pytest.raises(ConfigError, match="side_channel_max_connections"):
         ConnectorSettings.from_extra_config(
             {"side_channel_max_connections": total, "side_channel_max_connections_per_host": per_host}

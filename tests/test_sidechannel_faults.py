@@ -1,4 +1,4 @@
-"""Side-channel faults: nothing a peer sends ends the prefill engine's serving thread, slips past the envelope or starves other peers.
+"""Side-channel faults: nothing a peer sends ends the serving thread, slips past the envelope or starves peers.
 
 Each test sends one kind of stray or hostile traffic straight at a `SideChannelServer`
 over zmq, checks how it was answered and counted, and then that the server still
@@ -110,13 +110,17 @@ def test_a_req_socket_is_refused_and_the_server_keeps_serving():
         assert server.counts()["refused_frames"] == 1
 
 
-@pytest.mark.parametrize("frames", [
-    [b"", b""],
-    [b"", _signed(Heartbeat(to_engine="prefill-0", request_ids=[]))],  # a REQ envelope sent by hand
-    [_signed(Heartbeat(to_engine="prefill-0", request_ids=[]))] * 2,
-    [b"x"] * 10,
-    [b""] * 10,
-], ids=["two-empty", "req-like", "two-valid", "ten", "ten-empty"])
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"", b""],
+        [b"", _signed(Heartbeat(to_engine="prefill-0", request_ids=[]))],  # a REQ envelope sent by hand
+        [_signed(Heartbeat(to_engine="prefill-0", request_ids=[]))] * 2,
+        [b"x"] * 10,
+        [b""] * 10,
+    ],
+    ids=["two-empty", "req-like", "two-valid", "ten", "ten-empty"],
+)
 def test_every_wrong_frame_count_is_refused_and_counted(frames):
     with _serving() as (server, handler), _raw(server.address) as dealer:
         dealer.send_multipart(frames)
@@ -172,9 +176,13 @@ def test_forged_and_tampered_messages_are_refused_without_reaching_the_handler()
     genuine = msgspec.msgpack.decode(_signed(Heartbeat(to_engine="prefill-0", request_ids=["lease"])))
     tampered_body = {**genuine, "body": msgspec.msgpack.encode(Heartbeat(to_engine="prefill-0", request_ids=["other"]))}
     forged = [
-        encode_message(Heartbeat(to_engine="prefill-0", request_ids=["lease"]), "decode", keyring("decode", secret="g" * 32)),
+        encode_message(
+            Heartbeat(to_engine="prefill-0", request_ids=["lease"]), "decode", keyring("decode", secret="g" * 32)
+        ),
         encode_message(Heartbeat(to_engine="prefill-0", request_ids=["lease"]), "decode"),  # unsigned
-        encode_message(Heartbeat(to_engine="prefill-0", request_ids=["lease"]), "router", keyring("router")),  # the router's key
+        encode_message(
+            Heartbeat(to_engine="prefill-0", request_ids=["lease"]), "router", keyring("router")
+        ),  # the router's key
         msgspec.msgpack.encode(tampered_body),
         msgspec.msgpack.encode({**genuine, "sender": "router"}),
     ]
@@ -285,22 +293,32 @@ def test_refusals_do_not_echo_local_values():
 
 # Random msgpack-able values: envelopes and bodies with the right shape but any content.
 _msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.binary(max_size=64)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.binary(max_size=64)
     | st.text(max_size=32),
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
     max_leaves=20,
 )
 _envelope_like = st.fixed_dictionaries(
     {"version": st.sampled_from([PROTOCOL_VERSION]) | st.integers(-5, 5)},
-    optional={"body": st.binary(max_size=128) | _msgpack_values.map(msgspec.msgpack.encode),
-              "sender": st.sampled_from(["prefill", "decode", "router", "boss"]) | _msgpack_values,
-              "direction": st.sampled_from(["request", "reply"]) | _msgpack_values,
-              "signature": st.binary(max_size=80), "key_id": st.binary(max_size=12),
-              "nonce": st.binary(min_size=14, max_size=18), "reply_to": st.binary(max_size=40),
-              "sent_at": st.floats(), "type": st.text(max_size=10)},
+    optional={
+        "body": st.binary(max_size=128) | _msgpack_values.map(msgspec.msgpack.encode),
+        "sender": st.sampled_from(["prefill", "decode", "router", "boss"]) | _msgpack_values,
+        "direction": st.sampled_from(["request", "reply"]) | _msgpack_values,
+        "signature": st.binary(max_size=80),
+        "key_id": st.binary(max_size=12),
+        "nonce": st.binary(min_size=14, max_size=18),
+        "reply_to": st.binary(max_size=40),
+        "sent_at": st.floats(),
+        "type": st.text(max_size=10),
+    },
 ).map(msgspec.msgpack.encode)
-_frames = st.lists(st.binary(max_size=256) | _envelope_like | _msgpack_values.map(msgspec.msgpack.encode),
-                   min_size=1, max_size=12)
+_frames = st.lists(
+    st.binary(max_size=256) | _envelope_like | _msgpack_values.map(msgspec.msgpack.encode), min_size=1, max_size=12
+)
 
 
 def _counted(server: SideChannelServer, total: int) -> dict[str, int]:
@@ -342,8 +360,12 @@ def test_random_traffic_is_refused_message_by_message_and_never_kills_the_server
     with _serving(keys, **UNLIMITED) as (server, handler), _raw(server.address) as dealer:
         sent = [0]
 
-        @settings(max_examples=1000, deadline=None, database=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @settings(
+            max_examples=1000,
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
         @given(frames=_frames)
         def one_message(frames: list[bytes]) -> None:
             dealer.send_multipart(frames)
@@ -364,12 +386,26 @@ def _shapes() -> dict[str, bytes]:
     """One envelope of every malformed shape, each with a readable id where it can have one."""
     genuine = msgspec.msgpack.decode(_signed(Heartbeat(to_engine="prefill-0", request_ids=["lease"])))
     valid = msgspec.msgpack.encode(genuine)
-    shapes = {f"reply_to-{size}": msgspec.msgpack.encode({**genuine, "reply_to": b"r" * size})
-              for size in (0, 15, 17, 65_535, 65_536, 65_537, 1 << 20)}
-    for field, value in (("version", "3"), ("version", 2**64 - 1), ("sender", 7), ("sender", "boss"),
-                         ("direction", "sideways"), ("body", "text"), ("body", b"\xc1"), ("sent_at", "now"),
-                         ("key_id", b"k" * 7), ("key_id", b"k" * 1000), ("signature", b"s" * 63),
-                         ("signature", b"s" * 100_000), ("nonce", b"n" * 100_000), ("nonce", 5)):
+    shapes = {
+        f"reply_to-{size}": msgspec.msgpack.encode({**genuine, "reply_to": b"r" * size})
+        for size in (0, 15, 17, 65_535, 65_536, 65_537, 1 << 20)
+    }
+    for field, value in (
+        ("version", "3"),
+        ("version", 2**64 - 1),
+        ("sender", 7),
+        ("sender", "boss"),
+        ("direction", "sideways"),
+        ("body", "text"),
+        ("body", b"\xc1"),
+        ("sent_at", "now"),
+        ("key_id", b"k" * 7),
+        ("key_id", b"k" * 1000),
+        ("signature", b"s" * 63),
+        ("signature", b"s" * 100_000),
+        ("nonce", b"n" * 100_000),
+        ("nonce", 5),
+    ):
         shapes[f"{field}-{str(value)[:12]}"] = msgspec.msgpack.encode({**genuine, field: value})
     for cut in (1, 2, 10, len(valid) // 2, len(valid) - 1):
         shapes[f"truncated-{cut}"] = valid[:cut]
@@ -455,11 +491,23 @@ def test_a_flood_of_malformed_envelopes_does_not_starve_a_live_client(keys, trac
 # --- binding -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("host", "loopback"), [
-    ("127.0.0.1", True), ("127.3.2.1", True), ("localhost", True), ("LOCALHOST", True), ("::1", True),
-    ("[::1]", True), ("0.0.0.0", False), ("::", False), ("*", False), ("10.0.0.7", False),
-    ("prefill-0.pd.svc", False), ("eth0", False),
-])
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.3.2.1", True),
+        ("localhost", True),
+        ("LOCALHOST", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("*", False),
+        ("10.0.0.7", False),
+        ("prefill-0.pd.svc", False),
+        ("eth0", False),
+    ],
+)
 def test_loopback_hosts_are_recognised(host, loopback):
     assert is_loopback_host(host) is loopback
 
@@ -472,11 +520,14 @@ def test_a_reachable_bind_without_keys_refuses_to_start_unless_opted_out():
     with pytest.raises(SideChannelError, match="answers as prefill"):
         SideChannelServer("127.0.0.1", 0, _Recorder(), DECODE, engine_id="prefill-0")
     for keys, allow_insecure in ((PREFILL, False), (None, True)):
-        server = SideChannelServer("0.0.0.0", 0, _Recorder(), keys, allow_insecure=allow_insecure, engine_id="prefill-0")
+        server = SideChannelServer(
+            "0.0.0.0", 0, _Recorder(), keys, allow_insecure=allow_insecure, engine_id="prefill-0"
+        )
         try:
             # Served on every interface, so also on loopback.
-            client = SideChannelClient(f"tcp://127.0.0.1:{server.port}", "decode", _client_keys(keys),
-                                       timeout=REPLY_WAIT_MS / 1000)
+            client = SideChannelClient(
+                f"tcp://127.0.0.1:{server.port}", "decode", _client_keys(keys), timeout=REPLY_WAIT_MS / 1000
+            )
             assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["a"])) == Ack(unknown=["a"])
             client.close()
         finally:

@@ -34,6 +34,7 @@ from pdconnect.router.releaser import PrefillReleaser
 from pdconnect.sidechannel import SideChannelServer
 from pdconnect.testbed.keys import keyring
 from pdconnect.testbed.processes import freeze
+from tests.waiting import wait_until
 
 PREFILL, ROUTER = keyring("prefill"), keyring("router")
 WAIT_S = 20.0  # bound on every wait; none is a performance claim
@@ -50,16 +51,16 @@ def _released(metrics: RouterMetrics, result: str) -> float:
 
 def _plan(address: str, request_id: str, lease_seconds: float = 60.0) -> dict[str, Any]:
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    return {"remote_engine_id": "prefill-0", "remote_request_id": request_id, "remote_host": host,
-            "remote_port": int(port), "compat_hash": "c", "num_prompt_tokens": 10,
-            "lease_expires_at": time.time() + lease_seconds, "groups": []}
-
-
-def _eventually(predicate: Any, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.02)
+    return {
+        "remote_engine_id": "prefill-0",
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": int(port),
+        "compat_hash": "c",
+        "num_prompt_tokens": 10,
+        "lease_expires_at": time.time() + lease_seconds,
+        "groups": [],
+    }
 
 
 # --- a stalled prefill engine -----------------------------------------------------------
@@ -87,6 +88,7 @@ def stalled_prefill() -> Iterator[tuple[Any, str, Synchronized[int]]]:
     try:
         yield process, ready.get(timeout=60), released
     finally:
+        assert process.pid is not None  # started above
         os.kill(process.pid, signal.SIGCONT)
         process.kill()
         process.join(WAIT_S)
@@ -98,16 +100,16 @@ def test_releases_sent_while_a_prefill_engine_is_stopped_reach_it_when_it_runs_a
     releaser = PrefillReleaser(ROUTER, RELEASE_TIMEOUT_S, metrics)
     try:
         releaser.release(_plan(address, "warm"), "client gone")
-        _eventually(lambda: released.value == 1, "the first release")
+        wait_until(lambda: released.value == 1, "the first release", WAIT_S)
         freeze(process.pid)
         for i in range(5):
             releaser.release(_plan(address, f"stopped-{i}"), "client gone")
         # Several release timeouts pass unanswered: before, each of these was lost by now.
-        _eventually(lambda: _released(metrics, "retried") >= 2, "releases retried while stopped")
+        wait_until(lambda: _released(metrics, "retried") >= 2, "releases retried while stopped", WAIT_S)
         assert released.value == 1
         os.kill(process.pid, signal.SIGCONT)
-        _eventually(lambda: released.value >= 6, "every release reached the engine once it ran again")
-        _eventually(lambda: _released(metrics, "ok") >= 6, "counted as ok")
+        wait_until(lambda: released.value >= 6, "every release reached the engine once it ran again", WAIT_S)
+        wait_until(lambda: _released(metrics, "ok") >= 6, "counted as ok", WAIT_S)
         assert _released(metrics, "dropped") == 0 and _released(metrics, "expired") == 0
     finally:
         releaser.close(wait=False)
@@ -143,8 +145,9 @@ def _counting_prefill() -> Iterator[tuple[str, list[str], list[int]]]:
                 message = open_envelope(data, PREFILL, "request").message
                 assert isinstance(message, Release)
                 released.extend(message.request_ids)
-                router.send_multipart([identity, encode_message(Ack(), "prefill", PREFILL,
-                                                                reply_to=request_id_of(data))])
+                router.send_multipart(
+                    [identity, encode_message(Ack(), "prefill", PREFILL, reply_to=request_id_of(data))]
+                )
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -169,7 +172,7 @@ def test_releases_to_one_prefill_engine_share_one_connection() -> None:
                 releaser.release(_plan(address, f"r{i}"), "decode_failed")
                 if i % 3 == 0:
                     time.sleep(0.01)  # some go out alone, some together
-            _eventually(lambda: len(released) == 30, "all releases")
+            wait_until(lambda: len(released) == 30, "all releases", WAIT_S)
         finally:
             releaser.close(wait=True)
         assert sorted(released) == sorted(f"r{i}" for i in range(30))
@@ -207,15 +210,21 @@ def test_pending_releases_are_bounded_and_given_up_when_their_lease_is_over() ->
     def count(name: str, amount: int) -> None:
         counts[name] = counts.get(name, 0) + amount
 
-    notifier = PeerNotifier(sender="router", keys=ROUTER, timeout_seconds=RELEASE_TIMEOUT_S, heartbeat_seconds=3600.0,
-                            count=count, max_pending_releases=3)
+    notifier = PeerNotifier(
+        sender="router",
+        keys=ROUTER,
+        timeout_seconds=RELEASE_TIMEOUT_S,
+        heartbeat_seconds=3600.0,
+        count=count,
+        max_pending_releases=3,
+    )
     with _hung_peer() as address:
         try:
             notifier.release(address, "prefill-0", [f"r{i}" for i in range(10)], "client gone", time.monotonic() + 2.0)
             assert counts.get("releases_dropped") == 7
             # Unanswered, retried until their deadline, then given up and counted.
-            _eventually(lambda: counts.get("releases_expired") == 3, "expired")
+            wait_until(lambda: counts.get("releases_expired") == 3, "expired", WAIT_S)
             assert counts.get("release_retries", 0) >= 3
-            _eventually(lambda: notifier.pending_releases() == 0, "nothing left pending")
+            wait_until(lambda: notifier.pending_releases() == 0, "nothing left pending", WAIT_S)
         finally:
             notifier.close()

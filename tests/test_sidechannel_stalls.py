@@ -27,8 +27,9 @@ import pytest
 
 from pdconnect.protocol import Ack, Heartbeat, Message
 from pdconnect.sidechannel import LATE_ROUND_SECONDS, NoAnswer, SideChannelClient, SideChannelServer
-from pdconnect.testbed.processes import freeze
 from pdconnect.testbed.keys import keyring
+from pdconnect.testbed.processes import freeze
+from tests.waiting import wait_until
 
 PREFILL, DECODE = keyring("prefill"), keyring("decode")
 WAIT_S = 10.0  # bound on every wait for the child process; none is a performance claim
@@ -61,10 +62,13 @@ class Child:
         return f"tcp://127.0.0.1:{self.port}"
 
     def wait_handled(self, count: int) -> int:
-        deadline = time.monotonic() + WAIT_S
-        while self.handled.value < count and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self.handled.value
+        wait_until(
+            lambda: self.handled.value >= count,
+            f"the child to handle {count} messages",
+            WAIT_S,
+            observe=lambda: self.handled.value,
+        )
+        return int(self.handled.value)
 
 
 def _start(port: int = 0) -> Child:
@@ -105,7 +109,9 @@ def test_requests_sent_to_a_stopped_server_all_reach_it_when_it_runs_again(child
         # closed, unsent, before the stopped server could take them.
         assert child.wait_handled(4) == 4
         # Its late answers wait in the client's socket; the next request gets its own.
-        assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["after"]), timeout=WAIT_S) == Ack(unknown=["after"])
+        assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["after"]), timeout=WAIT_S) == Ack(
+            unknown=["after"]
+        )
     finally:
         client.close()
 
@@ -123,7 +129,9 @@ def test_a_late_answer_is_never_taken_for_the_answer_to_a_later_request() -> Non
         with pytest.raises(NoAnswer):
             client.request(Heartbeat(to_engine="prefill-0", request_ids=["slow"]))
         # The answer to "slow" arrives first, on the same connection, and is dropped.
-        assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["next"]), timeout=WAIT_S) == Ack(unknown=["next"])
+        assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["next"]), timeout=WAIT_S) == Ack(
+            unknown=["next"]
+        )
     finally:
         client.close()
         server.close()
@@ -161,7 +169,9 @@ def test_a_request_that_could_not_be_sent_is_never_delivered_later() -> None:
             client.request(Heartbeat(to_engine="prefill-0", request_ids=["early"]))
         late = _start(port)
         try:
-            assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["now"]), timeout=WAIT_S) == Ack(unknown=["now"])
+            assert client.request(Heartbeat(to_engine="prefill-0", request_ids=["now"]), timeout=WAIT_S) == Ack(
+                unknown=["now"]
+            )
             time.sleep(0.5)  # room for a queued "early" to arrive, were one queued
             assert late.handled.value == 1
         finally:

@@ -22,9 +22,19 @@ UNSIGNED = {"transport": "mooncake", "protocol": "tcp", "side_channel_port": 0, 
 
 
 def _plan(host: str) -> dict[str, object]:
-    return {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_request_id": "r", "remote_host": host,
-            "remote_port": 5700, "compat_hash": "not-this-engine", "num_prompt_tokens": 300,
-            "lease_expires_at": 0.0, "groups": [], "lease_id": "lease", "prompt_digest": "d"}
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": "p0",
+        "remote_request_id": "r",
+        "remote_host": host,
+        "remote_port": 5700,
+        "compat_hash": "not-this-engine",
+        "num_prompt_tokens": 300,
+        "lease_expires_at": 0.0,
+        "groups": [],
+        "lease_id": "lease",
+        "prompt_digest": "d",
+    }
 
 
 def test_an_unsigned_decode_engine_refuses_plans_naming_another_machine(caplog) -> None:
@@ -40,7 +50,8 @@ def test_an_unsigned_decode_engine_refuses_plans_naming_another_machine(caplog) 
         assert len(refused) == 2 and "10.9.8.7" in refused[0] and "prefill-0.pd.svc" in refused[1]
         # This machine's plan passed that check and was refused for what it is (another engine's).
         assert [m for m in refusals if m.startswith("request local")] == [
-            "request local: refusing kv_transfer_params: kv_transfer_params come from an incompatible prefill engine"]
+            "request local: refusing kv_transfer_params: kv_transfer_params come from an incompatible prefill engine"
+        ]
         decode.drain()
         assert decode.free_blocks() == decode.start_free_blocks
     finally:
