@@ -1,7 +1,7 @@
 """`make bench-decider`: decode-first routing on vs off, the same prompts, fresh engines each.
 
 Two deployments, one after the other: a P/D pair publishing KV events behind the router
-(kv-aware), with `--decode-local` off (every request takes the prefill leg) and on (a
+(kv-aware), with `--decode-first` off (every request takes the prefill leg) and on (a
 request whose decode engine holds all but a few of its prompt tokens goes to decode
 alone). Each serves the same traffic:
 
@@ -324,21 +324,21 @@ def _say(message: str) -> None:
 
 
 def run_variant(
-    decode_local: bool, sizes: Sizes, transport: Transport, threshold: int, in_flight: int, sweep: bool
+    decode_first: bool, sizes: Sizes, transport: Transport, threshold: int, in_flight: int, sweep: bool
 ) -> tuple[list[TurnResult], list[tuple[int, float, float]]]:
-    variant = "on" if decode_local else "off"
+    variant = "on" if decode_first else "off"
     # The decider's settings are given to both: the "off" router predicts nothing (no
-    # --decode-local), the same groups and bounds keep the two command lines comparable.
+    # --decode-first), the same groups and bounds keep the two command lines comparable.
     args = [
         "--kv-cache-groups",
         GROUPS,
-        "--decode-local-max-uncached-tokens",
+        "--decode-first-max-uncached-tokens",
         str(threshold),
-        "--decode-local-max-tokens-in-flight",
+        "--decode-first-max-tokens-in-flight",
         str(in_flight),
     ]
-    if decode_local:
-        args.insert(0, "--decode-local")
+    if decode_first:
+        args.insert(0, "--decode-first")
     config = LocalPDConfig(transport=transport, kv_events=True, router_args=tuple(args))
     with Cluster() as cluster, httpx.Client(timeout=30) as client:
         _say(f"decider {variant}: starting a fresh P/D pair and the router")
@@ -437,8 +437,8 @@ def format_itl(sweep: Sequence[tuple[int, float, float]]) -> str:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.decider", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--transport", default="mooncake", choices=["mooncake", "nixl"])
-    parser.add_argument("--threshold", type=int, default=256, help="--decode-local-max-uncached-tokens")
-    parser.add_argument("--in-flight", type=int, default=512, help="--decode-local-max-tokens-in-flight")
+    parser.add_argument("--threshold", type=int, default=256, help="--decode-first-max-uncached-tokens")
+    parser.add_argument("--in-flight", type=int, default=512, help="--decode-first-max-tokens-in-flight")
     parser.add_argument("--tiny", action="store_true", help="the smallest sizes (the test's)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     return parser.parse_args(argv)
@@ -449,9 +449,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = TINY if args.tiny else Sizes()
     results: list[TurnResult] = []
     sweep: list[tuple[int, float, float]] = []
-    for decode_local in (False, True):
+    for decode_first in (False, True):
         turns, itl = run_variant(
-            decode_local, sizes, args.transport, args.threshold, args.in_flight, sweep=decode_local
+            decode_first, sizes, args.transport, args.threshold, args.in_flight, sweep=decode_first
         )
         results += turns
         sweep += itl

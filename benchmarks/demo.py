@@ -11,7 +11,7 @@ overlapping siblings (coalesced: the second waits for the first's load) and the 
 long-suffix sibling (the shared-prefix junction) hit locally. Every process is
 stopped on success, failure and Ctrl-C (the `Cluster` owns them).
 
-With slack on, a second router (kv-aware, `--decode-local`) then serves one chat
+With slack on, a second router (kv-aware, `--decode-first`) then serves one chat
 conversation on the same engines and prints each turn's route: later turns whose
 prompt the decode engine already holds skip the prefill leg.
 """
@@ -114,7 +114,7 @@ DECODE_LOCAL_GROUPS = "full:128:eagle,sliding:128:64:eagle"
 
 
 def _decode_first_chat(cluster: Cluster, local: LocalPD, seed: int, turns: int = 3) -> list[str]:
-    """One conversation through a kv-aware router with `--decode-local`, in front of the same
+    """One conversation through a kv-aware router with `--decode-first`, in front of the same
     engines; prints and returns each turn's route (`x-pdconnect-route`)."""
     import httpx
 
@@ -134,7 +134,7 @@ def _decode_first_chat(cluster: Cluster, local: LocalPD, seed: int, turns: int =
                 "kv-aware",
                 "--tokenizer",
                 str(target),
-                "--decode-local",
+                "--decode-first",
                 "--kv-cache-groups",
                 DECODE_LOCAL_GROUPS,
                 "--no-fallback",
@@ -150,7 +150,7 @@ def _decode_first_chat(cluster: Cluster, local: LocalPD, seed: int, turns: int =
     def words(count: int) -> str:
         return " ".join(f"w{rng.randrange(0, SPEC.vocab_size - FIRST_WORD_ID)}" for _ in range(count))
 
-    _say("decode-first routing: one chat conversation through a kv-aware router with --decode-local")
+    _say("decode-first routing: one chat conversation through a kv-aware router with --decode-first")
     messages = [{"role": "system", "content": words(600)}]
     routes = []
     try:

@@ -15,7 +15,7 @@ hit the decode engine's *own* prefix cache as much as it would hit a colocated e
 
 The prefill and decode engines publish vLLM KV events, so on some setups (Llama with
 EAGLE3 and without, MiMo-V2 with MTP; both transports) a kv-aware `pdconnect router`
-with `--decode-local` runs on top of the same pair (the `routed` fixture): decode-first
+with `--decode-first` runs on top of the same pair (the `routed` fixture): decode-first
 routing, whose predicted hit must be the decode engine's own (see the last section).
 """
 
@@ -444,7 +444,7 @@ def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
 
 # --- decode-first routing: the router's predicted hit is the decode engine's own ------------
 #
-# A kv-aware router with `--decode-local` on top of the pair, the colocated engine as the
+# A kv-aware router with `--decode-first` on top of the pair, the colocated engine as the
 # reference for outputs. For every request the router predicts, from the KV events, the
 # hit the decode engine's own lookup will find (`x-pdconnect-route`); the decode engine's
 # prefix-cache counters then say what it did find, on P/D and decode-local requests alike,
@@ -494,10 +494,10 @@ def routed(pair: Pair, cluster: Cluster) -> Iterator[Routed]:
     """A kv-aware router, decode-first, in front of the pair's engines (their KV events)."""
     decider = DECIDERS[pair.setup.name]
     router_args = (
-        "--decode-local",
+        "--decode-first",
         "--kv-cache-groups",
         decider.groups,
-        "--decode-local-max-uncached-tokens",
+        "--decode-first-max-uncached-tokens",
         str(decider.threshold),
     )
     router, _ = start_router(
