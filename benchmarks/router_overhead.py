@@ -48,6 +48,7 @@ import aiohttp
 import msgspec
 
 from pdconnect.testbed.processes import Cluster, ProcessSpec
+from pdconnect.testbed.recipes import router_argv
 
 __all__ = ["main"]
 
@@ -371,22 +372,11 @@ def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
         specs = [
             ProcessSpec(
                 name="pdconnect",
-                argv=_python(
-                    "-m",
-                    "pdconnect.cli",
-                    "router",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(ours_port),
-                    "--prefill",
-                    prefill.base_url,
-                    "--decode",
-                    decode.base_url,
-                    "--log-level",
-                    "warning",
-                    "--policy",
-                    ours_policy,
+                argv=router_argv(
+                    port=ours_port,
+                    prefill=[prefill.base_url],
+                    decode=[decode.base_url],
+                    args=("--log-level", "warning", "--policy", ours_policy),
                 ),
                 health_url=f"http://127.0.0.1:{ours_port}/health",
                 base_url=f"http://127.0.0.1:{ours_port}",

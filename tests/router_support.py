@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from pdconnect.router import RunningRouter, load_config, start_router
+from pdconnect.router import RouterConfig, RunningRouter, load_config, start_router
 from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
 from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec
 from pdconnect.testbed.recipes import router_server
@@ -30,6 +30,7 @@ __all__ = [
     "HANG",
     "Setup",
     "peak_rss_bytes",
+    "router_config_for",
     "router_process_with_fakes",
     "sse_events",
     "start_setup",
@@ -62,23 +63,23 @@ class Setup:
                 return resp.status, dict(resp.headers), await resp.read()
 
 
+def router_config_for(fakes: FakeCluster, **options: Any) -> RouterConfig:
+    """A router's config on 127.0.0.1 (a free port) in front of the FAKE engines, `options` over it."""
+    return load_config(
+        {"host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls, **options}
+    )
+
+
 async def start_setup(prefill: int = 1, decode: int = 1, **options: Any) -> Setup:
     fakes = await FakeCluster.start(prefill, decode)
-    config = load_config(
-        {
-            "host": "127.0.0.1",
-            "port": 0,
-            "prefill": fakes.prefill_urls,
-            "decode": fakes.decode_urls,
-            "prefill_timeout": 1.0,
-            "decode_first_byte_timeout": 1.0,
-            "decode_timeout": 1.0,
-            "stream_idle_timeout": 1.0,
-            "connect_timeout": 0.5,
-            **options,
-        }
-    )
-    router = await start_router(config)
+    short_timeouts = {
+        "prefill_timeout": 1.0,
+        "decode_first_byte_timeout": 1.0,
+        "decode_timeout": 1.0,
+        "stream_idle_timeout": 1.0,
+        "connect_timeout": 0.5,
+    }
+    router = await start_router(router_config_for(fakes, **{**short_timeouts, **options}))
     return Setup(fakes, router, aiohttp.ClientSession())
 
 

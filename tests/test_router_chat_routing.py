@@ -24,9 +24,10 @@ import pytest
 import pytest_asyncio
 import zmq
 
-from pdconnect.router import RunningRouter, load_config, start_router
+from pdconnect.router import RunningRouter, start_router
 from pdconnect.testbed.fake_engine import FakeCluster
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
+from tests.router_support import router_config_for
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 pytestmark = pytest.mark.asyncio
@@ -99,17 +100,7 @@ async def kv_router() -> AsyncIterator[Any]:
             url: [f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"] for url, sock in publishers.items()
         }
         router = await start_router(
-            load_config(
-                {
-                    "host": "127.0.0.1",
-                    "port": 0,
-                    "prefill": fakes.prefill_urls,
-                    "decode": fakes.decode_urls,
-                    "policy": "kv-aware",
-                    "kv_events_endpoints": endpoints,
-                    **options,
-                }
-            )
+            router_config_for(fakes, policy="kv-aware", kv_events_endpoints=endpoints, **options)
         )
         made.append(KvSetup(fakes, router, aiohttp.ClientSession(), publishers))
         return made[-1]

@@ -289,33 +289,33 @@ class _Publisher:
             await asyncio.sleep(0.02)
 
 
+def _decode_first_config(fakes: Any, publishers: dict[str, _Publisher]) -> Any:
+    """The router config of the decode-first tests: kv-aware over the publishers, decode-first on."""
+    from tests.router_support import router_config_for
+
+    return router_config_for(
+        fakes,
+        policy="kv-aware",
+        kv_events_endpoints={u: [p.endpoint] for u, p in publishers.items()},
+        decode_first=True,
+        kv_cache_groups=str(GROUPS),
+        decode_first_max_uncached_tokens=8,
+    )
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_decode_first_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) -> None:
     import aiohttp
     import zmq
 
-    from pdconnect.router import load_config, start_router
+    from pdconnect.router import start_router
     from pdconnect.testbed.fake_engine import FakeCluster
 
     fakes = await FakeCluster.start(prefill=1, decode=2)
     context = zmq.Context()
     publishers = {url: _Publisher(context) for url in fakes.decode_urls}
-    router = await start_router(
-        load_config(
-            {
-                "host": "127.0.0.1",
-                "port": 0,
-                "prefill": fakes.prefill_urls,
-                "decode": fakes.decode_urls,
-                "policy": "kv-aware",
-                "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
-                "decode_first": True,
-                "kv_cache_groups": str(GROUPS),
-                "decode_first_max_uncached_tokens": 8,
-            }
-        )
-    )
+    router = await start_router(_decode_first_config(fakes, publishers))
     body: dict[str, Any] = {"model": "fake-model", "prompt": TOKENS, "max_tokens": 2, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
@@ -385,27 +385,13 @@ async def test_a_failed_local_attempt_is_retried_pd_on_the_next_engine() -> None
     import aiohttp
     import zmq
 
-    from pdconnect.router import load_config, start_router
+    from pdconnect.router import start_router
     from pdconnect.testbed.fake_engine import FakeCluster
 
     fakes = await FakeCluster.start(prefill=1, decode=2)
     context = zmq.Context()
     publishers = {url: _Publisher(context) for url in fakes.decode_urls}
-    router = await start_router(
-        load_config(
-            {
-                "host": "127.0.0.1",
-                "port": 0,
-                "prefill": fakes.prefill_urls,
-                "decode": fakes.decode_urls,
-                "policy": "kv-aware",
-                "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
-                "decode_first": True,
-                "kv_cache_groups": str(GROUPS),
-                "decode_first_max_uncached_tokens": 8,
-            }
-        )
-    )
+    router = await start_router(_decode_first_config(fakes, publishers))
     holder, other = fakes.decode_urls[1], fakes.decode_urls[0]
     try:
         await publishers[holder].publish(router, *HELD)
@@ -440,8 +426,8 @@ async def test_a_long_prompts_chain_keys_are_computed_once_off_the_event_loop(mo
     import aiohttp
     import zmq
 
-    from pdconnect.router import load_config, start_router
     from pdconnect.router import prompt as routing_prompt
+    from pdconnect.router import start_router
     from pdconnect.testbed.fake_engine import FakeCluster
 
     calls: list[tuple[bool, int, int]] = []  # (on the loop's thread, tokens, block size)
@@ -454,21 +440,7 @@ async def test_a_long_prompts_chain_keys_are_computed_once_off_the_event_loop(mo
     fakes = await FakeCluster.start(prefill=1, decode=2)
     context = zmq.Context()
     publishers = {url: _Publisher(context) for url in fakes.decode_urls}
-    router = await start_router(
-        load_config(
-            {
-                "host": "127.0.0.1",
-                "port": 0,
-                "prefill": fakes.prefill_urls,
-                "decode": fakes.decode_urls,
-                "policy": "kv-aware",
-                "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
-                "decode_first": True,
-                "kv_cache_groups": str(GROUPS),
-                "decode_first_max_uncached_tokens": 8,
-            }
-        )
-    )
+    router = await start_router(_decode_first_config(fakes, publishers))
     prompt = TOKENS + [7] * (1 << 14)  # its body is far over the size tokenized inline
     try:
         for publisher in publishers.values():  # both engines fresh: the policy scores both

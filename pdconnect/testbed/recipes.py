@@ -33,6 +33,7 @@ __all__ = [
     "TRANSFER_PARAMS_GUARD",
     "engine_args",
     "pd_kv_transfer",
+    "router_argv",
     "router_server",
     "stock_nixl_kv_transfer",
     "vllm_env",
@@ -204,19 +205,16 @@ def vllm_server(
     )
 
 
-def router_server(
-    name: str,
+def router_argv(
     *,
     port: int,
     prefill: Sequence[str],
     decode: Sequence[str],
     args: Sequence[str] = (),
-    startup_timeout_s: float = 60.0,
     python: str = sys.executable,
-) -> ProcessSpec:
-    """A `ProcessSpec` for `pdconnect router` on 127.0.0.1 in front of the given engines."""
-    base_url = f"http://127.0.0.1:{port}"
-    argv = (
+) -> tuple[str, ...]:
+    """The command line of `pdconnect router` on 127.0.0.1 in front of the given engines."""
+    return (
         python,
         "-m",
         "pdconnect.cli",
@@ -231,9 +229,23 @@ def router_server(
         *decode,
         *args,
     )
+
+
+def router_server(
+    name: str,
+    *,
+    port: int,
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    args: Sequence[str] = (),
+    startup_timeout_s: float = 60.0,
+    python: str = sys.executable,
+) -> ProcessSpec:
+    """A `ProcessSpec` for `pdconnect router` on 127.0.0.1 in front of the given engines."""
+    base_url = f"http://127.0.0.1:{port}"
     return ProcessSpec(
         name=name,
-        argv=argv,
+        argv=router_argv(port=port, prefill=prefill, decode=decode, args=args, python=python),
         env={"PYTHONUNBUFFERED": "1"},
         health_url=f"{base_url}/health",
         base_url=base_url,
