@@ -28,8 +28,9 @@ from pdconnect.router import RunningRouter, start_router
 from pdconnect.testbed.fake_engine import FakeCluster
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
 from tests.router_support import router_config_for
+from tests.vllm_kv_events import block_stored, encoded_batch
 
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
+pytest.importorskip("vllm.distributed.kv_events")
 pytestmark = pytest.mark.asyncio
 
 BS = 4
@@ -47,17 +48,13 @@ CHAT: dict[str, Any] = {
 def _stored(tokens: list[int]) -> Any:
     """vLLM's BlockStored for every full block of `tokens`."""
     blocks = len(tokens) // BS
-    return kv_events.BlockStored(
-        block_hashes=[f"b{i}".encode() for i in range(blocks)],
-        parent_block_hash=None,
-        token_ids=tokens[: blocks * BS],
+    return block_stored(
+        [f"b{i}".encode() for i in range(blocks)],
+        None,
+        tokens[: blocks * BS],
         block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=0,
-        kv_cache_spec_kind="full_attention",
-        kv_cache_spec_sliding_window=None,
+        group=0,
+        kind="full_attention",
     )
 
 
@@ -78,7 +75,7 @@ class KvSetup:
 
     async def publish(self, url: str, tokens: list[int]) -> None:
         """Until the router applied it: a SUB socket joins asynchronously."""
-        batch = msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=0.0, events=[_stored(tokens)]))
+        batch = encoded_batch([_stored(tokens)])
         applied = lambda: self.count("pdconnect_router_kv_events_total", result="ok")  # noqa: E731
         seq = 0
         async with asyncio.timeout(HANG):

@@ -24,6 +24,7 @@ from pdconnect.router.kvwire import decode_batch
 from pdconnect.router.lookup import CacheGroup, CacheGroups, parse_groups, predicted_hits
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.prompt import RoutingPrompt, block_keys
+from tests.vllm_kv_events import block_stored, encoded_batch
 
 if TYPE_CHECKING:
     from connectors.geometry import GroupKind
@@ -113,22 +114,19 @@ def test_groups_are_parsed_full_attention_first_and_bad_ones_are_named() -> None
 def _stored(blocks: range, group: int, kind: str, window: int | None = None) -> Any:
     """vLLM's BlockStored for blocks of TOKENS. The hash names the block, not the group: vLLM
     hashes a request's blocks once for every group of a block size."""
-    return kv_events.BlockStored(
-        block_hashes=[f"b{i}".encode() for i in blocks],
-        parent_block_hash=f"b{blocks.start - 1}".encode() if blocks.start else None,
-        token_ids=TOKENS[blocks.start * BS : blocks.stop * BS],
+    return block_stored(
+        [f"b{i}".encode() for i in blocks],
+        f"b{blocks.start - 1}".encode() if blocks.start else None,
+        TOKENS[blocks.start * BS : blocks.stop * BS],
         block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=group,
-        kv_cache_spec_kind=kind,
-        kv_cache_spec_sliding_window=window,
+        group=group,
+        kind=kind,
+        window=window,
     )
 
 
 def _batch(*events: Any) -> bytes:
-    return msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=0.0, events=list(events)))
+    return encoded_batch(events)
 
 
 def _index(*events: Any) -> EngineKVIndex:
