@@ -28,7 +28,7 @@ from pdconnect.router import RunningRouter, start_router
 from pdconnect.testbed.fake_engine import FakeCluster
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
 from tests.router_support import router_config_for
-from tests.vllm_kv_events import block_stored, encoded_batch
+from tests.vllm_kv_events import encoded_batch, stored_blocks
 
 pytest.importorskip("vllm.distributed.kv_events")
 pytestmark = pytest.mark.asyncio
@@ -48,14 +48,7 @@ CHAT: dict[str, Any] = {
 def _stored(tokens: list[int]) -> Any:
     """vLLM's BlockStored for every full block of `tokens`."""
     blocks = len(tokens) // BS
-    return block_stored(
-        [f"b{i}".encode() for i in range(blocks)],
-        None,
-        tokens[: blocks * BS],
-        block_size=BS,
-        group=0,
-        kind="full_attention",
-    )
+    return stored_blocks(range(blocks), tokens, block_size=BS, group=0, kind="full_attention")
 
 
 @dataclass

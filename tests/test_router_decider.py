@@ -24,7 +24,7 @@ from pdconnect.router.kvwire import decode_batch
 from pdconnect.router.lookup import CacheGroup, CacheGroups, parse_groups, predicted_hits
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.prompt import RoutingPrompt, block_keys
-from tests.vllm_kv_events import block_stored, encoded_batch
+from tests.vllm_kv_events import encoded_batch, stored_blocks
 
 if TYPE_CHECKING:
     from connectors.geometry import GroupKind
@@ -114,15 +114,7 @@ def test_groups_are_parsed_full_attention_first_and_bad_ones_are_named() -> None
 def _stored(blocks: range, group: int, kind: str, window: int | None = None) -> Any:
     """vLLM's BlockStored for blocks of TOKENS. The hash names the block, not the group: vLLM
     hashes a request's blocks once for every group of a block size."""
-    return block_stored(
-        [f"b{i}".encode() for i in blocks],
-        f"b{blocks.start - 1}".encode() if blocks.start else None,
-        TOKENS[blocks.start * BS : blocks.stop * BS],
-        block_size=BS,
-        group=group,
-        kind=kind,
-        window=window,
-    )
+    return stored_blocks(blocks, TOKENS, block_size=BS, group=group, kind=kind, window=window)
 
 
 def _batch(*events: Any) -> bytes:

@@ -14,7 +14,7 @@ kv_events = pytest.importorskip("vllm.distributed.kv_events")
 from pdconnect.router.kvindex import EngineKVIndex  # noqa: E402
 from pdconnect.router.kvwire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch  # noqa: E402
 from pdconnect.router.prompt import RoutingPrompt  # noqa: E402
-from tests.vllm_kv_events import block_stored, encoded_batch  # noqa: E402
+from tests.vllm_kv_events import block_stored, encoded_batch, stored_blocks  # noqa: E402
 
 if TYPE_CHECKING:
     from connectors.geometry import GroupKind
@@ -25,16 +25,7 @@ TOKENS = list(range(100, 132))  # 8 blocks of 4
 
 def _stored(blocks: range, group: int, kind: str, window: int | None = None) -> object:
     """vLLM's BlockStored for consecutive blocks of TOKENS (hashes = block number + group tag)."""
-    first, last = blocks.start, blocks.stop
-    return block_stored(
-        [f"g{group}b{i}".encode() for i in blocks],
-        f"g{group}b{first - 1}".encode() if first else None,
-        TOKENS[first * BS : last * BS],
-        block_size=BS,
-        group=group,
-        kind=kind,
-        window=window,
-    )
+    return stored_blocks(blocks, TOKENS, block_size=BS, group=group, kind=kind, window=window, tag=f"g{group}")
 
 
 def _publish(index: EngineKVIndex, *events: object) -> None:
@@ -103,26 +94,11 @@ def _window_tail(blocks: range, group: int, window: int) -> object:
     for the last `window` tokens' blocks (the rest null or masked), and vLLM's hashes are
     the request's, shared by every group of the block size (`b{i}`, no group tag)."""
     tail = range(max(blocks.start, blocks.stop - window // BS), blocks.stop)
-    return block_stored(
-        [f"b{i}".encode() for i in tail],
-        f"b{blocks.start - 1}".encode() if blocks.start else None,
-        TOKENS[blocks.start * BS : blocks.stop * BS],
-        block_size=BS,
-        group=group,
-        kind="sliding_window",
-        window=window,
-    )
+    return stored_blocks(blocks, TOKENS, block_size=BS, group=group, kind="sliding_window", window=window, hashed=tail)
 
 
 def _full(blocks: range, group: int = 0) -> object:
-    return block_stored(
-        [f"b{i}".encode() for i in blocks],
-        f"b{blocks.start - 1}".encode() if blocks.start else None,
-        TOKENS[blocks.start * BS : blocks.stop * BS],
-        block_size=BS,
-        group=group,
-        kind="full_attention",
-    )
+    return stored_blocks(blocks, TOKENS, block_size=BS, group=group, kind="full_attention")
 
 
 def test_window_tail_hashes_are_keyed_at_their_own_positions_through_the_full_group() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["block_stored", "encoded_batch"]
+__all__ = ["block_stored", "encoded_batch", "stored_blocks"]
 
 
 def block_stored(
@@ -40,6 +40,33 @@ def block_stored(
         group_idx=group,
         kv_cache_spec_kind=kind,
         kv_cache_spec_sliding_window=window,
+    )
+
+
+def stored_blocks(
+    blocks: range,
+    tokens: list[int],
+    *,
+    block_size: int,
+    group: int,
+    kind: str,
+    window: int | None = None,
+    hashed: range | None = None,
+    tag: str = "",
+) -> Any:
+    """vLLM's BlockStored for consecutive `blocks` of `tokens`, block i hashed `{tag}b{i}`.
+
+    `hashed`: the blocks whose hashes the store lists (all of `blocks` unless given), as a
+    sliding group lists only those still in its window while its token range covers all.
+    """
+    return block_stored(
+        [f"{tag}b{i}".encode() for i in (blocks if hashed is None else hashed)],
+        f"{tag}b{blocks.start - 1}".encode() if blocks.start else None,
+        tokens[blocks.start * block_size : blocks.stop * block_size],
+        block_size=block_size,
+        group=group,
+        kind=kind,
+        window=window,
     )
 
 
