@@ -293,6 +293,21 @@ def _decode_first_config(fakes: Any, publishers: dict[str, _Publisher]) -> Any:
     )
 
 
+async def _two_tokens_through(router: Any, prompt: list[int]) -> dict[str, str]:
+    """A 2-token completion of `prompt` through the router, answered 200; its response headers."""
+    import aiohttp
+
+    async with (
+        aiohttp.ClientSession() as http,
+        asyncio.timeout(15),
+        http.post(
+            router.url + "/v1/completions", json={"model": "fake-model", "prompt": prompt, "max_tokens": 2}
+        ) as resp,
+    ):
+        assert resp.status == 200
+        return dict(resp.headers)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_decode_first_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) -> None:
@@ -372,7 +387,6 @@ async def test_decode_first_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) 
 
 @pytest.mark.asyncio
 async def test_a_failed_local_attempt_is_retried_pd_on_the_next_engine() -> None:
-    import aiohttp
     import zmq
 
     from pdconnect.router import start_router
@@ -386,15 +400,7 @@ async def test_a_failed_local_attempt_is_retried_pd_on_the_next_engine() -> None
     try:
         await publishers[holder].publish(router, *HELD)
         fakes.engine(holder).faults.fail_next = 1
-        async with (
-            aiohttp.ClientSession() as http,
-            asyncio.timeout(15),
-            http.post(
-                router.url + "/v1/completions", json={"model": "fake-model", "prompt": TOKENS, "max_tokens": 2}
-            ) as resp,
-        ):
-            assert resp.status == 200
-            headers = dict(resp.headers)
+        headers = await _two_tokens_through(router, TOKENS)
         assert headers["X-PDConnect-Route"].startswith("pd; reason=decode_retry")
         assert headers["X-PDConnect-Decode"] == other
         assert len(fakes.prefill[0].seen) == 1  # the engine that lacks the prompt got it P/D
@@ -413,7 +419,6 @@ async def test_a_long_prompts_chain_keys_are_computed_once_off_the_event_loop(mo
     engine and the decider's prediction; the loop only looks them up."""
     import threading
 
-    import aiohttp
     import zmq
 
     from pdconnect.router import prompt as routing_prompt
@@ -436,15 +441,7 @@ async def test_a_long_prompts_chain_keys_are_computed_once_off_the_event_loop(mo
         for publisher in publishers.values():  # both engines fresh: the policy scores both
             await publisher.publish(router, *HELD)
         monkeypatch.setattr(routing_prompt, "chain_keys", spy)
-        async with (
-            aiohttp.ClientSession() as http,
-            asyncio.timeout(15),
-            http.post(
-                router.url + "/v1/completions", json={"model": "fake-model", "prompt": prompt, "max_tokens": 2}
-            ) as resp,
-        ):
-            assert resp.status == 200
-            route = resp.headers["X-PDConnect-Route"]
+        route = (await _two_tokens_through(router, prompt))["X-PDConnect-Route"]
         assert route.startswith(f"pd; reason=uncached; prompt={len(prompt)}; hit=32;")  # the decider read the keys
         assert calls == [(False, len(prompt), BS)]  # one block size, once, off the loop
     finally:
