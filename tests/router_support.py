@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ import aiohttp
 from pdconnect.router import RouterConfig, RunningRouter, load_config, start_router
 from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
 from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec
-from pdconnect.testbed.recipes import router_server
+from pdconnect.testbed.recipes import fake_engine_server, router_server
 
 __all__ = [
     "CHAT",
@@ -109,23 +108,7 @@ def router_process_with_fakes(
     with Cluster(log_dir=log_dir) as cluster:
 
         def fake(name: str, *extra: str) -> ProcessSpec:
-            port = cluster.free_port()
-            return ProcessSpec(
-                name=name,
-                argv=(
-                    sys.executable,
-                    "-m",
-                    "pdconnect.testbed.fake_engine",
-                    "--port",
-                    str(port),
-                    "--name",
-                    name,
-                    *extra,
-                    *fake_args,
-                ),
-                health_url=f"http://127.0.0.1:{port}/health",
-                base_url=f"http://127.0.0.1:{port}",
-            )
+            return fake_engine_server(name, port=cluster.free_port(), args=(*extra, *fake_args))
 
         prefill, decode = cluster.launch(fake("fake-p0", "--side-channel"), fake("fake-d0"))
         [router] = cluster.launch(

