@@ -48,6 +48,7 @@ import aiohttp
 import msgspec
 
 from pdconnect.testbed.processes import Cluster, ProcessSpec
+from pdconnect.testbed.recipes import fake_engine_server, router_argv
 
 __all__ = ["main"]
 
@@ -318,10 +319,6 @@ def _report(targets: list[Target], figures: dict[str, dict[str, float | int | No
     return "\n".join(lines)
 
 
-def _python(*argv: str) -> tuple[str, ...]:
-    return (sys.executable, *argv)
-
-
 async def _measure(targets: list[Target], args: argparse.Namespace) -> None:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
@@ -348,22 +345,7 @@ def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
     with Cluster(progress=sys.stderr) as cluster:
 
         def fake(name: str) -> ProcessSpec:
-            port = cluster.free_port()
-            return ProcessSpec(
-                name=name,
-                argv=_python(
-                    "-m",
-                    "pdconnect.testbed.fake_engine",
-                    "--port",
-                    str(port),
-                    "--name",
-                    name,
-                    "--chunks",
-                    str(args.chunks),
-                ),
-                health_url=f"http://127.0.0.1:{port}/health",
-                base_url=f"http://127.0.0.1:{port}",
-            )
+            return fake_engine_server(name, port=cluster.free_port(), args=("--chunks", str(args.chunks)))
 
         prefill, decode = cluster.launch(fake("fake-prefill"), fake("fake-decode"))
         ours_policy, ref_policy = _POLICIES[args.policy]
@@ -371,22 +353,11 @@ def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
         specs = [
             ProcessSpec(
                 name="pdconnect",
-                argv=_python(
-                    "-m",
-                    "pdconnect.cli",
-                    "router",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(ours_port),
-                    "--prefill",
-                    prefill.base_url,
-                    "--decode",
-                    decode.base_url,
-                    "--log-level",
-                    "warning",
-                    "--policy",
-                    ours_policy,
+                argv=router_argv(
+                    port=ours_port,
+                    prefill=[prefill.base_url],
+                    decode=[decode.base_url],
+                    args=("--log-level", "warning", "--policy", ours_policy),
                 ),
                 health_url=f"http://127.0.0.1:{ours_port}/health",
                 base_url=f"http://127.0.0.1:{ours_port}",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +18,10 @@ from typing import Any
 
 import aiohttp
 
-from pdconnect.router import RunningRouter, load_config, start_router
+from pdconnect.router import RouterConfig, RunningRouter, load_config, start_router
 from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
 from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec
-from pdconnect.testbed.recipes import router_server
+from pdconnect.testbed.recipes import fake_engine_server, router_server
 
 __all__ = [
     "CHAT",
@@ -30,6 +29,7 @@ __all__ = [
     "HANG",
     "Setup",
     "peak_rss_bytes",
+    "router_config_for",
     "router_process_with_fakes",
     "sse_events",
     "start_setup",
@@ -62,23 +62,23 @@ class Setup:
                 return resp.status, dict(resp.headers), await resp.read()
 
 
+def router_config_for(fakes: FakeCluster, **options: Any) -> RouterConfig:
+    """A router's config on 127.0.0.1 (a free port) in front of the FAKE engines, `options` over it."""
+    return load_config(
+        {"host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls, **options}
+    )
+
+
 async def start_setup(prefill: int = 1, decode: int = 1, **options: Any) -> Setup:
     fakes = await FakeCluster.start(prefill, decode)
-    config = load_config(
-        {
-            "host": "127.0.0.1",
-            "port": 0,
-            "prefill": fakes.prefill_urls,
-            "decode": fakes.decode_urls,
-            "prefill_timeout": 1.0,
-            "decode_first_byte_timeout": 1.0,
-            "decode_timeout": 1.0,
-            "stream_idle_timeout": 1.0,
-            "connect_timeout": 0.5,
-            **options,
-        }
-    )
-    router = await start_router(config)
+    short_timeouts = {
+        "prefill_timeout": 1.0,
+        "decode_first_byte_timeout": 1.0,
+        "decode_timeout": 1.0,
+        "stream_idle_timeout": 1.0,
+        "connect_timeout": 0.5,
+    }
+    router = await start_router(router_config_for(fakes, **{**short_timeouts, **options}))
     return Setup(fakes, router, aiohttp.ClientSession())
 
 
@@ -108,23 +108,7 @@ def router_process_with_fakes(
     with Cluster(log_dir=log_dir) as cluster:
 
         def fake(name: str, *extra: str) -> ProcessSpec:
-            port = cluster.free_port()
-            return ProcessSpec(
-                name=name,
-                argv=(
-                    sys.executable,
-                    "-m",
-                    "pdconnect.testbed.fake_engine",
-                    "--port",
-                    str(port),
-                    "--name",
-                    name,
-                    *extra,
-                    *fake_args,
-                ),
-                health_url=f"http://127.0.0.1:{port}/health",
-                base_url=f"http://127.0.0.1:{port}",
-            )
+            return fake_engine_server(name, port=cluster.free_port(), args=(*extra, *fake_args))
 
         prefill, decode = cluster.launch(fake("fake-p0", "--side-channel"), fake("fake-d0"))
         [router] = cluster.launch(

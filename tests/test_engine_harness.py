@@ -37,6 +37,7 @@ from pdconnect.testbed.recipes import (
     warm_up,
 )
 from pdconnect.testbed.tinymodel import ensure_target_and_draft
+from tests.toy_proxy import TOY_PROXY_PARAMS
 
 engine = pytest.mark.engine
 
@@ -209,17 +210,6 @@ def pd_pair(booting: Booting, client: httpx.Client) -> PDPair:
 
 def _prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
     return prompt_ids(seed, length)
-
-
-# vLLM's toy proxy's prefill request (vllm-internals.md section 5), for the stock connector.
-TOY_PROXY_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def _completion(client: httpx.Client, proc: ManagedProcess, prompt: list[int], max_tokens: int) -> dict[str, Any]:

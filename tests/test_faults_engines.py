@@ -521,6 +521,17 @@ def test_lease_survives_a_wait_in_the_decode_queue(pd: EngineSet, http: httpx.Cl
 # --- 2. router decode retry after the first decode engine claimed and failed ------------------
 
 
+def _claim(plan: TransferPlan, claimant: str) -> Any:
+    """Claim `plan`'s lease on its prefill engine's side channel, as a decode engine does."""
+    client = SideChannelClient(plan.side_channel, "decode", keyring("decode"), timeout=5.0)
+    try:
+        return client.request(
+            Claim(to_engine=plan.remote_engine_id, lease_id=plan.lease_id, claimant=claimant, plan_digest=plan.digest())
+        )
+    finally:
+        client.close()
+
+
 class _ClaimThenFail(BaseHTTPRequestHandler):
     """A decode engine that claims the plan it is handed, then answers 503 before any byte:
     what a real engine that died after its claim looks like to the router."""
@@ -542,18 +553,7 @@ class _ClaimThenFail(BaseHTTPRequestHandler):
         type(self).plans.append(params)
         try:
             plan = decode_plan(params)
-            client = SideChannelClient(plan.side_channel, "decode", keyring("decode"), timeout=5.0)
-            try:
-                reply = client.request(
-                    Claim(
-                        to_engine=plan.remote_engine_id,
-                        lease_id=plan.lease_id,
-                        claimant="fake-decode",
-                        plan_digest=plan.digest(),
-                    )
-                )
-            finally:
-                client.close()
+            reply = _claim(plan, "fake-decode")
             type(self).claims.append(
                 "held" if isinstance(reply, Ack) and plan.lease_id not in reply.unknown else "not held"
             )
@@ -579,17 +579,7 @@ def test_router_retries_decode_with_a_fresh_plan(pd: EngineSet, http: httpx.Clie
         router = pd.router("retry", decode=(fake, pd.decode.base_url))
         prompt = prompt_ids(pd.seed(3), PROMPT_TOKENS)
         expected = reference(http, pd, prompt)
-        response = http.post(
-            f"{router}/v1/completions",
-            json={
-                "model": MODEL_NAME,
-                "prompt": prompt,
-                "max_tokens": DECODE_TOKENS,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            },
-        )
+        response = completion(http, router, prompt, DECODE_TOKENS)
         answer = answer_of(response)
         row.wrong_tokens += wrong(answer, expected)
         row.outcome = f"{describe(answer)}; fake decode claim {handler.claims}"
@@ -604,21 +594,11 @@ def test_router_retries_decode_with_a_fresh_plan(pd: EngineSet, http: httpx.Clie
             assert retries >= 1, "the router did not prefill again for the retry"
             # The first plan's lease ended (released), so nobody can pull it any more.
             old = decode_plan(handler.plans[0])
-            client = SideChannelClient(old.side_channel, "decode", keyring("decode"), timeout=5.0)
             try:
-                reply = client.request(
-                    Claim(
-                        to_engine=old.remote_engine_id,
-                        lease_id=old.lease_id,
-                        claimant="probe",
-                        plan_digest=old.digest(),
-                    )
-                )
+                reply = _claim(old, "probe")
                 assert isinstance(reply, Ack) and old.lease_id in reply.unknown, reply
             except SideChannelError:
                 pass  # refused: not held for this claimant either
-            finally:
-                client.close()
             sibling_ok(http, pd, prompt, pd.seed(4), row)
         finally:
             assert_settled(http, pd, row)

@@ -10,11 +10,12 @@ configuration that checks nothing cannot pass.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.tree_run import run_python_in
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("pdconnect", "connectors", "benchmarks")
@@ -22,17 +23,7 @@ LINT = "from importlinter.cli import lint_imports_command; lint_imports_command(
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
-    # PYTHONPATH first: the tree under test, not whatever checkout is installed editable.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, "-c", LINT, "--no-cache", "--no-logo"],
-        check=False,
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_python_in(root, "-c", LINT, "--no-cache", "--no-logo", timeout=120)
 
 
 def test_the_import_contracts_hold() -> None:

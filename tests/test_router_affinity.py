@@ -17,7 +17,7 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
-from pdconnect.router import load_config, start_router
+from pdconnect.router import start_router
 from pdconnect.router.breaker import CircuitBreaker
 from pdconnect.router.engines import Engine, Role
 from pdconnect.router.policy import (
@@ -30,6 +30,7 @@ from pdconnect.router.policy import (
     render_messages,
 )
 from pdconnect.testbed.fake_engine import FakeCluster
+from tests.router_support import router_config_for
 
 ENGINES = 4
 GROUPS = 64
@@ -267,16 +268,7 @@ def _homes(pool: tuple[Engine, ...]) -> Callable[[int], Engine]:
 async def test_router_sends_siblings_to_one_decode_and_one_prefill_engine() -> None:
     fakes = await FakeCluster.start(prefill=2, decode=ENGINES, chunks=2)
     router = await start_router(
-        load_config(
-            {
-                "host": "127.0.0.1",
-                "port": 0,
-                "prefill": fakes.prefill_urls,
-                "decode": fakes.decode_urls,
-                "affinity_prefix_chars": PREFIX_CHARS,
-                "affinity_load_factor": FACTOR,
-            }
-        )
+        router_config_for(fakes, affinity_prefix_chars=PREFIX_CHARS, affinity_load_factor=FACTOR)
     )
     placed: dict[int, set[tuple[str, str]]] = defaultdict(set)
     try:

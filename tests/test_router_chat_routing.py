@@ -24,11 +24,13 @@ import pytest
 import pytest_asyncio
 import zmq
 
-from pdconnect.router import RunningRouter, load_config, start_router
+from pdconnect.router import RunningRouter, start_router
 from pdconnect.testbed.fake_engine import FakeCluster
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
+from tests.router_support import router_config_for
+from tests.vllm_kv_events import encoded_batch, stored_blocks
 
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
+pytest.importorskip("vllm.distributed.kv_events")
 pytestmark = pytest.mark.asyncio
 
 BS = 4
@@ -46,18 +48,7 @@ CHAT: dict[str, Any] = {
 def _stored(tokens: list[int]) -> Any:
     """vLLM's BlockStored for every full block of `tokens`."""
     blocks = len(tokens) // BS
-    return kv_events.BlockStored(
-        block_hashes=[f"b{i}".encode() for i in range(blocks)],
-        parent_block_hash=None,
-        token_ids=tokens[: blocks * BS],
-        block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=0,
-        kv_cache_spec_kind="full_attention",
-        kv_cache_spec_sliding_window=None,
-    )
+    return stored_blocks(range(blocks), tokens, block_size=BS, group=0, kind="full_attention")
 
 
 @dataclass
@@ -77,7 +68,7 @@ class KvSetup:
 
     async def publish(self, url: str, tokens: list[int]) -> None:
         """Until the router applied it: a SUB socket joins asynchronously."""
-        batch = msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=0.0, events=[_stored(tokens)]))
+        batch = encoded_batch([_stored(tokens)])
         applied = lambda: self.count("pdconnect_router_kv_events_total", result="ok")  # noqa: E731
         seq = 0
         async with asyncio.timeout(HANG):
@@ -99,17 +90,7 @@ async def kv_router() -> AsyncIterator[Any]:
             url: [f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"] for url, sock in publishers.items()
         }
         router = await start_router(
-            load_config(
-                {
-                    "host": "127.0.0.1",
-                    "port": 0,
-                    "prefill": fakes.prefill_urls,
-                    "decode": fakes.decode_urls,
-                    "policy": "kv-aware",
-                    "kv_events_endpoints": endpoints,
-                    **options,
-                }
-            )
+            router_config_for(fakes, policy="kv-aware", kv_events_endpoints=endpoints, **options)
         )
         made.append(KvSetup(fakes, router, aiohttp.ClientSession(), publishers))
         return made[-1]

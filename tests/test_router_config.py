@@ -17,6 +17,7 @@ import pytest
 
 from pdconnect.router import ConfigError, main, parse_args
 from pdconnect.router.config import RouterConfig, _parser
+from pdconnect.testbed.recipes import router_argv
 
 
 def test_argv_options_become_a_typed_config() -> None:
@@ -153,20 +154,7 @@ def test_pdconnect_router_command_serves_and_stops_on_sigterm() -> None:
         engine = json.loads(fake.stdout.readline())["url"]
         port = free_port()
         router = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdconnect.cli",
-                "router",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--prefill",
-                engine,
-                "--decode",
-                engine,
-            ],
+            router_argv(port=port, prefill=[engine], decode=[engine]),
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         url = f"http://127.0.0.1:{port}"

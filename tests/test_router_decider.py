@@ -24,6 +24,7 @@ from pdconnect.router.kvwire import decode_batch
 from pdconnect.router.lookup import CacheGroup, CacheGroups, parse_groups, predicted_hits
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.prompt import RoutingPrompt, block_keys
+from tests.vllm_kv_events import encoded_batch, stored_blocks
 
 if TYPE_CHECKING:
     from connectors.geometry import GroupKind
@@ -113,22 +114,11 @@ def test_groups_are_parsed_full_attention_first_and_bad_ones_are_named() -> None
 def _stored(blocks: range, group: int, kind: str, window: int | None = None) -> Any:
     """vLLM's BlockStored for blocks of TOKENS. The hash names the block, not the group: vLLM
     hashes a request's blocks once for every group of a block size."""
-    return kv_events.BlockStored(
-        block_hashes=[f"b{i}".encode() for i in blocks],
-        parent_block_hash=f"b{blocks.start - 1}".encode() if blocks.start else None,
-        token_ids=TOKENS[blocks.start * BS : blocks.stop * BS],
-        block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=group,
-        kv_cache_spec_kind=kind,
-        kv_cache_spec_sliding_window=window,
-    )
+    return stored_blocks(blocks, TOKENS, block_size=BS, group=group, kind=kind, window=window)
 
 
 def _batch(*events: Any) -> bytes:
-    return msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=0.0, events=list(events)))
+    return encoded_batch(events)
 
 
 def _index(*events: Any) -> EngineKVIndex:
@@ -289,33 +279,48 @@ class _Publisher:
             await asyncio.sleep(0.02)
 
 
+def _decode_first_config(fakes: Any, publishers: dict[str, _Publisher]) -> Any:
+    """The router config of the decode-first tests: kv-aware over the publishers, decode-first on."""
+    from tests.router_support import router_config_for
+
+    return router_config_for(
+        fakes,
+        policy="kv-aware",
+        kv_events_endpoints={u: [p.endpoint] for u, p in publishers.items()},
+        decode_first=True,
+        kv_cache_groups=str(GROUPS),
+        decode_first_max_uncached_tokens=8,
+    )
+
+
+async def _two_tokens_through(router: Any, prompt: list[int]) -> dict[str, str]:
+    """A 2-token completion of `prompt` through the router, answered 200; its response headers."""
+    import aiohttp
+
+    async with (
+        aiohttp.ClientSession() as http,
+        asyncio.timeout(15),
+        http.post(
+            router.url + "/v1/completions", json={"model": "fake-model", "prompt": prompt, "max_tokens": 2}
+        ) as resp,
+    ):
+        assert resp.status == 200
+        return dict(resp.headers)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_decode_first_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) -> None:
     import aiohttp
     import zmq
 
-    from pdconnect.router import load_config, start_router
+    from pdconnect.router import start_router
     from pdconnect.testbed.fake_engine import FakeCluster
 
     fakes = await FakeCluster.start(prefill=1, decode=2)
     context = zmq.Context()
     publishers = {url: _Publisher(context) for url in fakes.decode_urls}
-    router = await start_router(
-        load_config(
-            {
-                "host": "127.0.0.1",
-                "port": 0,
-                "prefill": fakes.prefill_urls,
-                "decode": fakes.decode_urls,
-                "policy": "kv-aware",
-                "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
-                "decode_first": True,
-                "kv_cache_groups": str(GROUPS),
-                "decode_first_max_uncached_tokens": 8,
-            }
-        )
-    )
+    router = await start_router(_decode_first_config(fakes, publishers))
     body: dict[str, Any] = {"model": "fake-model", "prompt": TOKENS, "max_tokens": 2, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
@@ -382,43 +387,20 @@ async def test_decode_first_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) 
 
 @pytest.mark.asyncio
 async def test_a_failed_local_attempt_is_retried_pd_on_the_next_engine() -> None:
-    import aiohttp
     import zmq
 
-    from pdconnect.router import load_config, start_router
+    from pdconnect.router import start_router
     from pdconnect.testbed.fake_engine import FakeCluster
 
     fakes = await FakeCluster.start(prefill=1, decode=2)
     context = zmq.Context()
     publishers = {url: _Publisher(context) for url in fakes.decode_urls}
-    router = await start_router(
-        load_config(
-            {
-                "host": "127.0.0.1",
-                "port": 0,
-                "prefill": fakes.prefill_urls,
-                "decode": fakes.decode_urls,
-                "policy": "kv-aware",
-                "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
-                "decode_first": True,
-                "kv_cache_groups": str(GROUPS),
-                "decode_first_max_uncached_tokens": 8,
-            }
-        )
-    )
+    router = await start_router(_decode_first_config(fakes, publishers))
     holder, other = fakes.decode_urls[1], fakes.decode_urls[0]
     try:
         await publishers[holder].publish(router, *HELD)
         fakes.engine(holder).faults.fail_next = 1
-        async with (
-            aiohttp.ClientSession() as http,
-            asyncio.timeout(15),
-            http.post(
-                router.url + "/v1/completions", json={"model": "fake-model", "prompt": TOKENS, "max_tokens": 2}
-            ) as resp,
-        ):
-            assert resp.status == 200
-            headers = dict(resp.headers)
+        headers = await _two_tokens_through(router, TOKENS)
         assert headers["X-PDConnect-Route"].startswith("pd; reason=decode_retry")
         assert headers["X-PDConnect-Decode"] == other
         assert len(fakes.prefill[0].seen) == 1  # the engine that lacks the prompt got it P/D
@@ -437,11 +419,10 @@ async def test_a_long_prompts_chain_keys_are_computed_once_off_the_event_loop(mo
     engine and the decider's prediction; the loop only looks them up."""
     import threading
 
-    import aiohttp
     import zmq
 
-    from pdconnect.router import load_config, start_router
     from pdconnect.router import prompt as routing_prompt
+    from pdconnect.router import start_router
     from pdconnect.testbed.fake_engine import FakeCluster
 
     calls: list[tuple[bool, int, int]] = []  # (on the loop's thread, tokens, block size)
@@ -454,35 +435,13 @@ async def test_a_long_prompts_chain_keys_are_computed_once_off_the_event_loop(mo
     fakes = await FakeCluster.start(prefill=1, decode=2)
     context = zmq.Context()
     publishers = {url: _Publisher(context) for url in fakes.decode_urls}
-    router = await start_router(
-        load_config(
-            {
-                "host": "127.0.0.1",
-                "port": 0,
-                "prefill": fakes.prefill_urls,
-                "decode": fakes.decode_urls,
-                "policy": "kv-aware",
-                "kv_events_endpoints": {u: [p.endpoint] for u, p in publishers.items()},
-                "decode_first": True,
-                "kv_cache_groups": str(GROUPS),
-                "decode_first_max_uncached_tokens": 8,
-            }
-        )
-    )
+    router = await start_router(_decode_first_config(fakes, publishers))
     prompt = TOKENS + [7] * (1 << 14)  # its body is far over the size tokenized inline
     try:
         for publisher in publishers.values():  # both engines fresh: the policy scores both
             await publisher.publish(router, *HELD)
         monkeypatch.setattr(routing_prompt, "chain_keys", spy)
-        async with (
-            aiohttp.ClientSession() as http,
-            asyncio.timeout(15),
-            http.post(
-                router.url + "/v1/completions", json={"model": "fake-model", "prompt": prompt, "max_tokens": 2}
-            ) as resp,
-        ):
-            assert resp.status == 200
-            route = resp.headers["X-PDConnect-Route"]
+        route = (await _two_tokens_through(router, prompt))["X-PDConnect-Route"]
         assert route.startswith(f"pd; reason=uncached; prompt={len(prompt)}; hit=32;")  # the decider read the keys
         assert calls == [(False, len(prompt), BS)]  # one block size, once, off the loop
     finally:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from pdconnect.testbed.recipes import (
     SPEC,
     engine_args,
     pd_kv_transfer,
+    router_argv,
     stock_nixl_kv_transfer,
     vllm_server,
     warm_up,
@@ -104,27 +104,20 @@ def _router_spec(cluster: Cluster, engines: Engines, name: str) -> ProcessSpec:
     port = cluster.free_port()
     url = f"http://127.0.0.1:{port}"
     if name == "pdconnect":
-        argv: tuple[str, ...] = (
-            sys.executable,
-            "-m",
-            "pdconnect.cli",
-            "router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prefill",
-            engines.prefill.base_url,
-            "--decode",
-            engines.decode.base_url,
-            "--health-interval",
-            "1",
-            "--prefill-timeout",
-            str(TIMEOUT_S),
-            "--decode-first-byte-timeout",
-            str(TIMEOUT_S),
-            "--decode-timeout",
-            str(TIMEOUT_S),
+        argv = router_argv(
+            port=port,
+            prefill=[engines.prefill.base_url],
+            decode=[engines.decode.base_url],
+            args=(
+                "--health-interval",
+                "1",
+                "--prefill-timeout",
+                str(TIMEOUT_S),
+                "--decode-first-byte-timeout",
+                str(TIMEOUT_S),
+                "--decode-timeout",
+                str(TIMEOUT_S),
+            ),
         )
     else:
         argv = (
@@ -299,23 +292,11 @@ def test_failed_decode_makes_the_router_free_the_prefill_hold_at_once(engines: E
     [proc] = engines.cluster.launch(
         ProcessSpec(
             name="pdconnect-router-dead-decode",
-            argv=(
-                sys.executable,
-                "-m",
-                "pdconnect.cli",
-                "router",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--prefill",
-                engines.prefill.base_url,
-                "--decode",
-                dead,
-                "--health-interval",
-                "0",
-                "--prefill-timeout",
-                str(TIMEOUT_S),
+            argv=router_argv(
+                port=port,
+                prefill=[engines.prefill.base_url],
+                decode=[dead],
+                args=("--health-interval", "0", "--prefill-timeout", str(TIMEOUT_S)),
             ),
             health_url=f"http://127.0.0.1:{port}/health",
             base_url=f"http://127.0.0.1:{port}",

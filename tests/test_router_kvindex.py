@@ -14,6 +14,7 @@ kv_events = pytest.importorskip("vllm.distributed.kv_events")
 from pdconnect.router.kvindex import EngineKVIndex  # noqa: E402
 from pdconnect.router.kvwire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch  # noqa: E402
 from pdconnect.router.prompt import RoutingPrompt  # noqa: E402
+from tests.vllm_kv_events import block_stored, encoded_batch, stored_blocks  # noqa: E402
 
 if TYPE_CHECKING:
     from connectors.geometry import GroupKind
@@ -24,25 +25,12 @@ TOKENS = list(range(100, 132))  # 8 blocks of 4
 
 def _stored(blocks: range, group: int, kind: str, window: int | None = None) -> object:
     """vLLM's BlockStored for consecutive blocks of TOKENS (hashes = block number + group tag)."""
-    first, last = blocks.start, blocks.stop
-    return kv_events.BlockStored(
-        block_hashes=[f"g{group}b{i}".encode() for i in blocks],
-        parent_block_hash=f"g{group}b{first - 1}".encode() if first else None,
-        token_ids=TOKENS[first * BS : last * BS],
-        block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=group,
-        kv_cache_spec_kind=kind,
-        kv_cache_spec_sliding_window=window,
-    )
+    return stored_blocks(blocks, TOKENS, block_size=BS, group=group, kind=kind, window=window, tag=f"g{group}")
 
 
 def _publish(index: EngineKVIndex, *events: object) -> None:
     """What a FAKE publisher sends: vLLM's KVEventBatch encoded the way ZmqEventPublisher does."""
-    payload = msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=0.0, events=list(events)))
-    index.apply(decode_batch(payload))
+    index.apply(decode_batch(encoded_batch(events)))
 
 
 def test_vllm_batches_decode_into_our_mirror_structs() -> None:
@@ -106,32 +94,11 @@ def _window_tail(blocks: range, group: int, window: int) -> object:
     for the last `window` tokens' blocks (the rest null or masked), and vLLM's hashes are
     the request's, shared by every group of the block size (`b{i}`, no group tag)."""
     tail = range(max(blocks.start, blocks.stop - window // BS), blocks.stop)
-    return kv_events.BlockStored(
-        block_hashes=[f"b{i}".encode() for i in tail],
-        parent_block_hash=f"b{blocks.start - 1}".encode() if blocks.start else None,
-        token_ids=TOKENS[blocks.start * BS : blocks.stop * BS],
-        block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=group,
-        kv_cache_spec_kind="sliding_window",
-        kv_cache_spec_sliding_window=window,
-    )
+    return stored_blocks(blocks, TOKENS, block_size=BS, group=group, kind="sliding_window", window=window, hashed=tail)
 
 
 def _full(blocks: range, group: int = 0) -> object:
-    return kv_events.BlockStored(
-        block_hashes=[f"b{i}".encode() for i in blocks],
-        parent_block_hash=f"b{blocks.start - 1}".encode() if blocks.start else None,
-        token_ids=TOKENS[blocks.start * BS : blocks.stop * BS],
-        block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=group,
-        kv_cache_spec_kind="full_attention",
-    )
+    return stored_blocks(blocks, TOKENS, block_size=BS, group=group, kind="full_attention")
 
 
 def test_window_tail_hashes_are_keyed_at_their_own_positions_through_the_full_group() -> None:
@@ -178,8 +145,9 @@ async def test_kv_aware_routes_to_the_engine_that_really_caches_the_prompt_and_t
     import aiohttp
     import zmq
 
-    from pdconnect.router import load_config, start_router
+    from pdconnect.router import start_router
     from pdconnect.testbed.fake_engine import FakeCluster
+    from tests.router_support import router_config_for
 
     fakes = await FakeCluster.start(prefill=1, decode=2)
     context = zmq.Context()
@@ -189,20 +157,11 @@ async def test_kv_aware_routes_to_the_engine_that_really_caches_the_prompt_and_t
         port = socket.bind_to_random_port("tcp://127.0.0.1")
         endpoints[url] = [f"tcp://127.0.0.1:{port}"]
     router = await start_router(
-        load_config(
-            {
-                "host": "127.0.0.1",
-                "port": 0,
-                "prefill": fakes.prefill_urls,
-                "decode": fakes.decode_urls,
-                "policy": "kv-aware",
-                "kv_events_endpoints": endpoints,
-                **(
-                    {"tokenizer": _word_tokenizer(str(tmp_path / "tokenizer.json"))}
-                    if prompt_kind != "token-ids"
-                    else {}
-                ),
-            }
+        router_config_for(
+            fakes,
+            policy="kv-aware",
+            kv_events_endpoints=endpoints,
+            **({"tokenizer": _word_tokenizer(str(tmp_path / "tokenizer.json"))} if prompt_kind != "token-ids" else {}),
         )
     )
     prompt: Any = TOKENS if prompt_kind == "token-ids" else " ".join(f"w{t}" for t in TOKENS)
@@ -267,49 +226,6 @@ async def test_a_sequence_gap_without_replay_drops_the_index_until_it_is_rebuilt
 # --- against vLLM's own KV cache manager: what the events say vs what its lookup finds ------
 
 
-def _real_manager(geometry: Any, num_blocks: int) -> Any:
-    from connectors.vllm_adapter import build_kv_cache_manager
-
-    return build_kv_cache_manager(geometry, num_blocks=num_blocks, max_model_len=4096, enable_kv_cache_events=True)
-
-
-def _real_request(request_id: str, tokens: list[int], hash_block_size: int) -> Any:
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=list(tokens),
-        sampling_params=SamplingParams(max_tokens=1),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(hash_block_size, sha256),
-    )
-
-
-def _serve_prompt(manager: Any, request: Any, chunk: int) -> None:
-    """What the scheduler does for a prompt: look it up, allocate and compute it chunk by
-    chunk (sliding-window blocks behind the window are freed as it goes), then free it."""
-    blocks, hit, _ = manager.get_computed_blocks(request)
-    computed, first = hit, True
-    while computed < request.num_tokens:
-        step = min(chunk, request.num_tokens - computed)
-        assert (
-            manager.allocate_slots(
-                request,
-                step,
-                num_new_computed_tokens=hit if first else 0,
-                new_computed_blocks=blocks if first else None,
-            )
-            is not None
-        )
-        computed, first = computed + step, False
-        request.num_computed_tokens = computed
-    manager.free(request)
-
-
 # name: (groups as (kind, block size, window), hash block size, prefix length, shares, tails)
 _HYBRID_GEOMETRIES: dict[
     str, tuple[tuple[tuple[GroupKind, int, int | None], ...], int, int, tuple[int, ...], tuple[int, ...]]
@@ -344,6 +260,8 @@ def test_the_index_finds_what_vllms_own_lookup_finds_on_a_hybrid_model(chunk: in
     import random
 
     from connectors.geometry import Geometry, GroupGeometry
+    from connectors.kvsim import make_request
+    from tests.kv_manager_steps import events_manager, serve_prompt
 
     groups, hash_block, prefix_len, shares, tails = _HYBRID_GEOMETRIES[geometry_name]
     geometry = Geometry(
@@ -352,7 +270,7 @@ def test_the_index_finds_what_vllms_own_lookup_finds_on_a_hybrid_model(chunk: in
             for kind, size, window in groups
         )
     )
-    manager = _real_manager(geometry, num_blocks=800)
+    manager = events_manager(geometry, num_blocks=800)
     index = EngineKVIndex()
     rng = random.Random(5)
     prefix = [rng.randrange(1000, 30000) for _ in range(prefix_len)]
@@ -360,14 +278,14 @@ def test_the_index_finds_what_vllms_own_lookup_finds_on_a_hybrid_model(chunk: in
     for i in range(14):
         shared = rng.choice(shares)
         tokens = prefix[:shared] + [rng.randrange(1000, 30000) for _ in range(rng.choice(tails))]
-        probe = _real_request(f"probe{i}", tokens, hash_block)
+        probe = make_request(f"probe{i}", tokens, hash_block)
         _, real_hit, _ = manager.get_computed_blocks(probe)
         # vLLM looks up at most num_tokens - 1 tokens (one must be computed for logits).
         assert index.hit_tokens(RoutingPrompt(tokens[: len(tokens) - 1])) == real_hit, (
             f"sibling {i} sharing {shared} tokens"
         )
         served += real_hit > 0
-        _serve_prompt(manager, _real_request(f"r{i}", tokens, hash_block), chunk)
+        serve_prompt(manager, make_request(f"r{i}", tokens, hash_block), chunk)
         _publish(index, *manager.take_events())
     assert served >= 4  # the comparison covered real hits, not only misses
 
@@ -1170,34 +1088,12 @@ def test_an_empty_sliding_store_sets_the_key_granularity_so_later_stores_keep_th
     index over and the full-attention blocks already held are lost."""
     counted: list[str] = []
     index = EngineKVIndex(count=counted.append)
-    empty = kv_events.BlockStored(
-        block_hashes=[],
-        parent_block_hash=None,
-        token_ids=TOKENS[:8],
-        block_size=2,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=1,
-        kv_cache_spec_kind="sliding_window",
-        kv_cache_spec_sliding_window=1,
-    )
+    empty = block_stored([], None, TOKENS[:8], block_size=2, group=1, kind="sliding_window", window=1)
     _publish(index, _stored(range(2), 0, "full_attention"), empty)
     assert index.granularity == 2
     _publish(
         index,
-        kv_events.BlockStored(
-            block_hashes=[b"s3"],
-            parent_block_hash=None,
-            token_ids=TOKENS[:8],
-            block_size=2,
-            lora_id=None,
-            medium="GPU",
-            lora_name=None,
-            group_idx=1,
-            kv_cache_spec_kind="sliding_window",
-            kv_cache_spec_sliding_window=1,
-        ),
+        block_stored([b"s3"], None, TOKENS[:8], block_size=2, group=1, kind="sliding_window", window=1),
     )
     assert counted == []
     assert index.hit_tokens(RoutingPrompt(TOKENS)) == 2 * BS

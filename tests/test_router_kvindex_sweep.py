@@ -25,6 +25,7 @@ from pdconnect.router.kvindex import EngineKVIndex
 from pdconnect.router.kvwire import decode_batch
 from pdconnect.router.lookup import CacheGroup, CacheGroups, parse_groups, predicted_hits
 from pdconnect.router.prompt import RoutingPrompt
+from tests.vllm_kv_events import encoded_batch
 
 # One geometry: groups as (kind, block size, window or None, eagle), retention interval
 # (0: vLLM's default sparse retention; None: dense; >0: one tail per that many tokens).
@@ -86,52 +87,18 @@ def _geometry(groups: tuple[Group, ...], retention: int | None) -> Any:
     )
 
 
-def _request(request_id: str, tokens: list[int], hash_block_size: int) -> Any:
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=list(tokens),
-        sampling_params=SamplingParams(max_tokens=1),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(hash_block_size, sha256),
-    )
-
-
 def _serve(manager: Any, request: Any, chunk: int, index: EngineKVIndex) -> None:
-    """The scheduler's work for a prompt: look it up, compute it chunk by chunk, free it;
-    each step's KV events reach the index as one batch, as vLLM's publisher sends them."""
-    blocks, hit, _ = manager.get_computed_blocks(request)
-    computed, first = hit, True
-    while computed < request.num_tokens:
-        step = min(chunk, request.num_tokens - computed)
-        assert (
-            manager.allocate_slots(
-                request,
-                step,
-                num_new_computed_tokens=hit if first else 0,
-                new_computed_blocks=blocks if first else None,
-            )
-            is not None
-        )
-        computed, first = computed + step, False
-        request.num_computed_tokens = computed
-        if computed < request.num_tokens:
-            _publish(index, manager.take_events())
-    manager.free(request)
+    """The scheduler's work for a prompt (`serve_prompt`); each step's KV events reach the
+    index as one batch, as vLLM's publisher sends them."""
+    from tests.kv_manager_steps import serve_prompt
+
+    serve_prompt(manager, request, chunk, between_steps=lambda: _publish(index, manager.take_events()))
     _publish(index, manager.take_events())
 
 
 def _publish(index: EngineKVIndex, events: list[Any]) -> None:
     """One step's events, encoded as vLLM's ZmqEventPublisher sends them."""
-    import msgspec
-    from vllm.distributed.kv_events import KVEventBatch
-
-    index.apply(decode_batch(msgspec.msgpack.Encoder().encode(KVEventBatch(ts=0.0, events=list(events)))))
+    index.apply(decode_batch(encoded_batch(events)))
 
 
 def _prompts(rng: random.Random, window: int, count: int) -> list[tuple[str, list[int]]]:
@@ -182,24 +149,25 @@ def _retention_supported() -> bool:
     ],
 )
 def test_the_predicted_hit_is_vllms_hit_for_every_geometry(name: str) -> None:
-    from connectors.vllm_adapter import build_kv_cache_manager
+    from connectors.kvsim import make_request
+    from tests.kv_manager_steps import events_manager
 
     groups, retention = SWEEP[name]
     if retention != 0 and not _retention_supported():
         pytest.skip("this vLLM has no prefix_cache_retention_interval: only its default retention exists")
     geometry = _geometry(groups, retention)
-    manager = build_kv_cache_manager(geometry, num_blocks=6000, max_model_len=4096, enable_kv_cache_events=True)
+    manager = events_manager(geometry, num_blocks=6000)
     configured = _groups_text(groups)
     index = EngineKVIndex()
     rng = random.Random(name)
     window = max((w for _, _, w, _ in groups if w is not None), default=256)
     mismatches, hits = [], 0
     for i, (family, tokens) in enumerate(_prompts(rng, window, 14)):
-        _, real, _ = manager.get_computed_blocks(_request(f"probe{i}", tokens, geometry.hash_block_size))
+        _, real, _ = manager.get_computed_blocks(make_request(f"probe{i}", tokens, geometry.hash_block_size))
         predicted, _ = predicted_hits(configured, index, RoutingPrompt(tokens))
         if predicted != real:
             mismatches.append(f"#{i} {family} len {len(tokens)}: predicted {predicted}, vLLM {real}")
         hits += real > 0
-        _serve(manager, _request(f"r{i}", tokens, geometry.hash_block_size), rng.choice((10_000, 96)), index)
+        _serve(manager, make_request(f"r{i}", tokens, geometry.hash_block_size), rng.choice((10_000, 96)), index)
     assert not mismatches, "\n".join(mismatches)
     assert hits >= 3  # the comparison covered real hits, not only misses

@@ -15,12 +15,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from connectors.kvsim import make_request
 from pdconnect.router.decider import DeciderSettings, DecodeFirstDecider
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.kvindex import EngineKVIndex
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.prompt import RoutingPrompt
-from tests.test_router_kvindex_sweep import SWEEP, _geometry, _groups_text, _prompts, _request, _serve
+from tests.test_router_kvindex_sweep import SWEEP, _geometry, _groups_text, _prompts, _serve
 
 URL = "http://d0:8000"
 
@@ -52,7 +53,7 @@ def test_an_unplaceable_store_is_counted_logged_and_routes_only_its_prompts_to_p
     rng = random.Random(name)
     lost: list[int] | None = None
     for i, (_, tokens) in enumerate(_prompts(rng, 128, 14)):
-        _serve(manager, _request(f"r{i}", tokens, geometry.hash_block_size), rng.choice((10_000, 96)), index)
+        _serve(manager, make_request(f"r{i}", tokens, geometry.hash_block_size), rng.choice((10_000, 96)), index)
         if "unanchored" in counted:
             lost = tokens
             break
@@ -65,7 +66,7 @@ def test_an_unplaceable_store_is_counted_logged_and_routes_only_its_prompts_to_p
     assert index.unplaced_in(RoutingPrompt([*lost[:-1], 7]))  # a sibling cut inside it
     # An unrelated conversation served next is placed, and its prompts are not affected.
     other = [rng.randrange(1000, 30000) for _ in range(700)]
-    _serve(manager, _request("other", other, geometry.hash_block_size), 96, index)
+    _serve(manager, make_request("other", other, geometry.hash_block_size), 96, index)
     assert counted.count("unanchored") == 1
     assert not index.unplaced_in(RoutingPrompt(other))
 
@@ -75,5 +76,5 @@ def test_an_unplaceable_store_is_counted_logged_and_routes_only_its_prompts_to_p
     unknown = decider.decide(engine, RoutingPrompt(lost), {})
     assert (unknown.local, unknown.reason) == (False, "unplaced")
     known = decider.decide(engine, RoutingPrompt(other), {})
-    _, real, _ = manager.get_computed_blocks(_request("probe", other, geometry.hash_block_size))
+    _, real, _ = manager.get_computed_blocks(make_request("probe", other, geometry.hash_block_size))
     assert (known.local, known.reason, known.hit) == (True, "cached", real) and real > 0

@@ -14,9 +14,10 @@ import aiohttp
 import pytest
 import uvloop
 
-from pdconnect.router import load_config, start_router
+from pdconnect.router import start_router
 from pdconnect.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
+from tests.router_support import router_config_for
 from tests.waiting import wait_until_async
 
 HANG = 15.0
@@ -87,9 +88,7 @@ def test_a_connection_dropped_mid_stream_is_an_upstream_error() -> None:
 def test_router_serves_prefill_then_decode_on_uvloop() -> None:
     async def scenario() -> None:
         fakes = await FakeCluster.start(1, 1)
-        router = await start_router(
-            load_config({"host": "127.0.0.1", "port": 0, "prefill": fakes.prefill_urls, "decode": fakes.decode_urls})
-        )
+        router = await start_router(router_config_for(fakes))
         try:
             async with aiohttp.ClientSession() as http, asyncio.timeout(HANG):
                 for stream in (False, True, False, True):

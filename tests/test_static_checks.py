@@ -12,12 +12,12 @@ mypy keeps its cache in build/mypy-cache: ~25 s from nothing, ~12 s after.
 from __future__ import annotations
 
 import ast
-import os
 import re
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
+
+from tests.tree_run import run_python_in
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("pdconnect", "connectors")  # installed, and checked strictly
@@ -34,18 +34,7 @@ def _modules(trees: tuple[str, ...] = CHECKED) -> set[str]:
 
 
 def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    # PYTHONPATH first: mypy resolves pdconnect and connectors to this tree.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, "-m", *args],
-        check=False,
-        cwd=REPO,
-        env=env,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_python_in(REPO, "-m", *args, stdin=stdin, timeout=300)
 
 
 def test_ruff_check() -> None:

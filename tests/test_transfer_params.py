@@ -22,6 +22,7 @@ from connectors.stats import StatsRecorder
 from connectors.transfer_params import Leg, ParamsGate, read_params
 from pdconnect.protocol import PROTOCOL_VERSION
 from tests.params_fuzz import JSON_VALUES, cases, expected_ask
+from tests.toy_proxy import TOY_PROXY_PARAMS
 
 PLAN: dict[str, Any] = {
     "remote_engine_id": "prefill-0",
@@ -72,15 +73,7 @@ def test_refusals_name_the_field():
 
 
 def test_prefill_leg_keeps_other_proxies_keys():
-    # vLLM's toy proxy sends these with the prefill leg.
-    toy = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    toy = TOY_PROXY_PARAMS  # vLLM's toy proxy sends these with the prefill leg
     assert read_params(toy).leg is Leg.PREFILL and not read_params(toy).invalid
 
 

