@@ -447,10 +447,10 @@ def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
 # A kv-aware router with `--decode-first` on top of the pair, the colocated engine as the
 # reference for outputs. For every request the router predicts, from the KV events, the
 # hit the decode engine's own lookup will find (`x-pdconnect-route`); the decode engine's
-# prefix-cache counters then say what it did find, on P/D and decode-local requests alike,
-# and a decode-local answer's usage reports it too. A prompt whose full-attention blocks
+# prefix-cache counters then say what it did find, on P/D and decode-first requests alike,
+# and a decode-first answer's usage reports it too. A prompt whose full-attention blocks
 # decode holds but whose sliding-window run it never cached is the case a
-# full-attention-only decider gets wrong: it would go decode-local and the engine would
+# full-attention-only decider gets wrong: it would go decode-first and the engine would
 # recompute all of it.
 
 DECIDER_TOKENS = 8
@@ -521,7 +521,7 @@ class Served:
 
     @property
     def local(self) -> bool:
-        return self.route["route"] == "decode-local"
+        return self.route["route"] == "decode-first"
 
 
 def _route(header: str) -> dict[str, str]:
@@ -610,4 +610,4 @@ def test_multi_turn_chat_through_the_template_skips_prefill_on_later_turns(route
         _check_prediction(served)
         routes.append(served.route["route"])
         messages.append({"role": "assistant", "content": served.body["choices"][0]["message"]["content"]})
-    assert routes[0] == "pd" and "decode-local" in routes[1:], routes
+    assert routes[0] == "pd" and "decode-first" in routes[1:], routes

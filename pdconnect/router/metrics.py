@@ -301,7 +301,7 @@ class RouterMetrics:
         # checked against the hit the engine reported.
         self.decode_routes = _LoopCounter(
             "pdconnect_router_decode_routes",
-            "Decided requests by route (decode-local: no prefill leg; pd) and reason",
+            "Decided requests by route (decode-first: no prefill leg; pd) and reason",
             ["route", "reason"],
             r,
         )
