@@ -191,7 +191,7 @@ def summarize(
 ) -> TurnResult:
     ttfts = [r.ttft_s for r in requests]
     gaps = [g for r in requests for g in r.gaps_s]
-    local = sum(r.route.get("route") == "decode-local" for r in requests)
+    local = sum(r.route.get("route") == "decode-first" for r in requests)
     fa_local = fa_missed = 0
     for r in requests:
         if "full_attention_hit" not in r.route:
@@ -372,7 +372,7 @@ def format_turns(results: Sequence[TurnResult]) -> str:
         "pulled",
         "decode-local hit",
         "ITL p50/p99 ms",
-        "decode-local",
+        "decode-first",
         "mispredicted",
         "FA-only local (missed)",
     ]

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported here: vLLM is heavy, and `pdconnect` itself never needs it.
     from connectors.geometry import Geometry, GroupGeometry
-    from connectors.kvsim import Engine, random_tokens
+    from connectors.kvsim import SimulatedEngine, random_tokens
     from connectors.replay_slack import plan_request
     from connectors.vllm_adapter import CacheRules
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         rules = CacheRules.for_geometry(geometry)
         # The reference: vLLM's own lookup for a 64k request on a warm cache holding it.
-        engine = Engine.create(geometry, n + 1)
+        engine = SimulatedEngine.create(geometry, n + 1)
         tokens = random_tokens(n, seed=1)
         warm = engine.new_request("warm", tokens)
         engine.prefill(warm)

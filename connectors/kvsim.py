@@ -45,14 +45,14 @@ def pool_size_for(geometry: Geometry, num_tokens: int) -> int:
 
 
 @dataclass
-class Engine:
+class SimulatedEngine:
     """One engine's scheduler-side cache state: a real manager plus the connector's pool ops."""
 
     geometry: Geometry
     manager: KVCacheManager
 
     @classmethod
-    def create(cls, geometry: Geometry, num_tokens: int, kv_events: bool = False) -> Engine:
+    def create(cls, geometry: Geometry, num_tokens: int, kv_events: bool = False) -> SimulatedEngine:
         """`kv_events`: the manager queues vLLM's KV events (`manager.take_events()`)."""
         manager = build_kv_cache_manager(
             geometry, pool_size_for(geometry, num_tokens), enable_kv_cache_events=kv_events
@@ -176,8 +176,8 @@ class PrefillDecodePair:
     replay boundaries only, as the planner did before junctions.
     """
 
-    prefill: Engine
-    decode: Engine
+    prefill: SimulatedEngine
+    decode: SimulatedEngine
     rules: CacheRules
     chunk: int | None = None
     junctions: bool = True
@@ -192,8 +192,8 @@ class PrefillDecodePair:
         kv_events: bool = False,
     ) -> PrefillDecodePair:
         return cls(
-            Engine.create(geometry, num_tokens, kv_events),
-            Engine.create(geometry, num_tokens, kv_events),
+            SimulatedEngine.create(geometry, num_tokens, kv_events),
+            SimulatedEngine.create(geometry, num_tokens, kv_events),
             CacheRules.for_geometry(geometry),
             chunk,
             junctions,

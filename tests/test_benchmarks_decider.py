@@ -15,7 +15,7 @@ DELTA = {"prefill_queries": 1200.0, "prefill_hits": 200.0, "pulled": 768.0, "dec
 def _request(route: str, prompt: int, hit: int, full_attention_hit: int) -> Request:
     fields = {
         "route": route,
-        "reason": "cached" if route == "decode-local" else "uncached",
+        "reason": "cached" if route == "decode-first" else "uncached",
         "prompt": str(prompt),
         "hit": str(hit),
         "full_attention_hit": str(full_attention_hit),
@@ -25,7 +25,7 @@ def _request(route: str, prompt: int, hit: int, full_attention_hit: int) -> Requ
 
 def test_a_turn_counts_routes_and_what_a_full_attention_only_decider_would_have_missed() -> None:
     requests = [
-        _request("decode-local", 600, 512, 512),  # both deciders go local: 88 uncached
+        _request("decode-first", 600, 512, 512),  # both deciders go local: 88 uncached
         _request("pd", 700, 0, 512),  # full attention alone says 188 uncached: local, but decode holds nothing
         _request("pd", 1000, 0, 0),  # nothing cached for either
     ]

@@ -22,7 +22,6 @@ routing, whose predicted hit must be the decode engine's own (see the last secti
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any, Literal
 
 import httpx
 import pytest
+import zmq
 
 from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_metrics
 from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S, completed, completion, prompt_ids, serve_pd, token_ids
@@ -447,10 +447,10 @@ def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
 # A kv-aware router with `--decode-first` on top of the pair, the colocated engine as the
 # reference for outputs. For every request the router predicts, from the KV events, the
 # hit the decode engine's own lookup will find (`x-pdconnect-route`); the decode engine's
-# prefix-cache counters then say what it did find, on P/D and decode-local requests alike,
-# and a decode-local answer's usage reports it too. A prompt whose full-attention blocks
+# prefix-cache counters then say what it did find, on P/D and decode-first requests alike,
+# and a decode-first answer's usage reports it too. A prompt whose full-attention blocks
 # decode holds but whose sliding-window run it never cached is the case a
-# full-attention-only decider gets wrong: it would go decode-local and the engine would
+# full-attention-only decider gets wrong: it would go decode-first and the engine would
 # recompute all of it.
 
 DECIDER_TOKENS = 8
@@ -482,11 +482,34 @@ DECIDERS = {
 on_decider_setups = on_setups(*DECIDERS)
 
 
+class _PublishedBatches:
+    """The decode engine's KV-event stream as a second subscriber hears it: the sequence
+    number of the last batch published, to wait until the router has applied as far."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(endpoint)
+        self.last = -1
+
+    def drain(self) -> int:
+        """Read every frame that has arrived; the highest sequence number so far (-1: none)."""
+        while self._socket.poll(0):
+            frames = self._socket.recv_multipart()
+            self.last = max(self.last, int.from_bytes(frames[1], "big", signed=True))
+        return self.last
+
+    def close(self) -> None:
+        self._context.destroy(linger=0)
+
+
 @dataclass(frozen=True)
 class Routed:
     pair: Pair
     decider: Decider
     router: ManagedProcess
+    decode_batches: _PublishedBatches
 
 
 @pytest.fixture(scope="module")
@@ -509,8 +532,14 @@ def routed(pair: Pair, cluster: Cluster) -> Iterator[Routed]:
         kv_events=(pair.kv_events, pair.target),
         router_args=router_args,
     )
-    yield Routed(pair, decider, router)
-    cluster.stop(router)
+    # Subscribed long before the first request: a subscription misses what is published
+    # while it connects.
+    batches = _PublishedBatches(pair.kv_events[pair.decode.base_url][0])
+    try:
+        yield Routed(pair, decider, router, batches)
+    finally:
+        batches.close()
+        cluster.stop(router)
 
 
 @dataclass(frozen=True)
@@ -521,7 +550,7 @@ class Served:
 
     @property
     def local(self) -> bool:
-        return self.route["route"] == "decode-local"
+        return self.route["route"] == "decode-first"
 
 
 def _route(header: str) -> dict[str, str]:
@@ -541,8 +570,38 @@ def _serve_routed(routed: Routed, http: httpx.Client, path: str, body: dict[str,
     assert alone.status_code == 200, alone.text
     served, reference = response.json(), alone.json()
     assert _output(served) == _output(reference)
-    time.sleep(0.5)  # the decode engine's KV events reach the router's index
+    _wait_applied(routed)
     return Served(_route(response.headers["X-PDConnect-Route"]), decode_hit, served)
+
+
+def _router_applied(routed: Routed) -> int:
+    """The last decode KV-event batch the router's index took in (-1: none yet)."""
+    decode = routed.pair.decode.base_url
+    for name, labels, value in fetch_metrics(routed.router.base_url).samples:
+        if name == "pdconnect_router_kv_events_last_seq" and dict(labels).get("engine") == decode:
+            return int(value)
+    return -1
+
+
+def _wait_applied(routed: Routed) -> None:
+    """Wait until the router has applied every decode KV-event batch published so far.
+
+    vLLM's engine core hands a step's events to its publisher thread before it returns that
+    step's outputs, so by the time a response is read its batches are published or about to
+    be; the next request's decision must see them. Both subscribers hear the same stream."""
+    published = routed.decode_batches.drain
+
+    def caught_up() -> bool:
+        return _router_applied(routed) >= published()
+
+    wait_until(
+        caught_up,
+        "the router's index to apply decode's published KV events",
+        observe=lambda: (
+            published(),
+            _router_applied(routed),
+        ),
+    )
 
 
 def _output(body: dict[str, Any]) -> str:
@@ -610,4 +669,4 @@ def test_multi_turn_chat_through_the_template_skips_prefill_on_later_turns(route
         _check_prediction(served)
         routes.append(served.route["route"])
         messages.append({"role": "assistant", "content": served.body["choices"][0]["message"]["content"]})
-    assert routes[0] == "pd" and "decode-local" in routes[1:], routes
+    assert routes[0] == "pd" and "decode-first" in routes[1:], routes

@@ -5,7 +5,7 @@ junction (`Request.shared_prefix_boundary`: where the full-attention hit ran pas
 sliding window's). A colocated engine therefore serves the third sibling of a prefix even
 when each sibling's suffix is longer than a block; a decode engine serves it only if the
 plan moved and published the junction's run too. Every expected hit here is measured on
-a real vLLM `KVCacheManager` serving the same sequence colocated (`kvsim.Engine`); the
+a real vLLM `KVCacheManager` serving the same sequence colocated (`kvsim.SimulatedEngine`); the
 P/D side is a real prefill manager and a real decode manager holding only what each
 request's plan moves (`kvsim.PrefillDecodePair`).
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from connectors.kvsim import Engine, PrefillDecodePair, random_tokens
+from connectors.kvsim import PrefillDecodePair, SimulatedEngine, random_tokens
 from connectors.plan_cli import main as plan_main
 from connectors.replay_slack import plan_request
 from connectors.vllm_adapter import CacheRules, Geometry, GroupGeometry
@@ -56,7 +56,7 @@ class Served:
 
 def _serve(geometry: Geometry, prompts: list[list[int]], chunk: int | None, junctions: bool = True) -> Served:
     size = sum(len(p) for p in prompts)
-    colocated = Engine.create(geometry, size)
+    colocated = SimulatedEngine.create(geometry, size)
     rules = CacheRules.for_geometry(geometry)
     pair = PrefillDecodePair.create(geometry, size, chunk=chunk, junctions=junctions)
     colocated_hits, mismatches = [], []
@@ -164,7 +164,7 @@ def test_branching_conversations_hit_on_decode_what_they_hit_colocated(name, eag
 
 def test_shared_prefix_tokens_reads_the_junction_vllms_lookup_pinned():
     geometry = _geometry("equal-blocks-128-w64", eagle=True)
-    engine = Engine.create(geometry, 4000)
+    engine = SimulatedEngine.create(geometry, 4000)
     first, second = _siblings(1100, 300, count=2)
     engine.serve("x+a", first)
     request = engine.new_request("x+b", second)

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from connectors.kvsim import Engine, random_tokens
+from connectors.kvsim import SimulatedEngine, random_tokens
 from connectors.replay_slack import plan_request
 from connectors.vllm_adapter import CacheRules, Geometry, GroupGeometry
 from tests.geometries import GEOMETRIES
@@ -47,8 +47,8 @@ def _setup(name: str, eagle: bool, n: int):
     return geometry, plan_request(rules, n, expected_hits=True)
 
 
-def _colocated(geometry: Geometry, tokens: list[int], chunk: int | None) -> tuple[Engine, object]:
-    engine = Engine.create(geometry, len(tokens) + SIBLING_SUFFIX)
+def _colocated(geometry: Geometry, tokens: list[int], chunk: int | None) -> tuple[SimulatedEngine, object]:
+    engine = SimulatedEngine.create(geometry, len(tokens) + SIBLING_SUFFIX)
     request = engine.new_request("x", tokens)
     engine.prefill(request, chunk)
     engine.finish_for_transfer(request)
@@ -77,7 +77,7 @@ def test_decode_with_planned_transfer_set_hits_like_a_colocated_engine(name, eag
     prompt, sibling = tokens[:n], tokens
 
     colocated, _ = _colocated(geometry, prompt, chunk=None)
-    decode = Engine.create(geometry, len(sibling))
+    decode = SimulatedEngine.create(geometry, len(sibling))
     x = decode.new_request("x", prompt)
     decode.remote_load(x, plan)
 
@@ -99,7 +99,7 @@ def test_decode_with_planned_transfer_set_hits_like_a_colocated_engine(name, eag
 def test_stock_tail_only_transfer_loses_the_decode_side_hit(name, eagle, n):
     geometry, plan = _setup(name, eagle, n)
     tokens = random_tokens(n + SIBLING_SUFFIX, seed=n)
-    decode = Engine.create(geometry, len(tokens))
+    decode = SimulatedEngine.create(geometry, len(tokens))
     x = decode.new_request("x", tokens[:n])
 
     decode.remote_load(x, plan, publish_slack=False)
@@ -121,7 +121,7 @@ def test_worked_example_5131_tokens_needs_blocks_74_to_76_and_hits_4864():
     assert plan.expected_sibling_hit_tokens == 4864
 
     tokens = random_tokens(5131 + SIBLING_SUFFIX, seed=1)
-    stock = Engine.create(geometry, len(tokens))
+    stock = SimulatedEngine.create(geometry, len(tokens))
     x = stock.new_request("x", tokens[:5131])
     stock.remote_load(x, plan, publish_slack=False)
     stock.free(x)

@@ -345,11 +345,11 @@ async def test_decode_first_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) 
             headers = await send()
             assert headers["X-PDConnect-Route"].startswith("pd; reason=uncached; prompt=32; hit=12;")
             assert len(prefill.seen) == 2
-            # Now it holds the window too: decode-local on that engine, no prefill leg, no plan.
+            # Now it holds the window too: decode-first on that engine, no prefill leg, no plan.
             await publishers[holder].publish(router, _stored(range(6, 8), 1, "sliding_window", 4))
             headers = await send()
             assert (
-                headers["X-PDConnect-Route"] == "decode-local; reason=cached; prompt=32; hit=28; full_attention_hit=28"
+                headers["X-PDConnect-Route"] == "decode-first; reason=cached; prompt=32; hit=28; full_attention_hit=28"
             )
             assert headers["X-PDConnect-Decode"] == holder and headers["X-PDConnect-Prefill"] == "none"
             assert "X-PDConnect-Fallback" not in headers
@@ -359,7 +359,7 @@ async def test_decode_first_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) 
         metrics = router.router.metrics.registry
         assert (
             metrics.get_sample_value(
-                "pdconnect_router_decode_routes_total", {"route": "decode-local", "reason": "cached"}
+                "pdconnect_router_decode_routes_total", {"route": "decode-first", "reason": "cached"}
             )
             == 1
         )
@@ -368,7 +368,7 @@ async def test_decode_first_skips_the_prefill_leg_and_pd_keeps_it(stream: bool) 
         )
         assert (
             metrics.get_sample_value(
-                "pdconnect_router_decode_routes_full_attention_only_total", {"route": "decode-local"}
+                "pdconnect_router_decode_routes_full_attention_only_total", {"route": "decode-first"}
             )
             == 2
         )

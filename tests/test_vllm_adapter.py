@@ -10,7 +10,7 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from connectors.kvsim import Engine, random_tokens
+from connectors.kvsim import SimulatedEngine, random_tokens
 from connectors.replay_slack import plan_request
 from connectors.vllm_adapter import CacheRules, Geometry, GroupGeometry, UnsupportedLayout, group_kind
 
@@ -21,8 +21,8 @@ N = 5131
 
 
 @pytest.fixture
-def engine() -> Engine:
-    return Engine.create(GEOMETRY, N + 64)
+def engine() -> SimulatedEngine:
+    return SimulatedEngine.create(GEOMETRY, N + 64)
 
 
 def test_cache_rules_read_back_what_vllm_configured(engine):

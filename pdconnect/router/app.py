@@ -283,6 +283,7 @@ class Router:
         )
         self.registry.on_added.append(lambda engine: feed.watch(engine.url))
         self.registry.on_removed.append(lambda engine: feed.forget(engine.url))
+        self.metrics.track_kv_events(feed.applied_sequences)
         return feed
 
     # --- inference --------------------------------------------------------------------------

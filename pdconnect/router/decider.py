@@ -41,7 +41,7 @@ from pdconnect.router.usage import UsageMerger
 
 __all__ = ["DeciderSettings", "DecodeFirstDecider", "IndexSource", "Route"]
 
-LOCAL = "decode-local"
+DECODE_FIRST = "decode-first"
 PD = "pd"
 
 
@@ -80,7 +80,7 @@ class Route:
 
     @property
     def name(self) -> str:
-        return LOCAL if self.local else PD
+        return DECODE_FIRST if self.local else PD
 
     def header(self, detail: bool) -> str:
         """`x-pdconnect-route`: the route and reason; with `detail`, the predicted token counts."""
@@ -119,7 +119,9 @@ class DecodeFirstDecider:
         route = self._decide(engine, prompt, body)
         self._metrics.decode_routes.labels(route.name, route.reason).inc()
         if route.full_attention_hit >= 0:
-            shadow = LOCAL if self._small(route.prompt_tokens - route.full_attention_hit, route.prompt_tokens) else PD
+            shadow = (
+                DECODE_FIRST if self._small(route.prompt_tokens - route.full_attention_hit, route.prompt_tokens) else PD
+            )
             self._metrics.decode_routes_full_attention_only.labels(shadow).inc()
         return route
 
@@ -167,7 +169,7 @@ class DecodeFirstDecider:
             self._in_flight.pop(url, None)
 
     def usage_check(self, route: Route) -> UsageMerger:
-        """Passes a decode-local answer's usage through unchanged, checking its reported hit."""
+        """Passes a decode-first answer's usage through unchanged, checking its reported hit."""
         return _HitCheck(route.hit, self._count_check)
 
     def _count_check(self, predicted: int, reported: int) -> None:
@@ -176,7 +178,7 @@ class DecodeFirstDecider:
 
 
 class _HitCheck(UsageMerger):
-    """A `UsageMerger` that changes nothing: a decode-local answer's usage is the engine's own
+    """A `UsageMerger` that changes nothing: a decode-first answer's usage is the engine's own
     (it computed the prompt), read once for its `prompt_tokens_details.cached_tokens`."""
 
     def __init__(self, predicted: int, check: Callable[[int, int], None]) -> None:

@@ -97,6 +97,9 @@ class KVEventsFeed:
         self._max_message_bytes = max_message_bytes
         self._context = zmq.asyncio.Context()
         self._subs: dict[str, _Subscription] = {}
+        # Tasks of forgotten engines, cancelled but maybe not yet finished: `close` waits for
+        # them too, so none closes its sockets after the context is gone.
+        self._leaving: set[asyncio.Task[None]] = set()
 
     def watch(self, url: str) -> None:
         if url in self._subs:
@@ -111,6 +114,8 @@ class KVEventsFeed:
         sub = self._subs.pop(url, None)
         if sub is not None and sub.task is not None:
             sub.task.cancel()
+            self._leaving.add(sub.task)
+            sub.task.add_done_callback(self._leaving.discard)
 
     def hit_tokens(self, url: str, prompt: RoutingPrompt, *, eagle_groups: Collection[int] = ()) -> int | None:
         """Prefix tokens the engine caches for the prompt; None while its index is not fresh.
@@ -133,13 +138,19 @@ class KVEventsFeed:
         if sizes:
             await asyncio.get_running_loop().run_in_executor(None, prompt.fill, sizes)
 
+    def applied_sequences(self) -> dict[str, int]:
+        """Per engine url, the sequence number of the last batch its index took in (none
+        for an engine whose index is still empty): what `/metrics` exports, so a watcher
+        can tell that the router has seen an engine's batches up to one it saw published."""
+        return {url: s.last_seq for url, s in list(self._subs.items()) if s.last_seq is not None}
+
     def index(self, url: str) -> EngineKVIndex | None:
         """The engine's index, or None while it is not fresh (the same rule as `hit_tokens`)."""
         sub = self._subs.get(url)
         return sub.index if sub is not None and sub.fresh else None
 
     async def close(self) -> None:
-        tasks = [s.task for s in self._subs.values() if s.task is not None]
+        tasks = [s.task for s in self._subs.values() if s.task is not None] + list(self._leaving)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client import metrics as _prometheus_metrics
@@ -104,6 +104,24 @@ class _EngineCollector(Collector):
             failures.add_metric(values, engine.failures)
             opens.add_metric(values, engine.breaker.opens)
         yield from (healthy, breaker_open, in_flight, failures, opens)
+
+
+class _KVEventsCollector(Collector):
+    """Per engine, the last KV-event batch the router's index took in (`KVEventsFeed.applied_sequences`)."""
+
+    def __init__(self, sequences: Callable[[], Mapping[str, int]]) -> None:
+        self._sequences = sequences
+
+    def collect(self) -> Iterator[Metric]:
+        last = GaugeMetricFamily(
+            "pdconnect_router_kv_events_last_seq",
+            "Sequence number of the last KV-event batch the engine's index took in (kv-aware policy); "
+            "absent while the index is empty",
+            labels=["engine"],
+        )
+        for url, seq in self._sequences().items():
+            last.add_metric([url], float(seq))
+        yield last
 
 
 def _created_series() -> bool:
@@ -301,7 +319,7 @@ class RouterMetrics:
         # checked against the hit the engine reported.
         self.decode_routes = _LoopCounter(
             "pdconnect_router_decode_routes",
-            "Decided requests by route (decode-local: no prefill leg; pd) and reason",
+            "Decided requests by route (decode-first: no prefill leg; pd) and reason",
             ["route", "reason"],
             r,
         )
@@ -349,6 +367,10 @@ class RouterMetrics:
         if child is None:
             child = self._placements[(role, outcome)] = self.affinity.labels(role, outcome)
         child.inc()
+
+    def track_kv_events(self, sequences: Callable[[], Mapping[str, int]]) -> None:
+        """Export, per engine, the last KV-event batch applied (`sequences`: the feed's, read at scrape time)."""
+        self.registry.register(_KVEventsCollector(sequences))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
