@@ -274,7 +274,6 @@ class _Desk:
         self._replies: dict[int, HandshakeReply] = {}
         self._counts = dict.fromkeys(DESK_COUNTERS, 0)
         self._open = True
-        self._lease_seconds = start.settings.lease_seconds
         self.leases: LeaseTable[None] = LeaseTable(start.settings.lease_seconds)
         settings = start.settings
         self.server = SideChannelServer(
@@ -313,7 +312,7 @@ class _Desk:
         that stays backed up cannot hold an abandoned lease: it ends within twice its lease
         time plus one round (docs/handoff-integrity.md).
         """
-        return max(self.server.drained_at, time.monotonic() - self._lease_seconds)
+        return max(self.server.drained_at, time.monotonic() - self.leases.lease_seconds)
 
     def _apply_waiting_frames(self) -> None:
         with self._lock:
