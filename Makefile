@@ -30,7 +30,19 @@ DEPLOY_VENV ?= .venv-deploy
 DEPLOY_STAMP := $(DEPLOY_VENV)/.installed-$(shell sha1sum deploy/tools-constraints.txt | cut -c1-12)
 export PDCONNECT_DEPLOY_VENV ?= $(abspath $(DEPLOY_VENV))
 
-deploy-tools: $(DEPLOY_STAMP)
+deploy-tools: $(DEPLOY_STAMP) $(DEPLOY_VENV)/bin/promtool
+
+# promtool checks the shipped alert rules and dashboard queries (tests/test_monitoring.py).
+# Debian's prometheus package has it; only the binary is unpacked (no daemon, no service).
+PROMETHEUS_DEB_VERSION := 2.42.0+ds-5+deb12u1
+$(DEPLOY_VENV)/bin/promtool: $(DEPLOY_STAMP)
+	@rm -rf $(DEPLOY_VENV)/prometheus-deb && mkdir -p $(DEPLOY_VENV)/prometheus-deb
+	cd $(DEPLOY_VENV)/prometheus-deb && apt-get download -qq prometheus=$(PROMETHEUS_DEB_VERSION) 2>/dev/null \
+		|| { apt-get update -qq && apt-get download -qq prometheus=$(PROMETHEUS_DEB_VERSION); }
+	dpkg-deb -x $(DEPLOY_VENV)/prometheus-deb/prometheus_*.deb $(DEPLOY_VENV)/prometheus-deb/root
+	install -m 755 $(DEPLOY_VENV)/prometheus-deb/root/usr/bin/promtool $@
+	rm -rf $(DEPLOY_VENV)/prometheus-deb
+	$@ --version >/dev/null
 
 $(DEPLOY_STAMP): deploy/tools-constraints.txt
 	@test -x $(DEPLOY_VENV)/bin/python || python3 -m venv $(DEPLOY_VENV)

@@ -62,7 +62,7 @@ EXTERNAL = {
     ("PersistentVolumeClaim", "vllm-models"),
 }
 # Custom resources: no built-in schema; their meaning is checked below instead.
-CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 CLUSTER_DOMAIN = "svc.cluster.local"
 
 ENGINE_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -1007,6 +1007,13 @@ def test_kustomization_is_what_it_says(render_of, target: str) -> None:
         assert volume["emptyDir"]["medium"] == "Memory"
     if "servicemonitor" in want:
         assert bool(render.of_kind("ServiceMonitor")) == want["servicemonitor"]
+        # The monitoring component ships the alert rules and the dashboard with the scraping.
+        assert bool(render.of_kind("PrometheusRule")) == want["servicemonitor"]
+        dashboard = render.get("ConfigMap", "pdconnect-dashboard")
+        assert (dashboard is not None) == want["servicemonitor"]
+        if dashboard is not None:
+            assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+            assert json.loads(dashboard["data"]["dashboard.json"])["uid"] == "pdconnect"
     if "namespace" in want:
         assert render.router()["metadata"]["namespace"] == want["namespace"]
     if "route_headers" in want:

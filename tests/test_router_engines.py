@@ -36,6 +36,13 @@ from pdconnect.testbed.recipes import (
     warm_up,
 )
 from pdconnect.testbed.tinymodel import ensure_model
+from tests.monitoring_support import (
+    alert_queries,
+    dashboard_queries,
+    dashboard_variable_queries,
+    metric_names_in,
+    missing_metrics,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -281,6 +288,27 @@ def test_sibling_lands_on_the_same_decode_engine(engines: Engines, router: str, 
     assert first.headers["x-pdconnect-decode"] == second.headers["x-pdconnect-decode"]
     assert first.headers["x-pdconnect-prefill"] == second.headers["x-pdconnect-prefill"]
     assert fetch_metrics(router, http).total("pdconnect_router_affinity", role="decode", outcome="keep") >= 1
+
+
+@pytest.mark.skipif(KV_CONNECTOR != "PDConnector", reason="only our connector exports pdconnect: series")
+def test_dashboard_and_alerts_use_only_metrics_the_project_exports(
+    engines: Engines, router: str, http: httpx.Client
+) -> None:
+    """Every metric name the shipped dashboard and alert rules query is one a real router,
+    prefill engine or decode engine exports (a family, even with no sample yet)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    exported: set[str] = set()
+    for base in (router, engines.prefill.base_url, engines.decode.base_url):
+        response = http.get(f"{base}/metrics")
+        assert response.status_code == 200, base
+        for family in text_string_to_metric_families(response.text):
+            exported.add(family.name)
+            exported.update(sample.name for sample in family.samples)
+    queries = dashboard_queries() + dashboard_variable_queries() + alert_queries()
+    used = set().union(*(metric_names_in(query) for query in queries))
+    assert len(used) >= 25, sorted(used)
+    assert not missing_metrics(used, exported), sorted(missing_metrics(used, exported))
 
 
 @pytest.mark.skipif(KV_CONNECTOR != "PDConnector", reason="only our connector has a release channel")
