@@ -504,6 +504,21 @@ def test_engines_drain_before_they_stop(render_of, target: str) -> None:
             assert shutdown >= settings.lease_seconds
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_router_drains_as_long_as_decode_does(render_of, target: str) -> None:
+    """Rolling the router: after its preStop it drains for --drain-timeout, at least as long
+    as a decode engine lets its generations run (--shutdown-timeout), so a router restart
+    cuts no stream decode would finish; all inside the grace period."""
+    render = render_of(target)
+    router = render.router()
+    drain = router_config(render).drain_timeout
+    pre_stop = _container(router)["lifecycle"]["preStop"]["sleep"]["seconds"]
+    decode = render.engines()["decode"]
+    decode_shutdown = int(one_flag(expanded_argv(render, decode, _container(decode)), "--shutdown-timeout"))
+    assert drain >= decode_shutdown, f"router drains {drain} s, decode generates for {decode_shutdown} s"
+    assert pod_spec(router)["terminationGracePeriodSeconds"] >= pre_stop + drain + 10
+
+
 # ---------------------------------------------------------------------- the router
 
 

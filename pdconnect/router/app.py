@@ -409,6 +409,13 @@ class RunningRouter:
     admin_url: str | None = None
 
     async def close(self) -> None:
+        """Drain: stop accepting, let requests in flight finish (up to `drain_timeout`), then stop.
+
+        aiohttp closes the listeners and idle connections first, waits for running
+        handlers up to the runner's shutdown timeout, and only then cancels the rest
+        (whose prefill holds are released on the client-gone path) and runs the app's
+        cleanup, which closes the engine sessions.
+        """
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
         await self.runner.cleanup()
@@ -518,6 +525,7 @@ async def _serve(
     head_timeout: float,
     on_head_timeout: Callable[[], None],
     keepalive: float,
+    drain_timeout: float,
 ) -> tuple[web.AppRunner, str]:
     # auto_decompress off: request bodies are inflated by `body.read_body`, within the limit.
     runner = _Runner(
@@ -528,6 +536,7 @@ async def _serve(
         access_log=None,
         auto_decompress=False,
         keepalive_timeout=keepalive,
+        shutdown_timeout=drain_timeout,
     )
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -539,7 +548,7 @@ async def start_router(config: RouterConfig, resolver: Resolver = resolve_addres
     """Serve `config` on config.host:config.port (port 0 picks a free one) until `close()`;
     the admin app too, on admin_host:admin_port, when it has a port of its own."""
     router = Router(config, resolver)
-    head = (config.header_read_timeout, router.header_timeouts.inc, config.client_keepalive)
+    head = (config.header_read_timeout, router.header_timeouts.inc, config.client_keepalive, config.drain_timeout)
     runner, url = await _serve(router.build_app(), config.host, config.port, *head)
     running = RunningRouter(router=router, runner=runner, url=url)
     admin = router.build_admin_app()

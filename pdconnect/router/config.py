@@ -197,6 +197,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # A client connection idle this many seconds between requests is closed (aiohttp's
     # own default is an hour: idle clients would hold descriptors until the limit).
     client_keepalive: Seconds = 75.0
+    # After SIGTERM the router stops accepting connections and lets requests in flight
+    # finish for up to this many seconds; what is still running then is cut, and its
+    # prefill hold released. The default matches the decode engines' --shutdown-timeout
+    # (deploy/), so a rolling restart of the router cuts no stream decode would finish.
+    drain_timeout: Seconds = 300.0
     # Admin endpoints (/admin/engines) exist only with a token, or when explicitly open;
     # with `admin_port` they are served only there (on `admin_host`, loopback by default).
     admin_token_env: str | None = None
@@ -467,6 +472,12 @@ def _parser() -> argparse.ArgumentParser:
         **seconds,
     )
     _add(flow, "client-keepalive", "seconds a client connection may sit idle between requests", **seconds)
+    _add(
+        flow,
+        "drain-timeout",
+        "after SIGTERM: seconds requests in flight may take to finish before they are cut",
+        **seconds,
+    )
     _add(
         flow,
         "max-prefill-answer-bytes",

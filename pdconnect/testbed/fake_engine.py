@@ -51,6 +51,7 @@ class FakeFaults:
     drop_before_answer: bool = False  # close the connection without any answer
     drop_after_chunks: int | None = None  # stream: close the connection after N chunks
     stall_after_chunks: int | None = None  # stream: go silent (connection open) after N chunks
+    chunk_interval: float = 0.0  # stream: seconds between chunks (a long generation)
     half_event_after_chunks: int | None = None  # stream: write half an event after N chunks, hang up
     answer_only: int | None = None  # answer the first N inference requests, 500 after
     fail_on_field: str | None = None  # answer 500 to any request whose body has this key
@@ -294,6 +295,8 @@ class FakeEngine:
                 return resp
             if faults.stall_after_chunks is not None and i >= faults.stall_after_chunks:
                 await asyncio.sleep(3600)
+            if faults.chunk_interval and i:
+                await asyncio.sleep(faults.chunk_interval)
             await resp.write(b"data: " + _encode(event) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
