@@ -19,7 +19,8 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
   client that calls engines; `errors`: why a routed request failed, with its status;
   `releaser`: frees a prefill engine's blocks nobody will pull.
 - `writer`: each write to the client within a deadline; `usage`: what the client is told
-  it used; `metrics`: the router's Prometheus metrics.
+  it used; `metrics`: the router's Prometheus metrics; `logs`: text or JSON lines with
+  the request's ids, and the access log.
 """
 
 from pdconnect.router.app import Router, RunningRouter, main, start_router

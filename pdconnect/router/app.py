@@ -47,6 +47,7 @@ from pdconnect.router.errors import (
 from pdconnect.router.flow import PDFlow
 from pdconnect.router.health import HealthMonitor
 from pdconnect.router.kvevents import KVEventsFeed, events_endpoint
+from pdconnect.router.logs import configure_logging
 from pdconnect.router.lookup import parse_groups
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.policy import LeastLoaded, LoadBound, make_policy
@@ -578,7 +579,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"pdconnect router: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
     try:
         import uvloop
     except ImportError:

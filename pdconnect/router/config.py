@@ -211,6 +211,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # Name the chosen engines in response headers (x-pdconnect-prefill/-decode).
     route_headers: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # JSON lines carry the request and trace ids as fields; text puts the request id in
+    # brackets (`pdconnect.router.logs`).
+    log_format: Literal["text", "json"] = "text"
+    # One line per request at its end: endpoint, status, outcome, route, engines, TTFT.
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -521,6 +526,13 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
     )
     _add(admin, "log-level", "log verbosity", choices=["debug", "info", "warning", "error"])
+    _add(admin, "log-format", "log lines as text or JSON (request and trace ids as fields)", choices=["text", "json"])
+    _add(
+        admin,
+        "access-log",
+        "log one line per request: status, outcome, route, engines, TTFT, duration",
+        action=argparse.BooleanOptionalAction,
+    )
     return p
 
 

@@ -61,6 +61,7 @@ from pdconnect.router.errors import (
     RouterError,
     openai_error_body,
 )
+from pdconnect.router.logs import ACCESS_LOGGER, AccessEntry, bind_request
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.policy import AffinityTracker, KvAware, PrefixAffinity, RoutingPolicy, affinity_key
 from pdconnect.router.releaser import PrefillReleaser
@@ -79,6 +80,7 @@ from pdconnect.router.writer import ClientStalled, ClientWriter
 __all__ = ["PDFlow"]
 
 logger = logging.getLogger("pdconnect.router.flow")
+access_logger = logging.getLogger(ACCESS_LOGGER)
 
 _json_encode = msgspec.json.encode
 
@@ -112,10 +114,13 @@ class _AttemptFailed(Exception):
 class _Trace:
     """What happened to one request, for its metrics and response headers."""
 
-    __slots__ = ("decode_engines", "fallback", "outcome", "prefilled", "route", "stalled")
+    __slots__ = ("decode", "decode_engines", "fallback", "outcome", "prefilled", "route", "stalled", "status", "ttft")
 
     def __init__(self) -> None:
         self.outcome = "bad_request"
+        self.status = 500  # the HTTP status the client got (499: it left first)
+        self.decode: str | None = None  # the decode engine that answered
+        self.ttft: float | None = None  # seconds from arrival to the first byte relayed
         self.fallback: str | None = None
         self.prefilled: Prefilled | None = None
         self.stalled = False  # the client stopped reading and was dropped
@@ -180,6 +185,7 @@ class PDFlow:
             raw = await read_body(http, self._config.max_body_bytes, self._config.body_read_timeout)
             pd = bool(self._registry.engines(Role.PREFILL))
             call = parse_call(raw, endpoint, http.headers, started, pd=pd, key_of=self._key_of)
+            bind_request(call.request_id, call.trace_id)
             if self._reader is not None:
                 call = dataclasses.replace(call, prompt=await self._reader.routing_prompt(call))
             if not any(engine.routable for engine in self._registry.engines(Role.DECODE)):
@@ -192,16 +198,43 @@ class PDFlow:
             return response
         except (asyncio.CancelledError, ConnectionResetError):
             trace.outcome = "client_stalled" if trace.stalled else "client_disconnect"
+            trace.status = 499
             raise
         except RouterError as exc:
             trace.outcome = exc.outcome
+            trace.status = exc.http_status
             raise
         finally:
             if trace.route is not None:
                 trace.route.prefilled()
             if trace.outcome not in _SERVED and trace.prefilled is not None:
                 self._releaser.release(trace.prefilled.params, trace.outcome)
-            self._metrics.request_done(endpoint.label, trace.outcome, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self._metrics.request_done(endpoint.label, trace.outcome, elapsed)
+            if self._config.access_log:
+                self._log_access(http, trace, elapsed)
+
+    @staticmethod
+    def _log_access(http: web.Request, trace: _Trace, elapsed: float) -> None:
+        if trace.fallback:
+            route = "fallback"
+        elif trace.route is not None and trace.route.local:
+            route = "decode-first"
+        elif trace.prefilled is not None:
+            route = "pd"
+        else:
+            route = "decode-only" if trace.decode else "-"
+        AccessEntry(
+            method=http.method,
+            path=http.path,
+            status=trace.status,
+            outcome=trace.outcome,
+            route=route,
+            prefill=trace.prefilled.engine.url if trace.prefilled else None,
+            decode=trace.decode,
+            ttft_seconds=trace.ttft,
+            duration_seconds=elapsed,
+        ).log(access_logger)
 
     def _route(self, call: Call, trace: _Trace) -> Route | None:
         """Decode-first routing (`decider`): the local route skips the prefill leg, on the decode
@@ -422,7 +455,8 @@ class PDFlow:
                     break  # the engine's whole answer is here: `data` goes out with the end
                 await writer.write(data)
                 if timed:
-                    self._metrics.first_token(call.endpoint.label, time.perf_counter() - call.started)
+                    trace.ttft = time.perf_counter() - call.started
+                    self._metrics.first_token(call.endpoint.label, trace.ttft)
                     timed = False
                 try:
                     chunk = await resp.chunk(idle)
@@ -439,7 +473,8 @@ class PDFlow:
                 # too when the answer came in one read): each write wakes the client.
                 await writer.write_eof(data)
                 if timed:
-                    self._metrics.first_token(call.endpoint.label, time.perf_counter() - call.started)
+                    trace.ttft = time.perf_counter() - call.started
+                    self._metrics.first_token(call.endpoint.label, trace.ttft)
                 return out, True
             # The client may already have bytes, so no retry: drop any half event and end
             # the stream with a whole error event and [DONE], the way vLLM reports errors.
@@ -548,6 +583,7 @@ class PDFlow:
 
     def _response_headers(self, call: Call, trace: _Trace, engine: Engine, resp: UpstreamResponse) -> dict[str, str]:
         # A plain dict: aiohttp's responses copy whatever they are given into a CIMultiDict.
+        trace.decode, trace.status = engine.url, resp.status
         headers: dict[str, str] = {}
         headers["Content-Type"] = resp.headers.get(b"content-type", b"application/json").decode()
         headers["X-Request-Id"] = call.request_id

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ import msgspec
 from pdconnect.router.errors import BadRequest
 from pdconnect.router.prompt import RoutingPrompt
 
-__all__ = ["PREFILL_FIELDS", "Call", "Endpoint", "decode_body", "parse_call", "prefill_body"]
+__all__ = ["PREFILL_FIELDS", "Call", "Endpoint", "decode_body", "forward_trace_context", "parse_call", "prefill_body"]
 
 _json_decode = msgspec.json.decode
 _json_encode = msgspec.json.encode
@@ -80,8 +81,9 @@ class Call:
     request_id: str
     stream: bool
     key: int | None
-    headers: dict[str, str]  # forwarded to every engine (request id, authorization)
+    headers: dict[str, str]  # forwarded to every engine (request id, authorization, trace context)
     started: float
+    trace_id: str = ""  # the W3C trace id both legs carry (`traceparent`)
     raw: bytes = b"{}"  # the client's body as received (inflated)
     # The prompt's token ids, when the policy needs them, and their chain keys, shared by
     # every lookup of the request (filled off the loop for a long prompt: `tokenizing`).
@@ -116,6 +118,7 @@ def parse_call(
     forward = {"X-Request-Id": request_id, "Content-Type": "application/json"}
     if "Authorization" in headers:
         forward["Authorization"] = headers["Authorization"]
+    trace_id = forward_trace_context(headers, forward)
     key = key_of(body, endpoint is Endpoint.CHAT) if key_of is not None else None
     return Call(
         endpoint=endpoint,
@@ -126,7 +129,34 @@ def parse_call(
         key=key,
         headers=forward,
         started=started,
+        trace_id=trace_id,
     )
+
+
+# W3C Trace Context (https://www.w3.org/TR/trace-context/): version 00, a 32-hex trace id
+# and a 16-hex parent id, neither all zeros, and flags.
+_TRACEPARENT = re.compile(r"00-(?!0{32})([0-9a-f]{32})-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+_TRACESTATE_LIMIT = 512  # the spec's 32 members fit; a longer header is not forwarded
+
+
+def forward_trace_context(headers: Mapping[str, str], forward: dict[str, str]) -> str:
+    """Copy a well-formed `traceparent` (and its `tracestate`) into `forward`, so both legs'
+    engine spans (vLLM's `--otlp-traces-endpoint`) join the client's trace; with none, start
+    a trace, sampled, so prefill's and decode's spans still share one. Returns the trace id.
+
+    A malformed header is not forwarded: the engines would start traces of their own.
+    """
+    parent = headers.get("traceparent", "")
+    match = _TRACEPARENT.fullmatch(parent)
+    if match is None:
+        trace_id = os.urandom(16).hex()
+        forward["traceparent"] = f"00-{trace_id}-{os.urandom(8).hex()}-01"
+        return trace_id
+    forward["traceparent"] = parent
+    state = headers.get("tracestate")
+    if state and len(state) <= _TRACESTATE_LIMIT:
+        forward["tracestate"] = state
+    return match.group(1)
 
 
 # What the prefill engine needs to compute the same KV as the decode engine would (vLLM

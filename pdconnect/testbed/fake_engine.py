@@ -66,6 +66,8 @@ class Seen:
     path: str
     request_id: str
     body: dict[str, Any]
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 @dataclass
@@ -177,7 +179,15 @@ class FakeEngine:
             )
         body = msgspec.json.decode(await request.read())
         request_id = request.headers.get("X-Request-Id", "")
-        self.seen.append(Seen(request.path, request_id, body))
+        self.seen.append(
+            Seen(
+                request.path,
+                request_id,
+                body,
+                request.headers.get("traceparent"),
+                request.headers.get("tracestate"),
+            )
+        )
         try:
             return await self._answer(request, body, request_id)
         except (asyncio.CancelledError, ConnectionResetError):

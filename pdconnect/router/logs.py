@@ -1,0 +1,128 @@
+"""The router's log lines: text or JSON, each about a request carrying its request and trace ids; the access log.
+
+A request's ids live in a context variable set when the request is parsed
+(`bind_request`): aiohttp serves each request in a task of its own, so every line logged
+on its behalf, by any module, carries them, and lines of other requests do not. Lines
+from threads (the releaser's) carry what the line itself says.
+
+The access log is one line per request, at its end, on the logger
+`pdconnect.router.access`: endpoint, status, outcome, route, the engines, time to first
+token and duration. In JSON each of those is a field of its own.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "ACCESS_LOGGER",
+    "AccessEntry",
+    "JsonFormatter",
+    "TextFormatter",
+    "bind_request",
+    "configure_logging",
+]
+
+ACCESS_LOGGER = "pdconnect.router.access"
+
+_TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclass(frozen=True)
+class _RequestIds:
+    request_id: str
+    trace_id: str | None
+
+
+_CURRENT: contextvars.ContextVar[_RequestIds | None] = contextvars.ContextVar("pdconnect_request", default=None)
+
+
+def bind_request(request_id: str, trace_id: str | None) -> None:
+    """Tag every line logged from now on in this task (this request) with its ids."""
+    _CURRENT.set(_RequestIds(request_id, trace_id))
+
+
+@dataclass(frozen=True)
+class AccessEntry:
+    """One request as the access log reports it."""
+
+    method: str
+    path: str
+    status: int
+    outcome: str
+    route: str
+    prefill: str | None
+    decode: str | None
+    ttft_seconds: float | None
+    duration_seconds: float
+
+    def message(self) -> str:
+        ttft = f"{self.ttft_seconds * 1000:.1f}ms" if self.ttft_seconds is not None else "-"
+        return (
+            f"{self.method} {self.path} {self.status} {self.outcome} route={self.route} "
+            f"prefill={self.prefill or '-'} decode={self.decode or '-'} ttft={ttft} "
+            f"duration={self.duration_seconds * 1000:.1f}ms"
+        )
+
+    def log(self, logger: logging.Logger) -> None:
+        logger.info("%s", self.message(), extra={"access": self})
+
+
+class TextFormatter(logging.Formatter):
+    """The plain format, with `[request id]` after the level on a request's lines."""
+
+    def __init__(self) -> None:
+        super().__init__(_TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        ids = _CURRENT.get()
+        if ids is None:
+            return line
+        # After "date time LEVEL": the id sits where a reader looks for it.
+        head, sep, rest = line.partition(f" {record.levelname} ")
+        return f"{head}{sep}[{ids.request_id}] {rest}" if sep else line
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, request and trace ids,
+    the access entry's fields, and the exception, if any."""
+
+    _encode = msgspec.json.Encoder().encode
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        ids = _CURRENT.get()
+        if ids is not None:
+            entry["request_id"] = ids.request_id
+            if ids.trace_id is not None:
+                entry["trace_id"] = ids.trace_id
+        access = getattr(record, "access", None)
+        if isinstance(access, AccessEntry):
+            entry.update(dataclasses.asdict(access))
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return self._encode(entry).decode()
+
+
+def configure_logging(level: str, fmt: Literal["text", "json"]) -> None:
+    """Log to stderr at `level` in `fmt`, replacing what was there."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())

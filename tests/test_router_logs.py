@@ -1,0 +1,153 @@
+"""The router's logs and trace context: `traceparent` on both legs, ids on every line, the access log.
+
+Against FAKE engines (`pdconnect.testbed.fake_engine`), which record the trace headers
+each leg brought; the last test runs `pdconnect router --log-format json` as a process.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdconnect.router.logs import ACCESS_LOGGER, JsonFormatter, TextFormatter
+from tests.router_support import COMPLETION, router_process_with_fakes, sse_events
+from tests.waiting import wait_until
+
+PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.fixture
+def json_lines() -> Iterator[io.StringIO]:
+    """What the router logs while the test runs, in the JSON format."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter())
+    router_logger = logging.getLogger("pdconnect.router")
+    level = router_logger.level
+    router_logger.addHandler(handler)
+    router_logger.setLevel(logging.INFO)
+    try:
+        yield out
+    finally:
+        router_logger.removeHandler(handler)
+        router_logger.setLevel(level)
+
+
+def _entries(out: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+@pytest.mark.asyncio
+async def test_the_clients_trace_context_reaches_both_legs(make) -> None:
+    s = await make()
+    status, _, _ = await s.post("/v1/completions", COMPLETION, headers={"traceparent": PARENT, "tracestate": "k=v"})
+    assert status == 200
+    legs = [s.p[0].seen[-1], s.d[0].seen[-1]]
+    assert [(leg.traceparent, leg.tracestate) for leg in legs] == [(PARENT, "k=v")] * 2
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sent", [None, "00-00000000000000000000000000000000-00f067aa0ba902b7-01", "garbage"])
+async def test_without_a_valid_trace_context_both_legs_share_a_new_sampled_trace(make, sent: str | None) -> None:
+    s = await make()
+    headers = {"traceparent": sent} if sent else {}
+    status, _, _ = await s.post("/v1/completions", COMPLETION, headers=headers)
+    assert status == 200
+    prefill, decode = s.p[0].seen[-1].traceparent, s.d[0].seen[-1].traceparent
+    assert prefill is not None and prefill == decode and prefill != sent
+    version, trace_id, parent_id, flags = prefill.split("-")
+    assert (version, flags, len(trace_id), len(parent_id)) == ("00", "01", 32, 16)
+    assert int(trace_id, 16) != 0
+
+
+@pytest.mark.asyncio
+async def test_the_access_log_has_a_line_per_request_with_its_route_engines_and_ids(make, json_lines) -> None:
+    s = await make()
+    status, _, raw = await s.post(
+        "/v1/completions",
+        {**COMPLETION, "stream": True},
+        headers={"traceparent": PARENT, "X-Request-Id": "logged-1"},
+    )
+    assert status == 200 and sse_events(raw)[-1] == "[DONE]"
+    [access] = [e for e in _entries(json_lines) if e["logger"] == ACCESS_LOGGER]
+    assert access["request_id"] == "logged-1" and access["trace_id"] == TRACE_ID
+    assert (access["method"], access["path"], access["status"], access["outcome"], access["route"]) == (
+        "POST",
+        "/v1/completions",
+        200,
+        "ok",
+        "pd",
+    )
+    assert (access["prefill"], access["decode"]) == (s.p[0].url, s.d[0].url)
+    assert 0 < access["ttft_seconds"] <= access["duration_seconds"]
+
+
+@pytest.mark.asyncio
+async def test_every_line_about_a_request_carries_its_ids(make, json_lines) -> None:
+    """A prefill engine fails once: the retry's warning and the access line both name the request."""
+    s = await make(prefill=2)
+    for fake in s.p:
+        fake.faults.fail_next = 1
+    status, _, _ = await s.post("/v1/completions", COMPLETION, headers={"X-Request-Id": "retried-1"})
+    assert status == 200
+    entries = _entries(json_lines)
+    warnings = [e for e in entries if e["level"] == "warning"]
+    assert warnings and all(e["request_id"] == "retried-1" for e in warnings), entries
+    assert {e["logger"] for e in entries} >= {"pdconnect.router.flow", ACCESS_LOGGER}
+
+
+@pytest.mark.asyncio
+async def test_a_refused_request_is_logged_with_its_status(make, json_lines) -> None:
+    s = await make()
+    status, _, _ = await s.post("/v1/completions", {"model": "m", "prompt": 7})
+    assert status == 400
+    [access] = [e for e in _entries(json_lines) if e["logger"] == ACCESS_LOGGER]
+    assert (access["status"], access["outcome"], access["route"]) == (400, "bad_request", "-")
+
+
+@pytest.mark.asyncio
+async def test_the_access_log_can_be_turned_off(make, json_lines) -> None:
+    s = await make(access_log=False)
+    assert (await s.post("/v1/completions", COMPLETION))[0] == 200
+    assert not [e for e in _entries(json_lines) if e["logger"] == ACCESS_LOGGER]
+
+
+def test_text_lines_name_the_request_in_brackets() -> None:
+    from pdconnect.router.logs import bind_request
+
+    record = logging.LogRecord("pdconnect.router.flow", logging.WARNING, __file__, 1, "attempt failed", None, None)
+    formatter = TextFormatter()
+    assert "[" not in formatter.format(record)
+
+    def in_request() -> str:
+        bind_request("req-7", TRACE_ID)
+        return formatter.format(record)
+
+    import contextvars
+
+    line = contextvars.copy_context().run(in_request)
+    assert " WARNING [req-7] pdconnect.router.flow: attempt failed" in line
+
+
+def test_a_router_started_with_json_logs_writes_only_json_lines(tmp_path: Path) -> None:
+    with router_process_with_fakes(tmp_path, router_args=("--log-level", "info", "--log-format", "json")) as router:
+        with httpx.Client(timeout=30) as http:
+            response = http.post(f"{router.base_url}/v1/completions", json=COMPLETION, headers={"traceparent": PARENT})
+            assert response.status_code == 200
+
+        def access_lines() -> list[dict[str, Any]]:
+            # The log file opens with the command line the cluster ran.
+            lines = [line for line in router.log_text().splitlines() if line.strip() and not line.startswith("$ ")]
+            entries = [json.loads(line) for line in lines]  # every line is JSON
+            return [e for e in entries if e["logger"] == ACCESS_LOGGER]
+
+        access = wait_until(access_lines, "the router to log the request")
+        assert [(e["trace_id"], e["status"], e["route"]) for e in access] == [(TRACE_ID, 200, "pd")]
