@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	@dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1; }
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip==25.3
-	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[cpu,test,bench]'
+	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[cpu,test,bench,otel]'
 	@# PyPI's torchvision/torchaudio/torchcodec need CUDA and break `import transformers`.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@# nixl-cu12 ships the library; `nixl` is the import shim, installed without its CUDA deps.

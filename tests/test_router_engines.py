@@ -43,6 +43,8 @@ from tests.monitoring_support import (
     metric_names_in,
     missing_metrics,
 )
+from tests.otlp_receiver import OtlpReceiver, otlp_receiver
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -71,6 +73,12 @@ class Engines:
     single: ManagedProcess
     prefill: ManagedProcess
     decode: ManagedProcess
+    # Where the engines (and the pdconnect router) export their spans.
+    traces: OtlpReceiver
+
+
+# vLLM exports its spans over OTLP/HTTP to the local receiver, in batches of 200 ms.
+_TRACING_ENV = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "200"}
 
 
 def _engine_args(role: str | None, side_channel_port: int) -> list[str]:
@@ -80,7 +88,7 @@ def _engine_args(role: str | None, side_channel_port: int) -> list[str]:
 @pytest.fixture(scope="module")
 def engines() -> Iterator[Engines]:
     model = ensure_model(SPEC)
-    with Cluster() as cluster:
+    with otlp_receiver() as traces, Cluster() as cluster:
 
         def server(name: str, role: str | None) -> ManagedProcess:
             side_channel_port = cluster.free_port()
@@ -90,8 +98,9 @@ def engines() -> Iterator[Engines]:
                     model,
                     port=cluster.free_port(),
                     served_model_name=MODEL,
-                    args=_engine_args(role, side_channel_port),
+                    args=[*_engine_args(role, side_channel_port), "--otlp-traces-endpoint", traces.url],
                     side_channel_port=side_channel_port,
+                    env=_TRACING_ENV,
                 )
             )
 
@@ -100,6 +109,7 @@ def engines() -> Iterator[Engines]:
             server("router-single", None),
             server("router-prefill", "kv_producer"),
             server("router-decode", "kv_consumer"),
+            traces,
         )
         cluster.wait_healthy([started.single, started.prefill, started.decode])
         for proc in (started.single, started.prefill, started.decode):
@@ -124,6 +134,8 @@ def _router_spec(cluster: Cluster, engines: Engines, name: str) -> ProcessSpec:
                 str(TIMEOUT_S),
                 "--decode-timeout",
                 str(TIMEOUT_S),
+                "--otlp-traces-endpoint",
+                engines.traces.url,
             ),
         )
     else:
@@ -146,7 +158,12 @@ def _router_spec(cluster: Cluster, engines: Engines, name: str) -> ProcessSpec:
             str(int(TIMEOUT_S)),
         )
     return ProcessSpec(
-        name=f"{name}-router", argv=argv, health_url=f"{url}/health", base_url=url, startup_timeout_s=60.0
+        name=f"{name}-router",
+        argv=argv,
+        env={"OTEL_BSP_SCHEDULE_DELAY": "200"},
+        health_url=f"{url}/health",
+        base_url=url,
+        startup_timeout_s=60.0,
     )
 
 
@@ -288,6 +305,36 @@ def test_sibling_lands_on_the_same_decode_engine(engines: Engines, router: str, 
     assert first.headers["x-pdconnect-decode"] == second.headers["x-pdconnect-decode"]
     assert first.headers["x-pdconnect-prefill"] == second.headers["x-pdconnect-prefill"]
     assert fetch_metrics(router, http).total("pdconnect_router_affinity", role="decode", outcome="keep") >= 1
+
+
+def test_one_trace_holds_the_routers_the_prefill_and_the_decode_engines_spans(
+    engines: Engines, router: str, http: httpx.Client
+) -> None:
+    """A client's traceparent through the router: vLLM's own `llm_request` span of each leg
+    (exported by the engines, `--otlp-traces-endpoint`) is a child of the router's span for
+    that leg's attempt, itself a child of the router's request span, child of the client's."""
+    trace_id, client_span = "5a1cb0f6c1d24e4e9f8a7b6c5d4e3f21", "1122334455667788"
+    body = _completion(_ids(seed=111, length=300))
+    response = http.post(
+        f"{router}/v1/completions", json=body, headers={"traceparent": f"00-{trace_id}-{client_span}-01"}
+    )
+    assert response.status_code == 200
+
+    def whole_trace() -> list[Any]:
+        spans = engines.traces.spans(trace_id)
+        return spans if sum(span.name == "llm_request" for span in spans) >= 2 else []
+
+    spans = wait_until(whole_trace, "the engines' and the router's spans of the trace", within=60)
+    by_id = {span.span_id: span for span in spans}
+    [root] = [span for span in spans if span.name == "POST /v1/completions"]
+    assert root.service == "pdconnect-router" and root.parent_span_id == client_span
+    legs = {}
+    for engine_span in (span for span in spans if span.name == "llm_request"):
+        attempt = by_id[engine_span.parent_span_id]  # the engine's span hangs under a router attempt
+        assert attempt.service == "pdconnect-router" and attempt.parent_span_id == root.span_id
+        legs[attempt.name] = engine_span
+    assert set(legs) == {"prefill", "decode"}
+    assert legs["prefill"].service == legs["decode"].service != "pdconnect-router"  # vLLM's own
 
 
 @pytest.mark.skipif(KV_CONNECTOR != "PDConnector", reason="only our connector exports pdconnect: series")

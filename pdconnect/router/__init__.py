@@ -20,7 +20,7 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
   `releaser`: frees a prefill engine's blocks nobody will pull.
 - `writer`: each write to the client within a deadline; `usage`: what the client is told
   it used; `metrics`: the router's Prometheus metrics; `logs`: text or JSON lines with
-  the request's ids, and the access log.
+  the request's ids, and the access log; `tracing`: OpenTelemetry spans over OTLP.
 """
 
 from pdconnect.router.app import Router, RunningRouter, main, start_router

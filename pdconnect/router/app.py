@@ -53,6 +53,7 @@ from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.policy import LeastLoaded, LoadBound, make_policy
 from pdconnect.router.releaser import PrefillReleaser
 from pdconnect.router.request import Endpoint
+from pdconnect.router.tracing import Tracing, TracingUnavailable, require_sdk
 from pdconnect.router.upstream import UpstreamPool
 from pdconnect.serving import serve_until_signalled
 
@@ -118,6 +119,11 @@ class Router:
         self._admin_token = config.resolve_admin_token()
         # Loaded before anything listens: a path that holds no tokenizer is a ConfigError in `main`.
         self._tokenizer = self._load_tokenizer(config)
+        if config.otlp_traces_endpoint:
+            try:
+                require_sdk()
+            except TracingUnavailable as exc:
+                raise ConfigError(str(exc)) from None
         self._flow: PDFlow | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -184,6 +190,7 @@ class Router:
         upstream = UpstreamPool(config.connect_timeout, config.upstream_keepalive)
         feed = self._kv_events_feed() if config.policy == "kv-aware" else None
         load = LoadBound(config.affinity_load_factor, config.affinity_min_load)
+        tracing = Tracing(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
         self._flow = PDFlow(
             config,
             self.registry,
@@ -194,6 +201,7 @@ class Router:
             make_policy(config.policy, load, config.affinity_vnodes, feed),
             self._decider(feed),
             self._tokenizer,
+            tracing,
         )
         tasks: list[asyncio.Task[None]] = []
         monitor = None
@@ -245,6 +253,8 @@ class Router:
             if feed is not None:
                 await feed.close()
             releaser.close(wait=True)
+            if tracing is not None:
+                await asyncio.to_thread(tracing.close)  # exports what is buffered (blocking)
 
     def _decider(self, feed: KVEventsFeed | None) -> DecodeFirstDecider | None:
         config = self.config

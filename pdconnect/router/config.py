@@ -216,6 +216,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     log_format: Literal["text", "json"] = "text"
     # One line per request at its end: endpoint, status, outcome, route, engines, TTFT.
     access_log: bool = True
+    # OTLP/HTTP endpoint for the router's spans (e.g. http://collector:4318/v1/traces);
+    # needs the `otel` extra. None: no spans (the trace context is forwarded anyway).
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -527,6 +530,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add(admin, "log-level", "log verbosity", choices=["debug", "info", "warning", "error"])
     _add(admin, "log-format", "log lines as text or JSON (request and trace ids as fields)", choices=["text", "json"])
+    _add(
+        admin,
+        "otlp-traces-endpoint",
+        "send the router's spans to this OTLP/HTTP endpoint (http://collector:4318/v1/traces; extra `otel`)",
+        metavar="URL",
+    )
     _add(
         admin,
         "access-log",

@@ -67,6 +67,7 @@ from pdconnect.router.policy import AffinityTracker, KvAware, PrefixAffinity, Ro
 from pdconnect.router.releaser import PrefillReleaser
 from pdconnect.router.request import Call, Endpoint, KeyOf, decode_body, parse_call, prefill_body
 from pdconnect.router.tokenizing import PromptReader
+from pdconnect.router.tracing import NO_SPANS, RequestSpans, Tracing
 from pdconnect.router.upstream import (
     AnswerTooLarge,
     ConnectFailed,
@@ -114,9 +115,21 @@ class _AttemptFailed(Exception):
 class _Trace:
     """What happened to one request, for its metrics and response headers."""
 
-    __slots__ = ("decode", "decode_engines", "fallback", "outcome", "prefilled", "route", "stalled", "status", "ttft")
+    __slots__ = (
+        "decode",
+        "decode_engines",
+        "fallback",
+        "outcome",
+        "prefilled",
+        "route",
+        "spans",
+        "stalled",
+        "status",
+        "ttft",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, spans: RequestSpans) -> None:
+        self.spans = spans  # the request's OpenTelemetry spans (NO_SPANS: not tracing)
         self.outcome = "bad_request"
         self.status = 500  # the HTTP status the client got (499: it left first)
         self.decode: str | None = None  # the decode engine that answered
@@ -147,8 +160,10 @@ class PDFlow:
         decode_policy: RoutingPolicy,
         decider: DecodeFirstDecider | None = None,
         tokenizer: PromptTokenizer | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._config = config
+        self._tracing = tracing
         self._decider = decider
         self._registry = registry
         self._upstream = upstream
@@ -180,17 +195,21 @@ class PDFlow:
 
     async def handle(self, http: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         started = time.perf_counter()
-        trace = _Trace()
+        trace = _Trace(self._tracing.start(http.headers, f"{http.method} {http.path}") if self._tracing else NO_SPANS)
         try:
             raw = await read_body(http, self._config.max_body_bytes, self._config.body_read_timeout)
             pd = bool(self._registry.engines(Role.PREFILL))
             call = parse_call(raw, endpoint, http.headers, started, pd=pd, key_of=self._key_of)
+            if trace.spans.trace_id is not None:
+                call = dataclasses.replace(call, trace_id=trace.spans.trace_id)
             bind_request(call.request_id, call.trace_id)
             if self._reader is not None:
                 call = dataclasses.replace(call, prompt=await self._reader.routing_prompt(call))
             if not any(engine.routable for engine in self._registry.engines(Role.DECODE)):
                 raise NoEngineAvailable(Role.DECODE.value)  # before P computes for nobody
             trace.route = self._route(call, trace)
+            if trace.route is not None:
+                trace.spans.route("decode-first" if trace.route.local else "pd", trace.route.reason)
             if trace.route is None or not trace.route.local:
                 trace.prefilled = await self._prefill(call, trace)
             params = trace.prefilled.params if trace.prefilled else None
@@ -213,6 +232,7 @@ class PDFlow:
             self._metrics.request_done(endpoint.label, trace.outcome, elapsed)
             if self._config.access_log:
                 self._log_access(http, trace, elapsed)
+            trace.spans.end(trace.status, trace.outcome)
 
     @staticmethod
     def _log_access(http: web.Request, trace: _Trace, elapsed: float) -> None:
@@ -268,10 +288,11 @@ class PDFlow:
         for attempt, engine in enumerate(engines):
             verdict: bool | None = None
             engine.begin()
+            leg = trace.spans.leg(Role.PREFILL.value, engine.url, attempt)
             sent = time.perf_counter()
             try:
                 resp, data = await self._send(
-                    engine, call, body, deadline, whole=True, headers=headers, limit=self._prefill_limit
+                    engine, call, body, deadline, whole=True, headers=leg.inject(headers), limit=self._prefill_limit
                 )
                 resp.release()
                 answer = _decode_prefill_answer(data)
@@ -294,6 +315,7 @@ class PDFlow:
                 continue
             finally:
                 engine.end(verdict)
+                leg.end(verdict)
             _blame(suspects)
             self._metrics.prefill_seconds.observe(time.perf_counter() - sent)
             self._observe_affinity(Role.PREFILL, call, engine)
@@ -321,6 +343,7 @@ class PDFlow:
 
     def _fall_back(self, trace: _Trace, reason: str) -> None:
         trace.fallback = reason
+        trace.spans.route("fallback", reason)
         self._metrics.fallbacks.labels(reason).inc()
         logger.debug("decode-only fallback: %s", reason)
 
@@ -346,11 +369,18 @@ class PDFlow:
             merger = UsageMerger.from_prefill(trace.prefilled.usage) if trace.prefilled else self._hit_check(trace)
             verdict: bool | None = None
             engine.begin()
+            leg = trace.spans.leg(Role.DECODE.value, engine.url, attempt)
             sent = time.perf_counter()
             try:
                 try:
                     resp, first = await self._send(
-                        engine, call, body, deadline, whole=not call.stream, limit=self._config.max_answer_bytes
+                        engine,
+                        call,
+                        body,
+                        deadline,
+                        whole=not call.stream,
+                        headers=leg.inject(call.headers),
+                        limit=self._config.max_answer_bytes,
                     )
                 except _AttemptFailed as failure:
                     verdict = self._judge(engine, failure, suspects)
@@ -385,6 +415,7 @@ class PDFlow:
                 return out
             finally:
                 engine.end(verdict)
+                leg.end(verdict)
         raise DecodeFailed(f"all {len(engines)} decode attempts failed; last: {last}")
 
     async def _prefill_again(self, call: Call, trace: _Trace, round_: int) -> dict[str, Any] | None:

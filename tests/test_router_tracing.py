@@ -1,0 +1,102 @@
+"""The router's OpenTelemetry spans: request, route, one span per attempt, and engines parented under the attempt.
+
+FAKE engines record the `traceparent` each attempt carried; spans go to a local OTLP
+receiver (`tests/otlp_receiver.py`). The same check against real vLLM engines exporting
+their own spans is in tests/test_router_engines.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from pdconnect.router import ConfigError, load_config
+from pdconnect.router.app import Router
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_receiver
+from tests.router_support import COMPLETION
+from tests.waiting import wait_until_async
+
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_PARENT = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"
+
+
+@pytest.fixture
+def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[OtlpReceiver]:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within 50 ms, not 5 s
+    with otlp_receiver() as running:
+        yield running
+
+
+def _at_least(receiver: OtlpReceiver, count: int) -> list[ReceivedSpan]:
+    """The client's trace once it has `count` spans, else nothing."""
+    spans = receiver.spans(CLIENT_TRACE)
+    return spans if len(spans) >= count else []
+
+
+def _by_name(spans: list[ReceivedSpan]) -> dict[str, list[ReceivedSpan]]:
+    out: dict[str, list[ReceivedSpan]] = {}
+    for span in spans:
+        out.setdefault(span.name, []).append(span)
+    return out
+
+
+@pytest.mark.asyncio
+async def test_a_request_is_one_trace_from_the_client_through_both_legs(make, receiver: OtlpReceiver) -> None:
+    s = await make(otlp_traces_endpoint=receiver.url)
+    status, _, _ = await s.post("/v1/completions", COMPLETION, headers={"traceparent": TRACEPARENT})
+    assert status == 200
+    spans = await wait_until_async(lambda: _at_least(receiver, 3), "the router's request and leg spans")
+    names = _by_name(spans)
+    [root], [prefill], [decode] = names["POST /v1/completions"], names["prefill"], names["decode"]
+    assert {span.service for span in spans} == {"pdconnect-router"}
+    assert root.parent_span_id == CLIENT_PARENT
+    assert prefill.parent_span_id == root.span_id == decode.parent_span_id
+    assert root.attributes["http.response.status_code"] == 200 and root.attributes["pdconnect.outcome"] == "ok"
+    assert (prefill.attributes["pdconnect.engine"], decode.attributes["pdconnect.engine"]) == (s.p[0].url, s.d[0].url)
+    # Each engine got its own attempt's span as parent: its spans nest under it.
+    assert s.p[0].seen[-1].traceparent == f"00-{CLIENT_TRACE}-{prefill.span_id}-01"
+    assert s.d[0].seen[-1].traceparent == f"00-{CLIENT_TRACE}-{decode.span_id}-01"
+
+
+@pytest.mark.asyncio
+async def test_each_prefill_attempt_is_a_span_of_its_own(make, receiver: OtlpReceiver) -> None:
+    """Both prefill engines fail once: two failed attempt spans, one per engine, then the
+    decode leg (decode-only fallback) succeeds."""
+    s = await make(prefill=2, otlp_traces_endpoint=receiver.url)
+    for fake in s.p:
+        fake.faults.fail_next = 1
+    status, _, _ = await s.post("/v1/completions", COMPLETION, headers={"traceparent": TRACEPARENT})
+    assert status == 200
+    spans = await wait_until_async(lambda: _at_least(receiver, 4), "four spans")
+    names = _by_name(spans)
+    attempts = sorted(names["prefill"], key=lambda span: span.attributes["pdconnect.attempt"])
+    assert [(a.attributes["pdconnect.attempt"], a.error) for a in attempts] == [(0, True), (1, True)]
+    assert {a.attributes["pdconnect.engine"] for a in attempts} == {fake.url for fake in s.p}
+    [decode] = names["decode"]
+    assert not decode.error
+
+
+@pytest.mark.asyncio
+async def test_a_fallback_is_recorded_as_the_route(make, receiver: OtlpReceiver) -> None:
+    s = await make(otlp_traces_endpoint=receiver.url, prefill_attempts=1)
+    s.p[0].faults.status = 503
+    status, _, _ = await s.post("/v1/completions", COMPLETION, headers={"traceparent": TRACEPARENT})
+    assert status == 200
+    [root] = await wait_until_async(
+        lambda: [span for span in receiver.spans(CLIENT_TRACE) if span.name.startswith("POST")], "the request span"
+    )
+    assert (root.attributes["pdconnect.route"], root.attributes["pdconnect.route_reason"]) == (
+        "fallback",
+        "prefill_failed",
+    )
+
+
+def test_an_endpoint_without_the_sdk_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # as if not installed
+    config = load_config({"decode": ["http://127.0.0.1:1"], "otlp_traces_endpoint": "http://127.0.0.1:1/v1/traces"})
+    with pytest.raises(ConfigError, match=r"pdconnect\[otel\]"):
+        Router(config)
