@@ -15,7 +15,8 @@ Read top to bottom in `PDFlow.handle`:
    With `--decode-first`, a request whose decode engine already holds all but a few of
    its prompt tokens skips this leg the same way (`decider`, `x-pdconnect-route`);
 3. decode: the client's own body plus the prefill engine's `kv_transfer_params`,
-   unchanged, to the key's decode engine; a failure before the first byte moves to the
+   unchanged, to the key's decode engine (a data-parallel rank of a server is an engine
+   of its own: its requests carry `X-data-parallel-rank`, on either leg); a failure before the first byte moves to the
    next decode engine with the same params (the prefill side holds the blocks under
    its lease until one of them pulls);
 4. relay the decode engine's answer, with usage made true for the whole request, every
@@ -483,9 +484,10 @@ class PDFlow:
         resp: UpstreamResponse | None = None
         try:
             # The deadline rides on the connection (one timer), not on asyncio.timeout.
-            resp = await self._upstream.post(
-                engine.url, call.endpoint.path, body, headers or call.headers, timeout=deadline
-            )
+            sent_headers = headers or call.headers
+            if engine.dp_rank is not None:
+                sent_headers = {**sent_headers, **engine.headers}  # pinned to the rank the policy chose
+            resp = await self._upstream.post(engine.url, call.endpoint.path, body, sent_headers, timeout=deadline)
             if resp.status >= 400:
                 await self._raise_for_status(resp)
             data = await (resp.read(limit) if whole else resp.chunk())
@@ -538,13 +540,13 @@ class PDFlow:
         return self._decider.usage_check(trace.route)
 
     def _note_failure(self, role: Role, engine: Engine, failure: _AttemptFailed, retry: bool) -> None:
-        logger.warning("%s attempt at %s failed: %s", role.value, engine.url, failure)
+        logger.warning("%s attempt at %s failed: %s", role.value, engine.name, failure)
         if retry:
             self._metrics.retries.labels(role.value, failure.reason).inc()
 
     def _observe_affinity(self, role: Role, call: Call, engine: Engine) -> None:
         if self._affinity is not None and call.key is not None:
-            self._metrics.placement(role.value, self._affinity[role].observe(call.key, engine.url))
+            self._metrics.placement(role.value, self._affinity[role].observe(call.key, engine.name))
 
     def _response_headers(self, call: Call, trace: _Trace, engine: Engine, resp: UpstreamResponse) -> dict[str, str]:
         # A plain dict: aiohttp's responses copy whatever they are given into a CIMultiDict.
@@ -556,8 +558,8 @@ class PDFlow:
         if trace.route is not None:
             headers["X-PDConnect-Route"] = trace.route.header(self._config.route_headers)
         if self._config.route_headers:
-            headers["X-PDConnect-Decode"] = engine.url
-            headers["X-PDConnect-Prefill"] = trace.prefilled.engine.url if trace.prefilled else "none"
+            headers["X-PDConnect-Decode"] = engine.name
+            headers["X-PDConnect-Prefill"] = trace.prefilled.engine.name if trace.prefilled else "none"
         return headers
 
 
