@@ -192,14 +192,14 @@ def _decode_local_hits(rig: Rig, http: httpx.Client, send: Any) -> tuple[Any, fl
     return result, (PrefixCacheCounters.scrape(rig.decode.base_url, http) - before).hits
 
 
-def _rank_seq(rig: Rig, http: httpx.Client, rank: int) -> float | None:
-    """The last KV-event batch of decode rank `rank` the router applied (None: none yet)."""
+def _rank_seq(rig: Rig, http: httpx.Client, rank: int) -> float:
+    """The last KV-event batch of decode rank `rank` the router applied (-1: none yet)."""
     name = f"{rig.decode.base_url}#dp{rank}"
     samples = fetch_metrics(rig.router, http).samples
     seqs = [
         v for n, labels, v in samples if n == "pdconnect_router_kv_events_last_seq" and dict(labels)["engine"] == name
     ]
-    return seqs[0] if seqs else None
+    return seqs[0] if seqs else -1.0
 
 
 def test_serial_siblings_hit_their_ranks_cache_as_the_colocated_engine_does(rig: Rig, http: httpx.Client) -> None:
@@ -233,13 +233,13 @@ def test_each_ranks_kv_events_route_its_prefix_back_to_it(rig: Rig, http: httpx.
     index: the router sends its sibling there, whatever the affinity ring would say."""
     for rank, seed in ((0, 203), (1, 204)):
         warm, sibling = _siblings(seed=seed, count=2)
-        before = _rank_seq(rig, http, rank) or -1
+        before = _rank_seq(rig, http, rank)
         _post(http, rig.decode.base_url, warm, headers={RANK_HEADER: str(rank)})
 
         def applied(rank: int = rank, before: float = before) -> bool:
-            return (_rank_seq(rig, http, rank) or -1) > before
+            return _rank_seq(rig, http, rank) > before
 
-        def seen(rank: int = rank) -> float | None:
+        def seen(rank: int = rank) -> float:
             return _rank_seq(rig, http, rank)
 
         wait_until(applied, f"the router to apply rank {rank}'s KV events", observe=seen)

@@ -15,10 +15,10 @@ Read top to bottom in `PDFlow.handle`:
    With `--decode-first`, a request whose decode engine already holds all but a few of
    its prompt tokens skips this leg the same way (`decider`, `x-pdconnect-route`);
 3. decode: the client's own body plus the prefill engine's `kv_transfer_params`,
-   unchanged, to the key's decode engine (a data-parallel rank of a server is an engine
-   of its own: its requests carry `X-data-parallel-rank`, on either leg); a failure before the first byte moves to the
+   unchanged, to the key's decode engine; a failure before the first byte moves to the
    next decode engine with the same params (the prefill side holds the blocks under
-   its lease until one of them pulls);
+   its lease until one of them pulls). A data-parallel rank is an engine of its own
+   (`engines.py`): a request to it carries `X-data-parallel-rank`, on either leg;
 4. relay the decode engine's answer, with usage made true for the whole request, every
    write to the client within `client_write_timeout` (`writer.ClientWriter`).
 
