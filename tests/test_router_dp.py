@@ -230,3 +230,19 @@ def test_rank_ports_follow_vllms_offset_and_overlapping_ranges_are_refused() -> 
         load_config({**base, "kv_events_replay_port": 5558, "decode_dp_size": 2})
     load_config({**base, "kv_events_replay_port": 5558})  # one rank: the ports never meet
     load_config({**base, "kv_events_replay_port": 5600, "decode_dp_size": 8})
+
+
+@pytest.mark.asyncio
+async def test_a_retry_goes_to_another_server_before_another_rank_of_the_one_that_failed() -> None:
+    fakes = await FakeCluster.start(prefill=1, decode=2)
+    await fakes.decode[0].close()  # refuses connections: both of its ranks fail alike
+    # Round robin over d0#dp0, d0#dp1, d1#dp0, d1#dp1: the first request starts at d0#dp0,
+    # and with two attempts a retry on d0#dp1 would fail as well.
+    config = router_config_for(fakes, policy="round-robin", decode_dp_size=2, health_interval=0, decode_attempts=2)
+    router = await start_router(config)
+    try:
+        headers = await _complete(router, TOKENS)
+        assert headers["X-PDConnect-Decode"] == f"{fakes.decode_urls[1]}#dp0"
+    finally:
+        await router.close()
+        await fakes.close()

@@ -531,7 +531,8 @@ class PDFlow:
     # --- helpers ----------------------------------------------------------------------------
 
     def _candidates(self, role: Role, call: Call, attempts: int) -> list[Engine]:
-        return self._policies[role].order(self._registry.engines(role), call.key, call.prompt)[:attempts]
+        ordered = self._policies[role].order(self._registry.engines(role), call.key, call.prompt)
+        return _other_servers_first(ordered)[:attempts]
 
     def _hit_check(self, trace: _Trace) -> UsageMerger | None:
         """A locally routed answer's usage is the engine's own: read it to check the prediction."""
@@ -574,6 +575,16 @@ class _HeadersWithBodyResponse(web.StreamResponse):
     """
 
     _send_headers_immediately = False
+
+
+def _other_servers_first(engines: list[Engine]) -> list[Engine]:
+    """The policy's order, except that the other ranks of the first choice's data-parallel
+    server go last: what fails an attempt (a refused connection, a timeout, a 5xx) is most
+    often the API server every rank shares, so a retry tries another server first."""
+    if not engines or engines[0].dp_rank is None:
+        return engines
+    url = engines[0].url
+    return [engines[0], *(e for e in engines[1:] if e.url != url), *(e for e in engines[1:] if e.url == url)]
 
 
 def _blame(suspects: list[Engine]) -> None:
