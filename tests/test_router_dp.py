@@ -246,3 +246,39 @@ async def test_a_retry_goes_to_another_server_before_another_rank_of_the_one_tha
     finally:
         await router.close()
         await fakes.close()
+
+
+@dataclass
+class CountingFake(FakeEngine):
+    """A FAKE engine that counts its `/health` polls."""
+
+    polls: int = 0
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.polls += 1
+        return await super()._health(request)
+
+
+@pytest.mark.asyncio
+async def test_the_ranks_of_a_server_share_one_health_poll_and_its_verdict() -> None:
+    import aiohttp
+
+    from pdconnect.router.health import HealthMonitor
+
+    fake = CountingFake(name="fake-d0")
+    await fake.start()
+    registry = EngineRegistry(lambda: CircuitBreaker(3, 10.0), probed=True, dp_sizes={Role.DECODE: 4})
+    registry.add(Role.DECODE, fake.url, "static")
+    try:
+        async with aiohttp.ClientSession() as session:
+            monitor = HealthMonitor(registry, session, interval=60.0, timeout=5.0, failures_to_down=1)
+            await monitor.poll(registry.all_engines())
+            assert fake.polls == 1
+            assert [e.routable for e in registry.engines(Role.DECODE)] == [True] * 4
+            fake.faults.health_status = 503
+            await monitor.poll(registry.all_engines())
+            assert fake.polls == 2
+            assert [e.routable for e in registry.engines(Role.DECODE)] == [False] * 4
+            await monitor.close()
+    finally:
+        await fake.close()
