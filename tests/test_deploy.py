@@ -53,6 +53,7 @@ from tests.deploy_support import (
     pod_spec,
     require_tools_venv,
 )
+from tests.netpol import NetworkPolicies, Pod
 
 require_tools_venv()
 
@@ -89,6 +90,23 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "replicas": 2,
         "route_headers": False,
         # DeepSeek-V4-Flash's KV cache groups cannot be known here (README: Decode-first routing).
+        "decode_first": False,
+    },
+    "overlays/mooncake-rdma-h20-decode-dp8": {
+        "transport": "mooncake",
+        "protocol": "rdma",
+        "require_rdma": True,
+        "gpus": 8,
+        # Decode at attention DP8 (eight TP1 engine cores), fed by TP8 prefill.
+        "tensor_parallel_size": {"prefill": 8, "decode": 1},
+        "data_parallel_size": {"prefill": 1, "decode": 8},
+        "speculative_method": "mtp",
+        "rdma_resource": "rdma/hca_shared_devices_a",
+        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H20"},
+        "capabilities": [],
+        "servicemonitor": True,
+        "replicas": 2,
+        "route_headers": False,
         "decode_first": False,
     },
     "overlays/nixl": {
@@ -465,6 +483,31 @@ def test_engine_command_line_parses_with_vllm(engine_args, target: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "target",
+    [
+        pytest.param(
+            t,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the connector refuses prefill and decode of different tensor-parallel sizes "
+                "(CompatInfo.tp_size): TP8 prefill cannot feed TP1 decode ranks yet",
+            ),
+        )
+        if t == "overlays/mooncake-rdma-h20-decode-dp8"
+        else t
+        for t in TARGETS
+    ],
+)
+def test_prefill_and_decode_run_the_tensor_parallel_size_the_connector_accepts(engine_args, target: str) -> None:
+    """The connector's handshake compares the two engines' tensor-parallel sizes and
+    refuses any difference (`connectors.compat`): a deployment where they differ starts,
+    and then no transfer succeeds."""
+    (p, _), (d, _) = (engine_args(target)[c] for c in ("prefill", "decode"))
+    assert p.tensor_parallel_size == d.tensor_parallel_size
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 def test_prefill_and_decode_serve_the_same_model_and_cache_layout(engine_args, target: str) -> None:
     """P sends KV blocks D must be able to place: same weights, served name (the router
@@ -562,6 +605,50 @@ def test_kv_aware_router_listens_where_every_engine_publishes_its_kv_events(rend
             assert events[key] == f"tcp://*:{port}", f"{component}: {key} {events[key]}"
         assert container_port(container, "kv-events") == config.kv_events_port
         assert container_port(container, "kv-replay") == config.kv_events_replay_port
+        # A data-parallel engine's rank r publishes (and replays) at the ports + r.
+        assert config.kv_events_replay_port is not None
+        for rank in range(config.dp_size(component)):
+            container_port(container, config.kv_events_port + rank)
+            container_port(container, config.kv_events_replay_port + rank)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_router_pins_as_many_ranks_as_each_engine_runs(render_of, target: str) -> None:
+    """`--{role}-dp-size` is the engines' `data-parallel-size`: fewer ranks and the router
+    leaves the rest to vLLM's balancer (siblings split, decode-local hits lost); more and it
+    pins requests to ranks that do not exist. Every rank's KV events port, and its replay
+    port, is one the router may open and nobody else may."""
+    render = render_of(target)
+    config = router_config(render)
+    for component, workload in render.engines().items():
+        size = _engine_config_file(render, workload).get("data-parallel-size", 1)
+        assert config.dp_size(component) == size, component
+    events, replay = config.kv_events_port, config.kv_events_replay_port
+    if config.decode_dp_size > 1:
+        assert events is not None and replay is not None
+        net, pods = _policy_pods(render)
+        for rank in range(config.decode_dp_size):
+            for port in (events + rank, replay + rank):
+                assert net.allows(pods["router"], pods["decode"], port), (rank, port)
+                assert not net.allows(pods["prefill"], pods["decode"], port), (rank, port)
+
+
+def _policy_pods(render: Render) -> tuple[NetworkPolicies, dict[str, Pod]]:
+    """The render's NetworkPolicies and its router and engine pods as they see them."""
+    (namespace,) = render.of_kind("Namespace")
+    ns = namespace["metadata"]["name"]
+    workloads = {"router": render.router(), **render.engines()}
+    pods = {}
+    for name, workload in workloads.items():
+        template = workload["spec"]["template"]
+        ports = {
+            p["name"]: (p["containerPort"], p.get("protocol", "TCP"))
+            for c in template["spec"]["containers"]
+            for p in c.get("ports", [])
+            if "name" in p
+        }
+        pods[name] = Pod(name, ns, template["metadata"]["labels"], ports)
+    return NetworkPolicies(render.of_kind("NetworkPolicy"), {ns: namespace["metadata"].get("labels", {})}), pods
 
 
 def _engine_config_file(render: Render, workload: dict[str, Any]) -> dict[str, Any]:
@@ -1044,8 +1131,10 @@ def test_every_overlay_states_its_promises() -> None:
 def test_engine_arguments_are_what_the_kustomization_says(engine_args, target: str) -> None:
     want = EXPECTED[target]
     for component, (ns, _) in engine_args(target).items():
-        if "tensor_parallel_size" in want:
-            assert ns.tensor_parallel_size == want["tensor_parallel_size"], component
+        for key in ("tensor_parallel_size", "data_parallel_size"):
+            if key in want:
+                wanted = want[key][component] if isinstance(want[key], dict) else want[key]
+                assert getattr(ns, key) == wanted, (component, key)
         if "speculative_method" in want:
             assert ns.speculative_config["method"] == want["speculative_method"], component
         for key in ("dtype", "block_size", "model"):

@@ -30,7 +30,7 @@ async def test_the_last_batch_applied_is_exported_per_engine_and_only_once_one_w
     publisher = context.socket(zmq.PUB)
     endpoint = f"tcp://127.0.0.1:{publisher.bind_to_random_port('tcp://127.0.0.1')}"
     metrics = RouterMetrics(EngineRegistry(make_breaker=lambda: CircuitBreaker(3, 10.0), probed=False))
-    feed = KVEventsFeed(lambda url: (endpoint, None) if url == ENGINE else None)
+    feed = KVEventsFeed(lambda url, dp_rank: (endpoint, None) if url == ENGINE else None)
     metrics.track_kv_events(feed.applied_sequences)
     batch = msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=0.0, events=[]))
     sent = -1

@@ -200,25 +200,25 @@ async def test_a_sequence_gap_without_replay_drops_the_index_until_it_is_rebuilt
     from pdconnect.router.kvevents import KVEventsFeed, _Subscription
 
     counted: list[str] = []
-    feed = KVEventsFeed(lambda url: None, counted.append)
+    feed = KVEventsFeed(lambda url, dp_rank: None, counted.append)
     sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", None)
-    feed._subs[sub.url] = sub
+    feed._subs[sub.name] = sub
 
     def frames(seq: int, *events: object) -> list[bytes]:
         batch = kv_events.KVEventBatch(ts=0.0, events=list(events))
         return [b"", seq.to_bytes(8, "big"), msgspec.msgpack.Encoder().encode(batch)]
 
     try:
-        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) is None  # nothing heard: not fresh, affinity decides
+        assert feed.hit_tokens(sub.name, RoutingPrompt(TOKENS)) is None  # nothing heard: not fresh, affinity decides
         await feed._receive(sub, frames(0, _stored(range(4), 0, "full_attention")))
-        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 4 * BS
+        assert feed.hit_tokens(sub.name, RoutingPrompt(TOKENS)) == 4 * BS
         # Batches 1 and 2 are lost (one of them may have removed blocks): the index cannot
         # be trusted, so it starts over from batch 3.
         await feed._receive(sub, frames(3, _stored(range(4, 6), 0, "full_attention")))
         assert counted.count("gap") == 1
-        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 0  # blocks 4, 5 alone are no prefix
+        assert feed.hit_tokens(sub.name, RoutingPrompt(TOKENS)) == 0  # blocks 4, 5 alone are no prefix
         await feed._receive(sub, frames(4, _stored(range(2), 0, "full_attention")))
-        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 2 * BS
+        assert feed.hit_tokens(sub.name, RoutingPrompt(TOKENS)) == 2 * BS
     finally:
         await feed.close()
 
@@ -529,9 +529,9 @@ async def test_any_malformed_field_of_any_event_is_dropped_and_lookups_stay_righ
     failures = []
     for tag, name, value in _fuzz_cases():
         counted: list[str] = []
-        feed = KVEventsFeed(lambda url: None, counted.append)
+        feed = KVEventsFeed(lambda url, dp_rank: None, counted.append)
         sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", None)
-        feed._subs[sub.url] = sub
+        feed._subs[sub.name] = sub
         valid = _raw_event("BlockStored", **_stored_fields(range(6)))
         other = _stored_fields(range(8), tokens=_OTHER, tag="o")
         if tag == "BlockStored":
@@ -545,7 +545,7 @@ async def test_any_malformed_field_of_any_event_is_dropped_and_lookups_stay_righ
                 sub,
                 [b"", (2).to_bytes(8, "big"), _raw_payload(_raw_event("BlockStored", **_stored_fields(range(6, 8))))],
             )
-            hit = feed.hit_tokens(sub.url, RoutingPrompt(TOKENS))
+            hit = feed.hit_tokens(sub.name, RoutingPrompt(TOKENS))
         except Exception as exc:  # noqa: BLE001 - collected: the assertion lists them all
             failures.append(f"{tag}.{name}={value!r:.40}: raised {exc!r:.80}")
             continue
@@ -657,7 +657,7 @@ def test_subscriber_sockets_cap_message_size() -> None:
 
     from pdconnect.router.kvevents import KVEventsFeed
 
-    feed = KVEventsFeed(lambda url: None, max_message_bytes=4096)
+    feed = KVEventsFeed(lambda url, dp_rank: None, max_message_bytes=4096)
     try:
         for kind in (zmq.SUB, zmq.DEALER):
             socket = feed._socket(kind)
@@ -681,7 +681,7 @@ async def test_a_frame_over_the_cap_never_reaches_the_index_and_the_feed_keeps_g
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     url = "http://fake-d0:8000"
     counted: list[str] = []
-    feed = KVEventsFeed(lambda u: (f"tcp://127.0.0.1:{port}", None), counted.append, max_message_bytes=2048)
+    feed = KVEventsFeed(lambda u, dp_rank: (f"tcp://127.0.0.1:{port}", None), counted.append, max_message_bytes=2048)
     long_tokens = list(range(4096))
     big = msgspec.msgpack.encode(
         kv_events.KVEventBatch(
@@ -778,19 +778,19 @@ async def test_a_replay_that_cannot_fill_the_gap_drops_the_index(answer: str) ->
     }[answer]
     endpoint, server, context = await _replay_server(answers)
     counted: list[str] = []
-    feed = KVEventsFeed(lambda url: None, counted.append)
+    feed = KVEventsFeed(lambda url, dp_rank: None, counted.append)
     sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", endpoint)
-    feed._subs[sub.url] = sub
+    feed._subs[sub.name] = sub
     try:
         await feed._receive(sub, _frames(0, _stored(range(6), 0, "full_attention")))
-        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 6 * BS
+        assert feed.hit_tokens(sub.name, RoutingPrompt(TOKENS)) == 6 * BS
         del lost_removal  # never delivered: that is the point
         await feed._receive(sub, _frames(3, _stored(range(6, 8), 0, "full_attention")))
         # Before: a late-starting replay was applied on top of the old index, which kept
         # claiming block 0. The index may only hold what batches from the gap on proved.
-        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 0
+        assert feed.hit_tokens(sub.name, RoutingPrompt(TOKENS)) == 0
         await feed._receive(sub, _frames(4, _stored(range(2), 0, "full_attention")))
-        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 2 * BS
+        assert feed.hit_tokens(sub.name, RoutingPrompt(TOKENS)) == 2 * BS
     finally:
         server.cancel()
         await feed.close()
@@ -809,17 +809,17 @@ async def test_live_copies_of_replayed_batches_are_skipped_not_taken_for_a_resta
     ]
     endpoint, server, context = await _replay_server(replay)
     counted: list[str] = []
-    feed = KVEventsFeed(lambda url: None, counted.append)
+    feed = KVEventsFeed(lambda url, dp_rank: None, counted.append)
     sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", endpoint)
-    feed._subs[sub.url] = sub
+    feed._subs[sub.name] = sub
     try:
         await feed._receive(sub, _frames(0, _stored(range(4), 0, "full_attention")))
         await feed._receive(sub, _frames(2, _stored(range(5, 6), 0, "full_attention")))  # 1 lost: replayed 1..3
-        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 7 * BS
+        assert feed.hit_tokens(sub.name, RoutingPrompt(TOKENS)) == 7 * BS
         await feed._receive(sub, _frames(3, _stored(range(6, 7), 0, "full_attention")))  # the live copy of 3
-        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 7 * BS and "restart" not in counted
+        assert feed.hit_tokens(sub.name, RoutingPrompt(TOKENS)) == 7 * BS and "restart" not in counted
         await feed._receive(sub, _frames(0, kv_events.AllBlocksCleared()))  # a real restart: numbering from 0
-        assert "restart" in counted and feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 0
+        assert "restart" in counted and feed.hit_tokens(sub.name, RoutingPrompt(TOKENS)) == 0
     finally:
         server.cancel()
         await feed.close()
@@ -991,18 +991,18 @@ def test_a_lookup_looks_each_block_up_at_most_once_per_group(blocks: int) -> Non
 async def test_keys_computed_off_the_loop_give_every_engine_the_same_hit() -> None:
     from pdconnect.router.kvevents import KVEventsFeed, _Subscription
 
-    feed = KVEventsFeed(lambda url: None)
+    feed = KVEventsFeed(lambda url, dp_rank: None)
     subs = [_Subscription(f"http://fake-d{i}:8000", f"tcp://fake-d{i}:5557", None) for i in range(2)]
     for sub in subs:
-        feed._subs[sub.url] = sub
+        feed._subs[sub.name] = sub
     try:
         await feed._receive(subs[0], _frames(0, _stored(range(6), 0, "full_attention")))
         await feed._receive(subs[1], _frames(0, _stored(range(3), 0, "full_attention")))
         prompt = RoutingPrompt(TOKENS)
         await feed.fill_keys(prompt)
         assert set(prompt.keys) == {BS} and len(prompt.keys[BS]) == len(TOKENS) // BS
-        assert [feed.hit_tokens(s.url, prompt) for s in subs] == [6 * BS, 3 * BS]
-        assert [feed.hit_tokens(s.url, RoutingPrompt(TOKENS)) for s in subs] == [6 * BS, 3 * BS]
+        assert [feed.hit_tokens(s.name, prompt) for s in subs] == [6 * BS, 3 * BS]
+        assert [feed.hit_tokens(s.name, RoutingPrompt(TOKENS)) for s in subs] == [6 * BS, 3 * BS]
     finally:
         await feed.close()
 
@@ -1068,15 +1068,15 @@ async def test_frames_of_the_wrong_shape_are_counted_and_change_nothing(frames: 
 
     counted: list[str] = []
     invalid: list[str] = []
-    feed = KVEventsFeed(lambda url: None, counted.append, invalid.append)
+    feed = KVEventsFeed(lambda url, dp_rank: None, counted.append, invalid.append)
     sub = _Subscription("http://fake-d0:8000", "tcp://fake-d0:5557", None)
-    feed._subs[sub.url] = sub
+    feed._subs[sub.name] = sub
     try:
         await feed._receive(sub, _frames(0, _stored(range(4), 0, "full_attention")))
         await feed._receive(sub, frames)
         assert invalid == ["frame"] and sub.last_seq == 0
         await feed._receive(sub, _frames(1, _stored(range(4, 6), 0, "full_attention")))
-        assert feed.hit_tokens(sub.url, RoutingPrompt(TOKENS)) == 6 * BS and "gap" not in counted
+        assert feed.hit_tokens(sub.name, RoutingPrompt(TOKENS)) == 6 * BS and "gap" not in counted
     finally:
         await feed.close()
 

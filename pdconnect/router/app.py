@@ -46,7 +46,7 @@ from pdconnect.router.errors import (
 )
 from pdconnect.router.flow import PDFlow
 from pdconnect.router.health import HealthMonitor
-from pdconnect.router.kvevents import KVEventsFeed, events_endpoint
+from pdconnect.router.kvevents import KVEventsFeed, events_endpoint, offset_port
 from pdconnect.router.logs import configure_logging
 from pdconnect.router.lookup import parse_groups
 from pdconnect.router.metrics import RouterMetrics
@@ -106,6 +106,7 @@ class Router:
         self.registry = EngineRegistry(
             make_breaker=lambda: CircuitBreaker(config.breaker_failures, config.breaker_cooldown),
             probed=config.health_interval > 0,
+            dp_sizes={role: config.dp_size(role.value) for role in Role},
         )
         self.metrics = RouterMetrics(self.registry)
         # Here, not in RouterMetrics: the connection layer below the app counts it.
@@ -272,16 +273,18 @@ class Router:
         """Subscribe to every engine's KV events as it joins; drop it as it leaves."""
         config = self.config
 
-        def endpoints(url: str) -> tuple[str, str | None] | None:
+        def endpoints(url: str, dp_rank: int | None) -> tuple[str, str | None] | None:
+            # A data-parallel rank publishes on the ports offset by its rank, as vLLM binds them.
+            rank = dp_rank or 0
             explicit = config.kv_events_endpoints.get(url)
             if explicit:
-                return explicit[0], explicit[1] if len(explicit) > 1 else None
+                return offset_port(explicit[0], rank), offset_port(explicit[1], rank) if len(explicit) > 1 else None
             if config.kv_events_port is None:
                 return None
             replay = config.kv_events_replay_port
             return (
-                events_endpoint(url, config.kv_events_port),
-                events_endpoint(url, replay) if replay is not None else None,
+                events_endpoint(url, config.kv_events_port + rank),
+                events_endpoint(url, replay + rank) if replay is not None else None,
             )
 
         counter, invalid = self.metrics.kv_events, self.metrics.kv_events_invalid
@@ -292,8 +295,8 @@ class Router:
             max_blocks=config.kv_index_max_blocks,
             max_message_bytes=config.kv_events_max_message_bytes,
         )
-        self.registry.on_added.append(lambda engine: feed.watch(engine.url))
-        self.registry.on_removed.append(lambda engine: feed.forget(engine.url))
+        self.registry.on_added.append(lambda engine: feed.watch(engine.url, engine.dp_rank))
+        self.registry.on_removed.append(lambda engine: feed.forget(engine.name))
         self.metrics.track_kv_events(feed.applied_sequences)
         return feed
 
@@ -400,6 +403,7 @@ def _describe(engine: Engine) -> dict[str, Any]:
     return {
         "role": engine.role.value,
         "url": engine.url,
+        "dp_rank": engine.dp_rank,
         "sources": sorted(engine.sources),
         "routable": engine.routable,
         "health_poll_ok": engine.probe_ok,

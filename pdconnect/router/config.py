@@ -102,6 +102,12 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     prefill_dns: tuple[str, ...] = ()
     decode_dns: tuple[str, ...] = ()
     dns_interval: Seconds = 10.0
+    # Data-parallel engines (`vllm serve --data-parallel-size N`: one API server, N engine
+    # cores, each with its own KV cache): every engine of the role has this many ranks,
+    # each routed to as a cache of its own and pinned with `X-data-parallel-rank`; its KV
+    # events come from the event and replay ports offset by the rank, as vLLM binds them.
+    prefill_dp_size: AtLeastOne = 1
+    decode_dp_size: AtLeastOne = 1
 
     policy: Policy = "prefix-affinity"
     # The affinity key is a hash of the prompt's leading chunk: this many characters of
@@ -224,6 +230,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         check_bounds(self)
         if self.policy == "kv-aware" and self.kv_events_port is None and not self.kv_events_endpoints:
             raise ConfigError("the kv-aware policy needs --kv-events-port (or kv_events_endpoints)")
+        self._check_rank_ports()
         if self.decode_first:
             if self.policy != "kv-aware":
                 raise ConfigError("decode_first needs the kv-aware policy (it reads the engines' KV events)")
@@ -241,6 +248,21 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             _normalize_url(url)
         for target in self.prefill_dns + self.decode_dns:
             DnsTarget.parse(target)
+
+    def _check_rank_ports(self) -> None:
+        """A data-parallel engine's rank r publishes on `kv_events_port + r` and replays on
+        `kv_events_replay_port + r` (vLLM's `offset_endpoint_port`): the two ranges must not meet."""
+        ranks = max(self.prefill_dp_size, self.decode_dp_size)
+        events, replay = self.kv_events_port, self.kv_events_replay_port
+        if ranks > 1 and events is not None and replay is not None and abs(events - replay) < ranks:
+            raise ConfigError(
+                f"with {ranks} data-parallel ranks the KV events ports {events}.. and replay ports "
+                f"{replay}.. overlap (rank r uses port + r): keep them at least {ranks} apart"
+            )
+
+    def dp_size(self, role: str) -> int:
+        """Data-parallel ranks of every engine of `role` ("prefill" or "decode")."""
+        return self.prefill_dp_size if role == "prefill" else self.decode_dp_size
 
     @property
     def prefill_urls(self) -> tuple[str, ...]:
@@ -377,6 +399,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add(engines, "decode-dns", "DNS names of decode engines", nargs="+", action="extend", metavar="NAME:PORT")
     _add(engines, "dns-interval", "seconds between DNS re-resolutions", **seconds)
+    _add(
+        engines,
+        "prefill-dp-size",
+        "data-parallel ranks of every prefill engine (vllm --data-parallel-size); each is pinned by header",
+        type=int,
+    )
+    _add(engines, "decode-dp-size", "data-parallel ranks of every decode engine", type=int)
     routing = p.add_argument_group("routing")
     _add(
         routing,

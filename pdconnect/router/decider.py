@@ -46,7 +46,7 @@ PD = "pd"
 
 
 class IndexSource(Protocol):
-    def index(self, url: str) -> EngineKVIndex | None: ...
+    def index(self, name: str) -> EngineKVIndex | None: ...
 
 
 @dataclass(frozen=True)
@@ -103,10 +103,10 @@ class DecodeFirstDecider:
         self._settings = settings
         self._indexes = indexes
         self._metrics = metrics
-        self._in_flight: dict[str, int] = {}  # engine url -> uncached tokens of local prefills
+        self._in_flight: dict[str, int] = {}  # engine name -> uncached tokens of local prefills
 
-    def local_tokens_in_flight(self, url: str) -> int:
-        return self._in_flight.get(url, 0)
+    def local_tokens_in_flight(self, name: str) -> int:
+        return self._in_flight.get(name, 0)
 
     def decide(
         self,
@@ -139,7 +139,7 @@ class DecodeFirstDecider:
             # vLLM skips its lookup for prompt logprobs; a salt changes the engine's
             # hashes but not the content keys the index holds.
             return Route(False, "unpredictable")
-        index = self._indexes.index(engine.url)
+        index = self._indexes.index(engine.name)
         if index is None:
             return Route(False, "no_events")
         if index.unplaced_in(prompt):
@@ -149,7 +149,7 @@ class DecodeFirstDecider:
         uncached = count - hit
         if not self._small(uncached, count):
             return Route(False, "uncached", count, hit, full_hit)
-        url = engine.url
+        url = engine.name  # a data-parallel rank prefills on its own engine core
         busy = self._in_flight.get(url, 0)
         if busy + uncached > self._settings.max_local_tokens_in_flight:
             return Route(False, "busy", count, hit, full_hit)

@@ -17,7 +17,8 @@ Read top to bottom in `PDFlow.handle`:
 3. decode: the client's own body plus the prefill engine's `kv_transfer_params`,
    unchanged, to the key's decode engine; a failure before the first byte moves to the
    next decode engine with the same params (the prefill side holds the blocks under
-   its lease until one of them pulls);
+   its lease until one of them pulls). A data-parallel rank is an engine of its own
+   (`engines.py`): a request to it carries `X-data-parallel-rank`, on either leg;
 4. relay the decode engine's answer, with usage made true for the whole request, every
    write to the client within `client_write_timeout` (`writer.ClientWriter`).
 
@@ -250,7 +251,7 @@ class PDFlow:
             status=trace.status,
             outcome=trace.outcome,
             route=route,
-            prefill=trace.prefilled.engine.url if trace.prefilled else None,
+            prefill=trace.prefilled.engine.name if trace.prefilled else None,
             decode=trace.decode,
             ttft_seconds=trace.ttft,
             duration_seconds=elapsed,
@@ -288,7 +289,7 @@ class PDFlow:
         for attempt, engine in enumerate(engines):
             verdict: bool | None = None
             engine.begin()
-            leg = trace.spans.leg(Role.PREFILL.value, engine.url, attempt)
+            leg = trace.spans.leg(Role.PREFILL.value, engine.name, attempt)
             sent = time.perf_counter()
             try:
                 resp, data = await self._send(
@@ -369,7 +370,7 @@ class PDFlow:
             merger = UsageMerger.from_prefill(trace.prefilled.usage) if trace.prefilled else self._hit_check(trace)
             verdict: bool | None = None
             engine.begin()
-            leg = trace.spans.leg(Role.DECODE.value, engine.url, attempt)
+            leg = trace.spans.leg(Role.DECODE.value, engine.name, attempt)
             sent = time.perf_counter()
             try:
                 try:
@@ -513,7 +514,7 @@ class PDFlow:
             partial = rewriter.drop_partial()
             trace.outcome = "decode_dropped"
             reason = broke or ("ended mid-event" if partial else "ended without [DONE]")
-            logger.warning("decode stream from %s broke: %s", engine.url, reason)
+            logger.warning("decode stream from %s broke: %s", engine.name, reason)
             await writer.write_eof(data + _stream_error(f"decode engine stream broke: {reason}"))
             return out, False
         except ConnectionResetError as exc:
@@ -549,9 +550,10 @@ class PDFlow:
         resp: UpstreamResponse | None = None
         try:
             # The deadline rides on the connection (one timer), not on asyncio.timeout.
-            resp = await self._upstream.post(
-                engine.url, call.endpoint.path, body, headers or call.headers, timeout=deadline
-            )
+            sent_headers = headers or call.headers
+            if engine.dp_rank is not None:
+                sent_headers = {**sent_headers, **engine.headers}  # pinned to the rank the policy chose
+            resp = await self._upstream.post(engine.url, call.endpoint.path, body, sent_headers, timeout=deadline)
             if resp.status >= 400:
                 await self._raise_for_status(resp)
             data = await (resp.read(limit) if whole else resp.chunk())
@@ -595,7 +597,8 @@ class PDFlow:
     # --- helpers ----------------------------------------------------------------------------
 
     def _candidates(self, role: Role, call: Call, attempts: int) -> list[Engine]:
-        return self._policies[role].order(self._registry.engines(role), call.key, call.prompt)[:attempts]
+        ordered = self._policies[role].order(self._registry.engines(role), call.key, call.prompt)
+        return _other_servers_first(ordered)[:attempts]
 
     def _hit_check(self, trace: _Trace) -> UsageMerger | None:
         """A locally routed answer's usage is the engine's own: read it to check the prediction."""
@@ -604,17 +607,17 @@ class PDFlow:
         return self._decider.usage_check(trace.route)
 
     def _note_failure(self, role: Role, engine: Engine, failure: _AttemptFailed, retry: bool) -> None:
-        logger.warning("%s attempt at %s failed: %s", role.value, engine.url, failure)
+        logger.warning("%s attempt at %s failed: %s", role.value, engine.name, failure)
         if retry:
             self._metrics.retries.labels(role.value, failure.reason).inc()
 
     def _observe_affinity(self, role: Role, call: Call, engine: Engine) -> None:
         if self._affinity is not None and call.key is not None:
-            self._metrics.placement(role.value, self._affinity[role].observe(call.key, engine.url))
+            self._metrics.placement(role.value, self._affinity[role].observe(call.key, engine.name))
 
     def _response_headers(self, call: Call, trace: _Trace, engine: Engine, resp: UpstreamResponse) -> dict[str, str]:
         # A plain dict: aiohttp's responses copy whatever they are given into a CIMultiDict.
-        trace.decode, trace.status = engine.url, resp.status
+        trace.decode, trace.status = engine.name, resp.status
         headers: dict[str, str] = {}
         headers["Content-Type"] = resp.headers.get(b"content-type", b"application/json").decode()
         headers["X-Request-Id"] = call.request_id
@@ -623,8 +626,8 @@ class PDFlow:
         if trace.route is not None:
             headers["X-PDConnect-Route"] = trace.route.header(self._config.route_headers)
         if self._config.route_headers:
-            headers["X-PDConnect-Decode"] = engine.url
-            headers["X-PDConnect-Prefill"] = trace.prefilled.engine.url if trace.prefilled else "none"
+            headers["X-PDConnect-Decode"] = engine.name
+            headers["X-PDConnect-Prefill"] = trace.prefilled.engine.name if trace.prefilled else "none"
         return headers
 
 
@@ -639,6 +642,16 @@ class _HeadersWithBodyResponse(web.StreamResponse):
     """
 
     _send_headers_immediately = False
+
+
+def _other_servers_first(engines: list[Engine]) -> list[Engine]:
+    """The policy's order, except that the other ranks of the first choice's data-parallel
+    server go last: what fails an attempt (a refused connection, a timeout, a 5xx) is most
+    often the API server every rank shares, so a retry tries another server first."""
+    if not engines or engines[0].dp_rank is None:
+        return engines
+    url = engines[0].url
+    return [engines[0], *(e for e in engines[1:] if e.url != url), *(e for e in engines[1:] if e.url == url)]
 
 
 def _blame(suspects: list[Engine]) -> None:

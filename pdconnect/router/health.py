@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import aiohttp
 
@@ -61,14 +61,23 @@ class HealthMonitor:
             await asyncio.sleep(self._interval)
 
     def poll_soon(self, engine: Engine) -> None:
-        task = asyncio.get_running_loop().create_task(self._probe(engine))
+        if engine.dp_rank:
+            return  # a data-parallel server's rank 0 was added with it: its poll answers for every rank
+        task = asyncio.get_running_loop().create_task(self._probe(self._registry.ranks(engine.role, engine.url)))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
     async def poll(self, engines: Iterable[Engine]) -> None:
-        await asyncio.gather(*(self._probe(e) for e in engines))
+        """One `/health` per server: the ranks of a data-parallel one share its API server."""
+        servers: dict[tuple[str, str], list[Engine]] = {}
+        for engine in engines:
+            servers.setdefault((engine.role.value, engine.url), []).append(engine)
+        await asyncio.gather(*(self._probe(ranks) for ranks in servers.values()))
 
-    async def _probe(self, engine: Engine) -> None:
+    async def _probe(self, ranks: Sequence[Engine]) -> None:
+        if not ranks:
+            return  # removed before its first poll
+        engine = ranks[0]
         try:
             async with self._session.get(f"{engine.url}/health", timeout=self._timeout) as resp:
                 ok = resp.status == 200
@@ -80,7 +89,8 @@ class HealthMonitor:
             logger.exception("health probe of %s failed", engine.url)
             ok = False
         was = engine.probe_ok
-        engine.record_probe(ok, self._failures_to_down)
+        for rank in ranks:
+            rank.record_probe(ok, self._failures_to_down)
         if was is not engine.probe_ok:
             logger.info("%s engine %s is %s", engine.role.value, engine.url, "up" if engine.probe_ok else "down")
 

@@ -1,5 +1,11 @@
 """Subscriptions to each engine's vLLM KV events, feeding one `kvindex.EngineKVIndex` per engine.
 
+An engine here is what `engines.Engine` is: a server, or one data-parallel rank of one.
+vLLM gives each rank of a data-parallel server a publisher of its own, its ports offset
+by the rank (`ZmqEventPublisher.offset_endpoint_port`), and stamps each batch with the
+rank (`data_parallel_rank`): the feed subscribes to every rank's stream, keys each index
+by the engine's name (`<url>#dp<rank>`), and an index applies only its own rank's batches.
+
 One asyncio task per engine: a ZMQ SUB socket on the engine's event endpoint reading
 `(topic, seq, payload)` frames as vLLM's `ZmqEventPublisher` sends them. Sequence
 numbers must follow each other; on a gap (a restart, a dropped message at the high-water
@@ -33,10 +39,11 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
+from pdconnect.router.engines import engine_name
 from pdconnect.router.kvindex import DEFAULT_MAX_BLOCKS, EngineKVIndex
 from pdconnect.router.prompt import RoutingPrompt
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "KVEventsFeed", "events_endpoint"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "KVEventsFeed", "events_endpoint", "offset_port"]
 
 logger = logging.getLogger("pdconnect.router.kvevents")
 
@@ -55,6 +62,15 @@ def events_endpoint(engine_url: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def offset_port(endpoint: str, dp_rank: int) -> str:
+    """`endpoint` with its port moved up by `dp_rank`: where vLLM binds a data-parallel rank's
+    publisher (`offset_endpoint_port`; a port of 0, or an endpoint with none, stays as it is)."""
+    base, sep, port = endpoint.rpartition(":")
+    if not dp_rank or not sep or not port.isdigit() or int(port) == 0:
+        return endpoint
+    return f"{base}:{int(port) + dp_rank}"
+
+
 def _seq(frame: bytes) -> int | None:
     """A frame's sequence number; None unless it is 8 bytes holding a number >= 0."""
     if len(frame) != 8:
@@ -65,9 +81,10 @@ def _seq(frame: bytes) -> int | None:
 
 @dataclass
 class _Subscription:
-    url: str
+    name: str  # `engines.engine_name`: the URL, and the rank of a data-parallel one
     endpoint: str
     replay_endpoint: str | None
+    dp_rank: int | None = None
     index: EngineKVIndex = field(default_factory=EngineKVIndex)
     last_seq: int | None = None
     replayed: range = range(0)  # sequence numbers the last replay applied (their live copies are late)
@@ -80,14 +97,15 @@ class KVEventsFeed:
 
     def __init__(
         self,
-        endpoints: Callable[[str], tuple[str, str | None] | None],
+        endpoints: Callable[[str, int | None], tuple[str, str | None] | None],
         count: Callable[[str], None] = lambda result: None,
         invalid: Callable[[str], None] = lambda reason: None,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        """`endpoints(engine_url)` -> (events endpoint, replay endpoint or None), or None
-        for an engine that publishes nothing; `count(result)` hears of every batch
+        """`endpoints(engine_url, dp_rank)` -> (events endpoint, replay endpoint or None) of
+        the engine (of its rank `dp_rank`, None: no data parallelism), or None for an engine
+        that publishes nothing; `count(result)` hears of every batch
         ("ok"), gap, replay and error; `invalid(reason)` of every event or frame dropped.
         `max_blocks` bounds each engine's index (all its groups), `max_message_bytes` each frame."""
         self._endpoints = endpoints
@@ -101,27 +119,31 @@ class KVEventsFeed:
         # them too, so none closes its sockets after the context is gone.
         self._leaving: set[asyncio.Task[None]] = set()
 
-    def watch(self, url: str) -> None:
-        if url in self._subs:
+    def watch(self, url: str, dp_rank: int | None = None) -> None:
+        """Subscribe to the engine at `url` (its rank `dp_rank`); its index is then read
+        under `engines.engine_name(url, dp_rank)`."""
+        name = engine_name(url, dp_rank)
+        if name in self._subs:
             return
-        where = self._endpoints(url)
+        where = self._endpoints(url, dp_rank)
         if where is None:
             return
-        sub = self._subs[url] = _Subscription(url, *where, index=self._new_index(url))
+        sub = self._subs[name] = _Subscription(name, *where, dp_rank=dp_rank)
+        sub.index = self._new_index(sub)
         sub.task = asyncio.get_running_loop().create_task(self._run(sub))
 
-    def forget(self, url: str) -> None:
-        sub = self._subs.pop(url, None)
+    def forget(self, name: str) -> None:
+        sub = self._subs.pop(name, None)
         if sub is not None and sub.task is not None:
             sub.task.cancel()
             self._leaving.add(sub.task)
             sub.task.add_done_callback(self._leaving.discard)
 
-    def hit_tokens(self, url: str, prompt: RoutingPrompt, *, eagle_groups: Collection[int] = ()) -> int | None:
-        """Prefix tokens the engine caches for the prompt; None while its index is not fresh.
+    def hit_tokens(self, name: str, prompt: RoutingPrompt, *, eagle_groups: Collection[int] = ()) -> int | None:
+        """Prefix tokens the engine named `name` caches for the prompt; None while its index is not fresh.
         Pass the same prompt for every engine of one request: chain keys are computed once.
         `eagle_groups`: see `EngineKVIndex.hit_tokens` (an engine drafting with EAGLE/MTP)."""
-        sub = self._subs.get(url)
+        sub = self._subs.get(name)
         if sub is None or not sub.fresh:
             return None
         return sub.index.hit_tokens(prompt, eagle_groups=eagle_groups)
@@ -139,14 +161,14 @@ class KVEventsFeed:
             await asyncio.get_running_loop().run_in_executor(None, prompt.fill, sizes)
 
     def applied_sequences(self) -> dict[str, int]:
-        """Per engine url, the sequence number of the last batch its index took in (none
+        """Per engine name, the sequence number of the last batch its index took in (none
         for an engine whose index is still empty): what `/metrics` exports, so a watcher
         can tell that the router has seen an engine's batches up to one it saw published."""
         return {url: s.last_seq for url, s in list(self._subs.items()) if s.last_seq is not None}
 
-    def index(self, url: str) -> EngineKVIndex | None:
+    def index(self, name: str) -> EngineKVIndex | None:
         """The engine's index, or None while it is not fresh (the same rule as `hit_tokens`)."""
-        sub = self._subs.get(url)
+        sub = self._subs.get(name)
         return sub.index if sub is not None and sub.fresh else None
 
     async def close(self) -> None:
@@ -159,8 +181,8 @@ class KVEventsFeed:
 
     # --- one engine ----------------------------------------------------------------------------
 
-    def _new_index(self, url: str) -> EngineKVIndex:
-        return EngineKVIndex(max_blocks=self._max_blocks, count=self._invalid, engine=url)
+    def _new_index(self, sub: _Subscription) -> EngineKVIndex:
+        return EngineKVIndex(max_blocks=self._max_blocks, count=self._invalid, engine=sub.name, dp_rank=sub.dp_rank)
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
         socket = self._context.socket(kind)
@@ -191,7 +213,7 @@ class KVEventsFeed:
                 raise
             except Exception as exc:  # noqa: BLE001 - a helper task: never let it die silently
                 self._count("error")
-                logger.warning("kv events from %s (%s): %r; reconnecting", sub.url, sub.endpoint, exc)
+                logger.warning("kv events from %s (%s): %r; reconnecting", sub.name, sub.endpoint, exc)
                 self._reset(sub)
                 await asyncio.sleep(_RECONNECT_PAUSE)
             finally:
@@ -210,14 +232,14 @@ class KVEventsFeed:
             if seq in sub.replayed:
                 return  # already applied by the replay
             self._count("restart")  # numbering went back: the engine restarted
-            logger.info("kv events from %s: sequence restarted at %d", sub.url, seq)
+            logger.info("kv events from %s: sequence restarted at %d", sub.name, seq)
             self._reset(sub)
         if sub.last_seq is None and seq > 0:
             # Joined late: what the engine cached before is in its replay buffer.
             await self._replay(sub, 0)
         elif sub.last_seq is not None and seq > sub.last_seq + 1:
             self._count("gap")
-            logger.info("kv events from %s: gap %d..%d", sub.url, sub.last_seq + 1, seq - 1)
+            logger.info("kv events from %s: gap %d..%d", sub.name, sub.last_seq + 1, seq - 1)
             await self._replay(sub, sub.last_seq + 1)
         if sub.last_seq is None or seq > sub.last_seq:
             self._accept(sub, seq, payload)
@@ -226,12 +248,12 @@ class KVEventsFeed:
         """Apply batch `seq`; one that does not follow the last applied starts a new index."""
         if sub.last_seq is not None and seq != sub.last_seq + 1:
             self._count("reset")
-            logger.info("kv events from %s: batches %d..%d lost; index rebuilt", sub.url, sub.last_seq + 1, seq - 1)
+            logger.info("kv events from %s: batches %d..%d lost; index rebuilt", sub.name, sub.last_seq + 1, seq - 1)
             self._reset(sub)
         if not sub.index.apply_payload(payload):
             self._count("malformed")
             self._invalid("batch")
-            logger.warning("kv events from %s: undecodable batch %d; index rebuilt", sub.url, seq)
+            logger.warning("kv events from %s: undecodable batch %d; index rebuilt", sub.name, seq)
             self._reset(sub)
             sub.last_seq = seq  # what follows is a sound suffix
             return
@@ -271,7 +293,7 @@ class KVEventsFeed:
             socket.close(linger=0)
 
     def _reset(self, sub: _Subscription) -> None:
-        sub.index = self._new_index(sub.url)
+        sub.index = self._new_index(sub)
         sub.last_seq = None
         sub.replayed = range(0)
         sub.fresh = False

@@ -172,7 +172,7 @@ class GroupIndex:
 class EngineKVIndex:
     """Every group of one engine, fed by its event batches. `count(reason)` hears of every
     event, hash or block dropped (`invalid_reason`'s labels, `undecodable`, `group_mismatch`,
-    `removal_unreadable`, `index_full`, `orphan`, `unanchored`, `granularity`)."""
+    `removal_unreadable`, `index_full`, `orphan`, `unanchored`, `granularity`, `dp_rank`)."""
 
     groups: dict[int, GroupIndex] = field(default_factory=dict)
     # Hashes waiting for a content key, per group: enough for a few long prompts' runs.
@@ -180,7 +180,9 @@ class EngineKVIndex:
     max_blocks: int = DEFAULT_MAX_BLOCKS  # over all groups
     count: Callable[[str], None] = _no_count
     budget: BlockBudget = field(init=False)
-    engine: str = ""  # the engine's url, for log lines
+    engine: str = ""  # the engine's name, for log lines
+    # The data-parallel rank whose engine core this index mirrors (None: no data parallelism).
+    dp_rank: int | None = None
     # Block keys of the ranges of stores that could not be placed, at most this many (oldest dropped).
     max_unplaced: int = 1 << 16
     # The key space's granularity set by the stores read (0: none yet; see `granularity`).
@@ -203,16 +205,23 @@ class EngineKVIndex:
 
     def apply_payload(self, payload: bytes) -> bool:
         """Apply one published payload, event by event; False when it is no batch at all
-        (then nothing was applied and the caller must distrust the index: removals may be lost)."""
+        (then nothing was applied and the caller must distrust the index: removals may be lost).
+        A batch of another data-parallel rank than this index's (`dp_rank`) is dropped, counted
+        `dp_rank`: its blocks live in another engine core's cache."""
         try:
-            self.apply(decode_batch(payload))
-            return True
+            batch = decode_batch(payload)
         except DECODE_ERRORS:
-            pass
+            batch = None
+        if batch is not None:
+            if self._own_rank(batch.data_parallel_rank):
+                self.apply(batch)
+            return True
         try:
             raw = decode_raw_batch(payload)
         except DECODE_ERRORS:
             return False
+        if not self._own_rank(raw.data_parallel_rank):
+            return True
         events: list[KVEvent] = []
         for item in raw.events:
             try:
@@ -222,6 +231,23 @@ class EngineKVIndex:
                 self._unreadable(item, events)
         self.apply(KVEventBatch(ts=0.0, events=events))
         return True
+
+    def _own_rank(self, rank: object) -> bool:
+        """Whether a batch published as data-parallel rank `rank` is this index's to apply.
+        vLLM stamps every batch with its engine core's rank (0 without data parallelism)."""
+        if rank is None or rank == (self.dp_rank or 0):
+            return True
+        self.count("dp_rank")
+        if "dp_rank" not in self._warned:
+            self._warned.add("dp_rank")
+            logger.warning(
+                "KV index of engine %s (DP rank %s): a batch of DP rank %r dropped; are the KV events "
+                "ports offset by rank, as vLLM binds them?",
+                self.engine or "?",
+                self.dp_rank,
+                rank,
+            )
+        return False
 
     def _unreadable(self, item: msgspec.Raw, events: list[KVEvent]) -> None:
         """An event our structs cannot read: a store is safely skipped; a removal is applied

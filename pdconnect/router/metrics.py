@@ -97,7 +97,7 @@ class _EngineCollector(Collector):
             "pdconnect_router_engine_breaker_opens", "Times the engine's circuit breaker opened", labels=labels
         )
         for engine in self._engines.all_engines():
-            values = [engine.role.value, engine.url]
+            values = [engine.role.value, engine.name]  # a data-parallel rank: <url>#dp<rank>
             healthy.add_metric(values, 1.0 if engine.routable else 0.0)
             breaker_open.add_metric(values, 0.0 if engine.breaker.state is BreakerState.CLOSED else 1.0)
             in_flight.add_metric(values, engine.in_flight)

@@ -27,6 +27,10 @@ index, or no hit anywhere, it is prefix affinity. The flow passes the prompt's c
 along in the request's `RoutingPrompt`: one request computes them once, off the event
 loop for a long prompt (`KvAware.fill_keys`), for every engine it scores and for the decider.
 
+The engines a policy orders are caches: a data-parallel server is one engine per rank
+(`engines.py`), each on the ring and scored by its own index, so siblings meet on the
+rank that holds their prefix, and the flow pins that rank.
+
 Every policy returns the routable engines in preference order; the flow tries them in
 that order, so a retry goes to the key's next engine on the ring and stays stable.
 """
@@ -182,7 +186,7 @@ class _Ring:
 
     def __init__(self, engines: tuple[Engine, ...], vnodes: int) -> None:
         points = sorted(
-            (_hash64(f"{engine.url}#{i}".encode()), index)
+            (_hash64(f"{engine.name}#{i}".encode()), index)
             for index, engine in enumerate(engines)
             for i in range(vnodes)
         )
@@ -267,7 +271,7 @@ class PrefixAffinity:
 class HitSource(Protocol):
     """What the kv-aware policy reads an engine's cache through (`kvevents.KVEventsFeed`)."""
 
-    def hit_tokens(self, url: str, prompt: RoutingPrompt) -> int | None: ...
+    def hit_tokens(self, name: str, prompt: RoutingPrompt) -> int | None: ...
 
     async def fill_keys(self, prompt: RoutingPrompt) -> None: ...
 
@@ -300,7 +304,7 @@ class KvAware:
         for engine in ranked:  # affinity order: ties keep the affinity choice
             if engine.in_flight >= bound:
                 continue
-            hit = self._hits.hit_tokens(engine.url, prompt) or 0
+            hit = self._hits.hit_tokens(engine.name, prompt) or 0
             if hit > best_hit:
                 best, best_hit = engine, hit
         if best is None:
