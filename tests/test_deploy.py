@@ -851,8 +851,10 @@ def test_router_service_reaches_the_router_port(render_of, target: str) -> None:
     labels = router["spec"]["template"]["metadata"]["labels"]
     services = [s for s in render.of_kind("Service") if selects(s["spec"]["selector"], labels)]
     assert len(services) == 1
+    # Each Service port reaches its listener: the clients' (`http`), the metrics one.
+    listeners = {"http": listen, "metrics": router_config(render).metrics_port}
     for port in services[0]["spec"]["ports"]:
-        assert container_port(container, port["targetPort"]) == listen
+        assert container_port(container, port["targetPort"]) == listeners[port["name"]], port
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -950,13 +952,14 @@ def _listening_port(workload: dict[str, Any], port: int | str) -> int:
 
 
 def _relabelings_keep(endpoint: dict[str, Any], service: dict[str, Any]) -> bool:
-    """Whether an endpoint's relabelings keep a Service's targets; only `keep` on Service
-    labels is understood (anything else fails, rather than being guessed at)."""
+    """Whether an endpoint's relabelings keep a Service's targets; only `keep` and `drop` on
+    Service labels are understood (anything else fails, rather than being guessed at)."""
     labels = {re.sub(r"[^a-zA-Z0-9_]", "_", k): v for k, v in service["metadata"].get("labels", {}).items()}
     for rule in endpoint.get("relabelings", []):
         (source,) = rule["sourceLabels"]
-        assert rule["action"] == "keep" and source.startswith("__meta_kubernetes_service_label_"), rule
-        if not re.fullmatch(rule["regex"], labels.get(source.removeprefix("__meta_kubernetes_service_label_"), "")):
+        assert rule["action"] in ("keep", "drop") and source.startswith("__meta_kubernetes_service_label_"), rule
+        matched = re.fullmatch(rule["regex"], labels.get(source.removeprefix("__meta_kubernetes_service_label_"), ""))
+        if (rule["action"] == "keep") != bool(matched):
             return False
     return True
 
@@ -1231,7 +1234,8 @@ def test_the_metrics_proxy_is_bounded_in_time_and_memory(render_of, target: str)
 @pytest.mark.parametrize("target", TARGETS)
 def test_engines_are_scraped_on_the_metrics_proxy_and_never_on_their_api(render_of, target: str) -> None:
     """Annotations and ServiceMonitor alike: the engines' scrapes go to the proxy's port
-    (which the NetworkPolicy opens to monitoring), never to vLLM's (which it closes)."""
+    (which the NetworkPolicy opens to monitoring), never to vLLM's (which it closes); the
+    router's to its metrics port, not its clients'."""
     render = render_of(target)
     scraped = scraped_by_service_monitors(render) if render.of_kind("ServiceMonitor") else {}
     for component, workload in render.engines().items():
@@ -1240,5 +1244,9 @@ def test_engines_are_scraped_on_the_metrics_proxy_and_never_on_their_api(render_
         assert int(annotations["prometheus.io/port"]) == proxy_port, component
         if scraped:
             assert scraped[component] == {(proxy_port, "/metrics"), (proxy_port, "/proxy/metrics")}, component
+    # The router alike: on its metrics listener, never on the clients' port.
+    metrics_port = router_config(render).metrics_port
+    router_annotations = render.router()["spec"]["template"]["metadata"]["annotations"]
+    assert metrics_port is not None and int(router_annotations["prometheus.io/port"]) == metrics_port
     if scraped:
-        assert scraped["router"] == {(router_config(render).port, "/metrics")}
+        assert scraped["router"] == {(metrics_port, "/metrics")}

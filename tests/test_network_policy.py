@@ -267,6 +267,8 @@ REACH: dict[tuple[str, str], set[str]] = {
     # The entry point: clients and Prometheus from anywhere; the engines never call it,
     # and pods of the namespace reach only what they need.
     ("router", "http"): {"client", "prometheus", "outsider", "bench"},
+    # The router's /metrics, on a listener of its own: monitoring alone.
+    ("router", "metrics"): {"prometheus"},
 }
 
 

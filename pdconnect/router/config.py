@@ -214,6 +214,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     admin_open: bool = False
     admin_host: str = "127.0.0.1"
     admin_port: Port | None = None
+    # /metrics only on this port (on `metrics_host`; None: the client address `host`), so
+    # monitoring needs no access to the client port and clients none to the metrics.
+    # None: /metrics is served on the client port.
+    metrics_port: Port | None = None
+    metrics_host: str | None = None
     # Name the chosen engines in response headers (x-pdconnect-prefill/-decode).
     route_headers: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -551,6 +556,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add(admin, "admin-host", "address of the separate admin listener (with --admin-port)")
     _add(admin, "admin-port", "serve /admin/engines only on this separate port", type=int)
+    _add(admin, "metrics-port", "serve /metrics only on this separate port", type=int)
+    _add(admin, "metrics-host", "address of the metrics listener (default: --host)")
     _add(
         admin,
         "route-headers",
