@@ -50,7 +50,7 @@ from pdconnect.router.kvevents import KVEventsFeed, events_endpoint, offset_port
 from pdconnect.router.logs import configure_logging
 from pdconnect.router.lookup import parse_groups
 from pdconnect.router.metrics import RouterMetrics
-from pdconnect.router.policy import LeastLoaded, LoadBound, make_policy
+from pdconnect.router.policy import LoadBound, make_policy
 from pdconnect.router.releaser import PrefillReleaser
 from pdconnect.router.request import Endpoint
 from pdconnect.router.tracing import Tracing, TracingUnavailable, require_sdk
@@ -92,6 +92,12 @@ async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamR
         if exc.status < 400:
             raise
         return openai_error(exc.status, exc.reason, type(exc).__name__)
+
+
+class _ModelList(msgspec.Struct):
+    """What the router reads of an engine's /v1/models: its entries, kept as they are."""
+
+    data: list[dict[str, Any]]
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -320,27 +326,55 @@ class Router:
         return await self._flow.handle(request, Endpoint.CHAT)
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
-        """The model list of a healthy decode engine (every engine serves the same model)."""
+        """The models of every engine server (prefill and decode, each data-parallel server
+        once), merged by id: a pool whose engines serve different models or LoRA adapters
+        lists them all. Asked concurrently within the health timeout; an engine that does
+        not answer, answers 5xx or over the size limit is left out. When no engine lists
+        anything, the first engine's refusal (e.g. 401 without its API key) is relayed."""
         assert self._session is not None
         # Engines started with --api-key want the client's key here too.
         headers = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else None
-        for engine in LeastLoaded().order(self.registry.engines(Role.DECODE), None):
-            try:
-                async with self._session.get(
-                    f"{engine.url}/v1/models",
-                    headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=self.config.health_timeout),
-                ) as resp:
-                    body = await _read_within(resp, _MODELS_LIMIT)
-                    if body is None:
-                        self.metrics.oversized_answers.labels("models").inc()
-                        continue
-                    if resp.status < 500:
-                        content_type = resp.headers.get("Content-Type", "application/json")
-                        return web.Response(status=resp.status, body=body, headers={"Content-Type": content_type})
-            except (aiohttp.ClientError, TimeoutError):
-                continue
+        servers = list(dict.fromkeys(engine.url for engine in self.registry.all_engines() if engine.routable))
+        answers = await asyncio.gather(*(self._models_of(url, headers) for url in servers))
+        listed: dict[str, Any] = {}
+        refusal: web.Response | None = None
+        for answer in answers:
+            if isinstance(answer, list):
+                for model in answer:
+                    listed.setdefault(model["id"], model)
+            elif answer is not None and refusal is None:
+                refusal = answer
+        if listed:
+            return _json({"object": "list", "data": list(listed.values())})
+        if refusal is not None:
+            return refusal
         raise NoEngineAvailable(Role.DECODE.value)
+
+    async def _models_of(self, url: str, headers: dict[str, str] | None) -> list[dict[str, Any]] | web.Response | None:
+        """One server's model entries; its own answer when it refused (4xx); None when it
+        could not answer."""
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                f"{url}/v1/models", headers=headers, timeout=aiohttp.ClientTimeout(total=self.config.health_timeout)
+            ) as resp:
+                body = await _read_within(resp, _MODELS_LIMIT)
+                if body is None:
+                    self.metrics.oversized_answers.labels("models").inc()
+                    return None
+                if resp.status >= 500:
+                    return None
+                if resp.status >= 400:
+                    content_type = resp.headers.get("Content-Type", "application/json")
+                    return web.Response(status=resp.status, body=body, headers={"Content-Type": content_type})
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        try:
+            data = msgspec.json.decode(body, type=_ModelList).data
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            logger.warning("%s answered /v1/models with something else than a model list", url)
+            return None
+        return [model for model in data if isinstance(model.get("id"), str)]
 
     # --- operations -------------------------------------------------------------------------
 
