@@ -370,7 +370,7 @@ class Router:
         except (aiohttp.ClientError, TimeoutError):
             return None
         try:
-            data = msgspec.json.decode(body, type=_ModelList).data
+            data: list[dict[str, Any]] = msgspec.json.decode(body, type=_ModelList).data
         except (msgspec.DecodeError, msgspec.ValidationError):
             logger.warning("%s answered /v1/models with something else than a model list", url)
             return None
