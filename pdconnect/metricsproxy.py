@@ -21,7 +21,7 @@ What it answers, all of it:
   carries a body. Request heads are bounded (line, field and header count).
 
 What it does not bound: the time a client takes to send a head (aiohttp has no such
-deadline; the router adds one, pdconnect.router.app). Only the monitoring namespace may
+deadline; the router adds one, pdconnect.router.listener). Only the monitoring namespace may
 connect, and what a slow client holds is a socket of this proxy, not the engine.
 No vLLM and no torch: it runs from the router image.
 """

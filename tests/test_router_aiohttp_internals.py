@@ -1,6 +1,6 @@
 """The private aiohttp internals the router builds on are still there, in the aiohttp pyproject allows.
 
-`pdconnect.router.app` bounds the time a request head may take by subclassing aiohttp's
+`pdconnect.router.listener` bounds the time a request head may take by subclassing aiohttp's
 `RequestHandler` and `web.Server` and reading their private state; `pdconnect.router.flow`
 sends a stream's headers with its first bytes through a private class flag. aiohttp may
 move any of them in a release, so pyproject.toml allows only the minor series they were
@@ -22,10 +22,10 @@ from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
 
-# What `_HeadDeadlineHandler` reads or calls on itself (app.py).
+# What `_HeadDeadlineHandler` reads or calls on itself (listener.py).
 HANDLER_STATE = ("_request_count", "_messages", "_current_request", "_force_close", "_close", "_manager", "_loop")
 HANDLER_METHODS = ("data_received", "connection_lost", "force_close")
-# What `_HeadDeadlineServer` copies from the server aiohttp built (app.py).
+# What `_HeadDeadlineServer` copies from the server aiohttp built (listener.py).
 SERVER_STATE = ("_loop", "_kwargs", "request_handler", "request_factory", "handler_cancellation")
 
 
@@ -66,7 +66,7 @@ def test_server_still_keeps_what_the_head_deadline_server_copies() -> None:
 
 
 def test_stream_response_still_has_the_deferred_header_flag() -> None:
-    from pdconnect.router.flow import _HeadersWithBodyResponse
+    from pdconnect.router.writer import HeadersWithBodyResponse
 
     assert web.StreamResponse._send_headers_immediately is True, "the flag moved (aiohttp 3.12+)"
-    assert _HeadersWithBodyResponse._send_headers_immediately is False
+    assert HeadersWithBodyResponse._send_headers_immediately is False

@@ -5,7 +5,9 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
 (an import contract in pyproject.toml). Modules, roughly in the order a request meets them:
 
 - `config`: the options (file and argv) as one validated `RouterConfig`.
-- `app`: the HTTP face, lifecycle and `main`; `body`: the client's body within limits.
+- `app`: the HTTP face, lifecycle and `main`; `listener`: aiohttp's server with a
+  deadline on each request head, and the drain on stop; `body`: the client's body
+  within limits.
 - `request`: the request's typed view (`Call`) and the bodies of its two legs.
 - `engines`: the registry; `health`: `/health` polling; `breaker`: the circuit breaker
   over request outcomes; `discovery`: engines from DNS.
@@ -15,7 +17,8 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
   events, `kvwire` is their wire format, `kvindex` what each engine caches, and `lookup`
   vLLM's cache-hit rule over it.
 - `decider`: decode-first routing, which skips the prefill leg when decode holds the prompt.
-- `flow`: prefill then decode, relay, retries, fallback, abort; `upstream`: the HTTP/1.1
+- `flow`: prefill then decode, relay, retries, fallback, abort; `record`: what happened
+  to one request (outcome, status, route, engines); `upstream`: the HTTP/1.1
   client that calls engines; `errors`: why a routed request failed, with its status;
   `releaser`: frees a prefill engine's blocks nobody will pull.
 - `writer`: each write to the client within a deadline; `usage`: what the client is told

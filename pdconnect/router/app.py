@@ -7,7 +7,7 @@ request. Health polls and `/v1/models` still use an aiohttp session (rare calls)
 
 Every client connection has deadlines on what it sends: the wait for a request is
 aiohttp's keep-alive timeout, each request's head must arrive within
-`header_read_timeout` (`_HeadDeadlineHandler`), its body within `body_read_timeout`
+`header_read_timeout` (`listener`), its body within `body_read_timeout`
 (`body.read_body`).
 """
 
@@ -25,8 +25,6 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiohttp import web
-from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestHandler
 from prometheus_client import Counter
 
 from pdconnect.router.breaker import CircuitBreaker
@@ -47,6 +45,7 @@ from pdconnect.router.errors import (
 from pdconnect.router.flow import PDFlow
 from pdconnect.router.health import HealthMonitor
 from pdconnect.router.kvevents import KVEventsFeed, events_endpoint, offset_port
+from pdconnect.router.listener import serve_app
 from pdconnect.router.logs import configure_logging
 from pdconnect.router.lookup import parse_groups
 from pdconnect.router.metrics import RouterMetrics
@@ -482,143 +481,20 @@ class RunningRouter:
         await self.runner.cleanup()
 
 
-# --- the request head deadline ---------------------------------------------------------------
-
-
-class _HeadDeadlineHandler(RequestHandler):
-    """aiohttp's per-connection protocol, with a deadline on every request's head.
-
-    aiohttp bounds the wait for a request (keep-alive timeout) but not the time from a
-    head's first byte to its last, so a client sending a header byte every few seconds
-    holds the connection forever (slowloris). Here a timer starts when bytes arrive while
-    no request body is being received (they can only be a head), and stops when aiohttp's
-    parser produces the message (the whole head, or a parse error aiohttp answers
-    itself). When it fires the client gets a 408, unless an answer to an earlier
-    pipelined request is being written, and the connection closes.
-
-    Relies on `RequestHandler` internals of aiohttp 3.14 (`_request_count`, `_messages`,
-    `_current_request`); tests/test_router_aiohttp_internals.py fails when they move, and
-    pyproject.toml allows only the aiohttp series they were read from.
-    """
-
-    __slots__ = ("_body", "_head_timer")
-
-    def __init__(self, manager: _HeadDeadlineServer, **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._body: StreamReader | None = None  # the last parsed request's body
-
-    def data_received(self, data: bytes) -> None:
-        in_head = self._body is None or self._body.is_eof()
-        parsed = self._request_count
-        super().data_received(data)
-        if self._request_count != parsed:
-            self._stop_head_timer()
-            self._body = self._messages[-1][1] if self._messages else None
-        elif in_head and data and self._head_timer is None and not (self._force_close or self._close):
-            # aiohttp types it as its Server; ours made this handler.
-            manager: _HeadDeadlineServer = self._manager  # type: ignore[assignment]
-            self._head_timer = self._loop.call_later(manager.head_timeout, self._head_timed_out)
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        self._stop_head_timer()
-        super().connection_lost(exc)
-
-    def _stop_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        manager = self._manager
-        if self.transport is None or self._force_close or not isinstance(manager, _HeadDeadlineServer):
-            return
-        manager.on_head_timeout()
-        if self._current_request is None and not self._messages:
-            self.transport.write(manager.timeout_response)
-        self.force_close()  # closes after what was written is sent
-
-
-class _HeadDeadlineServer(web.Server):
-    """aiohttp's connection manager for one app, making `_HeadDeadlineHandler`s."""
-
-    def __init__(self, inner: web.Server, head_timeout: float, on_head_timeout: Callable[[], None]) -> None:
-        super().__init__(
-            inner.request_handler,
-            request_factory=inner.request_factory,
-            handler_cancellation=inner.handler_cancellation,
-            loop=inner._loop,
-            **inner._kwargs,
-        )
-        self.head_timeout = head_timeout
-        self.on_head_timeout = on_head_timeout
-        body = openai_error_body(408, f"request head not received within {head_timeout}s", "HeaderTimeout")
-        self.timeout_response = (
-            b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
-        )
-
-    def __call__(self) -> RequestHandler:
-        return _HeadDeadlineHandler(self, loop=self._loop, **self._kwargs)
-
-
-class _Runner(web.AppRunner):
-    """An AppRunner whose connections carry the head deadline (aiohttp has no option for it)."""
-
-    __slots__ = ("_head_timeout", "_on_head_timeout")
-
-    def __init__(
-        self, app: web.Application, head_timeout: float, on_head_timeout: Callable[[], None], **kwargs: Any
-    ) -> None:
-        super().__init__(app, **kwargs)
-        self._head_timeout = head_timeout
-        self._on_head_timeout = on_head_timeout
-
-    async def _make_server(self) -> web.Server:
-        return _HeadDeadlineServer(await super()._make_server(), self._head_timeout, self._on_head_timeout)
-
-
-async def _serve(
-    app: web.Application,
-    host: str,
-    port: int,
-    head_timeout: float,
-    on_head_timeout: Callable[[], None],
-    keepalive: float,
-    drain_timeout: float,
-) -> tuple[web.AppRunner, str]:
-    # auto_decompress off: request bodies are inflated by `body.read_body`, within the limit.
-    runner = _Runner(
-        app,
-        head_timeout,
-        on_head_timeout,
-        handler_cancellation=True,
-        access_log=None,
-        auto_decompress=False,
-        keepalive_timeout=keepalive,
-        shutdown_timeout=drain_timeout,
-    )
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    bound_host, bound_port = runner.addresses[0][:2]
-    return runner, f"http://{bound_host}:{bound_port}"
-
-
 async def start_router(config: RouterConfig, resolver: Resolver = resolve_addresses) -> RunningRouter:
     """Serve `config` on config.host:config.port (port 0 picks a free one) until `close()`;
     the admin app too, on admin_host:admin_port, when it has a port of its own."""
     router = Router(config, resolver)
     head = (config.header_read_timeout, router.header_timeouts.inc, config.client_keepalive, config.drain_timeout)
-    runner, url = await _serve(router.build_app(), config.host, config.port, *head)
+    runner, url = await serve_app(router.build_app(), config.host, config.port, *head)
     running = RunningRouter(router=router, runner=runner, url=url)
     admin = router.build_admin_app()
     if admin is not None and config.admin_port is not None:
-        running.admin_runner, running.admin_url = await _serve(admin, config.admin_host, config.admin_port, *head)
+        running.admin_runner, running.admin_url = await serve_app(admin, config.admin_host, config.admin_port, *head)
     metrics = router.build_metrics_app()
     if metrics is not None and config.metrics_port is not None:
         host = config.metrics_host or config.host
-        running.metrics_runner, running.metrics_url = await _serve(metrics, host, config.metrics_port, *head)
+        running.metrics_runner, running.metrics_url = await serve_app(metrics, host, config.metrics_port, *head)
     return running
 
 

@@ -41,7 +41,6 @@ import dataclasses
 import functools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -62,13 +61,14 @@ from pdconnect.router.errors import (
     RouterError,
     openai_error_body,
 )
-from pdconnect.router.logs import ACCESS_LOGGER, AccessEntry, bind_request
+from pdconnect.router.logs import ACCESS_LOGGER, bind_request
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.policy import AffinityTracker, KvAware, PrefixAffinity, RoutingPolicy, affinity_key
+from pdconnect.router.record import SERVED, Prefilled, RequestRecord
 from pdconnect.router.releaser import PrefillReleaser
 from pdconnect.router.request import Call, Endpoint, KeyOf, decode_body, parse_call, prefill_body
 from pdconnect.router.tokenizing import PromptReader
-from pdconnect.router.tracing import NO_SPANS, RequestSpans, Tracing
+from pdconnect.router.tracing import NO_SPANS, Tracing
 from pdconnect.router.upstream import (
     AnswerTooLarge,
     ConnectFailed,
@@ -77,7 +77,7 @@ from pdconnect.router.upstream import (
     UpstreamResponse,
 )
 from pdconnect.router.usage import Buffer, EventTooLarge, SseRewriter, UsageMerger
-from pdconnect.router.writer import ClientStalled, ClientWriter
+from pdconnect.router.writer import ClientStalled, ClientWriter, HeadersWithBodyResponse
 
 __all__ = ["PDFlow"]
 
@@ -98,13 +98,6 @@ _PREFILL_ANSWER: msgspec.json.Decoder[_PrefillAnswer] = msgspec.json.Decoder(_Pr
 _decode_prefill_answer = _PREFILL_ANSWER.decode
 
 
-@dataclass(frozen=True)
-class Prefilled:
-    engine: Engine
-    params: dict[str, Any] | None
-    usage: Any
-
-
 class _AttemptFailed(Exception):
     """One attempt at one engine failed in a way another engine may not; `reason` labels it."""
 
@@ -113,36 +106,6 @@ class _AttemptFailed(Exception):
         self.reason = reason
 
 
-class _Trace:
-    """What happened to one request, for its metrics and response headers."""
-
-    __slots__ = (
-        "decode",
-        "decode_engines",
-        "fallback",
-        "outcome",
-        "prefilled",
-        "route",
-        "spans",
-        "stalled",
-        "status",
-        "ttft",
-    )
-
-    def __init__(self, spans: RequestSpans) -> None:
-        self.spans = spans  # the request's OpenTelemetry spans (NO_SPANS: not tracing)
-        self.outcome = "bad_request"
-        self.status = 500  # the HTTP status the client got (499: it left first)
-        self.decode: str | None = None  # the decode engine that answered
-        self.ttft: float | None = None  # seconds from arrival to the first byte relayed
-        self.fallback: str | None = None
-        self.prefilled: Prefilled | None = None
-        self.stalled = False  # the client stopped reading and was dropped
-        self.route: Route | None = None  # the decode-first decider's, when there is one
-        self.decode_engines: list[Engine] | None = None  # pinned by a local route
-
-
-_SERVED = frozenset({"ok", "ok_fallback"})
 # An engine's error body is relayed to the client; one over this is replaced by the router's own.
 _ERROR_BODY_LIMIT = 1 << 20
 
@@ -196,7 +159,9 @@ class PDFlow:
 
     async def handle(self, http: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         started = time.perf_counter()
-        trace = _Trace(self._tracing.start(http.headers, f"{http.method} {http.path}") if self._tracing else NO_SPANS)
+        trace = RequestRecord(
+            self._tracing.start(http.headers, f"{http.method} {http.path}") if self._tracing else NO_SPANS
+        )
         try:
             raw = await read_body(http, self._config.max_body_bytes, self._config.body_read_timeout)
             pd = bool(self._registry.engines(Role.PREFILL))
@@ -227,37 +192,15 @@ class PDFlow:
         finally:
             if trace.route is not None:
                 trace.route.prefilled()
-            if trace.outcome not in _SERVED and trace.prefilled is not None:
+            if trace.outcome not in SERVED and trace.prefilled is not None:
                 self._releaser.release(trace.prefilled.params, trace.outcome)
             elapsed = time.perf_counter() - started
             self._metrics.request_done(endpoint.label, trace.outcome, elapsed)
             if self._config.access_log:
-                self._log_access(http, trace, elapsed)
+                trace.access_entry(http.method, http.path, elapsed).log(access_logger)
             trace.spans.end(trace.status, trace.outcome)
 
-    @staticmethod
-    def _log_access(http: web.Request, trace: _Trace, elapsed: float) -> None:
-        if trace.fallback:
-            route = "fallback"
-        elif trace.route is not None and trace.route.local:
-            route = "decode-first"
-        elif trace.prefilled is not None:
-            route = "pd"
-        else:
-            route = "decode-only" if trace.decode else "-"
-        AccessEntry(
-            method=http.method,
-            path=http.path,
-            status=trace.status,
-            outcome=trace.outcome,
-            route=route,
-            prefill=trace.prefilled.engine.name if trace.prefilled else None,
-            decode=trace.decode,
-            ttft_seconds=trace.ttft,
-            duration_seconds=elapsed,
-        ).log(access_logger)
-
-    def _route(self, call: Call, trace: _Trace) -> Route | None:
+    def _route(self, call: Call, trace: RequestRecord) -> Route | None:
         """Decode-first routing (`decider`): the local route skips the prefill leg, on the decode
         engine the decision was made for (pinned); None without a decider."""
         if self._decider is None:
@@ -270,7 +213,7 @@ class PDFlow:
 
     # --- prefill leg ----------------------------------------------------------------------
 
-    async def _prefill(self, call: Call, trace: _Trace, round_: int = 0) -> Prefilled | None:
+    async def _prefill(self, call: Call, trace: RequestRecord, round_: int = 0) -> Prefilled | None:
         """P's answer, or None for decode-only (trace.fallback says why).
 
         `round_` > 0 is a fresh prefill for a decode retry: it goes out under its own
@@ -342,7 +285,7 @@ class PDFlow:
             return None
         return False
 
-    def _fall_back(self, trace: _Trace, reason: str) -> None:
+    def _fall_back(self, trace: RequestRecord, reason: str) -> None:
         trace.fallback = reason
         trace.spans.route("fallback", reason)
         self._metrics.fallbacks.labels(reason).inc()
@@ -351,7 +294,7 @@ class PDFlow:
     # --- decode leg -----------------------------------------------------------------------
 
     async def _decode(
-        self, http: web.Request, call: Call, trace: _Trace, params: dict[str, Any] | None
+        self, http: web.Request, call: Call, trace: RequestRecord, params: dict[str, Any] | None
     ) -> web.StreamResponse:
         engines = trace.decode_engines or self._candidates(Role.DECODE, call, self._config.decode_attempts)
         if not engines:
@@ -419,7 +362,7 @@ class PDFlow:
                 leg.end(verdict)
         raise DecodeFailed(f"all {len(engines)} decode attempts failed; last: {last}")
 
-    async def _prefill_again(self, call: Call, trace: _Trace, round_: int) -> dict[str, Any] | None:
+    async def _prefill_again(self, call: Call, trace: RequestRecord, round_: int) -> dict[str, Any] | None:
         """Release the current plan and get a fresh one (None: decode-only from here)."""
         if trace.route is not None and trace.route.local:
             trace.route.local, trace.route.reason = False, "decode_retry"
@@ -430,7 +373,7 @@ class PDFlow:
         trace.prefilled = await self._prefill(call, trace, round_)
         return trace.prefilled.params if trace.prefilled else None
 
-    def _writer(self, http: web.Request, out: web.StreamResponse, trace: _Trace) -> ClientWriter:
+    def _writer(self, http: web.Request, out: web.StreamResponse, trace: RequestRecord) -> ClientWriter:
         def stalled() -> None:
             trace.stalled = True
             self._metrics.client_write_timeouts.inc()
@@ -438,11 +381,11 @@ class PDFlow:
         return ClientWriter(http, out, self._config.client_write_timeout, stalled)
 
     async def _answer(
-        self, http: web.Request, trace: _Trace, status: int, headers: dict[str, str], parts: list[Buffer]
+        self, http: web.Request, trace: RequestRecord, status: int, headers: dict[str, str], parts: list[Buffer]
     ) -> web.StreamResponse:
         """A whole (non-streaming) answer, in pieces, written by the flow itself: aiohttp
         would write a returned Response with no deadline."""
-        out = _HeadersWithBodyResponse(status=status, headers=headers)
+        out = HeadersWithBodyResponse(status=status, headers=headers)
         out.content_length = sum(len(part) for part in parts)
         await out.prepare(http)
         writer = self._writer(http, out, trace)
@@ -460,7 +403,7 @@ class PDFlow:
         self,
         http: web.Request,
         call: Call,
-        trace: _Trace,
+        trace: RequestRecord,
         engine: Engine,
         resp: UpstreamResponse,
         first: bytes,
@@ -468,7 +411,7 @@ class PDFlow:
         headers: dict[str, str],
     ) -> tuple[web.StreamResponse, bool | None]:
         """Stream the decode answer to the client. Returns the response and the engine's verdict."""
-        out = _HeadersWithBodyResponse(status=resp.status, headers=headers)
+        out = HeadersWithBodyResponse(status=resp.status, headers=headers)
         # Always framed: whatever the engine leaves half-written is held back, never sent.
         rewriter = SseRewriter(merger, self._config.max_event_bytes)
         idle = self._stream_idle
@@ -600,7 +543,7 @@ class PDFlow:
         ordered = self._policies[role].order(self._registry.engines(role), call.key, call.prompt)
         return _other_servers_first(ordered)[:attempts]
 
-    def _hit_check(self, trace: _Trace) -> UsageMerger | None:
+    def _hit_check(self, trace: RequestRecord) -> UsageMerger | None:
         """A locally routed answer's usage is the engine's own: read it to check the prediction."""
         if self._decider is None or trace.route is None or not trace.route.local:
             return None
@@ -615,7 +558,9 @@ class PDFlow:
         if self._affinity is not None and call.key is not None:
             self._metrics.placement(role.value, self._affinity[role].observe(call.key, engine.name))
 
-    def _response_headers(self, call: Call, trace: _Trace, engine: Engine, resp: UpstreamResponse) -> dict[str, str]:
+    def _response_headers(
+        self, call: Call, trace: RequestRecord, engine: Engine, resp: UpstreamResponse
+    ) -> dict[str, str]:
         # A plain dict: aiohttp's responses copy whatever they are given into a CIMultiDict.
         trace.decode, trace.status = engine.name, resp.status
         headers: dict[str, str] = {}
@@ -629,19 +574,6 @@ class PDFlow:
             headers["X-PDConnect-Decode"] = engine.name
             headers["X-PDConnect-Prefill"] = trace.prefilled.engine.name if trace.prefilled else "none"
         return headers
-
-
-class _HeadersWithBodyResponse(web.StreamResponse):
-    """A stream whose status line and headers leave with its first bytes, in one write.
-
-    aiohttp's StreamResponse writes the headers on `prepare()`, a write (and a wake-up of
-    the client) of their own; its `Response` buffers them until the body. This flag (an
-    aiohttp 3.12+ class attribute; older versions ignore it and send at `prepare()`) asks
-    for the same on a stream. The first chunk follows `prepare()` at once, so no client
-    waits longer for its headers.
-    """
-
-    _send_headers_immediately = False
 
 
 def _other_servers_first(engines: list[Engine]) -> list[Engine]:

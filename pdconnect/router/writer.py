@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-__all__ = ["SLICE", "ClientStalled", "ClientWriter"]
+__all__ = ["SLICE", "ClientStalled", "ClientWriter", "HeadersWithBodyResponse"]
 
 # Below the 64 KiB high-water mark of asyncio's and uvloop's transports, with room for a
 # response head and the chunked framing written along with a slice.
@@ -76,3 +76,16 @@ class ClientWriter:
             self._on_stall()
             transport.abort()
             raise ClientStalled(f"client took no bytes for {self._timeout}s") from None
+
+
+class HeadersWithBodyResponse(web.StreamResponse):
+    """A stream whose status line and headers leave with its first bytes, in one write.
+
+    aiohttp's StreamResponse writes the headers on `prepare()`, a write (and a wake-up of
+    the client) of their own; its `Response` buffers them until the body. This flag (an
+    aiohttp 3.12+ class attribute; older versions ignore it and send at `prepare()`) asks
+    for the same on a stream. The first chunk follows `prepare()` at once, so no client
+    waits longer for its headers.
+    """
+
+    _send_headers_immediately = False
