@@ -18,7 +18,8 @@ lease ending) the scheduler sleeps on an event the notifier and the lease desk s
 the answer or the end arrives, for at most `IDLE_WAIT_SECONDS`: the answer is taken
 as soon as it comes, and a new request waits at most that long for its first step. It
 never waits while loads are in flight (only the workers report those, one step at a
-time) or while anything was scheduled (docs/tensor-parallel.md).
+time) or while anything was scheduled, nor on a data-parallel rank, whose steps the
+other ranks wait for (docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ class PDScheduler:
         self._desk: LeaseDesk | None = None
         # Set by the notifier's and the desk's threads when a peer's answer arrives.
         self._news = threading.Event()
+        # Data-parallel ranks step in lockstep (their forward passes meet in collectives):
+        # one rank sleeping would hold the others' steps too, so DP ranks never sleep.
+        dp = vllm_config.parallel_config.data_parallel_size
+        self.idle_wait_seconds = IDLE_WAIT_SECONDS if dp == 1 else 0.0
         if transfer.is_kv_producer:
             # Data-parallel ranks on one host each get their own port (0 stays "any free port").
             base = settings.side_channel_port
@@ -144,8 +149,8 @@ class PDScheduler:
             self.consumer.update_state_after_alloc(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            self.wait_while_idle(IDLE_WAIT_SECONDS)
+        if self.idle_wait_seconds > 0 and scheduler_output.total_num_scheduled_tokens == 0:
+            self.wait_while_idle(self.idle_wait_seconds)
         release: list[str] = []
         if self.producer is not None:
             self.producer.hold_new_slack()

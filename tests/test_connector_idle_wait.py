@@ -16,8 +16,11 @@ import signal
 import pytest
 
 from connectors.kvsim import random_tokens
+from connectors.scheduler import IDLE_WAIT_SECONDS, PDScheduler
+from connectors.settings import ConnectorSettings
+from connectors.vllm_adapter import build_kv_cache_config
 from pdconnect.testbed.processes import freeze
-from tests.pd_harness import RemoteEngine, SimEngine
+from tests.pd_harness import GEOMETRY, RemoteEngine, SimEngine, engine_config
 
 pytestmark = pytest.mark.transport
 
@@ -110,3 +113,16 @@ def test_a_prefill_engine_lending_a_lease_sleeps_until_it_ends(decode):
         assert half.wait_while_idle(MINUTE) is None  # nothing lent any more
     finally:
         prefill.shutdown()
+
+
+@pytest.mark.parametrize(("ranks", "sleeps"), [(1, True), (2, False)])
+def test_a_data_parallel_rank_never_sleeps(ranks, sleeps):
+    # DP ranks step in lockstep: one asleep would hold every other rank's step too.
+    config = engine_config("kv_consumer", BASE, f"decode-dp{ranks}")
+    config.parallel_config.data_parallel_size = ranks
+    settings = ConnectorSettings.from_extra_config(config.kv_transfer_config.kv_connector_extra_config)
+    half = PDScheduler(config, build_kv_cache_config(GEOMETRY, 100), settings)
+    try:
+        assert half.idle_wait_seconds == (IDLE_WAIT_SECONDS if sleeps else 0.0)
+    finally:
+        half.shutdown()
