@@ -115,11 +115,13 @@ def test_a_prefill_engine_lending_a_lease_sleeps_until_it_ends(decode):
         prefill.shutdown()
 
 
-@pytest.mark.parametrize(("ranks", "sleeps"), [(1, True), (2, False)])
-def test_a_data_parallel_rank_never_sleeps(ranks, sleeps):
-    # DP ranks step in lockstep: one asleep would hold every other rank's step too.
-    config = engine_config("kv_consumer", BASE, f"decode-dp{ranks}")
-    config.parallel_config.data_parallel_size = ranks
+@pytest.mark.parametrize(("tp", "dp", "sleeps"), [(2, 1, True), (1, 1, False), (2, 2, False), (1, 2, False)])
+def test_only_an_engine_with_tp_workers_and_no_dp_ranks_sleeps(tp, dp, sleeps):
+    # A single-rank engine keeps vLLM's pace (no workers to spare a wake-up); DP ranks step
+    # in lockstep: one asleep would hold every other rank's step too.
+    config = engine_config("kv_consumer", BASE, f"decode-tp{tp}-dp{dp}")
+    config.parallel_config.tensor_parallel_size = tp
+    config.parallel_config.data_parallel_size = dp
     settings = ConnectorSettings.from_extra_config(config.kv_transfer_config.kv_connector_extra_config)
     half = PDScheduler(config, build_kv_cache_config(GEOMETRY, 100), settings)
     try:

@@ -9,8 +9,13 @@ for all ranks. The decode engine must answer what one TP2 engine alone answers (
 logprobs) and hit its own prefix cache as that engine does, on serial, long-suffix,
 concurrent and multi-turn siblings; every request must be served.
 
-One colocated TP2 engine is the reference for both transports (seeds differ per transport,
-so neither cached the other's prompts); a pair per transport, one after the other.
+Then the production speculative method: the MiMo-V2-style model (64- and 256-token
+blocks) drafting with its own MTP layer, over Mooncake (the path does not depend on the
+transport once both passed with EAGLE3).
+
+One colocated TP2 engine per model is the reference (seeds differ per setup, so no setup
+meets another's cached prompts); a pair per setup, one after the other, and the Llama's
+reference stopped before the MiMo-V2 engines start.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -27,7 +33,7 @@ from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_met
 from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S, PDResult, prompt_ids, serve_pd, token_ids
 from pdconnect.testbed.processes import Cluster, ManagedProcess
 from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server, warm_up
-from pdconnect.testbed.tinymodel import ensure_model
+from pdconnect.testbed.tinymodel import DSV4_LIKE_MIMO_V2, TinyModelSpec, ensure_model
 from tests.engine_parity import (
     DECODE_TOKENS,
     LONG_SUFFIX,
@@ -42,20 +48,43 @@ from tests.engine_parity import (
 pytestmark = pytest.mark.engine
 
 TP = ["--tensor-parallel-size", "2"]
-TRANSPORTS = ["mooncake", "nixl"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One pair: a model geometry, a transport, and how the engines speculate."""
+
+    name: str
+    spec: TinyModelSpec
+    block_size: int
+    transport: str
+    mtp: bool = False  # the model's own MTP layer (one token a step); else the EAGLE3 draft
+
+    def args(self, kv: dict[str, Any] | None) -> list[str]:
+        if self.mtp:
+            return engine_args(None, kv, block_size=self.block_size, mtp=True, num_speculative_tokens=1) + TP
+        draft = ensure_model(self.spec.with_kind("eagle3-draft"))
+        return engine_args(draft, kv, block_size=self.block_size) + TP
+
+
+SETUPS = [
+    Setup("llama-mooncake", SPEC, 128, "mooncake"),
+    Setup("llama-nixl", SPEC, 128, "nixl"),
+    Setup("mimo-v2-mtp-mooncake", DSV4_LIKE_MIMO_V2, 64, "mooncake", mtp=True),
+]
 
 
 @dataclass(frozen=True)
 class Pair:
-    transport: str
+    setup: Setup
     single: ManagedProcess  # the colocated TP2 reference
     prefill: ManagedProcess
     decode: ManagedProcess
 
     def seed(self, base: int) -> int:
-        """Seeds distinct per transport: the reference is shared and must not have cached
-        the other pair's prompts."""
-        return 7000 + 1000 * TRANSPORTS.index(self.transport) + base
+        """Seeds distinct per setup: a reference is shared and must not have cached another
+        setup's prompts."""
+        return 7000 + 1000 * SETUPS.index(self.setup) + base
 
 
 @pytest.fixture(scope="module")
@@ -65,33 +94,33 @@ def cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def reference(cluster: Cluster) -> dict[str, ManagedProcess]:
-    """The colocated TP2 engine, started with the first pair (in parallel with it)."""
+def references(cluster: Cluster) -> dict[str, ManagedProcess]:
+    """The colocated TP2 engine of each model, started with its first pair (in parallel)."""
     return {}
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
-def pair(request: pytest.FixtureRequest, cluster: Cluster, reference: dict[str, ManagedProcess]) -> Iterator[Pair]:
-    transport: str = request.param
-    target = ensure_model(SPEC)
-    draft = ensure_model(SPEC.with_kind("eagle3-draft"))
+@pytest.fixture(scope="module", params=SETUPS, ids=lambda setup: setup.name)
+def pair(request: pytest.FixtureRequest, cluster: Cluster, references: dict[str, ManagedProcess]) -> Iterator[Pair]:
+    setup: Setup = request.param
+    target = ensure_model(setup.spec)
 
     def server(name: str, role: str | None) -> ManagedProcess:
-        kv = pd_kv_transfer(role, transport) if role is not None else None
-        args = engine_args(draft, kv) + TP
-        spec = vllm_server(name, target, port=cluster.free_port(), served_model_name=MODEL_NAME, args=args)
+        kv = pd_kv_transfer(role, setup.transport) if role is not None else None
+        spec = vllm_server(name, target, port=cluster.free_port(), served_model_name=MODEL_NAME, args=setup.args(kv))
         return cluster.start(spec)
 
+    # One model's reference at a time: three TP2 engines already crowd two cores.
+    cluster.stop(*(references.pop(kind) for kind in list(references) if kind != setup.spec.kind))
     started = []
-    if "single" not in reference:
-        reference["single"] = server("single-tp2", None)
-        started.append(reference["single"])
-    prefill = server(f"prefill-tp2-{transport}", "kv_producer")
-    decode = server(f"decode-tp2-{transport}", "kv_consumer")
+    if setup.spec.kind not in references:
+        references[setup.spec.kind] = server(f"single-tp2-{setup.spec.kind}", None)
+        started.append(references[setup.spec.kind])
+    prefill = server(f"prefill-tp2-{setup.name}", "kv_producer")
+    decode = server(f"decode-tp2-{setup.name}", "kv_consumer")
     cluster.wait_healthy([*started, prefill, decode])
     for proc in (*started, prefill, decode):
         warm_up(proc.base_url, MODEL_NAME)
-    yield Pair(transport, reference["single"], prefill, decode)
+    yield Pair(setup, references[setup.spec.kind], prefill, decode)
     cluster.stop(prefill, decode)
 
 
@@ -128,6 +157,13 @@ def test_every_rank_pulls_its_own_shard_and_decode_answers_as_one_engine_alone(p
     metrics = fetch_metrics(pair.decode.base_url, http)
     assert metrics.total("pdconnect:transfers") == 1
     assert metrics.total("pdconnect:transfer_failures") == 0
+    if pair.setup.mtp:
+        # The production layout, as in the single-rank suite: the checkpoint's MTP layer is
+        # the draft, in a sliding-window group of its own, and decode speculated.
+        for proc in (pair.single, pair.prefill, pair.decode):
+            assert "Resolved architecture: MiMoV2MTPModel" in proc.log_text(), proc.name
+            assert "kv cache group sizes (64, 64, 256)" in proc.log_text(), proc.name
+        assert metrics.total("vllm:spec_decode_num_draft_tokens") > 0
     assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
 
 
@@ -146,7 +182,7 @@ def test_serial_sibling_hits_the_decode_engines_own_cache_like_a_colocated_engin
     assert second.decode.hits == colocated_hit
     assert second.decode.external_hits == len(sibling) - colocated_hit
     same_answer(second.body, alone)
-    _report(capsys, f"{pair.transport} serial sibling", colocated=colocated_hit, decode_local=int(second.decode.hits))
+    _report(capsys, f"{pair.setup.name} serial sibling", colocated=colocated_hit, decode_local=int(second.decode.hits))
 
 
 def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
@@ -164,7 +200,7 @@ def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
         same_answer(done.body, alone)
     _report(
         capsys,
-        f"{pair.transport} long-suffix siblings",
+        f"{pair.setup.name} long-suffix siblings",
         colocated=[h for h, _ in reference],
         decode_local=[int(s.decode.hits) for s in served],
     )
@@ -187,7 +223,7 @@ def test_concurrent_siblings_are_all_served_and_hit_what_serial_siblings_would(
     decode = PrefixCacheCounters.scrape(pair.decode.base_url, http) - before
     _report(
         capsys,
-        f"{pair.transport} 4 concurrent siblings",
+        f"{pair.setup.name} 4 concurrent siblings",
         colocated_serial_followers=serial_hits,
         decode_local_total=int(decode.hits),
     )
@@ -219,5 +255,5 @@ def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
 
     assert sum(reference[1:]) > 0
     assert served == reference
-    _report(capsys, f"{pair.transport} multi-turn", colocated=reference, decode_local=served)
+    _report(capsys, f"{pair.setup.name} multi-turn", colocated=reference, decode_local=served)
     assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
