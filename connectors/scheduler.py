@@ -18,9 +18,8 @@ lease ending) the scheduler sleeps on an event the notifier and the lease desk s
 the answer or the end arrives, for at most `IDLE_WAIT_SECONDS`: the answer is taken
 as soon as it comes, and a new request waits at most that long for its first step. It
 never waits while loads are in flight (only the workers report those, one step at a
-time) or while anything was scheduled. Only engines with worker processes (tensor or
-pipeline parallelism above 1) wait so, and no data-parallel rank, whose steps the other
-ranks wait for (docs/tensor-parallel.md).
+time) or while anything was scheduled, and only on engines where the sleep can hold
+nothing else back (`_sleeps_when_idle`; docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
@@ -57,6 +56,25 @@ logger = logging.getLogger("pdconnect.connector")
 IDLE_WAIT_SECONDS = 0.01
 
 
+def _sleeps_when_idle(config: VllmConfig) -> bool:
+    """Whether empty steps may sleep (`IDLE_WAIT_SECONDS`) on this engine.
+
+    Only with tensor parallelism does an empty step wake worker processes; a single-rank
+    engine keeps vLLM's pace (sleeping there cost its TTFT p50 18 % in `make bench-handoff`).
+    Not where a step that schedules nothing may still have a batch in flight, whose output
+    the sleep would hold back: pipeline parallelism and async scheduling. Not on a
+    data-parallel rank: the ranks step in lockstep (their forward passes meet in
+    collectives), so one asleep would hold the others.
+    """
+    parallel = config.parallel_config
+    return (
+        parallel.tensor_parallel_size > 1
+        and parallel.pipeline_parallel_size == 1
+        and parallel.data_parallel_size == 1
+        and not config.scheduler_config.async_scheduling
+    )
+
+
 class PDScheduler:
     """Scheduler-side state of a `PDConnector`; every method runs on the scheduler thread."""
 
@@ -77,13 +95,7 @@ class PDScheduler:
         self._desk: LeaseDesk | None = None
         # Set by the notifier's and the desk's threads when a peer's answer arrives.
         self._news = threading.Event()
-        # Only with tensor (or pipeline) parallelism does an empty step wake worker processes;
-        # a single-rank engine keeps vLLM's pace (sleeping there cost its TTFT p50 18 % in
-        # `make bench-handoff`). Data-parallel ranks step in lockstep (their forward passes
-        # meet in collectives): one rank asleep would hold the others' steps, so they never sleep.
-        parallel = vllm_config.parallel_config
-        workers = parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1
-        self.idle_wait_seconds = IDLE_WAIT_SECONDS if workers and parallel.data_parallel_size == 1 else 0.0
+        self.idle_wait_seconds = IDLE_WAIT_SECONDS if _sleeps_when_idle(vllm_config) else 0.0
         if transfer.is_kv_producer:
             # Data-parallel ranks on one host each get their own port (0 stays "any free port").
             base = settings.side_channel_port

@@ -115,13 +115,22 @@ def test_a_prefill_engine_lending_a_lease_sleeps_until_it_ends(decode):
         prefill.shutdown()
 
 
-@pytest.mark.parametrize(("tp", "dp", "sleeps"), [(2, 1, True), (1, 1, False), (2, 2, False), (1, 2, False)])
-def test_only_an_engine_with_tp_workers_and_no_dp_ranks_sleeps(tp, dp, sleeps):
-    # A single-rank engine keeps vLLM's pace (no workers to spare a wake-up); DP ranks step
-    # in lockstep: one asleep would hold every other rank's step too.
-    config = engine_config("kv_consumer", BASE, f"decode-tp{tp}-dp{dp}")
+@pytest.mark.parametrize(
+    ("tp", "pp", "dp", "async_scheduling", "sleeps"),
+    [
+        (2, 1, 1, False, True),
+        (1, 1, 1, False, False),  # no workers to spare a wake-up: vLLM's pace
+        (2, 2, 1, False, False),  # a batch may be in flight behind an empty step
+        (2, 1, 1, True, False),  # likewise
+        (2, 1, 2, False, False),  # DP ranks step in lockstep: one asleep holds the others
+    ],
+)
+def test_only_a_tensor_parallel_engine_whose_sleep_holds_nothing_back_sleeps(tp, pp, dp, async_scheduling, sleeps):
+    config = engine_config("kv_consumer", BASE, f"decode-tp{tp}-pp{pp}-dp{dp}")
     config.parallel_config.tensor_parallel_size = tp
+    config.parallel_config.pipeline_parallel_size = pp
     config.parallel_config.data_parallel_size = dp
+    config.scheduler_config.async_scheduling = async_scheduling
     settings = ConnectorSettings.from_extra_config(config.kv_transfer_config.kv_connector_extra_config)
     half = PDScheduler(config, build_kv_cache_config(GEOMETRY, 100), settings)
     try:
