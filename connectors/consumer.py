@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -113,6 +114,7 @@ class Consumer(CacheBound):
         compat_digest: str,
         keys: Keyring | None,
         stats: StatsRecorder,
+        news: threading.Event | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.settings = settings
@@ -128,6 +130,8 @@ class Consumer(CacheBound):
         # Answers are taken once per scheduling pass, at its first lookup: one that lands
         # mid-pass waits for the next, so answers never reorder vLLM's waiting queue.
         self._replies_taken_this_pass = False
+        # Set as an answer is queued: what an idle scheduler waits for (`connectors.scheduler`).
+        self._news = news if news is not None else threading.Event()
         self._notifier = PeerNotifier(
             sender="decode",
             keys=keys,
@@ -152,10 +156,23 @@ class Consumer(CacheBound):
                 self._replies.put((sent.lease_id, "", False))
             for lease_id in reply.unknown:
                 self._replies.put((lease_id, f"the prefill engine at {address} no longer holds the blocks", False))
+            self._news.set()
 
     def _on_failure(self, address: str, sent: Message, reason: str, unanswered: bool) -> None:
         if isinstance(sent, Claim):
             self._replies.put((sent.lease_id, f"claim refused or unanswered by {address}: {reason}", unanswered))
+            self._news.set()
+
+    # --- scheduler thread -------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        """Whether this step has something to hand the workers or to take from them:
+        answers queued, pulls to post, or loads whose results only the workers report."""
+        return not self._replies.empty() or bool(self._new_pulls) or bool(self._loads)
+
+    def claims_pending(self) -> bool:
+        """Whether a request waits for its claim's answer, which only the prefill engine gives."""
+        return any(incoming.claim is ClaimState.PENDING for incoming in self._incoming.values())
 
     def _take_replies(self) -> None:
         while True:

@@ -156,12 +156,16 @@ def _frame(message: ToDesk | FromDesk) -> bytes:
 class LeaseDesk:
     """The scheduler's handle on its desk process.
 
-    `open`, `set_replies`, `take_ended`, `totals` and `close` run on the scheduler thread;
-    a reader thread of its own collects what the desk reports, and any fault there is
-    logged and ends in `gone`, never in a dead thread with the desk's reports unread.
+    `open`, `set_replies`, `has_ended`, `take_ended`, `totals` and `close` run on the
+    scheduler thread; a reader thread of its own collects what the desk reports, and any
+    fault there is logged and ends in `gone`, never in a dead thread with the desk's
+    reports unread. The reader sets `news` (when given) as a lease ends or the desk goes,
+    so an idle scheduler can sleep until then (`connectors.scheduler`).
     """
 
-    def __init__(self, start: Start, startup_timeout: float = 60.0) -> None:
+    def __init__(self, start: Start, startup_timeout: float = 60.0, news: threading.Event | None = None) -> None:
+        # Set whenever a lease ends or the desk goes: what an idle scheduler waits for.
+        self._news = news if news is not None else threading.Event()
         self._process = subprocess.Popen(
             [sys.executable, "-m", "connectors.lease_desk"],
             stdin=subprocess.PIPE,
@@ -200,6 +204,10 @@ class LeaseDesk:
 
     def set_replies(self, by_rank: dict[int, HandshakeReply]) -> None:
         self._send(Replies(by_rank))
+
+    def has_ended(self) -> bool:
+        """Whether ended leases wait to be taken (or the desk is gone: every lease has ended)."""
+        return bool(self._ended) or self.gone
 
     def take_ended(self) -> list[Ended]:
         ended = []
@@ -241,6 +249,7 @@ class LeaseDesk:
                 for frame in frames.take():
                     if isinstance(frame, Ended):
                         self._ended.append(frame)
+                        self._news.set()
                     elif isinstance(frame, Counts):
                         self._totals = dict(frame.totals)
                     elif isinstance(frame, Ready | Failed):
@@ -250,6 +259,7 @@ class LeaseDesk:
             logger.exception("side-channel desk: cannot read its reports")
         finally:
             self.gone = True
+            self._news.set()
             self._started.set()
             if not self._closing:
                 logger.error(

@@ -118,6 +118,14 @@ class Producer(CacheBound):
                 if index < len(table) and not table[index].is_null:
                     producing.held[(group_id, index)] = self.ops.hold([table[index]])[0]
 
+    def has_news(self) -> bool:
+        """Whether the desk reported ended leases this step must collect."""
+        return self.desk.has_ended()
+
+    def lending(self) -> bool:
+        """Whether leases are out: only their decode engines (or expiry) can end them."""
+        return bool(self._lent)
+
     def collect_ended(self) -> list[str]:
         """Free the blocks of leases the desk reports ended; returns their request ids for
         the workers. With the desk gone, every lease has ended: nothing can confirm it."""

@@ -5,12 +5,27 @@ lend under a lease) and, in a process of its own, the lease desk that serves its
 channel (`connectors.lease_desk`); a decode engine (`kv_consumer`) runs
 a `Consumer` (`connectors.consumer`: claim, pull, prove, publish) with a notifier that
 talks to prefill engines. `kv_both` runs both. This module owns what they share: the
-engine's compatibility record, the side-channel keys, the stats, and the handshake replies.
+engine's compatibility record, the side-channel keys, the stats, the handshake replies,
+and the idle wait.
+
+The idle wait: vLLM steps its engine without pause while any request is unfinished,
+also when nothing can run: a decode request waiting for its claim's answer, or a
+prefill request whose blocks a lease holds until decode is done with them. Each of
+those empty steps (vLLM sleeps 1 ms after one) is a broadcast to every worker, and with
+tensor parallelism the workers spin on the broadcast queue between steps. So when a
+step schedules nothing and all the connector waits for is a peer (a claim's answer, a
+lease ending) the scheduler sleeps on an event the notifier and the lease desk set as
+the answer or the end arrives, for at most `IDLE_WAIT_SECONDS`: the answer is taken
+as soon as it comes, and a new request waits at most that long for its first step. It
+never waits while loads are in flight (only the workers report those, one step at a
+time) or while anything was scheduled, and only on engines where the sleep can hold
+nothing else back (`_sleeps_when_idle`; docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 from connectors.compat import compat_info
@@ -36,6 +51,29 @@ __all__ = ["PDScheduler"]
 
 logger = logging.getLogger("pdconnect.connector")
 
+# The longest an empty step waits for a peer: the most it delays a request that arrives
+# meanwhile. vLLM itself sleeps 1 ms after an empty step.
+IDLE_WAIT_SECONDS = 0.01
+
+
+def _sleeps_when_idle(config: VllmConfig) -> bool:
+    """Whether empty steps may sleep (`IDLE_WAIT_SECONDS`) on this engine.
+
+    Only with tensor parallelism does an empty step wake worker processes; a single-rank
+    engine keeps vLLM's pace (sleeping there cost its TTFT p50 18 % in `make bench-handoff`).
+    Not where a step that schedules nothing may still have a batch in flight, whose output
+    the sleep would hold back: pipeline parallelism and async scheduling. Not on a
+    data-parallel rank: the ranks step in lockstep (their forward passes meet in
+    collectives), so one asleep would hold the others.
+    """
+    parallel = config.parallel_config
+    return (
+        parallel.tensor_parallel_size > 1
+        and parallel.pipeline_parallel_size == 1
+        and parallel.data_parallel_size == 1
+        and not config.scheduler_config.async_scheduling
+    )
+
 
 class PDScheduler:
     """Scheduler-side state of a `PDConnector`; every method runs on the scheduler thread."""
@@ -55,15 +93,20 @@ class PDScheduler:
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         self._desk: LeaseDesk | None = None
+        # Set by the notifier's and the desk's threads when a peer's answer arrives.
+        self._news = threading.Event()
+        self.idle_wait_seconds = IDLE_WAIT_SECONDS if _sleeps_when_idle(vllm_config) else 0.0
         if transfer.is_kv_producer:
             # Data-parallel ranks on one host each get their own port (0 stays "any free port").
             base = settings.side_channel_port
             port = base + vllm_config.parallel_config.data_parallel_rank if base else 0
-            self._desk = LeaseDesk(Start(self.engine_id, self.compat, settings, sorted(roles), port))
+            self._desk = LeaseDesk(Start(self.engine_id, self.compat, settings, sorted(roles), port), news=self._news)
             self.producer = Producer(self.engine_id, settings, self.compat.digest(), self.stats, self._desk)
         if transfer.is_kv_consumer:
             decode_keys = keys.acting_as("decode") if keys is not None else None
-            self.consumer = Consumer(self.engine_id, settings, self.compat.digest(), decode_keys, self.stats)
+            self.consumer = Consumer(
+                self.engine_id, settings, self.compat.digest(), decode_keys, self.stats, news=self._news
+            )
 
     # --- wiring ------------------------------------------------------------------
 
@@ -122,13 +165,29 @@ class PDScheduler:
             self.consumer.update_state_after_alloc(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
-        del scheduler_output
+        if self.idle_wait_seconds > 0 and scheduler_output.total_num_scheduled_tokens == 0:
+            self.wait_while_idle(self.idle_wait_seconds)
         release: list[str] = []
         if self.producer is not None:
             self.producer.hold_new_slack()
             release = self.producer.collect_ended()
         pulls = self.consumer.take_pulls() if self.consumer is not None else []
         return PDConnectorMetadata(pulls=pulls, release=release)
+
+    def wait_while_idle(self, timeout: float) -> bool | None:
+        """After a step that scheduled nothing: sleep until a peer's answer or a lease's end
+        arrives, at most `timeout`, if that is all the connector waits for (the module
+        docstring says why). None: it did not sleep; True: news ended the sleep; False: the
+        timeout did."""
+        # Cleared before looking, so news that lands after the look sets it and ends the wait.
+        self._news.clear()
+        producer, consumer = self.producer, self.consumer
+        if (producer is not None and producer.has_news()) or (consumer is not None and consumer.has_work()):
+            return None
+        waiting = (producer is not None and producer.lending()) or (consumer is not None and consumer.claims_pending())
+        if not waiting:
+            return None
+        return self._news.wait(timeout)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         if self.consumer is not None:

@@ -22,7 +22,7 @@ routing, whose predicted hit must be the decode engine's own (see the last secti
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,15 +38,20 @@ from pdconnect.testbed.local_pd import kv_events_config, start_router
 from pdconnect.testbed.processes import Cluster, ManagedProcess
 from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server, warm_up
 from pdconnect.testbed.tinymodel import DSV4_LIKE_MIMO_V2, FIRST_WORD_ID, TinyModelSpec, ensure_model
+from tests.engine_parity import (
+    DECODE_TOKENS,
+    LONG_SUFFIX,
+    PROMPT_TOKENS,
+    SIBLING_EXTRA,
+    assert_pools_back_to_baseline,
+    chat,
+    colocated,
+    same_answer,
+)
 from tests.params_fuzz import JSON_VALUES
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
-
-PROMPT_TOKENS = 1000
-SIBLING_EXTRA = 64
-DECODE_TOKENS = 16
-
 
 # How an engine speculates: a generated EAGLE3 draft, the target's own MTP layer, or not.
 Speculation = Literal["eagle3", "mtp", "plain"]
@@ -194,7 +199,7 @@ def test_decode_tokens_and_logprobs_equal_one_engine_alone(pair: Pair, http: htt
     served = serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
 
     assert served.tokens == token_ids(alone)
-    _same_answer(served.body, alone)
+    same_answer(served.body, alone)
     # Loaded over the connector, not recomputed: nothing was local, everything external.
     assert served.decode.hits == 0
     assert served.decode.external_hits == PROMPT_TOKENS
@@ -260,7 +265,7 @@ def test_ill_typed_transfer_params_are_computed_locally_and_the_engine_keeps_ser
 
     response = completion(http, pair.decode.base_url, prompt, DECODE_TOKENS, broken)
 
-    assert token_ids(completed(response)) == token_ids(_colocated(http, pair, prompt)[1])
+    assert token_ids(completed(response)) == token_ids(colocated(http, pair.single, prompt)[1])
 
     def invalid() -> float:
         return fetch_metrics(pair.decode.base_url, http).total("pdconnect:invalid_transfer_params")
@@ -271,7 +276,7 @@ def test_ill_typed_transfer_params_are_computed_locally_and_the_engine_keeps_ser
     # Every JSON value as vllm_xargs.kv_transfer_params: vLLM's own checks answer some
     # (400, or a 500 for a truthy non-object, which its output processor calls .get on);
     # the falsy ones (0, "", []) reach the scheduler, which the connector must not crash.
-    want = token_ids(_colocated(http, pair, prompt)[1])
+    want = token_ids(colocated(http, pair.single, prompt)[1])
     outcomes = []
     for value in JSON_VALUES:
         response = http.post(
@@ -299,39 +304,6 @@ def test_ill_typed_transfer_params_are_computed_locally_and_the_engine_keeps_ser
 
 # --- real traffic: long suffixes, concurrent siblings, multi-turn chat ----------------------
 
-LONG_SUFFIX = 300
-CHAT_SYSTEM, CHAT_QUESTION, CHAT_TURNS = 1100, 300, 4
-
-
-def _colocated(http: httpx.Client, pair: Pair, prompt: list[int]) -> tuple[int, dict]:
-    """One request on the colocated reference: its local hit and its answer."""
-    before = PrefixCacheCounters.scrape(pair.single.base_url, http)
-    body = completed(completion(http, pair.single.base_url, prompt, DECODE_TOKENS, logprobs=1))
-    return int((PrefixCacheCounters.scrape(pair.single.base_url, http) - before).hits), body
-
-
-def _assert_pools_back_to_baseline(http: httpx.Client, pair: Pair) -> None:
-    """Nothing held by the connector and no block in use once every request ended."""
-    for proc in (pair.prefill, pair.decode):
-
-        def held_and_used(proc: ManagedProcess = proc) -> tuple[float, float]:
-            metrics = fetch_metrics(proc.base_url, http)
-            return metrics.total("pdconnect:blocks_held"), metrics.total("vllm:kv_cache_usage_perc")
-
-        wait_until(
-            lambda: held_and_used() == (0, 0), f"{proc.name}: no block held or in use", 10, observe=held_and_used
-        )
-
-
-def _same_answer(served: dict, alone: dict) -> None:
-    """Same tokens; logprobs equal up to float32 rounding. The decode engine computes a
-    prompt's last token in another batch than the colocated engine (and EAGLE's
-    acceptance then shapes later batches differently), which moves the 7th digit."""
-    assert token_ids(served) == token_ids(alone)
-    assert served["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
-        alone["choices"][0]["logprobs"]["token_logprobs"], rel=1e-5, abs=1e-5
-    )
-
 
 @on_traffic_setups
 def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
@@ -340,7 +312,7 @@ def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
     prefix = prompt_ids(seed=pair.seed(31), length=1100)
     siblings = [prefix + prompt_ids(seed=pair.seed(32 + i), length=LONG_SUFFIX) for i in range(3)]
 
-    reference = [_colocated(http, pair, prompt) for prompt in siblings]
+    reference = [colocated(http, pair.single, prompt) for prompt in siblings]
     served = [
         serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
         for prompt in siblings
@@ -349,7 +321,7 @@ def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
     assert reference[2][0] > 0  # the third sibling hits at the junction the second left
     assert [int(s.decode.hits) for s in served] == [hit for hit, _ in reference]
     for done, (_, alone) in zip(served, reference):
-        _same_answer(done.body, alone)
+        same_answer(done.body, alone)
     _report(
         capsys,
         f"{pair.setup.name} long-suffix siblings",
@@ -357,7 +329,7 @@ def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
         decode_local=[int(s.decode.hits) for s in served],
         pulled=[int(s.decode.external_hits) for s in served],
     )
-    _assert_pools_back_to_baseline(http, pair)
+    assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
 
 
 @on_traffic_setups
@@ -368,7 +340,7 @@ def test_concurrent_siblings_each_hit_what_a_serial_sibling_would(
     # a serial sibling hits (1100 + 64 would hit 0 even colocated: the run ends past 1100).
     prefix = prompt_ids(seed=pair.seed(41), length=1200)
     siblings = [prefix + prompt_ids(seed=pair.seed(42 + i), length=SIBLING_EXTRA) for i in range(4)]
-    reference = [_colocated(http, pair, prompt) for prompt in siblings]
+    reference = [colocated(http, pair.single, prompt) for prompt in siblings]
     serial_hits = [hit for hit, _ in reference[1:]]
     before = PrefixCacheCounters.scrape(pair.decode.base_url, http)
 
@@ -401,20 +373,7 @@ def test_concurrent_siblings_each_hit_what_a_serial_sibling_would(
     assert decode.external_hits == sum(map(len, siblings)) - decode.hits  # the prefix is pulled once
     for done, (_, alone) in zip(served, reference):
         assert done.tokens == token_ids(alone)
-    _assert_pools_back_to_baseline(http, pair)
-
-
-def _chat(serve: Callable[[list[int]], tuple[int, dict]], seed: int) -> list[int]:
-    """A conversation of CHAT_TURNS turns: each prompt is the last one, its answer and a new
-    question; returns the local hit of every turn."""
-    prompt = prompt_ids(seed=seed, length=CHAT_SYSTEM)
-    hits = []
-    for turn in range(CHAT_TURNS):
-        prompt = prompt + prompt_ids(seed=seed + 1 + turn, length=CHAT_QUESTION)
-        hit, body = serve(prompt)
-        hits.append(hit)
-        prompt = prompt + token_ids(body)
-    return hits
+    assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
 
 
 @on_traffic_setups
@@ -423,23 +382,23 @@ def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
 ) -> None:
     answers: dict[int, dict] = {}
 
-    def colocated(prompt: list[int]) -> tuple[int, dict]:
-        hit, body = _colocated(http, pair, prompt)
+    def alone(prompt: list[int]) -> tuple[int, dict]:
+        hit, body = colocated(http, pair.single, prompt)
         answers[len(prompt)] = body
         return hit, body
 
     def pd(prompt: list[int]) -> tuple[int, dict]:
         done = serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
-        _same_answer(done.body, answers[len(prompt)])
+        same_answer(done.body, answers[len(prompt)])
         return int(done.decode.hits), done.body
 
-    reference = _chat(colocated, pair.seed(51))
-    served = _chat(pd, pair.seed(51))
+    reference = chat(alone, pair.seed(51))
+    served = chat(pd, pair.seed(51))
 
     assert sum(reference[1:]) > 0
     assert served == reference
     _report(capsys, f"{pair.setup.name} multi-turn", colocated=reference, decode_local=served)
-    _assert_pools_back_to_baseline(http, pair)
+    assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
 
 
 # --- decode-first routing: the router's predicted hit is the decode engine's own ------------
