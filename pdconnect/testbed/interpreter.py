@@ -29,6 +29,9 @@ def hold_the_interpreter_lock(seconds: float) -> float:
     itself, it only holds longer.
     """
     per_item = min(_time_per_item() for _ in range(_CALIBRATIONS))
+    # The timings kept other threads from the lock: let them catch up first, so the hold
+    # starts from a quiet process (a watcher caught mid-sample would not see it start).
+    time.sleep(0.1)
     started = time.perf_counter()
     sum(range(int(seconds / per_item)))
     return time.perf_counter() - started
