@@ -52,6 +52,10 @@ class _Events:
         with self._lock:
             self.log.append(event)
 
+    def wait(self, condition: Callable[[], object], what: str) -> None:
+        """`wait_until` `condition`, showing the events so far if it never holds."""
+        wait_until(condition, what, WAIT, observe=self.seen)
+
     def seen(self) -> list[tuple[str, str, Message, object]]:
         """The events so far: what a failed wait reports."""
         with self._lock:
@@ -104,11 +108,8 @@ def test_a_hung_prefill_engine_does_not_delay_another_engines_messages():
         # The hung engine has the first message: its worker now waits out a 60 s timeout.
         assert hung_socket.poll(WAIT * 1000, zmq.POLLIN)
         notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["to-live"]))
-        wait_until(
-            lambda: events.of("reply", live.address),
-            "the live engine to reply while the hung one holds its message",
-            WAIT,
-            observe=events.seen,
+        events.wait(
+            lambda: events.of("reply", live.address), "the live engine to reply while the hung one holds its message"
         )
         # The live engine was answered while both messages to the hung one are pending
         # (sent one at a time, it would have waited for their timeouts first).
@@ -124,11 +125,8 @@ def test_messages_queued_behind_a_hung_engine_all_fail_and_the_queue_drains():
         sent = [Release(to_engine="prefill-0", request_ids=[f"r{i}"], reason="client gone") for i in range(5)]
         for message in sent:
             notifier.send(hung, message)
-        wait_until(
-            lambda: len(events.of("failure", hung)) == len(sent),
-            "every message queued behind the hung engine to fail",
-            WAIT,
-            observe=events.seen,
+        events.wait(
+            lambda: len(events.of("failure", hung)) == len(sent), "every message queued behind the hung engine to fail"
         )
         assert [e[2] for e in events.of("failure", hung)] == sent  # in order, each reported once
         assert events.counts["notification_failures"] == len(sent)
@@ -143,11 +141,9 @@ def test_a_malformed_address_fails_that_message_only():
         for _ in range(2):  # the worker for the bad address survives its own failure
             notifier.send(bad, Done(to_engine="prefill-0", request_ids=["r"]))
         notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["ok"]))
-        wait_until(
+        events.wait(
             lambda: len(events.of("failure", bad)) == 2 and events.of("reply", live.address),
             "both messages to the bad address to fail and the live engine to reply",
-            WAIT,
-            observe=events.seen,
         )
         assert all("Invalid argument" in e[3] for e in events.of("failure", bad))
         assert events.counts["notification_failures"] == 2 and events.counts["notifier_errors"] == 0
@@ -161,12 +157,7 @@ def test_a_refusal_is_a_failure_with_the_peers_reason():
         _notifier(events, keys=keyring("decode", secret="not-the-decode-secret-" + "x" * 20)) as notifier,
     ):
         notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["r"]))
-        wait_until(
-            lambda: events.of("failure", live.address),
-            "the refusal of a message signed with the wrong key",
-            WAIT,
-            observe=events.seen,
-        )
+        events.wait(lambda: events.of("failure", live.address), "the refusal of a message signed with the wrong key")
         assert "authentication failed" in events.of("failure", live.address)[0][3]
         assert events.unanswered == [False]  # the peer decided: no resend
 
@@ -205,11 +196,9 @@ def test_callback_and_counter_errors_do_not_end_delivery():
             for round_ in range(2):
                 notifier.send(bad, Done(to_engine="prefill-0", request_ids=[f"bad{round_}"]))
                 notifier.send(live.address, Done(to_engine="prefill-0", request_ids=[f"ok{round_}"]))
-            wait_until(
+            events.wait(
                 lambda: calls["reply"] == 2 and calls["failure"] == 2,
                 "two replies and two failures, each callback raising",
-                WAIT,
-                observe=events.seen,
             )
             wait_until(
                 lambda: events.counts["notifier_callback_errors"] == 4,
@@ -235,11 +224,9 @@ def test_heartbeats_carry_every_watched_id_and_unknown_ids_reach_on_reply():
         for request_id in ("lease-b", "lease-a"):
             notifier.watch(live.address, "prefill-0", request_id)
         notifier.watch(other.address, "prefill-0", "lease-c")
-        wait_until(
+        events.wait(
             lambda: events.of("reply", live.address) and events.of("reply", other.address),
             "a heartbeat reply from each engine",
-            WAIT,
-            observe=events.seen,
         )
         first = events.of("reply", live.address)[0]
         assert first[2:] == (
@@ -251,11 +238,8 @@ def test_heartbeats_carry_every_watched_id_and_unknown_ids_reach_on_reply():
         notifier.unwatch(live.address, "prefill-0", "lease-b")
         notifier.unwatch(other.address, "prefill-0", "lease-c")
         seen = len(events.of("reply", live.address))
-        wait_until(
-            lambda: len(events.of("reply", live.address)) >= seen + 2,
-            "two more heartbeat replies from the live engine",
-            WAIT,
-            observe=events.seen,
+        events.wait(
+            lambda: len(events.of("reply", live.address)) >= seen + 2, "two more heartbeat replies from the live engine"
         )
         assert events.of("reply", live.address)[-1][2] == Heartbeat(to_engine="prefill-0", request_ids=["lease-a"])
         replies_to_other = len(events.of("reply", other.address))
@@ -281,11 +265,8 @@ def test_notices_name_their_engine_and_ids_for_another_engine_at_the_address_are
         notifier.release(live.address, "prefill-0", ["r1"], "client gone", time.monotonic() + WAIT)
         notifier.release(live.address, "prefill-1", ["r2"], "client gone", time.monotonic() + WAIT)
         sent = lambda kind: [e[2] for e in events.of(kind, live.address)]  # noqa: E731
-        wait_until(
-            lambda: len(sent("reply")) >= 2 and len(sent("failure")) >= 2,
-            "two replies and two refusals of the notices",
-            WAIT,
-            observe=events.seen,
+        events.wait(
+            lambda: len(sent("reply")) >= 2 and len(sent("failure")) >= 2, "two replies and two refusals of the notices"
         )
         assert Heartbeat(to_engine="prefill-0", request_ids=["lease-a"]) in sent("reply")
         assert Release(to_engine="prefill-0", request_ids=["r1"], reason="client gone") in sent("reply")
@@ -312,7 +293,7 @@ def test_an_idle_peer_worker_ends_and_comes_back_when_needed():
     with _prefill() as live, _notifier(events, idle_seconds=0.1) as notifier:
         before = set(_notifier_threads())
         notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["first"]))
-        wait_until(lambda: len(events.of("reply", live.address)) == 1, "the first reply", WAIT, observe=events.seen)
+        events.wait(lambda: len(events.of("reply", live.address)) == 1, "the first reply")
         wait_until(
             lambda: [t for t in _notifier_threads() if t not in before] == [],
             "the notifier's threads to end",
@@ -320,12 +301,7 @@ def test_an_idle_peer_worker_ends_and_comes_back_when_needed():
             observe=lambda: [t.name for t in _notifier_threads() if t not in before],
         )
         notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["second"]))
-        wait_until(
-            lambda: len(events.of("reply", live.address)) == 2,
-            "the second reply, from a new worker",
-            WAIT,
-            observe=events.seen,
-        )
+        events.wait(lambda: len(events.of("reply", live.address)) == 2, "the second reply, from a new worker")
 
 
 def test_addresses_beyond_max_peers_share_one_overflow_worker():
@@ -343,11 +319,9 @@ def test_addresses_beyond_max_peers_share_one_overflow_worker():
         assert hung_socket.poll(WAIT * 1000, zmq.POLLIN)
         for address in (live.address, other.address, live.address):
             notifier.send(address, Done(to_engine="prefill-0", request_ids=["r"]))
-        wait_until(
+        events.wait(
             lambda: len(events.of("reply", live.address)) == 2 and events.of("reply", other.address),
             "two replies from the live engine and one from the other",
-            WAIT,
-            observe=events.seen,
         )
         assert len([t for t in _notifier_threads() if t not in before]) == 2  # hung's worker + overflow
         assert events.counts["notifier_overflow"] == 3 and events.of("failure", hung) == []
