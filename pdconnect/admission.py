@@ -199,9 +199,14 @@ class Door:
     """
 
     def __init__(self, host: str, port: int) -> None:
-        """Bind and listen on `host`:`port` (`*` for every IPv4 address); OSError if not possible."""
+        """Bind and listen on `host`:`port` (`*` for every IPv4 address); OSError if not possible.
+
+        A name is resolved to IPv4, as zmq does with its IPv6 option off (the clients'
+        setting); an IPv6 literal binds IPv6."""
+        name = "0.0.0.0" if host == "*" else host.strip("[]")
+        family = socket.AF_INET6 if ":" in name else socket.AF_INET
         family, kind, proto, _, address = socket.getaddrinfo(
-            "0.0.0.0" if host == "*" else host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            name, port, family, socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         self._socket = socket.socket(family, kind, proto)
         try:

@@ -16,8 +16,11 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
 import zmq
 
+from pdconnect.protocol import Ack, Heartbeat
+from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelServer
 from tests.waiting import wait_until
 
 CHILD = r"""
@@ -71,6 +74,11 @@ server.close()
 """
 HOSTS = [f"127.0.0.{i}" for i in range(2, 10)]
 PER_HOST = 50
+# How long a newcomer tries a full server (a zmq client redials a cut connection every
+# 100 ms), and the bound on its getting in once a slot frees (TCP retries a dropped
+# connection attempt after 1 s, 3 s, 7 s, ... from its first): neither is a measurement.
+NEWCOMER_WAIT_S = 1.0
+SLOT_WAIT_S = 20.0
 
 
 def test_a_connection_flood_leaves_the_server_descriptors_and_every_close_is_counted() -> None:
@@ -125,3 +133,29 @@ def test_a_connection_flood_leaves_the_server_descriptors_and_every_close_is_cou
     assert all(moments.values()), f"no file could be opened at the cap: {moments} ({judged})"
     assert now["opened_now"] is True, f"no file could be opened under the flood: {now}"
     assert now["held"] <= started["max_connections"]
+
+
+def test_at_the_cap_admitted_peers_are_answered_and_a_newcomer_waits_for_a_slot() -> None:
+    """While the server holds its most connections its listening socket takes no new one:
+    the newcomer is neither accepted nor cut (before, zmq accepted it and the gate cut it
+    each time it redialled, every 100 ms), admitted peers are answered meanwhile, and the
+    newcomer gets in once a connection ends."""
+    server = SideChannelServer(
+        "127.0.0.1", 0, lambda message: Ack(), engine_id="prefill-0", max_connections=2, max_connections_per_host=2
+    )
+    beat = Heartbeat(to_engine="prefill-0", request_ids=[])
+    first, second, newcomer = (SideChannelClient(server.address, "decode", None, NEWCOMER_WAIT_S) for _ in range(3))
+    try:
+        assert first.request(beat) == Ack() and second.request(beat) == Ack()
+        with pytest.raises(NoAnswer, match="not sent"):
+            newcomer.request(beat)  # for NEWCOMER_WAIT_S: ten redials' worth
+        counts = server.counts()
+        cut = counts["connections_over_limit"] + counts["connections_over_host_limit"]
+        assert cut <= 1, f"the newcomer was accepted and cut {cut} times"  # at most before the door shut
+        assert first.request(beat) == Ack()
+        first.close()  # a slot frees: the door opens, and TCP's next try gets in
+        assert newcomer.request(beat, timeout=SLOT_WAIT_S) == Ack()
+    finally:
+        for client in (first, second, newcomer):
+            client.close()
+        server.close()
