@@ -30,6 +30,8 @@ tests/test_sidechannel_descriptors.py). So the listening socket is this module's
 (`Door`, handed to zmq with `ZMQ_USE_FD`), and the gate shuts it while `max_connections`
 are held: the kernel then drops new connection attempts before any descriptor exists,
 connections already admitted carry on, and the door opens again when one of them ends.
+Where the cap comes from the descriptor limit, the door is also shut, within
+`DESCRIPTOR_HEADROOM` of the cap, whenever accepts wait to be judged.
 (zmq's own `unbind` would close every connection accepted on the endpoint.) Beyond the
 cap, at most the listen backlog (`LISTEN_BACKLOG`) plus what zmq accepts while the gate
 catches up is ever open: `DESCRIPTOR_HEADROOM` is kept for that. A peer that knocks on a
@@ -263,7 +265,9 @@ class ConnectionGate:
     Create it before the ROUTER binds (so no connection is accepted unseen), call
     `start(port)` once it has, register `sockets` with the serving thread's poller and
     call `serve()` from that thread; `close()` before closing the ROUTER socket. With the
-    `door` the ROUTER listens on, it shuts that door while `max_connections` are held.
+    `door` the ROUTER listens on, it shuts that door while `max_connections` are held,
+    and from `watched` held on while accepts wait to be judged (a cap derived from the
+    descriptor limit: the accepts zmq makes meanwhile must not run the process out).
     """
 
     def __init__(
@@ -273,10 +277,12 @@ class ConnectionGate:
         max_connections: int,
         max_per_host: int,
         door: Door | None = None,
+        watched: int | None = None,
     ) -> None:
         self.table = ConnectionTable(max_connections, max_per_host)
         self._max = max_connections
         self._door = door
+        self._watched = max_connections if watched is None else watched
         self._full = False  # the door was shut because the table is full (for the log)
         self._router = router
         self._port = 0
@@ -343,13 +349,13 @@ class ConnectionGate:
         return refused, False
 
     def _fit_door(self, caught_up: bool) -> None:
-        """Shut the door while the table is full, and, within `DESCRIPTOR_HEADROOM` of full,
-        while accepts wait to be judged (zmq accepts on while this thread catches up)."""
+        """Shut the door while the table is full, and from `watched` on while accepts wait
+        to be judged (zmq accepts on while this thread catches up)."""
         if self._door is None:
             return
         held = len(self.table)
         full = held >= self._max
-        self._door.set_shut(full or (not caught_up and held >= self._max - DESCRIPTOR_HEADROOM))
+        self._door.set_shut(full or (not caught_up and held >= self._watched))
         if full != self._full and self._door.shut == full:
             self._full = full
             if full:

@@ -54,7 +54,7 @@ from collections.abc import Callable
 
 import zmq
 
-from pdconnect.admission import ConnectionGate, Door, Refused, descriptor_cap
+from pdconnect.admission import DESCRIPTOR_HEADROOM, ConnectionGate, Door, Refused, descriptor_cap
 from pdconnect.envelope import (
     DEFAULT_MAX_AGE_SECONDS,
     EnvelopeError,
@@ -321,7 +321,9 @@ class SideChannelServer:
         self._socket.setsockopt(zmq.IPV6, int(self._door.ipv6))
         self._socket.setsockopt(zmq.USE_FD, self._door.descriptor_for_zmq())
         # Before the bind: no connection may be accepted unseen.
-        self._gate = ConnectionGate(self._context, self._socket, capped, max_connections_per_host, self._door)
+        # A cap the descriptor limit set is watched from one headroom below it (see admission).
+        watched = capped - DESCRIPTOR_HEADROOM if capped < max_connections else capped
+        self._gate = ConnectionGate(self._context, self._socket, capped, max_connections_per_host, self._door, watched)
         self._closes_counted = 0
         try:
             self._socket.bind(self._door.endpoint)
