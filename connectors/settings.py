@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from pdconnect.config_fields import Meta, Seconds, check_bounds, check_values
+from pdconnect.config_fields import Meta, Port, Seconds, check_bounds, check_values
 from pdconnect.envelope import DEFAULT_MAX_AGE_SECONDS
 from pdconnect.errors import ConfigError
 from pdconnect.keyring import MIN_SECRET_BYTES, Keyring, SigningKey, TrustedKeys
@@ -35,9 +35,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     """Everything an operator may set in `kv_connector_extra_config`.
 
     Invariants (checked in `__post_init__`): each field's own bounds, declared on its type
-    (`Seconds`: positive, `pdconnect.config_fields`); heartbeats are sent more often than
-    the lease runs out, so a live decode engine never loses its blocks to expiry; the
-    side-channel port is one.
+    (`Seconds`: positive, `Port`: 0..65535, `pdconnect.config_fields`); heartbeats are sent
+    more often than the lease runs out, so a live decode engine never loses its blocks to
+    expiry.
     """
 
     transport: Literal["mooncake", "nixl"] = "mooncake"
@@ -51,7 +51,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     # Address the prefill engine's side channel binds to and advertises to peers.
     side_channel_host: str = "127.0.0.1"
     # 0 binds a free port (tests); plans always carry the port actually bound.
-    side_channel_port: int = 5700
+    side_channel_port: Port = 5700
     # The address peers dial when it differs from the bind host (NAT, 0.0.0.0 binds).
     advertise_host: str | None = None
     # How long the prefill engine holds a request's blocks without news from decode.
@@ -112,8 +112,6 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
                 f"heartbeat_seconds ({self.heartbeat_seconds}) must be shorter than "
                 f"lease_seconds ({self.lease_seconds}), or live requests lose their blocks"
             )
-        if not 0 <= self.side_channel_port < 65536:
-            raise ConfigError(f"side_channel_port must be in 0..65535, got {self.side_channel_port}")
         if sum(value is not None for value in (self.secret, self.secret_env, self.secret_file)) > 1:
             raise ConfigError("set one of secret, secret_env and secret_file, not several")
         if self.peer_keys is not None and self.peer_keys_env is not None:

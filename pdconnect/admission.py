@@ -21,15 +21,34 @@ A flood from one host therefore takes at most `max_per_host` connections, and ot
 hosts keep theirs and can open new ones until `max_connections` are held. A refused
 peer is refused again each time it reconnects (a zmq client retries every 100 ms), so
 the counts of refusals measure attempts, not peers.
+
+Cutting is not enough at the total cap: zmq's I/O thread accepts every connection that
+arrives, whatever the gate has judged, so a burst of a few hundred connections held
+descriptors up to the process's limit before the gate had read their accepts (the
+server could not open a file at the moment of its first cut in 8 of 10 runs of
+tests/test_sidechannel_descriptors.py). So the listening socket is this module's
+(`Door`, handed to zmq with `ZMQ_USE_FD`), and the gate shuts it while `max_connections`
+are held: the kernel then drops new connection attempts before any descriptor exists,
+connections already admitted carry on, and the door opens again when one of them ends.
+Where the cap comes from the descriptor limit, the door is also shut, within
+`DESCRIPTOR_HEADROOM` of the cap, whenever accepts wait to be judged.
+(zmq's own `unbind` would close every connection accepted on the endpoint.) Beyond the
+cap, at most the listen backlog (`LISTEN_BACKLOG`) plus what zmq accepts while the gate
+catches up is ever open: `DESCRIPTOR_HEADROOM` is kept for that. A peer that knocks on a
+shut door retries at TCP's pace (after 1 s, then 3 s, ...), not zmq's 100 ms.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ipaddress
+import logging
 import os
 import resource
 import socket
+import struct
+import sys
 from collections import deque
 from collections.abc import Iterator
 from typing import Literal
@@ -37,7 +56,9 @@ from typing import Literal
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-__all__ = ["ConnectionGate", "ConnectionTable", "Refused", "descriptor_cap"]
+__all__ = ["ConnectionGate", "ConnectionTable", "Door", "Refused", "descriptor_cap"]
+
+logger = logging.getLogger("pdconnect.sidechannel")
 
 # Which limit cut a connection: its host's, or the server's total.
 Refused = Literal["host", "total"]
@@ -60,6 +81,19 @@ WAITING_HANDSHAKES = 1024
 # and not yet cut (at most about a round's worth). A cap closer to the limit lets a flood
 # exhaust the process: zmq's accept then fails in a loop and nothing else can open a file.
 DESCRIPTOR_HEADROOM = 64
+
+
+# Connections the kernel completes and holds for zmq to accept (listen(2)'s backlog): all
+# of them are accepted even after the door shuts, so it is small; a burst beyond it waits
+# for TCP's retry (zmq's own default is 100).
+LISTEN_BACKLOG = 16
+
+# Linux's socket options for a classic BPF filter on a socket (asm-generic/socket.h).
+_SO_ATTACH_FILTER, _SO_DETACH_FILTER = 26, 27
+# One BPF instruction, `ret #0`: keep no byte of any packet. On a listening TCP socket
+# that drops every connection attempt (SYN) and handshake completion before the kernel
+# makes a socket for it; established connections have sockets of their own.
+_DROP_ALL = struct.pack("HBBI", 0x06, 0, 0, 0)
 
 
 def descriptor_cap(requested: int) -> int:
@@ -157,12 +191,83 @@ def _borrowed(fd: int, port: int) -> Iterator[socket.socket | None]:
         yield borrowed if ours else None
 
 
+class Door:
+    """The side channel's listening TCP socket, which can stop taking connections without closing.
+
+    Invariants: while shut, the kernel completes no new connection on the port (its SYNs
+    are dropped), so zmq accepts at most the `LISTEN_BACKLOG` completed before; the port
+    stays bound throughout; connections already accepted are never touched. Shutting
+    needs Linux (a socket filter); elsewhere `can_shut` is False and the door stays open.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        """Bind and listen on `host`:`port` (`*` for every IPv4 address); OSError if not possible.
+
+        A name is resolved to IPv4, as zmq does with its IPv6 option off (the clients'
+        setting); an IPv6 literal binds IPv6."""
+        name = "0.0.0.0" if host == "*" else host.strip("[]")
+        family = socket.AF_INET6 if ":" in name else socket.AF_INET
+        family, kind, proto, _, address = socket.getaddrinfo(
+            name, port, family, socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        self._socket = socket.socket(family, kind, proto)
+        try:
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as zmq's own listeners
+            self._socket.bind(address)
+            self._socket.listen(LISTEN_BACKLOG)
+        except OSError:
+            self._socket.close()
+            raise
+        self.can_shut = sys.platform == "linux"
+        self.shut = False
+        # The filter program's instruction must stay at one address while attached.
+        self._program = ctypes.create_string_buffer(_DROP_ALL, len(_DROP_ALL))
+
+    @property
+    def ipv6(self) -> bool:
+        return self._socket.family == socket.AF_INET6
+
+    @property
+    def endpoint(self) -> str:
+        """The zmq endpoint of the bound address (IPv6 in brackets)."""
+        host, port = self._socket.getsockname()[:2]
+        return f"tcp://[{host}]:{port}" if self.ipv6 else f"tcp://{host}:{port}"
+
+    def descriptor_for_zmq(self) -> int:
+        """A duplicate of the listening descriptor for `ZMQ_USE_FD`: zmq closes it when it is done."""
+        return os.dup(self._socket.fileno())
+
+    def set_shut(self, shut: bool) -> bool:
+        """Shut or open the door; whether that changed anything."""
+        if shut == self.shut or not self.can_shut:
+            return False
+        try:
+            if shut:
+                # struct sock_fprog: the number of instructions, then a pointer to them.
+                program = struct.pack("HL", len(_DROP_ALL) // 8, ctypes.addressof(self._program))
+                self._socket.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, program)
+            else:
+                self._socket.setsockopt(socket.SOL_SOCKET, _SO_DETACH_FILTER, 0)
+        except OSError as exc:  # a kernel without socket filters: the cuts alone bound the connections
+            self.can_shut = False
+            logger.warning("side channel: cannot shut the listening socket at the connection cap (%s)", exc)
+            return False
+        self.shut = shut
+        return True
+
+    def close(self) -> None:
+        self._socket.close()
+
+
 class ConnectionGate:
     """The monitor and ZAP sockets of one ROUTER socket, and the table they keep.
 
     Create it before the ROUTER binds (so no connection is accepted unseen), call
     `start(port)` once it has, register `sockets` with the serving thread's poller and
-    call `serve()` from that thread; `close()` before closing the ROUTER socket.
+    call `serve()` from that thread; `close()` before closing the ROUTER socket. With the
+    `door` the ROUTER listens on, it shuts that door while `max_connections` are held,
+    and from `watched` held on while accepts wait to be judged (a cap derived from the
+    descriptor limit: the accepts zmq makes meanwhile must not run the process out).
     """
 
     def __init__(
@@ -171,8 +276,14 @@ class ConnectionGate:
         router: zmq.Socket[bytes],
         max_connections: int,
         max_per_host: int,
+        door: Door | None = None,
+        watched: int | None = None,
     ) -> None:
         self.table = ConnectionTable(max_connections, max_per_host)
+        self._max = max_connections
+        self._door = door
+        self._watched = max_connections if watched is None else watched
+        self._full = False  # the door was shut because the table is full (for the log)
         self._router = router
         self._port = 0
         self.closed = 0  # connections zmq closed, whatever the cause (the serving thread's)
@@ -224,6 +335,7 @@ class ConnectionGate:
             try:
                 frames = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                self._fit_door(caught_up=True)
                 return refused, True
             event = parse_monitor_message(frames)
             if event["event"] == zmq.EVENT_ACCEPTED:
@@ -233,7 +345,23 @@ class ConnectionGate:
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.closed += 1
                 self.table.remove(int(event["value"]))
+            self._fit_door(caught_up=False)  # after each event: the sooner shut, the fewer accepted
         return refused, False
+
+    def _fit_door(self, caught_up: bool) -> None:
+        """Shut the door while the table is full, and from `watched` on while accepts wait
+        to be judged (zmq accepts on while this thread catches up)."""
+        if self._door is None:
+            return
+        held = len(self.table)
+        full = held >= self._max
+        self._door.set_shut(full or (not caught_up and held >= self._watched))
+        if full != self._full and self._door.shut == full:
+            self._full = full
+            if full:
+                logger.warning("side channel: %d connections held, the most allowed: new ones wait", held)
+            else:
+                logger.info("side channel: below the connection cap again; taking new connections")
 
     def _accepted(self, fd: int) -> tuple[Refused, str] | None:
         with _borrowed(fd, self._port) as connection:

@@ -4,8 +4,8 @@ A setting's constraint is part of its type: `lease_seconds: Annotated[float, Met
 description=...)] = 30.0`. `check_bounds` reads those annotations off a dataclass and
 raises a `ConfigError` naming the first field out of bounds, its bound and its value, so
 a config's `__post_init__` no longer keeps hand-written lists of names per bound (which
-drift from the fields: a new field is unchecked until someone adds it to a list).
-`help_of` gives the same declaration's description to a CLI.
+drift from the fields: a new field is unchecked until someone adds it to a list). A
+bound's `description` says why it is there, at the end of the error.
 
 The annotation is msgspec's `Meta`, so the same declaration is enforced by msgspec itself
 wherever the config is decoded by msgspec (a `Struct`, `msgspec.convert`). msgspec's own
@@ -29,7 +29,7 @@ from msgspec import Meta
 
 from pdconnect.errors import ConfigError
 
-__all__ = ["AtLeastOne", "Meta", "Port", "Seconds", "bounds_of", "check_bounds", "check_values", "help_of"]
+__all__ = ["AtLeastOne", "Meta", "Port", "Seconds", "check_bounds", "check_values"]
 
 # A duration that must pass; a count of which there must be one (attempts, bytes, blocks); a TCP port (0 binds any).
 Seconds = Annotated[float, Meta(gt=0)]
@@ -47,7 +47,7 @@ def _meta(hint: Any) -> Meta | None:
 
 
 @functools.cache
-def bounds_of(cls: type) -> dict[str, Meta]:
+def _bounds_of(cls: type) -> dict[str, Meta]:
     """Each field of the dataclass or `msgspec.Struct` `cls` with a `Meta` in its annotation, and that `Meta`."""
     hints = get_type_hints(cls, include_extras=True)
     return {name: meta for name, hint in hints.items() if (meta := _meta(hint)) is not None}
@@ -83,7 +83,7 @@ def check_bounds(config: Any) -> None:
     instance `config` outside its declared bounds. A field whose value is None (an
     optional setting left unset) is not checked."""
     assert (dataclasses.is_dataclass(config) or isinstance(config, msgspec.Struct)) and not isinstance(config, type)
-    for name, meta in bounds_of(type(config)).items():
+    for name, meta in _bounds_of(type(config)).items():
         value = getattr(config, name)
         if value is not None:
             _check(name, meta, value)
@@ -99,13 +99,7 @@ def _comparable(meta: Meta, value: Any) -> bool:
 def check_values(cls: type, values: Mapping[str, Any]) -> None:
     """`check_bounds` for a mapping about to be decoded into `cls` (keys spelled as its
     fields): the first bounded value out of bounds raises the same `ConfigError`."""
-    for name, meta in bounds_of(cls).items():
+    for name, meta in _bounds_of(cls).items():
         value = values.get(name)
         if _comparable(meta, value):
             _check(name, meta, value)
-
-
-def help_of(cls: type, name: str) -> str:
-    """The description declared on field `name` of `cls`, for `--help`."""
-    meta = bounds_of(cls).get(name)
-    return meta.description or "" if meta is not None else ""

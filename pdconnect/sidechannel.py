@@ -36,7 +36,8 @@ valid messages is never refused, so it never spends budget.
 
 Nor can many connections: each host may hold `max_connections_per_host` and all hosts
 together `max_connections` (`pdconnect.admission`); a connection beyond either is cut
-before it carries a message, and counted. Handshakes that do not finish within
+before it carries a message, and counted, and while `max_connections` are held the
+listening socket takes no new connection at all. Handshakes that do not finish within
 `HANDSHAKE_SECONDS` are closed, and dead peers are found by TCP keepalive and zmq
 heartbeats.
 """
@@ -53,7 +54,7 @@ from collections.abc import Callable
 
 import zmq
 
-from pdconnect.admission import ConnectionGate, Refused, descriptor_cap
+from pdconnect.admission import DESCRIPTOR_HEADROOM, ConnectionGate, Door, Refused, descriptor_cap
 from pdconnect.envelope import (
     DEFAULT_MAX_AGE_SECONDS,
     EnvelopeError,
@@ -310,14 +311,26 @@ class SideChannelServer:
         self._socket.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_SECONDS * 1000)
         for option, value in _KEEPALIVE_OPTIONS:
             self._socket.setsockopt(option, value)
+        try:
+            # The listening socket is the gate's, to shut at the connection cap.
+            self._door = Door(host, port)
+        except OSError as exc:
+            self._socket.close()
+            self._context.term()
+            raise SideChannelError(f"cannot bind side channel on {host}:{port}: {exc}") from None
+        self._socket.setsockopt(zmq.IPV6, int(self._door.ipv6))
+        self._socket.setsockopt(zmq.USE_FD, self._door.descriptor_for_zmq())
         # Before the bind: no connection may be accepted unseen.
-        self._gate = ConnectionGate(self._context, self._socket, capped, max_connections_per_host)
+        # A cap the descriptor limit set is watched from one headroom below it (see admission).
+        watched = capped - DESCRIPTOR_HEADROOM if capped < max_connections else capped
+        self._gate = ConnectionGate(self._context, self._socket, capped, max_connections_per_host, self._door, watched)
         self._closes_counted = 0
         try:
-            self._socket.bind(f"tcp://{host}:{port}")
+            self._socket.bind(self._door.endpoint)
         except zmq.ZMQError as exc:
             self._gate.close()
             self._socket.close()
+            self._door.close()
             self._context.term()
             raise SideChannelError(f"cannot bind side channel on {host}:{port}: {exc}") from None
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -365,6 +378,7 @@ class SideChannelServer:
         finally:
             self._gate.close()
             self._socket.close()
+            self._door.close()
             self._context.term()
 
     def _check_round(self, gap: float) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 import msgspec
 import pytest
 
-from pdconnect.config_fields import AtLeastOne, Meta, Port, Seconds, bounds_of, check_bounds, check_values, help_of
+from pdconnect.config_fields import AtLeastOne, Meta, Port, Seconds, check_bounds, check_values
 from pdconnect.errors import ConfigError
 
 
@@ -47,10 +47,8 @@ def test_a_value_out_of_bounds_is_refused_naming_field_bound_and_value(
     assert str(refused.value) == message
 
 
-def test_only_annotated_fields_are_bounded_and_described() -> None:
-    assert set(bounds_of(_Settings)) == {"lease_seconds", "port", "ratio", "secret"}
-    assert help_of(_Settings, "lease_seconds") == "how long prefill holds unclaimed blocks"
-    assert help_of(_Settings, "port") == "" and help_of(_Settings, "name") == ""
+def test_a_field_without_bounds_takes_any_value() -> None:
+    assert _Settings(name="").name == ""
 
 
 def test_msgspec_enforces_the_same_declaration_when_it_decodes_the_config() -> None:
@@ -71,7 +69,6 @@ class _Struct(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def test_a_struct_built_directly_is_checked_from_its_declarations() -> None:
-    assert set(bounds_of(_Struct)) == {"lease_seconds", "attempts", "port"}
     for changes, message in (
         ({"attempts": 0}, "attempts must be >= 1, got 0"),
         ({"lease_seconds": -1.0}, "lease_seconds must be positive, got -1.0"),

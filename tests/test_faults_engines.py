@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import random
 import socket
@@ -374,14 +375,17 @@ def settle(http: httpx.Client, engines: EngineSet, *procs: ManagedProcess) -> di
     the blocks still held per engine name (0 when settled)."""
     left: dict[str, float] = {}
     for proc in procs or (engines.prefill, engines.decode):
-        deadline = time.monotonic() + SETTLE_TIMEOUT_S
-        while True:
-            held, used = pools(http, proc)
-            if (held, used) == (0, 0) or time.monotonic() > deadline:
-                break
-            time.sleep(0.25)
+        # Blocks still held at the end are this function's answer (the caller records and
+        # asserts them), not a failure of the wait.
+        with contextlib.suppress(AssertionError):
+            wait_until(functools.partial(_clean, http, proc), f"{proc.name} to hold and use no block", SETTLE_TIMEOUT_S)
+        held, used = pools(http, proc)
         left[proc.name] = held or (0 if used == 0 else -1)
     return left
+
+
+def _clean(http: httpx.Client, proc: ManagedProcess) -> bool:
+    return pools(http, proc) == (0, 0)
 
 
 def assert_settled(http: httpx.Client, engines: EngineSet, row: Row, *procs: ManagedProcess) -> None:
@@ -673,7 +677,13 @@ def test_client_disconnect_through_the_router(pd: EngineSet, http: httpx.Client,
                     REQUEST_TIMEOUT_S,
                 )
                 _hang_up(sock)
-                time.sleep(HEARTBEAT_S)  # let the router's abort reach decode while it still waits
+                # The router's abort reaches decode while the request still waits there: it
+                # leaves decode's queue before the slot holders stop.
+                wait_until(
+                    lambda: _queued_on_decode(http, pd) <= SLOT_HOLDERS,
+                    "the router's abort to take the request off decode's queue",
+                    REQUEST_TIMEOUT_S,
+                )
             row.outcome = "hung up with the plan claimed, queued on D"
         else:
             sock = _raw_request(router, body)
@@ -805,16 +815,20 @@ def test_side_channel_messages_do_not_take_prefill_down(pd: EngineSet, http: htt
     # Still serving: a fresh P/D request (which also makes P step and export its counters).
     sibling_ok(http, engines, prompt, engines.seed(52), row)
     moved: dict[str, float] = {}
-    deadline = time.monotonic() + 30
-    while True:
-        moved = {
-            kind: counter(http, engines.prefill, f"pdconnect:side_channel_refused_{kind}") - before[kind]
+
+    def all_counted() -> bool:
+        moved.update(
+            (kind, counter(http, engines.prefill, f"pdconnect:side_channel_refused_{kind}") - before[kind])
             for kind in REFUSALS
-        }
-        if all(moved[kind] >= sent[kind] for kind in REFUSALS) or time.monotonic() > deadline:
-            break
+        )
+        if all(moved[kind] >= sent[kind] for kind in REFUSALS):
+            return True
+        # P exports its side channel's counters when it steps: give it a step to take.
         completion(http, engines.prefill.base_url, prompt_ids(rng.randrange(1 << 30), 8), 1)
-        time.sleep(0.5)
+        return False
+
+    with contextlib.suppress(AssertionError):  # the assertion below names what was missed
+        wait_until(all_counted, "prefill to count every refusal sent", 30)
     row.outcome = "refused: " + ", ".join(f"{k} {int(v)}" for k, v in moved.items()) + "; P serves"
     try:
         assert all(moved[kind] >= sent[kind] for kind in REFUSALS), (moved, sent)
@@ -1132,7 +1146,13 @@ def _send_then_kill(
     result: list[Answer] = []
     sender = threading.Thread(target=lambda: result.append(decode_with(http, engines, prompt, plan)), daemon=True)
     sender.start()
-    time.sleep(0.05)  # the request reaches decode; its claim and pull are in flight
+    # The kill lands once decode has the request (its claim and pull are then in flight).
+    wait_until(
+        lambda: result or _queued_on_decode(http, engines) >= 1,
+        "the decode leg to reach decode",
+        REQUEST_TIMEOUT_S,
+    )
+    assert not result, f"the decode leg ended before decode was seen holding it: {result}"
     engines.cluster.kill(victim)
     sender.join(REQUEST_TIMEOUT_S)
     assert result, f"the decode request did not end within {REQUEST_TIMEOUT_S}s"
@@ -1149,7 +1169,7 @@ def test_decode_killed_mid_load_and_restarted(pd: EngineSet, http: httpx.Client)
     # Nobody heartbeats any more: prefill frees at lease expiry, without any request of its own.
     left = settle(http, pd, pd.prefill)
     row.outcome = (
-        f"killed 50 ms into the decode leg: client got {describe(answer)}; P freed by lease; restarted D serves"
+        f"killed once decode held the request: client got {describe(answer)}; P freed by lease; restarted D serves"
     )
     pd.live()
     try:
@@ -1173,7 +1193,7 @@ def test_prefill_killed_mid_transfer(pd: EngineSet, http: httpx.Client) -> None:
     answer = _send_then_kill(http, pd, prompt, plan, pd.prefill)
     took = time.monotonic() - began
     row.wrong_tokens += wrong(answer, expected)
-    row.outcome = f"killed 50 ms into the decode leg: {describe(answer)} (policy {pd.policy}) after {took:.1f}s"
+    row.outcome = f"killed once decode held the request: {describe(answer)} (policy {pd.policy}) after {took:.1f}s"
     row.leaked_p = "P dead"
     try:
         outcome_ok(answer, pd, expected)
@@ -1242,15 +1262,24 @@ def _stop_mid_pull(engines: EngineSet, rogue: RogueReader) -> list[TcpSocket]:
     wherever the stop falls, so one stop it is."""
     for _ in range(STOP_ATTEMPTS):
         rogue.stop()
-        deadline = time.monotonic() + QUEUE_EVIDENCE_S
-        while not (queued := [s for s in rogue.sockets_from(_prefill_pids(engines)) if s.holds_unsent]):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        queued = _queued_for(engines, rogue, "P to hold bytes unsent for the stopped rogue")
         if queued or engines.transport != "mooncake":
             return queued
         rogue.resume()
-        time.sleep(0.2)
+        # Stop it again once P is sending to it (a pull in flight), not at the same pause.
+        _queued_for(engines, rogue, "P to send to the resumed rogue")
+    return []
+
+
+def _queued_for(engines: EngineSet, rogue: RogueReader, what: str) -> list[TcpSocket]:
+    """P's sockets to the rogue that hold unsent bytes, within QUEUE_EVIDENCE_S; [] if none
+    did (the caller decides what that means)."""
+
+    def queued() -> list[TcpSocket]:
+        return [s for s in rogue.sockets_from(_prefill_pids(engines)) if s.holds_unsent]
+
+    with contextlib.suppress(AssertionError):
+        return wait_until(queued, what, QUEUE_EVIDENCE_S)
     return []
 
 

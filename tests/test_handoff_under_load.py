@@ -28,6 +28,7 @@ from pdconnect.testbed.engine_calls import prompt_ids
 from pdconnect.testbed.local_pd import LocalPD, LocalPDConfig, start_local_pd
 from pdconnect.testbed.processes import Cluster
 from pdconnect.testbed.recipes import MODEL_NAME
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.faults]
 
@@ -87,7 +88,9 @@ def test_every_shared_prefix_request_is_served_with_cpu_hogs_beside_the_engines(
         assert _counter(client, decode, "leases_lost") == 0
         assert _counter(client, prefill, "lease_expiries") == 0
         # Every hold ends with its request: nothing stays held on prefill once idle.
-        give_up = time.monotonic() + 60
-        while fetch_metrics(prefill, client).total("pdconnect:blocks_held") and time.monotonic() < give_up:
-            time.sleep(0.5)
-        assert fetch_metrics(prefill, client).total("pdconnect:blocks_held") == 0
+        wait_until(
+            lambda: fetch_metrics(prefill, client).total("pdconnect:blocks_held") == 0,
+            "prefill to hold no block once idle",
+            60,
+            observe=lambda: fetch_metrics(prefill, client).total("pdconnect:blocks_held"),
+        )

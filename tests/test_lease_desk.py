@@ -125,6 +125,8 @@ LEASE_S = 1.0
 # documented bound (twice the lease time plus a round) with room for a loaded machine.
 TRAFFIC_S = 2 * LEASE_S + 3.0
 GAP_S = 0.01
+# Messages of each kind the desk has taken before a test lends its lease: traffic is flowing.
+FLOWING = 5
 
 
 class _Traffic:
@@ -158,6 +160,15 @@ class _Traffic:
         finally:
             sock.close()
             context.term()
+
+    def wait_flowing(self) -> None:
+        """Until the desk has answered heartbeats and taken junk: the channel is busy from here on."""
+        wait_until(
+            lambda: min(self.sent.values()) >= FLOWING,
+            f"{FLOWING} heartbeats answered and {FLOWING} junk frames sent",
+            WAIT_S,
+            observe=lambda: dict(self.sent),
+        )
 
     def _count(self, kind: str, _: object) -> None:
         self.sent[kind] += 1
@@ -195,11 +206,18 @@ def test_an_abandoned_lease_ends_while_the_side_channel_stays_busy(busy_desk: Le
     desk = busy_desk
     ended: list[Ended] = []
     with _Traffic(desk.port) as traffic:
-        time.sleep(0.3)  # the traffic is flowing before the lease is lent
+        traffic.wait_flowing()  # the side channel is busy before the lease is lent
         desk.open("r1", "lease-1", "digest")  # its decode engine died: nobody beats for it
-        while not ended and not traffic.ran_out:
+
+        def ended_or_ran_out() -> bool:
             ended.extend(desk.take_ended())
-            time.sleep(0.02)
+            return bool(ended) or traffic.ran_out
+
+        wait_until(
+            ended_or_ran_out,
+            "the abandoned lease to end, or the traffic to run out",
+            TRAFFIC_S + WAIT_S,
+        )
         still_busy = not traffic.ran_out
     assert [(e.request_id, e.reason) for e in ended] == [("r1", "lease expired")]
     assert still_busy, "the lease ended only once the traffic stopped"
@@ -207,8 +225,8 @@ def test_an_abandoned_lease_ends_while_the_side_channel_stays_busy(busy_desk: Le
 
 
 def test_the_desk_answers_a_claim_within_its_deadline_under_the_same_traffic(busy_desk: LeaseDesk) -> None:
-    with _Traffic(busy_desk.port):
-        time.sleep(0.3)
+    with _Traffic(busy_desk.port) as traffic:
+        traffic.wait_flowing()
         _each_claim_finds_its_lease(busy_desk, 20, 2.0)
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from connectors.leases import CLAIM_ATTEMPTS, ClaimAnswer, LeaseTable, confirm_claim, new_lease_id
 from pdconnect.protocol import Ack, Claim, Message, Refusal
 from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelServer
+from tests.waiting import wait_until
 
 
 def _table(seconds: float = 60.0) -> LeaseTable[list[int]]:
@@ -142,10 +143,8 @@ def test_the_side_channel_reports_when_it_last_drained_its_queue():
         release.set()
         sender.join(5)
         assert answer
-        deadline = time.monotonic() + 5
-        while server.drained_at == stuck and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert server.drained_at > stuck  # caught up once it could serve
+        # Caught up once it could serve.
+        wait_until(lambda: server.drained_at > stuck, "the server to drain its queue again", 5)
         client.close()
     finally:
         server.close()

@@ -29,18 +29,17 @@ WAIT = 20.0
 
 
 class _Events:
-    """Everything the notifier reported, in order, with a way to wait for one."""
+    """Everything the notifier reported, in order."""
 
     def __init__(self) -> None:
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()  # the notifier's threads report while the test reads
         self.log: list[tuple[str, str, Message, object]] = []
         self.unanswered: list[bool] = []  # each failure's flag, in order
         self.counts: Counter[str] = Counter()
 
     def count(self, name: str, amount: int) -> None:
-        with self._changed:
+        with self._lock:
             self.counts[name] += amount
-            self._changed.notify_all()
 
     def on_reply(self, address: str, sent: Message, reply: Message) -> None:
         self._add(("reply", address, sent, reply))
@@ -50,17 +49,20 @@ class _Events:
         self.unanswered.append(unanswered)
 
     def _add(self, event: tuple[str, str, Message, object]) -> None:
-        with self._changed:
+        with self._lock:
             self.log.append(event)
-            self._changed.notify_all()
 
-    def wait_for(self, predicate: Callable[[], bool]) -> None:
-        with self._changed:
-            assert self._changed.wait_for(predicate, timeout=WAIT), f"not seen; events so far: {self.log}"
+    def wait(self, condition: Callable[[], object], what: str) -> None:
+        """`wait_until` `condition`, showing the events so far if it never holds."""
+        wait_until(condition, what, WAIT, observe=self.seen)
+
+    def seen(self) -> list[tuple[str, str, Message, object]]:
+        """The events so far: what a failed wait reports."""
+        with self._lock:
+            return list(self.log)
 
     def of(self, kind: str, address: str) -> list[tuple[str, str, Message, object]]:
-        with self._changed:
-            return [e for e in self.log if e[0] == kind and e[1] == address]
+        return [e for e in self.seen() if e[0] == kind and e[1] == address]
 
 
 @contextlib.contextmanager
@@ -106,7 +108,9 @@ def test_a_hung_prefill_engine_does_not_delay_another_engines_messages():
         # The hung engine has the first message: its worker now waits out a 60 s timeout.
         assert hung_socket.poll(WAIT * 1000, zmq.POLLIN)
         notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["to-live"]))
-        events.wait_for(lambda: events.of("reply", live.address))
+        events.wait(
+            lambda: events.of("reply", live.address), "the live engine to reply while the hung one holds its message"
+        )
         # The live engine was answered while both messages to the hung one are pending
         # (sent one at a time, it would have waited for their timeouts first).
         assert events.of("failure", hung) == [] and events.of("reply", hung) == []
@@ -121,7 +125,9 @@ def test_messages_queued_behind_a_hung_engine_all_fail_and_the_queue_drains():
         sent = [Release(to_engine="prefill-0", request_ids=[f"r{i}"], reason="client gone") for i in range(5)]
         for message in sent:
             notifier.send(hung, message)
-        events.wait_for(lambda: len(events.of("failure", hung)) == len(sent))
+        events.wait(
+            lambda: len(events.of("failure", hung)) == len(sent), "every message queued behind the hung engine to fail"
+        )
         assert [e[2] for e in events.of("failure", hung)] == sent  # in order, each reported once
         assert events.counts["notification_failures"] == len(sent)
         # The peer never answered any of them: each may be sent again (a claim is).
@@ -135,7 +141,10 @@ def test_a_malformed_address_fails_that_message_only():
         for _ in range(2):  # the worker for the bad address survives its own failure
             notifier.send(bad, Done(to_engine="prefill-0", request_ids=["r"]))
         notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["ok"]))
-        events.wait_for(lambda: len(events.of("failure", bad)) == 2 and events.of("reply", live.address))
+        events.wait(
+            lambda: len(events.of("failure", bad)) == 2 and events.of("reply", live.address),
+            "both messages to the bad address to fail and the live engine to reply",
+        )
         assert all("Invalid argument" in e[3] for e in events.of("failure", bad))
         assert events.counts["notification_failures"] == 2 and events.counts["notifier_errors"] == 0
         assert events.unanswered == [False, False]  # resending would fail the same way
@@ -148,7 +157,7 @@ def test_a_refusal_is_a_failure_with_the_peers_reason():
         _notifier(events, keys=keyring("decode", secret="not-the-decode-secret-" + "x" * 20)) as notifier,
     ):
         notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["r"]))
-        events.wait_for(lambda: events.of("failure", live.address))
+        events.wait(lambda: events.of("failure", live.address), "the refusal of a message signed with the wrong key")
         assert "authentication failed" in events.of("failure", live.address)[0][3]
         assert events.unanswered == [False]  # the peer decided: no resend
 
@@ -187,8 +196,16 @@ def test_callback_and_counter_errors_do_not_end_delivery():
             for round_ in range(2):
                 notifier.send(bad, Done(to_engine="prefill-0", request_ids=[f"bad{round_}"]))
                 notifier.send(live.address, Done(to_engine="prefill-0", request_ids=[f"ok{round_}"]))
-            events.wait_for(lambda: calls["reply"] == 2 and calls["failure"] == 2)
-            events.wait_for(lambda: events.counts["notifier_callback_errors"] == 4)
+            events.wait(
+                lambda: calls["reply"] == 2 and calls["failure"] == 2,
+                "two replies and two failures, each callback raising",
+            )
+            wait_until(
+                lambda: events.counts["notifier_callback_errors"] == 4,
+                "the four callback errors to be counted",
+                WAIT,
+                observe=lambda: dict(events.counts),
+            )
         finally:
             notifier.close()
     assert events.counts["notifier_errors"] == 0
@@ -207,7 +224,10 @@ def test_heartbeats_carry_every_watched_id_and_unknown_ids_reach_on_reply():
         for request_id in ("lease-b", "lease-a"):
             notifier.watch(live.address, "prefill-0", request_id)
         notifier.watch(other.address, "prefill-0", "lease-c")
-        events.wait_for(lambda: events.of("reply", live.address) and events.of("reply", other.address))
+        events.wait(
+            lambda: events.of("reply", live.address) and events.of("reply", other.address),
+            "a heartbeat reply from each engine",
+        )
         first = events.of("reply", live.address)[0]
         assert first[2:] == (
             Heartbeat(to_engine="prefill-0", request_ids=["lease-a", "lease-b"]),
@@ -218,7 +238,9 @@ def test_heartbeats_carry_every_watched_id_and_unknown_ids_reach_on_reply():
         notifier.unwatch(live.address, "prefill-0", "lease-b")
         notifier.unwatch(other.address, "prefill-0", "lease-c")
         seen = len(events.of("reply", live.address))
-        events.wait_for(lambda: len(events.of("reply", live.address)) >= seen + 2)
+        events.wait(
+            lambda: len(events.of("reply", live.address)) >= seen + 2, "two more heartbeat replies from the live engine"
+        )
         assert events.of("reply", live.address)[-1][2] == Heartbeat(to_engine="prefill-0", request_ids=["lease-a"])
         replies_to_other = len(events.of("reply", other.address))
     assert all(isinstance(m, Heartbeat) for m in received)
@@ -243,7 +265,9 @@ def test_notices_name_their_engine_and_ids_for_another_engine_at_the_address_are
         notifier.release(live.address, "prefill-0", ["r1"], "client gone", time.monotonic() + WAIT)
         notifier.release(live.address, "prefill-1", ["r2"], "client gone", time.monotonic() + WAIT)
         sent = lambda kind: [e[2] for e in events.of(kind, live.address)]  # noqa: E731
-        events.wait_for(lambda: len(sent("reply")) >= 2 and len(sent("failure")) >= 2)
+        events.wait(
+            lambda: len(sent("reply")) >= 2 and len(sent("failure")) >= 2, "two replies and two refusals of the notices"
+        )
         assert Heartbeat(to_engine="prefill-0", request_ids=["lease-a"]) in sent("reply")
         assert Release(to_engine="prefill-0", request_ids=["r1"], reason="client gone") in sent("reply")
         assert Heartbeat(to_engine="prefill-1", request_ids=["lease-b"]) in sent("failure")
@@ -269,7 +293,7 @@ def test_an_idle_peer_worker_ends_and_comes_back_when_needed():
     with _prefill() as live, _notifier(events, idle_seconds=0.1) as notifier:
         before = set(_notifier_threads())
         notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["first"]))
-        events.wait_for(lambda: len(events.of("reply", live.address)) == 1)
+        events.wait(lambda: len(events.of("reply", live.address)) == 1, "the first reply")
         wait_until(
             lambda: [t for t in _notifier_threads() if t not in before] == [],
             "the notifier's threads to end",
@@ -277,7 +301,7 @@ def test_an_idle_peer_worker_ends_and_comes_back_when_needed():
             observe=lambda: [t.name for t in _notifier_threads() if t not in before],
         )
         notifier.send(live.address, Done(to_engine="prefill-0", request_ids=["second"]))
-        events.wait_for(lambda: len(events.of("reply", live.address)) == 2)
+        events.wait(lambda: len(events.of("reply", live.address)) == 2, "the second reply, from a new worker")
 
 
 def test_addresses_beyond_max_peers_share_one_overflow_worker():
@@ -295,6 +319,9 @@ def test_addresses_beyond_max_peers_share_one_overflow_worker():
         assert hung_socket.poll(WAIT * 1000, zmq.POLLIN)
         for address in (live.address, other.address, live.address):
             notifier.send(address, Done(to_engine="prefill-0", request_ids=["r"]))
-        events.wait_for(lambda: len(events.of("reply", live.address)) == 2 and events.of("reply", other.address))
+        events.wait(
+            lambda: len(events.of("reply", live.address)) == 2 and events.of("reply", other.address),
+            "two replies from the live engine and one from the other",
+        )
         assert len([t for t in _notifier_threads() if t not in before]) == 2  # hung's worker + overflow
         assert events.counts["notifier_overflow"] == 3 and events.of("failure", hung) == []

@@ -115,7 +115,9 @@ def test_the_total_limit_holds_across_hosts_and_frees_as_connections_close() -> 
                 assert _beat(client, f"held-{i}") == Ack(unknown=[f"held-{i}"])
             assert _refused(late)
             counts = server.counts()
-            assert counts["connections_over_limit"] >= 1 and counts["connections_over_host_limit"] == 0
+            # The total limit kept it out: the listening socket is shut at the cap (it is cut
+            # only if it got in before the door shut), and no host limit was reached.
+            assert counts["connections_over_host_limit"] == 0
             _close(first[:1])
             assert _beat(late, "late") == Ack(unknown=["late"])
             # Full again: a new host is refused, the ones holding connections still answered.
