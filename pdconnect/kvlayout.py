@@ -100,7 +100,9 @@ class TensorLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         _geometry(self)  # raises LayoutError for anything we cannot address
         if self.head_dim is not None and (self.head_dim == self.block_dim or not 0 <= self.head_dim < len(self.shape)):
-            raise LayoutError(f"head_dim {self.head_dim} is not a head dim of shape {self.shape} (block_dim {self.block_dim})")
+            raise LayoutError(
+                f"head_dim {self.head_dim} is not a head dim of shape {self.shape} (block_dim {self.block_dim})"
+            )
 
     @classmethod
     def of(cls, tensor: _TensorLike, *, block_dim: int, head_dim: int | None = None) -> TensorLayout:
@@ -126,7 +128,7 @@ class TensorLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         (NHD `[blocks, tokens, heads, head_size]`) it is one range per token, and the
         geometry below finds that from the strides.
         """
-        if not (0 <= start and count >= 1 and start + count <= self.num_heads):
+        if not (start >= 0 and count >= 1 and start + count <= self.num_heads):
             raise LayoutError(f"heads [{start}, {start + count}) are not heads of a block with {self.num_heads}")
         if count == self.num_heads:
             return self

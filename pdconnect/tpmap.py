@@ -125,14 +125,10 @@ def check_pairing(
 ) -> None:
     """Raise PairingError, naming both sides' values, unless every decode rank can be served."""
     if len(prefill_groups) != len(decode_groups):
-        raise PairingError(
-            f"prefill has {len(prefill_groups)} KV cache groups, decode has {len(decode_groups)}"
-        )
+        raise PairingError(f"prefill has {len(prefill_groups)} KV cache groups, decode has {len(decode_groups)}")
     for group_id, (theirs, mine) in enumerate(zip(prefill_groups, decode_groups)):
         if theirs != mine:
-            raise PairingError(
-                f"group {group_id}: prefill has {_describe(theirs)}, decode has {_describe(mine)}"
-            )
+            raise PairingError(f"group {group_id}: prefill has {_describe(theirs)}, decode has {_describe(mine)}")
         try:
             _check_split("prefill", prefill_tp, group_id, theirs)
             _check_split("decode", decode_tp, group_id, mine)
@@ -141,7 +137,10 @@ def check_pairing(
 
 
 def rank_reads(
-    prefill_tp: int, prefill_groups: Sequence[GroupHeads], decode_tp: int, decode_groups: Sequence[GroupHeads],
+    prefill_tp: int,
+    prefill_groups: Sequence[GroupHeads],
+    decode_tp: int,
+    decode_groups: Sequence[GroupHeads],
     decode_rank: int,
 ) -> dict[int, list[HeadRead]]:
     """Group id -> what `decode_rank` reads for it, after `check_pairing`."""

@@ -389,6 +389,6 @@ def test_head_slice_out_of_range_and_heads_dim_are_checked() -> None:
 
 def test_a_layout_without_head_dim_decodes_from_older_peers() -> None:
     old = msgspec.msgpack.encode({"base_addr": 64, "shape": [4, 8], "strides": [8, 1], "itemsize": 2, "block_dim": 0})
-    layout = msgspec.msgpack.decode(old, type=TensorLayout)
+    layout: TensorLayout = msgspec.msgpack.decode(old, type=TensorLayout)
     assert layout.head_dim is None and layout.num_heads == 1
     assert layout.head_slice(0, 1) is layout

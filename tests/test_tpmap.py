@@ -22,10 +22,10 @@ LATENT = GroupHeads(1, latent=True)
 
 
 def test_heads_of_rank_split_and_replicated() -> None:
-    assert [heads_of_rank(2, GroupHeads(8), r) for r in range(2)] == [range(0, 4), range(4, 8)]
+    assert [heads_of_rank(2, GroupHeads(8), r) for r in range(2)] == [range(4), range(4, 8)]
     # 2 heads on 4 ranks: each head on two ranks.
-    assert [heads_of_rank(4, TWO, r) for r in range(4)] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
-    assert [heads_of_rank(3, LATENT, r) for r in range(3)] == [range(0, 1)] * 3
+    assert [heads_of_rank(4, TWO, r) for r in range(4)] == [range(1), range(1), range(1, 2), range(1, 2)]
+    assert [heads_of_rank(3, LATENT, r) for r in range(3)] == [range(1)] * 3
 
 
 def test_p_tp2_to_d_tp1_reads_one_head_from_each_prefill_rank() -> None:
