@@ -134,11 +134,11 @@ def test_a_tensor_whose_heads_dim_disagrees_with_the_spec_is_refused() -> None:
         locate_kv_head_dim(_attention(4), (100, 2, 16, 64), block_dim=0)
 
 
-def _fake_model_config(total: int, use_mla: bool = False, **config: int) -> SimpleNamespace:
+def _fake_model_config(total: int, config: dict[str, int] | None = None, use_mla: bool = False) -> SimpleNamespace:
     """FAKE: the three things `group_kv_heads` reads of vLLM's ModelConfig."""
     return SimpleNamespace(
         use_mla=use_mla,
-        hf_text_config=SimpleNamespace(num_key_value_heads=total, **config),
+        hf_text_config=SimpleNamespace(num_key_value_heads=total, **(config or {})),
         get_total_num_kv_heads=lambda: total,
     )
 
@@ -157,7 +157,7 @@ def _fake_model_config(total: int, use_mla: bool = False, **config: int) -> Simp
 def test_a_groups_kv_heads_model_wide_fake_model_config(
     per_rank: int, tp: int, total: int, extra: dict[str, int], expected: tuple[int, bool]
 ) -> None:
-    assert group_kv_heads(_attention(per_rank), _fake_model_config(total, **extra), tp) == expected
+    assert group_kv_heads(_attention(per_rank), _fake_model_config(total, extra), tp) == expected
 
 
 def test_an_mla_group_is_latent_fake_model_config() -> None:
