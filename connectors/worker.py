@@ -44,7 +44,15 @@ from connectors.vllm_adapter import locate_kv_head_dim
 from pdconnect.kvlayout import LayoutError, TensorLayout, locate_block_dim, pull_ranges_for_layers
 from pdconnect.protocol import Claim, Handshake, HandshakeReply, ParallelShape
 from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError
-from pdconnect.tpmap import GroupHeads, HeadRead, PairingError, check_rank_heads, reads_for_rank, source_ranks
+from pdconnect.tpmap import (
+    GroupHeads,
+    HeadRead,
+    PairingError,
+    check_rank_heads,
+    describe,
+    reads_for_rank,
+    source_ranks,
+)
 from pdconnect.transfer import (
     MemoryRegion,
     Transfer,
@@ -255,7 +263,7 @@ class PDWorker:
         try:
             for peer, ranges in batches:
                 transfers.append(self._transport.pull(peer, ranges, timeout=self.settings.transfer_timeout_seconds))
-        except BaseException:
+        except Exception:
             # The pulls already posted still write into our blocks: the request's failure
             # waits for them (`_outcome`), so hand them over rather than drop them.
             if not transfers:
@@ -410,7 +418,7 @@ class PDWorker:
 
     def _describe_groups(self) -> str:
         return ", ".join(
-            f"group {g}: {c.kind} block {c.block_size}, {_describe(GroupHeads(c.kv_heads, c.latent))}"
+            f"group {g}: {c.kind} block {c.block_size}, {describe(GroupHeads(c.kv_heads, c.latent))}"
             for g, c in enumerate(self.compat.groups)
         )
 
@@ -538,7 +546,3 @@ class PDWorker:
 def _heads(layouts: dict[int, list[TensorLayout]]) -> dict[int, int]:
     """Group id -> KV heads in each block of that group's tensors."""
     return {g: group[0].num_heads for g, group in layouts.items() if group}
-
-
-def _describe(group: GroupHeads) -> str:
-    return "one latent (MLA) head" if group.latent else f"{group.kv_heads} KV heads"

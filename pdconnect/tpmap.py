@@ -33,6 +33,7 @@ __all__ = [
     "PairingError",
     "check_pairing",
     "check_rank_heads",
+    "describe",
     "group_reads",
     "heads_of_rank",
     "rank_reads",
@@ -132,7 +133,7 @@ def check_pairing(
         raise PairingError(f"prefill has {len(prefill_groups)} KV cache groups, decode has {len(decode_groups)}")
     for group_id, (theirs, mine) in enumerate(zip(prefill_groups, decode_groups)):
         if theirs != mine:
-            raise PairingError(f"group {group_id}: prefill has {_describe(theirs)}, decode has {_describe(mine)}")
+            raise PairingError(f"group {group_id}: prefill has {describe(theirs)}, decode has {describe(mine)}")
         try:
             _check_split("prefill", prefill_tp, group_id, theirs)
             _check_split("decode", decode_tp, group_id, mine)
@@ -162,7 +163,7 @@ def check_rank_heads(
         if group_id in heads and heads[group_id] != expected:
             raise PairingError(
                 f"{side} rank {rank}, group {group_id}: its KV tensors hold {heads[group_id]} heads per block, "
-                f"but {_describe(group)} over tp_size {tp_size} gives {expected}"
+                f"but {describe(group)} over tp_size {tp_size} gives {expected}"
             )
 
 
@@ -187,5 +188,6 @@ def source_ranks(reads: dict[int, list[HeadRead]]) -> list[int]:
     return sorted({read.prefill_rank for group in reads.values() for read in group})
 
 
-def _describe(group: GroupHeads) -> str:
+def describe(group: GroupHeads) -> str:
+    """A group's heads in words, for refusals."""
     return "one latent (MLA) head" if group.latent else f"{group.kv_heads} KV heads"

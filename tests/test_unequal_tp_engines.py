@@ -5,9 +5,10 @@ TP2. Setups: the tiny hybrid Llama (2 KV heads: one per rank at TP2) over Moonca
 NIXL, and the MiMo-V2 shape over Mooncake (64- and 256-token groups; sliding layers with
 4 KV heads, full ones with 2). Prefill on one and decode on the other covers both
 directions with two engines: at TP2 -> TP1 the decode rank reads one head from each
-prefill rank; at TP1 -> TP2 each decode rank reads its heads of every block. The colocated reference of a direction is the decode engine
-itself, asked without transfer params (an engine of the decode's own shape, computing
-alone), its prefix cache emptied afterwards (`/reset_prefix_cache`).
+prefill rank; at TP1 -> TP2 each decode rank reads its heads of every block. The
+colocated reference of a direction is the decode engine itself, asked without transfer
+params (an engine of the decode's own shape, computing alone), its prefix cache emptied
+afterwards (`/reset_prefix_cache`).
 
 Checks: tokens equal to that reference's, a sibling prompt hits the decode engine's own
 prefix cache exactly as much as the reference's, and after success and after a refused
