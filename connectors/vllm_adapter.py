@@ -568,8 +568,11 @@ def locate_kv_head_dim(spec: KVCacheSpec, shape: Sequence[int], block_dim: int) 
     heads = getattr(spec, "num_heads", None)
     if not isinstance(spec, AttentionSpec) or spec.num_head_slots is not None or heads is None:
         return None
-    probe = dataclasses.replace(spec, num_kv_heads=HEAD_DIM_SENTINEL, page_size_padded=None)
-    probed = compute_layer_kv_cache_shape_bytes(probe, 1)
+    try:
+        probe = dataclasses.replace(spec, num_kv_heads=HEAD_DIM_SENTINEL, page_size_padded=None)
+        probed = compute_layer_kv_cache_shape_bytes(probe, 1)
+    except Exception as exc:  # noqa: BLE001 - a spec vLLM will not rebuild (MLA variants): no heads dim, logged
+        raise LayoutError(f"vLLM cannot compute this spec's KV shape with another head count: {exc!r}") from None
     if len(probed) != len(shape):
         raise LayoutError(f"vLLM's KV shape {tuple(probed)} and the registered {tuple(shape)} differ in rank")
     dim = locate_head_dim(probed, HEAD_DIM_SENTINEL, block_dim=block_dim)

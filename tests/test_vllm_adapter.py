@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from vllm.v1 import kv_cache_interface
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from connectors.kvsim import SimulatedEngine, random_tokens
 from connectors.replay_slack import plan_request
@@ -162,3 +162,9 @@ def test_a_groups_kv_heads_model_wide_fake_model_config(
 
 def test_an_mla_group_is_latent_fake_model_config() -> None:
     assert group_kv_heads(_attention(1), _fake_model_config(1, use_mla=True), 8) == (1, True)
+
+
+def test_an_mla_cache_has_a_single_head_slot() -> None:
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float16)
+    shape = kv_cache_interface.compute_layer_kv_cache_shape_bytes(spec, 5)
+    assert locate_kv_head_dim(spec, (shape[0], shape[1], shape[2], shape[3] // 2), block_dim=0) == 1
