@@ -112,3 +112,10 @@ def test_the_real_tensors_must_hold_the_split_heads() -> None:
     check_rank_heads("prefill", 2, [TWO, GroupHeads(4)], 1, {0: 1, 1: 2})
     with pytest.raises(PairingError, match=r"prefill rank 1, group 1: .* hold 4 heads .* gives 2"):
         check_rank_heads("prefill", 2, [TWO, GroupHeads(4)], 1, {0: 1, 1: 4})
+
+
+def test_four_heads_replicated_over_eight_prefill_ranks_read_by_two_decode_ranks() -> None:
+    # P rank r holds head r*4//8: P0,P1 head 0; P2,P3 head 1; P4,P5 head 2; P6,P7 head 3.
+    four = GroupHeads(4)
+    assert group_reads(8, 2, four, 0) == [HeadRead(0, 0, 0, 1), HeadRead(2, 0, 1, 1)]
+    assert group_reads(8, 2, four, 1) == [HeadRead(4, 0, 0, 1), HeadRead(6, 0, 1, 1)]
