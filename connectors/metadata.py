@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pdconnect.kvlayout import TensorLayout
+from pdconnect.protocol import ParallelShape
 
 __all__ = ["PDConnectorMetadata", "PDHandshakeMetadata", "PullSpec", "decode_layouts", "encode_layouts"]
 
@@ -65,6 +66,7 @@ class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
     transport: str
     transport_metadata: bytes
     layouts: bytes  # `encode_layouts` of this rank's per-group tensor layouts
+    parallel: ParallelShape  # the engine's TP size and this rank
 
 
 _layouts_encoder = msgspec.msgpack.Encoder()

@@ -1,4 +1,8 @@
-"""`pdconnect plan`: shows an operator what one request will move and cache, for a model geometry."""
+"""`pdconnect plan`: shows an operator what one request will move and cache, for a model geometry.
+
+With `--prefill-tp`/`--decode-tp` it also shows, for engines of unequal TP sizes, what
+each decode rank reads from which prefill rank (`pdconnect.tpmap`), head ranges included.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from connectors.geometry import Geometry, GroupGeometry, GroupKind, UnsupportedLayout, consecutive_runs
+from pdconnect.tpmap import GroupHeads, PairingError, check_pairing, rank_reads, source_ranks
 
 if TYPE_CHECKING:
     from connectors.replay_slack import RequestPlan
@@ -61,6 +66,25 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="vLLM prefix_cache_retention_interval (0 = replay boundaries only, the default; -1 = dense)",
+    )
+    p.add_argument("--prefill-tp", type=int, default=1, help="the prefill engine's tensor-parallel size")
+    p.add_argument("--decode-tp", type=int, default=1, help="the decode engine's tensor-parallel size")
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        default=None,
+        help="KV heads model-wide (every group; with --config: the config's num_key_value_heads)",
+    )
+    p.add_argument(
+        "--swa-kv-heads",
+        type=int,
+        default=None,
+        help="KV heads of the sliding-window groups, where they differ (config: swa_num_key_value_heads)",
+    )
+    p.add_argument(
+        "--mla",
+        action="store_true",
+        help="one latent (MLA) KV head, whole on every rank (config: kv_lora_rank set)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -124,6 +148,7 @@ class ModelLayers:
 
     layers: tuple[tuple[GroupKind, int, int, int | None], ...]
     has_mtp: bool
+    latent: bool = False  # MLA (`kv_lora_rank`): one latent KV head
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -189,6 +214,7 @@ def model_layers(config: dict[str, Any]) -> ModelLayers:
             for slides in sliding
         ),
         has_mtp=bool(_int(config, "num_nextn_predict_layers")),
+        latent=_int(config, "kv_lora_rank") is not None,
     )
 
 
@@ -223,6 +249,83 @@ def _geometry(args: argparse.Namespace) -> Geometry:
     if args.prompt_tokens < one_block:
         raise UnsupportedLayout(f"--prompt-tokens {args.prompt_tokens} is shorter than one block ({one_block})")
     return Geometry(groups, retention_interval=retention)
+
+
+def _group_heads(args: argparse.Namespace, geometry: Geometry) -> list[GroupHeads]:
+    """Each group's KV heads, from the flags or the config (the flags win)."""
+    heads, swa_heads, latent = args.kv_heads, args.swa_kv_heads, args.mla
+    if args.config is not None:
+        config = read_config(args.config)
+        heads = heads or _int(config, "num_key_value_heads", "num_attention_heads")
+        swa_heads = swa_heads or _int(config, "swa_num_key_value_heads")
+        latent = latent or _int(config, "kv_lora_rank") is not None
+    if latent:
+        return [GroupHeads(1, latent=True) for _ in geometry.groups]
+    if heads is None:
+        raise UnsupportedLayout("--prefill-tp/--decode-tp need --kv-heads (or --mla, or --config)")
+    return [
+        GroupHeads(_positive("--kv-heads", swa_heads or heads if g.kind == "sliding_window" else heads))
+        for g in geometry.groups
+    ]
+
+
+def tp_reads_as_dict(prefill_tp: int, decode_tp: int, groups: list[GroupHeads]) -> dict[str, Any]:
+    """Per decode rank, per group: which prefill rank's heads land in which local heads.
+
+    Raises PairingError (naming both sides' values) for a pairing that cannot work.
+    """
+    check_pairing(prefill_tp, groups, decode_tp, groups)
+    ranks = []
+    read: set[int] = set()
+    for rank in range(decode_tp):
+        reads = rank_reads(prefill_tp, groups, decode_tp, groups, rank)
+        read.update(source_ranks(reads))
+        ranks.append(
+            {
+                "decode_rank": rank,
+                "groups": [
+                    {
+                        "group": g,
+                        "reads": [
+                            {
+                                "prefill_rank": r.prefill_rank,
+                                "remote_heads": [r.remote_start, r.remote_start + r.count],
+                                "local_heads": [r.local_start, r.local_start + r.count],
+                            }
+                            for r in group_reads
+                        ],
+                    }
+                    for g, group_reads in reads.items()
+                ],
+            }
+        )
+    return {
+        "prefill_tp": prefill_tp,
+        "decode_tp": decode_tp,
+        "kv_heads": [{"kv_heads": g.kv_heads, "latent": g.latent} for g in groups],
+        "ranks": ranks,
+        # Not read, still freed by the prefill engine when the lease ends.
+        "unread_prefill_ranks": sorted(set(range(prefill_tp)) - read),
+    }
+
+
+def _tp_table(tp: dict[str, Any]) -> str:
+    lines = [f"prefill TP{tp['prefill_tp']} -> decode TP{tp['decode_tp']}: what each decode rank reads"]
+    for rank in tp["ranks"]:
+        for group in rank["groups"]:
+            reads = "; ".join(
+                f"P{r['prefill_rank']} heads {_span(r['remote_heads'])} -> heads {_span(r['local_heads'])}"
+                for r in group["reads"]
+            )
+            lines.append(f"  decode rank {rank['decode_rank']}, group {group['group']}: {reads}")
+    if tp["unread_prefill_ranks"]:
+        lines.append(f"  prefill ranks not read (freed when the lease ends): {tp['unread_prefill_ranks']}")
+    return "\n".join(lines)
+
+
+def _span(heads: list[int]) -> str:
+    start, stop = heads
+    return str(start) if stop == start + 1 else f"{start}-{stop - 1}"
 
 
 def plan_as_dict(plan: RequestPlan, stock: RequestPlan) -> dict[str, Any]:
@@ -291,7 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         from connectors.vllm_adapter import CacheRules
 
         rules = CacheRules.for_geometry(geometry)
-    except UnsupportedLayout as exc:
+        tp = None
+        if (args.prefill_tp, args.decode_tp) != (1, 1):
+            tp = tp_reads_as_dict(args.prefill_tp, args.decode_tp, _group_heads(args, geometry))
+    except (UnsupportedLayout, PairingError) as exc:
         print(f"pdconnect plan: error: {exc}", file=sys.stderr)
         return 2
     junction = args.shared_prefix_tokens
@@ -300,7 +406,10 @@ def main(argv: list[str] | None = None) -> int:
         rules, args.prompt_tokens, shared_prefix_tokens=junction, replay_slack=False, expected_hits=True
     )
     report = plan_as_dict(plan, stock)
-    print(json.dumps(report) if args.json else _table(report))
+    if tp is not None:
+        report["tp"] = tp
+    text = _table(report) + ("" if tp is None else "\n" + _tp_table(tp))
+    print(json.dumps(report) if args.json else text)
     return 0
 
 

@@ -129,6 +129,7 @@ class PDScheduler:
                 transport=worker.transport,
                 transport_metadata=worker.transport_metadata,
                 layouts=worker.layouts,
+                parallel=worker.parallel,
             )
             for rank, worker in metadata.items()
         }

@@ -16,6 +16,7 @@ Two views are offered:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock, resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -42,6 +44,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from connectors.geometry import Geometry, GroupGeometry, GroupKind, UnsupportedLayout, consecutive_runs
+from pdconnect.kvlayout import HEAD_DIM_SENTINEL, LayoutError, locate_head_dim
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -56,6 +59,8 @@ __all__ = [
     "build_kv_cache_config",
     "build_kv_cache_manager",
     "group_kind",
+    "group_kv_heads",
+    "locate_kv_head_dim",
     "unified_block_sizes",
 ]  # geometry types re-exported: callers that already pay for vLLM import them from here
 
@@ -523,3 +528,54 @@ def unified_block_sizes(layers: Sequence[tuple[GroupKind, int, int, int | None]]
     except NotImplementedError as exc:
         raise UnsupportedLayout(f"vLLM cannot unify this model's KV pages: {exc}") from None
     return [unified[f"layer.{i}"].block_size for i in range(len(layers))]
+
+
+def group_kv_heads(spec: KVCacheSpec, model_config: Any, tp_size: int) -> tuple[int, bool]:
+    """A group's KV heads model-wide and whether it is latent (MLA: whole on every rank).
+
+    A rank holds `max(1, total // tp_size)` heads (vLLM's `get_num_kv_heads`), so the
+    total is the per-rank count times the TP size unless a rank holds a single head on
+    more ranks than there are heads (replicated heads). Only then does the model's config
+    decide: its `*num_key_value_heads` counts that a rank would hold alone. 0 when it
+    cannot tell (two such counts), which refuses unequal TP pairings and nothing else.
+    """
+    if getattr(model_config, "use_mla", False) or getattr(spec, "max_tp_shards", None) == 1:
+        return 1, True
+    per_rank = int(getattr(spec, "num_heads", getattr(spec, "num_kv_heads", 1)))
+    if per_rank > 1 or tp_size == 1:
+        return per_rank * tp_size, False
+    config = model_config.hf_text_config
+    counts = {
+        value
+        for name in dir(config)
+        if name.endswith("num_key_value_heads") and isinstance(value := getattr(config, name, None), int)
+    }
+    counts.add(model_config.get_total_num_kv_heads())
+    fitting = sorted(n for n in counts if 1 <= n <= tp_size)
+    return (fitting[0], False) if len(fitting) == 1 else (0, False)
+
+
+def locate_kv_head_dim(spec: KVCacheSpec, shape: Sequence[int], block_dim: int) -> int | None:
+    """The heads dim of a registered KV tensor of this spec, asked of vLLM, not guessed.
+
+    vLLM computes each layer's logical `[blocks, heads, tokens, content]` shape from the
+    spec; computing it again with a sentinel head count shows which dim the heads are,
+    and the registered tensor must then hold the spec's head count there. None for a
+    latent (MLA) spec or one without heads.
+    """
+    from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
+
+    heads = getattr(spec, "num_heads", None)
+    if not isinstance(spec, AttentionSpec) or spec.num_head_slots is not None or heads is None:
+        return None
+    try:
+        probe = dataclasses.replace(spec, num_kv_heads=HEAD_DIM_SENTINEL, page_size_padded=None)
+        probed = compute_layer_kv_cache_shape_bytes(probe, 1)
+    except Exception as exc:  # noqa: BLE001 - a spec vLLM will not rebuild (MLA variants): no heads dim, logged
+        raise LayoutError(f"vLLM cannot compute this spec's KV shape with another head count: {exc!r}") from None
+    if len(probed) != len(shape):
+        raise LayoutError(f"vLLM's KV shape {tuple(probed)} and the registered {tuple(shape)} differ in rank")
+    dim = locate_head_dim(probed, HEAD_DIM_SENTINEL, block_dim=block_dim)
+    if shape[dim] != heads:
+        raise LayoutError(f"dim {dim} of KV tensor {tuple(shape)} should hold the spec's {heads} KV heads")
+    return dim

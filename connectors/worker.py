@@ -4,10 +4,15 @@ Each worker registers its KV cache memory with the transport and describes every
 tensor by its real shape and strides (`pdconnect.kvlayout`), so the CPU layout (K and V
 packed in one block range) and the CUDA layouts (K and V planes, HND permutations) need
 no special cases. A decode worker handshakes once per prefill engine over the side
-channel (its TP rank talks to the same rank), then pulls each request's block pairs in
-one merged batch. Pulls start after the forward pass is launched and are polled each
-step, so the forward pass never waits on the network; the workers report each pull
-exactly once, when it is finished and the transport no longer writes into its blocks.
+channel: with prefill rank 0 first, whose reply gives the prefill engine's TP size, then
+with every other prefill rank it reads (`pdconnect.tpmap`: with equal TP sizes, its own
+rank's twin; otherwise one or several ranks, each for a slice of the KV heads). It pulls
+each request's block pairs from each of those ranks in one merged batch per rank. The
+prefill engine frees every rank's copy of a block when the lease ends (leases and block
+ids are per engine), so ranks no decode rank read leak nothing. Pulls start after the
+forward pass is launched and are polled each step, so the forward pass never waits on
+the network; the workers report each pull exactly once, when it is finished and the
+transport no longer writes into its blocks.
 
 A finished read is not yet a load: the worker then claims the plan's lease again, and
 only a prefill engine answering "still held, by you" proves the bytes read were that
@@ -35,9 +40,19 @@ from connectors.leases import confirm_claim
 from connectors.metadata import PDConnectorMetadata, PDHandshakeMetadata, PullSpec, decode_layouts, encode_layouts
 from connectors.settings import ConnectorSettings, side_channel_roles
 from connectors.stats import PDConnectorStats, StatsRecorder
+from connectors.vllm_adapter import locate_kv_head_dim
 from pdconnect.kvlayout import LayoutError, TensorLayout, locate_block_dim, pull_ranges_for_layers
-from pdconnect.protocol import Claim, Handshake, HandshakeReply
+from pdconnect.protocol import Claim, Handshake, HandshakeReply, ParallelShape
 from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError
+from pdconnect.tpmap import (
+    GroupHeads,
+    HeadRead,
+    PairingError,
+    check_rank_heads,
+    describe,
+    reads_for_rank,
+    source_ranks,
+)
 from pdconnect.transfer import (
     MemoryRegion,
     Transfer,
@@ -47,6 +62,7 @@ from pdconnect.transfer import (
     create_transport,
     merge_range_groups,
 )
+from pdconnect.transfer.transport import FailedTransfer
 
 if TYPE_CHECKING:
     import torch
@@ -73,18 +89,26 @@ class LoadError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class _Remote:
-    """A prefill engine rank we have handshaken with."""
+class _Source:
+    """One prefill rank this decode rank reads, and which heads of each group's blocks."""
 
     peer: str
-    layouts: dict[int, list[TensorLayout]]
+    layouts: dict[int, list[TensorLayout]]  # that rank's, per group
+    reads: dict[int, list[HeadRead]]  # per group: what comes from that rank
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """A prefill engine we have handshaken with: the ranks this decode rank reads."""
+
+    sources: tuple[_Source, ...]
 
 
 @dataclass(frozen=True)
 class _Posted:
     """A pull handed to the transport: what it moves, and when it was posted."""
 
-    transfer: Transfer
+    transfers: tuple[Transfer, ...]  # one per prefill rank read
     nbytes: int
     ranges: int
     posted: float
@@ -123,6 +147,7 @@ class PDWorker:
         self.engine_id: str = transfer.engine_id or ""
         self.settings = settings
         self.tp_rank = tp_rank
+        self.parallel = ParallelShape(tp_size=vllm_config.parallel_config.tensor_parallel_size, tp_rank=tp_rank)
         self.compat = compat_info(vllm_config, kv_cache_config)
         # The worker only asks (handshakes, claims): as decode, with the engine's keys.
         keys = settings.resolve_keys(side_channel_roles(transfer.is_kv_producer, transfer.is_kv_consumer))
@@ -149,7 +174,9 @@ class PDWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks
         self._layouts = {
-            group_id: [self._layout(kv_caches[name], num_blocks, name) for name in group.layer_names]
+            group_id: [
+                self._layout(kv_caches[name], num_blocks, name, group.kv_cache_spec) for name in group.layer_names
+            ]
             for group_id, group in enumerate(self._kv_cache_config.kv_cache_groups)
         }
         # Layers of different groups share one allocation under HMA: register each once.
@@ -178,11 +205,18 @@ class PDWorker:
         )
 
     @staticmethod
-    def _layout(tensor: torch.Tensor, num_blocks: int, name: str) -> TensorLayout:
+    def _layout(tensor: torch.Tensor, num_blocks: int, name: str, spec: Any) -> TensorLayout:
         try:
-            return TensorLayout.of(tensor, block_dim=locate_block_dim(tuple(tensor.shape), num_blocks))
+            block_dim = locate_block_dim(tuple(tensor.shape), num_blocks)
         except LayoutError as exc:
             raise LayoutError(f"KV cache of layer {name}: {exc}") from None
+        try:
+            head_dim = locate_kv_head_dim(spec, tuple(tensor.shape), block_dim)
+        except LayoutError as exc:
+            # Equal TP sizes still pull whole blocks; unequal ones are refused at handshake.
+            logger.warning("KV cache of layer %s: no heads dim (%s): unequal TP cannot be served", name, exc)
+            head_dim = None
+        return TensorLayout.of(tensor, block_dim=block_dim, head_dim=head_dim)
 
     def handshake_metadata(self) -> PDHandshakeMetadata | None:
         if self._transport is None:
@@ -192,6 +226,7 @@ class PDWorker:
             transport=self._transport.name,
             transport_metadata=self._transport.metadata(),
             layouts=encode_layouts(self._layouts),
+            parallel=self.parallel,
         )
 
     # --- loads --------------------------------------------------------------------------
@@ -222,19 +257,36 @@ class PDWorker:
         self._pulls_queued.clear()
         assert self._transport is not None
         remote = self._remote(spec)
+        batches = [(source.peer, self._ranges(spec, source)) for source in remote.sources]
+        posted = time.monotonic()  # after the handshake: the metric times the transfer alone
+        transfers = []
+        try:
+            for peer, ranges in batches:
+                transfers.append(self._transport.pull(peer, ranges, timeout=self.settings.transfer_timeout_seconds))
+        except Exception:
+            # The pulls already posted still write into our blocks: the request's failure
+            # waits for them (`_outcome`), so hand them over rather than drop them.
+            if not transfers:
+                raise
+            logger.exception("request %s: posting a pull failed after %d others", spec.request_id, len(transfers))
+            transfers.append(FailedTransfer(spec.request_id, "posting the next rank's pull failed"))
+        return _Posted(
+            tuple(transfers), sum(r.total_bytes for _, r in batches), sum(len(r) for _, r in batches), posted
+        )
+
+    def _ranges(self, spec: PullSpec, source: _Source) -> Any:
+        """One prefill rank's share of a request: each group's head slices, merged once."""
         parts = []
         for group_id, pairs in spec.block_pairs.items():
-            try:
-                parts.append(
-                    pull_ranges_for_layers(self._layouts[group_id], remote.layouts[group_id], pairs, merged=False)
-                )
-            except LayoutError as exc:
-                raise LoadError(f"group {group_id}: {exc}") from None
+            for read in source.reads.get(group_id, ()):
+                try:
+                    local = [layout.head_slice(read.local_start, read.count) for layout in self._layouts[group_id]]
+                    theirs = [layout.head_slice(read.remote_start, read.count) for layout in source.layouts[group_id]]
+                    parts.append(pull_ranges_for_layers(local, theirs, pairs, merged=False))
+                except LayoutError as exc:
+                    raise LoadError(f"group {group_id} from {source.peer}: {exc}") from None
         # One merging pass over every group's numpy table: no per-range tuples.
-        ranges = merge_range_groups(parts)
-        posted = time.monotonic()  # after the handshake: the metric times the transfer alone
-        transfer = self._transport.pull(remote.peer, ranges, timeout=self.settings.transfer_timeout_seconds)
-        return _Posted(transfer, ranges.total_bytes, len(ranges), posted)
+        return merge_range_groups(parts)
 
     def _remote(self, spec: PullSpec) -> _Remote:
         key = (spec.remote_engine_id, spec.side_channel)
@@ -273,14 +325,66 @@ class PDWorker:
         return confirm_claim(client, claim, retrying)
 
     def _handshake(self, spec: PullSpec) -> _Remote:
+        """Handshake with the prefill engine's rank 0, map the two TP shapes, then with every
+        other prefill rank this rank reads; connect the transport to each rank read."""
         assert self._transport is not None
         started = time.monotonic()
+        first = self._ask(spec, 0)
+        prefill_tp = first.parallel.tp_size
+        reads = self._reads(spec, prefill_tp)
+        replies = {0: first}
+        for rank in source_ranks(reads):
+            if rank not in replies:
+                reply = replies[rank] = self._ask(spec, rank)
+                if reply.parallel.tp_size != prefill_tp:
+                    raise LoadError(
+                        f"{spec.side_channel}: prefill rank {rank} reports tp_size "
+                        f"{reply.parallel.tp_size}, rank 0 {prefill_tp}"
+                    )
+        answered = time.monotonic()
+        sources = []
+        for rank in source_ranks(reads):
+            reply = replies[rank]
+            peer = f"{reply.engine_id}/rank{rank}"
+            try:
+                self._transport.connect(peer, reply.transport_metadata)
+            except TransferError as exc:
+                raise LoadError(f"cannot connect {self._transport.name} to {peer}: {exc}") from None
+            layouts = decode_layouts(reply.layouts)
+            if prefill_tp != self.parallel.tp_size:
+                try:  # the prefill rank's real tensors must hold the heads the mapping addresses
+                    check_rank_heads("prefill", prefill_tp, self._group_heads(), rank, _heads(layouts))
+                except PairingError as exc:
+                    self.stats.count("handshake_refusals")
+                    raise LoadError(f"prefill engine {spec.remote_engine_id} cannot serve this engine: {exc}") from None
+            mine = {g: [r for r in group if r.prefill_rank == rank] for g, group in reads.items()}
+            sources.append(_Source(peer, layouts, {g: r for g, r in mine.items() if r}))
+        logger.info(
+            "rank %d of %d: reads prefill engine %s (tp_size %d) ranks %s via %s (handshakes %.3f s, connect %.3f s)",
+            self.tp_rank,
+            self.parallel.tp_size,
+            spec.remote_engine_id,
+            prefill_tp,
+            source_ranks(reads),
+            first.transport,
+            answered - started,
+            time.monotonic() - answered,
+        )
+        return _Remote(tuple(sources))
+
+    def _ask(self, spec: PullSpec, rank: int) -> HandshakeReply:
+        """One handshake, for prefill rank `rank`; checked against the plan and our compat."""
         client = SideChannelClient(spec.side_channel, "decode", self._keys, self.settings.handshake_timeout_seconds)
         try:
-            reply = client.request(Handshake(engine_id=self.engine_id, tp_rank=self.tp_rank, compat=self.compat))
+            reply = client.request(
+                Handshake(engine_id=self.engine_id, tp_rank=rank, compat=self.compat, parallel=self.parallel)
+            )
         except SideChannelError as exc:
             self.stats.count("handshake_refusals")
-            raise LoadError(f"handshake with {spec.side_channel} failed: {exc}") from None
+            raise LoadError(
+                f"handshake with {spec.side_channel} (prefill rank {rank}) failed: {exc} "
+                f"(this decode engine: tp_size {self.parallel.tp_size}, {self._describe_groups()})"
+            ) from None
         finally:
             client.close()
         if not isinstance(reply, HandshakeReply):
@@ -294,21 +398,29 @@ class PDWorker:
         if reply.compat != self.compat:
             self.stats.count("handshake_refusals")
             raise LoadError("incompatible prefill engine: " + "; ".join(self.compat.differences(reply.compat)))
-        peer = f"{reply.engine_id}/rank{reply.tp_rank}"
-        answered = time.monotonic()
+        if reply.tp_rank != rank or reply.parallel.tp_rank != rank:
+            raise LoadError(f"{spec.side_channel} answered for rank {reply.tp_rank} when asked for rank {rank}")
+        return reply
+
+    def _reads(self, spec: PullSpec, prefill_tp: int) -> dict[int, list[HeadRead]]:
+        """Per group, what this rank reads from which prefill rank; LoadError naming both
+        sides' values when the pairing cannot work."""
         try:
-            self._transport.connect(peer, reply.transport_metadata)
-        except TransferError as exc:
-            raise LoadError(f"cannot connect {self._transport.name} to {peer}: {exc}") from None
-        logger.info(
-            "rank %d: connected to prefill engine %s via %s (handshake %.3f s, connect %.3f s)",
-            self.tp_rank,
-            peer,
-            reply.transport,
-            answered - started,
-            time.monotonic() - answered,
+            return reads_for_rank(
+                prefill_tp, self.parallel.tp_size, self._group_heads(), self.tp_rank, _heads(self._layouts)
+            )
+        except PairingError as exc:
+            self.stats.count("handshake_refusals")
+            raise LoadError(f"prefill engine {spec.remote_engine_id} cannot serve this engine: {exc}") from None
+
+    def _group_heads(self) -> list[GroupHeads]:
+        return [GroupHeads(g.kv_heads, g.latent) for g in self.compat.groups]
+
+    def _describe_groups(self) -> str:
+        return ", ".join(
+            f"group {g}: {c.kind} block {c.block_size}, {describe(GroupHeads(c.kv_heads, c.latent))}"
+            for g, c in enumerate(self.compat.groups)
         )
-        return _Remote(peer, decode_layouts(reply.layouts))
 
     def transfer_results(self) -> KVConnectorTransferResults:
         """Pulls that ended since the last call; never touches the transport itself.
@@ -393,13 +505,15 @@ class PDWorker:
             posted = pull.submitted.result()
         except Exception as exc:  # noqa: BLE001 - refused handshake, bad address, layout, library: a failed pull
             return self._failed(spec, str(exc) or repr(exc))
-        transfer = posted.transfer
-        state = transfer.poll()
-        if state is TransferState.PENDING:
-            return None
-        if state is TransferState.FAILED:
+        states = [transfer.poll() for transfer in posted.transfers]
+        if TransferState.PENDING in states:
+            return None  # even when another rank's read failed: this one still writes into our blocks
+        failed = [t for t, state in zip(posted.transfers, states) if state is TransferState.FAILED]
+        if failed:
             # The library may still be writing into our blocks: report only once it stopped.
-            return self._failed(spec, transfer.error or "transfer failed") if transfer.quiescent else None
+            if not all(t.quiescent for t in failed):
+                return None
+            return self._failed(spec, "; ".join(f"{t.description}: {t.error or 'transfer failed'}" for t in failed))
         elapsed = time.monotonic() - posted.posted
         if (lost := self._still_held(spec)) is not None:
             self.stats.count("leases_lost")
@@ -427,3 +541,8 @@ class PDWorker:
             client.close()
         if self._transport is not None:
             self._transport.close()
+
+
+def _heads(layouts: dict[int, list[TensorLayout]]) -> dict[int, int]:
+    """Group id -> KV heads in each block of that group's tensors."""
+    return {g: group[0].num_heads for g, group in layouts.items() if group}

@@ -5,7 +5,8 @@ The product:
   each other, and how it travels (zmq request/reply, signed envelopes, queued notices);
   `admission`: how many connections the side channel holds, per host and in all;
   `keyring`: the key a pod signs with and the public keys it trusts per role.
-- `kvlayout`: KV tensors' shapes and strides to byte ranges; `transfer`: moving them.
+- `kvlayout`: KV tensors' shapes and strides to byte ranges; `transfer`: moving them;
+  `tpmap`: which prefill TP ranks, and which of their KV heads, each decode TP rank reads.
 - `router`: the P/D router (`pdconnect router`).
 - `metricsproxy`: an engine's `/metrics` alone on a port of its own (`pdconnect
   metrics-proxy`), so monitoring never reaches the engine's API.

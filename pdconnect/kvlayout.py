@@ -44,9 +44,11 @@ from pdconnect.transfer.ranges import RangeTable, merge_table
 
 __all__ = [
     "BLOCK_DIM_SENTINEL",
+    "HEAD_DIM_SENTINEL",
     "LayoutError",
     "TensorLayout",
     "locate_block_dim",
+    "locate_head_dim",
     "pull_ranges",
     "pull_ranges_for_layers",
 ]
@@ -54,11 +56,14 @@ __all__ = [
 # A prime no model dimension equals: computing a backend's KV shape with this many
 # blocks makes the block dim the only dim of that size.
 BLOCK_DIM_SENTINEL = 100_003
+# Another such prime, for the heads dim (`locate_head_dim`).
+HEAD_DIM_SENTINEL = 10_007
 
 
 # Real layouts split a block into at most a few planes (K and V); far more segments
-# means the block dim was misidentified, and enumerating them would be slow.
-_MAX_SEGMENTS_PER_BLOCK = 1024
+# means the block dim was misidentified, and enumerating them would be slow. A head slice
+# of an NHD layout has one segment per token and plane (2 x 1024 for 1024-token blocks).
+_MAX_SEGMENTS_PER_BLOCK = 4096
 
 
 class LayoutError(ValueError):
@@ -88,18 +93,50 @@ class TensorLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     strides: tuple[int, ...]
     itemsize: int
     block_dim: int
+    # The dim that counts KV heads, located by the worker from the attention backend's
+    # shape (never guessed from sizes); None where a block has no head split (MLA).
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         _geometry(self)  # raises LayoutError for anything we cannot address
+        if self.head_dim is not None and (self.head_dim == self.block_dim or not 0 <= self.head_dim < len(self.shape)):
+            raise LayoutError(
+                f"head_dim {self.head_dim} is not a head dim of shape {self.shape} (block_dim {self.block_dim})"
+            )
 
     @classmethod
-    def of(cls, tensor: _TensorLike, *, block_dim: int) -> TensorLayout:
+    def of(cls, tensor: _TensorLike, *, block_dim: int, head_dim: int | None = None) -> TensorLayout:
         """The layout of a live tensor (torch or anything with the same accessors)."""
-        return cls(tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size(), block_dim)
+        return cls(
+            tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size(), block_dim, head_dim
+        )
 
     @property
     def num_blocks(self) -> int:
         return self.shape[self.block_dim]
+
+    @property
+    def num_heads(self) -> int:
+        """KV heads in each block (1 where a block has no head split)."""
+        return 1 if self.head_dim is None else self.shape[self.head_dim]
+
+    def head_slice(self, start: int, count: int) -> TensorLayout:
+        """The same tensor restricted to heads `[start, start + count)` of every block.
+
+        Where the heads dim is outermost within a block (CPU `[blocks, heads, tokens,
+        2*head_size]`, HND) a slice is one contiguous range per block; where it is not
+        (NHD `[blocks, tokens, heads, head_size]`) it is one range per token, and the
+        geometry below finds that from the strides.
+        """
+        if not (start >= 0 and count >= 1 and start + count <= self.num_heads):
+            raise LayoutError(f"heads [{start}, {start + count}) are not heads of a block with {self.num_heads}")
+        if count == self.num_heads:
+            return self
+        assert self.head_dim is not None  # num_heads > 1
+        shape = list(self.shape)
+        shape[self.head_dim] = count
+        base = self.base_addr + start * self.strides[self.head_dim] * self.itemsize
+        return TensorLayout(base, tuple(shape), self.strides, self.itemsize, self.block_dim, self.head_dim)
 
     @property
     def segments_per_block(self) -> int:
@@ -161,6 +198,22 @@ def pull_ranges_for_layers(
     if len(local) != len(remote):
         raise LayoutError(f"layer count differs: local {len(local)} vs remote {len(remote)}")
     return RangeTable(_pull_table(local, remote, block_pairs, merged=merged, name_layer=True))
+
+
+def locate_head_dim(shape: Sequence[int], num_heads: int, *, block_dim: int) -> int:
+    """The index of the dim that counts KV heads in `shape`.
+
+    As with `locate_block_dim`, compute `shape` with a distinctive head count (e.g.
+    `HEAD_DIM_SENTINEL`) so no size dim can tie with it.
+    """
+    hits = [dim for dim, size in enumerate(shape) if size == num_heads and dim != block_dim]
+    if len(hits) != 1:
+        raise LayoutError(
+            f"cannot tell the heads dim of shape {tuple(shape)}: {len(hits)} dims equal "
+            f"num_heads={num_heads}; compute the shape with num_kv_heads={HEAD_DIM_SENTINEL} "
+            "(HEAD_DIM_SENTINEL) so exactly one does"
+        )
+    return hits[0]
 
 
 # --- geometry -------------------------------------------------------------------------

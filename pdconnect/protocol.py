@@ -48,7 +48,9 @@ __all__ = [
 # 2: replies name the request they answer (`Envelope.reply_to`, signed with the rest).
 # 3: envelopes name the sender's role and direction; signatures are per role (Ed25519).
 # 4: messages that act on a lease name the prefill engine they are for (`to_engine`).
-PROTOCOL_VERSION = 4
+# 5: unequal TP: compat is TP-independent (model-wide KV heads, bytes per head), and
+#    handshakes carry each side's parallel shape (`ParallelShape`).
+PROTOCOL_VERSION = 5
 
 
 class ProtocolError(ValueError):
@@ -66,13 +68,21 @@ class _Strict(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
 
 class GroupCompat(_Strict, frozen=True):
-    """What must match, per KV cache group, for one engine's blocks to be another's."""
+    """What must match, per KV cache group, for one engine's blocks to be another's.
+
+    Nothing here depends on tensor parallelism, so engines of different TP sizes agree:
+    `kv_heads` counts the group's KV heads model-wide (`latent`: one MLA latent head,
+    whole on every rank), and `head_page_bytes` is one head's share of a block, the same
+    on every rank whatever the TP size (a rank's page is its heads times this).
+    """
 
     kind: Literal["full_attention", "sliding_window"]
     block_size: int
     sliding_window: int | None
     eagle: bool
-    page_bytes: int
+    kv_heads: int
+    latent: bool
+    head_page_bytes: int
 
 
 class CompatInfo(_Strict, frozen=True):
@@ -87,7 +97,6 @@ class CompatInfo(_Strict, frozen=True):
     groups: tuple[GroupCompat, ...]
     cache_hit_alignment: int
     speculative: str
-    tp_size: int
     kv_layout: str
     protocol_version: int = PROTOCOL_VERSION
 
@@ -221,20 +230,40 @@ class _ToEngine(_Msg, frozen=True):
     to_engine: str
 
 
+class ParallelShape(_Strict, frozen=True):
+    """How an engine is split: its TP size and the sender's (or the described) rank."""
+
+    tp_size: Annotated[int, msgspec.Meta(ge=1)]
+    tp_rank: NonNegative
+
+    def __post_init__(self) -> None:
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is not a rank of tp_size {self.tp_size}")
+
+
 class Handshake(_Msg, frozen=True, tag="handshake"):
-    """A decode worker asks the prefill engine for one TP rank's transport details."""
+    """A decode worker asks the prefill engine for one TP rank's transport details.
+
+    `tp_rank` is the prefill rank asked for (a decode rank may read several);
+    `parallel` is the asking decode worker's own shape.
+    """
 
     engine_id: str
     tp_rank: int
     compat: CompatInfo
+    parallel: ParallelShape
 
 
 class HandshakeReply(_Msg, frozen=True, tag="handshake_reply"):
-    """Transport metadata and per-layer KV layouts of one prefill TP rank."""
+    """Transport metadata and per-layer KV layouts of one prefill TP rank.
+
+    `parallel` is the prefill engine's TP size and the rank described.
+    """
 
     engine_id: str
     tp_rank: int
     compat: CompatInfo
+    parallel: ParallelShape
     transport: str
     transport_metadata: bytes
     # msgspec-encoded `pdconnect.kvlayout` descriptions, one per registered KV tensor.

@@ -27,7 +27,7 @@ from typing import Any, Self
 import msgspec
 
 from pdconnect.kvlayout import TensorLayout
-from pdconnect.protocol import CompatInfo, Handshake, HandshakeReply
+from pdconnect.protocol import CompatInfo, Handshake, HandshakeReply, ParallelShape
 from pdconnect.sidechannel import SideChannelClient
 from pdconnect.testbed.keys import keyring
 from pdconnect.testbed.processes import freeze
@@ -79,7 +79,11 @@ def _extent(layout: TensorLayout) -> int:
 def _read_forever(job: _Job, pipe: Connection) -> None:
     client = SideChannelClient(job.side_channel, "decode", keyring("decode"), job.handshake_timeout_s)
     try:
-        reply = client.request(Handshake(engine_id="rogue-reader", tp_rank=0, compat=job.compat))
+        reply = client.request(
+            Handshake(
+                engine_id="rogue-reader", tp_rank=0, compat=job.compat, parallel=ParallelShape(tp_size=1, tp_rank=0)
+            )
+        )
     finally:
         client.close()
     if not isinstance(reply, HandshakeReply):

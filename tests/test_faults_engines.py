@@ -1225,13 +1225,21 @@ STOP_ATTEMPTS = 5
 def _engine_compat(model: Path) -> CompatInfo:
     """This module's engines' compatibility record, written out from their recipe (and
     read once from a prefill engine's log, refusing a handshake that lacked it): three KV
-    cache groups of BLOCK_SIZE-token float32 pages of K and V (the sliding layers, and the
+    cache groups of BLOCK_SIZE-token float32 pages of K and V per head (the sliding layers, and the
     full-attention layers split in two), EAGLE3 proposing 2 tokens, vLLM's LBHNC layout.
     The test checks it against the digest the engine itself puts in every plan."""
-    page = 2 * BLOCK_SIZE * SPEC.num_kv_heads * SPEC.head_dim * 4
+    head_page = 2 * BLOCK_SIZE * SPEC.head_dim * 4  # one KV head's K and V of a block
 
     def group(kind: Literal["full_attention", "sliding_window"], window: int | None) -> GroupCompat:
-        return GroupCompat(kind=kind, block_size=BLOCK_SIZE, sliding_window=window, eagle=False, page_bytes=page)
+        return GroupCompat(
+            kind=kind,
+            block_size=BLOCK_SIZE,
+            sliding_window=window,
+            eagle=False,
+            kv_heads=SPEC.num_kv_heads,
+            latent=False,
+            head_page_bytes=head_page,
+        )
 
     return CompatInfo(
         model=str(model),
@@ -1244,7 +1252,6 @@ def _engine_compat(model: Path) -> CompatInfo:
         ),
         cache_hit_alignment=BLOCK_SIZE,
         speculative="eagle3:2",
-        tp_size=1,
         kv_layout="LBHNC",
     )
 

@@ -16,9 +16,11 @@ import torch
 
 from pdconnect.kvlayout import (
     BLOCK_DIM_SENTINEL,
+    HEAD_DIM_SENTINEL,
     LayoutError,
     TensorLayout,
     locate_block_dim,
+    locate_head_dim,
     pull_ranges,
     pull_ranges_for_layers,
 )
@@ -292,3 +294,101 @@ def test_a_wrong_block_dim_is_caught_not_enumerated() -> None:
     # Calling the head-size dim the block dim would cut a "block" into thousands of pieces.
     with pytest.raises(LayoutError, match="is it really the block dim"):
         TensorLayout.of(torch.empty(4096, HEADS, BLOCK, 2 * HEAD), block_dim=3)
+
+
+# --- head slices (unequal TP) -------------------------------------------------------------
+
+# Each maker takes (num_blocks, heads): a rank's tensor holds its own share of the heads.
+HEADED_LAYOUTS: dict[str, Callable[[int, int], torch.Tensor]] = {
+    # CPU LBHNC: a head's share of a block is one contiguous run.
+    "cpu": lambda blocks, heads: torch.empty(blocks, heads, BLOCK, 2 * HEAD),
+    # NHD: heads inside tokens, so a head slice is one run per token and K/V plane.
+    "flash_attn": lambda blocks, heads: torch.empty(2, blocks, BLOCK, heads, HEAD),
+    "flashinfer": lambda blocks, heads: torch.empty(blocks, 2, BLOCK, heads, HEAD),
+    # HND: contiguous per K/V plane.
+    "flash_attn_hnd": lambda blocks, heads: torch.empty(2, blocks, heads, BLOCK, HEAD).permute(0, 1, 3, 2, 4),
+}
+
+
+def _headed(name: str, heads: int) -> tuple[torch.Tensor, TensorLayout]:
+    """A tensor filled with distinct values and its layout, block and heads dims found with
+    sentinels the way the worker finds them."""
+    make = HEADED_LAYOUTS[name]
+    block_dim = locate_block_dim(make(BLOCK_DIM_SENTINEL, 1).shape, BLOCK_DIM_SENTINEL)
+    head_dim = locate_head_dim(make(1, HEAD_DIM_SENTINEL).shape, HEAD_DIM_SENTINEL, block_dim=block_dim)
+    tensor = make(NUM_BLOCKS, heads)
+    tensor.copy_(torch.randn(tensor.shape))
+    return tensor, TensorLayout.of(tensor, block_dim=block_dim, head_dim=head_dim)
+
+
+def _copy(ranges: object) -> None:
+    for local_addr, remote_addr, length in ranges:  # type: ignore[attr-defined]
+        ctypes.memmove(local_addr, remote_addr, length)
+
+
+def _block(tensor: torch.Tensor, layout: TensorLayout, block: int, heads: slice) -> torch.Tensor:
+    """One block's elements for `heads`, in the tensor's logical order."""
+    assert layout.head_dim is not None
+    index: list[object] = [slice(None)] * tensor.dim()
+    index[layout.block_dim] = block
+    index[layout.head_dim] = heads
+    return tensor[tuple(index)]
+
+
+@pytest.mark.parametrize("name", sorted(HEADED_LAYOUTS))
+def test_two_prefill_ranks_fill_one_decode_rank_head_by_head_cuda_layout_on_cpu_tensor(name: str) -> None:
+    # P TP2 -> D TP1: decode's 2 heads come one from each prefill rank's 1-head block.
+    local, local_layout = _headed(name, 2)
+    local.zero_()
+    pairs = [(0, 3), (4, 1)]
+    remotes = [_headed(name, 1) for _ in range(2)]
+    for rank, (_, remote_layout) in enumerate(remotes):
+        _copy(pull_ranges(local_layout.head_slice(rank, 1), remote_layout, pairs))
+    for rank, (remote, remote_layout) in enumerate(remotes):
+        for local_block, remote_block in pairs:
+            assert torch.equal(
+                _block(local, local_layout, local_block, slice(rank, rank + 1)),
+                _block(remote, remote_layout, remote_block, slice(0, 1)),
+            )
+    assert not _block(local, local_layout, 2, slice(None)).any()
+
+
+@pytest.mark.parametrize("name", sorted(HEADED_LAYOUTS))
+def test_a_decode_rank_reads_its_head_slice_of_each_block_cuda_layout_on_cpu_tensor(name: str) -> None:
+    # P TP1 (4 heads) -> D TP2: decode rank 1 holds heads 2-3 and reads only those.
+    remote, remote_layout = _headed(name, 4)
+    local, local_layout = _headed(name, 2)
+    local.zero_()
+    pairs = [(1, 5), (2, 0)]
+    ranges = pull_ranges(local_layout, remote_layout.head_slice(2, 2), pairs)
+    assert ranges.total_bytes == len(pairs) * local_layout.bytes_per_block  # half the remote block, no more
+    _copy(ranges)
+    for local_block, remote_block in pairs:
+        assert torch.equal(
+            _block(local, local_layout, local_block, slice(None)),
+            _block(remote, remote_layout, remote_block, slice(2, 4)),
+        )
+
+
+def test_head_slice_is_one_range_per_block_on_cpu_and_strided_on_nhd() -> None:
+    _, cpu = _headed("cpu", 4)
+    assert cpu.head_slice(1, 2).segments_per_block == 1
+    _, nhd = _headed("flash_attn", 4)
+    assert nhd.head_slice(1, 2).segments_per_block == 2 * BLOCK  # per K/V plane, per token
+
+
+def test_head_slice_out_of_range_and_heads_dim_are_checked() -> None:
+    _, layout = _headed("cpu", 2)
+    with pytest.raises(LayoutError, match=r"heads \[1, 3\) are not heads of a block with 2"):
+        layout.head_slice(1, 2)
+    with pytest.raises(LayoutError, match="2 dims equal num_heads=2"):
+        locate_head_dim((6, 2, 2, 16), 2, block_dim=0)
+    with pytest.raises(LayoutError, match="is not a head dim"):
+        TensorLayout(1, (4, 2), (2, 1), 2, 0, head_dim=0)
+
+
+def test_a_layout_without_head_dim_decodes_from_older_peers() -> None:
+    old = msgspec.msgpack.encode({"base_addr": 64, "shape": [4, 8], "strides": [8, 1], "itemsize": 2, "block_dim": 0})
+    layout: TensorLayout = msgspec.msgpack.decode(old, type=TensorLayout)
+    assert layout.head_dim is None and layout.num_heads == 1
+    assert layout.head_slice(0, 1) is layout

