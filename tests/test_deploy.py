@@ -39,6 +39,7 @@ from pdconnect.router.lookup import CacheGroup, parse_groups
 from pdconnect.testbed import tinymodel
 from pdconnect.testbed.recipes import engine_args as recipe_engine_args
 from pdconnect.testbed.recipes import pd_kv_transfer
+from pdconnect.tpmap import GroupHeads, check_pairing
 from tests.deploy_support import (
     DEPLOY,
     OVERLAYS,
@@ -483,28 +484,19 @@ def test_engine_command_line_parses_with_vllm(engine_args, target: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "target",
-    [
-        pytest.param(
-            t,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the connector refuses prefill and decode of different tensor-parallel sizes "
-                "(CompatInfo.tp_size): TP8 prefill cannot feed TP1 decode ranks yet",
-            ),
-        )
-        if t == "overlays/mooncake-rdma-h20-decode-dp8"
-        else t
-        for t in TARGETS
-    ],
-)
-def test_prefill_and_decode_run_the_tensor_parallel_size_the_connector_accepts(engine_args, target: str) -> None:
-    """The connector's handshake compares the two engines' tensor-parallel sizes and
-    refuses any difference (`connectors.compat`): a deployment where they differ starts,
-    and then no transfer succeeds."""
+@pytest.mark.parametrize("target", TARGETS)
+def test_prefill_and_decode_tensor_parallel_sizes_are_a_pairing_the_connector_maps(engine_args, target: str) -> None:
+    """Prefill and decode may differ in tensor-parallel size when the connector can map
+    one onto the other (`pdconnect.tpmap`, docs/parallel.md). DeepSeek-V4 caches one
+    latent head (MLA), whole on every rank: any pairing maps, each decode rank reading
+    one prefill rank (the DP8 overlay: TP8 prefill, TP1 decode ranks). Any other model
+    here keeps the two sizes equal, which maps whatever its head count."""
     (p, _), (d, _) = (engine_args(target)[c] for c in ("prefill", "decode"))
-    assert p.tensor_parallel_size == d.tensor_parallel_size
+    if "DeepSeek-V4" in p.model:
+        latent = [GroupHeads(kv_heads=1, latent=True)]
+        check_pairing(p.tensor_parallel_size, latent, d.tensor_parallel_size, latent)  # PairingError fails it
+    else:
+        assert p.tensor_parallel_size == d.tensor_parallel_size
 
 
 @pytest.mark.slow
