@@ -151,9 +151,13 @@ def test_every_rank_pulls_its_own_shard_and_decode_answers_as_one_engine_alone(p
     for proc in (pair.prefill, pair.decode):
         registered = set(re.findall(r"rank (\d+): registered \d+ KV tensors", proc.log_text()))
         assert registered == {"0", "1"}, proc.name
-    # Decode rank r handshook with prefill rank r, and with no other.
-    connected = set(re.findall(r"rank (\d+): connected to prefill engine \S+/rank(\d+)", pair.decode.log_text()))
-    assert connected == {("0", "0"), ("1", "1")}
+    # Decode rank r reads prefill rank r's shard, and no other rank's (equal TP: its own heads).
+    reads = set(
+        re.findall(
+            r"rank (\d+) of 2: reads prefill engine \S+ \(tp_size 2\) ranks \[([\d, ]+)\]", pair.decode.log_text()
+        )
+    )
+    assert reads == {("0", "0"), ("1", "1")}
     metrics = fetch_metrics(pair.decode.base_url, http)
     assert metrics.total("pdconnect:transfers") == 1
     assert metrics.total("pdconnect:transfer_failures") == 0
