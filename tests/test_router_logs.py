@@ -151,3 +151,44 @@ def test_a_router_started_with_json_logs_writes_only_json_lines(tmp_path: Path) 
 
         access = wait_until(access_lines, "the router to log the request")
         assert [(e["trace_id"], e["status"], e["route"]) for e in access] == [(TRACE_ID, 200, "pd")]
+
+
+@pytest.mark.parametrize(("level", "built"), [(logging.WARNING, 0), (logging.INFO, 1)])
+def test_the_access_line_is_built_only_for_a_logger_that_keeps_it(
+    monkeypatch: pytest.MonkeyPatch, level: int, built: int
+) -> None:
+    """A router at `--log-level warning` formats no access line per request."""
+    from pdconnect.router.logs import AccessEntry
+
+    calls: list[AccessEntry] = []
+    real = AccessEntry.message
+
+    def counted(self: AccessEntry) -> str:
+        calls.append(self)
+        return real(self)
+
+    monkeypatch.setattr(AccessEntry, "message", counted)
+    logger = logging.getLogger("tests.access-level")
+    handler = _Kept()
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    try:
+        AccessEntry("POST", "/v1/completions", 200, "ok", "pd", "p", "d", 0.01, 0.02).log(logger)
+    finally:
+        logger.removeHandler(handler)
+    assert (len(calls), len(handler.records)) == (built, built)
+    if handler.records:
+        line = handler.records[0].getMessage()
+        assert line.startswith("POST /v1/completions 200 ok route=pd prefill=p decode=d ttft=10.0ms")
+
+
+class _Kept(logging.Handler):
+    """Every record that reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)

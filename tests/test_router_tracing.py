@@ -100,3 +100,53 @@ def test_an_endpoint_without_the_sdk_is_a_config_error(monkeypatch: pytest.Monke
     config = load_config({"decode": ["http://127.0.0.1:1"], "otlp_traces_endpoint": "http://127.0.0.1:1/v1/traces"})
     with pytest.raises(ConfigError, match=r"pdconnect\[otel\]"):
         Router(config)
+
+
+@pytest.mark.parametrize(("tracing", "forwarded"), [(False, True), (True, False)])
+def test_the_router_starts_a_trace_context_only_when_its_own_spans_do_not(tracing: bool, forwarded: bool) -> None:
+    """Without a client `traceparent`, the router without tracing starts one both legs share;
+    with tracing each attempt's span sets the leg's own, so none is made here for nothing."""
+    from pdconnect.router.request import Endpoint, parse_call
+
+    call = parse_call(
+        b'{"prompt": "a", "max_tokens": 1}', Endpoint.COMPLETIONS, {}, 0.0, pd=True, key_of=None, tracing=tracing
+    )
+    assert ("traceparent" in call.headers) == forwarded
+    assert (len(call.trace_id) == 32) == forwarded
+    # A client's own context is forwarded either way: its tracestate rides along.
+    client = parse_call(
+        b'{"prompt": "a"}',
+        Endpoint.COMPLETIONS,
+        {"traceparent": TRACEPARENT, "tracestate": "k=v"},
+        0.0,
+        pd=True,
+        key_of=None,
+        tracing=tracing,
+    )
+    assert (client.headers["traceparent"], client.headers["tracestate"], client.trace_id) == (
+        TRACEPARENT,
+        "k=v",
+        CLIENT_TRACE,
+    )
+
+
+@pytest.mark.asyncio
+async def test_without_a_client_trace_each_leg_carries_its_attempt_span(make, receiver: OtlpReceiver) -> None:
+    s = await make(otlp_traces_endpoint=receiver.url)
+    status, _, _ = await s.post("/v1/completions", COMPLETION)
+    assert status == 200
+    legs = [s.p[0].seen[-1].traceparent, s.d[0].seen[-1].traceparent]
+    assert all(leg is not None for leg in legs)
+    trace_id = str(legs[0]).split("-")[1]
+
+    def spans() -> list[ReceivedSpan]:
+        found = receiver.spans(trace_id)
+        return found if len(found) >= 3 else []
+
+    names = _by_name(await wait_until_async(spans, "the request's three spans"))
+    [root], [prefill], [decode] = names["POST /v1/completions"], names["prefill"], names["decode"]
+    assert not root.parent_span_id  # the router's span began the trace
+    # Version, trace and parent (the flags are the SDK's: sampled, maybe random-id).
+    assert [str(leg).rsplit("-", 1)[0] for leg in legs] == [
+        f"00-{trace_id}-{span.span_id}" for span in (prefill, decode)
+    ]

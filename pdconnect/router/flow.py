@@ -165,7 +165,8 @@ class PDFlow:
         try:
             raw = await read_body(http, self._config.max_body_bytes, self._config.body_read_timeout)
             pd = bool(self._registry.engines(Role.PREFILL))
-            call = parse_call(raw, endpoint, http.headers, started, pd=pd, key_of=self._key_of)
+            tracing = self._tracing is not None
+            call = parse_call(raw, endpoint, http.headers, started, pd=pd, key_of=self._key_of, tracing=tracing)
             if trace.spans.trace_id is not None:
                 call = dataclasses.replace(call, trace_id=trace.spans.trace_id)
             bind_request(call.request_id, call.trace_id)

@@ -72,7 +72,10 @@ class AccessEntry:
         )
 
     def log(self, logger: logging.Logger) -> None:
-        logger.info("%s", self.message(), extra={"access": self})
+        # The line is built only for a logger that keeps it: at `--log-level warning` every
+        # request would otherwise format one for nothing.
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("%s", self.message(), extra={"access": self})
 
 
 class TextFormatter(logging.Formatter):

@@ -91,10 +91,18 @@ class Call:
 
 
 def parse_call(
-    raw: bytes, endpoint: Endpoint, headers: Mapping[str, str], started: float, *, pd: bool, key_of: KeyOf | None
+    raw: bytes,
+    endpoint: Endpoint,
+    headers: Mapping[str, str],
+    started: float,
+    *,
+    pd: bool,
+    key_of: KeyOf | None,
+    tracing: bool = False,
 ) -> Call:
     """The request in `raw`, checked; BadRequest names what is wrong. `pd`: prefill engines
-    are registered (`_refuse_unroutable`); `key_of`: the affinity key, None when no policy reads it."""
+    are registered (`_refuse_unroutable`); `key_of`: the affinity key, None when no policy reads it;
+    `tracing`: the router's own spans carry the trace context (`forward_trace_context`)."""
     try:
         body = _json_decode(raw)
     except msgspec.DecodeError as exc:
@@ -118,7 +126,7 @@ def parse_call(
     forward = {"X-Request-Id": request_id, "Content-Type": "application/json"}
     if "Authorization" in headers:
         forward["Authorization"] = headers["Authorization"]
-    trace_id = forward_trace_context(headers, forward)
+    trace_id = forward_trace_context(headers, forward, tracing=tracing)
     key = key_of(body, endpoint is Endpoint.CHAT) if key_of is not None else None
     return Call(
         endpoint=endpoint,
@@ -139,15 +147,20 @@ _TRACEPARENT = re.compile(r"00-(?!0{32})([0-9a-f]{32})-(?!0{16})[0-9a-f]{16}-[0-
 _TRACESTATE_LIMIT = 512  # the spec's 32 members fit; a longer header is not forwarded
 
 
-def forward_trace_context(headers: Mapping[str, str], forward: dict[str, str]) -> str:
+def forward_trace_context(headers: Mapping[str, str], forward: dict[str, str], *, tracing: bool = False) -> str:
     """Copy a well-formed `traceparent` (and its `tracestate`) into `forward`, so both legs'
     engine spans (vLLM's `--otlp-traces-endpoint`) join the client's trace; with none, start
-    a trace, sampled, so prefill's and decode's spans still share one. Returns the trace id.
+    a trace, sampled, so prefill's and decode's spans still share one. Returns the trace id
+    ("" when none was sent and `tracing`).
 
-    A malformed header is not forwarded: the engines would start traces of their own.
+    A malformed header is not forwarded: the engines would start traces of their own. With
+    `tracing` (the router's own spans) nothing is started here: the request's span starts
+    the trace and each attempt's span puts its own `traceparent` on the leg.
     """
     parent = headers.get("traceparent", "")
     match = _TRACEPARENT.fullmatch(parent)
+    if match is None and tracing:
+        return ""
     if match is None:
         trace_id = os.urandom(16).hex()
         forward["traceparent"] = f"00-{trace_id}-{os.urandom(8).hex()}-01"
