@@ -20,19 +20,12 @@ from connectors.scheduler import IDLE_WAIT_SECONDS, PDScheduler
 from connectors.settings import ConnectorSettings
 from connectors.vllm_adapter import build_kv_cache_config
 from pdconnect.testbed.processes import freeze
+from tests.connector_support import loopback_settings
 from tests.pd_harness import GEOMETRY, RemoteEngine, SimEngine, engine_config
 
 pytestmark = pytest.mark.transport
 
-BASE = {
-    "transport": "mooncake",
-    "protocol": "tcp",
-    "side_channel_port": 0,
-    "lease_seconds": 30.0,
-    "heartbeat_seconds": 1.0,
-    "handshake_timeout_seconds": 5.0,
-    "transfer_timeout_seconds": 10.0,
-}
+BASE = loopback_settings()
 MINUTE = 60.0
 
 

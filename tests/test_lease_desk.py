@@ -25,19 +25,12 @@ from connectors.settings import ConnectorSettings
 from pdconnect.protocol import Ack, Claim, CompatInfo, Heartbeat
 from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError, release_remote
 from pdconnect.testbed.keys import connector_keys, keyring
+from tests.connector_support import loopback_settings
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.transport
 
-BASE = {
-    "transport": "mooncake",
-    "protocol": "tcp",
-    "side_channel_port": 0,
-    "lease_seconds": 30.0,
-    "heartbeat_seconds": 1.0,
-    "handshake_timeout_seconds": 3.0,
-    "transfer_timeout_seconds": 10.0,
-}
+BASE = loopback_settings(handshake_timeout_seconds=3.0)
 COMPAT = CompatInfo(
     model="tiny",
     dtype="float32",
@@ -50,9 +43,9 @@ COMPAT = CompatInfo(
 WAIT_S = 10.0  # bound on waits for the desk's reports; none is a performance claim
 
 
-def _desk(port: int = 0, **overrides: float) -> LeaseDesk:
+def _desk(port: int = 0, engine_id: str = "prefill-desk", **overrides: float) -> LeaseDesk:
     settings = ConnectorSettings.from_extra_config({**BASE, **overrides, **connector_keys("kv_producer")})
-    return LeaseDesk(Start("prefill-desk", COMPAT, settings, ["prefill"], port))
+    return LeaseDesk(Start(engine_id, COMPAT, settings, ["prefill"], port))
 
 
 def test_a_claim_sent_the_moment_its_lease_is_opened_finds_it():
@@ -232,9 +225,7 @@ def test_the_desk_answers_a_claim_within_its_deadline_under_the_same_traffic(bus
 def test_a_release_for_one_prefill_engine_is_refused_by_another():
     """Issue 35: a router-signed Release names the engine it is for; another engine's
     desk refuses it and keeps its lease, the named engine's desk accepts it."""
-    settings = ConnectorSettings.from_extra_config({**BASE, **connector_keys("kv_producer")})
-    desk_a = LeaseDesk(Start("prefill-a", COMPAT, settings, ["prefill"], 0))
-    desk_b = LeaseDesk(Start("prefill-b", COMPAT, settings, ["prefill"], 0))
+    desk_a, desk_b = _desk(engine_id="prefill-a"), _desk(engine_id="prefill-b")
     try:
         for desk in (desk_a, desk_b):
             desk.open("r1", "lease-1", "digest")
