@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from pdconnect.bench.scenarios import PrefixRepetitionScenario
 from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters
 from pdconnect.router.config import parse_args as parse_router_args
 from pdconnect.router.policy import LoadBound
+from tests.waiting import wait_until
 
 # --- the load bound ---------------------------------------------------------------------------
 
@@ -397,13 +397,18 @@ def test_events_view_reports_what_the_routers_own_index_makes_of_the_published_e
 
     try:
         with EventsView([spec]) as view:
-            while view.summary([])[spec.name]["batches"] == 0:  # SUB joins asynchronously
+
+            def batches() -> int:
+                return int(view.summary([])[spec.name]["batches"])
+
+            def heard_an_empty_batch() -> bool:  # SUB joins asynchronously: publish until heard
                 publish(KVEventBatch(ts=0.0, events=[]))
-                time.sleep(0.02)
-            heard = view.summary([])[spec.name]["batches"]
+                return batches() > 0
+
+            wait_until(heard_an_empty_batch, "the view to hear the publisher", observe=batches)
+            heard = batches()
             publish(batch)
-            while view.summary([])[spec.name]["batches"] == heard:
-                time.sleep(0.02)
+            wait_until(lambda: batches() > heard, "the view to take in the batch", observe=batches)
             seen = view.summary([tokens])[spec.name]
     finally:
         publisher.close(linger=0)

@@ -9,7 +9,6 @@ their starting free counts: nothing held, nothing leaked.
 from __future__ import annotations
 
 import copy
-import time
 from collections import Counter
 
 import pytest
@@ -19,6 +18,7 @@ from connectors.replay_slack import plan_request
 from connectors.vllm_adapter import CacheRules
 from tests.params_fuzz import JSON_VALUES, cases, expected_ask, json_type
 from tests.pd_harness import GEOMETRY, Finished, RemoteEngine, SimEngine
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.transport
 
@@ -179,10 +179,12 @@ def test_decode_abort_before_allocation_releases_prefill_at_once(prefill, decode
     decode.add("s6-xa", xa, params)
     decode.abort("s6-xa")  # before any step: never scheduled
 
-    deadline = time.monotonic() + 3.0  # shorter than the 4 s lease: freed by the notice
-    while prefill.call("counter", "releases") == before:
-        assert time.monotonic() < deadline, "prefill did not get the release"
-        time.sleep(0.05)
+    # `releases` counts holds freed by a notice only (a lease that ran out counts elsewhere).
+    wait_until(
+        lambda: prefill.call("counter", "releases") > before,
+        "prefill to free the hold on decode's release",
+        observe=lambda: prefill.call("counter", "releases"),
+    )
 
 
 def test_a_release_is_counted_by_the_step_that_frees_its_blocks(decode, clean, monkeypatch):
@@ -449,10 +451,7 @@ def test_prefill_params_of_every_json_type_hand_off_only_when_asked(prefill, cle
     invalid = 0
     for n, (place, params) in enumerate(legs):
         prefill.call("add", f"pj{n}", tokens, params, 1, None)
-        deadline = time.monotonic() + 30
-        while (done := prefill.call("get_finished", f"pj{n}")) is None:
-            assert time.monotonic() < deadline, f"{place}={params!r} did not finish"
-            time.sleep(0.005)
+        done = wait_until(lambda n=n: prefill.call("get_finished", f"pj{n}"), f"{place}={params!r} to finish")
         asked = isinstance(params, dict) and params.get("do_remote_decode") is True
         assert done.finish_reason == "length", (place, params)
         assert (done.kv_transfer_params is not None) == asked, (place, params, done.kv_transfer_params)

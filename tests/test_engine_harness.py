@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from pdconnect.testbed.recipes import (
 )
 from pdconnect.testbed.tinymodel import ensure_target_and_draft
 from tests.toy_proxy import TOY_PROXY_PARAMS
+from tests.waiting import wait_until
 
 engine = pytest.mark.engine
 
@@ -73,11 +73,10 @@ def test_cluster_stops_grandchildren_with_their_parent(tmp_path: Path) -> None:
     )
     with Cluster(tmp_path, stop_timeout_s=5.0) as cluster:
         proc = cluster.start(ProcessSpec(name="tree", argv=_python(spawner)))
-        deadline = time.monotonic() + 30
-        while not (found := re.search(r"pid=(\d+)", proc.log_tail())):
-            assert time.monotonic() < deadline, proc.log_tail()
-            time.sleep(0.1)
-        grandchild = int(found.group(1))
+        pids = wait_until(
+            lambda: re.findall(r"pid=(\d+)", proc.log_tail()), "the grandchild's pid", observe=proc.log_tail
+        )
+        grandchild = int(pids[0])
         assert _alive(proc.popen.pid) and _alive(grandchild)
     assert not _alive(proc.popen.pid)
     assert not _alive(grandchild)

@@ -27,6 +27,7 @@ import zmq
 from pdconnect.router import RunningRouter, start_router
 from pdconnect.testbed.fake_engine import FakeCluster
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
+from tests.router_events_support import publish_until_applied
 from tests.router_support import router_config_for
 from tests.vllm_kv_events import encoded_batch, stored_blocks
 
@@ -68,14 +69,7 @@ class KvSetup:
 
     async def publish(self, url: str, tokens: list[int]) -> None:
         """Until the router applied it: a SUB socket joins asynchronously."""
-        batch = encoded_batch([_stored(tokens)])
-        applied = lambda: self.count("pdconnect_router_kv_events_total", result="ok")  # noqa: E731
-        seq = 0
-        async with asyncio.timeout(HANG):
-            while applied() == 0:
-                self.publishers[url].send_multipart([b"", seq.to_bytes(8, "big"), batch])
-                seq += 1
-                await asyncio.sleep(0.02)
+        await publish_until_applied(self.router, self.publishers[url], encoded_batch([_stored(tokens)]))
 
 
 @pytest_asyncio.fixture

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ import pytest
 from pdconnect.router import ConfigError, main, parse_args
 from pdconnect.router.config import RouterConfig, _parser
 from pdconnect.testbed.recipes import router_argv
+from tests.waiting import wait_until
 
 
 def test_argv_options_become_a_typed_config() -> None:
@@ -158,16 +158,15 @@ def test_pdconnect_router_command_serves_and_stops_on_sigterm() -> None:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert router.poll() is None, "router exited"
+
+        def healthy() -> bool:
+            assert router is not None and router.poll() is None, "router exited"
             try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
             except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "router never became healthy"
-            time.sleep(0.1)
+                return False
+
+        wait_until(healthy, "the router's /health to answer 200", 60)
         answer = httpx.post(f"{url}/v1/completions", json={"prompt": "a b", "max_tokens": 2}, timeout=10)
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " t0 t1"
         router.send_signal(signal.SIGTERM)

@@ -24,6 +24,7 @@ from pdconnect.router.kvwire import decode_batch
 from pdconnect.router.lookup import CacheGroup, CacheGroups, parse_groups, predicted_hits
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.prompt import RoutingPrompt, block_keys
+from tests.router_events_support import complete_through, publish_until_applied
 from tests.vllm_kv_events import encoded_batch, stored_blocks
 
 if TYPE_CHECKING:
@@ -271,12 +272,7 @@ class _Publisher:
 
     async def publish(self, router: Any, *events: Any) -> None:
         """Until the router applied the batch: its SUB socket joins asynchronously."""
-        applied = router.router.metrics.kv_events.labels("ok")
-        before = applied._value.get()
-        while applied._value.get() == before:
-            self.socket.send_multipart([b"", self.seq.to_bytes(8, "big"), _batch(*events)])
-            self.seq += 1
-            await asyncio.sleep(0.02)
+        self.seq = await publish_until_applied(router, self.socket, _batch(*events), self.seq)
 
 
 def _decode_first_config(fakes: Any, publishers: dict[str, _Publisher]) -> Any:
@@ -291,21 +287,6 @@ def _decode_first_config(fakes: Any, publishers: dict[str, _Publisher]) -> Any:
         kv_cache_groups=str(GROUPS),
         decode_first_max_uncached_tokens=8,
     )
-
-
-async def _two_tokens_through(router: Any, prompt: list[int]) -> dict[str, str]:
-    """A 2-token completion of `prompt` through the router, answered 200; its response headers."""
-    import aiohttp
-
-    async with (
-        aiohttp.ClientSession() as http,
-        asyncio.timeout(15),
-        http.post(
-            router.url + "/v1/completions", json={"model": "fake-model", "prompt": prompt, "max_tokens": 2}
-        ) as resp,
-    ):
-        assert resp.status == 200
-        return dict(resp.headers)
 
 
 @pytest.mark.asyncio
@@ -400,7 +381,7 @@ async def test_a_failed_local_attempt_is_retried_pd_on_the_next_engine() -> None
     try:
         await publishers[holder].publish(router, *HELD)
         fakes.engine(holder).faults.fail_next = 1
-        headers = await _two_tokens_through(router, TOKENS)
+        headers = await complete_through(router, TOKENS)
         assert headers["X-PDConnect-Route"].startswith("pd; reason=decode_retry")
         assert headers["X-PDConnect-Decode"] == other
         assert len(fakes.prefill[0].seen) == 1  # the engine that lacks the prompt got it P/D
@@ -441,7 +422,7 @@ async def test_a_long_prompts_chain_keys_are_computed_once_off_the_event_loop(mo
         for publisher in publishers.values():  # both engines fresh: the policy scores both
             await publisher.publish(router, *HELD)
         monkeypatch.setattr(routing_prompt, "chain_keys", spy)
-        route = (await _two_tokens_through(router, prompt))["X-PDConnect-Route"]
+        route = (await complete_through(router, prompt))["X-PDConnect-Route"]
         assert route.startswith(f"pd; reason=uncached; prompt={len(prompt)}; hit=32;")  # the decider read the keys
         assert calls == [(False, len(prompt), BS)]  # one block size, once, off the loop
     finally:

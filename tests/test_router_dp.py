@@ -9,7 +9,6 @@ kv-aware policy and the decode-first decider are the real ones.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -29,10 +28,10 @@ from pdconnect.router.kvindex import EngineKVIndex
 from pdconnect.router.prompt import RoutingPrompt
 from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
 from tests.router_support import router_config_for
-from tests.waiting import wait_until_async
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
+from tests.router_events_support import complete_through, publish_until_applied  # noqa: E402
 from tests.vllm_kv_events import stored_blocks  # noqa: E402
 
 BS = 4
@@ -111,37 +110,6 @@ async def _dp_setup(**options: Any) -> AsyncIterator[tuple[FakeCluster, RunningR
         context.destroy(linger=0)
 
 
-async def _publish(router: RunningRouter, socket: zmq.Socket[Any], payload: bytes) -> None:
-    """Send batches until the router applied one: its SUB sockets join asynchronously."""
-    applied = router.router.metrics.kv_events.labels("ok")
-    before = applied._value.get()
-    seq = 0
-
-    def heard() -> bool:
-        nonlocal seq
-        if applied._value.get() > before:
-            return True
-        socket.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-        seq += 1
-        return False
-
-    await wait_until_async(heard, "the router to apply a published batch", observe=applied._value.get)
-
-
-async def _complete(router: RunningRouter, prompt: list[int]) -> dict[str, str]:
-    import aiohttp
-
-    async with (
-        aiohttp.ClientSession() as http,
-        asyncio.timeout(15),
-        http.post(
-            router.url + "/v1/completions", json={"model": "fake-model", "prompt": prompt, "max_tokens": 2}
-        ) as resp,
-    ):
-        assert resp.status == 200, await resp.text()
-        return dict(resp.headers)
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize("decode_first", [False, True], ids=["pd", "decode-first"])
 async def test_kv_events_of_one_rank_route_the_siblings_to_that_rank_with_the_header(decode_first: bool) -> None:
@@ -151,14 +119,14 @@ async def test_kv_events_of_one_rank_route_the_siblings_to_that_rank_with_the_he
         assert isinstance(decode, RankedFake)
         url = decode.url
         # No events yet: prefix affinity picks a rank, pins it, and keeps it.
-        first = (await _complete(router, TOKENS))["X-PDConnect-Decode"]
+        first = (await complete_through(router, TOKENS))["X-PDConnect-Decode"]
         assert first in (f"{url}#dp0", f"{url}#dp1")
         assert decode.ranks == [first[-1]]
         # The other rank reports (on its own port, stamped with its rank) that it holds the prompt.
         holder = 1 if first.endswith("#dp0") else 0
-        await _publish(router, publishers[holder], _batch(holder))
+        await publish_until_applied(router, publishers[holder], _batch(holder))
         for prompt in (TOKENS, SIBLING):
-            headers = await _complete(router, prompt)
+            headers = await complete_through(router, prompt)
             assert headers["X-PDConnect-Decode"] == f"{url}#dp{holder}"
             assert decode.ranks[-1] == str(holder)
             if decode_first:
@@ -180,7 +148,7 @@ async def test_the_prefill_leg_of_a_data_parallel_prefill_engine_is_pinned_too()
     try:
         prefill = fakes.prefill[0]
         assert isinstance(prefill, RankedFake)
-        chosen = {(await _complete(router, TOKENS))["X-PDConnect-Prefill"] for _ in range(3)}
+        chosen = {(await complete_through(router, TOKENS))["X-PDConnect-Prefill"] for _ in range(3)}
         assert len(chosen) == 1  # siblings stay on one rank's cache
         [name] = chosen
         assert prefill.ranks == [name.rpartition("#dp")[2]] * 3
@@ -241,7 +209,7 @@ async def test_a_retry_goes_to_another_server_before_another_rank_of_the_one_tha
     config = router_config_for(fakes, policy="round-robin", decode_dp_size=2, health_interval=0, decode_attempts=2)
     router = await start_router(config)
     try:
-        headers = await _complete(router, TOKENS)
+        headers = await complete_through(router, TOKENS)
         assert headers["X-PDConnect-Decode"] == f"{fakes.decode_urls[1]}#dp0"
     finally:
         await router.close()

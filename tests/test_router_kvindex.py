@@ -14,7 +14,9 @@ kv_events = pytest.importorskip("vllm.distributed.kv_events")
 from pdconnect.router.kvindex import EngineKVIndex  # noqa: E402
 from pdconnect.router.kvwire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch  # noqa: E402
 from pdconnect.router.prompt import RoutingPrompt  # noqa: E402
+from tests.router_events_support import publish_until_applied  # noqa: E402
 from tests.vllm_kv_events import block_stored, encoded_batch, stored_blocks  # noqa: E402
+from tests.waiting import wait_until_async  # noqa: E402
 
 if TYPE_CHECKING:
     from connectors.geometry import GroupKind
@@ -182,12 +184,7 @@ async def test_kv_aware_routes_to_the_engine_that_really_caches_the_prompt_and_t
             batch = msgspec.msgpack.Encoder().encode(
                 kv_events.KVEventBatch(ts=0.0, events=[_stored(range(8), 0, "full_attention")])
             )
-            applied = router.router.metrics.kv_events.labels("ok")
-            seq = 0
-            while applied._value.get() == 0:  # SUB joins asynchronously: publish until heard
-                publishers[other].send_multipart([b"", seq.to_bytes(8, "big"), batch])
-                seq += 1
-                await asyncio.sleep(0.02)
+            await publish_until_applied(router, publishers[other], batch)
             assert await decode_engine() == other
     finally:
         await router.close()
@@ -670,7 +667,6 @@ def test_subscriber_sockets_cap_message_size() -> None:
 
 @pytest.mark.asyncio
 async def test_a_frame_over_the_cap_never_reaches_the_index_and_the_feed_keeps_going() -> None:
-    import asyncio
 
     import zmq
 
@@ -708,19 +704,21 @@ async def test_a_frame_over_the_cap_never_reaches_the_index_and_the_feed_keeps_g
     assert len(big) > 2048 > len(small(6))
     try:
         feed.watch(url)
-        async with asyncio.timeout(15):
-            seq = 0
-            while (
-                feed.hit_tokens(url, RoutingPrompt(TOKENS)) != 4 * BS
-            ):  # SUB joins asynchronously: publish until heard
-                pub.send_multipart([b"", seq.to_bytes(8, "big"), small(4)])
-                seq += 1
-                await asyncio.sleep(0.02)
-            pub.send_multipart([b"", seq.to_bytes(8, "big"), big])  # ZMQ drops the connection
-            while feed.hit_tokens(url, RoutingPrompt(TOKENS)) != 6 * BS:  # the SUB reconnects; the feed goes on
-                seq += 1
-                pub.send_multipart([b"", seq.to_bytes(8, "big"), small(6)])
-                await asyncio.sleep(0.02)
+        seq = 0
+
+        def hit() -> int | None:
+            return feed.hit_tokens(url, RoutingPrompt(TOKENS))
+
+        def heard(blocks: int) -> bool:  # publish until heard: a SUB (re)joins asynchronously
+            nonlocal seq
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), small(blocks)])
+            seq += 1
+            return hit() == blocks * BS
+
+        await wait_until_async(lambda: heard(4), "the feed to hear the publisher", 15, observe=hit)
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), big])  # ZMQ drops the connection
+        seq += 1
+        await wait_until_async(lambda: heard(6), "the feed to go on after the SUB reconnects", 15, observe=hit)
         assert feed.hit_tokens(url, RoutingPrompt(long_tokens)) == 0
     finally:
         await feed.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import selectors
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -24,6 +23,7 @@ from pdconnect.admission import ConnectionTable
 from pdconnect.envelope import encode_message
 from pdconnect.protocol import Ack, Heartbeat, Message
 from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError, SideChannelServer
+from tests.waiting import wait_until
 
 # Generous: an answer that does not come is a failure, never a timing measurement.
 ANSWER_WITHIN_S = 10.0
@@ -137,15 +137,16 @@ def _idle_connections(host: str, port: int, count: int) -> list[socket.socket]:
 
 
 def _closed_by_server(sockets: list[socket.socket], expected: int) -> int:
-    """How many of `sockets` the server closed (end of stream or reset), waiting up to
-    `ANSWER_WITHIN_S` for `expected` of them."""
+    """How many of `sockets` the server closed (end of stream or reset), once `expected` of
+    them are (waiting up to `ANSWER_WITHIN_S`)."""
     open_ = {sock.fileno(): sock for sock in sockets}
     closed = 0
-    deadline = time.monotonic() + ANSWER_WITHIN_S
     with selectors.DefaultSelector() as selector:
         for sock in sockets:
             selector.register(sock, selectors.EVENT_READ)
-        while closed < expected and time.monotonic() < deadline:
+
+        def enough_closed() -> bool:
+            nonlocal closed
             for key, _ in selector.select(timeout=0.1):
                 sock = open_[key.fd]
                 try:
@@ -155,6 +156,11 @@ def _closed_by_server(sockets: list[socket.socket], expected: int) -> int:
                 if ended:
                     selector.unregister(sock)
                     closed += 1
+            return closed >= expected
+
+        wait_until(
+            enough_closed, f"the server to close {expected} connections", ANSWER_WITHIN_S, observe=lambda: closed
+        )
     return closed
 
 
@@ -207,11 +213,14 @@ def test_no_connection_beyond_the_limit_carries_a_message() -> None:
                 dealer.connect(f"tcp://127.0.0.2:0;127.0.0.1:{server.port}")
                 dealer.send(encode_message(Heartbeat(to_engine="prefill-0", request_ids=["extra"]), "decode", None))
                 extras.append(dealer)
-            deadline = time.monotonic() + ANSWER_WITHIN_S
-            while server.counts()["connections_over_host_limit"] < 50 and time.monotonic() < deadline:
-                time.sleep(0.05)  # each extra is cut every time it reconnects (every 100 ms)
+            # Each extra is cut every time it reconnects (every 100 ms).
+            wait_until(
+                lambda: server.counts()["connections_over_host_limit"] >= 50,
+                "50 cuts of the extra connections",
+                ANSWER_WITHIN_S,
+                observe=server.counts,
+            )
             counts = server.counts()
-            assert counts["connections_over_host_limit"] >= 50
             assert counts["received"] == 2 and not any(dealer.poll(0) for dealer in extras)
         finally:
             _close(held)

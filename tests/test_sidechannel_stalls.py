@@ -146,13 +146,13 @@ def hold_the_interpreter(seconds: float) -> None:
 def test_a_serving_thread_kept_from_running_is_counted_late() -> None:
     server = SideChannelServer("127.0.0.1", 0, lambda message: Ack(), PREFILL, engine_id="prefill-0")
     try:
-        time.sleep(0.3)  # the serving thread is in its loop
+        started = server.drained_at  # set again by every round that found nothing waiting
+        wait_until(lambda: server.drained_at > started, "the serving thread to run its rounds", WAIT_S)
         before = server.counts()["late_rounds"]
         hold_the_interpreter(LATE_ROUND_SECONDS + 0.5)
-        deadline = time.monotonic() + WAIT_S
-        while server.counts()["late_rounds"] == before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert server.counts()["late_rounds"] > before
+        wait_until(
+            lambda: server.counts()["late_rounds"] > before, "a late round counted", WAIT_S, observe=server.counts
+        )
     finally:
         server.close()
 

@@ -45,6 +45,7 @@ from pdconnect.transfer import (
 from pdconnect.transfer._host import rdma_devices
 from pdconnect.transfer.loopback import Buffer, LoopbackPeer, digest
 from pdconnect.transfer.transport import METADATA_VERSION
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.transport, pytest.mark.timeout(120)]
 
@@ -258,10 +259,7 @@ def test_frozen_peer_fails_at_the_deadline_then_settles(own: Decode) -> None:
         os.kill(pid, signal.SIGCONT)
     # Once the peer answers again the library lets go of our memory (Mooncake holds it
     # until the read returns, NIXL cancels at once).
-    give_up = time.monotonic() + 60
-    while not transfer.quiescent and time.monotonic() < give_up:
-        time.sleep(0.05)
-    assert transfer.quiescent
+    wait_until(lambda: transfer.quiescent, "the library to let go of our memory", 60)
 
 
 @pytest.mark.skipif(bool(rdma_devices()), reason="this host has RDMA devices")
@@ -436,13 +434,15 @@ def test_a_mooncake_pull_from_a_peer_in_use_is_submitted_by_the_caller(monkeypat
 
 
 def _stopped_reader(kind: str, metadata: bytes, pool_addr: int, pool_size: int, pipe: Connection) -> None:
-    """A second decode: connects, says so, then pulls the whole pool over and over."""
+    """A second decode: connects, pulls the whole pool once, says so, then pulls it over and
+    over (from that message on it is always inside a read, but for an instant between two)."""
     transport = create_transport(kind, host="127.0.0.1")
     buffer = Buffer(pool_size)
     transport.register([buffer.region])
     transport.connect(PEER, metadata)
     everything = [(buffer.addr, pool_addr, pool_size)]
-    pipe.send("connected")
+    transport.pull(PEER, everything, timeout=600).wait(600)
+    pipe.send("reading")
     while True:
         transport.pull(PEER, everything, timeout=600).wait(600)
 
@@ -464,8 +464,7 @@ def test_a_reader_that_stops_mid_transfer_stalls_no_other_reader(kind: str) -> N
         transport = create_transport(kind, host="127.0.0.1")
         buffer = Buffer(POOL_BYTES)
         try:
-            assert parent.poll(60) and parent.recv() == "connected"
-            time.sleep(0.5)  # well inside its endless reads
+            assert parent.poll(60) and parent.recv() == "reading"
             assert reader.pid is not None
             freeze(reader.pid)
             transport.register([buffer.region])
