@@ -31,8 +31,11 @@ def wait_until(
     what: str,
     within: float = DEFAULT_TIMEOUT_S,
     observe: Callable[[], object] | None = None,
+    *,
+    poll_s: float = _POLL_S,
 ) -> T:
-    """Poll `condition` until it returns a truthy value, and return that value."""
+    """Poll `condition` until it returns a truthy value, and return that value. `poll_s`: the
+    pause between looks (shorter for a wait repeated a thousand times in one test)."""
     deadline = time.monotonic() + within
     while True:
         last = condition()
@@ -40,7 +43,7 @@ def wait_until(
             return last
         if time.monotonic() >= deadline:
             raise _failure(what, within, last if observe is None else observe())
-        time.sleep(_POLL_S)
+        time.sleep(poll_s)
 
 
 @overload
