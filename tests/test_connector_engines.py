@@ -23,54 +23,45 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import pytest
 import zmq
 
 from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_metrics
-from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S, completed, completion, prompt_ids, serve_pd, token_ids
+from pdconnect.testbed.engine_calls import (
+    REQUEST_TIMEOUT_S,
+    PDResult,
+    completed,
+    completion,
+    prompt_ids,
+    serve_pd,
+    token_ids,
+)
 from pdconnect.testbed.local_pd import kv_events_config, start_router
 from pdconnect.testbed.processes import Cluster, ManagedProcess
-from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server, warm_up
-from pdconnect.testbed.tinymodel import DSV4_LIKE_MIMO_V2, FIRST_WORD_ID, TinyModelSpec, ensure_model
+from pdconnect.testbed.recipes import MODEL_NAME, SPEC, pd_kv_transfer, vllm_server, warm_up
+from pdconnect.testbed.tinymodel import DSV4_LIKE_MIMO_V2, FIRST_WORD_ID, ensure_model
 from tests.engine_parity import (
     DECODE_TOKENS,
-    LONG_SUFFIX,
     PROMPT_TOKENS,
     SIBLING_EXTRA,
+    Setup,
     assert_pools_back_to_baseline,
-    chat,
     colocated,
+    concurrent_siblings,
+    long_suffix_siblings,
+    multi_turn_chat,
     same_answer,
 )
 from tests.params_fuzz import JSON_VALUES
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
-
-# How an engine speculates: a generated EAGLE3 draft, the target's own MTP layer, or not.
-Speculation = Literal["eagle3", "mtp", "plain"]
-
-
-@dataclass(frozen=True)
-class Setup:
-    """One parametrization: a model geometry, a transport and a speculative method."""
-
-    name: str
-    spec: TinyModelSpec
-    block_size: int
-    transport: str
-    speculation: Speculation = "eagle3"
-
-    @property
-    def reference_key(self) -> str:
-        return f"{self.spec.kind}-{self.speculation}"
-
 
 SETUPS = [
     Setup("llama-mooncake", SPEC, 128, "mooncake"),
@@ -147,17 +138,13 @@ def pair(
 ) -> Iterator[Pair]:
     setup: Setup = request.param
     target = ensure_model(setup.spec)
-    draft = ensure_model(setup.spec.with_kind("eagle3-draft")) if setup.speculation == "eagle3" else None
-    # One MTP layer, one draft token per step: the production MTP setting.
-    speculative: dict[str, Any] = {"mtp": True, "num_speculative_tokens": 1} if setup.speculation == "mtp" else {}
-
     events: dict[str, list[str]] = {}
 
     def server(name: str, kv: dict | None) -> ManagedProcess:
         port = cluster.free_port()
         # No API guard: these engines show what the connector itself does with any params
         # (the fault suite runs guarded engines, as deployed).
-        args = engine_args(draft, kv, block_size=setup.block_size, guard=False, **speculative)
+        args = setup.flags(kv, guard=False)
         if kv is not None:  # the P/D engines publish KV events, for a kv-aware router on top
             args += ["--kv-events-config", json.dumps(kv_events_config(cluster, events, port))]
         return cluster.start(vllm_server(name, target, port=port, served_model_name=MODEL_NAME, args=args))
@@ -305,30 +292,20 @@ def test_ill_typed_transfer_params_are_computed_locally_and_the_engine_keeps_ser
 # --- real traffic: long suffixes, concurrent siblings, multi-turn chat ----------------------
 
 
+def _serve(http: httpx.Client, pair: Pair, prompt: list[int]) -> PDResult:
+    return serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
+
+
+def _alone(http: httpx.Client, pair: Pair, prompts: list[list[int]]) -> list[tuple[int, dict]]:
+    return [colocated(http, pair.single, prompt) for prompt in prompts]
+
+
 @on_traffic_setups
 def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
     pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    prefix = prompt_ids(seed=pair.seed(31), length=1100)
-    siblings = [prefix + prompt_ids(seed=pair.seed(32 + i), length=LONG_SUFFIX) for i in range(3)]
-
-    reference = [colocated(http, pair.single, prompt) for prompt in siblings]
-    served = [
-        serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
-        for prompt in siblings
-    ]
-
-    assert reference[2][0] > 0  # the third sibling hits at the junction the second left
-    assert [int(s.decode.hits) for s in served] == [hit for hit, _ in reference]
-    for done, (_, alone) in zip(served, reference):
-        same_answer(done.body, alone)
-    _report(
-        capsys,
-        f"{pair.setup.name} long-suffix siblings",
-        colocated=[h for h, _ in reference],
-        decode_local=[int(s.decode.hits) for s in served],
-        pulled=[int(s.decode.external_hits) for s in served],
-    )
+    rows = long_suffix_siblings(partial(_serve, http, pair), partial(_alone, http, pair), pair.seed)
+    _report(capsys, f"{pair.setup.name} long-suffix siblings", **rows)
     assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
 
 
@@ -336,43 +313,9 @@ def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
 def test_concurrent_siblings_each_hit_what_a_serial_sibling_would(
     pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # 1200 + 64: the first sibling's replay run covers blocks the second fully shares, so
-    # a serial sibling hits (1100 + 64 would hit 0 even colocated: the run ends past 1100).
-    prefix = prompt_ids(seed=pair.seed(41), length=1200)
-    siblings = [prefix + prompt_ids(seed=pair.seed(42 + i), length=SIBLING_EXTRA) for i in range(4)]
-    reference = [colocated(http, pair.single, prompt) for prompt in siblings]
-    serial_hits = [hit for hit, _ in reference[1:]]
-    before = PrefixCacheCounters.scrape(pair.decode.base_url, http)
-
-    with ThreadPoolExecutor(len(siblings)) as pool:
-        served = list(
-            pool.map(
-                lambda p: serve_pd(http, pair.prefill.base_url, pair.decode.base_url, p, DECODE_TOKENS, logprobs=1),
-                siblings,
-            )
-        )
-
-    decode = PrefixCacheCounters.scrape(pair.decode.base_url, http) - before
-    _report(
-        capsys,
-        f"{pair.setup.name} 4 concurrent siblings",
-        colocated_serial_followers=serial_hits,
-        decode_local_total=int(decode.hits),
-        pulled_total=int(decode.external_hits),
-    )
-    assert serial_hits[0] > 0
-    # Every follower hits at least the leader's replay run, as the second serial sibling
-    # does, not only a later one. Where a follower's hit leaves a shared-prefix junction
-    # (MTP: full attention drops no block, so its hit runs past the sliding window's), a
-    # later serial sibling hits more; concurrent followers do only when the follower whose
-    # plan carries the junction's run reaches decode first. Decode may also hit more than
-    # the colocated engine's serial total (seen on MiMo MTP: 3072 against 2816): every
-    # pulled plan's replay-slack runs are published, where the colocated engine keeps only
-    # what its own computation left. What no hit may exceed is the prefix the siblings share.
-    assert len(serial_hits) * serial_hits[0] <= decode.hits <= len(siblings) * len(prefix)
-    assert decode.external_hits == sum(map(len, siblings)) - decode.hits  # the prefix is pulled once
-    for done, (_, alone) in zip(served, reference):
-        assert done.tokens == token_ids(alone)
+    decode = partial(PrefixCacheCounters.scrape, pair.decode.base_url, http)
+    rows = concurrent_siblings(partial(_serve, http, pair), partial(_alone, http, pair), pair.seed, decode)
+    _report(capsys, f"{pair.setup.name} 4 concurrent siblings", **rows)
     assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
 
 
@@ -380,24 +323,8 @@ def test_concurrent_siblings_each_hit_what_a_serial_sibling_would(
 def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
     pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    answers: dict[int, dict] = {}
-
-    def alone(prompt: list[int]) -> tuple[int, dict]:
-        hit, body = colocated(http, pair.single, prompt)
-        answers[len(prompt)] = body
-        return hit, body
-
-    def pd(prompt: list[int]) -> tuple[int, dict]:
-        done = serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
-        same_answer(done.body, answers[len(prompt)])
-        return int(done.decode.hits), done.body
-
-    reference = chat(alone, pair.seed(51))
-    served = chat(pd, pair.seed(51))
-
-    assert sum(reference[1:]) > 0
-    assert served == reference
-    _report(capsys, f"{pair.setup.name} multi-turn", colocated=reference, decode_local=served)
+    rows = multi_turn_chat(partial(_serve, http, pair), partial(colocated, http, pair.single), pair.seed)
+    _report(capsys, f"{pair.setup.name} multi-turn", **rows)
     assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
 
 
