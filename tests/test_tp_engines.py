@@ -87,8 +87,8 @@ def _flags(setup: Setup, role: str, tp: int) -> list[str]:
 class Pairing:
     prefill_tp: int
     decode_tp: int
-    # Decode rank -> the prefill ranks it reads, as its log line names them.
-    reads: dict[str, str]
+    # (decode rank, the prefill ranks it reads), as its log line names them.
+    reads: tuple[tuple[str, str], ...]
 
     @property
     def name(self) -> str:
@@ -99,8 +99,8 @@ class Pairing:
         return 7000 + 1000 * PAIRINGS.index(self) + base
 
 
-EQUAL = Pairing(2, 2, {"0": "0", "1": "1"})  # each rank its own heads
-PAIRINGS = [EQUAL, Pairing(2, 1, {"0": "0, 1"}), Pairing(1, 2, {"0": "0", "1": "0"})]
+EQUAL = Pairing(2, 2, (("0", "0"), ("1", "1")))  # each rank its own heads
+PAIRINGS = [EQUAL, Pairing(2, 1, (("0", "0, 1"),)), Pairing(1, 2, (("0", "0"), ("1", "0")))]
 UNEQUAL = PAIRINGS[1:]
 
 
@@ -218,7 +218,7 @@ def test_every_rank_pulls_what_its_heads_need_and_decode_answers_as_one_engine_a
         rf"rank (\d+) of {pair.pairing.decode_tp}: reads prefill engine \S+ "
         rf"\(tp_size {pair.pairing.prefill_tp}\) ranks \[([\d, ]+)\]"
     )
-    assert dict(re.findall(source_line, pair.decode.log_text())) == pair.pairing.reads
+    assert dict(re.findall(source_line, pair.decode.log_text())) == dict(pair.pairing.reads)
     after = fetch_metrics(pair.decode.base_url, http)
     assert after.total("pdconnect:transfers") - before.total("pdconnect:transfers") == 1
     assert after.total("pdconnect:transfer_failures") == 0
