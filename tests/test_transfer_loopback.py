@@ -16,6 +16,7 @@ import os
 import random
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -44,7 +45,7 @@ from pdconnect.transfer import (
 )
 from pdconnect.transfer._host import rdma_devices
 from pdconnect.transfer.loopback import Buffer, LoopbackPeer, digest
-from pdconnect.transfer.transport import METADATA_VERSION
+from pdconnect.transfer.transport import METADATA_VERSION, decode_metadata
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.transport, pytest.mark.timeout(120)]
@@ -487,4 +488,20 @@ def test_a_reader_that_stops_mid_transfer_stalls_no_other_reader(kind: str) -> N
                 os.kill(reader.pid, signal.SIGCONT)
             reader.kill()
             reader.join(10)
+            transport.close()
+
+
+def test_a_mooncake_probe_queued_behind_a_silent_client_still_connects() -> None:
+    """Mooncake's handshake server serves one connection at a time and gives a client that
+    sent nothing 5 s (the connect timeout) before it takes the next: with one such client
+    on the prefill side's handshake port, a single probe timed out and the load failed
+    (P TP1 -> D TP2, docs/parallel.md). The second probe is answered."""
+    with LoopbackPeer("mooncake", POOL_BYTES, protocol="tcp") as peer:
+        session = decode_metadata(peer.ready.metadata, expected_kind="mooncake").endpoint.decode()
+        host, _, port = session.rpartition(":")
+        transport = create_transport("mooncake", host="127.0.0.1", protocol="tcp")
+        try:
+            with socket.create_connection((host, int(port))):  # connected, never sends
+                transport.connect(PEER, peer.ready.metadata)
+        finally:
             transport.close()

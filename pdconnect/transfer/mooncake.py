@@ -147,7 +147,16 @@ class MooncakeTransport(Transport[str]):
                 raise ValueError(session)
         except ValueError:
             raise TransferError(f"peer {peer}: mooncake endpoint {info.endpoint[:64]!r} is not 'host:port'") from None
-        rc = _call_bounded(lambda: self._engine.send_probe(session), self._connect_timeout)
+        # Mooncake's handshake server serves one connection at a time and waits 5 s on a
+        # client that connected and sent nothing before it takes the next: a probe queued
+        # behind a slow client (another decode rank of a TP1 -> TP2 pairing, descheduled)
+        # can go unanswered for a whole connect timeout. One more probe, queued behind the
+        # first, is answered once the server has moved on (docs/parallel.md).
+        rc = None
+        for _ in range(_PROBE_ATTEMPTS):
+            rc = _call_bounded(lambda: self._engine.send_probe(session), self._connect_timeout)
+            if rc is not None:
+                break
         if rc != 0:
             outcome = f"no reply within {self._connect_timeout:g} s" if rc is None else f"rc={rc}"
             raise TransferError(
@@ -363,6 +372,9 @@ def _initialize(factory: Callable[[], Any], host: str, protocol: str, device_nam
     with scoped_env(_FORCE[protocol]):
         rc = engine.initialize(host, _METADATA_SERVER, protocol, device_name)
     return engine if rc == 0 else None
+
+
+_PROBE_ATTEMPTS = 2  # a probe that got no reply is sent once more; a refusal is final
 
 
 def _call_bounded(call: Callable[[], int], timeout: float) -> int | None:
