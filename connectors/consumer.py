@@ -4,7 +4,10 @@ One request's path:
   1. `arrive` (vLLM's `on_new_request`, long before the request reaches the head of the
      queue) validates the plan against this engine and this prompt
      (`connectors.plan_checks`), claims its lease on the prefill engine and starts the
-     heartbeats that keep it alive while the request waits.
+     heartbeats that keep it alive while the request waits. A plan whose compat digest
+     is not this engine's is refused, after a handshake with its prefill engine (once
+     per engine and digest, `connectors.compat.PeerVerdicts`) that names each field
+     that differs with both values.
   2. `get_num_new_matched_tokens` answers "ask again later" (None) while the claim is
      unanswered (answers arrive on the notifier's thread and are taken once per
      scheduling pass, so the queue keeps vLLM's order among answered claims), or

@@ -55,7 +55,7 @@ __all__ = [
 #    handshakes carry each side's parallel shape (`ParallelShape`).
 # 6: a handshake refused for an incompatible record carries the refusing engine's record
 #    (`Refusal.compat`), so the asker names every differing field with both values;
-#    compat values are range-checked on decode.
+#    compat values are range-checked on decode; a plan's digest covers its compat digest.
 PROTOCOL_VERSION = 6
 
 
@@ -244,10 +244,21 @@ class TransferPlan(_Strict, frozen=True):
         """What a claim names so the prefill engine can tell its own plan from an altered one.
 
         Covers every field that decides which bytes land where: the lease, the prompt,
-        and each group's blocks. A plan edited in transit (by a client or a proxy) no
-        longer matches what the prefill engine recorded, and its claim is refused.
+        each group's blocks, and the compat digest (which layout the bytes have: a plan
+        of a prefill engine restarted with another geometry, its digest edited to match
+        the decode engine's, would otherwise pass the decode engine's digest check with
+        a handshake the worker kept from before the restart). A plan edited in transit
+        (by a client or a proxy) no longer matches what the prefill engine recorded, and
+        its claim is refused.
         """
-        covered = (self.lease_id, self.prompt_digest, self.num_prompt_tokens, self.remote_engine_id, self.groups)
+        covered = (
+            self.lease_id,
+            self.prompt_digest,
+            self.num_prompt_tokens,
+            self.remote_engine_id,
+            self.groups,
+            self.compat_hash,
+        )
         return hashlib.sha256(msgspec.msgpack.encode(covered)).hexdigest()[:32]
 
 

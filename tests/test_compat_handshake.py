@@ -414,11 +414,18 @@ SIM = {
     "handshake_timeout_seconds": 5.0,
     "transfer_timeout_seconds": 10.0,
 }
-# The decode engine's geometry (256/64) with the sliding-window group at 32-token blocks.
+# The decode engine's geometry (256/64, window 128) with the sliding-window group at
+# 32-token blocks, and with a window of 256.
 OTHER_GEOMETRY = Geometry(
     (
         GroupGeometry("full_attention", 256, eagle=True),
         GroupGeometry("sliding_window", 32, 128, eagle=True),
+    )
+)
+WIDER_WINDOW = Geometry(
+    (
+        GroupGeometry("full_attention", 256, eagle=True),
+        GroupGeometry("sliding_window", 64, 256, eagle=True),
     )
 )
 
@@ -490,12 +497,14 @@ def test_block_sizes_that_differ_are_refused_at_handshake_naming_both_once_per_e
 @pytest.mark.transport
 def test_a_prefill_engine_restarted_with_another_geometry_is_still_refused_at_plan_time(decode, caplog):
     """After a good handshake (and a served request) the same engine id at the same address
-    comes back with 32-token sliding-window blocks: its plans carry another digest, which
-    the plan check refuses whatever the worker remembers of the first handshake."""
+    comes back with a sliding window of 256 tokens: its plans carry another digest, which
+    the plan check refuses whatever the worker remembers of the first handshake; one
+    whose digest was edited back is refused by the claim."""
     port = _free_port()
     prefill = _prefill("prefill-r", port, GEOMETRY)
     try:
-        decode.add("r0", _tokens(10), _plan(prefill, "r0", _tokens(10)))
+        good = _plan(prefill, "r0", _tokens(10))
+        decode.add("r0", _tokens(10), good)
         assert decode.result("r0").finish_reason == "length"
         # A forged digest from the good engine: refused, its record matching this engine's.
         forged = {**_plan(prefill, "r1", _tokens(11)), "compat_hash": "0" * 16}
@@ -506,12 +515,20 @@ def test_a_prefill_engine_restarted_with_another_geometry_is_still_refused_at_pl
     finally:
         prefill.shutdown()
     pulled = decode.counter("bytes_transferred")
-    restarted = _prefill("prefill-r", port, OTHER_GEOMETRY)
+    restarted = _prefill("prefill-r", port, WIDER_WINDOW)
     try:
         decode.add("r2", _tokens(12), _plan(restarted, "r2", _tokens(12)))
         assert decode.result("r2").finish_reason == "error"
         assert decode.counter("bytes_transferred") == pulled  # nothing read with the old handshake
-        assert f"'prefill-r' at tcp://127.0.0.1:{port}: group 1 block_size: prefill engine 32" in caplog.text
+        assert f"'prefill-r' at tcp://127.0.0.1:{port}: group 1 sliding_window: prefill engine 256" in caplog.text
+        # Its plan with the digest edited to the old one passes the decode engine's checks
+        # (same block sizes), and the worker still has the old handshake: the claim refuses it (a plan's digest covers
+        # its compat digest), so no byte is read with the old layout.
+        edited = {**_plan(restarted, "r3", _tokens(13)), "compat_hash": good["compat_hash"]}
+        decode.add("r3", _tokens(13), edited)
+        assert decode.result("r3").finish_reason == "error"
+        assert decode.counter("bytes_transferred") == pulled
+        assert "differs from the plan lent under this lease" in caplog.text
         decode.drain()
         assert decode.free_blocks() == decode.start_free_blocks
     finally:
