@@ -82,6 +82,13 @@ def test_block_sizes_that_differ_are_refused_naming_block_size_with_both_values_
     assert log.count(named) == 1, "logged once for the prefill engine, not per request"
     per_request = f"group 0 block_size {PREFILL_BLOCK} there, {DECODE_BLOCK} here"
     assert log.count(per_request) >= 2  # each request's refusal names the field and both values
+    # Counted per refused request by the first field (metrics reach /metrics with the steps).
+    wait_until(
+        lambda: _refused_by_field(http, decode)["block_size"] >= 2,
+        "both refusals counted",
+        10,
+        observe=lambda: _refused_by_field(http, decode),
+    )
     assert _refused_by_field(http, decode) == {"block_size": 2, "digest": 0, "handshake": 0}
     # One handshake for both plans, refused by the prefill engine, which names both sides too.
     # (its counts reach /metrics with its next step, at the latest when the leases end).
