@@ -4,7 +4,10 @@ One request's path:
   1. `arrive` (vLLM's `on_new_request`, long before the request reaches the head of the
      queue) validates the plan against this engine and this prompt
      (`connectors.plan_checks`), claims its lease on the prefill engine and starts the
-     heartbeats that keep it alive while the request waits.
+     heartbeats that keep it alive while the request waits. A plan whose compat digest
+     is not this engine's is refused, after a handshake with its prefill engine (once
+     per engine and digest, `connectors.compat.PeerVerdicts`) that names each field
+     that differs with both values.
   2. `get_num_new_matched_tokens` answers "ask again later" (None) while the claim is
      unanswered (answers arrive on the notifier's thread and are taken once per
      scheduling pass, so the queue keeps vLLM's order among answered claims), or
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.request import RequestStatus
 
 from connectors.cache_binding import CacheBound
+from connectors.compat import Key, PeerVerdicts
 from connectors.leases import CLAIM_ATTEMPTS
 from connectors.metadata import PullSpec
 from connectors.plan_checks import PlanRejected, check_plan
@@ -47,7 +51,18 @@ from connectors.settings import ConnectorSettings
 from connectors.stats import StatsRecorder
 from pdconnect.keyring import Keyring
 from pdconnect.notifier import PeerNotifier
-from pdconnect.protocol import Ack, Claim, Done, Heartbeat, Message, Release, TransferPlan
+from pdconnect.protocol import (
+    Ack,
+    Claim,
+    CompatInfo,
+    Done,
+    Handshake,
+    Heartbeat,
+    Message,
+    ParallelShape,
+    Release,
+    TransferPlan,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -85,6 +100,7 @@ class _Incoming:
     local_tokens: int = 0
     waiting_on: str | None = None  # the request id of the load this one waits for
     wait_started: float = 0.0
+    compat_key: Key | None = None  # a plan of another compat digest, waiting for the handshake's verdict
 
 
 @dataclass
@@ -111,15 +127,21 @@ class Consumer(CacheBound):
         self,
         engine_id: str,
         settings: ConnectorSettings,
-        compat_digest: str,
+        compat: CompatInfo,
         keys: Keyring | None,
         stats: StatsRecorder,
         news: threading.Event | None = None,
+        tp_size: int = 1,
     ) -> None:
         self.engine_id = engine_id
         self.settings = settings
-        self.compat_digest = compat_digest
+        self.compat = compat
+        self.compat_digest = compat.digest()
+        self.tp_size = tp_size
         self.stats = stats
+        self._peers = PeerVerdicts(compat)
+        # (address, the handshake's answer or None, why none), from the notifier's threads.
+        self._compat_answers: queue.SimpleQueue[tuple[str, Message | None, str]] = queue.SimpleQueue()
         self._incoming: dict[str, _Incoming] = {}
         self._by_lease: dict[str, str] = {}  # lease id -> request id, while incoming
         self._loads: dict[str, _Load] = {}
@@ -151,6 +173,10 @@ class Consumer(CacheBound):
     # --- notifier threads: enqueue only ---------------------------------------------
 
     def _on_reply(self, address: str, sent: Message, reply: Message) -> None:
+        if isinstance(sent, Handshake):  # answered, or refused with the prefill engine's record
+            self._compat_answers.put((address, reply, ""))
+            self._news.set()
+            return
         if isinstance(reply, Ack) and isinstance(sent, (Claim, Heartbeat)):
             if isinstance(sent, Claim) and not reply.unknown:
                 self._replies.put((sent.lease_id, "", False))
@@ -159,6 +185,9 @@ class Consumer(CacheBound):
             self._news.set()
 
     def _on_failure(self, address: str, sent: Message, reason: str, unanswered: bool) -> None:
+        if isinstance(sent, Handshake):
+            self._compat_answers.put((address, None, reason))
+            self._news.set()
         if isinstance(sent, Claim):
             self._replies.put((sent.lease_id, f"claim refused or unanswered by {address}: {reason}", unanswered))
             self._news.set()
@@ -168,13 +197,21 @@ class Consumer(CacheBound):
     def has_work(self) -> bool:
         """Whether this step has something to hand the workers or to take from them:
         answers queued, pulls to post, or loads whose results only the workers report."""
-        return not self._replies.empty() or bool(self._new_pulls) or bool(self._loads)
+        return (
+            not self._replies.empty() or not self._compat_answers.empty() or bool(self._new_pulls) or bool(self._loads)
+        )
 
     def claims_pending(self) -> bool:
         """Whether a request waits for its claim's answer, which only the prefill engine gives."""
         return any(incoming.claim is ClaimState.PENDING for incoming in self._incoming.values())
 
     def _take_replies(self) -> None:
+        while True:
+            try:
+                address, answer, failure = self._compat_answers.get_nowait()
+            except queue.Empty:
+                break
+            self._peers.answer(address, answer, failure)
         while True:
             try:
                 lease_id, lost, unanswered = self._replies.get_nowait()
@@ -204,6 +241,22 @@ class Consumer(CacheBound):
         claim the lease, keep it alive."""
         request_id = request.request_id
         if request_id in self._incoming or request_id in self._loads or request_id in self._settled:
+            return
+        if plan.compat_hash != self.compat_digest and self.settings.may_dial(plan.remote_host):
+            # Refused whatever the answer (`connectors.plan_checks`); the handshake finds
+            # out which fields differ, so the refusal can name them with both values.
+            key = (plan.remote_engine_id, plan.side_channel, plan.compat_hash)
+            self._incoming[request_id] = _Incoming(request, None, None, compat_key=key)
+            if self._peers.ask(key):
+                self._notifier.send(
+                    plan.side_channel,
+                    Handshake(
+                        engine_id=self.engine_id,
+                        tp_rank=0,
+                        compat=self.compat,
+                        parallel=ParallelShape(tp_size=self.tp_size, tp_rank=0),
+                    ),
+                )
             return
         failure = self._check(request, plan)
         if failure is not None:
@@ -244,6 +297,28 @@ class Consumer(CacheBound):
             return self._bad_params(request, str(exc))
         return None
 
+    def _judged(self, incoming: _Incoming) -> bool:
+        """Whether the refusal of a plan of another compat digest is decided (and set as
+        the request's failure); False while the handshake has not answered."""
+        key = incoming.compat_key
+        assert key is not None
+        verdict = self._peers.verdict(key)
+        if verdict is None:
+            # The notifier answers or fails every handshake within its timeout; the backstop.
+            if time.monotonic() - incoming.claimed_at < 2 * self.settings.handshake_timeout_seconds:
+                return False
+            self._peers.answer(key[1], None, "no answer reported")
+            verdict = self._peers.verdict(key)
+            assert verdict is not None
+        incoming.compat_key = None
+        incoming.claim = ClaimState.LOST
+        self.stats.count("bad_transfer_params")
+        self.stats.count_reason("compat_refusals", verdict.reason)
+        # Every field was logged once for the prefill engine (`PeerVerdicts.answer`).
+        logger.error("request %s: refusing kv_transfer_params: %s", incoming.request.request_id, verdict.short)
+        incoming.failure = verdict.short
+        return True
+
     def _bad_params(self, request: Request, reason: str) -> str:
         self.stats.count("bad_transfer_params")
         logger.error("request %s: refusing kv_transfer_params: %s", request.request_id, reason)
@@ -264,6 +339,8 @@ class Consumer(CacheBound):
         if incoming is None:
             self.arrive(request, plan)
             incoming = self._incoming[request_id]
+        if incoming.compat_key is not None and not self._judged(incoming):
+            return None, False  # the handshake's answer comes within the handshake timeout
         if incoming.claim is ClaimState.PENDING:
             # The notifier answers every attempt within the handshake timeout; this is the
             # backstop should a reply never be reported.

@@ -55,6 +55,7 @@ from pdconnect.protocol import (
     Refusal,
     Release,
     Role,
+    describe_mismatches,
 )
 from pdconnect.sidechannel import SideChannelServer
 
@@ -374,13 +375,16 @@ class _Desk:
         if message.compat != compat:
             self._counts["handshake_refusals"] += 1
             logger.warning(
-                "refused handshake from %s: incompatible (%s)",
+                "refused handshake from decode engine %r: incompatible (%s)",
                 message.engine_id,
-                "; ".join(compat.differences(message.compat)),
+                describe_mismatches(
+                    compat.mismatches(message.compat), ours="this prefill engine", theirs="decode engine"
+                ),
             )
-            fields = [d.split(":", 1)[0] for d in compat.differences(message.compat)]
-            # Name what differs, never our values: the asker is not trusted yet.
-            return Refusal(reason=f"incompatible engines: {', '.join(fields)} differ")
+            fields = sorted({m.reason for m in compat.mismatches(message.compat)})
+            # Our record goes back so the asker names every field with both values: it is
+            # what a compatible asker gets in the reply anyway (no secret, no transport details).
+            return Refusal(reason=f"incompatible engines: {', '.join(fields)} differ", compat=compat)
         reply = self._replies.get(message.tp_rank)
         if reply is None:
             self._counts["handshake_refusals"] += 1

@@ -105,7 +105,13 @@ class PDScheduler:
         if transfer.is_kv_consumer:
             decode_keys = keys.acting_as("decode") if keys is not None else None
             self.consumer = Consumer(
-                self.engine_id, settings, self.compat.digest(), decode_keys, self.stats, news=self._news
+                self.engine_id,
+                settings,
+                self.compat,
+                decode_keys,
+                self.stats,
+                news=self._news,
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
             )
 
     # --- wiring ------------------------------------------------------------------

@@ -21,9 +21,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from pdconnect.protocol import COMPAT_REASONS
+
 _Metric = TypeVar("_Metric", Gauge, Counter, Histogram)
 
-__all__ = ["COUNTERS", "GAUGES", "PDConnectorStats", "PDPromMetrics", "StatsRecorder"]
+__all__ = ["COUNTERS", "GAUGES", "REASON_COUNTERS", "PDConnectorStats", "PDPromMetrics", "StatsRecorder"]
 
 # Counter name -> help text. Names become `pdconnect:<name>_total` series.
 COUNTERS: dict[str, str] = {
@@ -80,6 +82,15 @@ COUNTERS: dict[str, str] = {
     ),
 }
 
+# Counters with a `reason` label: name -> (help text, the reasons it may count). Names
+# become `pdconnect:<name>_total{reason=...}`; the reasons are a fixed set, never peer text.
+REASON_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "compat_refusals": (
+        "Decode requests refused because the prefill engine's compat record differs, by the first differing field",
+        COMPAT_REASONS,
+    ),
+}
+
 # Gauge name -> help text; the latest value is exported as `pdconnect:<name>`.
 GAUGES: dict[str, str] = {
     "blocks_held": "KV blocks the connector holds an extra reference on (prefill slack and leases, decode shadows)",
@@ -107,6 +118,11 @@ class PDConnectorStats(KVConnectorStats):
         assert name in GAUGES, name
         self.data.setdefault("gauges", {})[name] = value
 
+    def count_reason(self, name: str, reason: str, amount: float = 1) -> None:
+        assert name in REASON_COUNTERS and reason in REASON_COUNTERS[name][1], (name, reason)
+        by_reason = self.data.setdefault("reasons", {}).setdefault(name, {})
+        by_reason[reason] = by_reason.get(reason, 0) + amount
+
     def observe_transfer(self, seconds: float, nbytes: int) -> None:
         self.data["transfer_seconds"].append(seconds)
         self.data["transfer_bytes"].append(nbytes)
@@ -117,6 +133,10 @@ class PDConnectorStats(KVConnectorStats):
             self.data["counters"][name] = self.data["counters"].get(name, 0) + value
         # Gauges are per engine, set by the scheduler half alone: the latest value wins.
         self.data.setdefault("gauges", {}).update(theirs.get("gauges", {}))
+        for name, by_reason in theirs.get("reasons", {}).items():
+            ours = self.data.setdefault("reasons", {}).setdefault(name, {})
+            for reason, value in by_reason.items():
+                ours[reason] = ours.get(reason, 0) + value
         self.data["transfer_seconds"].extend(theirs.get("transfer_seconds", ()))
         self.data["transfer_bytes"].extend(theirs.get("transfer_bytes", ()))
         self.data["transport"] = self.data["transport"] or theirs.get("transport", "")
@@ -125,6 +145,8 @@ class PDConnectorStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         summary: dict[str, int | float] = dict(self.data["counters"])
         summary.update(self.data.get("gauges", {}))
+        for name, by_reason in self.data.get("reasons", {}).items():
+            summary.update({f"{name}[{reason}]": value for reason, value in by_reason.items()})
         seconds = self.data["transfer_seconds"]
         if seconds:
             summary["avg_transfer_ms"] = round(1000 * sum(seconds) / len(seconds), 3)
@@ -133,7 +155,11 @@ class PDConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not (
-            self.data["counters"] or self.data.get("gauges") or self.data["transfer_seconds"] or self.data["transport"]
+            self.data["counters"]
+            or self.data.get("gauges")
+            or self.data.get("reasons")
+            or self.data["transfer_seconds"]
+            or self.data["transport"]
         )
 
 
@@ -160,6 +186,10 @@ class StatsRecorder:
         with self._lock:
             if self._gauges_reported.get(name) != value:
                 self._stats.set_gauge(name, value)
+
+    def count_reason(self, name: str, reason: str, amount: float = 1) -> None:
+        with self._lock:
+            self._stats.count_reason(name, reason, amount)
 
     def observe_transfer(self, seconds: float, nbytes: int) -> None:
         with self._lock:
@@ -261,6 +291,10 @@ class PDPromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in GAUGES.items()
         }
+        self._by_reason = {
+            name: counter_cls(name=f"pdconnect:{name}", documentation=doc, labelnames=[*labelnames, "reason"])
+            for name, (doc, _reasons) in REASON_COUNTERS.items()
+        }
         self._labelvalues = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -274,5 +308,10 @@ class PDPromMetrics(KVConnectorPromMetrics):
             self._seconds[engine_idx].observe(seconds)
         for nbytes in transfer_stats_data.get("transfer_bytes", ()):
             self._bytes[engine_idx].observe(nbytes)
+        for name, by_reason in transfer_stats_data.get("reasons", {}).items():
+            if name in self._by_reason:
+                for reason, value in by_reason.items():
+                    if reason in REASON_COUNTERS[name][1]:
+                        self._by_reason[name].labels(*self._labelvalues[engine_idx], reason).inc(value)
         if transport := transfer_stats_data.get("transport"):
             self._transport.labels(*self._labelvalues[engine_idx], transport).set(1)

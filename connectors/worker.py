@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from connectors.compat import compat_info
+from connectors.compat import compat_info, judge
 from connectors.leases import confirm_claim
 from connectors.metadata import PDConnectorMetadata, PDHandshakeMetadata, PullSpec, decode_layouts, encode_layouts
 from connectors.settings import ConnectorSettings, side_channel_roles
@@ -43,7 +43,7 @@ from connectors.stats import PDConnectorStats, StatsRecorder
 from connectors.vllm_adapter import locate_kv_head_dim
 from pdconnect.kvlayout import LayoutError, TensorLayout, locate_block_dim, pull_ranges_for_layers
 from pdconnect.protocol import Claim, Handshake, HandshakeReply, ParallelShape
-from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError
+from pdconnect.sidechannel import NoAnswer, RefusedByPeer, SideChannelClient, SideChannelError
 from pdconnect.tpmap import (
     GroupHeads,
     HeadRead,
@@ -379,6 +379,12 @@ class PDWorker:
             reply = client.request(
                 Handshake(engine_id=self.engine_id, tp_rank=rank, compat=self.compat, parallel=self.parallel)
             )
+        except RefusedByPeer as exc:
+            self.stats.count("handshake_refusals")
+            if exc.refusal.compat is None:
+                raise LoadError(f"handshake with {spec.side_channel} (prefill rank {rank}) refused: {exc}") from None
+            key = (spec.remote_engine_id, spec.side_channel, spec.compat_hash)
+            raise LoadError(judge(self.compat, key, exc.refusal).message) from None
         except SideChannelError as exc:
             self.stats.count("handshake_refusals")
             raise LoadError(
@@ -397,7 +403,8 @@ class PDWorker:
             )
         if reply.compat != self.compat:
             self.stats.count("handshake_refusals")
-            raise LoadError("incompatible prefill engine: " + "; ".join(self.compat.differences(reply.compat)))
+            key = (spec.remote_engine_id, spec.side_channel, spec.compat_hash)
+            raise LoadError(judge(self.compat, key, reply).message)
         if reply.tp_rank != rank or reply.parallel.tp_rank != rank:
             raise LoadError(f"{spec.side_channel} answered for rank {reply.tp_rank} when asked for rank {rank}")
         return reply

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdconnect.keyring import Keyring
-from pdconnect.protocol import Heartbeat, Message, Release, Role
-from pdconnect.sidechannel import NoAnswer, SideChannelClient, SideChannelError
+from pdconnect.protocol import Handshake, Heartbeat, Message, Release, Role
+from pdconnect.sidechannel import NoAnswer, RefusedByPeer, SideChannelClient, SideChannelError
 
 __all__ = ["PeerNotifier"]
 
@@ -90,7 +90,8 @@ class PeerNotifier:
     `on_reply(address, sent, reply)` (including an `Ack` whose `unknown` lists ids the
     peer no longer holds); timeouts, refusals and errors go to
     `on_failure(address, sent, reason, unanswered)` and are counted as
-    "notification_failures".
+    "notification_failures", except a handshake's `Refusal`, which is its answer and goes
+    to `on_reply`.
     Callbacks run on notifier threads; an exception they raise is logged and counted
     as "notifier_callback_errors". Anything else unexpected is "notifier_errors".
 
@@ -328,6 +329,13 @@ class PeerNotifier:
         sender = self._client(address) if client is None else client
         try:
             reply = sender.request(message, timeout=remaining, cancel=self._stop)
+        except RefusedByPeer as exc:
+            if not isinstance(message, Handshake):
+                self._failed(address, message, str(exc), unanswered=False)
+                return True
+            # A refused handshake is still the peer's answer: its refusal may carry the
+            # peer's compat record, which is what the asker wanted to see.
+            reply = exc.refusal
         except SideChannelError as exc:
             self._failed(address, message, str(exc), unanswered=isinstance(exc, NoAnswer))
             return not isinstance(exc, NoAnswer)

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 __all__ = [
+    "COMPAT_REASONS",
     "PROTOCOL_VERSION",
     "SENDERS",
     "Ack",
@@ -36,12 +37,14 @@ __all__ = [
     "Heartbeat",
     "LeaseMessage",
     "Message",
+    "Mismatch",
     "ProtocolError",
     "Refusal",
     "Release",
     "Role",
     "TransferPlan",
     "decode_plan",
+    "describe_mismatches",
     "is_remote_decode_request",
 ]
 
@@ -50,7 +53,10 @@ __all__ = [
 # 4: messages that act on a lease name the prefill engine they are for (`to_engine`).
 # 5: unequal TP: compat is TP-independent (model-wide KV heads, bytes per head), and
 #    handshakes carry each side's parallel shape (`ParallelShape`).
-PROTOCOL_VERSION = 5
+# 6: a handshake refused for an incompatible record carries the refusing engine's record
+#    (`Refusal.compat`), so the asker names every differing field with both values;
+#    compat values are range-checked on decode; a plan's digest covers its compat digest.
+PROTOCOL_VERSION = 6
 
 
 class ProtocolError(ValueError):
@@ -66,6 +72,11 @@ class _Strict(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
 # --- compatibility -----------------------------------------------------------------
 
+# Indices and block ids are never negative; the decode engine checks the upper bounds
+# against its own geometry (`connectors.plan_checks`), which the wire format cannot know.
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
 
 class GroupCompat(_Strict, frozen=True):
     """What must match, per KV cache group, for one engine's blocks to be another's.
@@ -77,12 +88,22 @@ class GroupCompat(_Strict, frozen=True):
     """
 
     kind: Literal["full_attention", "sliding_window"]
-    block_size: int
-    sliding_window: int | None
+    block_size: Positive
+    sliding_window: Positive | None
     eagle: bool
-    kv_heads: int
+    kv_heads: NonNegative  # 0: the connector could not tell (`connectors.vllm_adapter.group_kv_heads`)
     latent: bool
-    head_page_bytes: int
+    head_page_bytes: Positive
+
+
+class Mismatch(msgspec.Struct, frozen=True):
+    """One field two compat records disagree on: `reason` is the field's name (a fixed set,
+    fit for a metric label), `where` names it for people ("group 1 block_size")."""
+
+    reason: str
+    where: str
+    ours: object
+    theirs: object
 
 
 class CompatInfo(_Strict, frozen=True):
@@ -95,7 +116,7 @@ class CompatInfo(_Strict, frozen=True):
     dtype: str
     cache_dtype: str
     groups: tuple[GroupCompat, ...]
-    cache_hit_alignment: int
+    cache_hit_alignment: Positive
     speculative: str
     kv_layout: str
     protocol_version: int = PROTOCOL_VERSION
@@ -104,21 +125,53 @@ class CompatInfo(_Strict, frozen=True):
         """A short stable hash of all fields, carried in every plan."""
         return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
 
+    def mismatches(self, other: CompatInfo) -> list[Mismatch]:
+        """Every field that differs, in declaration order, group fields group by group.
+
+        Groups are compared index by index up to the shorter list; a differing count is
+        one more mismatch ("groups", the two counts).
+        """
+        found = []
+        for name in self.__struct_fields__:
+            ours, theirs = getattr(self, name), getattr(other, name)
+            if name != "groups":
+                if ours != theirs:
+                    found.append(Mismatch(name, name, ours, theirs))
+                continue
+            for index, (mine, peer) in enumerate(zip(self.groups, other.groups)):
+                found.extend(
+                    Mismatch(field, f"group {index} {field}", getattr(mine, field), getattr(peer, field))
+                    for field in mine.__struct_fields__
+                    if getattr(mine, field) != getattr(peer, field)
+                )
+            if len(self.groups) != len(other.groups):
+                found.append(Mismatch("groups", "number of KV cache groups", len(self.groups), len(other.groups)))
+        return found
+
     def differences(self, other: CompatInfo) -> list[str]:
         """Human-readable `field: ours vs theirs` for every field that differs."""
-        return [
-            f"{name}: {getattr(self, name)!r} vs {getattr(other, name)!r}"
-            for name in self.__struct_fields__
-            if getattr(self, name) != getattr(other, name)
-        ]
+        return [f"{m.where}: {m.ours!r} vs {m.theirs!r}" for m in self.mismatches(other)]
+
+
+def describe_mismatches(mismatches: list[Mismatch], ours: str, theirs: str) -> str:
+    """`mismatches` in words, both sides' values each: "group 1 block_size: prefill engine
+    'p0' 64, this decode engine 128; ..." (`theirs` and `ours` name the two sides)."""
+    return "; ".join(f"{m.where}: {theirs} {m.theirs!r}, {ours} {m.ours!r}" for m in mismatches)
+
+
+# Why a decode engine refuses a plan of another compat digest: the first field of both
+# records that differs (`CompatInfo.mismatches`), the group count, "digest" for a plan
+# whose digest is neither engine's record's, "handshake" when no record could be had.
+COMPAT_REASONS: tuple[str, ...] = (
+    *(f for f in CompatInfo.__struct_fields__ if f != "groups"),
+    *GroupCompat.__struct_fields__,
+    "groups",
+    "digest",
+    "handshake",
+)
 
 
 # --- the transfer plan (kv_transfer_params) ----------------------------------------
-
-
-# Indices and block ids are never negative; the decode engine checks the upper bounds
-# against its own geometry (`connectors.plan_checks`), which the wire format cannot know.
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class BlockRun(_Strict, frozen=True):
@@ -191,10 +244,21 @@ class TransferPlan(_Strict, frozen=True):
         """What a claim names so the prefill engine can tell its own plan from an altered one.
 
         Covers every field that decides which bytes land where: the lease, the prompt,
-        and each group's blocks. A plan edited in transit (by a client or a proxy) no
-        longer matches what the prefill engine recorded, and its claim is refused.
+        each group's blocks, and the compat digest (which layout the bytes have: a plan
+        of a prefill engine restarted with another geometry, its digest edited to match
+        the decode engine's, would otherwise pass the decode engine's digest check with
+        a handshake the worker kept from before the restart). A plan edited in transit
+        (by a client or a proxy) no longer matches what the prefill engine recorded, and
+        its claim is refused.
         """
-        covered = (self.lease_id, self.prompt_digest, self.num_prompt_tokens, self.remote_engine_id, self.groups)
+        covered = (
+            self.lease_id,
+            self.prompt_digest,
+            self.num_prompt_tokens,
+            self.remote_engine_id,
+            self.groups,
+            self.compat_hash,
+        )
         return hashlib.sha256(msgspec.msgpack.encode(covered)).hexdigest()[:32]
 
 
@@ -322,9 +386,15 @@ class Ack(_Msg, frozen=True, tag="ack"):
 
 
 class Refusal(_Msg, frozen=True, tag="refusal"):
-    """The peer refused the message; `reason` says why in words for the log."""
+    """The peer refused the message; `reason` says why in words for the log.
+
+    A handshake refused for an incompatible record carries the refusing engine's own
+    record in `compat`, so the asker can name each field that differs with both values
+    (the record is what a successful handshake hands any decode engine anyway).
+    """
 
     reason: str
+    compat: CompatInfo | None = None
 
 
 Message = Handshake | HandshakeReply | Heartbeat | Claim | Done | Release | Ack | Refusal

@@ -73,6 +73,7 @@ __all__ = [
     "MAX_CONNECTIONS_PER_HOST",
     "SERVER_COUNTERS",
     "NoAnswer",
+    "RefusedByPeer",
     "SideChannelClient",
     "SideChannelError",
     "SideChannelServer",
@@ -158,6 +159,15 @@ _POLL_MILLISECONDS = 100
 
 class SideChannelError(RuntimeError):
     """The peer did not answer in time, refused, or answered something unexpected."""
+
+
+class RefusedByPeer(SideChannelError):
+    """The peer answered with a `Refusal` (kept in `refusal`: a handshake's may carry the
+    peer's compat record)."""
+
+    def __init__(self, message: str, refusal: Refusal) -> None:
+        super().__init__(message)
+        self.refusal = refusal
 
 
 class NoAnswer(SideChannelError):
@@ -559,7 +569,7 @@ class SideChannelClient:
                 self._reset()
                 raise SideChannelError(f"cannot talk to {self.address}: {exc}") from None
         if isinstance(reply, Refusal):
-            raise SideChannelError(f"{self.address} refused {type(message).__name__}: {reply.reason}")
+            raise RefusedByPeer(f"{self.address} refused {type(message).__name__}: {reply.reason}", reply)
         return reply
 
     def _exchange(self, message: Message, seconds: float, cancel: threading.Event | None) -> Message:

@@ -276,6 +276,10 @@ class SimEngine:
             if stats is not None and stats.kv_connector_stats:
                 for name, value in stats.kv_connector_stats.get("counters", {}).items():
                     self.counters[name] = self.counters.get(name, 0) + value
+                for name, by_reason in stats.kv_connector_stats.get("reasons", {}).items():
+                    for reason, value in by_reason.items():
+                        key = f"{name}[{reason}]"
+                        self.counters[key] = self.counters.get(key, 0) + value
 
     def _compute(self, scheduled: dict[str, int]) -> dict[str, bool]:
         """Write each computed block's value; True for requests that sample this step."""

@@ -15,10 +15,22 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
+import msgspec
 import zmq
 
 from pdconnect.notifier import PeerNotifier
-from pdconnect.protocol import Ack, Done, Heartbeat, Message, Release
+from pdconnect.protocol import (
+    Ack,
+    Claim,
+    CompatInfo,
+    Done,
+    Handshake,
+    Heartbeat,
+    Message,
+    ParallelShape,
+    Refusal,
+    Release,
+)
 from pdconnect.sidechannel import SideChannelServer
 from pdconnect.testbed.keys import keyring
 from tests.waiting import wait_until
@@ -160,6 +172,35 @@ def test_a_refusal_is_a_failure_with_the_peers_reason():
         events.wait(lambda: events.of("failure", live.address), "the refusal of a message signed with the wrong key")
         assert "authentication failed" in events.of("failure", live.address)[0][3]
         assert events.unanswered == [False]  # the peer decided: no resend
+
+
+def test_a_refused_handshake_is_its_answer_and_a_refused_claim_a_failure():
+    """A handshake's refusal carries the prefill engine's compat record, which is what the
+    decode engine asked for: it goes to on_reply. Other refusals stay failures."""
+    record = CompatInfo(
+        model="m", dtype="float32", cache_dtype="auto", groups=(), cache_hit_alignment=16, speculative="", kv_layout=""
+    )
+
+    def refuse(message: Message) -> Message:
+        if isinstance(message, Handshake):
+            return Refusal(reason="incompatible engines: dtype differ", compat=record)
+        return Refusal(reason="lease is claimed by another decode request")
+
+    events = _Events()
+    with _prefill(refuse) as live, _notifier(events) as notifier:
+        asked = msgspec.structs.replace(record, dtype="bfloat16")
+        notifier.send(
+            live.address,
+            Handshake(engine_id="decode-0", tp_rank=0, compat=asked, parallel=ParallelShape(tp_size=1, tp_rank=0)),
+        )
+        notifier.send(live.address, Claim(to_engine="prefill-0", lease_id="l", claimant="c", plan_digest="d"))
+        events.wait(lambda: events.of("reply", live.address) and events.of("failure", live.address), "both answers")
+        ((_, _, sent, reply),) = events.of("reply", live.address)
+        assert isinstance(sent, Handshake) and reply == Refusal(
+            reason="incompatible engines: dtype differ", compat=record
+        )
+        ((_, _, claim, reason),) = events.of("failure", live.address)
+        assert isinstance(claim, Claim) and "lease is claimed by another decode request" in str(reason)
 
 
 def test_callback_and_counter_errors_do_not_end_delivery():
