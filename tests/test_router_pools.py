@@ -138,3 +138,29 @@ def test_pools_from_a_config_file_equal_the_command_line(tmp_path: Any) -> None:
     path.write_text('[[pools]]\nmodels = ["m"]\nprefill = ["http://p:1"]\ndecode = ["http://d:1"]\n')
     from_file = parse_args(["--config", str(path)])
     assert from_file.pools == parse_args(["--pool", "model=m,prefill=http://p:1,decode=http://d:1"]).pools
+
+
+@pytest.mark.asyncio
+async def test_a_pool_found_through_dns_serves_its_model_only_FAKE() -> None:
+    a, b = await FakeCluster.start(1, 1), await FakeCluster.start(1, 1)
+    names = {"b-prefill.test": b.prefill[0].url, "b-decode.test": b.decode[0].url}
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return ["127.0.0.1"] if names[host].endswith(f":{port}") else []
+
+    port = {host: url.rpartition(":")[2] for host, url in names.items()}
+    pool = f"model=model-b,prefill-dns=b-prefill.test:{port['b-prefill.test']}"
+    pool += f",decode-dns=b-decode.test:{port['b-decode.test']}"
+    argv = ["--host", "127.0.0.1", "--port", "0", "--prefill", *a.prefill_urls, "--decode", *a.decode_urls]
+    router = await start_router(parse_args([*argv, "--models", "model-a", "--pool", pool]), resolver=resolver)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for model in ("model-b", "model-b", "model-a"):
+                async with http.post(router.url + "/v1/completions", json={**COMPLETION, "model": model}) as resp:
+                    assert resp.status == 200, await resp.text()
+        assert len(b.prefill[0].seen) == len(b.decode[0].seen) == 2
+        assert len(a.prefill[0].seen) == len(a.decode[0].seen) == 1
+    finally:
+        await router.close()
+        await a.close()
+        await b.close()
