@@ -297,6 +297,72 @@ def test_usage_reports_prefill_side_caching_not_the_transfer(engines: Engines, r
     assert 0 < again["prompt_tokens_details"]["cached_tokens"] < PREFIX_TOKENS
 
 
+def _response(text: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "instructions": "w13 w14 w15",
+        "input": text,
+        "max_output_tokens": DECODE_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "store": False,
+        **extra,
+    }
+
+
+def _response_text(answer: dict[str, Any]) -> str:
+    return "".join(
+        part["text"]
+        for item in answer["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+        if part["type"] == "output_text"
+    )
+
+
+def _streamed_response(
+    http: httpx.Client, base: str, body: dict[str, Any]
+) -> tuple[str, dict[str, Any], httpx.Headers]:
+    """A Responses stream's text (its deltas), the final response's usage, the headers."""
+    names: list[str] = []
+    events: list[dict[str, Any]] = []
+    with http.stream("POST", f"{base}/v1/responses", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                names.append(line[7:])
+            elif line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    assert names[-1] == "response.completed", names
+    text = "".join(event["delta"] for name, event in zip(names, events, strict=True) if name.endswith("text.delta"))
+    return text, events[-1]["response"]["usage"], response.headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_through_router_are_served_pd_and_equal_one_engine(
+    engines: Engines, router: str, http: httpx.Client, stream: bool
+) -> None:
+    """/v1/responses: the prefill engine computes the prompt (named in the route header, no
+    fallback), the decode engine loads it over the connector instead of computing it, and
+    the text equals one engine's own /v1/responses answer with the same greedy params."""
+    body = _response(_words(_ids(seed=112 + stream, length=300)))
+    alone = _post(http, engines.single.base_url, "/v1/responses", body).json()
+    before = PrefixCacheCounters.scrape(engines.decode.base_url, http)
+    if stream:
+        text, usage, headers = _streamed_response(http, router, body)
+    else:
+        routed = _post(http, router, "/v1/responses", body)
+        text, usage, headers = _response_text(routed.json()), routed.json()["usage"], routed.headers
+    loaded = PrefixCacheCounters.scrape(engines.decode.base_url, http) - before
+    assert text == _response_text(alone) and len(text) > 0
+    assert headers["x-pdconnect-prefill"] == engines.prefill.base_url and "x-pdconnect-fallback" not in headers
+    prompt_tokens = alone["usage"]["input_tokens"]
+    assert loaded.external_hits >= prompt_tokens - BLOCK_SIZE  # decode pulled the prompt (kv_transfer_params)
+    assert usage["input_tokens"] == prompt_tokens and usage["output_tokens"] == DECODE_TOKENS
+    # Usage as prefill computed it, not decode's "all cached" after the pull.
+    assert usage["input_tokens_details"]["cached_tokens"] < prompt_tokens - BLOCK_SIZE
+
+
 def test_sibling_lands_on_the_same_decode_engine(engines: Engines, router: str, http: httpx.Client) -> None:
     prefix = _ids(seed=106, length=PREFIX_TOKENS)
     first = _post(http, router, "/v1/completions", _completion(prefix + _ids(seed=107, length=40)))

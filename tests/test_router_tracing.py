@@ -106,10 +106,17 @@ def test_an_endpoint_without_the_sdk_is_a_config_error(monkeypatch: pytest.Monke
 def test_the_router_starts_a_trace_context_only_when_its_own_spans_do_not(tracing: bool, forwarded: bool) -> None:
     """Without a client `traceparent`, the router without tracing starts one both legs share;
     with tracing each attempt's span sets the leg's own, so none is made here for nothing."""
+    from pdconnect.router.breaker import CircuitBreaker
+    from pdconnect.router.engines import EngineRegistry, Role
+    from pdconnect.router.pools import Pool, Pools
     from pdconnect.router.request import Endpoint, parse_call
 
+    registry = EngineRegistry(lambda: CircuitBreaker(3, 10.0), probed=False)
+    registry.add(Role.PREFILL, "http://127.0.0.1:1", "test")
+    registry.add(Role.DECODE, "http://127.0.0.1:2", "test")
+    pools = Pools([Pool("default", (), registry, None, {})])
     call = parse_call(
-        b'{"prompt": "a", "max_tokens": 1}', Endpoint.COMPLETIONS, {}, 0.0, pd=True, key_of=None, tracing=tracing
+        b'{"prompt": "a", "max_tokens": 1}', Endpoint.COMPLETIONS, {}, 0.0, pools=pools, key_of=None, tracing=tracing
     )
     assert ("traceparent" in call.headers) == forwarded
     assert (len(call.trace_id) == 32) == forwarded
@@ -119,7 +126,7 @@ def test_the_router_starts_a_trace_context_only_when_its_own_spans_do_not(tracin
         Endpoint.COMPLETIONS,
         {"traceparent": TRACEPARENT, "tracestate": "k=v"},
         0.0,
-        pd=True,
+        pools=pools,
         key_of=None,
         tracing=tracing,
     )

@@ -8,7 +8,10 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
 - `app`: the HTTP face, lifecycle and `main`; `listener`: aiohttp's server with a
   deadline on each request head, and the drain on stop; `body`: the client's body
   within limits.
-- `request`: the request's typed view (`Call`) and the bodies of its two legs.
+- `apikeys`: client API keys the router checks, each with its rates (`ratelimit`: token
+  buckets and what a request costs).
+- `request`: the request's typed view (`Call`) and the bodies of its two legs; `responses`:
+  the Responses API's refusals, usage and stream ends; `pools`: model pools chosen by `model`.
 - `engines`: the registry; `health`: `/health` polling; `breaker`: the circuit breaker
   over request outcomes; `discovery`: engines from DNS.
 - `policy`: which engine serves a request. For kv-aware: `tokenizing` turns the request

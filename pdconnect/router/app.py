@@ -27,15 +27,17 @@ import msgspec
 from aiohttp import web
 from prometheus_client import Counter
 
+from pdconnect.router.apikeys import ApiKeys
 from pdconnect.router.breaker import CircuitBreaker
 from pdconnect.router.chat_template import PromptTokenizer
-from pdconnect.router.config import ConfigError, RouterConfig, engine_origin, parse_args
+from pdconnect.router.config import ConfigError, RouterConfig, engine_origin, parse_args, pool_dns_targets
 from pdconnect.router.decider import DeciderSettings, DecodeFirstDecider
 from pdconnect.router.discovery import DnsDiscovery, Resolver, resolve_addresses
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
     AdminUnauthorized,
     BadRequest,
+    ClientError,
     EngineRejected,
     NoEngineAvailable,
     RouterError,
@@ -49,7 +51,8 @@ from pdconnect.router.listener import serve_app
 from pdconnect.router.logs import configure_logging
 from pdconnect.router.lookup import parse_groups
 from pdconnect.router.metrics import RouterMetrics
-from pdconnect.router.policy import LoadBound, make_policy
+from pdconnect.router.policy import LoadBound, RoutingPolicy, make_policy
+from pdconnect.router.pools import Pools, build_pools, pool_source
 from pdconnect.router.releaser import PrefillReleaser
 from pdconnect.router.request import Endpoint
 from pdconnect.router.tracing import Tracing, TracingUnavailable, require_sdk
@@ -73,6 +76,9 @@ def openai_error(status: int, message: str, kind: str) -> web.Response:
 def error_response(exc: RouterError) -> web.Response:
     if isinstance(exc, EngineRejected):
         return web.Response(status=exc.status, body=exc.body, headers={"Content-Type": exc.content_type})
+    if isinstance(exc, ClientError):  # OpenAI's own type, param and code (401, 404 model, 429, ...)
+        body = openai_error_body(exc.http_status, str(exc), exc.error_type, exc.param, exc.code)
+        return web.Response(status=exc.http_status, body=body, content_type="application/json", headers=exc.headers)
     response = openai_error(exc.http_status, str(exc), type(exc).__name__)
     if exc.closes:  # the body was not (fully) read: close rather than drain what is left
         response.force_close()
@@ -123,6 +129,7 @@ class Router:
         self._resolver = resolver
         self._side_channel_keys = config.resolve_side_channel_keys()
         self._admin_token = config.resolve_admin_token()
+        self._keys = ApiKeys.load(config.api_keys_file, config.api_keys_env, config.engine_api_key_env)
         # Loaded before anything listens: a path that holds no tokenizer is a ConfigError in `main`.
         self._tokenizer = self._load_tokenizer(config)
         if config.otlp_traces_endpoint:
@@ -157,6 +164,7 @@ class Router:
         app.cleanup_ctx.append(self._lifecycle)
         app.router.add_post(Endpoint.COMPLETIONS.value, self._completions)
         app.router.add_post(Endpoint.CHAT.value, self._chat)
+        app.router.add_post(Endpoint.RESPONSES.value, self._responses)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         if self.config.metrics_port is None:
@@ -206,6 +214,7 @@ class Router:
         feed = self._kv_events_feed() if config.policy == "kv-aware" else None
         load = LoadBound(config.affinity_load_factor, config.affinity_min_load)
         tracing = Tracing(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
+        pools = self._pools(lambda: make_policy(config.policy, load, config.affinity_vnodes, feed))
         self._flow = PDFlow(
             config,
             self.registry,
@@ -217,6 +226,8 @@ class Router:
             self._decider(feed),
             self._tokenizer,
             tracing,
+            pools,
+            self._keys,
         )
         tasks: list[asyncio.Task[None]] = []
         monitor = None
@@ -234,8 +245,12 @@ class Router:
             self.registry.add(Role.PREFILL, url, "static")
         for url in config.decode_urls:
             self.registry.add(Role.DECODE, url, "static")
+        for pool in config.pools:
+            for role, urls in ((Role.PREFILL, pool.prefill), (Role.DECODE, pool.decode)):
+                for url in urls:
+                    self.registry.add(role, url.rstrip("/"), pool_source(pool.name))
         for role in Role:
-            for target in config.dns_targets(role.value):
+            for target in config.dns_targets(role.value, pools=True):
                 discovery = DnsDiscovery(
                     self.registry,
                     role,
@@ -270,6 +285,13 @@ class Router:
             releaser.close(wait=True)
             if tracing is not None:
                 await asyncio.to_thread(tracing.close)  # exports what is buffered (blocking)
+
+    def _pools(self, make: Callable[[], RoutingPolicy]) -> Pools:
+        """The model pools (`pools.py`), each with policies of its own (one pool without `pools`)."""
+        config = self.config
+        named = [(pool, [f"dns:{target}" for target in pool_dns_targets(pool)]) for pool in config.pools]
+        top_dns = [f"dns:{target}" for role in Role for target in config.dns_targets(role.value)]
+        return build_pools(self.registry, config.models, named, top_dns, make)
 
     def _decider(self, feed: KVEventsFeed | None) -> DecodeFirstDecider | None:
         config = self.config
@@ -324,6 +346,10 @@ class Router:
         assert self._flow is not None
         return await self._flow.handle(request, Endpoint.CHAT)
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        assert self._flow is not None
+        return await self._flow.handle(request, Endpoint.RESPONSES)
+
     async def _models(self, request: web.Request) -> web.StreamResponse:
         """The models of every engine server (prefill and decode, each data-parallel server
         once), merged by id: a pool whose engines serve different models or LoRA adapters
@@ -331,8 +357,13 @@ class Router:
         not answer, answers 5xx or over the size limit is left out. When no engine lists
         anything, the first engine's refusal (e.g. 401 without its API key) is relayed."""
         assert self._session is not None
-        # Engines started with --api-key want the client's key here too.
+        # Engines started with --api-key want the client's key here too (or the engines' own
+        # key, when the router checks client keys: `apikeys`).
         headers = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else None
+        if self._keys is not None:
+            self._keys.identify(request.headers)
+            if self._keys.engine_authorization is not None:
+                headers = {"Authorization": self._keys.engine_authorization}
         servers = list(dict.fromkeys(engine.url for engine in self.registry.all_engines() if engine.routable))
         answers = await asyncio.gather(*(self._models_of(url, headers) for url in servers))
         listed: dict[str, Any] = {}

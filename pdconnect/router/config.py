@@ -22,8 +22,9 @@ from pdconnect.config_fields import AtLeastOne, Meta, Port, Seconds, check_bound
 from pdconnect.errors import ConfigError
 from pdconnect.keyring import Keyring, SigningKey, TrustedKeys
 from pdconnect.router.lookup import parse_groups
+from pdconnect.router.pools import PoolConfig, check_pools
 
-__all__ = ["ConfigError", "DnsTarget", "RouterConfig", "engine_origin", "load_config", "parse_args"]
+__all__ = ["ConfigError", "DnsTarget", "RouterConfig", "engine_origin", "load_config", "parse_args", "pool_dns_targets"]
 
 logger = logging.getLogger("pdconnect.router.config")
 
@@ -231,8 +232,23 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # needs the `otel` extra. None: no spans (the trace context is forwarded anyway).
     otlp_traces_endpoint: str | None = None
 
+    # Several model pools behind one router, chosen by the body's `model` (`pools.py`);
+    # `models`: the names the top-level engines serve (with pools, or to refuse unknown
+    # names with one pool). Neither: one pool, `model` left to the engines.
+    models: tuple[str, ...] = ()
+    pools: tuple[PoolConfig, ...] = ()
+    # Client API keys checked by the router, each with its rates (`apikeys.py`): a JSON or
+    # TOML document in a file, or JSON in an environment variable. None: no keys checked.
+    api_keys_file: str | None = None
+    api_keys_env: str | None = None
+    # With client keys on: the key sent to the engines (`vllm serve --api-key`) instead of
+    # the client's, from this environment variable.
+    engine_api_key_env: str | None = None
+
     def __post_init__(self) -> None:
         check_bounds(self)
+        top_level = bool(self.prefill or self.decode or self.prefill_dns or self.decode_dns)
+        check_pools(self.pools, self.models, top_level, self.tokenizer)
         if self.policy == "kv-aware" and self.kv_events_port is None and not self.kv_events_endpoints:
             raise ConfigError("the kv-aware policy needs --kv-events-port (or kv_events_endpoints)")
         self._check_rank_ports()
@@ -247,12 +263,18 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 raise ConfigError("decode_first_max_uncached_ratio must be in (0, 1]")
         if self.kv_cache_groups is not None:
             parse_groups(self.kv_cache_groups)
-        if not (self.decode or self.decode_dns):
+        if not (self.decode or self.decode_dns or self.pools):
             raise ConfigError("no decode engines: give --decode URL or --decode-dns NAME:PORT")
-        for url in self.prefill + self.decode:
+        for url in self.prefill + self.decode + tuple(u for pool in self.pools for u in pool.prefill + pool.decode):
             _normalize_url(url)
-        for target in self.prefill_dns + self.decode_dns:
+        for target in (
+            self.prefill_dns
+            + self.decode_dns
+            + tuple(t for pool in self.pools for t in pool.prefill_dns + pool.decode_dns)
+        ):
             DnsTarget.parse(target)
+        if self.api_keys_file is not None and self.api_keys_env is not None:
+            raise ConfigError("give --api-keys-file or --api-keys-env, not both")
 
     def _check_rank_ports(self) -> None:
         """A data-parallel engine's rank r publishes on `kv_events_port + r` and replays on
@@ -277,9 +299,14 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def decode_urls(self) -> tuple[str, ...]:
         return tuple(_normalize_url(u) for u in self.decode)
 
-    def dns_targets(self, role: str) -> tuple[DnsTarget, ...]:
+    def dns_targets(self, role: str, pools: bool = False) -> tuple[DnsTarget, ...]:
+        """The top-level DNS names of `role`'s engines (and every pool's, with `pools`), each once."""
         names = self.prefill_dns if role == "prefill" else self.decode_dns
-        return tuple(DnsTarget.parse(n) for n in names)
+        if pools:
+            names += tuple(
+                n for pool in self.pools for n in (pool.prefill_dns if role == "prefill" else pool.decode_dns)
+            )
+        return tuple(DnsTarget.parse(n) for n in dict.fromkeys(names))
 
     def resolve_secret(self) -> bytes | None:
         """The side-channel secret from the environment, read once at start."""
@@ -303,6 +330,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         return value.decode() if value is not None else None
 
 
+def pool_dns_targets(pool: PoolConfig) -> tuple[DnsTarget, ...]:
+    """A pool's DNS names, both roles."""
+    return tuple(DnsTarget.parse(n) for n in pool.prefill_dns + pool.decode_dns)
+
+
 def _read_env(name: str | None) -> bytes | None:
     if name is None:
         return None
@@ -324,6 +356,9 @@ def load_config(values: dict[str, Any]) -> RouterConfig:
             logger.warning("router option %s is deprecated: it is now %s", name, new)
             name = new
         options[name] = value
+    if "pools" in options and isinstance(options["pools"], list | tuple):
+        # Given as --pool specs on the command line, as tables in a file.
+        options["pools"] = [PoolConfig.parse(p) if isinstance(p, str) else p for p in options["pools"]]
     try:
         check_values(RouterConfig, options)  # before msgspec, whose own message names no value
         return msgspec.convert(options, RouterConfig)
@@ -358,9 +393,9 @@ _RENAMED_FLAGS = {
 _RENAMED_KEYS = {old.replace("-", "_"): new.replace("-", "_") for new, old in _RENAMED_FLAGS.items()}
 
 
-def _add(group: Any, name: str, help: str, **kw: Any) -> None:
+def _add(group: Any, name: str, help: str, dest_name: str | None = None, **kw: Any) -> None:
     """One option whose help ends with its default, taken from RouterConfig (one source)."""
-    dest = name.replace("-", "_")
+    dest = dest_name or name.replace("-", "_")
     default = _default(dest)
     if isinstance(default, bool):
         shown = "on" if default else "off"
@@ -411,6 +446,23 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
     )
     _add(engines, "decode-dp-size", "data-parallel ranks of every decode engine", type=int)
+    _add(
+        engines,
+        "models",
+        "model names the engines above serve: a request naming another is refused (404), unless a --pool serves it",
+        nargs="+",
+        action="extend",
+        metavar="NAME",
+    )
+    _add(
+        engines,
+        "pool",
+        "another model pool, routed by the body's model: model=NAME,prefill=URL,decode=URL "
+        "(keys repeat; also prefill-dns=, decode-dns=)",
+        dest_name="pools",
+        action="append",
+        metavar="SPEC",
+    )
     routing = p.add_argument_group("routing")
     _add(
         routing,
@@ -571,6 +623,19 @@ def _parser() -> argparse.ArgumentParser:
         "otlp-traces-endpoint",
         "send the router's spans to this OTLP/HTTP endpoint (http://collector:4318/v1/traces; extra `otel`)",
         metavar="URL",
+    )
+    _add(
+        admin,
+        "api-keys-file",
+        "client API keys (JSON, or TOML ending .toml), each with its rates; /v1/ then needs one",
+        metavar="PATH",
+    )
+    _add(admin, "api-keys-env", "environment variable holding the client API keys document (JSON)", metavar="NAME")
+    _add(
+        admin,
+        "engine-api-key-env",
+        "with client keys: environment variable holding the key sent to the engines instead of the client's",
+        metavar="NAME",
     )
     _add(
         admin,

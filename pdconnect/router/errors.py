@@ -17,22 +17,31 @@ __all__ = [
     "BadRequest",
     "BodyTimeout",
     "BodyTooLarge",
+    "ClientError",
     "DecodeFailed",
     "DecodeTimeout",
     "EngineAnswerTooLarge",
     "EngineRejected",
+    "InvalidApiKey",
+    "ModelNotFound",
     "NoEngineAvailable",
     "PrefillFailed",
+    "RateLimited",
     "RouterError",
     "UnknownEngine",
     "UnsupportedEncoding",
+    "UnsupportedFeature",
     "openai_error_body",
 ]
 
 
-def openai_error_body(status: int, message: str, kind: str) -> bytes:
-    """An error in the OpenAI (and vLLM) shape: `{"error": {"message", "type", "param", "code"}}`."""
-    return msgspec.json.encode({"error": {"message": message, "type": kind, "param": None, "code": status}})
+def openai_error_body(
+    status: int, message: str, kind: str, param: str | None = None, code: str | int | None = None
+) -> bytes:
+    """An error in the OpenAI (and vLLM) shape: `{"error": {"message", "type", "param", "code"}}`;
+    `code` is the HTTP status unless the cause has a name of its own (`model_not_found`)."""
+    body = {"message": message, "type": kind, "param": param, "code": status if code is None else code}
+    return msgspec.json.encode({"error": body})
 
 
 class RouterError(Exception):
@@ -137,3 +146,52 @@ class UnknownEngine(RouterError):
     """An admin call names an engine the registry does not hold."""
 
     http_status = 404
+
+
+class ClientError(RouterError):
+    """A refusal in OpenAI's own words: its `type`, the `param` at fault and a named `code`
+    (what OpenAI's SDKs read), plus any headers the answer needs (`Retry-After`)."""
+
+    error_type: str = "invalid_request_error"
+    code: ClassVar[str] = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.headers = headers or {}
+
+
+class UnsupportedFeature(ClientError):
+    """A request asks for what the router cannot carry (stored state, background runs,
+    server-side tools): refused before any engine sees it."""
+
+    http_status = 400
+    code = "unsupported_parameter"
+
+
+class ModelNotFound(ClientError):
+    """The body's `model` names no pool of this router."""
+
+    http_status = 404
+    code = "model_not_found"
+
+
+class InvalidApiKey(ClientError):
+    """Client API keys are on and the request has none, or an unknown one."""
+
+    http_status = 401
+    outcome = "unauthorized"
+    code = "invalid_api_key"
+
+
+class RateLimited(ClientError):
+    """A key is over its request or token rate; `Retry-After` says when it is not."""
+
+    http_status = 429
+    outcome = "rate_limited"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, kind: str, retry_after: int) -> None:
+        # OpenAI's 429 names the exhausted limit as its type: "requests" or "tokens".
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
+        self.error_type = kind

@@ -46,6 +46,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from pdconnect.router.apikeys import ApiKeys
 from pdconnect.router.body import read_body
 from pdconnect.router.chat_template import PromptTokenizer
 from pdconnect.router.config import RouterConfig
@@ -64,9 +65,11 @@ from pdconnect.router.errors import (
 from pdconnect.router.logs import ACCESS_LOGGER, bind_request
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.policy import AffinityTracker, KvAware, PrefixAffinity, RoutingPolicy, affinity_key
+from pdconnect.router.pools import Pool, Pools
 from pdconnect.router.record import SERVED, Prefilled, RequestRecord
 from pdconnect.router.releaser import PrefillReleaser
 from pdconnect.router.request import Call, Endpoint, KeyOf, decode_body, parse_call, prefill_body
+from pdconnect.router.responses import DIALECTS
 from pdconnect.router.tokenizing import PromptReader
 from pdconnect.router.tracing import NO_SPANS, Tracing
 from pdconnect.router.upstream import (
@@ -125,15 +128,19 @@ class PDFlow:
         decider: DecodeFirstDecider | None = None,
         tokenizer: PromptTokenizer | None = None,
         tracing: Tracing | None = None,
+        pools: Pools | None = None,
+        keys: ApiKeys | None = None,
     ) -> None:
         self._config = config
+        policies = {Role.PREFILL: prefill_policy, Role.DECODE: decode_policy}
+        # Without pools: one pool of every engine with these policies, the body's `model` unread.
+        self._pools = pools or Pools([Pool("default", (), registry, None, policies)])
+        self._keys = keys
         self._tracing = tracing
         self._decider = decider
-        self._registry = registry
         self._upstream = upstream
         self._metrics = metrics
         self._releaser = releaser
-        self._policies = {Role.PREFILL: prefill_policy, Role.DECODE: decode_policy}
         self._kv_aware = decode_policy if isinstance(decode_policy, KvAware) else None
         self._affinity = (
             {role: AffinityTracker() for role in Role} if isinstance(decode_policy, PrefixAffinity) else None
@@ -163,16 +170,20 @@ class PDFlow:
             self._tracing.start(http.headers, f"{http.method} {http.path}") if self._tracing else NO_SPANS
         )
         try:
+            client = self._keys.admit(http.headers) if self._keys is not None else None  # 401, 429 on requests
             raw = await read_body(http, self._config.max_body_bytes, self._config.body_read_timeout)
-            pd = bool(self._registry.engines(Role.PREFILL))
             tracing = self._tracing is not None
-            call = parse_call(raw, endpoint, http.headers, started, pd=pd, key_of=self._key_of, tracing=tracing)
+            call = parse_call(
+                raw, endpoint, http.headers, started, pools=self._pools, key_of=self._key_of, tracing=tracing
+            )
             if trace.spans.trace_id is not None:
                 call = dataclasses.replace(call, trace_id=trace.spans.trace_id)
             bind_request(call.request_id, call.trace_id)
             if self._reader is not None:
                 call = dataclasses.replace(call, prompt=await self._reader.routing_prompt(call))
-            if not any(engine.routable for engine in self._registry.engines(Role.DECODE)):
+            if self._keys is not None and client is not None:
+                self._keys.charge(client, call)  # 429 on tokens; the engines' own key
+            if not any(engine.routable for engine in call.pool.engines(Role.DECODE)):
                 raise NoEngineAvailable(Role.DECODE.value)  # before P computes for nobody
             trace.route = self._route(call, trace)
             if trace.route is not None:
@@ -311,7 +322,8 @@ class PDFlow:
                 # travel on. Free it, and prefill again for the next engine (which does not
                 # hold a locally routed request's prompt either).
                 body = decode_body(call, await self._prefill_again(call, trace, attempt))
-            merger = UsageMerger.from_prefill(trace.prefilled.usage) if trace.prefilled else self._hit_check(trace)
+            merged = DIALECTS[call.endpoint.label].merger
+            merger = merged.from_prefill(trace.prefilled.usage) if trace.prefilled else self._hit_check(trace)
             verdict: bool | None = None
             engine.begin()
             leg = trace.spans.leg(Role.DECODE.value, engine.name, attempt)
@@ -414,7 +426,8 @@ class PDFlow:
         """Stream the decode answer to the client. Returns the response and the engine's verdict."""
         out = HeadersWithBodyResponse(status=resp.status, headers=headers)
         # Always framed: whatever the engine leaves half-written is held back, never sent.
-        rewriter = SseRewriter(merger, self._config.max_event_bytes)
+        dialect = DIALECTS[call.endpoint.label]  # how this endpoint's streams end
+        rewriter = SseRewriter(merger, self._config.max_event_bytes, dialect.ends)
         idle = self._stream_idle
         writer = self._writer(http, out, trace)
         try:
@@ -459,7 +472,7 @@ class PDFlow:
             trace.outcome = "decode_dropped"
             reason = broke or ("ended mid-event" if partial else "ended without [DONE]")
             logger.warning("decode stream from %s broke: %s", engine.name, reason)
-            await writer.write_eof(data + _stream_error(f"decode engine stream broke: {reason}"))
+            await writer.write_eof(data + dialect.stream_error(f"decode engine stream broke: {reason}"))
             return out, False
         except ConnectionResetError as exc:
             # The client left (or stopped reading) mid-stream: closing our side aborts the
@@ -541,7 +554,8 @@ class PDFlow:
     # --- helpers ----------------------------------------------------------------------------
 
     def _candidates(self, role: Role, call: Call, attempts: int) -> list[Engine]:
-        ordered = self._policies[role].order(self._registry.engines(role), call.key, call.prompt)
+        pool = call.pool
+        ordered = pool.policies[role].order(pool.engines(role), call.key, call.prompt)
         return _other_servers_first(ordered)[:attempts]
 
     def _hit_check(self, trace: RequestRecord) -> UsageMerger | None:
@@ -597,8 +611,3 @@ def _blame(suspects: list[Engine]) -> None:
 def _close(resp: UpstreamResponse | None) -> None:
     if resp is not None:
         resp.close()
-
-
-def _stream_error(message: str) -> bytes:
-    event = {"error": {"message": message, "type": "BadGateway", "code": 502}}
-    return b"data: " + _json_encode(event) + b"\n\ndata: [DONE]\n\n"

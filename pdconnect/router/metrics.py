@@ -45,6 +45,8 @@ OUTCOMES = (
     "decode_dropped",  # decode stream broke or stalled after the client got bytes
     "client_disconnect",  # the client went away; decode aborted, prefill released
     "client_stalled",  # the client stopped reading: dropped after client_write_timeout
+    "unauthorized",  # client API keys are on and the request carried no known key (401)
+    "rate_limited",  # the key was over its request or token rate (429)
 )
 
 _LATENCY_BUCKETS = (

@@ -14,12 +14,17 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from pdconnect.router.engines import Role
 from pdconnect.router.errors import BadRequest
 from pdconnect.router.prompt import RoutingPrompt
+from pdconnect.router.responses import as_messages, refuse_unsupported
+
+if TYPE_CHECKING:
+    from pdconnect.router.pools import Pool, Pools
 
 __all__ = ["PREFILL_FIELDS", "Call", "Endpoint", "decode_body", "forward_trace_context", "parse_call", "prefill_body"]
 
@@ -33,12 +38,13 @@ KeyOf = Callable[[dict[str, Any], bool], int | None]
 class Endpoint(enum.Enum):
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
+    RESPONSES = "/v1/responses"  # OpenAI's Responses API, stateless (`responses`)
 
     def __init__(self, path: str) -> None:
         # Plain attributes, read several times per request: `.value` and properties go
         # through enum's Python-level descriptors on CPython 3.11.
         self.path = path
-        self.label = "chat" if path == "/v1/chat/completions" else "completions"
+        self.label = {"/v1/chat/completions": "chat", "/v1/responses": "responses"}.get(path, "completions")
 
 
 class _Fields(msgspec.Struct, kw_only=True):
@@ -72,6 +78,22 @@ class _Chat(_Fields, kw_only=True):
     max_completion_tokens: int | None = None
 
 
+class _Responses(_Fields, kw_only=True):
+    """A Responses API request's (`responses.refuse_unsupported` checks the rest)."""
+
+    input: str | list[Any]
+    max_output_tokens: int | None = None
+    store: bool | None = None
+    background: bool | None = None
+
+
+_STRUCTS: dict[Endpoint, type[_Fields]] = {
+    Endpoint.COMPLETIONS: _Completion,
+    Endpoint.CHAT: _Chat,
+    Endpoint.RESPONSES: _Responses,
+}
+
+
 @dataclass(frozen=True)
 class Call:
     """One client request, parsed once."""
@@ -83,6 +105,7 @@ class Call:
     key: int | None
     headers: dict[str, str]  # forwarded to every engine (request id, authorization, trace context)
     started: float
+    pool: Pool  # the model pool that serves it (`pools`): its engines and policies
     trace_id: str = ""  # the W3C trace id both legs carry (`traceparent`)
     raw: bytes = b"{}"  # the client's body as received (inflated)
     # The prompt's token ids, when the policy needs them, and their chain keys, shared by
@@ -96,23 +119,24 @@ def parse_call(
     headers: Mapping[str, str],
     started: float,
     *,
-    pd: bool,
+    pools: Pools,
     key_of: KeyOf | None,
     tracing: bool = False,
 ) -> Call:
-    """The request in `raw`, checked; BadRequest names what is wrong. `pd`: prefill engines
-    are registered (`_refuse_unroutable`); `key_of`: the affinity key, None when no policy reads it;
-    `tracing`: the router's own spans carry the trace context (`forward_trace_context`)."""
+    """The request in `raw`, checked; BadRequest names what is wrong. `pools`: the body's
+    `model` picks one (ModelNotFound otherwise); with prefill engines in it, what would make
+    several sequences is refused (`_refuse_unroutable`); `key_of`: the affinity key, None
+    when no policy reads it; `tracing`: the router's own spans carry the trace context
+    (`forward_trace_context`)."""
     try:
         body = _json_decode(raw)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    pool = pools.select(body.get("model"))
     try:
-        fields: _Chat | _Completion = (
-            msgspec.convert(body, _Chat) if endpoint is Endpoint.CHAT else msgspec.convert(body, _Completion)
-        )
+        fields = msgspec.convert(body, _STRUCTS[endpoint])
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid request: {exc}") from None
     if isinstance(fields, _Chat):
@@ -120,14 +144,23 @@ def parse_call(
             raise BadRequest("invalid request: `messages` must not be empty")
         if not all(isinstance(message, dict) for message in fields.messages):
             raise BadRequest("invalid request: every message in `messages` must be an object")
-    _refuse_unroutable(fields, pd)
+    if isinstance(fields, _Responses):
+        refuse_unsupported(body)
+    _refuse_unroutable(fields, bool(pool.engines(Role.PREFILL)))
     # 128 random bits as 32 hex digits, like uuid4().hex without building a UUID.
     request_id = headers.get("X-Request-Id") or os.urandom(16).hex()
     forward = {"X-Request-Id": request_id, "Content-Type": "application/json"}
     if "Authorization" in headers:
         forward["Authorization"] = headers["Authorization"]
     trace_id = forward_trace_context(headers, forward, tracing=tracing)
-    key = key_of(body, endpoint is Endpoint.CHAT) if key_of is not None else None
+    key = None
+    if key_of is not None:
+        # A Responses input is hashed as the chat messages it becomes.
+        key = (
+            key_of({"messages": as_messages(body)}, True)
+            if isinstance(fields, _Responses)
+            else key_of(body, endpoint is Endpoint.CHAT)
+        )
     return Call(
         endpoint=endpoint,
         body=body,
@@ -138,6 +171,7 @@ def parse_call(
         headers=forward,
         started=started,
         trace_id=trace_id,
+        pool=pool,
     )
 
 
@@ -207,6 +241,25 @@ PREFILL_FIELDS: dict[Endpoint, frozenset[str]] = {
             "mm_processor_kwargs",
         )
     ),
+    # vLLM renders a Responses input as a chat: instructions, input items, tools, reasoning
+    # (its effort reaches the template), template kwargs; `text` too, since a harmony
+    # model's prompt states the response format.
+    Endpoint.RESPONSES: frozenset(
+        (
+            *_COMMON_PREFILL_FIELDS,
+            "input",
+            "instructions",
+            "tools",
+            "tool_choice",
+            "reasoning",
+            "text",
+            "truncation",
+            "chat_template_kwargs",
+            "previous_input_messages",
+            "media_io_kwargs",
+            "mm_processor_kwargs",
+        )
+    ),
 }
 
 
@@ -214,7 +267,11 @@ def prefill_body(call: Call) -> dict[str, Any]:
     """The prefill leg's body: compute the prompt, produce one token, hold the KV for decode."""
     fields = PREFILL_FIELDS[call.endpoint]
     body = {name: value for name, value in call.body.items() if name in fields}
-    body["max_tokens"] = 1
+    if call.endpoint is Endpoint.RESPONSES:
+        body["max_output_tokens"] = 1
+        body["store"] = False  # an engine that stores responses keeps none of these one-token answers
+    else:
+        body["max_tokens"] = 1
     if call.endpoint is Endpoint.CHAT:
         body["max_completion_tokens"] = 1
     body["stream"] = False
@@ -245,7 +302,7 @@ def decode_body(call: Call, params: dict[str, Any] | None) -> bytes:
     return _json_encode(body)
 
 
-def _refuse_unroutable(fields: _Chat | _Completion, pd: bool) -> None:
+def _refuse_unroutable(fields: _Fields, pd: bool) -> None:
     """BadRequest for what the router cannot carry: a client's own way into
     `kv_transfer_params`, and, with prefill engines (`pd`), a request that makes the
     engine run several sequences, each of which would hold a prefill plan of its own."""

@@ -115,6 +115,9 @@ class PromptReader:
         if body.get("cache_salt") is not None:
             # A salt changes every block hash; the index matches content only.
             raise NotRendered("unsupported_request", "`cache_salt` is set")
+        if call.endpoint is Endpoint.RESPONSES:
+            # vLLM renders a Responses input into a chat of its own making: not predicted here.
+            raise NotRendered("unsupported_request", "a Responses API input")
         if call.endpoint is Endpoint.CHAT:
             if self._tokenizer is None:
                 raise NotRendered("no_tokenizer", "no --tokenizer")

@@ -18,6 +18,7 @@ through, never turned into Python objects.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -25,7 +26,7 @@ import msgspec
 # What the rewriters take and give: bytes, or views of them.
 Buffer = bytes | bytearray | memoryview
 
-__all__ = ["Buffer", "EventTooLarge", "SseRewriter", "UsageMerger"]
+__all__ = ["Buffer", "EventTooLarge", "SseRewriter", "UsageMerger", "ends_with_done", "stream_error"]
 
 _DONE = b"data: [DONE]\n\n"
 _decode = msgspec.json.decode
@@ -40,7 +41,12 @@ class EventTooLarge(ValueError):
 
 
 class UsageMerger:
-    """Rewrites decode-side usage objects with the prefill leg's prompt accounting."""
+    """Rewrites decode-side usage objects with the prefill leg's prompt accounting.
+
+    `marker` is the bytes only a usage-carrying event holds (events without it pass
+    untouched); `rewrite_event` rewrites one whole event that holds it."""
+
+    marker = b'"prompt_tokens"'
 
     def __init__(self, prompt_tokens: int, details: Any) -> None:
         self._prompt_tokens = prompt_tokens
@@ -87,6 +93,23 @@ class UsageMerger:
         parts.append(b"}")
         return parts
 
+    def rewrite_event(self, event: bytes) -> bytes:
+        """One whole streamed event (no trailing blank line) with its usage merged."""
+        if not event.startswith(b"data: ") or self.marker not in event:
+            return event
+        return b"data: " + self.rewrite_body(event[6:])
+
+
+def stream_error(message: str) -> bytes:
+    """The event that ends a completions or chat stream the router had to cut, the way vLLM reports errors."""
+    event = {"error": {"message": message, "type": "BadGateway", "code": 502}}
+    return b"data: " + _encode(event) + b"\n\ndata: [DONE]\n\n"
+
+
+def ends_with_done(chunk: bytes) -> bool:
+    """Whether a stream's whole events so far end it (completions and chat: `[DONE]`)."""
+    return chunk.endswith(_DONE)
+
 
 class SseRewriter:
     """Re-frames a server-sent-event byte stream into whole events, merging usage if asked.
@@ -97,9 +120,15 @@ class SseRewriter:
     whether the stream so far ended with `[DONE]` and left nothing half-written.
     """
 
-    def __init__(self, merger: UsageMerger | None, max_event_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        merger: UsageMerger | None,
+        max_event_bytes: int | None = None,
+        ends: Callable[[bytes], bool] = ends_with_done,
+    ) -> None:
         self._merger = merger
         self._limit = max_event_bytes
+        self._ends = ends  # whether whole events end the stream (the Responses API has no [DONE])
         self._tail = b""
         self._done = False
 
@@ -119,8 +148,8 @@ class SseRewriter:
             if cut < 0:
                 return b""
             chunk = chunk[: cut + 2]
-        self._done = chunk.endswith(_DONE)
-        if self._merger is None or b'"prompt_tokens"' not in chunk:
+        self._done = self._ends(chunk)
+        if self._merger is None or self._merger.marker not in chunk:
             return chunk
         return self._rewrite_usage(chunk)
 
@@ -135,19 +164,15 @@ class SseRewriter:
 
     def _rewrite_usage(self, whole: bytes) -> bytes:
         # Rewrite only the events that carry usage; a read can hold a whole stream.
+        merger = self._merger
+        assert merger is not None
         out: list[bytes] = []
         start = 0
-        while (at := whole.find(b'"prompt_tokens"', start)) >= 0:
+        while (at := whole.find(merger.marker, start)) >= 0:
             begin = whole.rfind(b"\n\n", start, at)
             begin = start if begin < 0 else begin + 2
             end = whole.find(b"\n\n", at)
-            out += (whole[start:begin], self._rewrite(whole[begin:end]), b"\n\n")
+            out += (whole[start:begin], merger.rewrite_event(whole[begin:end]), b"\n\n")
             start = end + 2
         out.append(whole[start:])
         return b"".join(out)
-
-    def _rewrite(self, event: bytes) -> bytes:
-        assert self._merger is not None
-        if not event.startswith(b"data: ") or b'"prompt_tokens"' not in event:
-            return event
-        return b"data: " + self._merger.rewrite_body(event[6:])

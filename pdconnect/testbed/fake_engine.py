@@ -105,6 +105,7 @@ class FakeEngine:
         app = web.Application(client_max_size=64 << 20, middlewares=[self._auth, self._compress])
         app.router.add_post("/v1/completions", self._inference)
         app.router.add_post("/v1/chat/completions", self._inference)
+        app.router.add_post("/v1/responses", self._inference)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/fake/ledger", self._ledger)
@@ -211,6 +212,8 @@ class FakeEngine:
             status = 500 if faults.fail_next > 0 else faults.status
             faults.fail_next = max(0, faults.fail_next - 1)
             return web.json_response({"error": {"message": f"fake {status}", "code": status}}, status=status)
+        if request.path.endswith("/responses"):
+            return await self._responses(request, body, request_id)
         chat = request.path.endswith("/chat/completions")
         params = body.get("kv_transfer_params") or {}
         prompt_tokens = _count_prompt_tokens(body, chat)
@@ -233,6 +236,44 @@ class FakeEngine:
             return await self._stream(request, body, chat, request_id, n, usage)
         text = "".join(_token(i) for i in range(n))
         return self._whole(body, _full(chat, request_id, self.model, text, usage), prompt_tokens)
+
+    async def _responses(self, request: web.Request, body: dict[str, Any], request_id: str) -> web.StreamResponse:
+        """The Responses API, as vLLM shapes it: usage as input/output tokens, a stream of
+        named events ending with `response.completed` (no [DONE])."""
+        params = body.get("kv_transfer_params") or {}
+        items = body.get("input")
+        texts = (
+            [items]
+            if isinstance(items, str)
+            else [str(i.get("content", "")) for i in items or [] if isinstance(i, dict)]
+        )
+        prompt = sum(len(text.split()) for text in texts)
+        if params.get("do_remote_decode"):
+            self.served.append(("prefill", request_id))
+            cached = min(self.prefill_cached_tokens, prompt)
+            answer = _response(request_id, self.model, _token(0), _responses_usage(prompt, 1, cached))
+            answer["kv_transfer_params"] = self._plan(request_id, prompt)
+            return web.json_response(answer)
+        self.served.append(("decode", request_id))
+        n = max(1, min(int(body.get("max_output_tokens") or self.chunks), self.chunks))
+        usage = _responses_usage(prompt, n, prompt if params.get("do_remote_prefill") else 0)
+        whole = _response(request_id, self.model, "".join(_token(i) for i in range(n)), usage)
+        if not body.get("stream"):
+            return web.json_response(whole)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        events = [("response.created", {"type": "response.created", "response": {**whole, "status": "in_progress"}})]
+        events += [
+            ("response.output_text.delta", {"type": "response.output_text.delta", "delta": _token(i)}) for i in range(n)
+        ]
+        events.append(("response.completed", {"type": "response.completed", "response": whole}))
+        for i, (kind, event) in enumerate(events):
+            if self.faults.drop_after_chunks is not None and i >= self.faults.drop_after_chunks:
+                _hang_up(request)
+                return resp
+            await resp.write(f"event: {kind}\ndata: ".encode() + _encode({**event, "sequence_number": i}) + b"\n\n")
+        await resp.write_eof()
+        return resp
 
     def _whole(self, body: dict[str, Any], answer: dict[str, Any], prompt_tokens: int) -> web.Response:
         """A whole answer, with the prompt logprobs asked for and any filler."""
@@ -258,11 +299,16 @@ class FakeEngine:
             _token(0),
             _usage(prompt_tokens, 1, min(self.prefill_cached_tokens, prompt_tokens)),
         )
+        answer["kv_transfer_params"] = self._plan(request_id, prompt_tokens)
+        return self._whole(body, answer, prompt_tokens)
+
+    def _plan(self, request_id: str, prompt_tokens: int) -> dict[str, Any]:
+        """A transfer plan pointing at this fake's side channel, recorded in `plans`."""
         host, port = ("127.0.0.1", 1)
         if self._side is not None:
             host, _, port_text = self._side.address.removeprefix("tcp://").rpartition(":")
             port = int(port_text)
-        answer["kv_transfer_params"] = {
+        plan = {
             "remote_engine_id": self.name,
             "remote_request_id": request_id or f"fake-plan-{len(self.plans)}",
             "remote_host": host,
@@ -275,8 +321,8 @@ class FakeEngine:
             "do_remote_decode": False,
             "pdconnect": PROTOCOL_VERSION,
         }
-        self.plans.append(answer["kv_transfer_params"])
-        return self._whole(body, answer, prompt_tokens)
+        self.plans.append(plan)
+        return plan
 
     async def _stream(
         self, request: web.Request, body: dict[str, Any], chat: bool, request_id: str, n: int, usage: dict[str, Any]
@@ -397,6 +443,28 @@ def _full(chat: bool, request_id: str, model: str, text: str, usage: dict[str, A
         "created": 0,
         "model": model,
         "choices": [choice],
+        "usage": usage,
+    }
+
+
+def _responses_usage(prompt: int, output: int, cached: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
+    }
+
+
+def _response(request_id: str, model: str, text: str, usage: dict[str, Any]) -> dict[str, Any]:
+    message = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+    return {
+        "id": f"resp_fake-{request_id}",
+        "object": "response",
+        "model": model,
+        "status": "completed",
+        "output": [message],
         "usage": usage,
     }
 
