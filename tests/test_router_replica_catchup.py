@@ -112,13 +112,13 @@ async def test_a_late_replica_knows_no_more_than_the_engine_caches_and_catches_u
     late: RunningRouter | None = None
     try:
         # The early router's subscription joins asynchronously: publish until it hears one.
-        def heard() -> bool:
+        def early_heard() -> bool:
             if _last_seq(early, engine) is not None:
                 return True
             engine.publish(0)
             return False
 
-        await wait_until_async(heard, "the early router to hear the engine")
+        await wait_until_async(early_heard, "the early router to hear the engine")
         for i in range(1, prompts):
             engine.publish(i)
         last = engine.published - 1
