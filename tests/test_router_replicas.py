@@ -37,8 +37,6 @@ from pdconnect.testbed.processes import free_port
 from tests.router_support import RouterProcess, start_router_process
 from tests.waiting import wait_until_async
 
-pytestmark = pytest.mark.asyncio
-
 BS = 4
 TOKENS = list(range(100, 132))  # 8 blocks of 4, all cached by the decode engine
 # 32 cached + 12 more: vLLM's lookup hits the 8 cached blocks, decode would prefill 12 itself.
@@ -114,6 +112,7 @@ def _decode_requests(fakes: FakeCluster) -> list[int]:
 # --- the load bound --------------------------------------------------------------------------
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("peers", [True, False], ids=["replicas", "today"])
 async def test_two_FAKE_engine_routers_put_no_more_than_the_fleet_load_bound_on_one_engine(peers: bool) -> None:
     """16 siblings (one affinity key) over 2 routers and 2 decode engines, all in flight at
@@ -171,6 +170,7 @@ async def _publish_until_heard(socket: zmq.Socket[Any], routers: list[RouterProc
     await wait_until_async(heard, "both routers to apply the decode engine's KV events", within=30)
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("peers", [True, False], ids=["replicas", "today"])
 async def test_two_FAKE_engine_routers_spend_no_more_than_the_decode_first_budget(peers: bool, tmp_path: Path) -> None:
     """A budget of 48 local-prefill tokens on the one decode engine, requests that each make
@@ -211,6 +211,7 @@ async def _breaker(router: RouterProcess, url: str) -> str:
     return next(e["breaker"] for e in engines if e["role"] == "decode" and e["url"] == url)
 
 
+@pytest.mark.asyncio
 async def test_a_breaker_one_FAKE_engine_router_opens_opens_on_its_peer() -> None:
     """The decode engine drops every completion (its /health would say fine): the router
     that sees 2 failures opens its breaker and tells its peer, which never sent it anything."""
@@ -258,6 +259,7 @@ def _set(dns: _Dns, maximum: int = 3) -> ReplicaSet:
     return ReplicaSet((), target, maximum, 10.0, registry, CollectorRegistry(), dns)
 
 
+@pytest.mark.asyncio
 async def test_a_replica_counts_its_peers_from_dns_and_the_maximum_when_it_cannot() -> None:
     dns = _Dns()
     replicas = _set(dns, maximum=3)
@@ -277,7 +279,21 @@ async def test_a_replica_counts_its_peers_from_dns_and_the_maximum_when_it_canno
     assert (replicas.count, replicas.share(512)) == (4, 128)  # more than the maximum: believed
 
 
+@pytest.mark.asyncio
 async def test_a_router_without_peers_keeps_the_whole_bounds() -> None:
     registry = EngineRegistry(lambda: CircuitBreaker(3, 10.0), probed=False)
     replicas = ReplicaSet((), None, 4, 10.0, registry, CollectorRegistry())
     assert (replicas.count, replicas.share(512)) == (1, 512)
+
+
+def test_a_peer_trips_a_closed_breaker_and_leaves_a_cooling_or_trying_one_alone() -> None:
+    now = [100.0]
+    breaker = CircuitBreaker(3, 10.0, clock=lambda: now[0])
+    assert breaker.trip() and not breaker.allows()  # closed -> open, as if it had seen the failures
+    assert not breaker.trip()  # already open: its cooldown is not restarted
+    now[0] += 10.0
+    assert breaker.allows()
+    breaker.on_attempt()  # the trial goes out
+    assert not breaker.trip()  # a trial in flight is left to decide
+    breaker.record_success()
+    assert breaker.allows() and breaker.opens == 1
