@@ -270,9 +270,9 @@ class _Exporter:
             if spans:
                 try:
                     self._post(self._encode(spans))
-                except Exception:  # a helper thread: log, count, drop this round, keep going
+                except Exception as exc:  # noqa: BLE001 - a helper thread: log, count, drop this round, go on
                     self.failed_exports += 1
-                    logger.warning("OTLP export of %d spans to %s failed", len(spans), self._host, exc_info=True)
+                    logger.warning("OTLP export of %d spans to %s failed: %r", len(spans), self._host, exc)
                     self._close_connection()
             if stopping:
                 self._close_connection()
@@ -330,23 +330,36 @@ def _any_value(value: Any) -> bytes:
     return _field(1, str(value).encode())  # string_value = 1
 
 
-@functools.lru_cache(maxsize=4096, typed=True)  # the same few keys and engines, span after span
 def _key_value(key: str, value: Any) -> bytes:
     return _field(1, key.encode()) + _field(2, _any_value(value))
 
 
+# kind (field 6, varint: every SpanKind fits one byte), start and end times (7, 8: fixed64).
+_KIND_AND_TIMES = struct.Struct("<BBBQBQ")
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _attribute(key: str, value: Any) -> bytes:
+    return _field(9, _key_value(key, value))  # Span.attributes = 9
+
+
+@functools.lru_cache(maxsize=256)
+def _name(name: str) -> bytes:
+    return _field(5, name.encode())  # Span.name = 5
+
+
 def _span_bytes(span: _Span) -> bytes:
-    out = [
-        _field(1, span.trace_id.to_bytes(16, "big")),
-        _field(2, span.span_id.to_bytes(8, "big")),
+    parts = [
+        b"\x0a\x10",  # trace_id = 1, 16 bytes
+        span.trace_id.to_bytes(16, "big"),
+        b"\x12\x08",  # span_id = 2, 8 bytes
+        span.span_id.to_bytes(8, "big"),
     ]
     if span.parent_id:
-        out.append(_field(4, span.parent_id.to_bytes(8, "big")))
-    out.append(_field(5, span.name.encode()))
-    out.append(b"\x30" + _varint(span.kind))  # kind = 6
-    out.append(b"\x39" + struct.pack("<Q", span.start_ns))  # start_time_unix_nano = 7, fixed64
-    out.append(b"\x41" + struct.pack("<Q", span.end_ns))  # end_time_unix_nano = 8, fixed64
-    out.extend(_field(9, _key_value(k, v)) for k, v in span.attributes.items())
+        parts += (b"\x22\x08", span.parent_id.to_bytes(8, "big"))  # parent_span_id = 4
+    parts.append(_name(span.name))
+    parts.append(_KIND_AND_TIMES.pack(0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns))
+    parts.extend(_attribute(k, v) for k, v in span.attributes.items())
     if span.error is not None:  # status = 15: message = 2, code = 3
-        out.append(_field(15, _field(2, span.error.encode()) + b"\x18" + _varint(_STATUS_ERROR)))
-    return b"".join(out)
+        parts.append(_field(15, _field(2, span.error.encode()) + b"\x18" + _varint(_STATUS_ERROR)))
+    return b"".join(parts)
