@@ -26,6 +26,10 @@ then decode: every prompt starts with a unique `rid-...` word, the fake prefill 
 the plan it issued for it and the fake decode the plan it received with it, and the two
 must match (a router that skipped prefill, or went decode-only, does not score).
 
+`--observed` runs ours as a platform team would: spans exported over OTLP/HTTP to a
+local receiver in the bench process (`tests/otlp_receiver.py`), JSON log lines at info
+level with the access log on (one line per request, into the router's log file).
+
 One row per target, one column per figure, and a last row of ours/reference ratios.
 On a small shared machine the load generator and the fakes share the cores with the
 router under test, so the absolute rates are a floor; the ratios are the result.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -307,6 +312,7 @@ def _report(targets: list[Target], figures: dict[str, dict[str, float | int | No
         (
             f"router bench: fake P/D engines, streamed completions of {args.chunks} chunks, "
             f"{args.policy} policy on both routers ({' vs '.join(_POLICIES[args.policy])}), "
+            f"{'ours with OTLP tracing, JSON logs at info and the access log, ' if args.observed else ''}"
             f"{args.requests} sequential requests per target for latency, "
             f"{args.concurrency} concurrent clients x {args.duration:.0f}s x 2 rounds for rate, "
             f"{os.cpu_count()} CPUs shared with the fakes and the load generator; "
@@ -340,7 +346,32 @@ async def _verdicts(prefill_url: str, decode_url: str) -> Verdicts:
     return Verdicts({rid.encode() for rid, plan in received.items() if issued.get(rid) == plan})
 
 
+def _observed_args(traces_url: str | None) -> tuple[str, ...]:
+    """Our router's logging and tracing options: quiet by default; with `traces_url`, spans
+    there, JSON lines at info level with the access log (what `--observed` measures)."""
+    if traces_url is None:
+        return ("--log-level", "warning")
+    return ("--log-level", "info", "--log-format", "json", "--access-log", "--otlp-traces-endpoint", traces_url)
+
+
 def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
+    with contextlib.ExitStack() as stack:
+        traces_url = None
+        if args.observed:
+            from tests.otlp_receiver import otlp_receiver  # the repository's receiver; run from its root
+
+            receiver = stack.enter_context(otlp_receiver())
+            traces_url = receiver.url
+        targets, verdicts = _run(args, traces_url)
+        if args.observed:
+            spans = len(receiver.spans())
+            print(f"observed: the receiver got {spans} spans from the router", file=sys.stderr, flush=True)
+            if not spans:
+                raise SystemExit("--observed: the router exported no spans")
+    return targets, verdicts
+
+
+def _run(args: argparse.Namespace, traces_url: str | None) -> tuple[list[Target], Verdicts]:
     client_body, prefill_body = _bodies(args.chunks)
     with Cluster(progress=sys.stderr) as cluster:
 
@@ -357,7 +388,7 @@ def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
                     port=ours_port,
                     prefill=[prefill.base_url],
                     decode=[decode.base_url],
-                    args=("--log-level", "warning", "--policy", ours_policy),
+                    args=(*_observed_args(traces_url), "--policy", ours_policy),
                 ),
                 health_url=f"http://127.0.0.1:{ours_port}/health",
                 base_url=f"http://127.0.0.1:{ours_port}",
@@ -425,6 +456,11 @@ def main(argv: list[str] | None = None) -> int:
         "--reference",
         default=os.environ.get("PDCONNECT_VLLM_ROUTER", ".venv-router-ref/bin/vllm-router"),
         help="the vllm-router executable",
+    )
+    parser.add_argument(
+        "--observed",
+        action="store_true",
+        help="our router with OTLP tracing (to a local receiver), JSON logs at info level and the access log",
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)

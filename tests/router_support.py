@@ -3,7 +3,8 @@
 `start_setup` starts fake engines (`pdconnect.testbed.fake_engine`) and a router in front
 of them; conftest.py's `make` fixture starts as many as a test asks for and closes them.
 `router_process_with_fakes` runs both as processes of their own instead, for what must be
-measured on the router alone (its memory, its event loop's answers).
+measured on the router alone (its memory, its event loop's answers); `start_router_process`
+runs a router process before in-loop fakes (signals, several replicas).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,18 +22,21 @@ import aiohttp
 
 from pdconnect.router import RouterConfig, RunningRouter, load_config, start_router
 from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
-from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec
-from pdconnect.testbed.recipes import fake_engine_server, router_server
+from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec, free_port
+from pdconnect.testbed.recipes import fake_engine_server, router_argv, router_server
+from tests.waiting import wait_until_async
 
 __all__ = [
     "CHAT",
     "COMPLETION",
     "HANG",
+    "RouterProcess",
     "Setup",
     "peak_rss_bytes",
     "router_config_for",
     "router_process_with_fakes",
     "sse_events",
+    "start_router_process",
     "start_setup",
 ]
 
@@ -129,3 +134,39 @@ def peak_rss_bytes(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmHWM for {pid}")
+
+
+@dataclass
+class RouterProcess:
+    """A `pdconnect router` process; the caller stops it (SIGTERM) or `kill()`s it."""
+
+    process: asyncio.subprocess.Process
+    url: str
+
+    async def kill(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
+
+
+async def start_router_process(fakes: FakeCluster, *args: str, port: int | None = None) -> RouterProcess:
+    """`pdconnect router` in a process of its own before `fakes`, without health polls, once it answers /health."""
+    port = port if port is not None else free_port()
+    argv = router_argv(
+        port=port,
+        prefill=fakes.prefill_urls,
+        decode=fakes.decode_urls,
+        args=("--log-level", "warning", "--health-interval", "0", "--decode-first-byte-timeout", "30", *args),
+        python=sys.executable,
+    )
+    process = await asyncio.create_subprocess_exec(*argv)
+    url = f"http://127.0.0.1:{port}"
+
+    async def healthy() -> bool:
+        with contextlib.suppress(aiohttp.ClientError):
+            async with aiohttp.ClientSession() as http, http.get(f"{url}/health") as resp:
+                return resp.status == 200
+        return False
+
+    await wait_until_async(healthy, f"router on {url} to answer /health", within=60)
+    return RouterProcess(process, url)

@@ -583,6 +583,30 @@ def test_router_finds_the_engines_through_rendered_services(render_of, target: s
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_router_replicas_count_each_other_through_a_service_that_lists_them_all(render_of, target: str) -> None:
+    """Each router keeps 1/N of the engines' bounds, N counted from DNS: the name must be a
+    headless Service over the router pods that lists them Ready or not (a starting router
+    is counted before it serves), on the port where each serves breaker notices; and what
+    a router counts when DNS fails must cover every router a rollout runs at once."""
+    render = render_of(target)
+    config = router_config(render)
+    router = render.router()
+    target_dns = config.replicas_target
+    assert target_dns is not None, "several router replicas without --replicas-dns: each keeps the whole bounds"
+    service_name, _, domain = target_dns.host.partition(".")
+    assert domain == f"{router['metadata']['namespace']}.{CLUSTER_DOMAIN}", target_dns.host
+    service = render.get("Service", service_name)
+    assert service is not None, f"router names Service {service_name}, not rendered"
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert selects(service["spec"]["selector"], router["spec"]["template"]["metadata"]["labels"])
+    port = next(p for p in service["spec"]["ports"] if p["port"] == target_dns.port)
+    assert container_port(_container(router), port["targetPort"]) == target_dns.port == config.replica_port
+    surge = router["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
+    assert config.max_replicas >= router["spec"]["replicas"] + surge
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_kv_aware_router_listens_where_every_engine_publishes_its_kv_events(render_of, target: str) -> None:
     """The router subscribes to <pod IP>:--kv-events-port (and replays from the replay
     port); each engine must publish exactly there, on declared container ports."""
@@ -842,6 +866,8 @@ def test_router_service_reaches_the_router_port(render_of, target: str) -> None:
     assert container_port(container, "http") == listen
     labels = router["spec"]["template"]["metadata"]["labels"]
     services = [s for s in render.of_kind("Service") if selects(s["spec"]["selector"], labels)]
+    # The replicas' headless Service is the routers' own (test_router_replicas_count_each_other_...).
+    services = [s for s in services if s["metadata"]["name"] != "pdconnect-router-replicas"]
     assert len(services) == 1
     # Each Service port reaches its listener: the clients' (`http`), the metrics one.
     listeners = {"http": listen, "metrics": router_config(render).metrics_port}

@@ -269,6 +269,8 @@ REACH: dict[tuple[str, str], set[str]] = {
     ("router", "http"): {"client", "prometheus", "outsider", "bench"},
     # The router's /metrics, on a listener of its own: monitoring alone.
     ("router", "metrics"): {"prometheus"},
+    # Breaker notices between router replicas: the other routers alone.
+    ("router", "replicas"): {"router"},
 }
 
 

@@ -8,10 +8,8 @@ event loop) so a stream can last as long as the test needs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -20,43 +18,13 @@ import pytest
 import pytest_asyncio
 
 from pdconnect.testbed.fake_engine import FakeCluster
-from pdconnect.testbed.processes import free_port
-from pdconnect.testbed.recipes import router_argv
-from tests.router_support import COMPLETION
+from tests.router_support import COMPLETION, start_router_process
 from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.asyncio
 
 CHUNKS = 16
 CHUNK_INTERVAL_S = 0.25  # a 4 s generation: long beside the SIGTERM, short for the test
-
-
-@dataclass
-class RouterProcess:
-    process: asyncio.subprocess.Process
-    url: str
-
-
-async def _start_router(fakes: FakeCluster, *args: str) -> RouterProcess:
-    port = free_port()
-    argv = router_argv(
-        port=port,
-        prefill=fakes.prefill_urls,
-        decode=fakes.decode_urls,
-        args=("--log-level", "warning", "--health-interval", "0", "--decode-first-byte-timeout", "30", *args),
-        python=sys.executable,
-    )
-    process = await asyncio.create_subprocess_exec(*argv)
-    url = f"http://127.0.0.1:{port}"
-
-    async def healthy() -> bool:
-        with contextlib.suppress(aiohttp.ClientError):
-            async with aiohttp.ClientSession() as http, http.get(f"{url}/health") as resp:
-                return resp.status == 200
-        return False
-
-    await wait_until_async(healthy, f"router on {url} to answer /health", within=60)
-    return RouterProcess(process, url)
 
 
 @pytest_asyncio.fixture
@@ -111,7 +79,7 @@ async def test_rolling_restart_of_one_router_cuts_no_stream(fakes: FakeCluster) 
     the replica takes no new connection meanwhile, the other serves, and the drained one
     exits cleanly once its streams are done, releasing no prefill hold."""
     fakes.decode[0].faults.chunk_interval = CHUNK_INTERVAL_S
-    draining, other = await _start_router(fakes), await _start_router(fakes)
+    draining, other = await start_router_process(fakes), await start_router_process(fakes)
     streams = [Stream(asyncio.Event()) for _ in range(3)]
     async with aiohttp.ClientSession() as http:
         tasks = [
@@ -136,7 +104,7 @@ async def test_rolling_restart_of_one_router_cuts_no_stream(fakes: FakeCluster) 
 
 async def test_a_stream_outliving_the_drain_is_cut_and_its_prefill_hold_released(fakes: FakeCluster) -> None:
     fakes.decode[0].faults.stall_after_chunks = 2
-    router = await _start_router(fakes, "--drain-timeout", "1", "--stream-idle-timeout", "60")
+    router = await start_router_process(fakes, "--drain-timeout", "1", "--stream-idle-timeout", "60")
     stream = Stream(asyncio.Event())
     async with aiohttp.ClientSession() as http:
         task = asyncio.create_task(_stream(http, router.url, "stalled-1", stream))

@@ -157,3 +157,41 @@ async def test_without_a_client_trace_each_leg_carries_its_attempt_span(make, re
     assert [str(leg).rsplit("-", 1)[0] for leg in legs] == [
         f"00-{trace_id}-{span.span_id}" for span in (prefill, decode)
     ]
+
+
+def test_the_hand_written_otlp_encoding_reads_back_with_opentelemetry_proto() -> None:
+    """The exporter writes OTLP's protobuf by hand; OpenTelemetry's generated classes must read
+    every field back as written (ids, kind, times, each attribute type, the error status)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
+    from pdconnect.router.tracing import _Exporter, _Span
+
+    span = _Span("decode", 3, (1 << 127) | 5, 0x2A6, {"s": "text", "b": True, "i": -3, "big": 1 << 40, "f": 1.5})
+    span.end_ns = span.start_ns + 1234
+    span.error = "dropped"
+    root = _Span("POST /v1/completions", 2, 7, 0, {"http.response.status_code": 200})
+    root.end_ns = root.start_ns + 99
+    exporter = _Exporter("http://127.0.0.1:9/v1/traces", "pdconnect-router", 3600.0)
+    try:
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(exporter._encode([span, root]))
+    finally:
+        exporter.close()
+    [resource_spans] = request.resource_spans
+    assert [(a.key, a.value.string_value) for a in resource_spans.resource.attributes] == [
+        ("service.name", "pdconnect-router")
+    ]
+    [scope_spans] = resource_spans.scope_spans
+    assert scope_spans.scope.name == "pdconnect.router"
+    decoded, decoded_root = scope_spans.spans
+    assert decoded.trace_id == ((1 << 127) | 5).to_bytes(16, "big")
+    assert decoded.span_id == span.span_id.to_bytes(8, "big")
+    assert decoded.parent_span_id == (0x2A6).to_bytes(8, "big")
+    assert (decoded.name, decoded.kind) == ("decode", Span.SPAN_KIND_CLIENT)
+    assert (decoded.start_time_unix_nano, decoded.end_time_unix_nano) == (span.start_ns, span.start_ns + 1234)
+    values = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in decoded.attributes}
+    assert values == {"s": "text", "b": True, "i": -3, "big": 1 << 40, "f": 1.5}
+    assert (decoded.status.code, decoded.status.message) == (Status.STATUS_CODE_ERROR, "dropped")
+    assert decoded_root.parent_span_id == b"" and decoded_root.kind == Span.SPAN_KIND_SERVER
+    assert not decoded_root.HasField("status")

@@ -13,7 +13,8 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
 - `request`: the request's typed view (`Call`) and the bodies of its two legs; `responses`:
   the Responses API's refusals, usage and stream ends; `pools`: model pools chosen by `model`.
 - `engines`: the registry; `health`: `/health` polling; `breaker`: the circuit breaker
-  over request outcomes; `discovery`: engines from DNS.
+  over request outcomes; `discovery`: engines from DNS; `replicas`: several routers over
+  the same engines, each keeping its share of the engines' bounds, breaker news between them.
 - `policy`: which engine serves a request. For kv-aware: `tokenizing` turns the request
   into a `prompt.RoutingPrompt` (token ids and their chain keys; `chat_template`: a chat's
   token ids as the engine computes them); `kvevents` subscribes to each engine's KV

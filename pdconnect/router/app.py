@@ -54,6 +54,7 @@ from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.policy import LoadBound, RoutingPolicy, make_policy
 from pdconnect.router.pools import Pools, build_pools, pool_source
 from pdconnect.router.releaser import PrefillReleaser
+from pdconnect.router.replicas import ReplicaSet, replica_count
 from pdconnect.router.request import Endpoint
 from pdconnect.router.tracing import Tracing, TracingUnavailable, require_sdk
 from pdconnect.router.upstream import UpstreamPool
@@ -139,6 +140,20 @@ class Router:
                 raise ConfigError(str(exc)) from None
         self._flow: PDFlow | None = None
         self._session: aiohttp.ClientSession | None = None
+        # Several replicas over the same engines: each keeps its share of the engines' bounds.
+        self.replicas = (
+            ReplicaSet(
+                tuple(engine_origin(u) for u in config.replica_peers),
+                config.replicas_target,
+                config.max_replicas,
+                config.dns_interval,
+                self.registry,
+                self.metrics.registry,
+                resolver,
+            )
+            if config.replica_peers or config.replicas_dns
+            else None
+        )
 
     @staticmethod
     def _load_tokenizer(config: RouterConfig) -> PromptTokenizer | None:
@@ -212,7 +227,7 @@ class Router:
         releaser = PrefillReleaser(self._side_channel_keys, config.release_timeout, self.metrics)
         upstream = UpstreamPool(config.connect_timeout, config.upstream_keepalive)
         feed = self._kv_events_feed() if config.policy == "kv-aware" else None
-        load = LoadBound(config.affinity_load_factor, config.affinity_min_load)
+        load = LoadBound(config.affinity_load_factor, config.affinity_min_load, replica_count(self.replicas))
         tracing = Tracing(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
         pools = self._pools(lambda: make_policy(config.policy, load, config.affinity_vnodes, feed))
         self._flow = PDFlow(
@@ -230,6 +245,11 @@ class Router:
             self._keys,
         )
         tasks: list[asyncio.Task[None]] = []
+        if self.replicas is not None:
+            self.replicas.start(session)
+            self.registry.on_breaker_open.append(self.replicas.announce)
+            await self.replicas.refresh()
+            tasks.append(asyncio.create_task(self.replicas.run()))
         monitor = None
         if config.health_interval > 0:
             monitor = HealthMonitor(
@@ -278,6 +298,8 @@ class Router:
             await asyncio.gather(*tasks, return_exceptions=True)
             if monitor is not None:
                 await monitor.close()
+            if self.replicas is not None:
+                await self.replicas.close()
             await session.close()
             upstream.close()
             if feed is not None:
@@ -303,7 +325,8 @@ class Router:
             max_uncached_ratio=config.decode_first_max_uncached_ratio,
             max_local_tokens_in_flight=config.decode_first_max_tokens_in_flight,
         )
-        return DecodeFirstDecider(settings, feed, self.metrics)
+        share = self.replicas.share if self.replicas is not None else (lambda bound: bound)
+        return DecodeFirstDecider(settings, feed, self.metrics, share)
 
     def _kv_events_feed(self) -> KVEventsFeed:
         """Subscribe to every engine's KV events as it joins; drop it as it leaves."""
@@ -497,6 +520,7 @@ class RunningRouter:
     admin_url: str | None = None
     metrics_runner: web.AppRunner | None = None
     metrics_url: str | None = None
+    replica_runner: web.AppRunner | None = None
 
     async def close(self) -> None:
         """Drain: stop accepting, let requests in flight finish (up to `drain_timeout`), then stop.
@@ -506,7 +530,7 @@ class RunningRouter:
         (whose prefill holds are released on the client-gone path) and runs the app's
         cleanup, which closes the engine sessions.
         """
-        for side in (self.admin_runner, self.metrics_runner):
+        for side in (self.admin_runner, self.metrics_runner, self.replica_runner):
             if side is not None:
                 await side.cleanup()
         await self.runner.cleanup()
@@ -526,6 +550,9 @@ async def start_router(config: RouterConfig, resolver: Resolver = resolve_addres
     if metrics is not None and config.metrics_port is not None:
         host = config.metrics_host or config.host
         running.metrics_runner, running.metrics_url = await serve_app(metrics, host, config.metrics_port, *head)
+    if router.replicas is not None and config.replica_port is not None:
+        replica_app = router.replicas.build_app()
+        running.replica_runner, _ = await serve_app(replica_app, config.host, config.replica_port, *head)
     return running
 
 

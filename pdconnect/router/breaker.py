@@ -2,7 +2,8 @@
 
 `CircuitBreaker` counts consecutive failed requests; at the threshold it opens for
 `cooldown` seconds, then lets exactly one trial request through (half-open): success
-closes it, failure reopens it. It catches engines whose `/health` says fine while their
+closes it, failure reopens it. A peer router replica whose own breaker opened may open
+this one too (`trip`: `replicas.py`). It catches engines whose `/health` says fine while their
 completions fail (`health` polls the other signal).
 """
 
@@ -47,6 +48,17 @@ class CircuitBreaker:
         if self.state is not BreakerState.CLOSED:
             self.state = BreakerState.HALF_OPEN
             self._since = self._clock()
+
+    def trip(self) -> bool:
+        """Open now, as if this replica had seen the failures (a peer replica did); True
+        when it was closed. An open or half-open breaker is left as it is: its cooldown or
+        its trial is already under way."""
+        if self.state is not BreakerState.CLOSED:
+            return False
+        self.state = BreakerState.OPEN
+        self._since = self._clock()
+        self.opens += 1
+        return True
 
     def record_success(self) -> None:
         self.consecutive_failures = 0

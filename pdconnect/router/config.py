@@ -231,6 +231,17 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # OTLP/HTTP endpoint for the router's spans (e.g. http://collector:4318/v1/traces);
     # needs the `otel` extra. None: no spans (the trace context is forwarded anyway).
     otlp_traces_endpoint: str | None = None
+    # Several replicas over the same engines (`replicas.py`): the routers' URLs (each
+    # replica's own among them), static or from a DNS name (their headless Service, on the
+    # replica port). Each keeps 1/N of the engines' load floor and decode-first budget;
+    # one that cannot count its peers counts `max_replicas`. The replica port takes the
+    # peers' breaker notices. None of these: one router, whole bounds.
+    replica_peers: tuple[str, ...] = ()
+    replicas_dns: str | None = None
+    max_replicas: Annotated[
+        int, Meta(ge=1, description="what a replica counts while it cannot see its peers: the most it shares with")
+    ] = 4
+    replica_port: Port | None = None
 
     # Several model pools behind one router, chosen by the body's `model` (`pools.py`);
     # `models`: the names the top-level engines serve (with pools, or to refuse unknown
@@ -275,6 +286,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             DnsTarget.parse(target)
         if self.api_keys_file is not None and self.api_keys_env is not None:
             raise ConfigError("give --api-keys-file or --api-keys-env, not both")
+        for url in self.replica_peers:
+            engine_origin(url)  # scheme://host:port: notices go to /replicas/breaker there
+        if self.replicas_dns is not None:
+            DnsTarget.parse(self.replicas_dns)
 
     def _check_rank_ports(self) -> None:
         """A data-parallel engine's rank r publishes on `kv_events_port + r` and replays on
@@ -307,6 +322,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 n for pool in self.pools for n in (pool.prefill_dns if role == "prefill" else pool.decode_dns)
             )
         return tuple(DnsTarget.parse(n) for n in dict.fromkeys(names))
+
+    @property
+    def replicas_target(self) -> DnsTarget | None:
+        return DnsTarget.parse(self.replicas_dns) if self.replicas_dns is not None else None
 
     def resolve_secret(self) -> bytes | None:
         """The side-channel secret from the environment, read once at start."""
@@ -643,6 +662,29 @@ def _parser() -> argparse.ArgumentParser:
         "log one line per request: status, outcome, route, engines, TTFT, duration",
         action=argparse.BooleanOptionalAction,
     )
+    replicas = p.add_argument_group("replicas")
+    _add(
+        replicas,
+        "replica-peers",
+        "URLs (replica port) of every router replica over the same engines, this one's too",
+        nargs="+",
+        action="extend",
+        metavar="URL",
+    )
+    _add(
+        replicas,
+        "replicas-dns",
+        "DNS name (the routers' headless Service, replica port) listing every router replica; "
+        "each keeps 1/N of the load floor and decode-first budget",
+        metavar="NAME:PORT",
+    )
+    _add(
+        replicas,
+        "max-replicas",
+        "replicas counted while the peers cannot be counted (no DNS answer): the most the deployment runs",
+        type=int,
+    )
+    _add(replicas, "replica-port", "serve peer replicas' breaker notices on this port", type=int)
     return p
 
 

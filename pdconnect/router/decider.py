@@ -19,7 +19,9 @@ Invariants:
 - decode's own load bounds local prefills: the uncached tokens of the requests on the local
   route not yet past their first byte, per engine, never exceed
   `max_local_tokens_in_flight`; a request that would is P/D ("busy"). Each reservation is
-  released exactly once (`Route.prefilled`), on the first byte, a failure or the end;
+  released exactly once (`Route.prefilled`), on the first byte, a failure or the end.
+  With several router replicas the bound is the fleet's: each keeps its share
+  (`replicas.ReplicaSet.share`), so all of them together stay under it;
 - a request on the local route whose engine reports its cached prompt tokens is checked
   against the prediction (`pdconnect_router_decode_local_hit_checks`).
 """
@@ -99,8 +101,15 @@ class Route:
 class DecodeFirstDecider:
     """Decode-first routing: decides the local route vs P/D per request and tracks local prefills per decode engine."""
 
-    def __init__(self, settings: DeciderSettings, indexes: IndexSource, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        settings: DeciderSettings,
+        indexes: IndexSource,
+        metrics: RouterMetrics,
+        share: Callable[[int], int] = lambda bound: bound,
+    ) -> None:
         self._settings = settings
+        self._share = share  # this replica's part of a fleet-wide bound
         self._indexes = indexes
         self._metrics = metrics
         self._in_flight: dict[str, int] = {}  # engine name -> uncached tokens of local prefills
@@ -151,7 +160,7 @@ class DecodeFirstDecider:
             return Route(False, "uncached", count, hit, full_hit)
         url = engine.name  # a data-parallel rank prefills on its own engine core
         busy = self._in_flight.get(url, 0)
-        if busy + uncached > self._settings.max_local_tokens_in_flight:
+        if busy + uncached > self._share(self._settings.max_local_tokens_in_flight):
             return Route(False, "busy", count, hit, full_hit)
         self._in_flight[url] = busy + uncached
         self._metrics.decode_first_prefill_tokens.labels().inc(uncached)

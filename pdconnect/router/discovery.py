@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from pdconnect.router.config import DnsTarget
 from pdconnect.router.engines import EngineRegistry, Role
 
-__all__ = ["DnsDiscovery", "Resolver", "resolve_addresses"]
+__all__ = ["DnsDiscovery", "Resolver", "resolve_addresses", "url_of"]
 
 logger = logging.getLogger("pdconnect.router.discovery")
 
@@ -30,7 +30,8 @@ async def resolve_addresses(host: str, port: int) -> list[str]:
     return sorted({str(info[4][0]) for info in infos})
 
 
-def _url(scheme: str, address: str, port: int) -> str:
+def url_of(scheme: str, address: str, port: int) -> str:
+    """`scheme://address:port`, an IPv6 address in brackets."""
     host = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
     return f"{scheme}://{host}:{port}"
 
@@ -62,7 +63,7 @@ class DnsDiscovery:
             self._on_failure()
             logger.warning("cannot resolve %s (%s); keeping the previous engines", self._target, exc)
             return
-        urls = [_url(self._target.scheme, a, self._target.port) for a in addresses]
+        urls = [url_of(self._target.scheme, a, self._target.port) for a in addresses]
         self._registry.sync(self._role, self.source, urls)
 
     async def run(self) -> None:

@@ -57,6 +57,8 @@ class Engine:
     probe_failures: int = 0
     in_flight: int = 0
     failures: int = 0
+    # Hears of this engine's breaker opening on its own failures (the registry's listeners).
+    on_breaker_open: Callable[[Engine], None] = field(default=lambda engine: None, repr=False)
 
     @property
     def name(self) -> str:
@@ -106,6 +108,7 @@ class Engine:
                 self.name,
                 self.breaker.consecutive_failures,
             )
+            self.on_breaker_open(self)
 
 
 class EngineRegistry:
@@ -127,6 +130,8 @@ class EngineRegistry:
         self._snapshot: dict[Role, tuple[Engine, ...]] = dict.fromkeys(Role, ())
         self.on_added: list[Callable[[Engine], None]] = []
         self.on_removed: list[Callable[[Engine], None]] = []
+        # Hear of every breaker that opened on this router's own failures (peer replicas are told).
+        self.on_breaker_open: list[Callable[[Engine], None]] = []
 
     def engines(self, role: Role) -> tuple[Engine, ...]:
         return self._snapshot[role]
@@ -155,6 +160,7 @@ class EngineRegistry:
                     breaker=self._make_breaker(),
                     dp_rank=None if size == 1 else rank,
                     probe_ok=self._initial_probe,
+                    on_breaker_open=self._breaker_opened,
                 )
                 for rank in range(size)
             )
@@ -197,6 +203,10 @@ class EngineRegistry:
         for url, ranks in list(self._by_url[role].items()):
             if source in ranks[0].sources and url not in wanted:
                 self.remove(role, url, source)
+
+    def _breaker_opened(self, engine: Engine) -> None:
+        for listener in self.on_breaker_open:
+            listener(engine)
 
     def _refresh(self, role: Role) -> None:
         self._snapshot[role] = tuple(e for ranks in self._by_url[role].values() for e in ranks)

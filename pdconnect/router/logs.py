@@ -72,10 +72,11 @@ class AccessEntry:
         )
 
     def log(self, logger: logging.Logger) -> None:
-        # The line is built only for a logger that keeps it: at `--log-level warning` every
-        # request would otherwise format one for nothing.
-        if logger.isEnabledFor(logging.INFO):
+        if logger.isEnabledFor(logging.INFO):  # a router at --log-level warning builds no line
             logger.info("%s", self.message(), extra={"access": self})
+
+
+_ACCESS_FIELDS = tuple(f.name for f in dataclasses.fields(AccessEntry))
 
 
 class TextFormatter(logging.Formatter):
@@ -114,7 +115,8 @@ class JsonFormatter(logging.Formatter):
                 entry["trace_id"] = ids.trace_id
         access = getattr(record, "access", None)
         if isinstance(access, AccessEntry):
-            entry.update(dataclasses.asdict(access))
+            # Field by field: `dataclasses.asdict` deep-copies, 20 us of a 25 us line (py-spy, bench-router --observed).
+            entry.update({name: getattr(access, name) for name in _ACCESS_FIELDS})
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return self._encode(entry).decode()

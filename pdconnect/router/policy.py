@@ -42,8 +42,8 @@ import hashlib
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdconnect.router.engines import Engine
@@ -215,10 +215,16 @@ class LoadBound:
     role holds more than `floor * n / factor` requests, and none is counted as loaded
     below `floor` (see the module doc). factor >= 1 and floor >= 1 (floor 1: the plain
     bounded-load ring).
+
+    With several router replicas (`replicas.ReplicaSet`) `floor` is the fleet's: each
+    replica keeps `floor // replicas()` of it (at least 1), so a burst spread over the
+    replicas puts no more than `floor` on one engine; the factor part is relative to the
+    replica's own load, which its share of the traffic keeps in proportion.
     """
 
     factor: float = 1.5
     floor: int = 8
+    replicas: Callable[[], int] = field(default=lambda: 1, compare=False)
 
     def __post_init__(self) -> None:
         if self.factor < 1.0:
@@ -227,7 +233,7 @@ class LoadBound:
             raise ValueError(f"the minimum load must be >= 1, got {self.floor}")
 
     def limit(self, total: int, engines: int) -> int:
-        return max(self.floor, math.ceil(self.factor * (total + 1) / engines))
+        return max(1, self.floor // self.replicas(), math.ceil(self.factor * (total + 1) / engines))
 
 
 class PrefixAffinity:

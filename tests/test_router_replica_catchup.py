@@ -1,0 +1,178 @@
+"""A router replica that starts late (a restart, a scale-up) catches up on the engines' KV index from their replay.
+
+The decode engine's KV events come from vLLM's own `ZmqEventPublisher` (its PUB socket and
+its replay buffer, as an engine runs it, without the engine); the engine's HTTP face is
+FAKE. A first router follows the stream from the start while the engine caches `prompts`
+prompts; then a second router starts, as a restarted replica does. Until it has taken in
+a batch it routes by no index at all (decode-first's reason `no_events`); once the engine
+publishes again (and its subscription has joined) it asks the replay buffer for
+everything from batch 0. What it then knows
+is never more than the engine caches (each sampled prompt: the early router's hit or
+none), and this test prints how long the catch-up took and how much of the history it
+reached (docs/benchmarks.md, router section).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from pdconnect.router import RunningRouter, start_router
+from pdconnect.testbed.fake_engine import FakeCluster
+from pdconnect.testbed.processes import free_port
+from tests.router_support import router_config_for
+from tests.waiting import wait_until_async
+
+pytestmark = pytest.mark.asyncio
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+
+from tests.vllm_kv_events import stored_blocks  # noqa: E402
+
+BS = 16
+BLOCKS = 8  # a 128-token prompt per batch
+
+
+def _prompt(i: int) -> list[int]:
+    return [10_000 + i * 1000 + j for j in range(BS * BLOCKS)]
+
+
+def _batch(i: int) -> Any:
+    stored = stored_blocks(range(BLOCKS), _prompt(i), block_size=BS, group=0, kind="full_attention", tag=f"p{i}-")
+    return kv_events.KVEventBatch(ts=0.0, events=[stored])
+
+
+class _Engine:
+    """The FAKE engines, and vLLM's publisher for the decode engine's KV events."""
+
+    def __init__(self, fakes: FakeCluster) -> None:
+        self.fakes = fakes
+        events, replay = free_port(), free_port()
+        self.endpoints = [f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}"]
+        # `tcp://*:port` binds, as an engine's publisher does; the routers connect to 127.0.0.1.
+        self.publisher = kv_events.ZmqEventPublisher(0, f"tcp://*:{events}", f"tcp://*:{replay}")
+        self.published = 0
+
+    def publish(self, i: int) -> None:
+        self.publisher.publish(_batch(i))
+        self.published += 1
+
+    async def router(self) -> RunningRouter:
+        config = router_config_for(
+            self.fakes,
+            policy="kv-aware",
+            decode_first=True,
+            kv_cache_groups=f"full:{BS}",
+            health_interval=0,
+            kv_events_endpoints={self.fakes.decode_urls[0]: self.endpoints},
+        )
+        return await start_router(config)
+
+
+@pytest_asyncio.fixture
+async def engine() -> AsyncIterator[_Engine]:
+    fakes = await FakeCluster.start(1, 1)
+    engine = _Engine(fakes)
+    try:
+        yield engine
+    finally:
+        engine.publisher.shutdown()
+        await fakes.close()
+
+
+def _last_seq(router: RunningRouter, engine: _Engine) -> float | None:
+    return router.router.metrics.registry.get_sample_value(
+        "pdconnect_router_kv_events_last_seq", {"engine": engine.fakes.decode_urls[0]}
+    )
+
+
+def _hit(route: str) -> int:
+    """The predicted hit in an `x-pdconnect-route` header (decode-first's detail), 0 without one."""
+    fields = dict(part.strip().partition("=")[::2] for part in route.split(";")[1:])
+    return int(fields.get("hit", 0))
+
+
+async def _route(router: RunningRouter, prompt: list[int]) -> str:
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 2}
+    async with aiohttp.ClientSession() as http, http.post(f"{router.url}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return resp.headers["x-pdconnect-route"]
+
+
+# Batches the engine published before the late replica starts (vLLM's buffer keeps 10000).
+@pytest.mark.parametrize("prompts", [500, 5000])
+async def test_a_late_replica_knows_no_more_than_the_engine_caches_and_catches_up_from_the_replay(
+    engine: _Engine, prompts: int
+) -> None:
+    early = await engine.router()
+    late: RunningRouter | None = None
+    try:
+        # The early router's subscription joins asynchronously: publish until it hears one.
+        def early_heard() -> bool:
+            if _last_seq(early, engine) is not None:
+                return True
+            engine.publish(0)
+            return False
+
+        await wait_until_async(early_heard, "the early router to hear the engine")
+        for i in range(1, prompts):
+            engine.publish(i)
+        last = engine.published - 1
+        await wait_until_async(
+            lambda: _last_seq(early, engine) == last,
+            "the early router to take in every batch",
+            within=120,
+            observe=lambda: _last_seq(early, engine),
+        )
+        assert (await _route(early, [*_prompt(7), 1])).startswith("decode-first; reason=cached")
+
+        started = time.perf_counter()
+        late = await engine.router()
+        # Joined, heard nothing yet: no index, so nothing is routed by one.
+        assert _last_seq(late, engine) is None
+        assert (await _route(late, [*_prompt(7), 1])).startswith("pd; reason=no_events")
+        # The engine caches more prompts: once the late router's subscription has joined (it
+        # may miss the first batches, as any subscriber that joins late does), it hears one,
+        # asks the replay buffer for 0.., and applies what it gets.
+        heard = time.perf_counter()
+        fresh = iter(range(prompts, prompts + 1000))
+
+        def late_heard() -> bool:
+            if _last_seq(late, engine) is not None:
+                return True
+            engine.publish(next(fresh))
+            return False
+
+        await wait_until_async(late_heard, "the late router to hear the engine", within=60)
+        await wait_until_async(
+            lambda: _last_seq(late, engine) == engine.published - 1,
+            "the late router to catch up from the replay",
+            within=120,
+            observe=lambda: _last_seq(late, engine),
+        )
+        newest = engine.published - 1 - last + prompts - 1  # the prompt of the last batch published
+        caught_up = time.perf_counter()
+        known = 0
+        sampled = range(0, prompts, prompts // 20)  # what the engine cached before the late router started
+        for i in sampled:
+            early_hit = _hit(await _route(early, [*_prompt(i), 1]))
+            late_hit = _hit(await _route(late, [*_prompt(i), 1]))
+            assert early_hit == BS * BLOCKS, i
+            assert late_hit in (0, early_hit), i  # what it knows is true: the engine's own blocks
+            known += late_hit == early_hit
+        assert _hit(await _route(late, [*_prompt(newest), 1])) == BS * BLOCKS
+        print(
+            f"\ncatch-up: the engine's replay buffer held {engine.published} batches ({engine.published * BLOCKS} "
+            f"blocks); the late router was up to date {caught_up - heard:.3f} s after the engine's next batch "
+            f"({caught_up - started:.3f} s after it started) and then knew {known} of {len(sampled)} sampled prompts",
+            flush=True,
+        )
+    finally:
+        if late is not None:
+            await late.close()
+        await early.close()
