@@ -36,12 +36,17 @@ class _Indexes:
         return self._index if url == URL else None
 
 
-def test_an_unplaceable_store_is_counted_logged_and_routes_only_its_prompts_to_pd(
+def test_an_unplaceable_FAKE_store_is_counted_logged_and_routes_only_its_prompts_to_pd(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The sweep's prompt stream on DeepSeek-V4-like full attention 256 + sliding 64, window
-    128, MTP: the index meets a store it cannot place (issue 32); what it says and decides."""
+    128, MTP, from a real manager; then one FAKE sparse sliding store whose listed hash the
+    index already holds for other content (what a corrupt or mixed-up publisher would send:
+    the real manager's stores all place since issue 32's sweep is exact). What the index
+    says and the decider decides."""
     from connectors.vllm_adapter import build_kv_cache_manager
+    from pdconnect.router.kvwire import decode_batch
+    from tests.vllm_kv_events import block_stored, encoded_batch
 
     name = "fa256-swa64-w128-mtp"
     groups, retention = SWEEP[name]
@@ -51,13 +56,15 @@ def test_an_unplaceable_store_is_counted_logged_and_routes_only_its_prompts_to_p
     index = EngineKVIndex(count=counted.append, engine=URL)
     caplog.set_level(logging.DEBUG, logger="pdconnect.router.kvindex")
     rng = random.Random(name)
-    lost: list[int] | None = None
     for i, (_, tokens) in enumerate(_prompts(rng, 128, 14)):
         _serve(manager, make_request(f"r{i}", tokens, geometry.hash_block_size), rng.choice((10_000, 96)), index)
-        if "unanchored" in counted:
-            lost = tokens
-            break
-    assert lost is not None, "the stream no longer meets an unplaceable store: pick another"
+    assert "unanchored" not in counted
+    held = next(iter(index.groups[1].by_hash))
+    assert isinstance(held, bytes)
+    lost = [rng.randrange(30000, 31000) for _ in range(600)]
+    fake = block_stored([held], None, lost[:512], block_size=64, group=1, kind="sliding_window", window=128)
+    index.apply(decode_batch(encoded_batch([fake])))
+    assert counted.count("unanchored") == 1
     lines = [r for r in caplog.records if r.name == "pdconnect.router.kvindex"]
     assert lines and lines[0].levelno == logging.WARNING
     assert URL in lines[0].getMessage() and "contradicts_index" in lines[0].getMessage()
