@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import Any
 
 import pytest
 
@@ -59,8 +60,7 @@ def test_an_unplaceable_FAKE_store_is_counted_logged_and_routes_only_its_prompts
     for i, (_, tokens) in enumerate(_prompts(rng, 128, 14)):
         _serve(manager, make_request(f"r{i}", tokens, geometry.hash_block_size), rng.choice((10_000, 96)), index)
     assert "unanchored" not in counted
-    held = next(iter(index.groups[1].by_hash))
-    assert isinstance(held, bytes)
+    held: Any = next(iter(index.groups[1].by_hash))  # bytes or int, as the publisher sends hashes
     lost = [rng.randrange(30000, 31000) for _ in range(600)]
     fake = block_stored([held], None, lost[:512], block_size=64, group=1, kind="sliding_window", window=128)
     index.apply(decode_batch(encoded_batch([fake])))
