@@ -45,7 +45,8 @@ def test_an_unplaceable_FAKE_store_is_counted_logged_and_routes_only_its_prompts
     index already holds for other content (what a corrupt or mixed-up publisher would send:
     the real manager's stores all place since issue 32's sweep is exact). What the index
     says and the decider decides."""
-    from connectors.vllm_adapter import build_kv_cache_manager
+    from connectors.describe import describe
+    from connectors.vllm_adapter import CacheRules, build_kv_cache_manager
     from pdconnect.router.kvwire import decode_batch
     from tests.vllm_kv_events import block_stored, encoded_batch
 
@@ -55,6 +56,8 @@ def test_an_unplaceable_FAKE_store_is_counted_logged_and_routes_only_its_prompts
     manager = build_kv_cache_manager(geometry, num_blocks=6000, max_model_len=4096, enable_kv_cache_events=True)
     counted: list[str] = []
     index = EngineKVIndex(count=counted.append, engine=URL)
+    # The engine's connector describes its groups (what the decider replays the lookup over).
+    index.apply(decode_batch(encoded_batch([describe(CacheRules.for_manager(manager))])))
     caplog.set_level(logging.DEBUG, logger="pdconnect.router.kvindex")
     rng = random.Random(name)
     for i, (_, tokens) in enumerate(_prompts(rng, 128, 14)):

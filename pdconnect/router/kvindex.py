@@ -82,6 +82,7 @@ from pdconnect.router.kvwire import (
     BlockHash,
     BlockRemoved,
     BlockStored,
+    EngineDescribed,
     KVEvent,
     KVEventBatch,
     decode_batch,
@@ -186,6 +187,8 @@ class EngineKVIndex:
     engine: str = ""  # the engine's name, for log lines
     # The data-parallel rank whose engine core this index mirrors (None: no data parallelism).
     dp_rank: int | None = None
+    # The KV cache groups the engine's connector last described (None: not yet).
+    described: EngineDescribed | None = None
     # Block keys of the ranges of stores that could not be placed, at most this many (oldest dropped).
     max_unplaced: int = 1 << 16
     # The key space's granularity set by the stores read (0: none yet; see `granularity`).
@@ -288,6 +291,9 @@ class EngineKVIndex:
                 self._forget()
                 deferred.clear()
                 continue
+            if isinstance(event, EngineDescribed):
+                self._described(event)
+                continue
             reason = _store_reason(event)
             if reason is not None:
                 self.count(reason)
@@ -309,6 +315,23 @@ class EngineKVIndex:
                 self._store(waiting.group, waiting.event, keyed, waiting.removed)
         if keyed and any(group.pending for group in self.groups.values()):
             self._resolve_pending(keyed)
+
+    def _described(self, event: EngineDescribed) -> None:
+        """The engine's connector describing its KV cache groups (`pdconnect.kvdescribe`):
+        kept when sound; otherwise counted by reason and logged (once per reason), and the
+        description held before, if any, stays."""
+        reason = invalid_reason(event)
+        if reason is None:
+            self.described = event
+            return
+        self.count(reason)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning(
+                "KV index of engine %s: its connector's description of its KV cache groups is refused (%s)",
+                self.engine or "?",
+                reason,
+            )
 
     def _is_sparse_sliding(self, group: GroupIndex, event: BlockStored) -> bool:
         blocks = len(event.token_ids) // group.block_size

@@ -32,9 +32,19 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from pdconnect.errors import ConfigError
+from pdconnect.kvdescribe import EngineDescribed
 from pdconnect.router.prompt import RoutingPrompt
 
-__all__ = ["CacheGroup", "CacheGroups", "LookupGroup", "longest_hit", "parse_groups", "predicted_hits", "run_blocks"]
+__all__ = [
+    "CacheGroup",
+    "CacheGroups",
+    "LookupGroup",
+    "described_groups",
+    "longest_hit",
+    "parse_groups",
+    "predicted_hits",
+    "run_blocks",
+]
 
 GroupKind = Literal["full", "sliding"]
 
@@ -105,6 +115,21 @@ def parse_groups(text: str) -> CacheGroups:
     if not groups:
         raise ConfigError("no KV cache groups given")
     # vLLM sorts full attention first (a stable sort): its run bounds the others.
+    return CacheGroups(tuple(sorted(groups, key=lambda g: g.kind != "full")))
+
+
+def described_groups(event: EngineDescribed) -> CacheGroups:
+    """The lookup's groups (one per spec, full attention first) for a sound description;
+    a spec takes the drop when any of its groups does (vLLM looks a spec's groups up together)."""
+    specs: dict[tuple[str, int, int | None], bool] = {}
+    for group in event.groups:
+        kind = "full" if group.kind == "full_attention" else "sliding"
+        key = (kind, group.block_size, group.sliding_window)
+        specs[key] = specs.get(key, False) or group.drop
+    groups = [
+        CacheGroup("full" if kind == "full" else "sliding", size, window, drop)
+        for (kind, size, window), drop in specs.items()
+    ]
     return CacheGroups(tuple(sorted(groups, key=lambda g: g.kind != "full")))
 
 
