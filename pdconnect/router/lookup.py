@@ -4,17 +4,19 @@ The kv-aware index (`kvindex`) says which blocks of each KV cache group an engin
 `longest_hit` here is vLLM's own lookup rule over them (the cache-hit alignment, a
 sliding-window group's run, the EAGLE/MTP drop; tested against vLLM's real coordinator),
 the one copy both the kv-aware policy (`EngineKVIndex.hit_tokens`, over the groups the
-engine has published) and the decode-first decider (`predicted_hits`, over the configured
-groups) use. `run_blocks` is vLLM's rule for which blocks of a sliding-window group it
+engine has published) and the decode-first decider (`predicted_hits`, over the groups the
+engine describes) use. `run_blocks` is vLLM's rule for which blocks of a sliding-window group it
 keeps, the index's way to place a sparse store. vLLM's per-group events do not mix the
 group into the hash, so mixing the groups here would call a prefix cached that one group
 has already evicted.
 
 `predicted_hits` asks what the engine would report for the whole prompt (at most
-`prompt_len - 1` tokens: the last one is always computed), over the *configured* groups
+`prompt_len - 1` tokens: the last one is always computed), over the groups the engine's
+connector describes (`described_groups` of a `pdconnect.kvdescribe.EngineDescribed`)
 rather than those the index has seen: a group that has published nothing is absent from
-the index, yet vLLM still needs its blocks, and the drop is a scheduler setting no event
-carries. So they are configuration: `parse_groups("full:128:eagle,sliding:128:64:eagle")`.
+the index, yet vLLM still needs its blocks, and the drop is a scheduler setting vLLM's own
+events do not carry. `parse_groups("full:128:eagle,sliding:128:64:eagle")` reads the same
+groups typed in (`--kv-cache-groups`, an override checked against the description).
 vLLM flags every group for the drop under EAGLE (no group names the draft), and only the
 group holding the drafter's trailing layers under MTP.
 
