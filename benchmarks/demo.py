@@ -109,13 +109,10 @@ def _run(cluster: Cluster, config: LocalPDConfig, setup: DemoSetup, index: int) 
     return RunResult(label=label, steps=tuple(steps), settings=settings, transport=transport)
 
 
-# The tiny Llama's KV cache groups, every one taking the EAGLE drop (`--kv-cache-groups`).
-DECODE_LOCAL_GROUPS = "full:128:eagle,sliding:128:64:eagle"
-
-
 def _decode_first_chat(cluster: Cluster, local: LocalPD, seed: int, turns: int = 3) -> list[str]:
     """One conversation through a kv-aware router with `--decode-first`, in front of the same
-    engines; prints and returns each turn's route (`x-pdconnect-route`)."""
+    engines; prints and returns each turn's route (`x-pdconnect-route`). No KV cache groups
+    are given: the decode engine's connector describes them in its KV events."""
     import httpx
 
     target, _ = ensure_target_and_draft(SPEC)
@@ -135,8 +132,6 @@ def _decode_first_chat(cluster: Cluster, local: LocalPD, seed: int, turns: int =
                 "--tokenizer",
                 str(target),
                 "--decode-first",
-                "--kv-cache-groups",
-                DECODE_LOCAL_GROUPS,
                 "--no-fallback",
                 "--prefill-timeout",
                 timeout,

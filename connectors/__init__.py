@@ -12,6 +12,7 @@
 - `geometry`, `compat`, `identity`, `metadata`, `cache_binding`, `vllm_adapter`: the
   KV geometry, what two engines must agree on, a prompt's digest, what the halves tell
   each other, and the one module that names vLLM's KV-cache internals.
-- `stats`: the connector's counters; `kvsim`: vLLM's KV managers driven without an
+- `describe`: the engine's KV cache groups, told to the router in vLLM's KV events;
+  `stats`: the connector's counters; `kvsim`: vLLM's KV managers driven without an
   engine (tests, benchmarks).
 """

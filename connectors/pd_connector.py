@@ -9,6 +9,7 @@ an unknown key or bad value stops the engine at start-up with the key's name.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -83,6 +84,14 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self.scheduler_half.bind(kv_cache_manager)
+
+    def take_events(self) -> Iterable[Any]:
+        """This engine's KV cache groups for the router when due (`connectors.describe`); vLLM
+        publishes them with its own KV events (its encoder takes any msgspec struct)."""
+        half = self._scheduler
+        if half is None or half.describer is None:
+            return ()
+        return half.describer.take()
 
     def on_new_request(self, request: Request) -> None:
         self.scheduler_half.on_new_request(request)

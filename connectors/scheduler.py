@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from connectors.compat import compat_info
 from connectors.consumer import Consumer
+from connectors.describe import Describer, describe
 from connectors.lease_desk import DESK_COUNTERS, LeaseDesk, Start
 from connectors.metadata import PDConnectorMetadata
 from connectors.producer import Producer
@@ -88,6 +89,7 @@ class PDScheduler:
         roles = side_channel_roles(transfer.is_kv_producer, transfer.is_kv_consumer)
         keys = settings.resolve_keys(roles)
         self.stats = StatsRecorder()
+        self.describer: Describer | None = None  # set by `bind`, once the cache rules are known
         self.params = ParamsGate(self.stats)
         self._desk_totals: dict[str, int] = {}
         self.producer: Producer | None = None
@@ -119,6 +121,7 @@ class PDScheduler:
     def bind(self, manager: KVCacheManager) -> None:
         rules, ops = CacheRules.for_manager(manager), BlockPoolOps(manager)
         self.ops = ops
+        self.describer = Describer(describe(rules))  # the router learns the groups from it
         for half in (self.producer, self.consumer):
             if half is not None:
                 half.bind(rules, ops)

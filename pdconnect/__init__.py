@@ -7,7 +7,8 @@ The product:
   `keyring`: the key a pod signs with and the public keys it trusts per role.
 - `kvlayout`: KV tensors' shapes and strides to byte ranges; `transfer`: moving them;
   `tpmap`: which prefill TP ranks, and which of their KV heads, each decode TP rank reads.
-- `router`: the P/D router (`pdconnect router`).
+- `router`: the P/D router (`pdconnect router`); `kvdescribe`: an engine's KV cache
+  groups as its connector describes them to the router (a KV event of its own).
 - `metricsproxy`: an engine's `/metrics` alone on a port of its own (`pdconnect
   metrics-proxy`), so monitoring never reaches the engine's API.
 - `errors`: `ConfigError`, the one settings error; `config_fields`: a setting's bounds,

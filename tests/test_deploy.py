@@ -35,8 +35,6 @@ import yaml
 from connectors.settings import ConnectorSettings, parse_kv_transfer_config
 from pdconnect.router.config import RouterConfig
 from pdconnect.router.config import parse_args as parse_router_args
-from pdconnect.router.lookup import CacheGroup, parse_groups
-from pdconnect.testbed import tinymodel
 from pdconnect.testbed.recipes import engine_args as recipe_engine_args
 from pdconnect.testbed.recipes import pd_kv_transfer
 from pdconnect.tpmap import GroupHeads, check_pairing
@@ -72,9 +70,6 @@ GPU = "nvidia.com/gpu"
 # Answers 400 to kv_transfer_params of the wrong JSON types before the engine sees them
 # (docs/handoff-integrity.md); every engine with our connector runs behind it.
 GUARD_MIDDLEWARE = "connectors.api_guard.TransferParamsGuard"
-# Speculative methods under which vLLM flags every KV cache group for the last-block drop.
-EAGLE_METHODS = {"eagle", "eagle3"}
-
 # What each kustomization promises; checked in test_kustomization_is_what_it_says.
 EXPECTED: dict[str, dict[str, Any]] = {
     "overlays/mooncake-rdma-h20": {
@@ -90,8 +85,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "servicemonitor": True,
         "replicas": 2,
         "route_headers": False,
-        # DeepSeek-V4-Flash's KV cache groups cannot be known here (README: Decode-first routing).
-        "decode_first": False,
+        # The engines describe their KV cache groups to the router (README: Decode-first routing).
+        "decode_first": True,
     },
     "overlays/mooncake-rdma-h20-decode-dp8": {
         "transport": "mooncake",
@@ -108,7 +103,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "servicemonitor": True,
         "replicas": 2,
         "route_headers": False,
-        "decode_first": False,
+        "decode_first": True,
     },
     "overlays/nixl": {
         "transport": "nixl",
@@ -138,7 +133,6 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "servicemonitor": False,
         "replicas": 1,
         "route_headers": True,
-        # Its window is the generated model's (the init container's tinymodel arguments).
         "decode_first": True,
     },
     "examples/custom-cluster": {
@@ -150,9 +144,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "node_selector": {"node.example.com/accelerator": "h20"},
         "namespace": "llm-serving",
         "model": "/models/gemma-3-27b-it",
-        # gemma-3-27b-it's config.json: text_config.sliding_window.
         "decode_first": True,
-        "sliding_window": 1024,
     },
 }
 
@@ -779,82 +771,43 @@ def test_testbed_engines_with_the_connector_run_behind_the_guard_as_deployed() -
     assert not flag_values(recipe_engine_args(None), "--middleware")
 
 
-def _model_sliding_window(render: Render, workload: dict[str, Any], want: dict[str, Any]) -> int:
-    """The window of the model the engine loads: a generated model's from its generator's own
-    arguments (the init container's), a checkpoint's as the kustomization promises it."""
-    model = _engine_config_file(render, workload)["model"]
-    origin = path_origin(render, workload, _container(workload), model)
-    if origin[0] != "generated":
-        return int(want["sliding_window"])
-    argv = list(origin[2])
-    assert argv[:3] == ["python", "-m", "pdconnect.testbed.tinymodel"], f"unknown model generator {argv}"
-    return int(tinymodel._parse_args(argv[3:]).sliding_window)
-
-
 def check_decode_first(render: Render, want: dict[str, Any]) -> None:
     """Decode-first routing is on exactly where the kustomization promises it, with kv-aware
-    and KV cache groups that describe the engines: every group at the block size the engine
-    args pin, every sliding group at the model's window, and the EAGLE drop on every group
-    under EAGLE, on none without speculation. A model outside that shape (per-group block
-    sizes, MTP) needs its own rule here before it may turn decode-first on."""
+    (it reads the engines' KV events) and no KV cache groups typed in: the decode engines'
+    connectors describe theirs in those events (`connectors.describe`), and a typed-in
+    string is only an override that could contradict them."""
     config = router_config(render)
     assert config.decode_first == want["decode_first"], f"decode-first is {'off' if want['decode_first'] else 'on'}"
+    assert config.kv_cache_groups is None, "KV cache groups typed in: the engines describe their own"
     if not config.decode_first:
-        assert config.kv_cache_groups is None, "KV cache groups without decode-first: nothing checks them"
         return
     assert config.policy == "kv-aware"
-    assert config.kv_cache_groups is not None
-    groups: tuple[CacheGroup, ...] = parse_groups(config.kv_cache_groups).groups
+    assert config.kv_events_port is not None or config.kv_events_endpoints, "no KV events: nothing to learn from"
     for component, workload in render.engines().items():
-        args = _engine_config_file(render, workload)
-        block = args.get("block-size")
-        assert block is not None, f"{component}: block-size not pinned, but the KV cache groups name it"
-        assert {g.block_size for g in groups} == {block}, (
-            f"{component}: KV cache groups {config.kv_cache_groups} for block size {block}"
-        )
-        assert any(g.kind == "full" for g in groups), f"{component}: no full-attention group"
-        window = _model_sliding_window(render, workload, want)
-        assert {g.window for g in groups if g.kind == "sliding"} == {window}, (
-            f"{component}: KV cache groups {config.kv_cache_groups} for sliding window {window}"
-        )
-        speculative = args.get("speculative-config")
-        method = speculative["method"] if speculative else None
-        flagged = [g.eagle for g in groups]
-        if method is None:
-            assert not any(flagged), f"{component}: an eagle group without speculative decoding"
-        else:
-            assert method in EAGLE_METHODS, f"{component}: no rule here for which groups take the {method} drop"
-            assert all(flagged), f"{component}: under {method} every group takes the eagle drop"
+        argv = expanded_argv(render, workload, _container(workload))
+        transfer = json.loads(one_flag(argv, "--kv-transfer-config"))
+        assert transfer["kv_connector"] == "PDConnector", f"{component}: no pdconnect connector to describe its groups"
 
 
 @pytest.mark.parametrize("target", sorted(EXPECTED))
-def test_router_routes_decode_first_with_the_engines_kv_cache_groups(render_of, target: str) -> None:
+def test_router_routes_decode_first_over_the_groups_the_engines_describe(render_of, target: str) -> None:
     check_decode_first(render_of(target), EXPECTED[target])
 
 
 @pytest.mark.parametrize(
-    ("old", "new", "complaint"),
+    ("edit", "complaint"),
     [
-        ("block-size: 128", "block-size: 64", "block size"),
-        ("sliding:128:64:eagle", "sliding:128:32:eagle", "sliding window"),
-        ("sliding:128:64:eagle", "sliding:128:64", "every group takes"),
-        ("method: eagle3", "method: mtp", "no rule here"),
+        (lambda args: args.remove("--decode-first"), "decode-first is off"),
+        (lambda args: args.append("--kv-cache-groups=full:128"), "typed in"),
     ],
+    ids=["off", "typed-in"],
 )
-def test_kv_cache_groups_that_do_not_describe_the_engines_are_caught(
-    render_of, old: str, new: str, complaint: str
-) -> None:
-    """The check above bites: the engine args or the router's groups (both ConfigMaps)
-    changed without the other."""
-    render = copy.deepcopy(render_of("overlays/cpu-smoke"))
-    edited = 0
-    for cm in render.of_kind("ConfigMap"):
-        for name, text in cm.get("data", {}).items():
-            edited += text.count(old)
-            cm["data"][name] = text.replace(old, new)
-    assert edited, f"{old!r} is not in the rendered cpu-smoke"
+def test_decode_first_off_or_groups_typed_in_are_caught(render_of, edit: Any, complaint: str) -> None:
+    """The check above bites: the component dropped, or a groups string added by hand."""
+    render = copy.deepcopy(render_of("overlays/mooncake-rdma-h20"))
+    edit(_container(render.router())["args"])
     with pytest.raises(AssertionError, match=complaint):
-        check_decode_first(render, EXPECTED["overlays/cpu-smoke"])
+        check_decode_first(render, EXPECTED["overlays/mooncake-rdma-h20"])
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 
 from pdconnect.errors import ConfigError
+from pdconnect.kvdescribe import VERSION, DescribedGroup, EngineDescribed
 from pdconnect.router.decider import DeciderSettings, DecodeFirstDecider, Route
 from pdconnect.router.engines import Engine, Role
 from pdconnect.router.kvindex import EngineKVIndex, GroupIndex
@@ -122,9 +123,15 @@ def _batch(*events: Any) -> bytes:
     return encoded_batch(events)
 
 
-def _index(*events: Any) -> EngineKVIndex:
+# What the engine's connector says of its groups (`connectors.describe`): GROUPS.
+DESCRIBED = EngineDescribed(
+    VERSION, [DescribedGroup("full_attention", BS, None, False), DescribedGroup("sliding_window", BS, 4, False)], 0
+)
+
+
+def _index(*events: Any, described: EngineDescribed | None = DESCRIBED) -> EngineKVIndex:
     index = EngineKVIndex()
-    index.apply(decode_batch(_batch(*events)))
+    index.apply(decode_batch(_batch(*events, *([] if described is None else [described]))))
     return index
 
 
@@ -144,11 +151,17 @@ HELD = (_stored(range(8), 0, "full_attention"), _stored(range(6, 8), 1, "sliding
 WINDOW_GONE = (_stored(range(8), 0, "full_attention"), _stored(range(3), 1, "sliding_window", 4))
 
 
-def _decider(feed: FakeFeed, max_uncached: int = 8, in_flight: int = 64, ratio: float = 1.0) -> DecodeFirstDecider:
+def _decider(
+    feed: FakeFeed,
+    max_uncached: int = 8,
+    in_flight: int = 64,
+    ratio: float = 1.0,
+    override: CacheGroups | None = GROUPS,
+) -> DecodeFirstDecider:
     from pdconnect.router.engines import EngineRegistry
 
     return DecodeFirstDecider(
-        DeciderSettings(GROUPS, max_uncached, ratio, in_flight),
+        DeciderSettings(override, max_uncached, ratio, in_flight),
         feed,
         # No engine registers, so no breaker is ever made.
         RouterMetrics(EngineRegistry(lambda: None, probed=False)),  # type: ignore[arg-type, return-value]
@@ -246,14 +259,16 @@ def test_the_reported_hit_is_checked_against_the_prediction() -> None:
     }
 
 
-def test_decode_first_needs_kv_aware_and_the_groups() -> None:
+def test_decode_first_needs_kv_aware_and_the_groups_only_as_an_override() -> None:
     from pdconnect.router import load_config
 
     base = {"decode": [D0], "decode_first": True}
     with pytest.raises(ConfigError, match="kv-aware"):
         load_config({**base, "kv_cache_groups": "full:4"})
-    with pytest.raises(ConfigError, match="kv-cache-groups"):
-        load_config({**base, "policy": "kv-aware", "kv_events_port": 5557})
+    # The engines describe their groups: none need be typed in.
+    assert load_config({**base, "policy": "kv-aware", "kv_events_port": 5557}).kv_cache_groups is None
+    with pytest.raises(ConfigError, match="KV cache group"):
+        load_config({**base, "policy": "kv-aware", "kv_events_port": 5557, "kv_cache_groups": "full"})
     load_config({**base, "policy": "kv-aware", "kv_events_port": 5557, "kv_cache_groups": "full:4"})
 
 
@@ -272,7 +287,8 @@ class _Publisher:
 
     async def publish(self, router: Any, *events: Any) -> None:
         """Until the router applied the batch: its SUB socket joins asynchronously."""
-        self.seq = await publish_until_applied(router, self.socket, _batch(*events), self.seq)
+        # With the description its connector adds to an engine's first step's events.
+        self.seq = await publish_until_applied(router, self.socket, _batch(*events, DESCRIBED), self.seq)
 
 
 def _decode_first_config(fakes: Any, publishers: dict[str, _Publisher]) -> Any:

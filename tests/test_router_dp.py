@@ -20,6 +20,7 @@ import zmq
 from aiohttp import web
 
 from pdconnect.errors import ConfigError
+from pdconnect.kvdescribe import VERSION, DescribedGroup, EngineDescribed
 from pdconnect.router import RunningRouter, load_config, start_router
 from pdconnect.router.breaker import CircuitBreaker
 from pdconnect.router.engines import DP_RANK_HEADER, EngineRegistry, Role
@@ -53,7 +54,9 @@ class RankedFake(FakeEngine):
 def _batch(rank: int | None, blocks: range = range(8)) -> bytes:
     """vLLM's KVEventBatch storing `blocks` of TOKENS, stamped with the publisher's rank."""
     stored = stored_blocks(blocks, TOKENS, block_size=BS, group=0, kind="full_attention", tag="g0")
-    batch = kv_events.KVEventBatch(ts=0.0, events=[stored], data_parallel_rank=rank)
+    # With the description the rank's connector adds to its engine core's events.
+    described = EngineDescribed(VERSION, [DescribedGroup("full_attention", BS, None, False)], 0)
+    batch = kv_events.KVEventBatch(ts=0.0, events=[stored, described], data_parallel_rank=rank)
     return msgspec.msgpack.Encoder().encode(batch)
 
 
@@ -113,7 +116,7 @@ async def _dp_setup(**options: Any) -> AsyncIterator[tuple[FakeCluster, RunningR
 @pytest.mark.asyncio
 @pytest.mark.parametrize("decode_first", [False, True], ids=["pd", "decode-first"])
 async def test_kv_events_of_one_rank_route_the_siblings_to_that_rank_with_the_header(decode_first: bool) -> None:
-    options: dict[str, Any] = {"decode_first": True, "kv_cache_groups": "full:4"} if decode_first else {}
+    options: dict[str, Any] = {"decode_first": True} if decode_first else {}
     async with _dp_setup(**options) as (fakes, router, publishers):
         decode = fakes.decode[0]
         assert isinstance(decode, RankedFake)

@@ -1086,12 +1086,13 @@ def test_an_empty_sliding_store_sets_the_key_granularity_so_later_stores_keep_th
     index over and the full-attention blocks already held are lost."""
     counted: list[str] = []
     index = EngineKVIndex(count=counted.append)
-    empty = block_stored([], None, TOKENS[:8], block_size=2, group=1, kind="sliding_window", window=1)
+    empty = block_stored([], None, TOKENS[:8], block_size=2, group=1, kind="sliding_window", window=3)
     _publish(index, _stored(range(2), 0, "full_attention"), empty)
     assert index.granularity == 2
     _publish(
         index,
-        block_stored([b"s3"], None, TOKENS[:8], block_size=2, group=1, kind="sliding_window", window=1),
+        # The block ending on the full group's block 1 (vLLM: the same hash, g0b1).
+        block_stored([b"g0b1"], None, TOKENS[:8], block_size=2, group=1, kind="sliding_window", window=3),
     )
     assert counted == []
     assert index.hit_tokens(RoutingPrompt(TOKENS)) == 2 * BS

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import Any
 
 import pytest
 
@@ -36,12 +37,18 @@ class _Indexes:
         return self._index if url == URL else None
 
 
-def test_an_unplaceable_store_is_counted_logged_and_routes_only_its_prompts_to_pd(
+def test_an_unplaceable_FAKE_store_is_counted_logged_and_routes_only_its_prompts_to_pd(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The sweep's prompt stream on DeepSeek-V4-like full attention 256 + sliding 64, window
-    128, MTP: the index meets a store it cannot place (issue 32); what it says and decides."""
-    from connectors.vllm_adapter import build_kv_cache_manager
+    128, MTP, from a real manager; then one FAKE sparse sliding store whose listed hash the
+    index already holds for other content (what a corrupt or mixed-up publisher would send:
+    the real manager's stores all place since issue 32's sweep is exact). What the index
+    says and the decider decides."""
+    from connectors.describe import describe
+    from connectors.vllm_adapter import CacheRules, build_kv_cache_manager
+    from pdconnect.router.kvwire import decode_batch
+    from tests.vllm_kv_events import block_stored, encoded_batch
 
     name = "fa256-swa64-w128-mtp"
     groups, retention = SWEEP[name]
@@ -49,15 +56,18 @@ def test_an_unplaceable_store_is_counted_logged_and_routes_only_its_prompts_to_p
     manager = build_kv_cache_manager(geometry, num_blocks=6000, max_model_len=4096, enable_kv_cache_events=True)
     counted: list[str] = []
     index = EngineKVIndex(count=counted.append, engine=URL)
+    # The engine's connector describes its groups (what the decider replays the lookup over).
+    index.apply(decode_batch(encoded_batch([describe(CacheRules.for_manager(manager))])))
     caplog.set_level(logging.DEBUG, logger="pdconnect.router.kvindex")
     rng = random.Random(name)
-    lost: list[int] | None = None
     for i, (_, tokens) in enumerate(_prompts(rng, 128, 14)):
         _serve(manager, make_request(f"r{i}", tokens, geometry.hash_block_size), rng.choice((10_000, 96)), index)
-        if "unanchored" in counted:
-            lost = tokens
-            break
-    assert lost is not None, "the stream no longer meets an unplaceable store: pick another"
+    assert "unanchored" not in counted
+    held: Any = next(iter(index.groups[1].by_hash))  # bytes or int, as the publisher sends hashes
+    lost = [rng.randrange(30000, 31000) for _ in range(600)]
+    fake = block_stored([held], None, lost[:512], block_size=64, group=1, kind="sliding_window", window=128)
+    index.apply(decode_batch(encoded_batch([fake])))
+    assert counted.count("unanchored") == 1
     lines = [r for r in caplog.records if r.name == "pdconnect.router.kvindex"]
     assert lines and lines[0].levelno == logging.WARNING
     assert URL in lines[0].getMessage() and "contradicts_index" in lines[0].getMessage()

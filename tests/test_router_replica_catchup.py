@@ -22,6 +22,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from pdconnect.kvdescribe import VERSION, DescribedGroup, EngineDescribed
 from pdconnect.router import RunningRouter, start_router
 from pdconnect.testbed.fake_engine import FakeCluster
 from pdconnect.testbed.processes import free_port
@@ -36,6 +37,7 @@ from tests.vllm_kv_events import stored_blocks  # noqa: E402
 
 BS = 16
 BLOCKS = 8  # a 128-token prompt per batch
+DESCRIBED = EngineDescribed(VERSION, [DescribedGroup("full_attention", BS, None, False)], 0)
 
 
 def _prompt(i: int) -> list[int]:
@@ -44,7 +46,8 @@ def _prompt(i: int) -> list[int]:
 
 def _batch(i: int) -> Any:
     stored = stored_blocks(range(BLOCKS), _prompt(i), block_size=BS, group=0, kind="full_attention", tag=f"p{i}-")
-    return kv_events.KVEventBatch(ts=0.0, events=[stored])
+    # The connector's description of the engine's groups rides with its events (`connectors.describe`).
+    return kv_events.KVEventBatch(ts=0.0, events=[stored, DESCRIBED])
 
 
 class _Engine:

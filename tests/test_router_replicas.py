@@ -146,8 +146,12 @@ def _cached_batch() -> bytes:
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
     from tests.vllm_kv_events import stored_blocks
 
+    from pdconnect.kvdescribe import VERSION, DescribedGroup, EngineDescribed
+
     stored = stored_blocks(range(8), TOKENS, block_size=BS, group=0, kind="full_attention", tag="g0")
-    return msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=0.0, events=[stored]))
+    # The engine's connector describes its one group with its events (`connectors.describe`).
+    described = EngineDescribed(VERSION, [DescribedGroup("full_attention", BS, None, False)], 0)
+    return msgspec.msgpack.Encoder().encode(kv_events.KVEventBatch(ts=0.0, events=[stored, described]))
 
 
 async def _applied_batches(router: RouterProcess) -> bool:

@@ -317,10 +317,11 @@ class Router:
 
     def _decider(self, feed: KVEventsFeed | None) -> DecodeFirstDecider | None:
         config = self.config
-        if not config.decode_first or feed is None or config.kv_cache_groups is None:
-            return None  # RouterConfig refuses decode_first without kv-aware and groups
+        if not config.decode_first or feed is None:
+            return None  # RouterConfig refuses decode_first without kv-aware
         settings = DeciderSettings(
-            groups=parse_groups(config.kv_cache_groups),
+            # An override the engines' own descriptions are checked against (None: theirs alone).
+            groups=None if config.kv_cache_groups is None else parse_groups(config.kv_cache_groups),
             max_uncached_tokens=config.decode_first_max_uncached_tokens,
             max_uncached_ratio=config.decode_first_max_uncached_ratio,
             max_local_tokens_in_flight=config.decode_first_max_tokens_in_flight,

@@ -145,8 +145,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # Decode-first routing (kv-aware only, `decider.py`): a request whose decode engine
     # would compute at most this many of its prompt tokens itself (and at most this
     # share of the prompt) skips the prefill leg; local prefills in flight per decode
-    # engine stay under the token bound. The engines' KV cache groups (`lookup.py`
-    # syntax) say how vLLM's lookup treats each group.
+    # engine stay under the token bound. The engines' connectors describe their KV cache
+    # groups in their KV events (`pdconnect.kvdescribe`); `kv_cache_groups` (`lookup.py`
+    # syntax) is an optional override they must match, or their requests go P/D.
     decode_first: bool = False
     kv_cache_groups: str | None = None
     decode_first_max_uncached_tokens: int = 256
@@ -266,8 +267,6 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if self.decode_first:
             if self.policy != "kv-aware":
                 raise ConfigError("decode_first needs the kv-aware policy (it reads the engines' KV events)")
-            if not self.kv_cache_groups:
-                raise ConfigError("decode_first needs --kv-cache-groups (the engines' KV cache groups)")
             if self.decode_first_max_uncached_tokens < 1 or self.decode_first_max_tokens_in_flight < 1:
                 raise ConfigError("decode_first token bounds must be >= 1")
             if not 0 < self.decode_first_max_uncached_ratio <= 1:

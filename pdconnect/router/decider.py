@@ -23,25 +23,34 @@ Invariants:
   With several router replicas the bound is the fleet's: each keeps its share
   (`replicas.ReplicaSet.share`), so all of them together stay under it;
 - a request on the local route whose engine reports its cached prompt tokens is checked
-  against the prediction (`pdconnect_router_decode_local_hit_checks`).
+  against the prediction (`pdconnect_router_decode_local_hit_checks`);
+- the prediction uses the KV cache groups the engine's connector described
+  (`pdconnect.kvdescribe`, read by the engine's index): an engine not described yet, one
+  whose description differs from another decode engine's ("groups_disagree"), or from
+  `--kv-cache-groups` when that override is given ("groups_override"), is P/D, and the
+  log names the engines and the field (once per pair and difference).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
 
+from pdconnect.kvdescribe import EngineDescribed, difference
 from pdconnect.router.engines import Engine
 from pdconnect.router.kvindex import EngineKVIndex
-from pdconnect.router.lookup import CacheGroups, predicted_hits
+from pdconnect.router.lookup import CacheGroups, described_groups, predicted_hits
 from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.prompt import RoutingPrompt
 from pdconnect.router.usage import UsageMerger
 
 __all__ = ["DeciderSettings", "DecodeFirstDecider", "IndexSource", "Route"]
+
+logger = logging.getLogger("pdconnect.router.decider")
 
 DECODE_FIRST = "decode-first"
 PD = "pd"
@@ -53,7 +62,7 @@ class IndexSource(Protocol):
 
 @dataclass(frozen=True)
 class DeciderSettings:
-    groups: CacheGroups
+    groups: CacheGroups | None  # `--kv-cache-groups`: an override the engines' descriptions must match
     max_uncached_tokens: int
     max_uncached_ratio: float
     max_local_tokens_in_flight: int
@@ -113,6 +122,9 @@ class DecodeFirstDecider:
         self._indexes = indexes
         self._metrics = metrics
         self._in_flight: dict[str, int] = {}  # engine name -> uncached tokens of local prefills
+        # The description each decode engine decided for last gave (the pool they must agree in).
+        self._described: dict[str, EngineDescribed] = {}
+        self._told: set[tuple[str, ...]] = set()  # disagreements logged
 
     def local_tokens_in_flight(self, name: str) -> int:
         return self._in_flight.get(name, 0)
@@ -153,7 +165,10 @@ class DecodeFirstDecider:
             return Route(False, "no_events")
         if index.unplaced_in(prompt):
             return Route(False, "unplaced")  # the engine published a store the index could not place
-        hit, full_hit = predicted_hits(self._settings.groups, index, prompt)
+        groups = self._groups(engine.name, index)
+        if isinstance(groups, str):
+            return Route(False, groups)
+        hit, full_hit = predicted_hits(groups, index, prompt)
         count = len(prompt.tokens)
         uncached = count - hit
         if not self._small(uncached, count):
@@ -165,6 +180,48 @@ class DecodeFirstDecider:
         self._in_flight[url] = busy + uncached
         self._metrics.decode_first_prefill_tokens.labels().inc(uncached)
         return Route(True, "cached", count, hit, full_hit, release=lambda: self._release(url, uncached))
+
+    def _groups(self, name: str, index: EngineKVIndex) -> CacheGroups | str:
+        """The engine's KV cache groups as its connector described them, or why none may be used."""
+        described = index.described
+        if described is None:
+            return "undescribed"
+        seen = self._described
+        seen[name] = described
+        for other in list(seen):
+            other_index = self._indexes.index(other) if other != name else index
+            if other_index is None or other_index.described is None:
+                del seen[other]  # left the pool (or restarted): it no longer constrains the others
+                continue
+            seen[other] = other_index.described
+            if difference(described, seen[other]) is not None:
+                first, second = sorted((name, other))  # one log line per pair, whichever asks
+                diff = difference(seen[first], seen[second])
+                self._tell(
+                    ("disagree", first, second, str(diff)),
+                    "decode engines %s and %s describe different KV cache groups (%s): their requests go P/D",
+                    first,
+                    second,
+                    diff,
+                )
+                return "groups_disagree"
+        groups = described_groups(described)
+        override = self._settings.groups
+        if override is not None and set(override.groups) != set(groups.groups):
+            self._tell(
+                ("override", name, str(groups)),
+                "decode engine %s describes KV cache groups %s, not --kv-cache-groups %s: its requests go P/D",
+                name,
+                groups,
+                override,
+            )
+            return "groups_override"
+        return groups
+
+    def _tell(self, key: tuple[str, ...], message: str, *args: object) -> None:
+        if key not in self._told:
+            self._told.add(key)
+            logger.warning(message, *args)
 
     def _small(self, uncached: int, count: int) -> bool:
         settings = self._settings

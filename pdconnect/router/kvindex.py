@@ -25,26 +25,29 @@ positions the listed hashes stand for is then unknown. A listed hash another gro
 engine has keyed (any block size: see above) whose key is the content key of a block of
 the range is *anchored* there, content-verified; one listed by the group of the largest
 block size (vLLM's scheduler block, the cache-hit alignment) ends an aligned *boundary*.
-The others of a sliding-window store are placed by vLLM's rule (`lookup.run_blocks`): what it
-keeps of a sliding group are runs of `cdiv(window - 1, B)` blocks ending at an aligned
-boundary, plus, in a group that takes the EAGLE/MTP drop, the block after it (its lookup
-peeks at it and drops back); under vLLM's default sparse retention only at the boundaries
-a prompt can be replayed from. Our decode connector publishes a slack run as a store of
-its own, from the prompt's start, ending at the run. Whether a group takes the drop is not
-published, so both shifts are tried and must agree, every anchor landing on its block. A
-sparse sliding store is read after the rest of its batch (vLLM publishes a step's groups in
-group order: MiMo-V2 numbers full attention last), so its anchors are known. A store
-whose runs do not fit (a run longer than the room before its anchor, anchors out of
-order) keeps its unanchored hashes unplaced: counted `unanchored`, logged with the engine
-and the reason, and its range's keys marked so that the decider predicts P/D for the
-prompts reaching into it (`unplaced_in`), and only those. A store listing no hash (a
-sliding group keeping none of its range) is valid: it still sets the group's block size.
-A store whose parent vLLM names by a hash no event lists (a block the window did not
+The others of a sliding-window store are placed by vLLM's rule (`lookup.run_blocks`): what
+it keeps of a sliding group is a union of runs of `cdiv(window - 1, B)` blocks (one more in
+a group that takes the EAGLE/MTP drop) ending at (one past) the aligned boundaries it
+retains, clipped to the range; anchors pin the runs, the alignment places the gaps
+between them. Where two readings fit (a run cut by the range's start, or by its end when
+the prompt goes on), the first is taken and the other kept (`_tentative`) until a later
+store names the range's last block as its parent. Our decode connector publishes a slack
+run as a store of its own, from the prompt's start, ending at the run. Whether a group
+takes the drop is not published, so both shifts are tried. A sparse sliding store is
+read after the rest of its batch (vLLM publishes a step's groups in group order: MiMo-V2
+numbers full attention last), so its anchors are known. A store whose runs do not fit
+(anchors out of order or off the runs, no alignment known: no full-attention block in or
+before its range) keeps its unanchored hashes unplaced: counted `unanchored`, logged with
+the engine and the reason, and its range's keys marked so that the decider predicts P/D
+for the prompts reaching into it (`unplaced_in`), and only those. A store listing no hash
+(a sliding group keeping none of its range) is valid: it still sets the group's block
+size. A store whose parent vLLM names by a hash no event lists (a block the window did not
 cache, an empty store's last block) starts from a recent store's range end, chosen by
-content: the one from which the range's chain reaches a key another group listed among
-the store's hashes (`_parent_key`). Failing that, its hashes are keyed through the other
-groups when their stores arrive; until then they wait, bounded, and a hash that never
-resolves is dropped and counted. The argument and its limits are in docs/router.md;
+content: the one from which the range's chain reaches a key another group listed among the
+store's hashes, or else any key a group holds (`_parent_key`). Failing that, its hashes
+are keyed through the other groups when their stores arrive; until then they wait,
+bounded, and a hash that never resolves is dropped and counted. The argument and its
+limits are in docs/router.md;
 `tests/test_router_kvindex_sweep.py` checks the whole against vLLM's own manager.
 
 Hybrid models: every KV cache group (full attention, sliding window, ...) is indexed on
@@ -79,6 +82,7 @@ from pdconnect.router.kvwire import (
     BlockHash,
     BlockRemoved,
     BlockStored,
+    EngineDescribed,
     KVEvent,
     KVEventBatch,
     decode_batch,
@@ -183,6 +187,8 @@ class EngineKVIndex:
     engine: str = ""  # the engine's name, for log lines
     # The data-parallel rank whose engine core this index mirrors (None: no data parallelism).
     dp_rank: int | None = None
+    # The KV cache groups the engine's connector last described (None: not yet).
+    described: EngineDescribed | None = None
     # Block keys of the ranges of stores that could not be placed, at most this many (oldest dropped).
     max_unplaced: int = 1 << 16
     # The key space's granularity set by the stores read (0: none yet; see `granularity`).
@@ -193,6 +199,9 @@ class EngineKVIndex:
     _tails: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
     _learned: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict, init=False)
     _warned: set[str] = field(default_factory=set, init=False)
+    # Sparse stores placed as a prompt's last chunk, by their last listed hash, with the
+    # reading that holds if a later store continues from that hash (`_confirm_continued`).
+    _tentative: OrderedDict[BlockHash, _Tentative] = field(default_factory=OrderedDict, init=False)
 
     def __post_init__(self) -> None:
         self.budget = BlockBudget(self.max_blocks)
@@ -282,10 +291,15 @@ class EngineKVIndex:
                 self._forget()
                 deferred.clear()
                 continue
+            if isinstance(event, EngineDescribed):
+                self._described(event)
+                continue
             reason = _store_reason(event)
             if reason is not None:
                 self.count(reason)
                 continue
+            if self._tentative:
+                self._confirm_continued(event)
             group = self._group_for(event)
             if group is not None and not event.block_hashes:
                 self._note_tail(event)  # caches nothing, but its range end is a key a later store continues from
@@ -301,6 +315,23 @@ class EngineKVIndex:
                 self._store(waiting.group, waiting.event, keyed, waiting.removed)
         if keyed and any(group.pending for group in self.groups.values()):
             self._resolve_pending(keyed)
+
+    def _described(self, event: EngineDescribed) -> None:
+        """The engine's connector describing its KV cache groups (`pdconnect.kvdescribe`):
+        kept when sound; otherwise counted by reason and logged (once per reason), and the
+        description held before, if any, stays."""
+        reason = invalid_reason(event)
+        if reason is None:
+            self.described = event
+            return
+        self.count(reason)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning(
+                "KV index of engine %s: its connector's description of its KV cache groups is refused (%s)",
+                self.engine or "?",
+                reason,
+            )
 
     def _is_sparse_sliding(self, group: GroupIndex, event: BlockStored) -> bool:
         blocks = len(event.token_ids) // group.block_size
@@ -405,16 +436,11 @@ class EngineKVIndex:
         hashes, parent = event.block_hashes, event.parent_block_hash
         position = {key: p for p, key in enumerate(own)}
         anchors: dict[int, int] = {}  # index in hashes -> block of the range
-        boundaries: list[int] = []  # blocks of the range that end a cache-hit-aligned boundary
-        alignment = self._alignment()
-        aligned = [g for g in self.groups.values() if g.block_size == alignment]
         foreign = False  # a known hash of other content: the store contradicts the index
         for i, block_hash in enumerate(hashes):
             key, p = self._key_of(block_hash), None
             if key is not None and (p := position.get(key)) is not None:
                 anchors[i] = p
-                if any(block_hash in g.by_hash for g in aligned):
-                    boundaries.append(p)
             foreign |= key is not None and p is None
         placed: list[tuple[BlockHash, int] | None] = [None] * len(hashes)
         for i, p in anchors.items():
@@ -423,19 +449,52 @@ class EngineKVIndex:
             if len(anchors) < len(hashes):
                 self._unplaceable(event, own, "contradicts_index" if foreign else "sparse_full_attention")
             return placed
-        if parent is not None and any(parent in g.by_hash for g in aligned):
-            boundaries.insert(0, -1)  # the range starts right after a boundary
-        blocks = run_blocks(hashes, anchors, boundaries, len(own), group, alignment)
-        if blocks is None:
+        alignment = self._alignment()
+        per_segment = alignment // group.block_size
+        aligned = [g for g in self.groups.values() if g.block_size == alignment]
+        # Blocks of the range ending a cache-hit-aligned boundary the aligned group holds.
+        keyed = [p for p, key in enumerate(own) if any(key in g.present for g in aligned)]
+        if parent is None or any(parent in g.by_hash for g in aligned):
+            phase = per_segment - 1  # the range starts on a boundary
+        elif keyed:
+            phase = keyed[0] % per_segment
+        else:
+            self._unplaceable(event, own, "alignment_unknown")
+            return placed
+        if any(p % per_segment != phase for p in keyed):
+            self._unplaceable(event, own, "contradicts_index")
+            return placed
+        readings = run_blocks(len(hashes), anchors, keyed, phase, len(own), group, alignment)
+        if readings is None:
             self._unplaceable(event, own, "runs_do_not_fit")
             return placed
+        blocks, continued = readings
+        if continued is not None:  # confirmed if a store continues from the range's last block
+            self._tentative[hashes[-1]] = _Tentative(group, [(h, own[p]) for h, p in zip(hashes, continued)])
+            while len(self._tentative) > self.max_pending:
+                self._tentative.popitem(last=False)
         return [(block_hash, own[p]) for block_hash, p in zip(hashes, blocks)]
+
+    def _confirm_continued(self, event: BlockStored) -> None:
+        """A store whose parent is the last listed hash of a store placed as a prompt's last
+        chunk: that hash is the range's last block, so the prompt went on, and the store's
+        other reading (its last run cut by the range's end) is vLLM's: re-keyed."""
+        tentative = self._tentative.pop(event.parent_block_hash, None) if event.parent_block_hash else None
+        if tentative is None or not any(g is tentative.group for g in self.groups.values()):
+            return
+        group = tentative.group
+        held = [h for h, _ in tentative.placed if h in group.by_hash]
+        group.remove(held)
+        for block_hash, key in tentative.placed:
+            if block_hash in held:
+                group.add(block_hash, key)
 
     def _forget(self) -> None:
         """Drop everything held (a restart of the engine's cache or of the key space)."""
         self.groups.clear()
         self.budget = BlockBudget(self.max_blocks)
         self._unplaced.clear()
+        self._tentative.clear()
         self._tails.clear()
         self._learned.clear()
 
@@ -455,11 +514,13 @@ class EngineKVIndex:
         if key is not None or not self._tails:
             return key
         anchors = {k for h in event.block_hashes if (k := self._key_of(h)) is not None}
-        if not anchors:
-            return None
         grain = self._grain
+        presents = [g.present for g in self.groups.values()]
         for tail in itertools.islice(reversed(self._tails), _TAILS_TRIED):
-            if not anchors.isdisjoint(chain_keys(event.token_ids, grain, tail)):
+            keys = chain_keys(event.token_ids, grain, tail)
+            # Without a listed hash another group keyed, any key a group holds (a block of
+            # the same step's full-attention store) verifies the start by content.
+            if not anchors.isdisjoint(keys) if anchors else any(k in p for k in keys for p in presents):
                 self._learned[parent] = tail
                 while len(self._learned) > self.max_pending:
                     self._learned.popitem(last=False)
@@ -587,3 +648,11 @@ class _Deferred:
     group: GroupIndex
     event: BlockStored
     removed: set[BlockHash] = field(default_factory=set)
+
+
+@dataclass
+class _Tentative:
+    """A sparse sliding-window store's other reading: (hash, content key) of each listed hash."""
+
+    group: GroupIndex
+    placed: list[tuple[BlockHash, int]]

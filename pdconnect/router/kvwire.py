@@ -15,6 +15,9 @@ from typing import Any
 
 import msgspec
 
+from pdconnect.kvdescribe import EngineDescribed
+from pdconnect.kvdescribe import invalid_reason as describe_reason
+
 __all__ = [
     "DECODE_ERRORS",
     "MAX_GROUPS",
@@ -22,6 +25,7 @@ __all__ = [
     "BlockHash",
     "BlockRemoved",
     "BlockStored",
+    "EngineDescribed",
     "KVEvent",
     "KVEventBatch",
     "RawBatch",
@@ -70,7 +74,8 @@ class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
     pass
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+# `EngineDescribed`: not vLLM's, our connector's (`pdconnect.kvdescribe`), in the same batches.
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | EngineDescribed
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -130,6 +135,8 @@ def invalid_reason(event: KVEvent) -> str | None:
     """Why `event` must not touch the index (a bounded set of metric labels), or None."""
     if isinstance(event, AllBlocksCleared):
         return None
+    if isinstance(event, EngineDescribed):
+        return describe_reason(event)
     if not valid_group(event.group_idx):
         return "group"
     if not _valid_name(event.medium):
