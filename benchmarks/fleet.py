@@ -172,7 +172,10 @@ def record_engine(geometry_name: str, engine_no: int, work: Workload) -> EngineT
         sent[c] += 1
         if sent[c] == len(conversations[c]):
             order.remove(c)
-        tokens = system.tolist() + [t for segment in conversations[c][: sent[c]] for t in segment]
+        prompt = array("H", system)
+        for segment in conversations[c][: sent[c]]:
+            prompt.extend(segment)
+        tokens = prompt.tolist()
         request = make_request(f"e{engine_no}c{c}t{trace.requests}", tokens, geometry.hash_block_size)
         blocks_hit, hit, boundary = manager.get_computed_blocks(request)
         request.shared_prefix_boundary = boundary  # as the scheduler does (kvsim.prefill)
