@@ -46,6 +46,7 @@ from array import array
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdconnect.router.engines import engine_name
 from pdconnect.router.kvindex import EngineKVIndex
 from pdconnect.router.lookup import parse_groups, predicted_hits
 from pdconnect.router.prompt import RoutingPrompt
@@ -152,7 +153,8 @@ def record_engine(geometry_name: str, engine_no: int, work: Workload) -> EngineT
         geometry, num_blocks, max_model_len=work.max_tokens + 8192, enable_kv_cache_events=True
     )
     rank = engine_no % work.dp_ranks
-    trace = EngineTrace(f"http://decode-{engine_no // work.dp_ranks}:8000#dp{rank}", rank, [], [], 0, 0, 0)
+    name = engine_name(f"http://decode-{engine_no // work.dp_ranks}:8000", rank)  # keyed as the router keys it
+    trace = EngineTrace(name, rank, [], [], 0, 0, 0)
     encoder = msgspec.msgpack.Encoder()
     clock = 0.0
 
