@@ -40,10 +40,13 @@ import multiprocessing
 import random
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from array import array
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pdconnect.router.engines import engine_name
@@ -360,19 +363,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args(argv)
     work = Workload(**{name: getattr(args, name) for name in asdict(defaults)})
-    rows = []
-    # The recorder imports vLLM and holds a manager: a child process, so that the router
-    # process's resident set is the index's.
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        for name in args.geometry:
-            row = run_geometry(name, work, pool)
-            rows.append(row)
-            _print(row, work)
-            if args.json:  # after each geometry: a long run's first rows survive an interruption
-                with open(args.json, "w") as fh:
-                    json.dump({"workload": asdict(work), "rows": rows}, fh, indent=2)
-    return 1 if any(r["mispredicted"] or r["restart_above_vllm"] for r in rows) else 0
+    rows: list[dict[str, Any]] = []
+    if len(args.geometry) > 1:
+        # One process per geometry: the resident set of one says nothing once another's
+        # indexes were freed into the allocator's arenas.
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in args.geometry:
+                out = Path(tmp) / f"{name}.json"
+                workload = [
+                    str(a) for field, value in asdict(work).items() for a in (f"--{field.replace('_', '-')}", value)
+                ]
+                command = [sys.executable, "-m", "benchmarks.fleet", *workload, "--geometry", name, "--json", str(out)]
+                subprocess.run(command, check=False)
+                rows += json.loads(out.read_text())["rows"] if out.exists() else []
+                _write(args.json, work, rows)
+        ok = len(rows) == len(args.geometry)
+    else:
+        # The recorder imports vLLM and holds a manager: a child process, so that the router
+        # process's resident set is the index's.
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+            rows.append(run_geometry(args.geometry[0], work, pool))
+        _print(rows[0], work)
+        _write(args.json, work, rows)
+        ok = True
+    return 0 if ok and not any(r["mispredicted"] or r["restart_above_vllm"] for r in rows) else 1
+
+
+def _write(path: str | None, work: Workload, rows: list[dict[str, Any]]) -> None:
+    if path:  # after each geometry: a long run's first rows survive an interruption
+        with open(path, "w") as fh:
+            json.dump({"workload": asdict(work), "rows": rows}, fh, indent=2)
 
 
 def _print(row: dict[str, Any], work: Workload) -> None:
