@@ -238,7 +238,7 @@ def run_geometry(geometry_name: str, work: Workload, pool: concurrent.futures.Ex
     ingest_s = rebuild_s = ingest_wall_s = 0.0
     events = batches = requests = new_tokens = removed = replayed = 0
     above: list[str] = []
-    recovered = 0
+    recovered = predicted_after = held_hit = 0
     memory: list[tuple[int, int]] = []
     gc.collect()
     base_rss = _rss_bytes()
@@ -267,6 +267,8 @@ def run_geometry(geometry_name: str, work: Workload, pool: concurrent.futures.Ex
             if after > real:
                 above.append(f"{trace.name}: after restart predicted {after}, vLLM {real}")
             recovered += after == real
+            predicted_after += after
+            held_hit += real
             probes.append((trace.name, tokens, real))
         del trace, late
         gc.collect()
@@ -307,6 +309,7 @@ def run_geometry(geometry_name: str, work: Workload, pool: concurrent.futures.Ex
         "replayed_events": replayed,
         "restart_above_vllm": above,
         "restart_exact": recovered,
+        "restart_hit_share": predicted_after / held_hit if held_hit else float("nan"),  # of vLLM's hit tokens
         **_lookups(indexes, probes, groups),
     }
 
@@ -426,7 +429,8 @@ def _print(row: dict[str, Any], work: Workload) -> None:
     print(
         f"  restart with {work.replay_steps} replayed batches per core:"
         f" rebuilt in {row['rebuild_s_all_engines']:.2f} CPU s"
-        f" ({row['replayed_events']} events); {row['restart_exact']}/{row['probes']} probes exact,"
+        f" ({row['replayed_events']} events); {row['restart_exact']}/{row['probes']} probes exact"
+        f" ({row['restart_hit_share']:.0%} of vLLM's hit tokens predicted),"
         f" {len(row['restart_above_vllm'])} above vLLM; mispredicted before restart: {len(row['mispredicted'])}"
     )
     for line in row["mispredicted"][:5] + row["restart_above_vllm"][:5]:
