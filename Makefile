@@ -138,6 +138,13 @@ bench-lookup: install
 	@mkdir -p results
 	$(PY) -m benchmarks.kv_lookup --json results/bench-lookup.json
 
+.PHONY: bench-fleet
+# The router's KV index at fleet scale: 64 engine cores x 200 conversations of up to 128k
+# tokens, from real vLLM managers' events (no engines; CPU-heavy, about an hour on 2 cores).
+bench-fleet: install
+	@mkdir -p results
+	$(PY) -m benchmarks.fleet --json results/bench-fleet.json
+
 bench-transfer: install
 	@mkdir -p results
 	$(PY) -m benchmarks.transfer_speed --json results/bench-transfer.json

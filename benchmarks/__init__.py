@@ -9,6 +9,7 @@ Each module is run as `python -m benchmarks.<name>` from the repository root:
 - `sibling_waits`: `make bench-coalesce`, the decode side's sibling waits (coalescing) on vs off.
 - `handoff`: `make bench-handoff`, vLLM's NixlConnector vs ours (NIXL, Mooncake) and in-engine pull latency.
 - `planner`: `make bench-plan`, the planner's cost per request beside a prefix-cache lookup.
+- `fleet`: `make bench-fleet`, the router's KV index fed by 64 engine cores' vLLM events.
 
 `engine_phase` is how each one that starts engines says it was interrupted or failed.
 

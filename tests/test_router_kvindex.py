@@ -588,6 +588,8 @@ def test_a_batch_that_is_no_batch_is_refused_and_the_index_dropped(payload: byte
         ({"block_size": 1 << 40}, "block_size"),
         ({"token_ids": list(range(6))}, "token_ids"),
         ({"token_ids": [-1] * 8}, "token_ids"),
+        ({"token_ids": [5, 6, 7, -1, 8, 9, 10, 11]}, "token_ids"),  # any id, not only the first
+        ({"token_ids": [5, 6, 7, 8, 9, 10, 11, 1 << 32]}, "token_ids"),  # MAX_TOKEN_ID is exclusive
         ({"block_hashes": [b"a", b"b", b"c"]}, "hashes"),
         ({"block_hashes": [b"a" * 65, b"b"]}, "hashes"),
         ({"block_hashes": [], "block_size": 0}, "block_size"),

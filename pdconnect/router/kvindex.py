@@ -341,7 +341,13 @@ class EngineKVIndex:
         """Make the key space fine enough for every store of `batch`, before any is read; a
         finer one invalidates every key held, so the index starts over (counted)."""
         current = self.granularity
-        stores = [e for e in batch.events if isinstance(e, BlockStored) and self._may_store(e)]
+        # A block size the key space already divides cannot refine it: only the others need
+        # the (whole-range) validity check here, which `apply` repeats for every store.
+        stores = [
+            e
+            for e in batch.events
+            if isinstance(e, BlockStored) and (not current or e.block_size % current) and self._may_store(e)
+        ]
         grain = math.gcd(current, *(e.block_size for e in stores))
         if grain == current:
             return
