@@ -58,7 +58,7 @@ from pdconnect.bench.scenarios import SharedPrefixScenario, TokenSource, warmup_
 from pdconnect.bench.scrape import MetricsSnapshot, fetch_metrics
 from pdconnect.testbed.local_pd import start_router
 from pdconnect.testbed.paths import default_build_dir
-from pdconnect.testbed.processes import Cluster, ManagedProcess
+from pdconnect.testbed.processes import Cluster, ManagedProcess, StartupError
 from pdconnect.testbed.recipes import (
     BLOCK_SIZE,
     MODEL_NAME,
@@ -78,6 +78,7 @@ __all__ = [
     "RankBytes",
     "ShapeSpec",
     "heads_per_rank",
+    "last_error_line",
     "main",
     "model_geometry",
     "needed_bytes_per_rank",
@@ -430,15 +431,23 @@ class Engines:
 
     def need(self, *names: str) -> list[ManagedProcess]:
         """The named engines, healthy and warm; those not yet running are started together."""
-        new = {name: self._start(name) for name in names if name not in self.started}
-        if new:
-            started = time.monotonic()
-            _say(f"starting {', '.join(new)}")
-            self.cluster.wait_healthy(list(new.values()))
-            for proc in new.values():
-                warm_up(proc.base_url, MODEL_NAME)
-            _say(f"up in {time.monotonic() - started:.0f}s")
-            self.started.update(new)
+        new: dict[str, ManagedProcess] = {}
+        try:
+            for name in names:
+                if name not in self.started:
+                    new[name] = self._start(name)
+            if new:
+                started = time.monotonic()
+                _say(f"starting {', '.join(new)}")
+                self.cluster.wait_healthy(list(new.values()))
+                for proc in new.values():
+                    warm_up(proc.base_url, MODEL_NAME)
+                _say(f"up in {time.monotonic() - started:.0f}s")
+        except (StartupError, httpx.HTTPError):
+            # Whatever did not come up is not kept: a later shape starts it afresh.
+            self.cluster.stop(*new.values())
+            raise
+        self.started.update(new)
         return [self.started[name] for name in names]
 
     def keep_only(self, *names: str) -> None:
@@ -513,23 +522,33 @@ async def _drive(
     return step, before, after
 
 
-def _why_failed(decode: ManagedProcess, prefill: ManagedProcess) -> str:
-    """The last error-looking line of the decode's, then the prefill's log: the engine's own reason."""
-    for proc in (decode, prefill):
-        lines = [
-            line.strip()
-            for line in proc.log_text().splitlines()
-            if any(word in line for word in ("Error", "ERROR", "error:", "assert", "not supported"))
-        ]
-        if lines:
-            return f"{proc.name}: {lines[-1][:400]}"
+ERROR_WORDS = ("Error", "ERROR", "error:", "assert", "not supported", "NotImplemented")
+
+
+def last_error_line(text: str) -> str | None:
+    """The last line of a log that reads as an error (the engine's own reason), or None."""
+    lines = [line.strip() for line in text.splitlines() if any(word in line for word in ERROR_WORDS)]
+    return lines[-1][:400] if lines else None
+
+
+def _why_failed(*procs: ManagedProcess) -> str:
+    """The last error line of the first of `procs` whose log has one."""
+    for proc in procs:
+        if (line := last_error_line(proc.log_text())) is not None:
+            return f"{proc.name}: {line}"
     return "no error line in the engines' logs"
 
 
 def run_shape(engines: Engines, shape: ShapeSpec, setup: ParallelSetup, geometry: ModelGeometry) -> ShapeResult:
     _say(f"{shape.name}: {shape.label}")
     prefill_name, decode_name, reference_name = _engine_names(shape)
-    prefill, decode, reference = engines.need(prefill_name, decode_name, reference_name)
+    try:
+        prefill, decode, reference = engines.need(prefill_name, decode_name, reference_name)
+    except (StartupError, httpx.HTTPError) as exc:
+        first = str(exc).splitlines()[0]
+        reason = f"engines did not start: {first}; {last_error_line(str(exc)) or 'no error line in its log tail'}"
+        _say(f"{shape.name}: {reason}")
+        return ShapeResult(shape, error=reason)
     with _router(engines, shape, prefill, decode) as router:
         try:
             if shape.connector == "vllm-nixl":
@@ -544,7 +563,7 @@ def run_shape(engines: Engines, shape: ShapeSpec, setup: ParallelSetup, geometry
             )
             step, before, after = asyncio.run(_drive(deployment, setup, shape.seed, decode.base_url))
         except (RuntimeError, httpx.HTTPError) as exc:
-            reason = f"{exc}; {_why_failed(decode, prefill)}"
+            reason = f"{str(exc)[:300]}; {_why_failed(decode, prefill)}"
             _say(f"{shape.name}: failed: {reason}")
             return ShapeResult(shape, error=reason)
     if shape.connector == "vllm-nixl":
