@@ -11,11 +11,14 @@ window 64, float32, no draft), our connector over Mooncake (tcp), behind `pdconn
   NixlConnector (host buffers) behind the same router.
 
 The TP engines are started once and serve both roles (`kv_both`): one at TP1, two at TP2,
-so the three TP shapes share them. Each shape sends prompts of its own (a seed per shape),
-so no engine's cache holds them before. The reference of a shape is a colocated engine
-(no connector) of the decode's shape (TP1 or TP2; for DP2 a TP1 engine, the shape of one
-rank: a pinned sibling is served by one rank), replayed on the same prompts by the load
-generator (`Deployment.reference`).
+so the three TP shapes share them. Each of our shapes sends prompts of its own (a seed
+per shape), so no engine's cache holds them before; vLLM's NixlConnector on a pair gets
+the same prompts as ours on that pair, on engines of its own. The reference of a shape is
+a colocated engine (no connector) of the decode's shape (TP1 or TP2; for DP2 a TP1
+engine, the shape of one rank: a pinned sibling is served by one rank), replayed on the
+same prompts by the load generator (`Deployment.reference`), its prefix cache emptied
+before each shape (`/reset_prefix_cache`, dev mode) so a pair's prompts seen before do
+not count.
 
 Per shape: served, decode's local prefix hit (`vllm:prefix_cache_hits` delta over its
 ranks) against the reference's, pulled tokens (`vllm:external_prefix_cache_hits`), the
@@ -257,6 +260,7 @@ SHAPES: dict[str, ShapeSpec] = {
         ShapeSpec("tp2-tp1", 2, 1, seed=3102),
         ShapeSpec("tp1-tp2", 1, 2, seed=3103),
         ShapeSpec("tp1-dp2", 1, 1, decode_dp=DP_RANKS, seed=3104),
+        # The same prompts as ours on the same pair.
         ShapeSpec("nixl-tp2-tp1", 2, 1, connector="vllm-nixl", seed=3102),
         ShapeSpec("nixl-tp1-tp2", 1, 2, connector="vllm-nixl", seed=3103),
     )
@@ -389,7 +393,9 @@ class Engines:
     started: dict[str, ManagedProcess] = field(default_factory=dict)
     dp_events: tuple[int, int] | None = None  # the DP decode's events and replay base ports
 
-    def _server(self, name: str, args: list[str], side_channel_port: int | None = None) -> ManagedProcess:
+    def _server(
+        self, name: str, args: list[str], side_channel_port: int | None = None, env: dict[str, str] | None = None
+    ) -> ManagedProcess:
         return self.cluster.start(
             vllm_server(
                 f"parallel-{name}",
@@ -398,6 +404,7 @@ class Engines:
                 served_model_name=MODEL_NAME,
                 args=args,
                 side_channel_port=side_channel_port,
+                env=env,
             )
         )
 
@@ -426,7 +433,8 @@ class Engines:
             port = _free_run(self.cluster, 2 * int(tp))
             return self._server(name, [*engine_args(None, stock_nixl_kv_transfer("kv_both")), *parallel], port)
         if kind == "colocated":
-            return self._server(name, [*engine_args(None), *parallel])
+            # Dev mode for /reset_prefix_cache: each shape starts from an empty reference cache.
+            return self._server(name, [*engine_args(None), *parallel], env={"VLLM_SERVER_DEV_MODE": "1"})
         raise ValueError(f"unknown engine {name!r}")
 
     def need(self, *names: str) -> list[ManagedProcess]:
@@ -493,6 +501,19 @@ def _router(
         engines.cluster.stop(router)
 
 
+def _reset_prefix_cache(engine: ManagedProcess) -> None:
+    """Empty a colocated engine's prefix cache; vLLM refuses while a request holds blocks."""
+    deadline = time.monotonic() + 30
+    while True:
+        response = httpx.post(f"{engine.base_url}/reset_prefix_cache", timeout=10)
+        response.raise_for_status()
+        if response.json()["success"]:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{engine.name}: prefix cache not reset within 30 s")
+        time.sleep(0.5)
+
+
 def _establish_stock_handshake(router: ManagedProcess, decode: ManagedProcess) -> None:
     """P/D requests until one is served with no failed NixlConnector handshake in D's log
     (a failed one is recomputed and still answers 200)."""
@@ -553,6 +574,7 @@ def run_shape(engines: Engines, shape: ShapeSpec, setup: ParallelSetup, geometry
         try:
             if shape.connector == "vllm-nixl":
                 _establish_stock_handshake(router, decode)
+            _reset_prefix_cache(reference)
             deployment = Deployment(
                 router=router.base_url,
                 prefill_metrics=(prefill.base_url,),
