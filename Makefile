@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export VLLM_CACHE_ROOT ?= $(CURDIR)/build/vllm-cache
 export UCX_MODULES ?= ^ib
 
-.PHONY: images gpu-check install compat-install test-compat test test-fast test-transport test-faults test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench-coalesce bench-routing bench-handoff bench-decider clean lint fmt
+.PHONY: images gpu-check install compat-install test-compat test test-fast test-transport test-faults test-deploy deploy-tools router-ref demo bench-plan bench-transfer bench-router bench-coalesce bench-routing bench-handoff bench-parallel bench-decider clean lint fmt
 
 install: $(STAMP)
 
@@ -175,6 +175,15 @@ HANDOFF_PATHS ?=
 bench-handoff: install
 	@mkdir -p results
 	$(PY) -m benchmarks.handoff --json results/bench-handoff.json $(if $(HANDOFF_PATHS),--paths $(HANDOFF_PATHS))
+
+# The shared-prefix step at P TP2 -> D TP2, P TP2 -> D TP1, P TP1 -> D TP2 and D DP2 (and
+# vLLM's NixlConnector on the unequal pairs): served, hits, bytes per decode rank vs needed.
+# A subset: `make bench-parallel PARALLEL_SHAPES=tp2-tp1,tp1-tp2`.
+PARALLEL_SHAPES ?=
+
+bench-parallel: install
+	@mkdir -p results
+	$(PY) -m benchmarks.parallel --json results/bench-parallel.json $(if $(PARALLEL_SHAPES),--shapes $(PARALLEL_SHAPES))
 
 # Decode-first routing off vs on, fresh engines each, the same multi-turn chat and
 # prefix-repetition traffic; then decode streams' ITL beside local prefills.

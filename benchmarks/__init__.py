@@ -8,6 +8,7 @@ Each module is run as `python -m benchmarks.<name>` from the repository root:
 - `transfer_speed`: `make bench-transfer`, transport throughput against each library's bare API.
 - `sibling_waits`: `make bench-coalesce`, the decode side's sibling waits (coalescing) on vs off.
 - `handoff`: `make bench-handoff`, vLLM's NixlConnector vs ours (NIXL, Mooncake) and in-engine pull latency.
+- `parallel`: `make bench-parallel`, P/D across TP and DP shapes, bytes pulled per decode rank vs needed.
 - `planner`: `make bench-plan`, the planner's cost per request beside a prefix-cache lookup.
 - `fleet`: `make bench-fleet`, the router's KV index fed by 64 engine cores' vLLM events.
 

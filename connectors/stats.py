@@ -4,6 +4,12 @@ Both halves fill a `PDConnectorStats`; vLLM aggregates the workers' and the sche
 each step, ships the dict to the API server process, rebuilds it with
 `PDConnector.build_kv_connector_stats` and hands it to `PDPromMetrics.observe`, which
 increments the Prometheus series served on the engine's `/metrics`.
+
+Bytes are also kept per tensor-parallel rank (`rank_bytes`, keyed by the rank as a string
+so the dict survives msgpack and JSON): vLLM sums the workers' stats into one object, and a
+total cannot show that each decode rank pulled its own share and no byte twice. They are
+exported as `pdconnect:rank_bytes_transferred_total{tp_rank="r"}` (data-parallel ranks are
+engines of their own: the `engine` label) and logged as `bytes_transferred_rank<r>`.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from pdconnect.protocol import COMPAT_REASONS
 
 _Metric = TypeVar("_Metric", Gauge, Counter, Histogram)
 
-__all__ = ["COUNTERS", "GAUGES", "REASON_COUNTERS", "PDConnectorStats", "PDPromMetrics", "StatsRecorder"]
+__all__ = ["COUNTERS", "GAUGES", "RANK_BYTES", "REASON_COUNTERS", "PDConnectorStats", "PDPromMetrics", "StatsRecorder"]
 
 # Counter name -> help text. Names become `pdconnect:<name>_total` series.
 COUNTERS: dict[str, str] = {
@@ -97,6 +103,10 @@ GAUGES: dict[str, str] = {
 }
 
 
+# The per-rank byte counter: `pdconnect:<RANK_BYTES>_total{..., tp_rank="r"}`.
+RANK_BYTES = "rank_bytes_transferred"
+
+
 @dataclass
 class PDConnectorStats(KVConnectorStats):
     """Counters plus per-transfer samples; plain data so it can cross processes."""
@@ -108,7 +118,14 @@ class PDConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"counters": {}, "gauges": {}, "transfer_seconds": [], "transfer_bytes": [], "transport": ""}
+        self.data = {
+            "counters": {},
+            "gauges": {},
+            "transfer_seconds": [],
+            "transfer_bytes": [],
+            "transport": "",
+            "rank_bytes": {},
+        }
 
     def count(self, name: str, amount: float = 1) -> None:
         assert name in COUNTERS, name
@@ -123,9 +140,13 @@ class PDConnectorStats(KVConnectorStats):
         by_reason = self.data.setdefault("reasons", {}).setdefault(name, {})
         by_reason[reason] = by_reason.get(reason, 0) + amount
 
-    def observe_transfer(self, seconds: float, nbytes: int) -> None:
+    def observe_transfer(self, seconds: float, nbytes: int, tp_rank: int | None = None) -> None:
+        """One finished load; with `tp_rank`, its bytes are also counted for that rank."""
         self.data["transfer_seconds"].append(seconds)
         self.data["transfer_bytes"].append(nbytes)
+        if tp_rank is not None:
+            ranks = self.data.setdefault("rank_bytes", {})
+            ranks[str(tp_rank)] = ranks.get(str(tp_rank), 0) + nbytes
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         theirs = other.data
@@ -140,6 +161,9 @@ class PDConnectorStats(KVConnectorStats):
         self.data["transfer_seconds"].extend(theirs.get("transfer_seconds", ()))
         self.data["transfer_bytes"].extend(theirs.get("transfer_bytes", ()))
         self.data["transport"] = self.data["transport"] or theirs.get("transport", "")
+        ranks = self.data.setdefault("rank_bytes", {})
+        for rank, nbytes in theirs.get("rank_bytes", {}).items():
+            ranks[rank] = ranks.get(rank, 0) + nbytes
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -151,6 +175,8 @@ class PDConnectorStats(KVConnectorStats):
         if seconds:
             summary["avg_transfer_ms"] = round(1000 * sum(seconds) / len(seconds), 3)
             summary["gbps"] = round(sum(self.data["transfer_bytes"]) / max(sum(seconds), 1e-9) / 1e9, 3)
+        for rank, nbytes in sorted(self.data.get("rank_bytes", {}).items(), key=lambda item: int(item[0])):
+            summary[f"bytes_transferred_rank{rank}"] = nbytes
         return summary
 
     def is_empty(self) -> bool:
@@ -170,9 +196,10 @@ class StatsRecorder:
     `take()` swaps the accumulator under the lock so no increment is lost or doubled.
     """
 
-    def __init__(self, transport: str = "") -> None:
+    def __init__(self, transport: str = "", tp_rank: int | None = None) -> None:
         self._lock = threading.Lock()
         self._transport = transport
+        self._tp_rank = tp_rank  # a worker's: its transfers' bytes are counted per rank too
         self._stats = PDConnectorStats()
         self._announced = False
         self._gauges_reported: dict[str, float] = {}
@@ -193,7 +220,7 @@ class StatsRecorder:
 
     def observe_transfer(self, seconds: float, nbytes: int) -> None:
         with self._lock:
-            self._stats.observe_transfer(seconds, nbytes)
+            self._stats.observe_transfer(seconds, nbytes, self._tp_rank)
 
     def take(self) -> PDConnectorStats | None:
         with self._lock:
@@ -295,6 +322,11 @@ class PDPromMetrics(KVConnectorPromMetrics):
             name: counter_cls(name=f"pdconnect:{name}", documentation=doc, labelnames=[*labelnames, "reason"])
             for name, (doc, _reasons) in REASON_COUNTERS.items()
         }
+        self._rank_bytes = counter_cls(
+            name=f"pdconnect:{RANK_BYTES}",
+            documentation="Bytes pulled from prefill engines, per tensor-parallel rank of this engine",
+            labelnames=[*labelnames, "tp_rank"],
+        )
         self._labelvalues = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -313,5 +345,7 @@ class PDPromMetrics(KVConnectorPromMetrics):
                 for reason, value in by_reason.items():
                     if reason in REASON_COUNTERS[name][1]:
                         self._by_reason[name].labels(*self._labelvalues[engine_idx], reason).inc(value)
+        for rank, nbytes in transfer_stats_data.get("rank_bytes", {}).items():
+            self._rank_bytes.labels(*self._labelvalues[engine_idx], rank).inc(nbytes)
         if transport := transfer_stats_data.get("transport"):
             self._transport.labels(*self._labelvalues[engine_idx], transport).set(1)

