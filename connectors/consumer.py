@@ -532,13 +532,17 @@ class Consumer(CacheBound):
             if load is not None:
                 self._finish_load(request_id, load, ok=request_id not in failed)
 
-    def _finish_load(self, request_id: str, load: _Load, ok: bool) -> None:
+    def _finish_load(self, request_id: str, load: _Load, ok: bool, reported: bool = True) -> None:
+        """End a load the workers `reported` (ok or failed), or one aborted before they saw it."""
         published = 0
         if ok and not load.aborted:
             published = self._publish(load)
             self.stats.count("slack_blocks_published", published)
             self.stats.count("transfers")
-        elif not load.aborted:
+        elif not ok and reported:
+            # Counted even when the request already ended: under kv_load_failure_policy
+            # "fail" vLLM finishes the request (our `request_finished`, which marks the
+            # load aborted) before it hands the connector the failed report.
             self.stats.count("transfer_failures")
         # Published blocks stay cached when freed: they become evictable prefix-cache entries.
         self.ops.release(load.shadow_blocks())
@@ -610,7 +614,7 @@ class Consumer(CacheBound):
             # The workers never saw it: nothing can be writing into its blocks.
             self._new_pulls.remove(queued)
             del self._loads[request_id]
-            self._finish_load(request_id, load, ok=False)
+            self._finish_load(request_id, load, ok=False, reported=False)
         # Otherwise in flight: the shadows stay allocated until the workers report it ended.
 
 

@@ -242,11 +242,14 @@ def test_altered_block_ids_are_refused_by_the_prefill_engine(prefill, decode, cl
     altered = copy.deepcopy(params)
     altered["groups"][0]["runs"] = copy.deepcopy(other_params["groups"][0]["runs"])
 
+    failures = decode.counter("transfer_failures")
     decode.add("q7", tokens, altered)
     done = decode.result("q7")
 
     assert done.finish_reason == "error"
     assert "differs from the plan lent" in caplog.text
+    # Counted, though policy "fail" ends the request before the connector hears of the failure.
+    assert decode.counter("transfer_failures") == failures + 1
     assert decode.cached_blocks(tokens, 0) == {}
     decode.add("q7-other", other, other_params)
     assert decode.result("q7-other").finish_reason == "length"
