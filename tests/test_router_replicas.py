@@ -144,9 +144,8 @@ def _publisher() -> Iterator[tuple[str, zmq.Socket[Any]]]:
 
 def _cached_batch() -> bytes:
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
-    from tests.vllm_kv_events import stored_blocks
-
     from pdconnect.kvdescribe import VERSION, DescribedGroup, EngineDescribed
+    from tests.vllm_kv_events import stored_blocks
 
     stored = stored_blocks(range(8), TOKENS, block_size=BS, group=0, kind="full_attention", tag="g0")
     # The engine's connector describes its one group with its events (`connectors.describe`).
