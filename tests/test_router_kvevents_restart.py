@@ -60,6 +60,10 @@ class _Engine:
             self.publisher.publish(KVEventBatch(ts=0.0, events=events))
             self.published += 1
 
+    def sent_everything(self) -> bool:
+        """vLLM's publisher thread has sent every batch it was given (its queue is empty)."""
+        return bool(self.publisher._event_queue.empty())
+
     def serve(self, tokens: list[int]) -> None:
         from connectors.kvsim import make_request
         from tests.kv_manager_steps import serve_prompt
@@ -108,14 +112,20 @@ async def test_a_router_joining_late_rebuilds_from_the_replay_and_never_predicts
             for turns in chat:
                 engine.serve(turns)
         assert engine.published + 1 > 3 * BUFFER_STEPS
+        # vLLM's publisher sends from a thread of its own: the router joins once the history is
+        # sent, or it hears history batches the replay buffer (6 batches) has already dropped.
+        await wait_until_async(engine.sent_everything, "the publisher to send the history")
         feed.watch(ENGINE)
         # The SUB socket joins asynchronously, and hears only what is published after: the
         # engine keeps serving (other requests) until the router has heard a batch.
         fillers = iter(_chats(rng, 50))
 
         def heard() -> bool:
-            engine.serve(next(fillers)[0])
-            return bool(feed.applied_sequences())
+            if feed.applied_sequences():
+                return True
+            if engine.sent_everything():  # one batch in flight at a time: the buffer outlives a replay
+                engine.serve(next(fillers)[0])
+            return False
 
         await wait_until_async(heard, "a live batch heard", observe=lambda: engine.published)
 
