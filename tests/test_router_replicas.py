@@ -300,3 +300,36 @@ def test_a_peer_trips_a_closed_breaker_and_leaves_a_cooling_or_trying_one_alone(
     assert not breaker.trip()  # a trial in flight is left to decide
     breaker.record_success()
     assert breaker.allows() and breaker.opens == 1
+
+
+# --- client keys' rates ------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("peers", [True, False], ids=["replicas", "today"])
+async def test_two_FAKE_engine_routers_admit_no_more_than_a_keys_request_rate(peers: bool, tmp_path: Path) -> None:
+    """A key of 6 requests a minute, 12 requests alternating between two routers within the
+    minute: the fleet admits at most 6 (each router 3), whichever router a request reaches.
+    Two routers that each keep the whole rate admit 12."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"name": "team", "key": "sk-team-0123456789", "requests_per_minute": 6}]}))
+    fakes = await FakeCluster.start(prefill=1, decode=1)
+    statuses: list[int] = []
+    try:
+        async with (
+            _replicas(fakes, "--api-keys-file", str(keys), peers=peers) as routers,
+            aiohttp.ClientSession(headers={"Authorization": "Bearer sk-team-0123456789"}) as http,
+        ):
+            for i in range(12):
+                body = {"model": "fake-model", "prompt": "hello", "max_tokens": 2}
+                async with http.post(f"{routers[i % 2].url}/v1/completions", json=body) as resp:
+                    statuses.append(resp.status)
+                    if resp.status == 429:
+                        assert int(resp.headers["Retry-After"]) >= 1
+    finally:
+        await fakes.close()
+    assert set(statuses) <= {200, 429}, statuses
+    if peers:
+        assert statuses.count(200) == 6, statuses
+    else:
+        assert statuses.count(200) == 12, statuses  # the flaw: each router kept the whole rate

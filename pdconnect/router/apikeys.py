@@ -80,8 +80,16 @@ class ApiKeys:
         self.engine_authorization: str | None = None
 
     @classmethod
-    def parse(cls, text: bytes, toml: bool, where: str, clock: Callable[[], float] | None = None) -> ApiKeys:
-        """Keys from a document; ConfigError names what is wrong, never a key."""
+    def parse(
+        cls,
+        text: bytes,
+        toml: bool,
+        where: str,
+        clock: Callable[[], float] | None = None,
+        replicas: Callable[[], int] | None = None,
+    ) -> ApiKeys:
+        """Keys from a document; ConfigError names what is wrong, never a key. `replicas`: the
+        router replicas counted (each keeps that share of every key's rates; `ratelimit`)."""
         try:
             data = tomllib.loads(text.decode()) if toml else msgspec.json.decode(text)
             document = msgspec.convert(data, _KeysDocument)
@@ -101,16 +109,22 @@ class ApiKeys:
                 if entry.key is not None
                 else bytes.fromhex(entry.sha256 or "")
             )
-            limits = KeyLimits(entry.requests_per_minute, entry.tokens_per_minute, *([clock] if clock else []))
+            limits = KeyLimits(entry.requests_per_minute, entry.tokens_per_minute, clock, replicas)
             keys.append(ClientKey(entry.name, digest, limits, entry.default_max_tokens))
         if len({key.digest for key in keys}) != len(keys):
             raise ConfigError(f"two API keys in {where} are the same key")
         return cls(keys)
 
     @classmethod
-    def load(cls, path: str | None, env: str | None, engine_key_env: str | None = None) -> ApiKeys | None:
+    def load(
+        cls,
+        path: str | None,
+        env: str | None,
+        engine_key_env: str | None = None,
+        replicas: Callable[[], int] | None = None,
+    ) -> ApiKeys | None:
         """The keys from `path` or from environment variable `env` (and the engines' key from
-        `engine_key_env`), read once at start; None when neither is given."""
+        `engine_key_env`), read once at start; None when neither is given. `replicas`: as in `parse`."""
         if path is not None and env is not None:
             raise ConfigError("give --api-keys-file or --api-keys-env, not both")
         if path is not None:
@@ -118,9 +132,9 @@ class ApiKeys:
                 text = Path(path).read_bytes()
             except OSError as exc:
                 raise ConfigError(f"cannot read the API keys file {path}: {exc.strerror}") from None
-            keys = cls.parse(text, path.endswith(".toml"), path)
+            keys = cls.parse(text, path.endswith(".toml"), path, replicas=replicas)
         elif env is not None:
-            keys = cls.parse(_env(env).encode(), False, f"${env}")
+            keys = cls.parse(_env(env).encode(), False, f"${env}", replicas=replicas)
         else:
             if engine_key_env is not None:
                 raise ConfigError("--engine-api-key-env goes with client keys (--api-keys-file or --api-keys-env)")

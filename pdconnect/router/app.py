@@ -130,7 +130,6 @@ class Router:
         self._resolver = resolver
         self._side_channel_keys = config.resolve_side_channel_keys()
         self._admin_token = config.resolve_admin_token()
-        self._keys = ApiKeys.load(config.api_keys_file, config.api_keys_env, config.engine_api_key_env)
         # Loaded before anything listens: a path that holds no tokenizer is a ConfigError in `main`.
         self._tokenizer = self._load_tokenizer(config)
         if config.otlp_traces_endpoint:
@@ -153,6 +152,10 @@ class Router:
             )
             if config.replica_peers or config.replicas_dns
             else None
+        )
+        # Client keys' rates hold for the fleet too: each replica keeps its share.
+        self._keys = ApiKeys.load(
+            config.api_keys_file, config.api_keys_env, config.engine_api_key_env, replica_count(self.replicas)
         )
 
     @staticmethod

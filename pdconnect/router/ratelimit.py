@@ -16,9 +16,12 @@ high side for text) plus the output it asks for (`max_tokens`,
 costing more than the bucket can ever hold is refused with 400, never with a 429 that
 no wait would lift.
 
-The buckets belong to the router instance (one per key, made when the keys are loaded):
-nothing is shared between routers or processes, so N router replicas admit N times a
-key's rate (docs/router.md).
+The buckets belong to the router instance (one per key, made when the keys are loaded)
+and hold for the fleet the way the engines' bounds do (`replicas`): with N router
+replicas counted, each bucket holds and refills at 1/N of the key's rates, so the
+replicas together admit at most the key's rate, whichever of them its requests reach
+(a key whose traffic lands on one replica gets less than its rate; docs/router.md,
+"Several replicas").
 """
 
 from __future__ import annotations
@@ -39,25 +42,39 @@ _BYTES_PER_TOKEN = 4
 _MAX_OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
-class TokenBucket:
-    """`per_minute` tokens a minute, at most one minute's worth held."""
+def _alone() -> int:
+    return 1
 
-    def __init__(self, per_minute: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.capacity = per_minute
-        self._rate = per_minute / 60.0  # per second
+
+class TokenBucket:
+    """This replica's share of `per_minute` tokens a minute (1/`replicas()`), at most one
+    minute's worth of that share held."""
+
+    def __init__(
+        self, per_minute: float, clock: Callable[[], float] = time.monotonic, replicas: Callable[[], int] = _alone
+    ) -> None:
+        self.per_minute = per_minute
+        self._replicas = replicas
         self._clock = clock
-        self._level = per_minute
+        self._level = self.capacity
         self._stamp = clock()
+
+    @property
+    def capacity(self) -> float:
+        """A minute of this replica's share: the count is read live, as the replicas change."""
+        return self.per_minute / max(1, self._replicas())
 
     def take(self, amount: float) -> float:
         """Take `amount` and return 0, or take nothing and return the seconds until it could."""
         now = self._clock()
-        self._level = min(self.capacity, self._level + (now - self._stamp) * self._rate)
+        capacity = self.capacity
+        rate = capacity / 60.0  # per second
+        self._level = min(capacity, self._level + (now - self._stamp) * rate)
         self._stamp = now
         if self._level >= amount:
             self._level -= amount
             return 0.0
-        return (amount - self._level) / self._rate
+        return (amount - self._level) / rate
 
 
 class KeyLimits:
@@ -67,10 +84,13 @@ class KeyLimits:
         self,
         requests_per_minute: float | None,
         tokens_per_minute: float | None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
+        replicas: Callable[[], int] | None = None,
     ) -> None:
-        self._requests = TokenBucket(requests_per_minute, clock) if requests_per_minute else None
-        self._tokens = TokenBucket(tokens_per_minute, clock) if tokens_per_minute else None
+        """`clock`: seconds (default: monotonic); `replicas`: the router replicas counted (default: 1)."""
+        now, count = clock or time.monotonic, replicas or _alone
+        self._requests = TokenBucket(requests_per_minute, now, count) if requests_per_minute else None
+        self._tokens = TokenBucket(tokens_per_minute, now, count) if tokens_per_minute else None
 
     def admit_request(self) -> None:
         """Take one request; RateLimited (429) when the key is over its request rate."""
@@ -79,7 +99,7 @@ class KeyLimits:
         wait = self._requests.take(1)
         if wait:
             raise RateLimited(
-                f"rate limit reached: {self._requests.capacity:g} requests per minute", "requests", _seconds(wait)
+                f"rate limit reached: {self._requests.per_minute:g} requests per minute", "requests", _seconds(wait)
             )
 
     def admit_tokens(self, cost: int) -> None:
@@ -90,13 +110,14 @@ class KeyLimits:
             return
         if cost > bucket.capacity:
             raise BadRequest(
-                f"this request may use {cost} tokens (prompt and requested output), over this key's "
-                f"limit of {bucket.capacity:g} tokens per minute: lower max_tokens or the prompt"
+                f"this request may use {cost} tokens (prompt and requested output), over what this key may "
+                f"spend at once on one router ({bucket.capacity:g} of its {bucket.per_minute:g} tokens per "
+                f"minute): lower max_tokens or the prompt"
             )
         wait = bucket.take(cost)
         if wait:
             raise RateLimited(
-                f"rate limit reached: {bucket.capacity:g} tokens per minute (this request counts {cost})",
+                f"rate limit reached: {bucket.per_minute:g} tokens per minute (this request counts {cost})",
                 "tokens",
                 _seconds(wait),
             )
