@@ -14,7 +14,6 @@ uncached rest is within the threshold.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -30,15 +29,7 @@ from pdconnect.testbed.recipes import MODEL_NAME, engine_args, pd_kv_transfer, v
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
 from tests.waiting import wait_until
 
-# Not yet run on real engines (the engine lock was held past the deadline): enabled by
-# PDCONNECT_RUN_DESCRIBE_ENGINES=1 until one green run, then this skip goes.
-pytestmark = [
-    pytest.mark.engine,
-    pytest.mark.skipif(
-        os.environ.get("PDCONNECT_RUN_DESCRIBE_ENGINES") != "1",
-        reason="issue 32 describe engine test: not yet run green on real engines",
-    ),
-]
+pytestmark = pytest.mark.engine
 
 WINDOW = 200
 THRESHOLD = 640  # uncached tokens a decode engine may compute itself (the issue's run)
