@@ -36,7 +36,7 @@ from benchmarks.routing import (
 from pdconnect.bench.loadgen import RoleCounters, StepResult
 from pdconnect.bench.scenarios import PrefixRepetitionScenario
 from pdconnect.bench.scrape import MetricsSnapshot, PrefixCacheCounters
-from pdconnect.router.config import parse_args as parse_router_args
+from pdconnect.router.options import parse_args as parse_router_args
 from pdconnect.router.policy import LoadBound
 from tests.waiting import wait_until
 

@@ -34,7 +34,7 @@ import yaml
 
 from connectors.settings import ConnectorSettings, parse_kv_transfer_config
 from pdconnect.router.config import RouterConfig
-from pdconnect.router.config import parse_args as parse_router_args
+from pdconnect.router.options import parse_args as parse_router_args
 from pdconnect.testbed.recipes import engine_args as recipe_engine_args
 from pdconnect.testbed.recipes import pd_kv_transfer
 from pdconnect.tpmap import GroupHeads, check_pairing

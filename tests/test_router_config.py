@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from pdconnect.router import ConfigError, main, parse_args
-from pdconnect.router.config import RouterConfig, _parser
+from pdconnect.router.config import RouterConfig
+from pdconnect.router.options import parser
 from pdconnect.testbed.recipes import router_argv
 from tests.waiting import wait_until
 
@@ -109,7 +110,7 @@ def test_decode_first_keeps_its_old_decode_local_names_as_deprecated_aliases(tmp
     assert from_file.decode_first and from_file.decode_first_max_tokens_in_flight == 7
     with pytest.raises(ConfigError, match="deprecated name of decode_first"):
         parse_args([*kv, "--config", str(path), "--no-decode-first"])
-    assert "--decode-local is its deprecated name" in " ".join(_parser().format_help().split())
+    assert "--decode-local is its deprecated name" in " ".join(parser().format_help().split())
 
 
 @pytest.mark.parametrize("make", ["missing", "empty_dir", "not_a_tokenizer"])
@@ -187,13 +188,13 @@ def test_pdconnect_router_command_serves_and_stops_on_sigterm() -> None:
 
 def test_every_cli_option_has_help_text_with_its_default() -> None:
     missing = []
-    for action in _parser()._actions:
+    for action in parser()._actions:
         if not action.option_strings or action.dest in ("help", "config"):
             continue
         if not action.help or "default" not in action.help:
             missing.append(action.option_strings[0])
     assert missing == []
-    text = _parser().format_help()
+    text = parser().format_help()
     assert f"default: {RouterConfig.__struct_defaults__[RouterConfig.__struct_fields__.index('port')]}" in text
 
 
@@ -201,7 +202,7 @@ def test_every_setting_can_be_given_on_the_command_line() -> None:
     # Settings only a config file can set are invisible in --help; the mapping files-only
     # below is the list of what is deliberately left to files.
     files_only = {"kv_events_endpoints"}
-    flags = {action.dest for action in _parser()._actions if action.option_strings}
+    flags = {action.dest for action in parser()._actions if action.option_strings}
     assert set(RouterConfig.__struct_fields__) - files_only - flags == set()
 
 

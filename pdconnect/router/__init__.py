@@ -4,7 +4,8 @@
 serves one on the current event loop. It imports neither vLLM, torch nor `connectors`
 (an import contract in pyproject.toml). Modules, roughly in the order a request meets them:
 
-- `config`: the options (file and argv) as one validated `RouterConfig`.
+- `config`: the settings as one validated `RouterConfig`; `options`: the command line
+  and the `--config` file that fill it.
 - `app`: the HTTP face, lifecycle and `main`; `listener`: aiohttp's server with a
   deadline on each request head, and the drain on stop; `body`: the client's body
   within limits.
@@ -31,7 +32,8 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
 """
 
 from pdconnect.router.app import Router, RunningRouter, main, start_router
-from pdconnect.router.config import ConfigError, RouterConfig, load_config, parse_args
+from pdconnect.router.config import ConfigError, RouterConfig, load_config
+from pdconnect.router.options import parse_args
 
 __all__ = [
     "ConfigError",

@@ -30,7 +30,7 @@ from prometheus_client import Counter
 from pdconnect.router.apikeys import ApiKeys
 from pdconnect.router.breaker import CircuitBreaker
 from pdconnect.router.chat_template import PromptTokenizer
-from pdconnect.router.config import ConfigError, RouterConfig, engine_origin, parse_args, pool_dns_targets
+from pdconnect.router.config import ConfigError, RouterConfig, engine_origin, pool_dns_targets
 from pdconnect.router.decider import DeciderSettings, DecodeFirstDecider
 from pdconnect.router.discovery import DnsDiscovery, Resolver, resolve_addresses
 from pdconnect.router.engines import Engine, EngineRegistry, Role
@@ -51,6 +51,7 @@ from pdconnect.router.listener import serve_app
 from pdconnect.router.logs import configure_logging
 from pdconnect.router.lookup import parse_groups
 from pdconnect.router.metrics import RouterMetrics
+from pdconnect.router.options import parse_args
 from pdconnect.router.policy import LoadBound, RoutingPolicy, make_policy
 from pdconnect.router.pools import Pools, build_pools, pool_source
 from pdconnect.router.releaser import PrefillReleaser

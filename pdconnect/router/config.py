@@ -1,18 +1,17 @@
 """The router's settings: one typed, validated object built once from a config file and argv.
 
 Precedence: built-in defaults < config file (`--config`, JSON or TOML, keys spelled as
-the long options with `_` or `-`) < command-line options. Everything downstream reads
-the resulting `RouterConfig`; nothing reads argv or the environment again, except the
-side-channel secret, which `resolve_secret` reads once at start.
+the long options with `_` or `-`) < command-line options. Each setting is declared once,
+here, as a field of `RouterConfig` with its type, bound and default; `options` reads the
+command line (and the file it names) into the mapping `load_config` checks. Everything
+downstream reads the resulting `RouterConfig`; nothing reads argv or the environment
+again, except the side-channel secret, which `resolve_secret` reads once at start.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import tomllib
-from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -24,11 +23,29 @@ from pdconnect.keyring import Keyring, SigningKey, TrustedKeys
 from pdconnect.router.lookup import parse_groups
 from pdconnect.router.pools import PoolConfig, check_pools
 
-__all__ = ["ConfigError", "DnsTarget", "RouterConfig", "engine_origin", "load_config", "parse_args", "pool_dns_targets"]
+__all__ = [
+    "RENAMED_OPTIONS",
+    "ConfigError",
+    "DnsTarget",
+    "RouterConfig",
+    "engine_origin",
+    "load_config",
+    "pool_dns_targets",
+]
 
 logger = logging.getLogger("pdconnect.router.config")
 
 Policy = Literal["kv-aware", "prefix-affinity", "least-loaded", "round-robin"]
+
+# Options renamed: new name -> the old one, still accepted as a key and as a flag (deploy
+# manifests and scripts written before the rename), with a warning.
+RENAMED_OPTIONS = {
+    "decode_first": "decode_local",
+    "decode_first_max_uncached_tokens": "decode_local_max_uncached_tokens",
+    "decode_first_max_uncached_ratio": "decode_local_max_uncached_ratio",
+    "decode_first_max_tokens_in_flight": "decode_local_max_tokens_in_flight",
+}
+_RENAMED_KEYS = {old: new for new, old in RENAMED_OPTIONS.items()}
 
 
 class DnsTarget(msgspec.Struct, frozen=True):
@@ -382,315 +399,3 @@ def load_config(values: dict[str, Any]) -> RouterConfig:
         return msgspec.convert(options, RouterConfig)
     except (ConfigError, msgspec.ValidationError) as exc:
         raise ConfigError(f"invalid router configuration: {exc}") from None
-
-
-def _read_file(path: str) -> dict[str, Any]:
-    text = Path(path).read_bytes()
-    try:
-        data = tomllib.loads(text.decode()) if path.endswith(".toml") else msgspec.json.decode(text)
-    except (tomllib.TOMLDecodeError, msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot parse {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold an object of options")
-    return data
-
-
-def _default(name: str) -> Any:
-    fields, defaults = RouterConfig.__struct_fields__, RouterConfig.__struct_defaults__
-    return defaults[fields.index(name) - (len(fields) - len(defaults))]
-
-
-# Options renamed: new flag -> the old one, still accepted (deploy manifests and scripts
-# written before the rename). In a config file the old key is accepted the same way.
-_RENAMED_FLAGS = {
-    "decode-first": "decode-local",
-    "decode-first-max-uncached-tokens": "decode-local-max-uncached-tokens",
-    "decode-first-max-uncached-ratio": "decode-local-max-uncached-ratio",
-    "decode-first-max-tokens-in-flight": "decode-local-max-tokens-in-flight",
-}
-_RENAMED_KEYS = {old.replace("-", "_"): new.replace("-", "_") for new, old in _RENAMED_FLAGS.items()}
-
-
-def _add(group: Any, name: str, help: str, dest_name: str | None = None, **kw: Any) -> None:
-    """One option whose help ends with its default, taken from RouterConfig (one source)."""
-    dest = dest_name or name.replace("-", "_")
-    default = _default(dest)
-    if isinstance(default, bool):
-        shown = "on" if default else "off"
-    elif default in ((), None):
-        shown = "none"
-    else:
-        shown = str(default)
-    names = [f"--{name}"]
-    old = _RENAMED_FLAGS.get(name)
-    if old is not None:
-        names.append(f"--{old}")
-        help = f"{help}; --{old} is its deprecated name"
-    group.add_argument(*names, dest=dest, help=f"{help} (default: {shown})", **kw)
-
-
-def _parser() -> argparse.ArgumentParser:
-    # SUPPRESS everywhere: only options actually given override the config file.
-    p = argparse.ArgumentParser(
-        prog="pdconnect router",
-        argument_default=argparse.SUPPRESS,
-        description="OpenAI-compatible prefill/decode router.",
-    )
-    p.add_argument(
-        "--config",
-        help="JSON or TOML file with any of the options below (keys spelled as the "
-        "long options); options given here override it",
-    )
-    _add(p, "host", "address to serve on")
-    _add(p, "port", "port to serve on", type=int)
-    seconds: dict[str, Any] = {"type": float, "metavar": "SECONDS"}
-    engines = p.add_argument_group("engines")
-    _add(engines, "prefill", "prefill engine URLs", nargs="+", action="extend", metavar="URL")
-    _add(engines, "decode", "decode engine URLs", nargs="+", action="extend", metavar="URL")
-    _add(
-        engines,
-        "prefill-dns",
-        "DNS names (headless service) of prefill engines, re-resolved every --dns-interval",
-        nargs="+",
-        action="extend",
-        metavar="NAME:PORT",
-    )
-    _add(engines, "decode-dns", "DNS names of decode engines", nargs="+", action="extend", metavar="NAME:PORT")
-    _add(engines, "dns-interval", "seconds between DNS re-resolutions", **seconds)
-    _add(
-        engines,
-        "prefill-dp-size",
-        "data-parallel ranks of every prefill engine (vllm --data-parallel-size); each is pinned by header",
-        type=int,
-    )
-    _add(engines, "decode-dp-size", "data-parallel ranks of every decode engine", type=int)
-    _add(
-        engines,
-        "models",
-        "model names the engines above serve: a request naming another is refused (404), unless a --pool serves it",
-        nargs="+",
-        action="extend",
-        metavar="NAME",
-    )
-    _add(
-        engines,
-        "pool",
-        "another model pool, routed by the body's model: model=NAME,prefill=URL,decode=URL "
-        "(keys repeat; also prefill-dns=, decode-dns=)",
-        dest_name="pools",
-        action="append",
-        metavar="SPEC",
-    )
-    routing = p.add_argument_group("routing")
-    _add(
-        routing,
-        "policy",
-        "how a request's engines are chosen",
-        choices=["kv-aware", "prefix-affinity", "least-loaded", "round-robin"],
-    )
-    _add(routing, "kv-events-port", "kv-aware: port of every engine's vLLM KV events publisher", type=int)
-    _add(routing, "kv-events-replay-port", "kv-aware: port of every engine's KV events replay socket", type=int)
-    _add(
-        routing,
-        "kv-index-max-blocks",
-        "kv-aware: blocks each engine's index keeps, all KV cache groups together",
-        type=int,
-    )
-    _add(routing, "kv-events-max-message-bytes", "kv-aware: largest KV event frame accepted", type=int)
-    _add(
-        routing,
-        "tokenizer",
-        "kv-aware: the model's directory (tokenizer.json, tokenizer_config.json, chat "
-        "template) to turn text and chat prompts into the engine's token ids; a bare tokenizer.json serves "
-        "text only; without it such prompts are placed by prefix affinity",
-        metavar="PATH",
-    )
-    _add(
-        routing,
-        "decode-first",
-        "kv-aware: a request whose decode engine already caches all but a few prompt tokens "
-        "skips the prefill leg (decode prefills them itself)",
-        action=argparse.BooleanOptionalAction,
-    )
-    _add(
-        routing,
-        "kv-cache-groups",
-        "decode-first: the engines' KV cache groups, e.g. full:128:eagle,sliding:128:64:eagle "
-        "(:eagle on the groups that take the EAGLE/MTP drop: every group under EAGLE, the "
-        "drafter's group under MTP)",
-        metavar="SPEC",
-    )
-    _add(
-        routing,
-        "decode-first-max-uncached-tokens",
-        "decode-first: most prompt tokens a decode engine may compute itself for one request",
-        type=int,
-    )
-    _add(
-        routing,
-        "decode-first-max-uncached-ratio",
-        "decode-first: most share of a prompt a decode engine may compute itself",
-        type=float,
-    )
-    _add(
-        routing,
-        "decode-first-max-tokens-in-flight",
-        "decode-first: most local-prefill tokens in flight per decode engine; beyond it, P/D",
-        type=int,
-    )
-    _add(routing, "affinity-prefix-chars", "characters of prompt text hashed for the affinity key", type=int)
-    _add(routing, "affinity-prefix-tokens", "token ids hashed for the affinity key", type=int)
-    _add(routing, "affinity-load-factor", "no engine takes more than this times the mean load", type=float)
-    _add(
-        routing,
-        "affinity-min-load",
-        "in-flight requests below which no engine counts as loaded (a burst of "
-        "siblings stays on the engine that caches their prefix)",
-        type=int,
-    )
-    _add(routing, "affinity-vnodes", "points per engine on the hash ring", type=int)
-    flow = p.add_argument_group("request flow")
-    _add(flow, "connect-timeout", "seconds to connect to an engine", **seconds)
-    _add(
-        flow,
-        "upstream-keepalive",
-        "seconds an idle engine connection is kept for reuse; below the engines' own keep-alive (vLLM: 5 s)",
-        **seconds,
-    )
-    _add(flow, "prefill-timeout", "seconds for a whole prefill answer", **seconds)
-    _add(flow, "decode-first-byte-timeout", "streams: seconds until decode's first chunk", **seconds)
-    _add(flow, "decode-timeout", "non-streaming: seconds for the whole decode (not retried)", **seconds)
-    _add(flow, "stream-idle-timeout", "streams: longest silence between chunks", **seconds)
-    _add(flow, "release-timeout", "seconds for a side-channel release notice", **seconds)
-    _add(flow, "prefill-attempts", "prefill engines tried per request", type=int)
-    _add(flow, "decode-attempts", "decode engines tried per request", type=int)
-    _add(
-        flow, "fallback", "decode-only fallback when every prefill attempt fails", action=argparse.BooleanOptionalAction
-    )
-    _add(flow, "side-channel-secret-env", "environment variable holding the side-channel secret", metavar="NAME")
-    _add(
-        flow,
-        "side-channel-peer-keys-env",
-        "environment variable holding the prefill engines' public side-channel keys (prefill:KEY ...)",
-        metavar="NAME",
-    )
-    _add(flow, "max-body-bytes", "largest request body, as sent and once inflated", type=int, metavar="BYTES")
-    _add(flow, "body-read-timeout", "seconds to receive a whole request body", **seconds)
-    _add(
-        flow,
-        "header-read-timeout",
-        "seconds to receive a request's whole head (request line and headers) "
-        "from its first byte, on every request of a connection; the connection is closed after a 408",
-        **seconds,
-    )
-    _add(flow, "client-keepalive", "seconds a client connection may sit idle between requests", **seconds)
-    _add(
-        flow,
-        "drain-timeout",
-        "after SIGTERM: seconds requests in flight may take to finish before they are cut",
-        **seconds,
-    )
-    _add(
-        flow,
-        "max-prefill-answer-bytes",
-        "largest prefill answer read (only its kv_transfer_params and usage are kept)",
-        type=int,
-        metavar="BYTES",
-    )
-    _add(flow, "max-answer-bytes", "largest non-streaming decode answer relayed", type=int, metavar="BYTES")
-    _add(flow, "max-event-bytes", "largest single streamed event relayed", type=int, metavar="BYTES")
-    _add(
-        flow,
-        "client-write-timeout",
-        "seconds one write to a client may take; a client that stops reading is dropped",
-        **seconds,
-    )
-    health = p.add_argument_group("health")
-    _add(health, "health-interval", "seconds between /health polls; 0 = off", **seconds)
-    _add(health, "health-timeout", "seconds per /health poll", **seconds)
-    _add(health, "health-failures", "failed polls in a row before an engine counts as down", type=int)
-    _add(health, "breaker-failures", "engine faults in a row that open its circuit breaker", type=int)
-    _add(health, "breaker-cooldown", "seconds an open breaker waits before one trial", **seconds)
-    admin = p.add_argument_group("admin and output")
-    _add(
-        admin,
-        "admin-token-env",
-        "environment variable holding the admin bearer token; /admin/engines exists only with it or --admin-open",
-        metavar="NAME",
-    )
-    _add(
-        admin,
-        "admin-open",
-        "serve /admin/engines without a token (trusted networks only)",
-        action=argparse.BooleanOptionalAction,
-    )
-    _add(admin, "admin-host", "address of the separate admin listener (with --admin-port)")
-    _add(admin, "admin-port", "serve /admin/engines only on this separate port", type=int)
-    _add(admin, "metrics-port", "serve /metrics only on this separate port", type=int)
-    _add(admin, "metrics-host", "address of the metrics listener (default: --host)")
-    _add(
-        admin,
-        "route-headers",
-        "name the chosen engines in x-pdconnect-prefill/-decode response headers",
-        action=argparse.BooleanOptionalAction,
-    )
-    _add(admin, "log-level", "log verbosity", choices=["debug", "info", "warning", "error"])
-    _add(admin, "log-format", "log lines as text or JSON (request and trace ids as fields)", choices=["text", "json"])
-    _add(
-        admin,
-        "otlp-traces-endpoint",
-        "send the router's spans to this OTLP/HTTP endpoint (http://collector:4318/v1/traces; extra `otel`)",
-        metavar="URL",
-    )
-    _add(
-        admin,
-        "api-keys-file",
-        "client API keys (JSON, or TOML ending .toml), each with its rates; /v1/ then needs one",
-        metavar="PATH",
-    )
-    _add(admin, "api-keys-env", "environment variable holding the client API keys document (JSON)", metavar="NAME")
-    _add(
-        admin,
-        "engine-api-key-env",
-        "with client keys: environment variable holding the key sent to the engines instead of the client's",
-        metavar="NAME",
-    )
-    _add(
-        admin,
-        "access-log",
-        "log one line per request: status, outcome, route, engines, TTFT, duration",
-        action=argparse.BooleanOptionalAction,
-    )
-    replicas = p.add_argument_group("replicas")
-    _add(
-        replicas,
-        "replica-peers",
-        "URLs (replica port) of every router replica over the same engines, this one's too",
-        nargs="+",
-        action="extend",
-        metavar="URL",
-    )
-    _add(
-        replicas,
-        "replicas-dns",
-        "DNS name (the routers' headless Service, replica port) listing every router replica; "
-        "each keeps 1/N of the load floor and decode-first budget",
-        metavar="NAME:PORT",
-    )
-    _add(
-        replicas,
-        "max-replicas",
-        "replicas counted while the peers cannot be counted (no DNS answer): the most the deployment runs",
-        type=int,
-    )
-    _add(replicas, "replica-port", "serve peer replicas' breaker notices on this port", type=int)
-    return p
-
-
-def parse_args(argv: list[str]) -> RouterConfig:
-    """argv (without the program name) -> RouterConfig; ConfigError on bad input."""
-    given = vars(_parser().parse_args(argv))
-    path = given.pop("config", None)
-    values = _read_file(path) if path else {}
-    values.pop("config", None)
-    return load_config({**values, **given})
