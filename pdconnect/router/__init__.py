@@ -19,8 +19,8 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
 - `policy`: which engine serves a request. For kv-aware: `tokenizing` turns the request
   into a `prompt.RoutingPrompt` (token ids and their chain keys; `chat_template`: a chat's
   token ids as the engine computes them); `kvevents` subscribes to each engine's KV
-  events, `kvwire` is their wire format, `kvindex` what each engine caches, and `lookup`
-  vLLM's cache-hit rule over it.
+  events, `kvwire` is their wire format, `kvindex` what each engine caches (`placement`:
+  where a store's blocks stand in its range), and `lookup` vLLM's cache-hit rule over it.
 - `decider`: decode-first routing, which skips the prefill leg when decode holds the prompt.
 - `flow`: prefill then decode, relay, retries, fallback, abort; `record`: what happened
   to one request (outcome, status, route, engines); `upstream`: the HTTP/1.1

@@ -17,37 +17,19 @@ request's tokens. Should a group of a finer block size appear later, every key c
 the index starts over (counted `granularity`); a batch's own stores are read first, so an
 engine's first batch, which stores every group, sets g once.
 
-A store's `token_ids` cover its whole block range, but its `block_hashes` leave out the
-blocks a group did not cache (vLLM's `BlockPool.cache_full_blocks` skips them): a
-sliding-window group's blocks behind the window (null, `remove_skipped_blocks`) and those
-its lookup never consults (masked, `SlidingWindowManager.reachable_block_mask`). Which
-positions the listed hashes stand for is then unknown. A listed hash another group of the
-engine has keyed (any block size: see above) whose key is the content key of a block of
-the range is *anchored* there, content-verified; one listed by the group of the largest
-block size (vLLM's scheduler block, the cache-hit alignment) ends an aligned *boundary*.
-The others of a sliding-window store are placed by vLLM's rule (`lookup.run_blocks`): what
-it keeps of a sliding group is a union of runs of `cdiv(window - 1, B)` blocks (one more in
-a group that takes the EAGLE/MTP drop) ending at (one past) the aligned boundaries it
-retains, clipped to the range; anchors pin the runs, the alignment places the gaps
-between them. Where two readings fit (a run cut by the range's start, or by its end when
-the prompt goes on), the first is taken and the other kept (`_tentative`) until a later
-store names the range's last block as its parent. Our decode connector publishes a slack
-run as a store of its own, from the prompt's start, ending at the run. Whether a group
-takes the drop is not published, so both shifts are tried. A sparse sliding store is
-read after the rest of its batch (vLLM publishes a step's groups in group order: MiMo-V2
-numbers full attention last), so its anchors are known. A store whose runs do not fit
-(anchors out of order or off the runs, no alignment known: no full-attention block in or
-before its range) keeps its unanchored hashes unplaced: counted `unanchored`, logged with
-the engine and the reason, and its range's keys marked so that the decider predicts P/D
-for the prompts reaching into it (`unplaced_in`), and only those. A store listing no hash
-(a sliding group keeping none of its range) is valid: it still sets the group's block
-size. A store whose parent vLLM names by a hash no event lists (a block the window did not
-cache, an empty store's last block) starts from a recent store's range end, chosen by
-content: the one from which the range's chain reaches a key another group listed among the
-store's hashes, or else any key a group holds (`_parent_key`). Failing that, its hashes
-are keyed through the other groups when their stores arrive; until then they wait,
-bounded, and a hash that never resolves is dropped and counted. The argument and its
-limits are in docs/router.md;
+A store's `token_ids` cover its whole block range, but its `block_hashes` may leave out
+blocks a group did not cache, and its parent may be a hash no event lists: `placement`
+tells where its listed hashes stand in the range and where the range starts, by vLLM's
+rules. A sparse sliding store is read after the rest of its batch (vLLM publishes a step's
+groups in group order: MiMo-V2 numbers full attention last), so its anchors are known. A
+store that cannot be placed keeps its unanchored hashes unplaced: counted `unanchored`,
+logged with the engine and the reason, and its range's keys marked so that the decider
+predicts P/D for the prompts reaching into it (`unplaced_in`), and only those. A store
+listing no hash (a sliding group keeping none of its range) is valid: it still sets the
+group's block size, and its range's end is one a later store may continue from. A store
+whose range's start is unknown has its hashes keyed through the other groups when their
+stores arrive; until then they wait, bounded, and a hash that never resolves is dropped
+and counted. The argument and its limits are in docs/router.md;
 `tests/test_router_kvindex_sweep.py` checks the whole against vLLM's own manager.
 
 Hybrid models: every KV cache group (full attention, sliding window, ...) is indexed on
@@ -67,7 +49,6 @@ engine's index near 136 MB.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections import OrderedDict
@@ -93,7 +74,8 @@ from pdconnect.router.kvwire import (
     valid_group,
     valid_hash,
 )
-from pdconnect.router.lookup import LookupGroup, longest_hit, run_blocks
+from pdconnect.router.lookup import LookupGroup, longest_hit
+from pdconnect.router.placement import StorePlacement
 from pdconnect.router.prompt import RoutingPrompt, chain_keys
 
 __all__ = ["DEFAULT_MAX_BLOCKS", "EngineKVIndex", "GroupIndex"]
@@ -101,9 +83,6 @@ __all__ = ["DEFAULT_MAX_BLOCKS", "EngineKVIndex", "GroupIndex"]
 logger = logging.getLogger("pdconnect.router.kvindex")
 
 DEFAULT_MAX_BLOCKS = 1 << 19
-# Recent range ends an unknown parent is looked for among (a request's stores follow each
-# other closely within an engine's event stream).
-_TAILS_TRIED = 8
 
 
 def _no_count(reason: str) -> None:
@@ -194,17 +173,12 @@ class EngineKVIndex:
     # The key space's granularity set by the stores read (0: none yet; see `granularity`).
     _grain: int = field(default=0, init=False)
     _unplaced: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
-    # Content keys at the ends of recent stores' ranges, newest last, and the keys learned
-    # for parent hashes no store lists (see `_parent_key`).
-    _tails: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
-    _learned: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict, init=False)
     _warned: set[str] = field(default_factory=set, init=False)
-    # Sparse stores placed as a prompt's last chunk, by their last listed hash, with the
-    # reading that holds if a later store continues from that hash (`_confirm_continued`).
-    _tentative: OrderedDict[BlockHash, _Tentative] = field(default_factory=OrderedDict, init=False)
+    _placement: StorePlacement = field(init=False)
 
     def __post_init__(self) -> None:
         self.budget = BlockBudget(self.max_blocks)
+        self._placement = StorePlacement(self.groups, self.max_pending)
 
     @property
     def granularity(self) -> int:
@@ -298,11 +272,12 @@ class EngineKVIndex:
             if reason is not None:
                 self.count(reason)
                 continue
-            if self._tentative:
-                self._confirm_continued(event)
+            self._placement.confirm_continued(event)
             group = self._group_for(event)
             if group is not None and not event.block_hashes:
-                self._note_tail(event)  # caches nothing, but its range end is a key a later store continues from
+                self._placement.note_empty(
+                    event, self._grain
+                )  # caches nothing, but its range end is a key a later store continues from
                 continue
             if group is None:
                 continue
@@ -389,13 +364,6 @@ class EngineKVIndex:
         for group in targets:
             group.remove(hashes)
 
-    def _key_of(self, block_hash: BlockHash) -> int | None:
-        """The content key any group of this engine has for `block_hash` (one key space)."""
-        for group in self.groups.values():
-            if (key := group.by_hash.get(block_hash)) is not None:
-                return key
-        return None
-
     def _store(
         self,
         group: GroupIndex,
@@ -409,23 +377,30 @@ class EngineKVIndex:
         size, grain = group.block_size, self._grain
         evicted, orphans = group.evicted, group.orphans
         hashes = event.block_hashes
-        parent = self._parent_key(event)
+        placement = self._placement
+        parent = placement.start_key(event, grain)
         placed: list[tuple[BlockHash, int] | None]
         if parent is None:
             placed = [None] * len(hashes)
         else:
             ratio = size // grain
             own = chain_keys(event.token_ids, grain, parent)[ratio - 1 :: ratio]  # the range's block keys
-            self._add_tail(own[-1])
+            placement.note_end(own[-1])
+            unplaceable = None
             # Every block of the range listed: positions, hence content keys, are known.
-            placed = list(zip(hashes, own)) if len(hashes) == len(own) else self._place(group, event, own)
+            if len(hashes) == len(own):
+                placed = list(zip(hashes, own))
+            else:
+                placed, unplaceable = placement.place(group, event, own)
+            if unplaceable is not None:
+                self._unplaceable(event, own, unplaceable)
         for block_hash, slot in zip(hashes, placed):
             if block_hash in removed:
                 continue
             if slot is not None:
                 group.add(block_hash, slot[1])
                 keyed.append(slot)
-            elif (known := self._key_of(block_hash)) is not None:
+            elif (known := placement.key_of(block_hash)) is not None:
                 group.add(block_hash, known)
             else:
                 group.wait_for_key(block_hash, self.max_pending)
@@ -434,120 +409,12 @@ class EngineKVIndex:
         for _ in range(group.orphans - orphans):
             self.count("orphan")
 
-    def _place(self, group: GroupIndex, event: BlockStored, own: list[int]) -> list[tuple[BlockHash, int] | None]:
-        """(hash, content key) for each listed hash of a sparse store whose range's block
-        keys are `own`, None where its position is unknown: anchors, and for a sliding-window
-        group the runs vLLM keeps around them (see the module docstring). Linear in the range.
-        A store it cannot place is reported (`_unplaceable`)."""
-        hashes, parent = event.block_hashes, event.parent_block_hash
-        position = {key: p for p, key in enumerate(own)}
-        anchors: dict[int, int] = {}  # index in hashes -> block of the range
-        foreign = False  # a known hash of other content: the store contradicts the index
-        for i, block_hash in enumerate(hashes):
-            key, p = self._key_of(block_hash), None
-            if key is not None and (p := position.get(key)) is not None:
-                anchors[i] = p
-            foreign |= key is not None and p is None
-        placed: list[tuple[BlockHash, int] | None] = [None] * len(hashes)
-        for i, p in anchors.items():
-            placed[i] = (hashes[i], own[p])
-        if group.sliding_window is None or foreign:
-            if len(anchors) < len(hashes):
-                self._unplaceable(event, own, "contradicts_index" if foreign else "sparse_full_attention")
-            return placed
-        alignment = self._alignment()
-        per_segment = alignment // group.block_size
-        aligned = [g for g in self.groups.values() if g.block_size == alignment]
-        # Blocks of the range ending a cache-hit-aligned boundary the aligned group holds.
-        keyed = [p for p, key in enumerate(own) if any(key in g.present for g in aligned)]
-        if parent is None or any(parent in g.by_hash for g in aligned):
-            phase = per_segment - 1  # the range starts on a boundary
-        elif keyed:
-            phase = keyed[0] % per_segment
-        else:
-            self._unplaceable(event, own, "alignment_unknown")
-            return placed
-        if any(p % per_segment != phase for p in keyed):
-            self._unplaceable(event, own, "contradicts_index")
-            return placed
-        readings = run_blocks(len(hashes), anchors, keyed, phase, len(own), group, alignment)
-        if readings is None:
-            self._unplaceable(event, own, "runs_do_not_fit")
-            return placed
-        blocks, continued = readings
-        if continued is not None:  # confirmed if a store continues from the range's last block
-            self._tentative[hashes[-1]] = _Tentative(group, [(h, own[p]) for h, p in zip(hashes, continued)])
-            while len(self._tentative) > self.max_pending:
-                self._tentative.popitem(last=False)
-        return [(block_hash, own[p]) for block_hash, p in zip(hashes, blocks)]
-
-    def _confirm_continued(self, event: BlockStored) -> None:
-        """A store whose parent is the last listed hash of a store placed as a prompt's last
-        chunk: that hash is the range's last block, so the prompt went on, and the store's
-        other reading (its last run cut by the range's end) is vLLM's: re-keyed."""
-        tentative = self._tentative.pop(event.parent_block_hash, None) if event.parent_block_hash else None
-        if tentative is None or not any(g is tentative.group for g in self.groups.values()):
-            return
-        group = tentative.group
-        held = [h for h, _ in tentative.placed if h in group.by_hash]
-        group.remove(held)
-        for block_hash, key in tentative.placed:
-            if block_hash in held:
-                group.add(block_hash, key)
-
     def _forget(self) -> None:
         """Drop everything held (a restart of the engine's cache or of the key space)."""
         self.groups.clear()
         self.budget = BlockBudget(self.max_blocks)
         self._unplaced.clear()
-        self._tentative.clear()
-        self._tails.clear()
-        self._learned.clear()
-
-    def _parent_key(self, event: BlockStored) -> int | None:
-        """The content key the store's range continues from (0: the prompt's start), None
-        when unknown. vLLM names the block before the range as the parent even when no
-        group listed it (a sliding-window block behind the window or masked, whose store
-        listed nothing, MTP's one-block lag): then the key is found by content, as the end
-        of a recent store's range from which the range's chain reaches a key another group
-        listed among the store's own hashes, and learned for that hash."""
-        parent = event.parent_block_hash
-        if parent is None:
-            return 0
-        key = self._key_of(parent)
-        if key is None:
-            key = self._learned.get(parent)
-        if key is not None or not self._tails:
-            return key
-        anchors = {k for h in event.block_hashes if (k := self._key_of(h)) is not None}
-        grain = self._grain
-        presents = [g.present for g in self.groups.values()]
-        for tail in itertools.islice(reversed(self._tails), _TAILS_TRIED):
-            keys = chain_keys(event.token_ids, grain, tail)
-            # Without a listed hash another group keyed, any key a group holds (a block of
-            # the same step's full-attention store) verifies the start by content.
-            if not anchors.isdisjoint(keys) if anchors else any(k in p for k in keys for p in presents):
-                self._learned[parent] = tail
-                while len(self._learned) > self.max_pending:
-                    self._learned.popitem(last=False)
-                return tail
-        return None
-
-    def _note_tail(self, event: BlockStored) -> None:
-        """Remember where a store listing no hash ends; when its start is unknown, where it
-        would end after each recent range end (a candidate: only a later store whose chain
-        through it reaches a listed key confirms it, see `_parent_key`)."""
-        parent = self._parent_key(event)
-        starts = [parent] if parent is not None else list(itertools.islice(reversed(self._tails), _TAILS_TRIED))
-        for start in reversed(starts):  # the likeliest start ends up newest
-            self._add_tail(chain_keys(event.token_ids, self._grain, start)[-1])
-
-    def _add_tail(self, key: int) -> None:
-        tails = self._tails
-        tails[key] = None
-        tails.move_to_end(key)
-        while len(tails) > _TAILS_TRIED:
-            tails.popitem(last=False)
+        self._placement.clear()
 
     def _unplaceable(self, event: BlockStored, own: list[int], reason: str) -> None:
         """A store whose listed hashes cannot all be placed: counted (`unanchored`), logged
@@ -584,11 +451,6 @@ class EngineKVIndex:
         grain = self.granularity
         keys = prompt.keys_upto(grain, len(prompt.tokens) // grain)
         return not self._unplaced.keys().isdisjoint(keys)
-
-    def _alignment(self) -> int:
-        """Tokens per cache-hit-aligned boundary: the lcm of the groups' block sizes (vLLM's
-        scheduler block). Only the groups of that block size end a block on each boundary."""
-        return math.lcm(*(g.block_size for g in self.groups.values()))
 
     def _resolve_pending(self, keyed: list[tuple[BlockHash, int]]) -> None:
         """Give waiting hashes the keys this batch taught: only those can newly resolve
@@ -654,11 +516,3 @@ class _Deferred:
     group: GroupIndex
     event: BlockStored
     removed: set[BlockHash] = field(default_factory=set)
-
-
-@dataclass
-class _Tentative:
-    """A sparse sliding-window store's other reading: (hash, content key) of each listed hash."""
-
-    group: GroupIndex
-    placed: list[tuple[BlockHash, int]]

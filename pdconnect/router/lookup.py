@@ -5,8 +5,8 @@ The kv-aware index (`kvindex`) says which blocks of each KV cache group an engin
 sliding-window group's run, the EAGLE/MTP drop; tested against vLLM's real coordinator),
 the one copy both the kv-aware policy (`EngineKVIndex.hit_tokens`, over the groups the
 engine has published) and the decode-first decider (`predicted_hits`, over the groups the
-engine describes) use. `run_blocks` is vLLM's rule for which blocks of a sliding-window group it
-keeps, the index's way to place a sparse store. vLLM's per-group events do not mix the
+engine describes) use (`placement.run_blocks` is its counterpart for what a sliding-window
+group keeps, the index's way to place a sparse store). vLLM's per-group events do not mix the
 group into the hash, so mixing the groups here would call a prefix cached that one group
 has already evicted.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -45,7 +45,6 @@ __all__ = [
     "longest_hit",
     "parse_groups",
     "predicted_hits",
-    "run_blocks",
 ]
 
 GroupKind = Literal["full", "sliding"]
@@ -337,152 +336,3 @@ class _Finder:
         if len(own) < blocks:
             own.extend(itertools.islice(fine, (len(own) + 1) * ratio - 1, blocks * ratio, ratio))
         return own
-
-
-def run_blocks(
-    count: int,
-    anchors: dict[int, int],
-    keyed: Collection[int],
-    phase: int,
-    length: int,
-    group: CachedGroup,
-    alignment: int,
-) -> tuple[list[int], list[int] | None] | None:
-    """The block of the range each of the `count` listed hashes of a sparse sliding-window
-    store stands for, by vLLM's rule (`SlidingWindowManager.reachable_block_mask`), or None
-    when it cannot be told.
-
-    vLLM keeps, for each boundary b it retains (every cache-hit-aligned one when dense, one
-    per retention interval, the one or two a prompt can be replayed from, a shared-prefix
-    junction: which of them is unknown here), the run of `need` = `cdiv(window - 1, B)`
-    (+1 under the EAGLE/MTP drop, shift 1) blocks ending `shift` blocks past b, clipped to
-    the range. What a store lists is the union of such runs: intervals of the range, each
-    starting where a run starts (or at the range's start) and ending where a run ends (or at
-    the range's end). Every run holds its boundary block (need > shift), whose hash the
-    aligned group lists too: the hashes another group anchored (`anchors`: index in the
-    list -> block) pin the intervals, and between two anchors at most one gap (a middle
-    interval without an anchor would lack its boundary), whose place the run ends and
-    starts fix. A hash no group anchored never sits on a block whose key the aligned group
-    holds (`keyed`: it would be that block's hash). `phase`: the range's blocks b with
-    b = phase (mod alignment / B) end an aligned boundary (-1: the block before the range).
-    Whether the group takes the drop is not published: both shifts are tried.
-
-    Where several readings fit, the likeliest is returned (`_likeliest`), with the likeliest
-    whose last run the range's end cut short (None if that is the one returned): a store
-    of a prompt computed in several chunks, which only its continuation tells apart (the
-    next chunk's store names the range's last block as its parent: `EngineKVIndex`).
-    """
-    assert group.sliding_window is not None
-    size = group.block_size
-    per_segment = alignment // size
-    base = -(-(group.sliding_window - 1) // size)
-    order = sorted(anchors.items())
-    if any(q - p < j - i for (i, p), (j, q) in itertools.pairwise(order)):
-        return None  # anchors out of order: no reading places them
-    keyed_set = set(keyed)
-    # (preference, placement) of each shift's likeliest reading, and of its likeliest one
-    # whose last run reaches past the range (a prompt computed in further chunks).
-    readings: list[tuple[tuple[int, bool, Sequence[int]], tuple[int, ...]]] = []
-    continued: list[tuple[tuple[int, bool, Sequence[int]], tuple[int, ...]]] = []
-    for shift in (0, 1):
-        need = base + shift
-
-        def is_end(y: int, shift: int = shift) -> bool:
-            return y == length or (y - phase - 1 - shift) % per_segment == 0
-
-        def is_start(x: int) -> bool:
-            return x == 0 or (x + base - phase - 1) % per_segment == 0
-
-        # The listed hashes between consecutive anchors (None: the range's edges).
-        edges: list[tuple[int | None, int | None, int]] = []
-        previous_index, previous_block = -1, None
-        for i, p in order:
-            edges.append((previous_block, p, i - previous_index - 1))
-            previous_index, previous_block = i, p
-        edges.append((previous_block, None, count - previous_index - 1))
-        chosen: list[int] = []
-        for left, right, k in edges:
-            options = [o for o in _segment_options(left, right, k, length, is_start, is_end) if keyed_set.isdisjoint(o)]
-            if not options:
-                break
-            tail = [] if right is None else [right]
-            ranked = sorted(((_likeliest([*chosen, *o, *tail], length, need), o) for o in options), reverse=True)
-            if right is None:
-                clipped = [(key, o) for key, o in ranked if key[1] is False]
-                if clipped and clipped[0][1] is not ranked[0][1]:
-                    continued.append((clipped[0][0], (*chosen, *clipped[0][1])))
-            chosen.extend(ranked[0][1])
-            chosen.extend(tail)
-        else:
-            readings.append((_likeliest(chosen, length, need), tuple(chosen)))
-    if not readings:
-        return None
-    best = max(readings)[1]
-    later = max(continued)[1] if continued else None
-    return list(best), (None if later is None or later == best else list(later))
-
-
-def _likeliest(blocks: Sequence[int], length: int, need: int) -> tuple[int, bool, Sequence[int]]:
-    """The preference between readings that fit: fewer runs; then none cut short by the
-    range's end (a run shorter than `need` blocks, not at the range's start, ending on the
-    range's last block: the prompt went on, which a later store's parent would show); then
-    later blocks (vLLM's replay runs lie at the prompt's end)."""
-    gaps = sum(1 for a, b in itertools.pairwise(blocks) if b != a + 1)
-    start = len(blocks) - 1
-    while start > 0 and blocks[start - 1] == blocks[start] - 1:
-        start -= 1
-    cut = bool(blocks) and blocks[-1] == length - 1 and blocks[start] > 0 and len(blocks) - start < need
-    return -gaps, not cut, blocks[::-1]
-
-
-def _segment_options(
-    left: int | None,
-    right: int | None,
-    k: int,
-    length: int,
-    is_start: Callable[[int], bool],
-    is_end: Callable[[int], bool],
-) -> list[list[int]]:
-    """Where `k` listed hashes between the anchors at blocks `left` and `right` (None: the
-    range's start, end) can sit: contiguous, or split by one gap whose sides are a run's
-    end and a run's start (`run_blocks`)."""
-    if k == 0:  # the anchors' own intervals meet, or end and start around a gap
-        ends = left is None or right == left + 1 or is_end(left + 1)
-        starts = right is None or right == (-1 if left is None else left) + 1 or is_start(right)
-        return [[]] if ends and starts else []
-    lo = 0 if left is None else left + 1
-    hi = length if right is None else right
-    if hi - lo < k:
-        return []
-    options: list[list[int]] = []
-    if left is not None and right is not None:
-        if hi - lo == k:
-            return [list(range(lo, hi))]
-        for a in range(k + 1):
-            y, x = lo + a, hi - (k - a)
-            if y < x and is_end(y) and is_start(x):
-                options.append([*range(lo, y), *range(x, hi)])
-        return options
-    if left is None and right is not None:
-        if is_start(hi - k):
-            options.append(list(range(hi - k, hi)))
-        for a in range(1, k + 1):
-            x = hi - (k - a)
-            if a < x and is_end(a) and is_start(x):
-                options.append([*range(a), *range(x, hi)])
-        return options
-    if left is not None and right is None:
-        if is_end(lo + k):
-            options.append(list(range(lo, lo + k)))
-        for a in range(k):
-            y, x = lo + a, hi - (k - a)
-            if y < x and is_end(y) and is_start(x):
-                options.append([*range(lo, y), *range(x, hi)])
-        return options
-    # No anchor at all: one interval, or one at each edge.
-    options.extend(list(range(x, x + k)) for x in range(length - k + 1) if is_start(x) and is_end(x + k))
-    for a in range(1, k):
-        x = length - (k - a)
-        if a < x and is_end(a) and is_start(x):
-            options.append([*range(a), *range(x, length)])
-    return options
