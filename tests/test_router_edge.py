@@ -568,7 +568,7 @@ async def test_a_streamed_event_over_its_limit_ends_the_stream_with_an_error_eve
 async def test_an_engine_error_body_over_its_limit_is_replaced_by_the_routers_own(
     make, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("pdconnect.router.flow._ERROR_BODY_LIMIT", 16)  # the fake's 400 body is longer
+    monkeypatch.setattr("pdconnect.router.attempt._ERROR_BODY_LIMIT", 16)  # the fake's 400 body is longer
     s: Setup = await make()
     s.p[0].faults.status = 400
     status, headers, body = await s.post("/v1/completions", COMPLETION)

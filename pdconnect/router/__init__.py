@@ -22,7 +22,8 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
   events, `kvwire` is their wire format, `kvindex` what each engine caches (`placement`:
   where a store's blocks stand in its range), and `lookup` vLLM's cache-hit rule over it.
 - `decider`: decode-first routing, which skips the prefill leg when decode holds the prompt.
-- `flow`: prefill then decode, relay, retries, fallback, abort; `record`: what happened
+- `flow`: prefill then decode, relay, retries, fallback, abort; `attempt`: one attempt at
+  one engine and what its failure says of the engine; `record`: what happened
   to one request (outcome, status, route, engines); `upstream`: the HTTP/1.1
   client that calls engines; `errors`: why a routed request failed, with its status;
   `releaser`: frees a prefill engine's blocks nobody will pull.

@@ -9,7 +9,7 @@ Read top to bottom in `PDFlow.handle`:
    the answer) with `max_tokens=1`, `stream=false` and
    `kv_transfer_params={"do_remote_decode": true}` to the key's prefill engine; of its
    answer, at most `max_prefill_answer_bytes`, only `kv_transfer_params` and `usage` are
-   decoded; on error or timeout the next engine, and when all failed, decode-only
+   decoded; on error or timeout (`attempt`) the next engine, and when all failed, decode-only
    fallback (the decode engine prefills locally; the `x-pdconnect-fallback` header and a
    metric say so).
    With `--decode-first`, a request whose decode engine already holds all but a few of
@@ -47,6 +47,7 @@ import msgspec
 from aiohttp import web
 
 from pdconnect.router.apikeys import ApiKeys
+from pdconnect.router.attempt import AttemptFailed, EngineCaller, blame, judge
 from pdconnect.router.body import read_body
 from pdconnect.router.chat_template import PromptTokenizer
 from pdconnect.router.config import RouterConfig
@@ -60,7 +61,6 @@ from pdconnect.router.errors import (
     NoEngineAvailable,
     PrefillFailed,
     RouterError,
-    openai_error_body,
 )
 from pdconnect.router.logs import ACCESS_LOGGER, bind_request
 from pdconnect.router.metrics import RouterMetrics
@@ -72,13 +72,7 @@ from pdconnect.router.request import Call, Endpoint, KeyOf, decode_body, parse_c
 from pdconnect.router.responses import DIALECTS
 from pdconnect.router.tokenizing import PromptReader
 from pdconnect.router.tracing import NO_SPANS, Tracing
-from pdconnect.router.upstream import (
-    AnswerTooLarge,
-    ConnectFailed,
-    UpstreamError,
-    UpstreamPool,
-    UpstreamResponse,
-)
+from pdconnect.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from pdconnect.router.usage import Buffer, EventTooLarge, SseRewriter, UsageMerger
 from pdconnect.router.writer import ClientStalled, ClientWriter, HeadersWithBodyResponse
 
@@ -99,18 +93,6 @@ class _PrefillAnswer(msgspec.Struct):
 
 _PREFILL_ANSWER: msgspec.json.Decoder[_PrefillAnswer] = msgspec.json.Decoder(_PrefillAnswer)
 _decode_prefill_answer = _PREFILL_ANSWER.decode
-
-
-class _AttemptFailed(Exception):
-    """One attempt at one engine failed in a way another engine may not; `reason` labels it."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-
-
-# An engine's error body is relayed to the client; one over this is replaced by the router's own.
-_ERROR_BODY_LIMIT = 1 << 20
 
 
 class PDFlow:
@@ -138,7 +120,7 @@ class PDFlow:
         self._keys = keys
         self._tracing = tracing
         self._decider = decider
-        self._upstream = upstream
+        self._caller = EngineCaller(upstream, metrics)
         self._metrics = metrics
         self._releaser = releaser
         self._kv_aware = decode_policy if isinstance(decode_policy, KvAware) else None
@@ -247,14 +229,14 @@ class PDFlow:
             leg = trace.spans.leg(Role.PREFILL.value, engine.name, attempt)
             sent = time.perf_counter()
             try:
-                resp, data = await self._send(
+                resp, data = await self._caller.send(
                     engine, call, body, deadline, whole=True, headers=leg.inject(headers), limit=self._prefill_limit
                 )
                 resp.release()
                 answer = _decode_prefill_answer(data)
                 verdict = True
-            except _AttemptFailed as failure:
-                verdict = self._judge(engine, failure, suspects)
+            except AttemptFailed as failure:
+                verdict = judge(engine, failure, suspects)
                 if failure.reason == "too_large":
                     # Its plan, if any, is past the limit too: the lease is left to expire.
                     self._metrics.oversized_answers.labels(Role.PREFILL.value).inc()
@@ -266,13 +248,13 @@ class PDFlow:
             except msgspec.DecodeError:
                 verdict = False
                 self._note_failure(
-                    Role.PREFILL, engine, _AttemptFailed("bad_answer", "not JSON"), retry=attempt + 1 < len(engines)
+                    Role.PREFILL, engine, AttemptFailed("bad_answer", "not JSON"), retry=attempt + 1 < len(engines)
                 )
                 continue
             finally:
                 engine.end(verdict)
                 leg.end(verdict)
-            _blame(suspects)
+            blame(suspects)
             self._metrics.prefill_seconds.observe(time.perf_counter() - sent)
             self._observe_affinity(Role.PREFILL, call, engine)
             params = answer.kv_transfer_params
@@ -285,17 +267,6 @@ class PDFlow:
             raise PrefillFailed(f"all {len(engines)} prefill attempts failed")
         self._fall_back(trace, "prefill_failed")
         return None
-
-    @staticmethod
-    def _judge(engine: Engine, failure: _AttemptFailed, suspects: list[Engine]) -> bool | None:
-        """An attempt's verdict on its engine. A 5xx answer may be the request's fault (a
-        body the engine chokes on fails everywhere): the engine is only a suspect, blamed
-        once another engine serves the same request; so may an answer over its size
-        limit. Connect errors, timeouts and drops are the engine's."""
-        if failure.reason in ("http_5xx", "too_large"):
-            suspects.append(engine)
-            return None
-        return False
 
     def _fall_back(self, trace: RequestRecord, reason: str) -> None:
         trace.fallback = reason
@@ -313,7 +284,7 @@ class PDFlow:
             raise NoEngineAvailable(Role.DECODE.value)
         body = decode_body(call, params)
         deadline = self._config.decode_first_byte_timeout if call.stream else self._config.decode_timeout
-        last: _AttemptFailed | None = None
+        last: AttemptFailed | None = None
         suspects: list[Engine] = []
         for attempt, engine in enumerate(engines):
             local = trace.route is not None and trace.route.local
@@ -330,7 +301,7 @@ class PDFlow:
             sent = time.perf_counter()
             try:
                 try:
-                    resp, first = await self._send(
+                    resp, first = await self._caller.send(
                         engine,
                         call,
                         body,
@@ -339,8 +310,8 @@ class PDFlow:
                         headers=leg.inject(call.headers),
                         limit=self._config.max_answer_bytes,
                     )
-                except _AttemptFailed as failure:
-                    verdict = self._judge(engine, failure, suspects)
+                except AttemptFailed as failure:
+                    verdict = judge(engine, failure, suspects)
                     if failure.reason == "timeout" and not call.stream:
                         raise DecodeTimeout(f"decode took longer than {deadline}s") from None
                     if failure.reason == "too_large":
@@ -358,7 +329,7 @@ class PDFlow:
                 finally:
                     if trace.route is not None:
                         trace.route.prefilled()  # a local prefill is over at the first byte
-                _blame(suspects)
+                blame(suspects)
                 self._observe_affinity(Role.DECODE, call, engine)
                 headers = self._response_headers(call, trace, engine, resp)
                 if call.stream:
@@ -484,73 +455,6 @@ class PDFlow:
             resp.close()
             raise
 
-    # --- one attempt at one engine ----------------------------------------------------------
-
-    async def _send(
-        self,
-        engine: Engine,
-        call: Call,
-        body: bytes,
-        deadline: float,
-        whole: bool,
-        headers: dict[str, str] | None = None,
-        limit: int | None = None,
-    ) -> tuple[UpstreamResponse, bytes]:
-        """POST `body`; the response and its whole body (`whole`, at most `limit` bytes)
-        or first chunk.
-
-        Raises _AttemptFailed for what another engine may not suffer (connect error,
-        timeout, 5xx/408/429, a connection dropped before any byte, an answer over
-        `limit`) and EngineRejected for the engine's verdict on the request itself
-        (other 4xx).
-        """
-        resp: UpstreamResponse | None = None
-        try:
-            # The deadline rides on the connection (one timer), not on asyncio.timeout.
-            sent_headers = headers or call.headers
-            if engine.dp_rank is not None:
-                sent_headers = {**sent_headers, **engine.headers}  # pinned to the rank the policy chose
-            resp = await self._upstream.post(engine.url, call.endpoint.path, body, sent_headers, timeout=deadline)
-            if resp.status >= 400:
-                await self._raise_for_status(resp)
-            data = await (resp.read(limit) if whole else resp.chunk())
-            if not data:
-                raise _AttemptFailed("dropped", "connection closed before the first byte")
-            resp.clear_deadline()  # a stream goes on under the idle limit alone
-            return resp, data
-        except _AttemptFailed:
-            _close(resp)
-            raise
-        except TimeoutError:
-            _close(resp)
-            raise _AttemptFailed("timeout", f"no answer within {deadline}s") from None
-        except ConnectFailed as exc:
-            raise _AttemptFailed("connect", str(exc)) from None
-        except AnswerTooLarge as exc:
-            _close(resp)
-            raise _AttemptFailed("too_large", str(exc)) from None
-        except UpstreamError as exc:
-            _close(resp)
-            raise _AttemptFailed("dropped", f"{type(exc).__name__}: {exc}") from None
-        except BaseException:
-            _close(resp)
-            raise
-
-    async def _raise_for_status(self, resp: UpstreamResponse) -> None:
-        content_type = resp.headers.get(b"content-type", b"application/json").decode()
-        try:
-            data = await resp.read(_ERROR_BODY_LIMIT)
-        except AnswerTooLarge:
-            self._metrics.oversized_answers.labels("error").inc()
-            message = f"engine answered {resp.status} with a body over {_ERROR_BODY_LIMIT} bytes"
-            data, content_type = openai_error_body(resp.status, message, "EngineError"), "application/json"
-        if resp.status >= 500 or resp.status in (408, 429):
-            raise _AttemptFailed(
-                f"http_{resp.status // 100}xx" if resp.status >= 500 else f"http_{resp.status}",
-                data[:200].decode(errors="replace"),
-            )
-        raise EngineRejected(resp.status, data, content_type)
-
     # --- helpers ----------------------------------------------------------------------------
 
     def _candidates(self, role: Role, call: Call, attempts: int) -> list[Engine]:
@@ -564,7 +468,7 @@ class PDFlow:
             return None
         return self._decider.usage_check(trace.route)
 
-    def _note_failure(self, role: Role, engine: Engine, failure: _AttemptFailed, retry: bool) -> None:
+    def _note_failure(self, role: Role, engine: Engine, failure: AttemptFailed, retry: bool) -> None:
         logger.warning("%s attempt at %s failed: %s", role.value, engine.name, failure)
         if retry:
             self._metrics.retries.labels(role.value, failure.reason).inc()
@@ -599,15 +503,3 @@ def _other_servers_first(engines: list[Engine]) -> list[Engine]:
         return engines
     url = engines[0].url
     return [engines[0], *(e for e in engines[1:] if e.url != url), *(e for e in engines[1:] if e.url == url)]
-
-
-def _blame(suspects: list[Engine]) -> None:
-    """Another engine served the request these answered with 5xx: the fault was theirs."""
-    for engine in suspects:
-        engine.blame()
-    suspects.clear()
-
-
-def _close(resp: UpstreamResponse | None) -> None:
-    if resp is not None:
-        resp.close()
