@@ -42,7 +42,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from pdconnect.errors import ConfigError
-from pdconnect.serving import serve_until_signalled
+from pdconnect.serving import serve_http, serve_until_signalled
 
 __all__ = ["REFUSALS", "RESULTS", "MetricsProxy", "ProxySettings", "RunningProxy", "main", "parse_args", "start_proxy"]
 
@@ -238,19 +238,16 @@ class RunningProxy:
 async def start_proxy(settings: ProxySettings) -> RunningProxy:
     """Serve `settings` on host:port (port 0 picks a free one)."""
     proxy = MetricsProxy(settings)
-    runner = web.AppRunner(
+    runner, url = await serve_http(
         proxy.build_app(),
-        access_log=None,
-        handler_cancellation=True,
-        keepalive_timeout=_KEEPALIVE,
+        settings.host,
+        settings.port,
+        _KEEPALIVE,
         max_line_size=_MAX_LINE,
         max_field_size=_MAX_FIELD,
         max_headers=_MAX_HEADERS,
     )
-    await runner.setup()
-    await web.TCPSite(runner, settings.host, settings.port).start()
-    host, port = runner.addresses[0][:2]
-    return RunningProxy(proxy=proxy, runner=runner, url=f"http://{host}:{port}")
+    return RunningProxy(proxy=proxy, runner=runner, url=url)
 
 
 def _listen_address(text: str) -> tuple[str, int]:

@@ -17,6 +17,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
 from pdconnect.router.errors import openai_error_body
+from pdconnect.serving import serve_http
 
 __all__ = ["serve_app"]
 
@@ -128,17 +129,14 @@ async def serve_app(
     runner and the bound URL. Cleanup drains: it waits up to `drain_timeout` for requests
     in flight before cancelling them."""
     # auto_decompress off: request bodies are inflated by `body.read_body`, within the limit.
-    runner = _Runner(
+    return await serve_http(
         app,
-        head_timeout,
-        on_head_timeout,
-        handler_cancellation=True,
-        access_log=None,
+        host,
+        port,
+        keepalive,
+        runner=_Runner,
+        head_timeout=head_timeout,
+        on_head_timeout=on_head_timeout,
         auto_decompress=False,
-        keepalive_timeout=keepalive,
         shutdown_timeout=drain_timeout,
     )
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    bound_host, bound_port = runner.addresses[0][:2]
-    return runner, f"http://{bound_host}:{bound_port}"
