@@ -119,23 +119,10 @@ class ResponsesUsage(UsageMerger):
     prefill leg, `output_tokens` from decode, `total_tokens` recomputed; in a stream, the
     usage is in the terminal event's `response` object."""
 
+    prompt_field = "input_tokens"
+    details_field = "input_tokens_details"
+    output_field = "output_tokens"
     marker = b'"input_tokens"'
-
-    @classmethod
-    def from_prefill(cls, usage: Any) -> UsageMerger | None:
-        if isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
-            return cls(usage["input_tokens"], usage.get("input_tokens_details"))
-        return None
-
-    def merge(self, usage: dict[str, Any]) -> None:
-        usage["input_tokens"] = self._prompt_tokens
-        if self._details is not None:
-            usage["input_tokens_details"] = self._details
-        else:
-            usage.pop("input_tokens_details", None)
-        output = usage.get("output_tokens")
-        if isinstance(output, int):
-            usage["total_tokens"] = self._prompt_tokens + output
 
     def rewrite_event(self, event: bytes) -> bytes:
         at = event.find(b"data: ")

@@ -19,7 +19,7 @@ through, never turned into Python objects.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -43,10 +43,15 @@ class EventTooLarge(ValueError):
 class UsageMerger:
     """Rewrites decode-side usage objects with the prefill leg's prompt accounting.
 
-    `marker` is the bytes only a usage-carrying event holds (events without it pass
-    untouched); `rewrite_event` rewrites one whole event that holds it."""
+    A usage object's members are named by the endpoint's dialect: these are Completions'
+    and Chat's (a subclass renames them). `marker` is the bytes only a usage-carrying
+    event holds (events without it pass untouched); `rewrite_event` rewrites one whole
+    event that holds it."""
 
-    marker = b'"prompt_tokens"'
+    prompt_field: ClassVar[str] = "prompt_tokens"
+    details_field: ClassVar[str] = "prompt_tokens_details"
+    output_field: ClassVar[str] = "completion_tokens"
+    marker: ClassVar[bytes] = b'"prompt_tokens"'
 
     def __init__(self, prompt_tokens: int, details: Any) -> None:
         self._prompt_tokens = prompt_tokens
@@ -55,19 +60,19 @@ class UsageMerger:
     @classmethod
     def from_prefill(cls, usage: Any) -> UsageMerger | None:
         """The merger for a prefill answer's usage; None if it has no prompt count."""
-        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-            return cls(usage["prompt_tokens"], usage.get("prompt_tokens_details"))
+        if isinstance(usage, dict) and isinstance(usage.get(cls.prompt_field), int):
+            return cls(usage[cls.prompt_field], usage.get(cls.details_field))
         return None
 
     def merge(self, usage: dict[str, Any]) -> None:
-        usage["prompt_tokens"] = self._prompt_tokens
+        usage[self.prompt_field] = self._prompt_tokens
         if self._details is not None:
-            usage["prompt_tokens_details"] = self._details
+            usage[self.details_field] = self._details
         else:
-            usage.pop("prompt_tokens_details", None)
-        completion = usage.get("completion_tokens")
-        if isinstance(completion, int):
-            usage["total_tokens"] = self._prompt_tokens + completion
+            usage.pop(self.details_field, None)
+        output = usage.get(self.output_field)
+        if isinstance(output, int):
+            usage["total_tokens"] = self._prompt_tokens + output
 
     def rewrite_body(self, body: Buffer) -> bytes:
         """A JSON answer with its usage merged; unchanged if it has no usage object."""
