@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdconnect.router.errors import BadRequest, RateLimited
+from pdconnect.router.replicas import one_replica
 from pdconnect.router.request import Call
 
 __all__ = ["KeyLimits", "TokenBucket", "request_cost"]
@@ -42,16 +43,12 @@ _BYTES_PER_TOKEN = 4
 _MAX_OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
-def _alone() -> int:
-    return 1
-
-
 class TokenBucket:
     """This replica's share of `per_minute` tokens a minute (1/`replicas()`), at most one
     minute's worth of that share held."""
 
     def __init__(
-        self, per_minute: float, clock: Callable[[], float] = time.monotonic, replicas: Callable[[], int] = _alone
+        self, per_minute: float, clock: Callable[[], float] = time.monotonic, replicas: Callable[[], int] = one_replica
     ) -> None:
         self.per_minute = per_minute
         self._replicas = replicas
@@ -88,7 +85,7 @@ class KeyLimits:
         replicas: Callable[[], int] | None = None,
     ) -> None:
         """`clock`: seconds (default: monotonic); `replicas`: the router replicas counted (default: 1)."""
-        now, count = clock or time.monotonic, replicas or _alone
+        now, count = clock or time.monotonic, replicas or one_replica
         self._requests = TokenBucket(requests_per_minute, now, count) if requests_per_minute else None
         self._tokens = TokenBucket(tokens_per_minute, now, count) if tokens_per_minute else None
 

@@ -206,9 +206,10 @@ class ReplicaSet:
 def replica_count(replicas: ReplicaSet | None) -> Callable[[], int]:
     """What the bounds divide by: the set's live count, or 1 for a router without peers."""
     if replicas is None or not replicas.configured:
-        return _one
+        return one_replica
     return lambda: replicas.count
 
 
-def _one() -> int:
+def one_replica() -> int:
+    """The replica count of a router without peers: it keeps the whole of every bound."""
     return 1
