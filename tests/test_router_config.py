@@ -3,6 +3,7 @@ run as a real process in front of FAKE engines."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -204,6 +205,21 @@ def test_every_setting_can_be_given_on_the_command_line() -> None:
     files_only = {"kv_events_endpoints"}
     flags = {action.dest for action in parser()._actions if action.option_strings}
     assert set(RouterConfig.__struct_fields__) - files_only - flags == set()
+
+
+def test_a_flag_takes_its_fields_type_arity_and_choices() -> None:
+    """A flag declares only its name and help: what it parses into comes from its field."""
+    actions = {action.dest: action for action in parser()._actions}
+    assert actions["host"].type is None
+    assert actions["prefill_dp_size"].type is int  # AtLeastOne
+    assert actions["admin_port"].type is int  # Port | None
+    assert actions["affinity_load_factor"].type is float
+    assert actions["prefill"].nargs == "+"
+    assert isinstance(actions["pools"], argparse._AppendAction)  # one --pool a pool
+    assert isinstance(actions["fallback"], argparse.BooleanOptionalAction)
+    assert actions["log_format"].choices == ["text", "json"]
+    config = parse_args(["--decode", "http://d:1", "http://d:2", "--prefill-dp-size", "2", "--no-fallback"])
+    assert (config.decode, config.prefill_dp_size, config.fallback) == (("http://d:1", "http://d:2"), 2, False)
 
 
 def test_the_router_and_the_connector_raise_one_config_error() -> None:
