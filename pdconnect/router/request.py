@@ -162,11 +162,11 @@ def parse_call(
             else key_of(body, endpoint is Endpoint.CHAT)
         )
     return Call(
+        stream=fields.stream,
         endpoint=endpoint,
         body=body,
         raw=raw,
         request_id=request_id,
-        stream=fields.stream,
         key=key,
         headers=forward,
         started=started,
