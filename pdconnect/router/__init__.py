@@ -24,6 +24,7 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
 - `flow`: prefill then decode, relay, retries, fallback, abort; `record`: what happened
   to one request (outcome, status, route, engines); `upstream`: the HTTP/1.1
   client that calls engines; `errors`: why a routed request failed, with its status;
+  `engine_errors`: what an engine's error answer says;
   `releaser`: frees a prefill engine's blocks nobody will pull.
 - `writer`: each write to the client within a deadline; `usage`: what the client is told
   it used; `metrics`: the router's Prometheus metrics; `logs`: text or JSON lines with

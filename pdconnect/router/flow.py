@@ -51,6 +51,7 @@ from pdconnect.router.body import read_body
 from pdconnect.router.chat_template import PromptTokenizer
 from pdconnect.router.config import RouterConfig
 from pdconnect.router.decider import DecodeFirstDecider, Route
+from pdconnect.router.engine_errors import error_message
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
     DecodeFailed,
@@ -547,7 +548,7 @@ class PDFlow:
         if resp.status >= 500 or resp.status in (408, 429):
             raise _AttemptFailed(
                 f"http_{resp.status // 100}xx" if resp.status >= 500 else f"http_{resp.status}",
-                data[:200].decode(errors="replace"),
+                error_message(data),
             )
         raise EngineRejected(resp.status, data, content_type)
 
