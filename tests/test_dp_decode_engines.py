@@ -155,12 +155,12 @@ def test_serial_siblings_hit_their_ranks_cache_as_the_colocated_engine_does(rig:
     assert hits == [_cached(r) for r in alone]  # [0, PREFIX_TOKENS]: the cold one loaded, the sibling hit
     ranks = [r.headers["x-pdconnect-decode"] for r in routed]
     assert ranks[0] == ranks[1] and ranks[0].startswith(f"{rig.decode.base_url}#dp")
-    # The cold one's prompt was pulled, over the transport asked for (a rank says which once it pulled).
+    # The cold one's prompt was pulled, over the transport asked for (each rank announces
+    # its own once its stats reach the API server: 1 or 2 series, never the other transport).
     metrics = fetch_metrics(rig.decode.base_url, http)
-    used = {t: metrics.total("pdconnect:transport_info", transport=t) for t in ("mooncake/tcp", "nixl/ucx")}
-    assert used == (
-        {"mooncake/tcp": 1, "nixl/ucx": 0} if rig.transport == "mooncake" else {"mooncake/tcp": 0, "nixl/ucx": 1}
-    )
+    really, other = ("mooncake/tcp", "nixl/ucx") if rig.transport == "mooncake" else ("nixl/ucx", "mooncake/tcp")
+    assert metrics.total("pdconnect:transport_info", transport=really) >= 1
+    assert metrics.total("pdconnect:transport_info", transport=other) == 0
     assert metrics.total("pdconnect:bytes_transferred_total") > 0
 
 
