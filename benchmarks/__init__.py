@@ -12,7 +12,8 @@ Each module is run as `python -m benchmarks.<name>` from the repository root:
 - `planner`: `make bench-plan`, the planner's cost per request beside a prefix-cache lookup.
 - `fleet`: `make bench-fleet`, the router's KV index fed by 64 engine cores' vLLM events.
 
-`engine_phase` is how each one that starts engines says it was interrupted or failed.
+`engine_phase` is how each one that starts engines says it was interrupted or failed;
+`options` holds the command-line options they share.
 
 They drive local processes through `pdconnect.testbed` and measure with `pdconnect.bench`.
 """

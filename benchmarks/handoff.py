@@ -53,16 +53,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 from benchmarks.engine_phase import engine_phase
+from benchmarks.options import add_output_options, comma_subset
 from benchmarks.transfer_speed import BARE, PEER, TIMEOUT, Blocks, Runs, timed
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, StepResult, percentile, run_scenario
 from pdconnect.bench.report import format_table, write_json
 from pdconnect.bench.scenarios import SharedPrefixScenario, TokenSource, warmup_step
 from pdconnect.bench.scrape import MetricsSnapshot, fetch_metrics
 from pdconnect.testbed.local_pd import LocalPDConfig, start_colocated, start_local_pd
-from pdconnect.testbed.paths import default_build_dir
 from pdconnect.testbed.processes import Cluster
 from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, warm_up
 from pdconnect.transfer import TransferState, create_transport
@@ -663,12 +662,7 @@ def _pull_json(r: PathResult) -> dict[str, object] | None:
     }
 
 
-def _parse_paths(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in PATHS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"paths are a comma-separated subset of {','.join(PATHS)}, got {text!r}")
-    return names
+_parse_paths = comma_subset(PATHS, "paths")
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -682,13 +676,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--groups", type=int, default=setup.groups, help="prefix groups of 6 prompts")
     parser.add_argument("--bare-repeats", type=int, default=setup.bare_repeats, help="timed bare pulls per transport")
-    parser.add_argument("--json", type=Path, help="also write every figure here")
-    parser.add_argument(
-        "--logs",
-        type=Path,
-        default=default_build_dir() / "logs" / "bench-handoff",
-        help="the engines' logs (default: %(default)s)",
-    )
+    add_output_options(parser, "bench-handoff")
     return parser.parse_args(argv)
 
 

@@ -43,24 +43,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import httpx
 
 from benchmarks.engine_phase import engine_phase
+from benchmarks.options import add_output_options, comma_subset
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, StepResult, percentile, run_scenario
 from pdconnect.bench.report import format_table
 from pdconnect.bench.scenarios import SharedPrefixScenario, TokenSource, warmup_step
 from pdconnect.bench.scrape import MetricsSnapshot, fetch_metrics
-from pdconnect.testbed.local_pd import start_router
-from pdconnect.testbed.paths import default_build_dir
+from pdconnect.testbed.dp_rig import DPEvents, free_port_run
+from pdconnect.testbed.local_pd import establish_stock_handshake, start_router
 from pdconnect.testbed.processes import Cluster, ManagedProcess, StartupError
 from pdconnect.testbed.recipes import (
     BLOCK_SIZE,
@@ -88,6 +88,7 @@ __all__ = [
     "rank_bytes_between",
 ]
 
+ATTENTION_KINDS: tuple[Literal["full_attention", "sliding_attention"], ...] = ("full_attention", "sliding_attention")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 # The connector's per-kind block counters, and the attention group each kind belongs to.
 BLOCK_KINDS = {"full_attention": "full_attention", "tail": "sliding_attention", "slack": "sliding_attention"}
@@ -95,28 +96,24 @@ RANK_BYTES = "pdconnect:rank_bytes_transferred"
 STOCK_BYTES = "vllm:nixl_bytes_transferred_sum"
 DP_RANKS = 2
 REQUEST_TIMEOUT_S = 300.0
-# vLLM's NixlConnector may fail its first handshake on loaded cores (a 5 s wait, then the
-# request is recomputed): a few P/D requests first, until the decode log shows none failed.
-STOCK_HANDSHAKE_FAILURE = "handshake_setup_failed"
-STOCK_HANDSHAKE_ATTEMPTS = 4
 
 
 # ---------------------------------------------------------------------------------------
 # What a decode rank needs, from the model's geometry alone
 
 
-@dataclass(frozen=True)
-class GroupGeometry:
+class GroupGeometry(NamedTuple):
     """One attention kind of the model: its layers and each layer's KV heads and head size."""
 
-    kind: str  # "full_attention" or "sliding_attention"
+    kind: Literal["full_attention", "sliding_attention"]
     layers: int
     kv_heads: int
     head_dim: int
 
 
-@dataclass(frozen=True)
-class ModelGeometry:
+class ModelGeometry(NamedTuple):
+    """A model's attention groups, with the engine's block size and KV dtype's bytes."""
+
     block_size: int
     dtype_bytes: int
     groups: tuple[GroupGeometry, ...]
@@ -135,9 +132,7 @@ def model_geometry(config: Mapping[str, Any], block_size: int, dtype: str) -> Mo
     kv_heads = int(config.get("num_key_value_heads", config["num_attention_heads"]))
     head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
     groups = tuple(
-        GroupGeometry(kind, types.count(kind), kv_heads, head_dim)
-        for kind in ("full_attention", "sliding_attention")
-        if kind in types
+        GroupGeometry(kind, types.count(kind), kv_heads, head_dim) for kind in ATTENTION_KINDS if kind in types
     )
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown KV dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
@@ -183,10 +178,6 @@ class RankBytes:
     tp_rank: str
     pulled: int
     needed: int
-
-    @property
-    def label(self) -> str:
-        return f"dp{self.engine}/tp{self.tp_rank}"
 
     @property
     def excess(self) -> int:
@@ -267,27 +258,14 @@ SHAPES: dict[str, ShapeSpec] = {
 }
 
 
-@dataclass(frozen=True)
-class ParallelSetup:
-    """A small shared-prefix step: 3 groups x 3 siblings, 768-token prefixes (6 blocks),
+GROUPS = 3
+
+
+def parallel_scenario(groups: int = GROUPS) -> SharedPrefixScenario:
+    """A small shared-prefix step: `groups` x 3 siblings, 768-token prefixes (6 blocks),
     96-160-token questions, 3 in flight, 8 output tokens."""
-
-    groups: int = 3
-    prompts_per_group: int = 3
-    system_prompt_len: int = 768
-    concurrency: int = 3
-
-    @property
-    def scenario(self) -> SharedPrefixScenario:
-        return SharedPrefixScenario(
-            groups=self.groups,
-            prompts_per_group=self.prompts_per_group,
-            system_prompt_len=self.system_prompt_len,
-            question_len=128,
-            question_len_jitter=32,
-            output_len=8,
-            concurrency=self.concurrency,
-        )
+    # groups, prompts per group, prefix, question, output tokens, in flight
+    return SharedPrefixScenario(groups, 3, 768, 128, 8, 3, question_len_jitter=32)
 
 
 @dataclass
@@ -307,31 +285,24 @@ def _kib(nbytes: int) -> str:
     return f"{nbytes / 1024:.0f}"
 
 
+def _rank_label(b: RankBytes) -> str:
+    return f"dp{b.engine}/tp{b.tp_rank}"
+
+
 def _rank_cells(r: ShapeResult) -> tuple[str, str]:
     if r.shape.connector == "vllm-nixl":
         total = "-" if r.stock_bytes is None else f"all ranks {_kib(round(r.stock_bytes))}"
         return total + " (not per rank)", "-"
     if not r.ranks:
         return "none", "-"
-    cells = " ".join(f"{b.label} {_kib(b.pulled)}/{_kib(b.needed)}" for b in r.ranks)
+    cells = " ".join(f"{_rank_label(b)} {_kib(b.pulled)}/{_kib(b.needed)}" for b in r.ranks)
     excess = sum(b.excess for b in r.ranks)
     return cells, ("0" if excess == 0 else f"{_kib(excess)} KiB {'extra' if excess > 0 else 'short'}")
 
 
 def format_results(results: Sequence[ShapeResult]) -> str:
-    headers = [
-        "shape",
-        "served",
-        "D-local hit",
-        "colocated",
-        "same out",
-        "pulled tok",
-        "per decode rank: pulled/needed KiB",
-        "dup",
-        "wall s",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-    ]
+    headers = ["shape", "served", "D-local hit", "colocated", "same out", "pulled tok"]
+    headers += ["per decode rank: pulled/needed KiB", "dup", "wall s", "TTFT p50 ms", "TTFT p99 ms"]
     rows = []
     for r in results:
         if r.step is None:
@@ -365,25 +336,6 @@ def _say(message: str) -> None:
     print(f"[bench-parallel] {message}", flush=True)
 
 
-def _free_run(cluster: Cluster, length: int) -> int:
-    """The first of `length` consecutive free ports (vLLM adds a rank to a base port)."""
-    for _ in range(100):
-        base = cluster.free_port()
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + length):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError(f"no {length} consecutive free ports")
-
-
 @dataclass
 class Engines:
     """Started engines by role, started on first need and kept for the shapes that share them."""
@@ -391,7 +343,7 @@ class Engines:
     cluster: Cluster
     model: Path
     started: dict[str, ManagedProcess] = field(default_factory=dict)
-    dp_events: tuple[int, int] | None = None  # the DP decode's events and replay base ports
+    dp_events: DPEvents | None = None  # the DP decode's KV event ports
 
     def _server(
         self, name: str, args: list[str], side_channel_port: int | None = None, env: dict[str, str] | None = None
@@ -413,16 +365,14 @@ class Engines:
         `colocated-tp<N>`, `decode-dp2` (consumer, KV events per rank)."""
         kind, _, shape = name.partition("-")
         if kind == "decode":
-            events, replay = _free_run(self.cluster, DP_RANKS), _free_run(self.cluster, DP_RANKS)
-            self.dp_events = (events, replay)
-            kv_events = {
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": f"tcp://*:{events}",
-                "replay_endpoint": f"tcp://*:{replay}",
-            }
+            self.dp_events = DPEvents.reserve(self.cluster, DP_RANKS)
             args = engine_args(None, pd_kv_transfer("kv_consumer", "mooncake"))
-            args += ["--data-parallel-size", str(DP_RANKS), "--kv-events-config", json.dumps(kv_events)]
+            args += [
+                "--data-parallel-size",
+                str(DP_RANKS),
+                "--kv-events-config",
+                json.dumps(self.dp_events.engine_config()),
+            ]
             return self._server(name, args)
         tp = shape.removeprefix("tp").rstrip("b")
         parallel = ["--tensor-parallel-size", tp]
@@ -430,7 +380,7 @@ class Engines:
             return self._server(name, [*engine_args(None, pd_kv_transfer("kv_both", "mooncake")), *parallel])
         if kind == "nixl":
             # NixlConnector binds its side channel at a base port plus the rank.
-            port = _free_run(self.cluster, 2 * int(tp))
+            port = free_port_run(self.cluster, 2 * int(tp))
             return self._server(name, [*engine_args(None, stock_nixl_kv_transfer("kv_both")), *parallel], port)
         if kind == "colocated":
             # Dev mode for /reset_prefix_cache: each shape starts from an empty reference cache.
@@ -483,10 +433,8 @@ def _router(
 ) -> Iterator[ManagedProcess]:
     args: list[str] = []
     if shape.decode_dp > 1:
-        assert engines.dp_events is not None
-        events, replay = engines.dp_events
-        args = ["--policy", "kv-aware", "--decode-dp-size", str(shape.decode_dp)]
-        args += ["--kv-events-port", str(events), "--kv-events-replay-port", str(replay)]
+        assert engines.dp_events is not None and engines.dp_events.ranks == shape.decode_dp
+        args = engines.dp_events.router_args()
     router, _ = start_router(
         engines.cluster,
         f"parallel-{shape.name}",
@@ -514,31 +462,14 @@ def _reset_prefix_cache(engine: ManagedProcess) -> None:
         time.sleep(0.5)
 
 
-def _establish_stock_handshake(router: ManagedProcess, decode: ManagedProcess) -> None:
-    """P/D requests until one is served with no failed NixlConnector handshake in D's log
-    (a failed one is recomputed and still answers 200)."""
-    payload = {"model": MODEL_NAME, "prompt": list(range(16, 16 + 256)), "max_tokens": 2, "temperature": 0.0}
-    for attempt in range(1, STOCK_HANDSHAKE_ATTEMPTS + 1):
-        failures_before = decode.log_text().count(STOCK_HANDSHAKE_FAILURE)
-        response = httpx.post(f"{router.base_url}/v1/completions", json=payload, timeout=REQUEST_TIMEOUT_S)
-        failed = decode.log_text().count(STOCK_HANDSHAKE_FAILURE) - failures_before
-        if response.status_code == 200 and failed == 0:
-            return
-        if failed == 0 or attempt == STOCK_HANDSHAKE_ATTEMPTS:
-            raise RuntimeError(
-                f"NixlConnector did not serve (attempt {attempt}, {failed} failed handshakes): "
-                f"HTTP {response.status_code}: {response.text[:300]}"
-            )
-
-
 async def _drive(
-    deployment: Deployment, setup: ParallelSetup, seed: int, decode: str
+    deployment: Deployment, scenario: SharedPrefixScenario, seed: int, decode: str
 ) -> tuple[StepResult, MetricsSnapshot, MetricsSnapshot]:
     tokens = TokenSource(seed=seed)
     async with LoadGenerator(deployment) as generator:
-        await generator.warm_up(warmup_step(tokens.fork(), 1, setup.scenario.prompt_len()))
+        await generator.warm_up(warmup_step(tokens.fork(), 1, scenario.prompt_len()))
         before = await asyncio.to_thread(fetch_metrics, decode)
-        [step] = await run_scenario(generator, setup.scenario, tokens)
+        [step] = await run_scenario(generator, scenario, tokens)
         after = await asyncio.to_thread(fetch_metrics, decode)
     return step, before, after
 
@@ -560,7 +491,9 @@ def _why_failed(*procs: ManagedProcess) -> str:
     return "no error line in the engines' logs"
 
 
-def run_shape(engines: Engines, shape: ShapeSpec, setup: ParallelSetup, geometry: ModelGeometry) -> ShapeResult:
+def run_shape(
+    engines: Engines, shape: ShapeSpec, scenario: SharedPrefixScenario, geometry: ModelGeometry
+) -> ShapeResult:
     _say(f"{shape.name}: {shape.label}")
     prefill_name, decode_name, reference_name = _engine_names(shape)
     try:
@@ -573,7 +506,7 @@ def run_shape(engines: Engines, shape: ShapeSpec, setup: ParallelSetup, geometry
     with _router(engines, shape, prefill, decode) as router:
         try:
             if shape.connector == "vllm-nixl":
-                _establish_stock_handshake(router, decode)
+                establish_stock_handshake(router, decode, REQUEST_TIMEOUT_S)
             _reset_prefix_cache(reference)
             deployment = Deployment(
                 router=router.base_url,
@@ -583,7 +516,7 @@ def run_shape(engines: Engines, shape: ShapeSpec, setup: ParallelSetup, geometry
                 reference=reference.base_url,
                 request_timeout_s=REQUEST_TIMEOUT_S,
             )
-            step, before, after = asyncio.run(_drive(deployment, setup, shape.seed, decode.base_url))
+            step, before, after = asyncio.run(_drive(deployment, scenario, shape.seed, decode.base_url))
         except (RuntimeError, httpx.HTTPError) as exc:
             reason = f"{str(exc)[:300]}; {_why_failed(decode, prefill)}"
             _say(f"{shape.name}: failed: {reason}")
@@ -603,26 +536,14 @@ def _keep_for(rest: Sequence[ShapeSpec]) -> set[str]:
     return {name for shape in rest for name in _engine_names(shape)}
 
 
-def _parse_shapes(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SHAPES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"shapes are a comma-separated subset of {','.join(SHAPES)}, got {text!r}")
-    return names
+_parse_shapes = comma_subset(SHAPES, "shapes")
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    setup = ParallelSetup()
     parser = argparse.ArgumentParser(prog="python -m benchmarks.parallel", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--shapes", type=_parse_shapes, default=",".join(SHAPES), help="(default: %(default)s)")
-    parser.add_argument("--groups", type=int, default=setup.groups, help="prefix groups of 3 prompts")
-    parser.add_argument("--json", type=Path, help="also write every figure here")
-    parser.add_argument(
-        "--logs",
-        type=Path,
-        default=default_build_dir() / "logs" / "bench-parallel",
-        help="the engines' logs (default: %(default)s)",
-    )
+    parser.add_argument("--groups", type=int, default=GROUPS, help="prefix groups of 3 prompts")
+    add_output_options(parser, "bench-parallel")
     return parser.parse_args(argv)
 
 
@@ -648,7 +569,7 @@ def _json(r: ShapeResult) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    setup = replace(ParallelSetup(), groups=args.groups)
+    scenario = parallel_scenario(args.groups)
     began = time.monotonic()
     model = ensure_model(SPEC)
     geometry = model_geometry(json.loads((model / "config.json").read_text()), BLOCK_SIZE, "float32")
@@ -658,9 +579,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         engines = Engines(cluster, model)
         for i, shape in enumerate(shapes):
             engines.keep_only(*_keep_for(shapes[i:]))
-            results.append(run_shape(engines, shape, setup, geometry))
+            results.append(run_shape(engines, shape, scenario, geometry))
     print(
-        f"\nshared-prefix step {setup.scenario.steps(TokenSource(seed=0))[0].name}, tiny hybrid Llama "
+        f"\nshared-prefix step {scenario.steps(TokenSource(seed=0))[0].name}, tiny hybrid Llama "
         f"(2 KV heads, window 64, float32, block {BLOCK_SIZE}), one run.\n"
         "D-local hit = decode's vllm:prefix_cache_hits delta (all ranks); colocated = the same prompts on an engine "
         "of the decode's shape\n(DP2: a TP1 engine, one rank's shape); pulled tok = decode's "
@@ -680,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if r.shape.connector == "pdconnect" and r.step is not None and r.step.failed
     ]
     problems += [
-        f"{r.shape.name}: {b.label} pulled {b.pulled} bytes, needs {b.needed}"
+        f"{r.shape.name}: {_rank_label(b)} pulled {b.pulled} bytes, needs {b.needed}"
         for r in results
         for b in r.ranks
         if b.excess

@@ -13,6 +13,13 @@ vLLM does: the body's `kv_transfer_params` when it is truthy, else
 `vllm_xargs.kv_transfer_params`. Bodies that do not mention `kv_transfer_params` pass
 untouched without being parsed; a body that is not a JSON object passes too, for vLLM to
 refuse in its own words.
+
+It also names a refused pairing: a decode request whose plan the engine refused (the
+prefill engine's compat record differs, or an unequal-TP pairing cannot work) ends in
+vLLM's fixed 500 "Internal server error". When the engine noted why for that plan's
+prefill engine (`connectors.refusal_notes`), that 500's body is replaced by an
+OpenAI-style error with the note: the fields and both sides' values. Streams are left
+as vLLM writes them.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from typing import Any
 
 import msgspec
 
-from connectors.transfer_params import read_params
+from connectors.refusal_notes import RefusalNotes, notes_key
+from connectors.transfer_params import TransferAsk, read_params
 
 __all__ = ["TransferParamsGuard", "refusal"]
 
@@ -35,8 +43,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _MARK = b"kv_transfer_params"
 
 
-def refusal(body: bytes) -> str | None:
-    """Why vLLM must not get this request body, or None to let it through."""
+def _ask(body: bytes) -> TransferAsk | None:
+    """What the body's `kv_transfer_params` ask, or None when it has none (or is no JSON object)."""
     if _MARK not in body:
         return None
     try:
@@ -49,7 +57,54 @@ def refusal(body: bytes) -> str | None:
     extra = request.get("vllm_xargs")
     if not params and isinstance(extra, dict):
         params = extra.get("kv_transfer_params")
-    return read_params(params).invalid or None
+    return read_params(params)
+
+
+def refusal(body: bytes) -> str | None:
+    """Why vLLM must not get this request body, or None to let it through."""
+    ask = _ask(body)
+    return None if ask is None else ask.invalid or None
+
+
+def _error(status: int, message: str, kind: str) -> tuple[ASGIMessage, ASGIMessage]:
+    """The response start and body of an error in vLLM's (OpenAI's) format."""
+    error = {"error": {"message": message, "type": kind, "param": "kv_transfer_params", "code": status}}
+    payload = msgspec.json.encode(error)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    return {"type": "http.response.start", "status": status, "headers": headers}, {
+        "type": "http.response.body",
+        "body": payload,
+    }
+
+
+def _server_notes(scope: Scope) -> RefusalNotes:
+    """The refusal notes of the vLLM server whose app serves `scope` (off when it has no config)."""
+    config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+    return RefusalNotes(None) if config is None else RefusalNotes.for_server(config)
+
+
+def _naming_refusal(send: Send, read_note: Callable[[], str | None]) -> Send:
+    """A `send` that replaces a 500's body by the refusal note, when there is one."""
+    held: ASGIMessage | None = None
+    replaced = False
+
+    async def sending(message: ASGIMessage) -> None:
+        nonlocal held, replaced
+        if replaced:
+            return  # the rest of vLLM's body, already answered
+        if message["type"] == "http.response.start" and message.get("status") == 500:
+            held = message
+            return
+        if held is not None and message["type"] == "http.response.body":
+            start, held = held, None
+            note = read_note()
+            if note is not None:
+                replaced = True
+                start, message = _error(500, note, "IncompatibleEnginesError")
+            await send(start)
+        await send(message)
+
+    return sending
 
 
 class TransferParamsGuard:
@@ -57,6 +112,7 @@ class TransferParamsGuard:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self._notes: RefusalNotes | None = None  # the server's, found at the first plan
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
@@ -72,20 +128,20 @@ class TransferParamsGuard:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        reason = refusal(body)
-        if reason is None:
-            await self.app(scope, _replay([body], None, receive), send)
+        ask = _ask(body)
+        if ask is not None and ask.invalid:
+            start, answer = _error(400, ask.invalid, "BadRequestError")
+            await send(start)
+            await send(answer)
             return
-        error = {"error": {"message": reason, "type": "BadRequestError", "param": "kv_transfer_params", "code": 400}}
-        payload = msgspec.json.encode(error)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 400,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
+        if ask is not None and ask.plan is not None:
+            plan = ask.plan
+            if self._notes is None:
+                self._notes = _server_notes(scope)
+            notes = self._notes
+            key = notes_key(plan.remote_engine_id, plan.side_channel, plan.compat_hash)
+            send = _naming_refusal(send, lambda: notes.read(key))
+        await self.app(scope, _replay([body], None, receive), send)
 
 
 def _replay(bodies: list[bytes], pending: ASGIMessage | None, receive: Receive) -> Receive:

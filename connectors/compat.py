@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
+from connectors.refusal_notes import RefusalNotes, notes_key
 from connectors.vllm_adapter import group_kind, group_kv_heads
 from pdconnect.protocol import CompatInfo, GroupCompat, HandshakeReply, Message, Refusal, describe_mismatches
 
@@ -125,11 +126,14 @@ class PeerVerdicts:
     the handshake only finds out which fields differ, once per (engine, address,
     digest): the first such plan asks, plans arriving meanwhile wait for the same
     answer, later ones are refused from the cache. Addresses come from client-supplied
-    plans, so the cache is bounded (oldest verdict forgotten first).
+    plans, so the cache is bounded (oldest verdict forgotten first). Each verdict is
+    noted for the API server (`connectors.refusal_notes`), which answers the refused
+    requests' clients with it.
     """
 
-    def __init__(self, ours: CompatInfo, limit: int = 1024) -> None:
+    def __init__(self, ours: CompatInfo, limit: int = 1024, notes: RefusalNotes | None = None) -> None:
         self.ours = ours
+        self._notes = notes or RefusalNotes(None)
         self._limit = limit
         self._lasting: OrderedDict[Key, Verdict] = OrderedDict()
         self._asking: dict[str, set[Key]] = {}  # address -> keys waiting for its answer
@@ -159,6 +163,7 @@ class PeerVerdicts:
             verdict = judge(self.ours, key, answer, failure)
             kept = self._lasting if verdict.lasting else self._told
             kept[key] = verdict
+            self._notes.write(notes_key(*key), verdict.message)
             while len(kept) > self._limit:
                 kept.popitem(last=False)
             if verdict.lasting:

@@ -46,6 +46,7 @@ from connectors.compat import Key, PeerVerdicts
 from connectors.leases import CLAIM_ATTEMPTS
 from connectors.metadata import PullSpec
 from connectors.plan_checks import PlanRejected, check_plan
+from connectors.refusal_notes import RefusalNotes
 from connectors.replay_slack import plan_request
 from connectors.settings import ConnectorSettings
 from connectors.stats import StatsRecorder
@@ -132,6 +133,7 @@ class Consumer(CacheBound):
         stats: StatsRecorder,
         news: threading.Event | None = None,
         tp_size: int = 1,
+        notes: RefusalNotes | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.settings = settings
@@ -139,7 +141,7 @@ class Consumer(CacheBound):
         self.compat_digest = compat.digest()
         self.tp_size = tp_size
         self.stats = stats
-        self._peers = PeerVerdicts(compat)
+        self._peers = PeerVerdicts(compat, notes=notes)  # notes: the client's error names the refusal
         # (address, the handshake's answer or None, why none), from the notifier's threads.
         self._compat_answers: queue.SimpleQueue[tuple[str, Message | None, str]] = queue.SimpleQueue()
         self._incoming: dict[str, _Incoming] = {}

@@ -34,6 +34,7 @@ from connectors.describe import Describer, describe
 from connectors.lease_desk import DESK_COUNTERS, LeaseDesk, Start
 from connectors.metadata import PDConnectorMetadata
 from connectors.producer import Producer
+from connectors.refusal_notes import RefusalNotes
 from connectors.settings import ConnectorSettings, side_channel_roles
 from connectors.stats import PDConnectorStats, StatsRecorder
 from connectors.transfer_params import Leg, ParamsGate
@@ -114,6 +115,7 @@ class PDScheduler:
                 self.stats,
                 news=self._news,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                notes=RefusalNotes.for_server(vllm_config),
             )
 
     # --- wiring ------------------------------------------------------------------

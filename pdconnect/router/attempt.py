@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdconnect.router.engine_errors import error_message
 from pdconnect.router.engines import Engine
 from pdconnect.router.errors import EngineRejected, openai_error_body
 from pdconnect.router.metrics import RouterMetrics
@@ -101,7 +102,7 @@ class EngineCaller:
         if resp.status >= 500 or resp.status in (408, 429):
             raise AttemptFailed(
                 f"http_{resp.status // 100}xx" if resp.status >= 500 else f"http_{resp.status}",
-                data[:200].decode(errors="replace"),
+                error_message(data),
             )
         raise EngineRejected(resp.status, data, content_type)
 

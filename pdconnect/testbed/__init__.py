@@ -9,6 +9,7 @@ fake engine; never part of a production deployment.
 - `tinymodel`: tiny models with real random weights, generated, never downloaded.
 - `fake_engine`: a fake vLLM server for router tests and benchmarks (no model).
 - `local_pd`: a whole P/D deployment on one machine (prefill, decode, router).
+- `dp_rig`: a data-parallel decode engine's per-rank KV event ports, the router pinning ranks.
 - `engine_calls`: what a test sends to those engines: completions, the P/D flow without a router.
 - `paths`: where the rig writes (the repository's `build/`).
 - `keys`: fixed, public side-channel keys for local rigs and tests, never for a deployment.

@@ -34,6 +34,7 @@ def completion(
     prompt: list[int],
     max_tokens: int,
     kv_transfer_params: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
     **extra: Any,
 ) -> httpx.Response:
     """A greedy completion; random weights emit EOS now and then, so EOS is ignored."""
@@ -48,7 +49,7 @@ def completion(
     }
     if kv_transfer_params is not None:
         payload["kv_transfer_params"] = kv_transfer_params
-    return client.post(f"{base_url}/v1/completions", json=payload)
+    return client.post(f"{base_url}/v1/completions", json=payload, headers=headers)
 
 
 def completed(response: httpx.Response) -> dict[str, Any]:

@@ -36,10 +36,12 @@ __all__ = [
     "LocalPD",
     "LocalPDConfig",
     "Transport",
+    "establish_stock_handshake",
     "kv_events_config",
     "start_colocated",
     "start_local_pd",
     "start_router",
+    "wait_warm",
 ]
 
 Transport = Literal["mooncake", "nixl"]
@@ -144,9 +146,7 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
         )
 
     prefill, decode = engine("prefill", "kv_producer"), engine("decode", "kv_consumer")
-    cluster.wait_healthy([prefill, decode])
-    for proc in (prefill, decode):
-        warm_up(proc.base_url, MODEL_NAME)
+    wait_warm(cluster, prefill, decode)
     router, router_config = start_router(
         cluster,
         name,
@@ -157,8 +157,16 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
         router_args=config.router_args,
     )
     if config.connector == "vllm-nixl":
-        _establish_stock_handshake(router, decode, config.request_timeout_s)
+        establish_stock_handshake(router, decode, config.request_timeout_s)
     return LocalPD(config, prefill, decode, router, router_config)
+
+
+def wait_warm(cluster: Cluster, *engines: ManagedProcess) -> None:
+    """Wait until the started engines are healthy, then warm each: an engine's first
+    forward passes compile, and a measurement or a deadline must not pay for that."""
+    cluster.wait_healthy(list(engines))
+    for proc in engines:
+        warm_up(proc.base_url, MODEL_NAME)
 
 
 def start_router(
@@ -223,7 +231,7 @@ def kv_events_config(cluster: Cluster, events: dict[str, list[str]], port: int) 
     }
 
 
-def _establish_stock_handshake(router: ManagedProcess, decode: ManagedProcess, timeout_s: float) -> None:
+def establish_stock_handshake(router: ManagedProcess, decode: ManagedProcess, timeout_s: float) -> None:
     """One P/D request through the router, sent again only while D logs a failed handshake.
 
     A failed handshake may still answer 200 (D recomputes the prompt), so success is a
