@@ -159,39 +159,47 @@ async def test_without_a_client_trace_each_leg_carries_its_attempt_span(make, re
     ]
 
 
-def test_the_hand_written_otlp_encoding_reads_back_with_opentelemetry_proto() -> None:
-    """The exporter writes OTLP's protobuf by hand; OpenTelemetry's generated classes must read
-    every field back as written (ids, kind, times, each attribute type, the error status)."""
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-    from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+@pytest.mark.asyncio
+async def test_unsampled_requests_record_no_span_but_carry_the_trace_to_both_legs(make, receiver: OtlpReceiver) -> None:
+    """Ratio 0: a request without a client context is not recorded, and its legs tell the
+    engines so (flag 00, one trace id); a client's sampled flag still decides for its own."""
+    s = await make(otlp_traces_endpoint=receiver.url, otlp_traces_sample_ratio=0.0)
+    status, _, _ = await s.post("/v1/completions", COMPLETION)
+    assert status == 200
+    legs = [str(s.p[0].seen[-1].traceparent), str(s.d[0].seen[-1].traceparent)]
+    version, unsampled, _, flags = legs[0].split("-")
+    assert (version, flags) == ("00", "00")
+    assert [leg.split("-")[1] for leg in legs] == [unsampled, unsampled]
+    assert legs[0].split("-")[2] != legs[1].split("-")[2]  # each attempt its own parent id
+    status, _, _ = await s.post("/v1/completions", COMPLETION, headers={"traceparent": TRACEPARENT})
+    assert status == 200
+    await wait_until_async(lambda: _at_least(receiver, 3), "the sampled client's three spans")
+    # Exported in order, the first request's spans would have come with or before these.
+    assert receiver.spans(unsampled) == []
 
-    from pdconnect.router.tracing import _Exporter, _Span
 
-    span = _Span("decode", 3, (1 << 127) | 5, 0x2A6, {"s": "text", "b": True, "i": -3, "big": 1 << 40, "f": 1.5})
-    span.end_ns = span.start_ns + 1234
-    span.error = "dropped"
-    root = _Span("POST /v1/completions", 2, 7, 0, {"http.response.status_code": 200})
-    root.end_ns = root.start_ns + 99
-    exporter = _Exporter("http://127.0.0.1:9/v1/traces", "pdconnect-router", 3600.0)
-    try:
-        request = ExportTraceServiceRequest()
-        request.ParseFromString(exporter._encode([span, root]))
-    finally:
-        exporter.close()
-    [resource_spans] = request.resource_spans
-    assert [(a.key, a.value.string_value) for a in resource_spans.resource.attributes] == [
-        ("service.name", "pdconnect-router")
-    ]
-    [scope_spans] = resource_spans.scope_spans
-    assert scope_spans.scope.name == "pdconnect.router"
-    decoded, decoded_root = scope_spans.spans
-    assert decoded.trace_id == ((1 << 127) | 5).to_bytes(16, "big")
-    assert decoded.span_id == span.span_id.to_bytes(8, "big")
-    assert decoded.parent_span_id == (0x2A6).to_bytes(8, "big")
-    assert (decoded.name, decoded.kind) == ("decode", Span.SPAN_KIND_CLIENT)
-    assert (decoded.start_time_unix_nano, decoded.end_time_unix_nano) == (span.start_ns, span.start_ns + 1234)
-    values = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in decoded.attributes}
-    assert values == {"s": "text", "b": True, "i": -3, "big": 1 << 40, "f": 1.5}
-    assert (decoded.status.code, decoded.status.message) == (Status.STATUS_CODE_ERROR, "dropped")
-    assert decoded_root.parent_span_id == b"" and decoded_root.kind == Span.SPAN_KIND_SERVER
-    assert not decoded_root.HasField("status")
+@pytest.mark.asyncio
+async def test_a_client_that_did_not_sample_is_not_recorded(make, receiver: OtlpReceiver) -> None:
+    s = await make(otlp_traces_endpoint=receiver.url)  # ratio 1.0: the client's flag still wins
+    unsampled = f"00-{CLIENT_TRACE[::-1]}-{CLIENT_PARENT}-00"
+    status, _, _ = await s.post("/v1/completions", COMPLETION, headers={"traceparent": unsampled})
+    assert status == 200
+    assert str(s.d[0].seen[-1].traceparent).startswith(f"00-{CLIENT_TRACE[::-1]}-")
+    assert str(s.d[0].seen[-1].traceparent).endswith("-00")
+    status, _, _ = await s.post("/v1/completions", COMPLETION, headers={"traceparent": TRACEPARENT})
+    assert status == 200
+    await wait_until_async(lambda: _at_least(receiver, 3), "the sampled client's three spans")
+    assert receiver.spans(CLIENT_TRACE[::-1]) == []
+
+
+def test_the_sample_ratio_comes_from_the_flag_then_the_environment() -> None:
+    from pdconnect.router.tracing import TracingUnavailable, sample_ratio
+
+    assert sample_ratio(0.25, {"OTEL_TRACES_SAMPLER_ARG": "0.5"}) == 0.25
+    assert sample_ratio(None, {"OTEL_TRACES_SAMPLER_ARG": "0.5"}) == 0.5
+    assert sample_ratio(None, {}) == 1.0
+    for bad in ("2", "half"):
+        with pytest.raises(TracingUnavailable, match="OTEL_TRACES_SAMPLER_ARG"):
+            sample_ratio(None, {"OTEL_TRACES_SAMPLER_ARG": bad})
+    with pytest.raises(ConfigError, match="otlp_traces_sample_ratio"):
+        load_config({"decode": ["http://127.0.0.1:1"], "otlp_traces_sample_ratio": 1.5})
