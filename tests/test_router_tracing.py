@@ -203,3 +203,50 @@ def test_the_sample_ratio_comes_from_the_flag_then_the_environment() -> None:
             sample_ratio(None, {"OTEL_TRACES_SAMPLER_ARG": bad})
     with pytest.raises(ConfigError, match="otlp_traces_sample_ratio"):
         load_config({"decode": ["http://127.0.0.1:1"], "otlp_traces_sample_ratio": 1.5})
+
+
+def test_the_hand_written_otlp_encoding_equals_the_sdks_own() -> None:
+    """The exporter writes OTLP's protobuf by hand; parsed, it must be the very message the
+    SDK's encoder builds from the same spans: the router's (server, client, remote parent,
+    tracestate, error status, each attribute type) and spans it hands to the SDK's encoder
+    (events, array attributes)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pdconnect.router.tracing import Tracing, _Encoded, _export_request
+
+    memory = InMemorySpanExporter()
+    tracing = Tracing("http://127.0.0.1:9/v1/traces", exporter=memory)
+    spans = tracing.start({"traceparent": TRACEPARENT, "tracestate": "k=v,o=2"}, "POST /v1/completions")
+    spans.route("pd", "affinity")
+    spans.leg("prefill", "http://p:1", 0).end(False, "refused")
+    spans.leg("decode", "http://d:1", 1).end(True)
+    spans.end(503, "no_engine")
+    tracing.start({}, "GET /v1/models").end(200, "ok")  # a root of its own: no parent, no tracestate
+    tracing.close()
+    elsewhere = InMemorySpanExporter()  # `memory` stopped with the router's provider
+    other = TracerProvider()
+    other.add_span_processor(SimpleSpanProcessor(elsewhere))
+    with other.get_tracer(
+        "elsewhere", "1.0", schema_url="https://opentelemetry.io/schemas/1.21.0"
+    ).start_as_current_span("odd", attributes={"list": [1, 2], "f": 0.5, "neg": -7, "b": False, "empty": ""}) as odd:
+        odd.add_event("an event", {"x": 1})
+    with other.get_tracer("elsewhere").start_as_current_span("plain", attributes={"f": 0.5, "neg": -7, "b": False}):
+        pass
+    finished = [*memory.get_finished_spans(), *elsewhere.get_finished_spans()]
+    assert [span.name for span in finished] == [
+        "prefill",
+        "decode",
+        "POST /v1/completions",
+        "GET /v1/models",
+        "odd",
+        "plain",
+    ]
+    cache = _Encoded()
+    for _ in range(2):  # the second time from the cached resource and scope heads, and attributes
+        ours = ExportTraceServiceRequest.FromString(_export_request(finished, cache))
+        assert ours == encode_spans(finished)
+    assert len(cache.heads) == 5  # two resources, three scopes
