@@ -26,11 +26,14 @@ then decode: every prompt starts with a unique `rid-...` word, the fake prefill 
 the plan it issued for it and the fake decode the plan it received with it, and the two
 must match (a router that skipped prefill, or went decode-only, does not score).
 
-`--observed` runs ours as a platform team would: spans exported over OTLP/HTTP to a
-local receiver in the bench process (`tests/otlp_receiver.py`), JSON log lines at info
-level with the access log on (one line per request, into the router's log file).
+`--observed` runs both routers as a platform team would, each logging what it logs per
+request at info level: ours twice, spans exported over OTLP/HTTP to a local receiver in
+the bench process (`tests/otlp_receiver.py`) with every request sampled
+(`pdconnect`) and with `PRODUCTION_RATIO` of them (`pdconnect@0.1`), JSON log lines with
+the access log on (one line per request, into the router's log file); vllm-router at
+`--log-level info` into `--log-dir` (it has no tracing to turn on).
 
-One row per target, one column per figure, and a last row of ours/reference ratios.
+One row per target, one column per figure, and a row of ours/reference ratios per ours.
 On a small shared machine the load generator and the fakes share the cores with the
 router under test, so the absolute rates are a floor; the ratios are the result.
 """
@@ -61,6 +64,10 @@ _DONE = b"data: [DONE]\n\n"
 
 # --policy: (ours, vllm-router's) of one kind.
 _POLICIES = {"round-robin": ("round-robin", "round_robin"), "affinity": ("prefix-affinity", "consistent_hash")}
+
+# --observed: the sample ratio of ours' second row, the one docs/router.md suggests for
+# production (a client's own sampled flag still decides for its requests).
+PRODUCTION_RATIO = 0.1
 
 
 Call = Callable[[aiohttp.ClientSession, bytes], Awaitable[None]]
@@ -179,10 +186,10 @@ def round_orders(n: int) -> list[tuple[int, ...]]:
     one target would always follow the same one. Here the rounds run every permutation
     once, chained so that the junctions between rounds also pair each target with each
     other target equally often and never with itself (found by search, for the bench's 3
-    targets; more would make the search grow).
+    or 4 targets; 5 would make the search grow).
     """
     orders = list(itertools.permutations(range(n)))
-    if n != 3:  # 1 or 2 targets: the permutations alone are balanced
+    if n < 3 or n > 4:  # 1 or 2 targets: the permutations alone are balanced; 5: too many to chain
         return orders
     junctions_per_pair = len(orders) // (n * (n - 1))
 
@@ -297,8 +304,8 @@ def _report(targets: list[Target], figures: dict[str, dict[str, float | int | No
         )
         rows.append(f"{t.name:<18}{cells}")
     names = [t.name for t in targets]
-    if "pdconnect" in names and "vllm-router" in names:
-        ours, ref = figures["pdconnect"], figures["vllm-router"]
+    for name in (n for n in names if n.startswith("pdconnect") and "vllm-router" in names):
+        ours, ref = figures[name], figures["vllm-router"]
         cells = ""
         for k in keys:
             a, b = ours[k], ref[k]
@@ -307,12 +314,12 @@ def _report(targets: list[Target], figures: dict[str, dict[str, float | int | No
                 if k not in ("errors", "not_prefill_then_decode")
                 else f"{'':>{width}}"
             )
-        rows.append(f"{'ours/vllm-router':<18}{cells}")
+        rows.append(f"{'ours/vllm-router' if name == 'pdconnect' else name + '/ref':<18}{cells}")
     lines = [
         (
             f"router bench: fake P/D engines, streamed completions of {args.chunks} chunks, "
             f"{args.policy} policy on both routers ({' vs '.join(_POLICIES[args.policy])}), "
-            f"{'ours with OTLP tracing, JSON logs at info and the access log, ' if args.observed else ''}"
+            f"{_OBSERVED_LINE if args.observed else ''}"
             f"{args.requests} sequential requests per target for latency, "
             f"{args.concurrency} concurrent clients x {args.duration:.0f}s x 2 rounds for rate, "
             f"{os.cpu_count()} CPUs shared with the fakes and the load generator; "
@@ -346,12 +353,35 @@ async def _verdicts(prefill_url: str, decode_url: str) -> Verdicts:
     return Verdicts({rid.encode() for rid, plan in received.items() if issued.get(rid) == plan})
 
 
-def _observed_args(traces_url: str | None) -> tuple[str, ...]:
+_OBSERVED_LINE = (
+    f"ours with OTLP tracing (sample ratio 1.0, and {PRODUCTION_RATIO} as pdconnect@{PRODUCTION_RATIO}), "
+    "JSON logs at info and the access log, vllm-router at --log-level info into --log-dir, "
+)
+
+
+def _observed_args(traces_url: str | None, ratio: float = 1.0) -> tuple[str, ...]:
     """Our router's logging and tracing options: quiet by default; with `traces_url`, spans
-    there, JSON lines at info level with the access log (what `--observed` measures)."""
+    there (`ratio` of them sampled), JSON lines at info level with the access log (what
+    `--observed` measures)."""
     if traces_url is None:
         return ("--log-level", "warning")
-    return ("--log-level", "info", "--log-format", "json", "--access-log", "--otlp-traces-endpoint", traces_url)
+    return (
+        *("--log-level", "info", "--log-format", "json", "--access-log"),
+        *("--otlp-traces-endpoint", traces_url, "--otlp-traces-sample-ratio", str(ratio)),
+    )
+
+
+def _reference_logging(log_dir: Path | None) -> tuple[str, ...]:
+    """vllm-router's: warning without `log_dir`; with it, info (its per-request lines) into it."""
+    if log_dir is None:
+        return ("--log-level", "warning")
+    return ("--log-level", "info", "--log-dir", str(log_dir))
+
+
+def _log_lines(path: Path) -> int:
+    """Lines a router wrote to a log file, or to every file under a log directory."""
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    return sum(f.read_bytes().count(b"\n") for f in files)
 
 
 def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
@@ -380,21 +410,27 @@ def _run(args: argparse.Namespace, traces_url: str | None) -> tuple[list[Target]
 
         prefill, decode = cluster.launch(fake("fake-prefill"), fake("fake-decode"))
         ours_policy, ref_policy = _POLICIES[args.policy]
-        ours_port = cluster.free_port()
-        specs = [
-            ProcessSpec(
-                name="pdconnect",
-                argv=router_argv(
-                    port=ours_port,
-                    prefill=[prefill.base_url],
-                    decode=[decode.base_url],
-                    args=(*_observed_args(traces_url), "--policy", ours_policy),
-                ),
-                health_url=f"http://127.0.0.1:{ours_port}/health",
-                base_url=f"http://127.0.0.1:{ours_port}",
+        ours = [("pdconnect", 1.0)]
+        if traces_url is not None:
+            ours.append((f"pdconnect@{PRODUCTION_RATIO}", PRODUCTION_RATIO))
+        specs = []
+        for name, ratio in ours:
+            ours_port = cluster.free_port()
+            specs.append(
+                ProcessSpec(
+                    name=name,
+                    argv=router_argv(
+                        port=ours_port,
+                        prefill=[prefill.base_url],
+                        decode=[decode.base_url],
+                        args=(*_observed_args(traces_url, ratio), "--policy", ours_policy),
+                    ),
+                    health_url=f"http://127.0.0.1:{ours_port}/health",
+                    base_url=f"http://127.0.0.1:{ours_port}",
+                )
             )
-        ]
         reference = Path(args.reference)
+        ref_logs = cluster.log_dir / f"vllm-router-{os.getpid()}-{time.time_ns()}" if traces_url else None
         if reference.is_file():
             ref_port, metrics_port = cluster.free_port(), cluster.free_port()
             specs.append(
@@ -415,8 +451,7 @@ def _run(args: argparse.Namespace, traces_url: str | None) -> tuple[list[Target]
                         ref_policy,
                         "--prometheus-port",
                         str(metrics_port),
-                        "--log-level",
-                        "warning",
+                        *_reference_logging(ref_logs),
                     ),
                     health_url=f"http://127.0.0.1:{ref_port}/health",
                     base_url=f"http://127.0.0.1:{ref_port}",
@@ -432,6 +467,9 @@ def _run(args: argparse.Namespace, traces_url: str | None) -> tuple[list[Target]
         else:
             uvloop.run(_measure(targets, args))
         verdicts = asyncio.run(_verdicts(prefill.base_url, decode.base_url))
+        for proc in routers:  # what each side logged: the observed rows' logging is like for like
+            log = ref_logs if proc.name == "vllm-router" and ref_logs is not None else proc.log_path
+            print(f"{proc.name} wrote {_log_lines(log)} log lines ({log})", file=sys.stderr, flush=True)
     return targets, verdicts
 
 

@@ -6,6 +6,7 @@ each leg brought; the last test runs `pdconnect router --log-format json` as a p
 
 from __future__ import annotations
 
+import contextvars
 import io
 import json
 import logging
@@ -192,3 +193,48 @@ class _Kept(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
+
+
+def test_the_json_access_line_written_by_the_handler_is_the_line_logging_writes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With `configure_logging`'s JSON handler the access line skips the LogRecord path;
+    it must be the same line (but for the time) as through `logging`, and a second
+    handler (here a test's) sends it back through `logging`."""
+    from pdconnect.router.logs import AccessEntry, bind_request, configure_logging
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    entry = AccessEntry("POST", "/v1/completions", 200, "ok", "pd", "p", "d", 0.01, 0.02)
+    logger = logging.getLogger(ACCESS_LOGGER)
+    context = contextvars.copy_context()  # the request's ids stay in this test
+    try:
+        configure_logging("info", "json")
+        context.run(bind_request, "direct-1", TRACE_ID)
+        through_logging: list[object] = []
+
+        def made(*args: object, **kwargs: object) -> None:
+            through_logging.append(args)
+
+        monkeypatch.setattr(logging.Logger, "makeRecord", made)
+        context.run(entry.log, logger)  # the direct path: no record made
+        assert through_logging == []
+        monkeypatch.undo()
+        direct = json.loads(capsys.readouterr().err)
+        kept = _Kept()
+        root.addHandler(kept)  # two handlers: through `logging`, to both
+        context.run(entry.log, logger)
+        [record] = kept.records
+        via_logging = json.loads(capsys.readouterr().err)
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert direct.pop("time")[:4] == via_logging.pop("time")[:4]
+    assert direct == via_logging
+    assert (direct["request_id"], direct["trace_id"], direct["status"], direct["decode"]) == (
+        "direct-1",
+        TRACE_ID,
+        200,
+        "d",
+    )
+    assert record.getMessage() == direct["message"]

@@ -159,39 +159,94 @@ async def test_without_a_client_trace_each_leg_carries_its_attempt_span(make, re
     ]
 
 
-def test_the_hand_written_otlp_encoding_reads_back_with_opentelemetry_proto() -> None:
-    """The exporter writes OTLP's protobuf by hand; OpenTelemetry's generated classes must read
-    every field back as written (ids, kind, times, each attribute type, the error status)."""
+@pytest.mark.asyncio
+async def test_unsampled_requests_record_no_span_but_carry_the_trace_to_both_legs(make, receiver: OtlpReceiver) -> None:
+    """Ratio 0: a request without a client context is not recorded, and its legs tell the
+    engines so (flag 00, one trace id); a client's sampled flag still decides for its own."""
+    s = await make(otlp_traces_endpoint=receiver.url, otlp_traces_sample_ratio=0.0)
+    status, _, _ = await s.post("/v1/completions", COMPLETION)
+    assert status == 200
+    legs = [str(s.p[0].seen[-1].traceparent), str(s.d[0].seen[-1].traceparent)]
+    version, unsampled, _, flags = legs[0].split("-")
+    assert (version, flags) == ("00", "00")
+    assert [leg.split("-")[1] for leg in legs] == [unsampled, unsampled]
+    assert legs[0].split("-")[2] != legs[1].split("-")[2]  # each attempt its own parent id
+    status, _, _ = await s.post("/v1/completions", COMPLETION, headers={"traceparent": TRACEPARENT})
+    assert status == 200
+    await wait_until_async(lambda: _at_least(receiver, 3), "the sampled client's three spans")
+    # Exported in order, the first request's spans would have come with or before these.
+    assert receiver.spans(unsampled) == []
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_did_not_sample_is_not_recorded(make, receiver: OtlpReceiver) -> None:
+    s = await make(otlp_traces_endpoint=receiver.url)  # ratio 1.0: the client's flag still wins
+    unsampled = f"00-{CLIENT_TRACE[::-1]}-{CLIENT_PARENT}-00"
+    status, _, _ = await s.post("/v1/completions", COMPLETION, headers={"traceparent": unsampled})
+    assert status == 200
+    assert str(s.d[0].seen[-1].traceparent).startswith(f"00-{CLIENT_TRACE[::-1]}-")
+    assert str(s.d[0].seen[-1].traceparent).endswith("-00")
+    status, _, _ = await s.post("/v1/completions", COMPLETION, headers={"traceparent": TRACEPARENT})
+    assert status == 200
+    await wait_until_async(lambda: _at_least(receiver, 3), "the sampled client's three spans")
+    assert receiver.spans(CLIENT_TRACE[::-1]) == []
+
+
+def test_the_sample_ratio_comes_from_the_flag_then_the_environment() -> None:
+    from pdconnect.router.tracing import TracingUnavailable, sample_ratio
+
+    assert sample_ratio(0.25, {"OTEL_TRACES_SAMPLER_ARG": "0.5"}) == 0.25
+    assert sample_ratio(None, {"OTEL_TRACES_SAMPLER_ARG": "0.5"}) == 0.5
+    assert sample_ratio(None, {}) == 1.0
+    for bad in ("2", "half"):
+        with pytest.raises(TracingUnavailable, match="OTEL_TRACES_SAMPLER_ARG"):
+            sample_ratio(None, {"OTEL_TRACES_SAMPLER_ARG": bad})
+    with pytest.raises(ConfigError, match="otlp_traces_sample_ratio"):
+        load_config({"decode": ["http://127.0.0.1:1"], "otlp_traces_sample_ratio": 1.5})
+
+
+def test_the_hand_written_otlp_encoding_equals_the_sdks_own() -> None:
+    """The exporter writes OTLP's protobuf by hand; parsed, it must be the very message the
+    SDK's encoder builds from the same spans: the router's (server, client, remote parent,
+    tracestate, error status, each attribute type) and spans it hands to the SDK's encoder
+    (events, array attributes)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-    from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from pdconnect.router.tracing import _Exporter, _Span
+    from pdconnect.router.tracing import Tracing, _Encoded, _export_request
 
-    span = _Span("decode", 3, (1 << 127) | 5, 0x2A6, {"s": "text", "b": True, "i": -3, "big": 1 << 40, "f": 1.5})
-    span.end_ns = span.start_ns + 1234
-    span.error = "dropped"
-    root = _Span("POST /v1/completions", 2, 7, 0, {"http.response.status_code": 200})
-    root.end_ns = root.start_ns + 99
-    exporter = _Exporter("http://127.0.0.1:9/v1/traces", "pdconnect-router", 3600.0)
-    try:
-        request = ExportTraceServiceRequest()
-        request.ParseFromString(exporter._encode([span, root]))
-    finally:
-        exporter.close()
-    [resource_spans] = request.resource_spans
-    assert [(a.key, a.value.string_value) for a in resource_spans.resource.attributes] == [
-        ("service.name", "pdconnect-router")
+    memory = InMemorySpanExporter()
+    tracing = Tracing("http://127.0.0.1:9/v1/traces", exporter=memory)
+    spans = tracing.start({"traceparent": TRACEPARENT, "tracestate": "k=v,o=2"}, "POST /v1/completions")
+    spans.route("pd", "affinity")
+    spans.leg("prefill", "http://p:1", 0).end(False, "refused")
+    spans.leg("decode", "http://d:1", 1).end(True)
+    spans.end(503, "no_engine")
+    tracing.start({}, "GET /v1/models").end(200, "ok")  # a root of its own: no parent, no tracestate
+    tracing.close()
+    elsewhere = InMemorySpanExporter()  # `memory` stopped with the router's provider
+    other = TracerProvider()
+    other.add_span_processor(SimpleSpanProcessor(elsewhere))
+    with other.get_tracer(
+        "elsewhere", "1.0", schema_url="https://opentelemetry.io/schemas/1.21.0"
+    ).start_as_current_span("odd", attributes={"list": [1, 2], "f": 0.5, "neg": -7, "b": False, "empty": ""}) as odd:
+        odd.add_event("an event", {"x": 1})
+    with other.get_tracer("elsewhere").start_as_current_span("plain", attributes={"f": 0.5, "neg": -7, "b": False}):
+        pass
+    finished = [*memory.get_finished_spans(), *elsewhere.get_finished_spans()]
+    assert [span.name for span in finished] == [
+        "prefill",
+        "decode",
+        "POST /v1/completions",
+        "GET /v1/models",
+        "odd",
+        "plain",
     ]
-    [scope_spans] = resource_spans.scope_spans
-    assert scope_spans.scope.name == "pdconnect.router"
-    decoded, decoded_root = scope_spans.spans
-    assert decoded.trace_id == ((1 << 127) | 5).to_bytes(16, "big")
-    assert decoded.span_id == span.span_id.to_bytes(8, "big")
-    assert decoded.parent_span_id == (0x2A6).to_bytes(8, "big")
-    assert (decoded.name, decoded.kind) == ("decode", Span.SPAN_KIND_CLIENT)
-    assert (decoded.start_time_unix_nano, decoded.end_time_unix_nano) == (span.start_ns, span.start_ns + 1234)
-    values = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in decoded.attributes}
-    assert values == {"s": "text", "b": True, "i": -3, "big": 1 << 40, "f": 1.5}
-    assert (decoded.status.code, decoded.status.message) == (Status.STATUS_CODE_ERROR, "dropped")
-    assert decoded_root.parent_span_id == b"" and decoded_root.kind == Span.SPAN_KIND_SERVER
-    assert not decoded_root.HasField("status")
+    cache = _Encoded()
+    for _ in range(2):  # the second time from the cached resource and scope heads, and attributes
+        ours = ExportTraceServiceRequest.FromString(_export_request(finished, cache))
+        assert ours == encode_spans(finished)
+    assert len(cache.heads) == 5  # two resources, three scopes

@@ -57,7 +57,7 @@ from pdconnect.router.pools import Pools, build_pools, pool_source
 from pdconnect.router.releaser import PrefillReleaser
 from pdconnect.router.replicas import ReplicaSet, replica_count
 from pdconnect.router.request import Endpoint
-from pdconnect.router.tracing import Tracing, TracingUnavailable, require_sdk
+from pdconnect.router.tracing import Tracing, TracingUnavailable, require_sdk, sample_ratio
 from pdconnect.router.upstream import UpstreamPool
 from pdconnect.serving import serve_until_signalled
 
@@ -136,6 +136,7 @@ class Router:
         if config.otlp_traces_endpoint:
             try:
                 require_sdk()
+                sample_ratio(config.otlp_traces_sample_ratio)  # a bad OTEL_TRACES_SAMPLER_ARG: refused here
             except TracingUnavailable as exc:
                 raise ConfigError(str(exc)) from None
         self._flow: PDFlow | None = None
@@ -232,7 +233,11 @@ class Router:
         upstream = UpstreamPool(config.connect_timeout, config.upstream_keepalive)
         feed = self._kv_events_feed() if config.policy == "kv-aware" else None
         load = LoadBound(config.affinity_load_factor, config.affinity_min_load, replica_count(self.replicas))
-        tracing = Tracing(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
+        tracing = (
+            Tracing(config.otlp_traces_endpoint, ratio=sample_ratio(config.otlp_traces_sample_ratio))
+            if config.otlp_traces_endpoint
+            else None
+        )
         pools = self._pools(lambda: make_policy(config.policy, load, config.affinity_vnodes, feed))
         self._flow = PDFlow(
             config,

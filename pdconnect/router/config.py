@@ -249,6 +249,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # OTLP/HTTP endpoint for the router's spans (e.g. http://collector:4318/v1/traces);
     # needs the `otel` extra. None: no spans (the trace context is forwarded anyway).
     otlp_traces_endpoint: str | None = None
+    # Share of requests without a client `traceparent` whose spans are recorded (a client's
+    # sampled flag decides for its own). None: OTEL_TRACES_SAMPLER_ARG, else 1.0.
+    otlp_traces_sample_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     # Several replicas over the same engines (`replicas.py`): the routers' URLs (each
     # replica's own among them), static or from a DNS name (their headless Service, on the
     # replica port). Each keeps 1/N of the engines' load floor and decode-first budget;

@@ -111,6 +111,8 @@ _FLAGS = """
 --log-format: log lines as text or JSON (request and trace ids as fields)
 --otlp-traces-endpoint URL: send the router's spans to this OTLP/HTTP endpoint
     (http://collector:4318/v1/traces; extra `otel`)
+--otlp-traces-sample-ratio RATIO: share of requests without a client traceparent whose spans are recorded
+    (else OTEL_TRACES_SAMPLER_ARG, 1.0)
 --api-keys-file PATH: client API keys (JSON, or TOML ending .toml), each with its rates; /v1/ then needs one
 --api-keys-env NAME: environment variable holding the client API keys document (JSON)
 --engine-api-key-env NAME: with client keys: environment variable holding the key sent to the engines

@@ -7,47 +7,51 @@ own). Each attempt's `traceparent` names its span, so the engine's own spans (vL
 `--otlp-traces-endpoint`) nest under the attempt that caused them: one trace from the
 client to both engines.
 
-The OpenTelemetry SDK is an optional extra (`pip install pdconnect[otel]`) and is
-imported only when an endpoint is configured. Without it, `NO_SPANS` stands in, and the
-router still forwards the trace context (`request.forward_trace_context`).
+Spans are OpenTelemetry's own: the SDK's `TracerProvider`, its `BatchSpanProcessor` (a
+thread that exports every `OTEL_BSP_SCHEDULE_DELAY` ms and drops, logged, what a slow
+collector leaves behind) and the OTLP/HTTP protobuf exporter of
+`opentelemetry-exporter-otlp-proto-http` (its environment variables apply: headers,
+timeout, compression, certificates). The SDK is an optional extra
+(`pip install pdconnect[otel]`), imported only when an endpoint is configured. Without
+it, `NO_SPANS` stands in, and the router still forwards the trace context
+(`request.forward_trace_context`).
 
-The request path does not go through the SDK's tracer: its spans cost about 60 us each to
-start, end and encode (py-spy, `make bench-router --observed`), three per request, which
-put the router above vllm-router's CPU per request. A span here is a slotted record filled
-on the event loop (ids from `random.getrandbits`, times from `time.time_ns`), encoded
-when it ends into OTLP's protobuf (written by hand, `_span_bytes`: about 2 us, where the
-generated classes cost 35), and a thread (`_Exporter`) posts what ended every
-`OTEL_BSP_SCHEDULE_DELAY` ms, or at once when `_BATCH` spans wait, as the SDK's batch
-processor would. The sampled flag of the client's `traceparent` is honoured (flag 00: no
-span is recorded, the context is still forwarded); without one, every request is sampled.
-A failed export is logged and counted, never raised: spans are dropped, requests are not.
+Sampling is parent-based: a client's `traceparent` decides (flag 01: recorded, 00: not);
+a request without one is recorded with probability `--otlp-traces-sample-ratio` (else
+`OTEL_TRACES_SAMPLER_ARG`, else 1.0: OpenTelemetry's default `parentbased_always_on`).
+An unsampled request costs no SDK span below its root: its legs still carry a
+`traceparent` (flag 00) of the same trace, so the engines do not sample it either.
+docs/router.md ("Tracing") has what each costs per request.
 """
 
 from __future__ import annotations
 
-import functools
-import http.client
 import logging
 import os
 import random
-import re
 import struct
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
-from urllib.parse import urlsplit
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
-__all__ = ["NO_SPANS", "LegSpan", "RequestSpans", "Tracing", "TracingUnavailable", "require_sdk"]
+if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.trace import Span, Status, Tracer
+
+__all__ = [
+    "NO_SPANS",
+    "LegSpan",
+    "RequestSpans",
+    "Tracing",
+    "TracingUnavailable",
+    "require_sdk",
+    "sample_ratio",
+]
 
 logger = logging.getLogger("pdconnect.router.tracing")
 
-_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
-_BATCH = 512  # spans that make the exporter post at once, before its delay is up
-_QUEUE_LIMIT = 2048 * 3  # spans kept while the collector is slow; beyond: dropped, counted
-_SERVER, _CLIENT = 2, 3  # OTLP's SpanKind numbers
-_STATUS_ERROR = 2
+_SCOPE = "pdconnect.router"
 
 
 class TracingUnavailable(RuntimeError):
@@ -63,6 +67,22 @@ def require_sdk() -> None:
         raise TracingUnavailable(
             f"--otlp-traces-endpoint needs the OpenTelemetry SDK: pip install 'pdconnect[otel]' ({exc})"
         ) from None
+
+
+def sample_ratio(configured: float | None, environ: Mapping[str, str] = os.environ) -> float:
+    """The share of client-less requests to record: the flag, else OTEL_TRACES_SAMPLER_ARG, else 1.0."""
+    if configured is not None:
+        return configured
+    raw = environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+    if not raw:
+        return 1.0
+    try:
+        ratio = float(raw)
+    except ValueError:
+        raise TracingUnavailable(f"OTEL_TRACES_SAMPLER_ARG={raw!r} is not a ratio in [0, 1]") from None
+    if not 0.0 <= ratio <= 1.0:
+        raise TracingUnavailable(f"OTEL_TRACES_SAMPLER_ARG={raw!r} is not a ratio in [0, 1]")
+    return ratio
 
 
 class LegSpan(Protocol):
@@ -114,206 +134,128 @@ class _NoSpans:
 NO_SPANS: RequestSpans = _NoSpans()
 
 
-class _Span:
-    """One finished or running span, as OTLP will carry it."""
+def _with_traceparent(headers: dict[str, str], traceparent: str, tracestate: str) -> dict[str, str]:
+    out = dict(headers)
+    out["traceparent"] = traceparent
+    out.pop("tracestate", None)
+    if tracestate:
+        out["tracestate"] = tracestate
+    return out
 
-    __slots__ = ("attributes", "end_ns", "error", "kind", "name", "parent_id", "span_id", "start_ns", "trace_id")
 
-    def __init__(self, name: str, kind: int, trace_id: int, parent_id: int, attributes: dict[str, Any]) -> None:
-        self.name = name
-        self.kind = kind
-        self.trace_id = trace_id
-        self.span_id = random.getrandbits(64) or 1
-        self.parent_id = parent_id  # 0: a root span
-        self.attributes = attributes
-        self.start_ns = time.time_ns()
-        self.end_ns = 0
-        self.error: str | None = None
+class _UnsampledLeg:
+    """An attempt of an unsampled request: no span, a `traceparent` (flag 00) of its own."""
+
+    __slots__ = ("_traceparent", "_tracestate")
+
+    def __init__(self, traceparent: str, tracestate: str) -> None:
+        self._traceparent = traceparent
+        self._tracestate = tracestate
+
+    def inject(self, headers: dict[str, str]) -> dict[str, str]:
+        return _with_traceparent(headers, self._traceparent, self._tracestate)
+
+    def end(self, verdict: bool | None, detail: str | None = None) -> None:
+        pass
 
 
 class _Leg:
-    def __init__(
-        self, span: _Span | None, traceparent: str, tracestate: str | None, done: Callable[[_Span], None]
-    ) -> None:
-        self._span = span
+    """An attempt of a sampled request: an SDK client span."""
+
+    __slots__ = ("_sdk", "_span", "_traceparent", "_tracestate")
+
+    def __init__(self, sdk: _Sdk, span: Span, traceparent: str, tracestate: str) -> None:
+        self._sdk = sdk
+        self._span: Span | None = span
         self._traceparent = traceparent
         self._tracestate = tracestate
-        self._done = done
 
     def inject(self, headers: dict[str, str]) -> dict[str, str]:
-        out = dict(headers)
-        out["traceparent"] = self._traceparent
-        out.pop("tracestate", None)
-        if self._tracestate:
-            out["tracestate"] = self._tracestate
-        return out
+        return _with_traceparent(headers, self._traceparent, self._tracestate)
 
     def end(self, verdict: bool | None, detail: str | None = None) -> None:
         span, self._span = self._span, None
         if span is None:
             return
         if verdict is not True:
-            span.error = detail or "attempt failed"
-        span.end_ns = time.time_ns()
-        self._done(span)
+            span.set_status(self._sdk.error(detail or "attempt failed"))
+        span.end()
+
+
+class _Sdk:
+    """The SDK's names the request path uses, imported once (the SDK is optional)."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+
+        self.tracer = tracer
+        self.server, self.client = SpanKind.SERVER, SpanKind.CLIENT
+        self.in_context = set_span_in_context
+        self._status, self._error = Status, StatusCode.ERROR
+
+    def error(self, description: str) -> Status:
+        return self._status(self._error, description)
 
 
 class _Spans:
-    """A request's spans: `root` is recorded only when the trace is sampled."""
+    """A request's spans under its SDK server span (`root`)."""
 
-    def __init__(
-        self,
-        trace_id: int,
-        root: _Span,
-        sampled: bool,
-        tracestate: str | None,
-        done: Callable[[_Span], None],
-    ) -> None:
-        self._trace_hex = format(trace_id, "032x")
-        self.trace_id: str | None = self._trace_hex
+    __slots__ = ("_context", "_flags", "_root", "_sampled", "_sdk", "_trace_hex", "_tracestate", "trace_id")
+
+    def __init__(self, sdk: _Sdk, root: Span) -> None:
+        self._sdk = sdk
         self._root = root
-        self._sampled = sampled
-        self._flags = "01" if sampled else "00"
-        self._tracestate = tracestate
-        self._done = done
+        context = root.get_span_context()
+        self._sampled = root.is_recording()
+        self._trace_hex = format(context.trace_id, "032x")
+        self.trace_id: str | None = self._trace_hex
+        self._flags = "01" if context.trace_flags.sampled else "00"
+        self._tracestate = context.trace_state.to_header()
+        self._context = sdk.in_context(root) if self._sampled else None
 
     def leg(self, role: str, engine: str, attempt: int) -> LegSpan:
-        attributes = {"pdconnect.role": role, "pdconnect.engine": engine, "pdconnect.attempt": attempt}
-        span = _Span(role, _CLIENT, self._root.trace_id, self._root.span_id, attributes)
-        traceparent = f"00-{self._trace_hex}-{span.span_id:016x}-{self._flags}"
-        return _Leg(span if self._sampled else None, traceparent, self._tracestate, self._done)
+        if not self._sampled:
+            # What the SDK would do (a non-recording span, a fresh id), without its 6 us.
+            traceparent = f"00-{self._trace_hex}-{random.getrandbits(64) or 1:016x}-{self._flags}"
+            return _UnsampledLeg(traceparent, self._tracestate)
+        sdk = self._sdk
+        span = sdk.tracer.start_span(
+            role,
+            context=self._context,
+            kind=sdk.client,
+            attributes={"pdconnect.role": role, "pdconnect.engine": engine, "pdconnect.attempt": attempt},
+        )
+        traceparent = f"00-{self._trace_hex}-{span.get_span_context().span_id:016x}-{self._flags}"
+        return _Leg(sdk, span, traceparent, self._tracestate)
 
     def route(self, route: str, reason: str) -> None:
-        self._root.attributes["pdconnect.route"] = route
-        self._root.attributes["pdconnect.route_reason"] = reason
+        if self._sampled:
+            self._root.set_attributes({"pdconnect.route": route, "pdconnect.route_reason": reason})
 
     def end(self, status: int, outcome: str) -> None:
-        root = self._root
-        root.attributes["http.response.status_code"] = status
-        root.attributes["pdconnect.outcome"] = outcome
-        if status >= 500:
-            root.error = outcome
-        root.end_ns = time.time_ns()
-        if self._sampled:
-            self._done(root)
-
-
-class Tracing:
-    """The router's tracer: spans recorded on the loop, exported in batches to one OTLP/HTTP endpoint."""
-
-    def __init__(self, endpoint: str, service_name: str = "pdconnect-router") -> None:
-        require_sdk()
-        delay = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "5000")) / 1000
-        self._exporter = _Exporter(endpoint, service_name, max(delay, 0.001))
-        self._done = self._exporter.add
-
-    def start(self, headers: Mapping[str, str], name: str) -> RequestSpans:
-        """The request's server span, a child of the client's trace context if it sent a valid one."""
-        parent = _TRACEPARENT.fullmatch(headers.get("traceparent", "").strip().lower())
-        trace_id = int(parent.group(1), 16) if parent else 0
-        parent_id = int(parent.group(2), 16) if parent else 0
-        if not trace_id or not parent_id:  # absent, malformed, or W3C's all-zero ids: a new trace
-            trace_id, parent_id, sampled, tracestate = random.getrandbits(128) or 1, 0, True, None
-        else:
-            sampled = bool(int(parent.group(3), 16) & 1) if parent else True
-            tracestate = headers.get("tracestate") or None
-        root = _Span(name, _SERVER, trace_id, parent_id, {})
-        return _Spans(trace_id, root, sampled, tracestate, self._done)
-
-    def close(self) -> None:
-        """Export what is buffered, then stop (blocking)."""
-        self._exporter.close()
-
-
-class _Exporter:
-    """A thread posting the ended spans as OTLP/HTTP protobuf, in rounds."""
-
-    def __init__(self, endpoint: str, service_name: str, delay: float) -> None:
-        self._resource = _field(1, _key_value("service.name", service_name))  # Resource.attributes
-        self._scope = _field(1, b"pdconnect.router")  # InstrumentationScope.name
-        parts = urlsplit(endpoint)
-        self._https = parts.scheme == "https"
-        self._host = parts.netloc
-        self._path = parts.path or "/v1/traces"
-        self._delay = delay
-        # Encoded spans (`Span` fields 2 of ScopeSpans), appended on the loop, taken here: both ends thread-safe.
-        self._spans: deque[bytes] = deque()
-        self._wake = threading.Event()
-        self._stop = False
-        self._connection: http.client.HTTPConnection | None = None
-        self.dropped = 0
-        self.failed_exports = 0
-        self._thread = threading.Thread(target=self._run, name="otlp-exporter", daemon=True)
-        self._thread.start()
-
-    def add(self, span: _Span) -> None:
-        """On the loop: queue an ended span; a full queue (a collector far behind) drops it, counted."""
-        spans = self._spans
-        if len(spans) >= _QUEUE_LIMIT:
-            self.dropped += 1
+        if not self._sampled:
             return
-        # Encoded here, 2 us: the thread then holds the interpreter lock only to join and
-        # send, never for a whole batch while requests wait on the loop (their p99).
-        spans.append(_field(2, _span_bytes(span)))
-        if len(spans) == _BATCH:
-            self._wake.set()
-
-    def close(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait(self._delay)
-            self._wake.clear()
-            stopping = self._stop
-            queued = self._spans
-            spans = [queued.popleft() for _ in range(len(queued))]
-            if spans:
-                try:
-                    self._post(self._request(spans))
-                except Exception as exc:  # noqa: BLE001 - a helper thread: log, count, drop this round, go on
-                    self.failed_exports += 1
-                    logger.warning("OTLP export of %d spans to %s failed: %r", len(spans), self._host, exc)
-                    self._close_connection()
-            if stopping:
-                self._close_connection()
-                return
-
-    def _request(self, spans: list[bytes]) -> bytes:
-        """An `ExportTraceServiceRequest` of encoded `spans` (below: OTLP's protobuf by hand)."""
-        scope_spans = _field(1, self._scope) + b"".join(spans)
-        return _field(1, _field(1, self._resource) + _field(2, scope_spans))
-
-    def _encode(self, spans: list[_Span]) -> bytes:
-        """An `ExportTraceServiceRequest` of `spans`, as the exporter posts it."""
-        return self._request([_field(2, _span_bytes(span)) for span in spans])
-
-    def _post(self, body: bytes) -> None:
-        if self._connection is None:
-            kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            self._connection = kind(self._host, timeout=10)
-        self._connection.request("POST", self._path, body=body, headers={"Content-Type": "application/x-protobuf"})
-        response = self._connection.getresponse()
-        response.read()
-        if response.status >= 300:
-            raise RuntimeError(f"the collector answered {response.status}")
-
-    def _close_connection(self) -> None:
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
+        root = self._root
+        root.set_attributes({"http.response.status_code": status, "pdconnect.outcome": outcome})
+        if status >= 500:
+            root.set_status(self._sdk.error(outcome))
+        root.end()
 
 
-# --- OTLP's protobuf, written by hand ----------------------------------------------------
-# The messages of opentelemetry-proto's trace.proto, common.proto and resource.proto that
-# the router fills, field numbers as declared there; building them through the generated
-# classes cost 35 us a span, more than the rest of a request's tracing together.
-# tests/test_router_tracing.py decodes what this writes with those generated classes.
+# --- OTLP's protobuf for the SDK's spans, written by hand -------------------------------
+# The SDK's exporter builds each span through opentelemetry-proto's generated classes: 22
+# us a span (cProfile, 3 spans a request), more than recording it. `_span_bytes` writes
+# the same message (trace.proto's field numbers) in about 2 us; spans it does not cover
+# (events, links, array or map attributes: the router makes none) go through the SDK's
+# own encoder. tests/test_router_tracing.py checks both encodings parse to equal messages.
+
+
+_SMALL = tuple(bytes((n,)) for n in range(0x80))  # one-byte varints: every tag and most lengths here
 
 
 def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _SMALL[value]
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -327,46 +269,183 @@ def _field(number: int, payload: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
-def _any_value(value: Any) -> bytes:
+def _any_value(value: object) -> bytes | None:
     if isinstance(value, bool):
         return b"\x10" + (b"\x01" if value else b"\x00")  # bool_value = 2
+    if isinstance(value, str):
+        return _field(1, value.encode())  # string_value = 1
     if isinstance(value, int):
         return b"\x18" + _varint(value & 0xFFFFFFFFFFFFFFFF)  # int_value = 3 (int64: two's complement)
     if isinstance(value, float):
         return b"\x21" + struct.pack("<d", value)  # double_value = 4
-    return _field(1, str(value).encode())  # string_value = 1
+    return None  # arrays, maps, bytes: the SDK's encoder
 
 
-def _key_value(key: str, value: Any) -> bytes:
-    return _field(1, key.encode()) + _field(2, _any_value(value))
+_KINDS = {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}  # SDK SpanKind value -> OTLP's (0 is UNSPECIFIED there)
+_FLAGS = b"\x85\x01"  # flags = 16, fixed32
+_HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200  # SpanFlags' masks, as the SDK's encoder sets them
 
 
-# kind (field 6, varint: every SpanKind fits one byte), start and end times (7, 8: fixed64).
-_KIND_AND_TIMES = struct.Struct("<BBBQBQ")
+_ATTRIBUTES_KEPT = 4096  # encoded attributes cached (role, engine, route, outcome: few distinct)
 
 
-@functools.lru_cache(maxsize=4096, typed=True)
-def _attribute(key: str, value: Any) -> bytes:
-    return _field(9, _key_value(key, value))  # Span.attributes = 9
-
-
-@functools.lru_cache(maxsize=256)
-def _name(name: str) -> bytes:
-    return _field(5, name.encode())  # Span.name = 5
-
-
-def _span_bytes(span: _Span) -> bytes:
-    parts = [
-        b"\x0a\x10",  # trace_id = 1, 16 bytes
-        span.trace_id.to_bytes(16, "big"),
-        b"\x12\x08",  # span_id = 2, 8 bytes
-        span.span_id.to_bytes(8, "big"),
-    ]
-    if span.parent_id:
-        parts += (b"\x22\x08", span.parent_id.to_bytes(8, "big"))  # parent_span_id = 4
-    parts.append(_name(span.name))
-    parts.append(_KIND_AND_TIMES.pack(0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns))
-    parts.extend(_attribute(k, v) for k, v in span.attributes.items())
-    if span.error is not None:  # status = 15: message = 2, code = 3
-        parts.append(_field(15, _field(2, span.error.encode()) + b"\x18" + _varint(_STATUS_ERROR)))
+def _span_bytes(span: ReadableSpan, attributes: dict[tuple[str, type, object], bytes]) -> bytes | None:
+    """One `Span` message, or None when the span holds what this does not write;
+    `attributes` caches encoded attributes (by type too: True and 1 are equal keys)."""
+    if span.events or span.links:
+        return None
+    context, parent = span.context, span.parent
+    assert context is not None and span.start_time is not None and span.end_time is not None
+    parts = [b"\x0a\x10", context.trace_id.to_bytes(16, "big"), b"\x12\x08", context.span_id.to_bytes(8, "big")]
+    state = ",".join(f"{key}={value}" for key, value in context.trace_state.items())
+    if state:
+        parts.append(_field(3, state.encode()))
+    if parent is not None:
+        parts += (b"\x22\x08", parent.span_id.to_bytes(8, "big"))
+    parts.append(_field(5, span.name.encode()))
+    parts += (b"\x30", _varint(_KINDS[span.kind.value]))
+    parts.append(struct.pack("<BQBQ", 0x39, span.start_time, 0x41, span.end_time))
+    for key, value in (span.attributes or {}).items():
+        cache_key = (key, type(value), value)
+        attribute = attributes.get(cache_key) if isinstance(value, (str, int, float)) else None
+        if attribute is None:
+            encoded = _any_value(value)
+            if encoded is None:
+                return None
+            attribute = _field(9, _field(1, key.encode()) + _field(2, encoded))
+            if len(attributes) >= _ATTRIBUTES_KEPT:
+                attributes.clear()
+            if isinstance(value, (str, int, float)):
+                attributes[cache_key] = attribute
+        parts.append(attribute)
+    for number, count in ((10, span.dropped_attributes), (12, span.dropped_events), (14, span.dropped_links)):
+        if count:
+            parts += (_varint(number << 3), _varint(count))
+    status = span.status
+    message = _field(2, status.description.encode()) if status.description else b""
+    code = b"\x18" + _varint(status.status_code.value) if status.status_code.value else b""
+    parts.append(_field(15, message + code))
+    remote = _IS_REMOTE if parent is not None and parent.is_remote else 0
+    parts += (_FLAGS, struct.pack("<I", _HAS_IS_REMOTE | remote))
     return b"".join(parts)
+
+
+class _Encoded:
+    """What the exporter encoded before: resources' and scopes' fields, attributes."""
+
+    def __init__(self) -> None:
+        self.heads: dict[int, tuple[object, bytes]] = {}
+        self.attributes: dict[tuple[str, type, object], bytes] = {}
+
+
+def _export_request(spans: Sequence[ReadableSpan], cache: _Encoded) -> bytes:
+    """An `ExportTraceServiceRequest` of `spans`, grouped by resource, then scope, as the
+    SDK's; `cache` keeps each resource's and scope's fields (the SDK's encoder, once)."""
+    from opentelemetry.exporter.otlp.proto.common._internal import (
+        _encode_instrumentation_scope,
+        _encode_resource,
+    )
+    from opentelemetry.exporter.otlp.proto.common._internal.trace_encoder import _encode_span
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    heads = cache.heads
+
+    def head(of: Resource | InstrumentationScope | None) -> bytes:
+        cached = heads.get(id(of))
+        if cached is not None and cached[0] is of:
+            return cached[1]
+        if of is None:
+            encoded = _field(1, b"")
+        elif isinstance(of, InstrumentationScope):
+            encoded = _field(1, _encode_instrumentation_scope(of).SerializeToString())
+        else:
+            encoded = _field(1, _encode_resource(of).SerializeToString())
+        if of is not None and of.schema_url:
+            encoded += _field(3, of.schema_url.encode())  # a parser takes fields in any order
+        heads[id(of)] = (of, encoded)
+        return encoded
+
+    # By identity: a Resource hashes through json.dumps of its attributes (the SDK groups by
+    # equality; the router's spans share one provider's resource and scope anyway).
+    groups: dict[int, tuple[Resource, dict[int, tuple[InstrumentationScope | None, list[bytes]]]]] = {}
+    for span in spans:
+        encoded = _span_bytes(span, cache.attributes)
+        if encoded is None:
+            encoded = _encode_span(span).SerializeToString()
+        resource, scope = span.resource, span.instrumentation_scope
+        scopes = groups.setdefault(id(resource), (resource, {}))[1]
+        scopes.setdefault(id(scope), (scope, []))[1].append(_field(2, encoded))
+    out = []
+    for resource, scopes in groups.values():
+        # ResourceSpans: resource = 1, scope_spans = 2; ScopeSpans: scope = 1, spans = 2.
+        body = b"".join(_field(2, head(scope) + b"".join(encoded)) for scope, encoded in scopes.values())
+        out.append(_field(1, head(resource) + body))
+    return b"".join(out)
+
+
+def _otlp_exporter(endpoint: str) -> SpanExporter:
+    """The SDK's OTLP/HTTP exporter (transport, retries, headers, TLS, compression), encoding by hand."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    class _Exporter(OTLPSpanExporter):
+        def __init__(self) -> None:
+            super().__init__(endpoint=endpoint)
+            self._cache = _Encoded()
+
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            if self._shutdown:
+                return SpanExportResult.FAILURE
+            try:
+                body = _export_request(spans, self._cache)
+            except Exception:  # the batch thread: logged and dropped, as the SDK's encoder does
+                logger.exception("OTLP encoding of %d spans failed; dropped", len(spans))
+                return SpanExportResult.FAILURE
+            result = self._client.export(body)
+            return SpanExportResult.SUCCESS if result.success else SpanExportResult.FAILURE
+
+    exporter: SpanExporter = _Exporter()
+    return exporter
+
+
+class Tracing:
+    """The router's tracer: the SDK's provider, a parent-based ratio sampler, batches over OTLP/HTTP.
+
+    `exporter` replaces the OTLP/HTTP one (tests, benchmarks: an in-memory or null exporter).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        service_name: str = "pdconnect-router",
+        ratio: float = 1.0,
+        exporter: SpanExporter | None = None,
+    ) -> None:
+        require_sdk()
+        from opentelemetry.propagators.textmap import DefaultGetter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.ratio = ratio
+        self._provider: TracerProvider = TracerProvider(
+            resource=Resource.create({"service.name": service_name}),
+            sampler=ParentBased(TraceIdRatioBased(ratio)),
+        )
+        self._provider.add_span_processor(BatchSpanProcessor(exporter or _otlp_exporter(endpoint)))
+        self._sdk = _Sdk(self._provider.get_tracer(_SCOPE))
+        self._extract = TraceContextTextMapPropagator().extract
+        self._getter: Any = DefaultGetter()
+
+    def start(self, headers: Mapping[str, str], name: str) -> RequestSpans:
+        """The request's server span, a child of the client's trace context if it sent a valid one."""
+        # W3C's rules (version, all-zero ids, tracestate) are the propagator's; no header: a new trace.
+        parent = self._extract(headers, getter=self._getter) if "traceparent" in headers else None
+        sdk = self._sdk
+        return _Spans(sdk, sdk.tracer.start_span(name, context=parent, kind=sdk.server))
+
+    def close(self) -> None:
+        """Export what is buffered, then stop (blocking)."""
+        self._provider.shutdown()
