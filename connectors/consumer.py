@@ -51,23 +51,14 @@ from connectors.settings import ConnectorSettings
 from connectors.stats import StatsRecorder
 from pdconnect.keyring import Keyring
 from pdconnect.notifier import PeerNotifier
-from pdconnect.protocol import (
-    Ack,
-    Claim,
-    CompatInfo,
-    Done,
-    Handshake,
-    Heartbeat,
-    Message,
-    ParallelShape,
-    Release,
-    TransferPlan,
-)
+from pdconnect.protocol import Ack, Claim, Done, Handshake, Heartbeat, ParallelShape, Release
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from pdconnect.protocol import CompatInfo, Message, TransferPlan
 
 __all__ = ["Consumer", "claimant_of"]
 
