@@ -447,7 +447,7 @@ def test_one_decode_ranks_failed_read_fails_the_load_for_every_rank(
 
 
 def test_a_prefill_rank_frozen_during_the_pulls(
-    rig: Rig, http: httpx.Client, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
+    rig: Rig, http: httpx.Client, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Both decode engines pull (D TP2's rank 1 and D TP1's one rank read prefill rank 1)
     while prefill rank 1's worker is stopped. Over Mooncake (TCP) the stopped rank serves
@@ -455,14 +455,9 @@ def test_a_prefill_rank_frozen_during_the_pulls(
     peer's memory itself (cma): the frozen rank's blocks are read, the lease desk (a
     process of its own) confirms the lease, and the loads may succeed; either way no
     wrong token. The prefill engine's step waits for the frozen worker, so its blocks
-    are freed once it runs again."""
-    if rig.transport == "mooncake":
-        # Open finding (docs/handoff-integrity.md): once the frozen rank resumes, the sibling's
-        # Mooncake read from it made no progress for the whole 30 s transfer timeout in one of
-        # three runs (a clean failed load, nothing held, the engines serving after); the
-        # failed pulls themselves are as expected every time. Until its cause is found the
-        # row runs and reports, and a pass is not required.
-        request.applymarker(pytest.mark.xfail(strict=False, reason="sibling after resume: Mooncake read stalls"))
+    are freed once it runs again. The siblings are sent as soon as it runs again: over
+    Mooncake their first reads of the resumed rank may meet a used-up connect round, which
+    fails them all at once (pdconnect.transfer.mooncake), and are then read again."""
     pulls = two_pulls(http, rig, 40)
     victim = worker_pid(rig.prefill, 1)
     freeze(victim)
