@@ -52,29 +52,22 @@ from connectors.settings import ConnectorSettings
 from connectors.stats import StatsRecorder
 from pdconnect.keyring import Keyring
 from pdconnect.notifier import PeerNotifier
-from pdconnect.protocol import (
-    Ack,
-    Claim,
-    CompatInfo,
-    Done,
-    Handshake,
-    Heartbeat,
-    Message,
-    ParallelShape,
-    Release,
-    TransferPlan,
-)
+from pdconnect.protocol import Ack, Claim, Done, Handshake, Heartbeat, ParallelShape, Release
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from pdconnect.protocol import CompatInfo, Message, TransferPlan
+
 __all__ = ["Consumer", "claimant_of"]
 
 logger = logging.getLogger("pdconnect.connector")
 
 Slot = tuple[int, int]  # (kv cache group id, logical block index)
+# Ended loads' leases remembered: vLLM's clean-up notice follows its request's error at once.
+_ENDED_LEASES_KEPT = 1024
 
 
 def claimant_of(engine_id: str, request_id: str) -> str:
@@ -149,6 +142,9 @@ class Consumer(CacheBound):
         self._loads: dict[str, _Load] = {}
         self._new_pulls: list[PullSpec] = []
         self._settled: set[str] = set()  # loads ended (done sent) for requests still running
+        # Leases of loads that ended lately (insertion order, oldest first), so vLLM's
+        # notice for a request that failed after its load is known for what it is.
+        self._ended_leases: dict[str, None] = {}
         # (lease id, why lost or "", whether the prefill engine may not have seen the claim)
         self._replies: queue.SimpleQueue[tuple[str, str, bool]] = queue.SimpleQueue()
         # Answers are taken once per scheduling pass, at its first lookup: one that lands
@@ -244,6 +240,9 @@ class Consumer(CacheBound):
         request_id = request.request_id
         if request_id in self._incoming or request_id in self._loads or request_id in self._settled:
             return
+        if getattr(request, "abort_immediately", False):  # the attribute is vLLM 0.32's
+            self._rejection_notice(request, plan)
+            return
         if plan.compat_hash != self.compat_digest and self.settings.may_dial(plan.remote_host):
             # Refused whatever the answer (`connectors.plan_checks`); the handshake finds
             # out which fields differ, so the refusal can name them with both values.
@@ -270,6 +269,25 @@ class Consumer(CacheBound):
         self._by_lease[plan.lease_id] = request_id
         self._claim(incoming)
         self._notifier.watch(plan.side_channel, plan.remote_engine_id, plan.lease_id)
+
+    def _rejection_notice(self, request: Request, plan: TransferPlan) -> None:
+        """vLLM's serving layer answered a P/D request with an error and submitted a copy
+        of it (prompt `[0]`, aborted at once) only so that a connector frees what the plan
+        pinned (`AsyncLLM.notify_kv_transfer_request_rejected`). It asks for no load, so
+        it is no bad input: not checked, counted or logged as refused params. Its lease
+        is never released from here: a notice carries no prompt to prove the plan by, so
+        a lease it names ends with our load's `Done` or at its expiry."""
+        if plan.lease_id in self._ended_leases or plan.lease_id in self._by_lease:
+            why = "whose load has ended" if plan.lease_id in self._ended_leases else "whose load is pending"
+            logger.debug("request %s: vLLM's clean-up notice for lease %s, %s", request.request_id, plan.lease_id, why)
+            return
+        logger.info(
+            "request %s: vLLM's notice of a P/D request rejected before this engine saw it; lease %s "
+            "on prefill engine %s ends at its expiry",
+            request.request_id,
+            plan.lease_id,
+            plan.remote_engine_id,
+        )
 
     def _claim(self, incoming: _Incoming) -> None:
         assert incoming.plan is not None
@@ -549,6 +567,9 @@ class Consumer(CacheBound):
         # Published blocks stay cached when freed: they become evictable prefix-cache entries.
         self.ops.release(load.shadow_blocks())
         if load.plan is not None:
+            self._ended_leases[load.plan.lease_id] = None
+            if len(self._ended_leases) > _ENDED_LEASES_KEPT:
+                del self._ended_leases[next(iter(self._ended_leases))]
             self._tell_prefill(
                 load.plan,
                 request_id,

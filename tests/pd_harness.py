@@ -221,6 +221,22 @@ class SimEngine:
     def abort(self, request_id: str) -> None:
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
 
+    def notify_rejected(self, request_id: str, params: dict[str, Any]) -> None:
+        """What vLLM's serving layer submits after it answered a P/D request with an error
+        (`AsyncLLM.notify_kv_transfer_request_rejected`), as its engine core handles it:
+        a copy with prompt `[0]` and one token, added and aborted at once."""
+        self.scheduler.add_request(
+            Request(
+                request_id=request_id,
+                prompt_token_ids=[0],
+                sampling_params=SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(params)}),
+                pooling_params=None,
+                block_hasher=self._hasher,
+                abort_immediately=True,
+            )
+        )
+        self.abort(request_id)
+
     def add_steps_abort(
         self, request_id: str, tokens: list[int], params: dict[str, Any] | None, steps: int, max_tokens: int = 1
     ) -> None:

@@ -256,6 +256,29 @@ def test_altered_block_ids_are_refused_by_the_prefill_engine(prefill, decode, cl
     assert_cache_holds_only_true_kv(decode, other)
 
 
+def test_vllms_notice_after_a_failed_load_is_no_bad_params(prefill, decode, clean, caplog):
+    """After a failed load under "fail" vLLM's serving layer submits an aborted copy of the
+    request (prompt [0]) carrying its kv_transfer_params, so a connector can free what
+    they pinned: a notice, not a bad input to refuse."""
+    tokens, other = random_tokens(PROMPT, seed=111), random_tokens(PROMPT, seed=112)
+    other_params = prefill.prefill("q9-other", other).kv_transfer_params
+    params = prefill.prefill("q9", tokens).kv_transfer_params
+    altered = copy.deepcopy(params)
+    altered["groups"][0]["runs"] = copy.deepcopy(other_params["groups"][0]["runs"])
+    decode.add("q9", tokens, altered)
+    assert decode.result("q9").finish_reason == "error"
+    failures, bad = decode.counter("transfer_failures"), decode.counter("bad_transfer_params")
+
+    decode.notify_rejected("q9-notice", altered)
+    decode.add("q9-other", other, other_params)  # a later step exports the counters
+    assert decode.result("q9-other").finish_reason == "length"
+
+    assert decode.counter("bad_transfer_params") == bad
+    assert decode.counter("transfer_failures") == failures
+    assert "refusing kv_transfer_params" not in caplog.text
+    assert decode.status("q9-notice") is None  # gone: it never waits for a load
+
+
 def test_first_token_stop_still_hands_off(prefill, decode, clean):
     tokens = random_tokens(PROMPT, seed=110)
     from tests.pd_harness import SAMPLED_TOKEN

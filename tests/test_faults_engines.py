@@ -60,7 +60,15 @@ from pdconnect.protocol import (
 )
 from pdconnect.router.config import load_config
 from pdconnect.sidechannel import SideChannelClient, SideChannelError
-from pdconnect.testbed.engine_calls import completion, prompt_ids, token_ids
+from pdconnect.testbed.engine_calls import (
+    Answer,
+    answer_of,
+    completion,
+    decode_answer,
+    prompt_ids,
+    remote_decode_plan,
+    token_ids,
+)
 from pdconnect.testbed.keys import PEER_KEYS, SECRETS, connector_keys, keyring
 from pdconnect.testbed.paths import default_build_dir
 from pdconnect.testbed.processes import Cluster, ManagedProcess
@@ -313,39 +321,11 @@ def references(http: httpx.Client, engines: EngineSet, prompts: list[list[int]])
 
 
 def prefill_plan(http: httpx.Client, engines: EngineSet, prompt: list[int]) -> dict[str, Any]:
-    response = completion(http, engines.prefill.base_url, prompt, 1, {"do_remote_decode": True})
-    response.raise_for_status()
-    params = response.json().get("kv_transfer_params")
-    assert params, f"prefill returned no kv_transfer_params: {response.text[:500]}"
-    return dict(params)
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A decode answer: the tokens when served, else why not."""
-
-    tokens: list[int] | None
-    error: str = ""
-
-    @property
-    def served(self) -> bool:
-        return self.tokens is not None
-
-
-def answer_of(response: httpx.Response) -> Answer:
-    if response.status_code >= 400:
-        return Answer(None, f"HTTP {response.status_code}")
-    choice = response.json()["choices"][0]
-    if choice.get("finish_reason") == "error":
-        return Answer(None, "finish_reason=error")
-    return Answer(list(choice["token_ids"]))
+    return remote_decode_plan(http, engines.prefill.base_url, prompt)
 
 
 def decode_with(http: httpx.Client, engines: EngineSet, prompt: list[int], params: dict[str, Any] | None) -> Answer:
-    try:
-        return answer_of(completion(http, engines.decode.base_url, prompt, DECODE_TOKENS, params))
-    except httpx.HTTPError as exc:
-        return Answer(None, type(exc).__name__)
+    return decode_answer(http, engines.decode.base_url, prompt, DECODE_TOKENS, params)
 
 
 def wrong(answer: Answer, expected: list[int]) -> int:

@@ -43,7 +43,15 @@ import httpx
 import pytest
 
 from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_metrics
-from pdconnect.testbed.engine_calls import completed, completion, prompt_ids, token_ids
+from pdconnect.testbed.engine_calls import (
+    Answer,
+    completed,
+    completion,
+    decode_answer,
+    prompt_ids,
+    remote_decode_plan,
+    token_ids,
+)
 from pdconnect.testbed.paths import default_build_dir
 from pdconnect.testbed.processes import Cluster, ManagedProcess, freeze
 from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server, warm_up
@@ -103,6 +111,12 @@ def rigs() -> Iterator[Rigs]:
         yield Rigs(cluster)
 
 
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    with engine_client(REQUEST_TIMEOUT_S) as client:
+        yield client
+
+
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def rig(request: pytest.FixtureRequest, rigs: Rigs) -> Rig:
     transport: str = request.param
@@ -129,12 +143,6 @@ def rig(request: pytest.FixtureRequest, rigs: Rigs) -> Rig:
         warm_up(proc.base_url, MODEL_NAME)
     rigs.current = Rig(transport, cluster, prefill, decodes, control)
     return rigs.current
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with engine_client(REQUEST_TIMEOUT_S) as client:
-        yield client
 
 
 # --- what each row sends and checks ---------------------------------------------------------
@@ -177,33 +185,11 @@ def _alone(http: httpx.Client, engine: ManagedProcess, prompt: list[int]) -> tup
 
 
 def plan_for(http: httpx.Client, rig: Rig, prompt: list[int]) -> dict[str, Any]:
-    body = completed(completion(http, rig.prefill.base_url, prompt, 1, {"do_remote_decode": True}))
-    params = body.get("kv_transfer_params")
-    assert params, f"prefill returned no kv_transfer_params: {body}"
-    return dict(params)
-
-
-@dataclass(frozen=True)
-class Answer:
-    tokens: list[int] | None
-    error: str = ""
-
-    @property
-    def served(self) -> bool:
-        return self.tokens is not None
+    return remote_decode_plan(http, rig.prefill.base_url, prompt)
 
 
 def decode_leg(http: httpx.Client, case: Case, plan: dict[str, Any]) -> Answer:
-    try:
-        response = completion(http, case.decode.base_url, case.prompt, DECODE_TOKENS, plan)
-    except httpx.HTTPError as exc:
-        return Answer(None, type(exc).__name__)
-    if response.status_code >= 400:
-        return Answer(None, f"HTTP {response.status_code}")
-    choice = response.json()["choices"][0]
-    if choice.get("finish_reason") == "error":
-        return Answer(None, "finish_reason=error")
-    return Answer(list(choice["token_ids"]))
+    return decode_answer(http, case.decode.base_url, case.prompt, DECODE_TOKENS, plan)
 
 
 FAILED_LOAD = "load failed, "  # what the decode engine logs for each failed load (connectors/consumer.py)
@@ -320,6 +306,91 @@ def in_parallel(*calls: Any) -> list[Answer]:
     return [a for a in answers if a is not None]
 
 
+def faulted_leg(http: httpx.Client, rig: Rig, case: Case, **faults: Any) -> Answer:
+    """The case's prompt planned by the prefill engine and decoded with `faults` on
+    (`tests.rank_faults.set_faults`), then off; the answer is a failed load per policy."""
+    logged = failed_loads(case.decode)
+    plan = plan_for(http, rig, case.prompt)
+    set_faults(rig.control, **faults)
+    try:
+        answer = decode_leg(http, case, plan)
+    finally:
+        set_faults(rig.control)
+    assert_failed_load(rig, answer, case, logged)
+    return answer
+
+
+def after_failed_load(http: httpx.Client, rig: Rig, case: Case, counted: float) -> int:
+    """Nothing held anywhere, the sibling served with a hit of 0 (under "fail"), the failed
+    load counted; the sibling's hit."""
+    assert_nothing_held(http, *rig.alive())
+    hit = sibling_served(http, rig, case, load_failed=True)
+    assert_counted(http, case.decode, counted)
+    assert_nothing_held(http, *rig.alive())
+    return hit
+
+
+@dataclass(frozen=True)
+class TwoPulls:
+    """A prompt for each decode engine (TP2, then TP1) planned by the prefill engine, with
+    each decode engine's failed loads counted and logged before."""
+
+    cases: list[Case]
+    plans: list[dict[str, Any]]
+    counted: list[float]
+    logged: list[int]
+
+    def legs(self, http: httpx.Client) -> list[Answer]:
+        """Both decode legs at once."""
+        return in_parallel(*(functools.partial(decode_leg, http, c, p) for c, p in zip(self.cases, self.plans)))
+
+
+Outcome = tuple[Case, Answer, bool]  # the case, its answer, whether its load failed
+
+
+def two_pulls(http: httpx.Client, rig: Rig, seed: int) -> TwoPulls:
+    cases = [prepare(http, rig, tp, seed + 2 * tp) for tp in (2, 1)]
+    counted = [failures(http, c.decode) for c in cases]
+    logged = [failed_loads(c.decode) for c in cases]
+    return TwoPulls(cases, [plan_for(http, rig, c.prompt) for c in cases], counted, logged)
+
+
+def judged(rig: Rig, pulls: TwoPulls, answers: list[Answer]) -> list[Outcome]:
+    """Each leg a failed load per policy where its engine logged one (the engine logs it
+    before it answers or recomputes), and always over Mooncake, whose reads a stopped or
+    killed rank does not serve; otherwise served with the decode engine's own tokens."""
+    outcomes = []
+    for case, answer, logged_before in zip(pulls.cases, answers, pulls.logged):
+        failed = failed_loads(case.decode) > logged_before
+        if failed or rig.transport == "mooncake":
+            assert_failed_load(rig, answer, case, logged_before)
+        else:
+            assert answer.served and answer.tokens == case.want, answer
+        outcomes.append((case, answer, failed))
+    return outcomes
+
+
+def siblings_after(
+    http: httpx.Client, rig: Rig, pulls: TwoPulls, outcomes: list[Outcome], *, prefill_alive: bool = True
+) -> list[int]:
+    """Nothing held, each case's sibling served as `sibling_served` says (P/D while the
+    prefill engine lives), every failed load counted; the siblings' hits."""
+    procs = rig.alive() if prefill_alive else list(rig.decodes.values())
+    assert_nothing_held(http, *procs)
+    hits = [
+        sibling_served(http, rig, case, load_failed=failed, via_prefill=prefill_alive) for case, _, failed in outcomes
+    ]
+    for (case, _, failed), before in zip(outcomes, pulls.counted):
+        if failed:
+            assert_counted(http, case.decode, before)
+    assert_nothing_held(http, *procs)
+    return hits
+
+
+def described(outcomes: list[Outcome]) -> list[str]:
+    return [("failed load, " if failed else "") + ("served" if a.served else a.error) for _, a, failed in outcomes]
+
+
 # --- a. a decode rank's handshake with one prefill rank dropped -----------------------------
 
 # decode TP -> (decode rank, prefill rank) whose handshake is dropped
@@ -334,22 +405,13 @@ def test_a_handshake_dropped_between_one_decode_rank_and_one_prefill_rank(
     failure makes it forget the peer), so a later row would find the handshake done."""
     case = prepare(http, rig, decode_tp, 10 * decode_tp)
     decode_rank, prefill_rank = DROPPED[decode_tp]
-    counted, logged = failures(http, case.decode), failed_loads(case.decode)
-    plan = plan_for(http, rig, case.prompt)
-    set_faults(rig.control, drop_handshakes=[(decode_rank, prefill_rank)])
-    try:
-        answer = decode_leg(http, case, plan)
-    finally:
-        set_faults(rig.control)
-    assert_failed_load(rig, answer, case, logged)
+    counted = failures(http, case.decode)
+    answer = faulted_leg(http, rig, case, drop_handshakes=[(decode_rank, prefill_rank)])
     dropped = re.findall(
         rf"handshake with \S+ \(prefill rank {prefill_rank}\) failed: ([^\n]*)", case.decode.log_text()
     )
     assert dropped, f"{case.decode.name} logged no failed handshake with prefill rank {prefill_rank}"
-    assert_nothing_held(http, *rig.alive())
-    hit = sibling_served(http, rig, case, load_failed=True)
-    assert_counted(http, case.decode, counted)
-    assert_nothing_held(http, *rig.alive())
+    hit = after_failed_load(http, rig, case, counted)
     report(
         capsys,
         f"handshake d{decode_rank}->p{prefill_rank} dropped, D TP{decode_tp}",
@@ -367,20 +429,11 @@ def test_one_decode_ranks_failed_read_fails_the_load_for_every_rank(
     rig: Rig, http: httpx.Client, capsys: pytest.CaptureFixture[str]
 ) -> None:
     case = prepare(http, rig, 2, 30)
-    counted, logged = failures(http, case.decode), failed_loads(case.decode)
-    plan = plan_for(http, rig, case.prompt)
-    set_faults(rig.control, fail_reads=[1])
-    try:
-        answer = decode_leg(http, case, plan)
-    finally:
-        set_faults(rig.control)
-    assert_failed_load(rig, answer, case, logged)
+    counted = failures(http, case.decode)
+    answer = faulted_leg(http, rig, case, fail_reads=[1])
     injected = [line for line in case.decode.log_text().splitlines() if INJECTED in line]
     assert injected and all("decode rank 1's" in line for line in injected), injected[-3:]
-    assert_nothing_held(http, *rig.alive())
-    hit = sibling_served(http, rig, case, load_failed=True)
-    assert_counted(http, case.decode, counted)
-    assert_nothing_held(http, *rig.alive())
+    hit = after_failed_load(http, rig, case, counted)
     report(
         capsys,
         "decode rank 1's read fails, D TP2",
@@ -394,7 +447,7 @@ def test_one_decode_ranks_failed_read_fails_the_load_for_every_rank(
 
 
 def test_a_prefill_rank_frozen_during_the_pulls(
-    rig: Rig, http: httpx.Client, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
+    rig: Rig, http: httpx.Client, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Both decode engines pull (D TP2's rank 1 and D TP1's one rank read prefill rank 1)
     while prefill rank 1's worker is stopped. Over Mooncake (TCP) the stopped rank serves
@@ -402,46 +455,19 @@ def test_a_prefill_rank_frozen_during_the_pulls(
     peer's memory itself (cma): the frozen rank's blocks are read, the lease desk (a
     process of its own) confirms the lease, and the loads may succeed; either way no
     wrong token. The prefill engine's step waits for the frozen worker, so its blocks
-    are freed once it runs again."""
-    if rig.transport == "mooncake":
-        # Open finding (docs/handoff-integrity.md): once the frozen rank resumes, the sibling's
-        # Mooncake read from it made no progress for the whole 30 s transfer timeout in one of
-        # three runs (a clean failed load, nothing held, the engines serving after); the
-        # failed pulls themselves are as expected every time. Until its cause is found the
-        # row runs and reports, and a pass is not required.
-        request.applymarker(pytest.mark.xfail(strict=False, reason="sibling after resume: Mooncake read stalls"))
-    cases = [prepare(http, rig, tp, 40 + 2 * tp) for tp in (2, 1)]
-    counted = [failures(http, c.decode) for c in cases]
-    logged = [failed_loads(c.decode) for c in cases]
-    plans = [plan_for(http, rig, c.prompt) for c in cases]
+    are freed once it runs again. The siblings are sent as soon as it runs again: over
+    Mooncake their first reads of the resumed rank may meet a used-up connect round, which
+    fails them all at once (pdconnect.transfer.mooncake), and are then read again."""
+    pulls = two_pulls(http, rig, 40)
     victim = worker_pid(rig.prefill, 1)
     freeze(victim)
     try:
-        answers = in_parallel(*(functools.partial(decode_leg, http, c, p) for c, p in zip(cases, plans)))
+        answers = pulls.legs(http)
     finally:
         os.kill(victim, signal.SIGCONT)
-    outcomes = []
-    for case, answer, logged_before in zip(cases, answers, logged):
-        # The engine logs a failed load before it answers (or recomputes).
-        failed = failed_loads(case.decode) > logged_before
-        if rig.transport == "mooncake" or failed:
-            assert_failed_load(rig, answer, case, logged_before)
-        else:
-            assert answer.served and answer.tokens == case.want, answer
-        outcomes.append((case, answer, failed))
-    assert_nothing_held(http, *rig.alive())
-    hits = [sibling_served(http, rig, case, load_failed=failed) for case, _, failed in outcomes]
-    for (case, _, failed), before in zip(outcomes, counted):
-        if failed:
-            assert_counted(http, case.decode, before)
-    assert_nothing_held(http, *rig.alive())
-    report(
-        capsys,
-        "prefill rank 1 SIGSTOPped during the pulls",
-        rig,
-        answers=[("failed load, " if f else "") + ("served" if a.served else a.error) for _, a, f in outcomes],
-        sibling_hits=hits,
-    )
+    outcomes = judged(rig, pulls, answers)
+    hits = siblings_after(http, rig, pulls, outcomes)
+    report(capsys, "prefill rank 1 SIGSTOPped during the pulls", rig, answers=described(outcomes), sibling_hits=hits)
 
 
 # --- a. a prefill rank killed mid-pull (last: vLLM's prefill engine does not survive it) ------
@@ -469,31 +495,23 @@ def test_a_prefill_rank_killed_mid_pull(rig: Rig, http: httpx.Client, capsys: py
     their decode engines) it is SIGKILLed. vLLM then stops the whole prefill engine
     (its worker monitor shuts the executor down; the API server exits): the decode
     engines fail those loads per policy, hold nothing, and serve on alone."""
-    cases = [prepare(http, rig, tp, 60 + 2 * tp) for tp in (2, 1)]
-    counted = [failures(http, c.decode) for c in cases]
-    logged = [failed_loads(c.decode) for c in cases]
-    plans = [plan_for(http, rig, c.prompt) for c in cases]
+    pulls = two_pulls(http, rig, 60)
     victim = worker_pid(rig.prefill, 1)
     freeze(victim)
     answers: list[Answer] = []
-    legs = threading.Thread(
-        target=lambda: answers.extend(
-            in_parallel(*(functools.partial(decode_leg, http, c, p) for c, p in zip(cases, plans)))
-        ),
-        daemon=True,
-    )
+    legs = threading.Thread(target=lambda: answers.extend(pulls.legs(http)), daemon=True)
     legs.start()
     try:
         if rig.transport == "mooncake":
             evidence = wait_until(
-                lambda: _unread_from(victim, [c.decode for c in cases]),
+                lambda: _unread_from(victim, [c.decode for c in pulls.cases]),
                 "the decode engines' reads to wait on the stopped rank",
                 SETTLE_S,
             )
             pulling = f"{evidence} bytes of read requests unread by the stopped rank"
         else:
             wait_until(
-                lambda: all(_on_decode(http, c.decode) >= 1 for c in cases) or not legs.is_alive(),
+                lambda: all(_on_decode(http, c.decode) >= 1 for c in pulls.cases) or not legs.is_alive(),
                 "both decode legs on their engines",
                 SETTLE_S,
             )
@@ -505,28 +523,14 @@ def test_a_prefill_rank_killed_mid_pull(rig: Rig, http: httpx.Client, capsys: py
     # What vLLM does when a TP worker dies: the engine core's worker monitor shuts the
     # executor down, the engine core exits and the API server with it.
     wait_until(lambda: not rig.prefill.is_running(), "vLLM's prefill API server to exit", ENGINE_EXIT_S)
-    outcomes = []
-    for case, answer, logged_before in zip(cases, answers, logged):
-        # The engine logs a failed load before it answers (or recomputes).
-        failed = failed_loads(case.decode) > logged_before
-        if failed or rig.transport == "mooncake":
-            assert_failed_load(rig, answer, case, logged_before)
-        else:  # NIXL read the blocks before the kill and the desk confirmed the lease
-            assert answer.served and answer.tokens == case.want, answer
-        outcomes.append((case, answer, failed))
-    decodes = list(rig.decodes.values())
-    assert_nothing_held(http, *decodes)
-    hits = [sibling_served(http, rig, case, load_failed=failed, via_prefill=False) for case, _, failed in outcomes]
-    for (case, _, failed), before in zip(outcomes, counted):
-        if failed:
-            assert_counted(http, case.decode, before)
-    assert_nothing_held(http, *decodes)
+    outcomes = judged(rig, pulls, answers)
+    hits = siblings_after(http, rig, pulls, outcomes, prefill_alive=False)
     report(
         capsys,
         "prefill rank 1 SIGKILLed mid-pull",
         rig,
         pulling=pulling,
-        answers=[("failed load, " if f else "") + ("served" if a.served else a.error) for _, a, f in outcomes],
+        answers=described(outcomes),
         prefill_exit=rig.prefill.popen.returncode,
         sibling_hits=hits,
     )

@@ -17,7 +17,19 @@ from pdconnect.bench.scrape import PrefixCacheCounters
 from pdconnect.testbed.recipes import MODEL_NAME, SPEC
 from pdconnect.testbed.tinymodel import FIRST_WORD_ID
 
-__all__ = ["REQUEST_TIMEOUT_S", "PDResult", "completed", "completion", "prompt_ids", "serve_pd", "token_ids"]
+__all__ = [
+    "REQUEST_TIMEOUT_S",
+    "Answer",
+    "PDResult",
+    "answer_of",
+    "completed",
+    "completion",
+    "decode_answer",
+    "prompt_ids",
+    "remote_decode_plan",
+    "serve_pd",
+    "token_ids",
+]
 
 REQUEST_TIMEOUT_S = 300.0
 
@@ -60,6 +72,46 @@ def completed(response: httpx.Response) -> dict[str, Any]:
 
 def token_ids(body: dict[str, Any]) -> list[int]:
     return list(body["choices"][0]["token_ids"])
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A decode answer: the tokens when served, else why not."""
+
+    tokens: list[int] | None
+    error: str = ""
+
+    @property
+    def served(self) -> bool:
+        return self.tokens is not None
+
+
+def answer_of(response: httpx.Response) -> Answer:
+    if response.status_code >= 400:
+        return Answer(None, f"HTTP {response.status_code}")
+    choice = response.json()["choices"][0]
+    if choice.get("finish_reason") == "error":
+        return Answer(None, "finish_reason=error")
+    return Answer(list(choice["token_ids"]))
+
+
+def decode_answer(
+    client: httpx.Client, base_url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None
+) -> Answer:
+    """A decode leg's answer; a connection that broke is an answer too (a fault test's)."""
+    try:
+        return answer_of(completion(client, base_url, prompt, max_tokens, params))
+    except httpx.HTTPError as exc:
+        return Answer(None, type(exc).__name__)
+
+
+def remote_decode_plan(client: httpx.Client, prefill_url: str, prompt: list[int]) -> dict[str, Any]:
+    """The kv_transfer_params a prefill engine returns for `prompt` asked for remote decode."""
+    response = completion(client, prefill_url, prompt, 1, {"do_remote_decode": True})
+    response.raise_for_status()
+    params = response.json().get("kv_transfer_params")
+    assert params, f"prefill returned no kv_transfer_params: {response.text[:500]}"
+    return dict(params)
 
 
 @dataclass(frozen=True)

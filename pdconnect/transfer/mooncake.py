@@ -32,6 +32,15 @@ What Mooncake does on its own, and what we do about it:
   gone peer fails the pull in moments, not at its deadline. Reading again is safe: the
   destination is this request's own blocks, rewritten whole, and the lease is confirmed
   after the read, not before.
+- Its TCP lanes fail a whole queue at once without touching the network: a peer's reads
+  queued while none of its connections is usable, once every connection has been tried in
+  the current connect round, all end FAILED in the same instant ("connect failed"), and a
+  new round begins. Stall drops use rounds up: after a peer stopped for longer than a
+  stall period, the first reads made to it once it runs again failed this way in about
+  one pull of three (no socket call between submit and failure, `strace`), while reads made
+  again a moment later, in the new round, took milliseconds (docs/handoff-integrity.md).
+  So "failed at once" is counted per range: each range is read again once, and the peer
+  counts as gone when a range fails at once on its second attempt too.
 """
 
 from __future__ import annotations
@@ -68,7 +77,7 @@ DEFAULT_STALL_SECONDS = 10.0
 # A failed read that took less than this was refused or cut off, not dropped for a stall:
 # Mooncake's stall timeouts are whole seconds, at least 1.
 _STALL_FLOOR_SECONDS = 1.0
-# Reads that failed at once, after which the peer counts as gone.
+# Attempts of one range that failed at once, after which the peer counts as gone.
 _QUICK_FAILURES = 2
 
 
@@ -207,8 +216,11 @@ class _MooncakeTransfer(Transfer):
 
     A range whose batch failed after a stall drop (`_STALL_FLOOR_SECONDS` or more) is read
     again, on a fresh connection, until the pull's deadline; a range that failed at once
-    counts towards `_QUICK_FAILURES`, after which the peer is taken for gone and nothing
-    more is submitted. The pull is quiescent once nothing is being submitted and no batch
+    is read again until it has failed at once `_QUICK_FAILURES` times, and then the peer is
+    taken for gone and nothing more is submitted. Per range, not per pull: Mooncake fails
+    every read queued for a peer in one instant when a connect round is used up (the
+    module docstring), which says nothing of the peer until the reads made again fail too.
+    The pull is quiescent once nothing is being submitted and no batch
     is outstanding: Mooncake's own session timeouts end every batch, so that always comes.
     """
 
@@ -238,7 +250,7 @@ class _MooncakeTransfer(Transfer):
         self._submitting = False
         self._failure: str | None = None
         self._done = 0
-        self._quick_failures = 0
+        self._quick_failures = [0] * len(self._ranges)  # per range: attempts that failed at once
         self._open_sessions = open_sessions
         self._start_submitter(inline=session in open_sessions)
 
@@ -305,12 +317,12 @@ class _MooncakeTransfer(Transfer):
                 if self._failure is not None:
                     continue
                 if now - submitted < _STALL_FLOOR_SECONDS:
-                    self._quick_failures += 1
-                    if self._quick_failures >= _QUICK_FAILURES:
+                    self._quick_failures[index] += 1
+                    if self._quick_failures[index] >= _QUICK_FAILURES:
                         self._failure = (
                             f"mooncake reads from {self._session} failed at once "
-                            f"{self._quick_failures} times: peer unreachable or gone "
-                            "(its log on stderr says which)"
+                            f"{self._quick_failures[index]} times (range {index}): peer unreachable "
+                            "or gone (its log on stderr says which)"
                         )
                         continue
                 if now >= self._deadline:
