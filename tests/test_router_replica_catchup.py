@@ -3,13 +3,12 @@
 The decode engine's KV events come from vLLM's own `ZmqEventPublisher` (its PUB socket and
 its replay buffer, as an engine runs it, without the engine); the engine's HTTP face is
 FAKE. A first router follows the stream from the start while the engine caches `prompts`
-prompts; then a second router starts, as a restarted replica does. Until it has taken in
-a batch it routes by no index at all (decode-first's reason `no_events`); once the engine
-publishes again (and its subscription has joined) it asks the replay buffer for
-everything from batch 0. What it then knows
-is never more than the engine caches (each sampled prompt: the early router's hit or
-none), and this test prints how long the catch-up took and how much of the history it
-reached (docs/benchmarks.md, router section).
+prompts; then the engine goes idle and a second router starts, as a restarted replica
+does. It asks the replay buffer for everything from batch 0 as it subscribes (and again
+after every gap in the reply, which a reply of thousands of batches has): the test
+waits for it to hold the engine's last batch, checks that it then knows every sampled
+older prompt exactly as the first router does, and prints how long the catch-up took
+(docs/benchmarks.md, router section).
 """
 
 from __future__ import annotations
@@ -108,8 +107,9 @@ async def _route(router: RunningRouter, prompt: list[int]) -> str:
 
 
 # Batches the engine published before the late replica starts (vLLM's buffer keeps 10000).
+# 5000 overruns the replay's sockets: vLLM's ROUTER queues 1000 messages a peer and drops the rest.
 @pytest.mark.parametrize("prompts", [500, 5000])
-async def test_a_late_replica_knows_no_more_than_the_engine_caches_and_catches_up_from_the_replay(
+async def test_a_late_replica_of_an_idle_engine_catches_up_to_its_peer_from_the_replay(
     engine: _Engine, prompts: int
 ) -> None:
     early = await engine.router()
@@ -134,47 +134,32 @@ async def test_a_late_replica_knows_no_more_than_the_engine_caches_and_catches_u
         )
         assert (await _route(early, [*_prompt(7), 1])).startswith("decode-first; reason=cached")
 
+        # The engine publishes nothing more: the late router asks the replay buffer when it
+        # subscribes, and again after each gap in the reply, until it has the last batch.
         started = time.perf_counter()
         late = await engine.router()
-        # Joined, heard nothing yet: no index, so nothing is routed by one.
-        assert _last_seq(late, engine) is None
-        assert (await _route(late, [*_prompt(7), 1])).startswith("pd; reason=no_events")
-        # The engine caches more prompts: once the late router's subscription has joined (it
-        # may miss the first batches, as any subscriber that joins late does), it hears one,
-        # asks the replay buffer for 0.., and applies what it gets.
-        heard = time.perf_counter()
-        fresh = iter(range(prompts, prompts + 1000))
-
-        def late_heard() -> bool:
-            if _last_seq(late, engine) is not None:
-                return True
-            engine.publish(next(fresh))
-            return False
-
-        await wait_until_async(late_heard, "the late router to hear the engine", within=60)
         await wait_until_async(
-            lambda: _last_seq(late, engine) == engine.published - 1,
-            "the late router to catch up from the replay",
+            lambda: _last_seq(late, engine) == last,
+            "the late router to catch up from the replay of an idle engine",
             within=120,
             observe=lambda: _last_seq(late, engine),
         )
-        newest = engine.published - 1 - last + prompts - 1  # the prompt of the last batch published
         caught_up = time.perf_counter()
         known = 0
-        sampled = range(0, prompts, prompts // 20)  # what the engine cached before the late router started
+        sampled = range(0, prompts, prompts // 20)
         for i in sampled:
             early_hit = _hit(await _route(early, [*_prompt(i), 1]))
             late_hit = _hit(await _route(late, [*_prompt(i), 1]))
             assert early_hit == BS * BLOCKS, i
             assert late_hit in (0, early_hit), i  # what it knows is true: the engine's own blocks
             known += late_hit == early_hit
-        assert _hit(await _route(late, [*_prompt(newest), 1])) == BS * BLOCKS
         print(
             f"\ncatch-up: the engine's replay buffer held {engine.published} batches ({engine.published * BLOCKS} "
-            f"blocks); the late router was up to date {caught_up - heard:.3f} s after the engine's next batch "
-            f"({caught_up - started:.3f} s after it started) and then knew {known} of {len(sampled)} sampled prompts",
+            f"blocks), the engine idle; the late router was up to date {caught_up - started:.3f} s after it "
+            f"started and knew {known} of {len(sampled)} sampled prompts",
             flush=True,
         )
+        assert known == len(sampled)  # its peer's view, the oldest prompts included
     finally:
         if late is not None:
             await late.close()

@@ -8,14 +8,31 @@ by the engine's name (`<url>#dp<rank>`), and an index applies only its own rank'
 
 One asyncio task per engine: a ZMQ SUB socket on the engine's event endpoint reading
 `(topic, seq, payload)` frames as vLLM's `ZmqEventPublisher` sends them. Sequence
-numbers must follow each other; on a gap (a restart, a dropped message at the high-water
-mark) the task asks the engine's replay socket (ROUTER, `replay_endpoint` in vLLM's
-`--kv-events-config`) for everything from the first missing batch. Whenever batches are
-lost for good (no replay socket, a replay that fails or starts later than asked, an
-unreadable batch), the engine's index is dropped and rebuilt from the next batch on: an
-index built from a suffix of the stream is safe, since a removal of a block it never saw
-is a no-op. Until an index has applied a batch the engine counts as *not fresh* and the
-kv-aware policy routes by prefix affinity for it.
+numbers must follow each other. The engine keeps its last batches in a replay buffer
+(vLLM's `buffer_steps`, 10 000 by default) behind a ROUTER socket (`replay_endpoint` in
+`--kv-events-config`): a request of one start sequence number is answered with every
+buffered batch from it on, then an end marker. The task asks it as soon as it has
+subscribed (a router that starts late, or reconnects, learns what the engine cached
+before, even from an engine that publishes nothing more), and again from the first
+missing batch on every gap in the live stream (a restart, a message dropped at the
+high-water mark).
+
+A replay can itself arrive with gaps: vLLM sends the whole answer at once, its ROUTER
+queues ZMQ's default 1000 messages per peer and silently drops the rest, so a reply of
+thousands of batches loses most of them. A gap inside a reply therefore ends that round
+and the task asks again from the batch after the last one it applied (a fresh socket: the
+rest of the old reply is dropped with it). Each round applies at least the first
+batches the ROUTER queued, so a buffer of 10 000 takes about ten rounds; a round that
+applies nothing ends the replay. The work is bounded: `_REPLAY_DEADLINE` for a whole
+replay, and the task yields the loop every `_APPLY_SLICE` batches, so requests are routed
+between slices of a long replay.
+
+Whenever batches are lost for good (no replay socket, a replay that fails or starts later
+than asked, an unreadable batch), the engine's index is dropped and rebuilt from the next
+batch on: an index built from a suffix of the stream is safe, since a removal of a block
+it never saw is a no-op. Until an index has applied a batch, or a replay has answered to
+its end, the engine counts as *not fresh* and the kv-aware policy routes by prefix
+affinity for it.
 
 Bounded input: every frame over `max_message_bytes` makes ZMQ drop the connection
 (`ZMQ_MAXMSGSIZE`, on the SUB and the replay socket alike; the SUB reconnects and the gap
@@ -49,7 +66,8 @@ logger = logging.getLogger("pdconnect.router.kvevents")
 
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _REPLAY_TIMEOUT_MS = 2000  # between two replayed batches
-_REPLAY_DEADLINE = 30.0  # for a whole replay, however chatty the engine is
+_REPLAY_DEADLINE = 30.0  # for a whole replay (all its rounds), however chatty the engine is
+_APPLY_SLICE = 64  # replayed batches applied between two yields to the loop
 _RECONNECT_PAUSE = 1.0
 # A store event for a 128k-token prompt is under 1 MB; a batch holds one scheduler step's.
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
@@ -202,6 +220,10 @@ class KVEventsFeed:
             try:
                 socket.setsockopt(zmq.SUBSCRIBE, b"")
                 socket.connect(sub.endpoint)
+                # Subscribed (or reconnected, index reset): what the engine published before is
+                # in its replay buffer. Live batches meanwhile queue on the SUB socket; those the
+                # replay applied are skipped, and a gap after it is replayed again.
+                await self._replay(sub, 0 if sub.last_seq is None else sub.last_seq + 1)
                 while True:
                     ready = dict(await poller.poll())
                     if socket in ready:
@@ -262,33 +284,62 @@ class KVEventsFeed:
         self._count("ok")
 
     async def _replay(self, sub: _Subscription, start: int) -> None:
-        """Apply the batches from `start` on from the engine's replay buffer, if it has one."""
+        """Apply the batches from `start` on from the engine's replay buffer, if it has one, in
+        as many rounds as the reply's gaps take (module docstring)."""
         if sub.replay_endpoint is None:
             return
-        socket = self._socket(zmq.DEALER)
-        first = None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _REPLAY_DEADLINE
+        first: int | None = None  # the first batch this replay applied: live copies from it on are late
+        while True:
+            before = sub.last_seq
+            done, applied_from = await self._replay_round(sub, start, deadline)
+            first = applied_from if first is None else first
+            if first is not None and sub.last_seq is not None:
+                sub.replayed = range(first, sub.last_seq + 1)
+            if done is not None:
+                self._count(done)
+                return
+            if sub.last_seq is None or sub.last_seq == before:
+                self._count("replay_stalled")  # a round that applied nothing: leave the rest to the live stream
+                return
+            self._count("replay_gap")
+            start = sub.last_seq + 1
+
+    async def _replay_round(self, sub: _Subscription, start: int, deadline: float) -> tuple[str | None, int | None]:
+        """One request for the batches from `start` on: applies them while they follow each
+        other. Returns the result to count when the replay is over ("replay": answered to the
+        end, "replay_timeout", "replay_frame"; None after a gap in the reply: ask again) and
+        the first batch applied (None: none)."""
+        assert sub.replay_endpoint is not None
+        socket = self._socket(zmq.DEALER)
+        loop = asyncio.get_running_loop()
+        applied = 0
+        first: int | None = None
         try:
             socket.connect(sub.replay_endpoint)
             await socket.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 left_ms = int((deadline - loop.time()) * 1000)
                 if left_ms <= 0 or not await socket.poll(min(_REPLAY_TIMEOUT_MS, left_ms)):
-                    self._count("replay_timeout")
-                    return
+                    return "replay_timeout", first
                 frames = await socket.recv_multipart()
                 if len(frames) == 4 and frames[2] == _END_SEQ:
-                    self._count("replay")
-                    return
+                    sub.fresh = True  # the engine's buffer, up to its last batch, is in the index
+                    return "replay", first
                 seq = _seq(frames[2]) if len(frames) == 4 else None
                 if seq is None:
                     self._invalid("replay_frame")  # a replay that answers garbage: stop listening
-                    return
-                if sub.last_seq is None or seq > sub.last_seq:
-                    self._accept(sub, seq, frames[3])
-                    first = seq if first is None else first
-                    sub.replayed = range(first, seq + 1)
+                    return "replay_frame", first
+                if sub.last_seq is not None and seq <= sub.last_seq:
+                    continue
+                if applied and sub.last_seq is not None and seq != sub.last_seq + 1:
+                    return None, first  # dropped on the way (the first batch of a reply never is)
+                self._accept(sub, seq, frames[3])
+                first = seq if first is None else first
+                applied += 1
+                if applied % _APPLY_SLICE == 0:
+                    await asyncio.sleep(0)  # a ready socket never yields: let requests through
         finally:
             socket.close(linger=0)
 
