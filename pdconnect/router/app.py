@@ -54,7 +54,7 @@ from pdconnect.router.metrics import RouterMetrics
 from pdconnect.router.policy import LoadBound, RoutingPolicy, make_policy
 from pdconnect.router.pools import Pools, build_pools, pool_source
 from pdconnect.router.releaser import PrefillReleaser
-from pdconnect.router.replicas import ReplicaSet, replica_count
+from pdconnect.router.replicas import NoticeSigner, ReplicaSet, read_replica_secret, replica_count
 from pdconnect.router.request import Endpoint
 from pdconnect.router.tracing import Tracing, TracingUnavailable, require_sdk
 from pdconnect.router.upstream import UpstreamPool
@@ -149,6 +149,7 @@ class Router:
                 self.registry,
                 self.metrics.registry,
                 resolver,
+                signer=NoticeSigner(read_replica_secret(config.replica_secret_file, config.replica_secret_env)),
             )
             if config.replica_peers or config.replicas_dns
             else None
