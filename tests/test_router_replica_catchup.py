@@ -13,6 +13,8 @@ older prompt exactly as the first router does, and prints how long the catch-up 
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +25,7 @@ import pytest_asyncio
 
 from pdconnect.kvdescribe import VERSION, DescribedGroup, EngineDescribed
 from pdconnect.router import RunningRouter, start_router
+from pdconnect.router.kvevents import KVEventsFeed
 from pdconnect.testbed.fake_engine import FakeCluster
 from pdconnect.testbed.processes import free_port
 from tests.router_support import router_config_for
@@ -164,3 +167,37 @@ async def test_a_late_replica_of_an_idle_engine_catches_up_to_its_peer_from_the_
         if late is not None:
             await late.close()
         await early.close()
+
+
+async def test_a_long_replay_lets_the_loop_run_between_any_two_batches(engine: _Engine) -> None:
+    """A replay of 5000 batches never holds the router's loop: another task on it gets a
+    turn between any two batches applied (each is received by an await that yields; a
+    replay that read its socket in a loop without awaiting would apply a round, about a
+    thousand batches, in one turn)."""
+    for i in range(5000):
+        engine.publish(i)
+    feed = KVEventsFeed(lambda url, dp_rank: (engine.endpoints[0], engine.endpoints[1]))
+    name = engine.fakes.decode_urls[0]
+    seen: list[int] = []
+    running = True
+
+    async def ticker() -> None:
+        while running:
+            seen.append(feed.applied_sequences().get(name, -1))
+            await asyncio.sleep(0)
+
+    tick = asyncio.get_running_loop().create_task(ticker())
+    try:
+        feed.watch(name)
+        await wait_until_async(
+            lambda: feed.applied_sequences().get(name) == engine.published - 1,
+            "the feed to replay every batch",
+            within=120,
+            observe=lambda: feed.applied_sequences().get(name),
+        )
+    finally:
+        running = False
+        await tick
+        await feed.close()
+    steps = [b - a for a, b in itertools.pairwise(seen)]
+    assert max(steps) == 1, max(steps)

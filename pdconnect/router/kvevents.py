@@ -24,8 +24,8 @@ and the task asks again from the batch after the last one it applied (a fresh so
 rest of the old reply is dropped with it). Each round applies at least the first
 batches the ROUTER queued, so a buffer of 10 000 takes about ten rounds; a round that
 applies nothing ends the replay. The work is bounded: `_REPLAY_DEADLINE` for a whole
-replay, and the task yields the loop every `_APPLY_SLICE` batches, so requests are routed
-between slices of a long replay.
+replay, and each batch is received by an await that yields the loop (pyzmq's asyncio
+sockets do on every message), so requests are routed between any two replayed batches.
 
 Whenever batches are lost for good (no replay socket, a replay that fails or starts later
 than asked, an unreadable batch), the engine's index is dropped and rebuilt from the next
@@ -67,7 +67,6 @@ logger = logging.getLogger("pdconnect.router.kvevents")
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _REPLAY_TIMEOUT_MS = 2000  # between two replayed batches
 _REPLAY_DEADLINE = 30.0  # for a whole replay (all its rounds), however chatty the engine is
-_APPLY_SLICE = 64  # replayed batches applied between two yields to the loop
 _RECONNECT_PAUSE = 1.0
 # A store event for a 128k-token prompt is under 1 MB; a batch holds one scheduler step's.
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
@@ -338,8 +337,6 @@ class KVEventsFeed:
                 self._accept(sub, seq, frames[3])
                 first = seq if first is None else first
                 applied += 1
-                if applied % _APPLY_SLICE == 0:
-                    await asyncio.sleep(0)  # a ready socket never yields: let requests through
         finally:
             socket.close(linger=0)
 
