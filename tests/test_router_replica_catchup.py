@@ -20,8 +20,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 import pytest_asyncio
+import zmq
+import zmq.asyncio
 
 from pdconnect.kvdescribe import VERSION, DescribedGroup, EngineDescribed
 from pdconnect.router import RunningRouter, start_router
@@ -201,3 +204,42 @@ async def test_a_long_replay_lets_the_loop_run_between_any_two_batches(engine: _
         await feed.close()
     steps = [b - a for a, b in itertools.pairwise(seen)]
     assert max(steps) == 1, max(steps)
+
+
+async def test_a_replay_an_idle_FAKE_engine_did_not_answer_is_asked_again() -> None:
+    """A FAKE engine (a silent PUB socket and a ROUTER replay socket in the test) ignores the
+    first replay request, as a busy or restarting engine may, and publishes nothing more:
+    the subscription asks again once its stream has been quiet, and takes the buffer."""
+    context = zmq.asyncio.Context()
+    pub, replay = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+    endpoints = (
+        f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}",
+        f"tcp://127.0.0.1:{replay.bind_to_random_port('tcp://127.0.0.1')}",
+    )
+    encoder = msgspec.msgpack.Encoder()
+    requests: list[int] = []
+
+    async def answer_the_second() -> None:
+        while True:
+            client, _, start = await replay.recv_multipart()
+            requests.append(int.from_bytes(start, "big"))
+            if len(requests) >= 2:
+                for seq in range(int.from_bytes(start, "big"), 10):
+                    await replay.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), encoder.encode(_batch(seq))])
+                await replay.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    server = asyncio.get_running_loop().create_task(answer_the_second())
+    feed = KVEventsFeed(lambda url, dp_rank: endpoints)
+    try:
+        feed.watch("http://fake-d0:8000")
+        await wait_until_async(
+            lambda: feed.applied_sequences().get("http://fake-d0:8000") == 9,
+            "the feed to ask the replay again and apply it",
+            observe=lambda: (requests, feed.applied_sequences()),
+        )
+        assert requests[:2] == [0, 0]
+    finally:
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+        await feed.close()
+        context.destroy(linger=0)

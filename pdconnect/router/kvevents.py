@@ -23,7 +23,14 @@ thousands of batches loses most of them. A gap inside a reply therefore ends tha
 and the task asks again from the batch after the last one it applied (a fresh socket: the
 rest of the old reply is dropped with it). Each round applies at least the first
 batches the ROUTER queued, so a buffer of 10 000 takes about ten rounds; a round that
-applies nothing ends the replay. The work is bounded: `_REPLAY_DEADLINE` for a whole
+applies nothing ends the replay. Live batches that arrive meanwhile queue on the SUB
+socket and overflow it (dropped at the high-water mark); a busy engine's next batch
+shows the gap, an idle engine's never comes. So a replay that applied anything, or did
+not answer to its end, leaves the subscription *unsettled*, and so does every live
+batch (the ones after it may be dropped at the high-water mark just the same): after
+`_SETTLE_MS` without a live batch the task asks again from its last batch, until a
+replay answers with nothing new. An engine publishing steadily is never asked; one that
+stops costs one short replay (the end marker alone) per subscriber. The work is bounded: `_REPLAY_DEADLINE` for a whole
 replay, and each batch is received by an await that yields the loop (pyzmq's asyncio
 sockets do on every message), so requests are routed between any two replayed batches.
 
@@ -68,6 +75,10 @@ _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _REPLAY_TIMEOUT_MS = 2000  # between two replayed batches
 _REPLAY_DEADLINE = 30.0  # for a whole replay (all its rounds), however chatty the engine is
 _RECONNECT_PAUSE = 1.0
+# Quiet time after a replay that applied batches (or did not finish) before the task asks
+# again whether the engine published more: live batches dropped while it replayed are
+# otherwise only noticed at the engine's next batch, which an idle engine never sends.
+_SETTLE_MS = 1000
 # A store event for a 128k-token prompt is under 1 MB; a batch holds one scheduler step's.
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 _QUEUED_MESSAGES = 64  # per socket (ZMQ_RCVHWM): 64 x the message cap at the very worst
@@ -106,6 +117,10 @@ class _Subscription:
     last_seq: int | None = None
     replayed: range = range(0)  # sequence numbers the last replay applied (their live copies are late)
     fresh: bool = False
+    # Checked against the replay buffer since the last live batch: the last replay answered to
+    # its end with nothing new (or there is no replay socket). Unsettled, a quiet stream is
+    # followed by another replay.
+    settled: bool = True
     task: asyncio.Task[None] | None = None
 
 
@@ -224,8 +239,10 @@ class KVEventsFeed:
                 # replay applied are skipped, and a gap after it is replayed again.
                 await self._replay(sub, 0 if sub.last_seq is None else sub.last_seq + 1)
                 while True:
-                    ready = dict(await poller.poll())
-                    if socket in ready:
+                    ready = dict(await poller.poll(None if sub.settled else _SETTLE_MS))
+                    if not ready:
+                        await self._replay(sub, 0 if sub.last_seq is None else sub.last_seq + 1)
+                    elif socket in ready:
                         await self._receive(sub, await socket.recv_multipart())
                     elif monitor in ready:
                         await monitor.recv_multipart()
@@ -264,6 +281,7 @@ class KVEventsFeed:
             await self._replay(sub, sub.last_seq + 1)
         if sub.last_seq is None or seq > sub.last_seq:
             self._accept(sub, seq, payload)
+            sub.settled = sub.replay_endpoint is None  # what followed may have been dropped
 
     def _accept(self, sub: _Subscription, seq: int, payload: bytes) -> None:
         """Apply batch `seq`; one that does not follow the last applied starts a new index."""
@@ -296,6 +314,7 @@ class KVEventsFeed:
             first = applied_from if first is None else first
             if first is not None and sub.last_seq is not None:
                 sub.replayed = range(first, sub.last_seq + 1)
+            sub.settled = done == "replay" and first is None
             if done is not None:
                 self._count(done)
                 return
