@@ -23,16 +23,18 @@ thousands of batches loses most of them. A gap inside a reply therefore ends tha
 and the task asks again from the batch after the last one it applied (a fresh socket: the
 rest of the old reply is dropped with it). Each round applies at least the first
 batches the ROUTER queued, so a buffer of 10 000 takes about ten rounds; a round that
-applies nothing ends the replay. Live batches that arrive meanwhile queue on the SUB
-socket and overflow it (dropped at the high-water mark); a busy engine's next batch
-shows the gap, an idle engine's never comes. So a replay that applied anything, or did
-not answer to its end, leaves the subscription *unsettled*, and so does every live
-batch (the ones after it may be dropped at the high-water mark just the same): after
-`_SETTLE_MS` without a live batch the task asks again from its last batch, until a
-replay answers with nothing new. An engine publishing steadily is never asked; one that
-stops costs one short replay (the end marker alone) per subscriber. The work is bounded: `_REPLAY_DEADLINE` for a whole
-replay, and each batch is received by an await that yields the loop (pyzmq's asyncio
-sockets do on every message), so requests are routed between any two replayed batches.
+applies nothing ends the replay.
+
+An engine's next batch shows any gap before it, but an idle engine sends none: a replay
+that timed out, or live batches dropped after the last one heard (vLLM's PUB queues
+`hwm` messages per subscriber, then drops), would wait for traffic. So a replay that
+applied anything or did not answer to its end leaves the subscription *unsettled*, and
+so does every live batch: after `_SETTLE_MS` without a live batch the task asks again
+from its last batch, until a replay answers with nothing new. An engine publishing
+steadily is never asked; one that stops costs one short reply (the end marker alone)
+per subscriber. The work is bounded: `_REPLAY_DEADLINE` for a whole replay, and each
+batch is received by an await that yields the loop (pyzmq's asyncio sockets do on every
+message), so requests are routed between any two replayed batches.
 
 Whenever batches are lost for good (no replay socket, a replay that fails or starts later
 than asked, an unreadable batch), the engine's index is dropped and rebuilt from the next
@@ -75,9 +77,8 @@ _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _REPLAY_TIMEOUT_MS = 2000  # between two replayed batches
 _REPLAY_DEADLINE = 30.0  # for a whole replay (all its rounds), however chatty the engine is
 _RECONNECT_PAUSE = 1.0
-# Quiet time after a replay that applied batches (or did not finish) before the task asks
-# again whether the engine published more: live batches dropped while it replayed are
-# otherwise only noticed at the engine's next batch, which an idle engine never sends.
+# Quiet time on an unsettled subscription before the task asks the replay whether the
+# engine published more than it heard (module docstring).
 _SETTLE_MS = 1000
 # A store event for a 128k-token prompt is under 1 MB; a batch holds one scheduler step's.
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
