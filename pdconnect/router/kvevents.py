@@ -21,7 +21,8 @@ A replay can itself arrive with gaps: vLLM sends the whole answer at once, its R
 queues ZMQ's default 1000 messages per peer and silently drops the rest, so a reply of
 thousands of batches loses most of them. A gap inside a reply therefore ends that round
 and the task asks again from the batch after the last one it applied (a fresh socket: the
-rest of the old reply is dropped with it). Each round applies at least the first
+rest of the old reply is dropped with it); so does a reply that stops without its end
+marker (dropped too) for `_REPLAY_TAIL_MS`. Each round applies at least the first
 batches the ROUTER queued, so a buffer of 10 000 takes about ten rounds; a round that
 applies nothing ends the replay.
 
@@ -74,7 +75,10 @@ __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "KVEventsFeed", "events_endpoint", "offs
 logger = logging.getLogger("pdconnect.router.kvevents")
 
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_REPLAY_TIMEOUT_MS = 2000  # between two replayed batches
+_REPLAY_TIMEOUT_MS = 2000  # for the first batch of a reply
+# Between two batches of a reply: longer, and its tail (end marker included) was dropped,
+# so the round ends and the next asks from the batch after the last one applied.
+_REPLAY_TAIL_MS = 250
 _REPLAY_DEADLINE = 30.0  # for a whole replay (all its rounds), however chatty the engine is
 _RECONNECT_PAUSE = 1.0
 # Quiet time on an unsettled subscription before the task asks the replay whether the
@@ -340,8 +344,9 @@ class KVEventsFeed:
             await socket.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 left_ms = int((deadline - loop.time()) * 1000)
-                if left_ms <= 0 or not await socket.poll(min(_REPLAY_TIMEOUT_MS, left_ms)):
-                    return "replay_timeout", first
+                wait_ms = _REPLAY_TAIL_MS if applied else _REPLAY_TIMEOUT_MS
+                if left_ms <= 0 or not await socket.poll(min(wait_ms, left_ms)):
+                    return ("replay_timeout" if left_ms <= 0 or not applied else None), first
                 frames = await socket.recv_multipart()
                 if len(frames) == 4 and frames[2] == _END_SEQ:
                     sub.fresh = True  # the engine's buffer, up to its last batch, is in the index
