@@ -60,6 +60,8 @@ require_tools_venv()
 EXTERNAL = {
     *(("Secret", f"pdconnect-side-channel-{role}") for role in ("prefill", "decode", "router")),
     ("PersistentVolumeClaim", "vllm-models"),
+    # Client API keys, where components/api-keys is used (README: API surface).
+    ("Secret", "pdconnect-router-api-keys"),
 }
 # Custom resources: no built-in schema; their meaning is checked below instead.
 CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
@@ -70,40 +72,31 @@ GPU = "nvidia.com/gpu"
 # Answers 400 to kv_transfer_params of the wrong JSON types before the engine sees them
 # (docs/handoff-integrity.md); every engine with our connector runs behind it.
 GUARD_MIDDLEWARE = "connectors.api_guard.TransferParamsGuard"
+# The Mooncake/RDMA production overlays on H20 nodes share all but their engines' parallelism.
+_H20_RDMA: dict[str, Any] = {
+    "transport": "mooncake",
+    "protocol": "rdma",
+    "require_rdma": True,
+    "gpus": 8,
+    "speculative_method": "mtp",
+    "rdma_resource": "rdma/hca_shared_devices_a",
+    "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H20"},
+    "capabilities": [],
+    "servicemonitor": True,
+    "replicas": 2,
+    "route_headers": False,
+    # The engines describe their KV cache groups to the router (README: Decode-first routing).
+    "decode_first": True,
+    "api_keys": False,
+}
 # What each kustomization promises; checked in test_kustomization_is_what_it_says.
 EXPECTED: dict[str, dict[str, Any]] = {
-    "overlays/mooncake-rdma-h20": {
-        "transport": "mooncake",
-        "protocol": "rdma",
-        "require_rdma": True,
-        "gpus": 8,
-        "tensor_parallel_size": 8,
-        "speculative_method": "mtp",
-        "rdma_resource": "rdma/hca_shared_devices_a",
-        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H20"},
-        "capabilities": [],
-        "servicemonitor": True,
-        "replicas": 2,
-        "route_headers": False,
-        # The engines describe their KV cache groups to the router (README: Decode-first routing).
-        "decode_first": True,
-    },
+    "overlays/mooncake-rdma-h20": {**_H20_RDMA, "tensor_parallel_size": 8},
+    # Decode at attention DP8 (eight TP1 engine cores), fed by TP8 prefill.
     "overlays/mooncake-rdma-h20-decode-dp8": {
-        "transport": "mooncake",
-        "protocol": "rdma",
-        "require_rdma": True,
-        "gpus": 8,
-        # Decode at attention DP8 (eight TP1 engine cores), fed by TP8 prefill.
+        **_H20_RDMA,
         "tensor_parallel_size": {"prefill": 8, "decode": 1},
         "data_parallel_size": {"prefill": 1, "decode": 8},
-        "speculative_method": "mtp",
-        "rdma_resource": "rdma/hca_shared_devices_a",
-        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H20"},
-        "capabilities": [],
-        "servicemonitor": True,
-        "replicas": 2,
-        "route_headers": False,
-        "decode_first": True,
     },
     "overlays/nixl": {
         "transport": "nixl",
@@ -117,6 +110,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "servicemonitor": True,
         "replicas": 2,
         "decode_first": False,
+        "api_keys": False,
     },
     "overlays/cpu-smoke": {
         "transport": "mooncake",
@@ -134,6 +128,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "replicas": 1,
         "route_headers": True,
         "decode_first": True,
+        "api_keys": False,
     },
     "examples/custom-cluster": {
         "transport": "mooncake",
@@ -145,6 +140,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "namespace": "llm-serving",
         "model": "/models/gemma-3-27b-it",
         "decode_first": True,
+        # Clients need a key (components/api-keys).
+        "api_keys": True,
     },
 }
 
@@ -833,12 +830,7 @@ def test_each_role_reads_its_own_side_channel_secret_and_the_peer_keys(render_of
     """Prefill, decode and router each sign with a secret only their own pods get (a Secret
     per role), and read the public keys they check from it (docs/side-channel-trust.md)."""
     render = render_of(target)
-
-    def secret_of(workload: dict[str, Any], variable: str | None) -> tuple[str, str]:
-        var = next(v for v in _container(workload)["env"] if v["name"] == variable)
-        ref = var["valueFrom"]["secretKeyRef"]
-        return ref["name"], ref["key"]
-
+    secret_of = _secret_ref
     config = router_config(render)
     signing = {"router": secret_of(render.router(), config.side_channel_secret_env)}
     assert secret_of(render.router(), config.side_channel_peer_keys_env)[0] == signing["router"][0]
@@ -849,6 +841,83 @@ def test_each_role_reads_its_own_side_channel_secret_and_the_peer_keys(render_of
         assert secret_of(workload, settings.peer_keys_env)[0] == own[0], component
         signing["prefill" if role == "kv_producer" else "decode"] = own
     assert len(set(signing.values())) == 3, signing
+
+
+def _secret_ref(workload: dict[str, Any], variable: str | None) -> tuple[str, str]:
+    """(Secret, key) the container's environment variable `variable` is read from."""
+    var = next(v for v in _container(workload)["env"] if v["name"] == variable)
+    ref = var["valueFrom"]["secretKeyRef"]
+    return ref["name"], ref["key"]
+
+
+def secret_file(workload: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret, key) the file at `path` in the workload's first container is, through a
+    read-only Secret volume it mounts; AssertionError for anything else."""
+    container = _container(workload)
+    mounts = [m for m in container.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert len(mounts) == 1, f"{path} is on {len(mounts)} mounted volumes"
+    (mount,) = mounts
+    assert mount.get("readOnly") is True, f"{path}: the volume is writable"
+    volume = next(v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"])
+    assert "secret" in volume, f"{path}: volume {mount['name']} is no Secret"
+    inside = path[len(mount["mountPath"].rstrip("/")) + 1 :]
+    items = volume["secret"].get("items")
+    key = inside if items is None else next((i["key"] for i in items if i["path"] == inside), None)
+    assert key is not None, f"{path}: Secret {volume['secret']['secretName']} projects no item there"
+    return volume["secret"]["secretName"], key
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_replicas_sign_breaker_notices_with_a_secret_only_routers_hold(render_of, target: str) -> None:
+    """Breaker notices between routers are signed (`--replica-secret-env`): with the router
+    role's side-channel secret, which no engine pod reads (so no engine can forge one)."""
+    render = render_of(target)
+    config = router_config(render)
+    assert config.replica_secret_env is not None and config.replica_secret_file is None
+    secret = _secret_ref(render.router(), config.replica_secret_env)
+    assert secret == _secret_ref(render.router(), config.side_channel_secret_env)
+    for component, workload in render.engines().items():
+        names = {v["secret"]["secretName"] for v in pod_spec(workload).get("volumes", []) if "secret" in v}
+        names |= {
+            v["valueFrom"]["secretKeyRef"]["name"]
+            for c in pod_spec(workload)["containers"]
+            for v in c.get("env", [])
+            if "secretKeyRef" in v.get("valueFrom", {})
+        }
+        assert secret[0] not in names, component
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_router_reads_client_api_keys_from_a_secret_it_mounts(render_of, target: str) -> None:
+    """Where client keys are on (components/api-keys), `--api-keys-file` is a key of the
+    documented Secret, mounted read-only; keys are never inlined in an environment variable."""
+    render = render_of(target)
+    config = router_config(render)
+    assert config.api_keys_env is None, "client keys from a variable: use the api-keys component's file"
+    if config.api_keys_file is None:
+        return
+    name, key = secret_file(render.router(), config.api_keys_file)
+    assert (name, key) == ("pdconnect-router-api-keys", "keys.json")
+    assert ("Secret", name) in EXTERNAL
+
+
+def test_api_keys_on_a_writable_or_non_secret_volume_are_caught(render_of) -> None:
+    """The check above bites: the mount made writable, the volume an emptyDir, the path off the volume."""
+    router = copy.deepcopy(render_of("examples/custom-cluster").router())
+    path = router_config(render_of("examples/custom-cluster")).api_keys_file
+    assert path is not None
+    mount = next(m for m in _container(router)["volumeMounts"] if m["name"] == "api-keys")
+    volume = next(v for v in pod_spec(router)["volumes"] if v["name"] == "api-keys")
+    with pytest.raises(AssertionError, match="projects no item"):
+        secret_file(router, path.replace("keys.json", "other.json"))
+    mount["readOnly"] = False
+    with pytest.raises(AssertionError, match="writable"):
+        secret_file(router, path)
+    mount["readOnly"] = True
+    volume.pop("secret")
+    volume["emptyDir"] = {}
+    with pytest.raises(AssertionError, match="no Secret"):
+        secret_file(router, path)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -1094,6 +1163,8 @@ def test_kustomization_is_what_it_says(render_of, target: str) -> None:
         assert render.router()["metadata"]["namespace"] == want["namespace"]
     if "route_headers" in want:
         assert router_config(render).route_headers == want["route_headers"]
+    if "api_keys" in want:
+        assert (router_config(render).api_keys_file is not None) == want["api_keys"]
 
 
 def test_every_overlay_states_its_promises() -> None:

@@ -7,6 +7,11 @@ event publishers (vLLM's own event classes on a PUB socket) speak for the decode
 cache. Requests alternate between the two routers; each is in flight at its engine before
 the next is sent, so both routers route on settled counts.
 
+Breaker notices are signed with the replicas' shared secret (`--replica-secret-file`):
+notices posted to a real router's replica port unsigned, forged, stale or replayed
+change nothing there and are counted; the same notice signed with the secret opens the
+breaker.
+
 `ReplicaSet`'s counting (DNS answers, failures, the fail-safe maximum) runs in-process
 with a resolver the test controls.
 """
@@ -18,6 +23,8 @@ import contextlib
 import functools
 import json
 import signal
+import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,10 +35,12 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
+from pdconnect.errors import ConfigError
 from pdconnect.router.breaker import CircuitBreaker
 from pdconnect.router.config import DnsTarget
 from pdconnect.router.engines import EngineRegistry
-from pdconnect.router.replicas import ReplicaSet
+from pdconnect.router.options import parse_args
+from pdconnect.router.replicas import BREAKER_PATH, NOTICE_MAX_AGE, NoticeSigner, ReplicaSet, read_replica_secret
 from pdconnect.testbed.fake_engine import FakeCluster
 from pdconnect.testbed.processes import free_port
 from tests.router_support import RouterProcess, start_router_process
@@ -42,6 +51,7 @@ TOKENS = list(range(100, 132))  # 8 blocks of 4, all cached by the decode engine
 # 32 cached + 12 more: vLLM's lookup hits the 8 cached blocks, decode would prefill 12 itself.
 PROMPT = [*TOKENS, *range(900, 912)]
 UNCACHED = 12
+SECRET = b"replicas-of-this-test-share-this-secret-0123456789"
 
 
 @contextlib.asynccontextmanager
@@ -58,25 +68,44 @@ async def _fakes(decode: int) -> AsyncIterator[FakeCluster]:
 
 
 @contextlib.asynccontextmanager
-async def _replicas(fakes: FakeCluster, *args: str, peers: bool = True) -> AsyncIterator[list[RouterProcess]]:
-    """Two router processes before `fakes`, each told of both (unless `peers` is off: today's two routers)."""
+async def _replicas(
+    fakes: FakeCluster, *args: str, peers: bool = True, replica_urls: list[str] | None = None
+) -> AsyncIterator[list[RouterProcess]]:
+    """Two router processes before `fakes`, each told of both (unless `peers` is off: today's
+    two routers), signing notices with `SECRET`; their replica ports' URLs go to `replica_urls`."""
     ports = [free_port(), free_port()]
     replica_ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in replica_ports]
+    if replica_urls is not None:
+        replica_urls.extend(urls)
     routers: list[RouterProcess] = []
-    try:
-        for port, replica_port in zip(ports, replica_ports):
-            extra = ("--replica-peers", *urls, "--replica-port", str(replica_port)) if peers else ()
-            routers.append(await start_router_process(fakes, *args, *extra, "--admin-open", port=port))
-        yield routers
-    finally:
-        for router in routers:
-            router.process.send_signal(signal.SIGTERM)
-        for router in routers:
-            try:
-                await asyncio.wait_for(router.process.wait(), timeout=10)
-            except TimeoutError:
-                await router.kill()  # streams held by the stalled fakes outlast a polite stop
+    with tempfile.TemporaryDirectory() as tmp:
+        secret = Path(tmp) / "replica-secret"
+        secret.write_bytes(SECRET + b"\n")  # as a mounted Secret often ends
+        try:
+            for port, replica_port in zip(ports, replica_ports):
+                extra = (
+                    (
+                        "--replica-peers",
+                        *urls,
+                        "--replica-port",
+                        str(replica_port),
+                        "--replica-secret-file",
+                        str(secret),
+                    )
+                    if peers
+                    else ()
+                )
+                routers.append(await start_router_process(fakes, *args, *extra, "--admin-open", port=port))
+            yield routers
+        finally:
+            for router in routers:
+                router.process.send_signal(signal.SIGTERM)
+            for router in routers:
+                try:
+                    await asyncio.wait_for(router.process.wait(), timeout=10)
+                except TimeoutError:
+                    await router.kill()  # streams held by the stalled fakes outlast a polite stop
 
 
 async def _place(fakes: FakeCluster, routers: list[RouterProcess], body: dict[str, Any], requests: int) -> None:
@@ -241,6 +270,63 @@ async def _breaker_is(router: RouterProcess, url: str, state: str) -> bool:
     return await _breaker(router, url) == state
 
 
+async def _notice_results(router: RouterProcess) -> dict[str, float]:
+    async with aiohttp.ClientSession() as http, http.get(f"{router.url}/metrics") as resp:
+        text = await resp.text()
+    prefix = 'pdconnect_router_replica_notices_total{result="'
+    return {
+        line[len(prefix) :].partition('"')[0]: float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+@pytest.mark.asyncio
+async def test_a_FAKE_engine_router_acts_only_on_breaker_notices_signed_with_the_replicas_secret() -> None:
+    """Posted to a real router's replica port: a notice unsigned (401), signed with another
+    secret, signed long ago, or replayed (403) leaves its breaker closed and is counted; the
+    same notice signed with the replicas' secret opens it."""
+    replica_urls: list[str] = []
+    async with _fakes(decode=1) as fakes, _replicas(fakes, replica_urls=replica_urls) as (router, _):
+        decode = fakes.decode_urls[0]
+        body = json.dumps({"role": "decode", "url": decode, "dp_rank": None}).encode()
+        ours, theirs = NoticeSigner(SECRET), NoticeSigner(b"not-the-replicas-secret-but-as-long-as-one")
+        long_ago = NoticeSigner(SECRET, clock=lambda: time.time() - 2 * NOTICE_MAX_AGE)
+        genuine = ours.headers(body)
+        attempts: list[tuple[dict[str, str], int]] = [
+            ({}, 401),
+            (theirs.headers(body), 403),
+            ({**genuine, "X-Pdconnect-Replica-Timestamp": f"{time.time() + 1:.3f}"}, 403),  # not what was signed
+            (long_ago.headers(body), 403),
+            (genuine, 204),
+            (genuine, 403),  # the genuine one again: a replay
+        ]
+        opened = False
+        async with aiohttp.ClientSession() as http:
+            for headers, status in attempts:
+                async with http.post(f"{replica_urls[0]}{BREAKER_PATH}", data=body, headers=headers) as resp:
+                    assert resp.status == status, (headers, await resp.text())
+                opened = opened or status == 204
+                assert await _breaker(router, decode) == ("open" if opened else "closed"), headers
+        results = await _notice_results(router)
+        assert {k: results.get(k) for k in ("unsigned", "forged", "stale", "replayed", "applied")} == {
+            "unsigned": 1.0,
+            "forged": 2.0,
+            "stale": 1.0,
+            "replayed": 1.0,
+            "applied": 1.0,
+        }, results
+
+
+def test_replicas_without_a_shared_secret_or_with_a_short_one_refuse_to_start(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--replica-secret-file or --replica-secret-env"):
+        parse_args(["--decode", "http://d:8000", "--replica-peers", "http://r0:8090", "http://r1:8090"])
+    short = tmp_path / "secret"
+    short.write_bytes(b"a-password\n")
+    with pytest.raises(ConfigError, match="at least 32"):
+        read_replica_secret(str(short), None)
+
+
 # --- counting the replicas ---------------------------------------------------------------------
 
 
@@ -259,7 +345,7 @@ class _Dns:
 def _set(dns: _Dns, maximum: int = 3) -> ReplicaSet:
     registry = EngineRegistry(lambda: CircuitBreaker(3, 10.0), probed=False)
     target = DnsTarget("routers.ns.svc", 8081)
-    return ReplicaSet((), target, maximum, 10.0, registry, CollectorRegistry(), dns)
+    return ReplicaSet((), target, maximum, 10.0, registry, CollectorRegistry(), dns, signer=NoticeSigner(SECRET))
 
 
 @pytest.mark.asyncio
@@ -285,7 +371,7 @@ async def test_a_replica_counts_its_peers_from_dns_and_the_maximum_when_it_canno
 @pytest.mark.asyncio
 async def test_a_router_without_peers_keeps_the_whole_bounds() -> None:
     registry = EngineRegistry(lambda: CircuitBreaker(3, 10.0), probed=False)
-    replicas = ReplicaSet((), None, 4, 10.0, registry, CollectorRegistry())
+    replicas = ReplicaSet((), None, 4, 10.0, registry, CollectorRegistry(), signer=NoticeSigner(SECRET))
     assert (replicas.count, replicas.share(512)) == (1, 512)
 
 

@@ -55,7 +55,7 @@ from pdconnect.router.options import parse_args
 from pdconnect.router.policy import LoadBound, RoutingPolicy, make_policy
 from pdconnect.router.pools import Pools, build_pools, pool_source
 from pdconnect.router.releaser import PrefillReleaser
-from pdconnect.router.replicas import ReplicaSet, replica_count
+from pdconnect.router.replicas import NoticeSigner, ReplicaSet, read_replica_secret, replica_count
 from pdconnect.router.request import Endpoint
 from pdconnect.router.tracing import Tracing, TracingUnavailable, require_sdk, sample_ratio
 from pdconnect.router.upstream import UpstreamPool
@@ -151,6 +151,7 @@ class Router:
                 self.registry,
                 self.metrics.registry,
                 resolver,
+                signer=NoticeSigner(read_replica_secret(config.replica_secret_file, config.replica_secret_env)),
             )
             if config.replica_peers or config.replicas_dns
             else None

@@ -263,6 +263,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         int, Meta(ge=1, description="what a replica counts while it cannot see its peers: the most it shares with")
     ] = 4
     replica_port: Port | None = None
+    # The secret replicas sign breaker notices with (`replicas.NoticeSigner`), from a file or
+    # an environment variable: needed, and shared by all, whenever replicas are configured.
+    replica_secret_file: str | None = None
+    replica_secret_env: str | None = None
 
     # Several model pools behind one router, chosen by the body's `model` (`pools.py`);
     # `models`: the names the top-level engines serve (with pools, or to refuse unknown
@@ -309,6 +313,12 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             engine_origin(url)  # scheme://host:port: notices go to /replicas/breaker there
         if self.replicas_dns is not None:
             DnsTarget.parse(self.replicas_dns)
+        if (self.replica_peers or self.replicas_dns or self.replica_port) and (
+            (self.replica_secret_file is None) == (self.replica_secret_env is None)
+        ):
+            raise ConfigError(
+                "router replicas sign breaker notices: give --replica-secret-file or --replica-secret-env"
+            )
 
     def _check_rank_ports(self) -> None:
         """A data-parallel engine's rank r publishes on `kv_events_port + r` and replays on

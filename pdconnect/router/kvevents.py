@@ -8,14 +8,41 @@ by the engine's name (`<url>#dp<rank>`), and an index applies only its own rank'
 
 One asyncio task per engine: a ZMQ SUB socket on the engine's event endpoint reading
 `(topic, seq, payload)` frames as vLLM's `ZmqEventPublisher` sends them. Sequence
-numbers must follow each other; on a gap (a restart, a dropped message at the high-water
-mark) the task asks the engine's replay socket (ROUTER, `replay_endpoint` in vLLM's
-`--kv-events-config`) for everything from the first missing batch. Whenever batches are
-lost for good (no replay socket, a replay that fails or starts later than asked, an
-unreadable batch), the engine's index is dropped and rebuilt from the next batch on: an
-index built from a suffix of the stream is safe, since a removal of a block it never saw
-is a no-op. Until an index has applied a batch the engine counts as *not fresh* and the
-kv-aware policy routes by prefix affinity for it.
+numbers must follow each other. The engine keeps its last batches in a replay buffer
+(vLLM's `buffer_steps`, 10 000 by default) behind a ROUTER socket (`replay_endpoint` in
+`--kv-events-config`): a request of one start sequence number is answered with every
+buffered batch from it on, then an end marker. The task asks it as soon as it has
+subscribed (a router that starts late, or reconnects, learns what the engine cached
+before, even from an engine that publishes nothing more), and again from the first
+missing batch on every gap in the live stream (a restart, a message dropped at the
+high-water mark).
+
+A replay can itself arrive with gaps: vLLM sends the whole answer at once, its ROUTER
+queues ZMQ's default 1000 messages per peer and silently drops the rest, so a reply of
+thousands of batches loses most of them. A gap inside a reply therefore ends that round
+and the task asks again from the batch after the last one it applied (a fresh socket: the
+rest of the old reply is dropped with it); so does a reply that stops without its end
+marker (dropped too) for `_REPLAY_TAIL_MS`. Each round applies at least the first
+batches the ROUTER queued, so a buffer of 10 000 takes about ten rounds; a round that
+applies nothing ends the replay.
+
+An engine's next batch shows any gap before it, but an idle engine sends none: a replay
+that timed out, or live batches dropped after the last one heard (vLLM's PUB queues
+`hwm` messages per subscriber, then drops), would wait for traffic. So a replay that
+applied anything or did not answer to its end leaves the subscription *unsettled*, and
+so does every live batch: after `_SETTLE_MS` without a live batch the task asks again
+from its last batch, until a replay answers with nothing new. An engine publishing
+steadily is never asked; one that stops costs one short reply (the end marker alone)
+per subscriber. The work is bounded: `_REPLAY_DEADLINE` for a whole replay, and each
+batch is received by an await that yields the loop (pyzmq's asyncio sockets do on every
+message), so requests are routed between any two replayed batches.
+
+Whenever batches are lost for good (no replay socket, a replay that fails or starts later
+than asked, an unreadable batch), the engine's index is dropped and rebuilt from the next
+batch on: an index built from a suffix of the stream is safe, since a removal of a block
+it never saw is a no-op. Until an index has applied a batch, or a replay has answered to
+its end, the engine counts as *not fresh* and the kv-aware policy routes by prefix
+affinity for it.
 
 Bounded input: every frame over `max_message_bytes` makes ZMQ drop the connection
 (`ZMQ_MAXMSGSIZE`, on the SUB and the replay socket alike; the SUB reconnects and the gap
@@ -48,9 +75,15 @@ __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "KVEventsFeed", "events_endpoint", "offs
 logger = logging.getLogger("pdconnect.router.kvevents")
 
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_REPLAY_TIMEOUT_MS = 2000  # between two replayed batches
-_REPLAY_DEADLINE = 30.0  # for a whole replay, however chatty the engine is
+_REPLAY_TIMEOUT_MS = 2000  # for the first batch of a reply
+# Between two batches of a reply: longer, and its tail (end marker included) was dropped,
+# so the round ends and the next asks from the batch after the last one applied.
+_REPLAY_TAIL_MS = 250
+_REPLAY_DEADLINE = 30.0  # for a whole replay (all its rounds), however chatty the engine is
 _RECONNECT_PAUSE = 1.0
+# Quiet time on an unsettled subscription before the task asks the replay whether the
+# engine published more than it heard (module docstring).
+_SETTLE_MS = 1000
 # A store event for a 128k-token prompt is under 1 MB; a batch holds one scheduler step's.
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 _QUEUED_MESSAGES = 64  # per socket (ZMQ_RCVHWM): 64 x the message cap at the very worst
@@ -89,6 +122,10 @@ class _Subscription:
     last_seq: int | None = None
     replayed: range = range(0)  # sequence numbers the last replay applied (their live copies are late)
     fresh: bool = False
+    # Checked against the replay buffer since the last live batch: the last replay answered to
+    # its end with nothing new (or there is no replay socket). Unsettled, a quiet stream is
+    # followed by another replay.
+    settled: bool = True
     task: asyncio.Task[None] | None = None
 
 
@@ -202,9 +239,15 @@ class KVEventsFeed:
             try:
                 socket.setsockopt(zmq.SUBSCRIBE, b"")
                 socket.connect(sub.endpoint)
+                # Subscribed (or reconnected, index reset): what the engine published before is
+                # in its replay buffer. Live batches meanwhile queue on the SUB socket; those the
+                # replay applied are skipped, and a gap after it is replayed again.
+                await self._replay(sub, 0 if sub.last_seq is None else sub.last_seq + 1)
                 while True:
-                    ready = dict(await poller.poll())
-                    if socket in ready:
+                    ready = dict(await poller.poll(None if sub.settled else _SETTLE_MS))
+                    if not ready:
+                        await self._replay(sub, 0 if sub.last_seq is None else sub.last_seq + 1)
+                    elif socket in ready:
                         await self._receive(sub, await socket.recv_multipart())
                     elif monitor in ready:
                         await monitor.recv_multipart()
@@ -243,6 +286,7 @@ class KVEventsFeed:
             await self._replay(sub, sub.last_seq + 1)
         if sub.last_seq is None or seq > sub.last_seq:
             self._accept(sub, seq, payload)
+            sub.settled = sub.replay_endpoint is None  # what followed may have been dropped
 
     def _accept(self, sub: _Subscription, seq: int, payload: bytes) -> None:
         """Apply batch `seq`; one that does not follow the last applied starts a new index."""
@@ -262,33 +306,62 @@ class KVEventsFeed:
         self._count("ok")
 
     async def _replay(self, sub: _Subscription, start: int) -> None:
-        """Apply the batches from `start` on from the engine's replay buffer, if it has one."""
+        """Apply the batches from `start` on from the engine's replay buffer, if it has one, in
+        as many rounds as the reply's gaps take (module docstring)."""
         if sub.replay_endpoint is None:
             return
-        socket = self._socket(zmq.DEALER)
-        first = None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _REPLAY_DEADLINE
+        first: int | None = None  # the first batch this replay applied: live copies from it on are late
+        while True:
+            before = sub.last_seq
+            done, applied_from = await self._replay_round(sub, start, deadline)
+            first = applied_from if first is None else first
+            if first is not None and sub.last_seq is not None:
+                sub.replayed = range(first, sub.last_seq + 1)
+            sub.settled = done == "replay" and first is None
+            if done is not None:
+                self._count(done)
+                return
+            if sub.last_seq is None or sub.last_seq == before:
+                self._count("replay_stalled")  # a round that applied nothing: leave the rest to the live stream
+                return
+            self._count("replay_gap")
+            start = sub.last_seq + 1
+
+    async def _replay_round(self, sub: _Subscription, start: int, deadline: float) -> tuple[str | None, int | None]:
+        """One request for the batches from `start` on: applies them while they follow each
+        other. Returns the result to count when the replay is over ("replay": answered to the
+        end, "replay_timeout", "replay_frame"; None after a gap in the reply: ask again) and
+        the first batch applied (None: none)."""
+        assert sub.replay_endpoint is not None
+        socket = self._socket(zmq.DEALER)
+        loop = asyncio.get_running_loop()
+        applied = 0
+        first: int | None = None
         try:
             socket.connect(sub.replay_endpoint)
             await socket.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 left_ms = int((deadline - loop.time()) * 1000)
-                if left_ms <= 0 or not await socket.poll(min(_REPLAY_TIMEOUT_MS, left_ms)):
-                    self._count("replay_timeout")
-                    return
+                wait_ms = _REPLAY_TAIL_MS if applied else _REPLAY_TIMEOUT_MS
+                if left_ms <= 0 or not await socket.poll(min(wait_ms, left_ms)):
+                    return ("replay_timeout" if left_ms <= 0 or not applied else None), first
                 frames = await socket.recv_multipart()
                 if len(frames) == 4 and frames[2] == _END_SEQ:
-                    self._count("replay")
-                    return
+                    sub.fresh = True  # the engine's buffer, up to its last batch, is in the index
+                    return "replay", first
                 seq = _seq(frames[2]) if len(frames) == 4 else None
                 if seq is None:
                     self._invalid("replay_frame")  # a replay that answers garbage: stop listening
-                    return
-                if sub.last_seq is None or seq > sub.last_seq:
-                    self._accept(sub, seq, frames[3])
-                    first = seq if first is None else first
-                    sub.replayed = range(first, seq + 1)
+                    return "replay_frame", first
+                if sub.last_seq is not None and seq <= sub.last_seq:
+                    continue
+                if applied and sub.last_seq is not None and seq != sub.last_seq + 1:
+                    return None, first  # dropped on the way (the first batch of a reply never is)
+                self._accept(sub, seq, frames[3])
+                first = seq if first is None else first
+                applied += 1
         finally:
             socket.close(linger=0)
 

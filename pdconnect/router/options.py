@@ -125,6 +125,8 @@ _FLAGS = """
 --max-replicas: replicas counted while the peers cannot be counted (no DNS answer): the most the deployment
     runs
 --replica-port: serve peer replicas' breaker notices on this port
+--replica-secret-file PATH: file holding the secret every replica signs notices with
+--replica-secret-env NAME: environment variable holding that secret instead
 """
 _FLAG = re.compile(r"--(?P<flag>[a-z-]+)(?: (?P<metavar>\S+))?: (?P<help>.+)")
 # Flags named otherwise than their field: one --pool a pool.

@@ -23,30 +23,116 @@ requests: when one opens, the replica posts it to every peer (`/replicas/breaker
 peers' replica port), and a peer whose breaker for that engine is closed opens it too
 (`CircuitBreaker.trip`), cooling down as if it had seen the failures. A lost notice costs
 that peer its own `breaker_failures` failures, as before.
+
+A notice can take an engine out of every replica's rotation, so the replica port takes
+only signed ones (`NoticeSigner`): HMAC-SHA256 over the notice's timestamp and body,
+under a key derived from a secret all replicas share (`--replica-secret-env` /
+`--replica-secret-file`; the deploy gives them the router role's side-channel secret,
+which only router pods mount, under a domain string of its own). A notice without a
+signature is refused with 401; one with a wrong signature, a timestamp more than
+`NOTICE_MAX_AGE` seconds from the receiver's clock, or a signature already taken
+(a replay) with 403, each counted by reason in `pdconnect_router_replica_notices`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
+import os
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pdconnect.errors import ConfigError
+from pdconnect.keyring import MIN_SECRET_BYTES
 from pdconnect.router.config import DnsTarget
 from pdconnect.router.discovery import Resolver, resolve_addresses, url_of
 from pdconnect.router.engines import Engine, EngineRegistry, Role
 
-__all__ = ["BREAKER_PATH", "BreakerNotice", "ReplicaSet"]
+__all__ = [
+    "BREAKER_PATH",
+    "NOTICE_MAX_AGE",
+    "SIGNATURE_HEADER",
+    "TIMESTAMP_HEADER",
+    "BreakerNotice",
+    "NoticeSigner",
+    "ReplicaSet",
+    "read_replica_secret",
+]
 
 logger = logging.getLogger("pdconnect.router.replicas")
 
 BREAKER_PATH = "/replicas/breaker"
 _NOTICE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 _NOTICE_LIMIT = 4096
+TIMESTAMP_HEADER = "X-Pdconnect-Replica-Timestamp"
+SIGNATURE_HEADER = "X-Pdconnect-Replica-Signature"
+# How far a notice's timestamp may be from the receiver's clock (both ways: clocks skew).
+# Every signature taken within it is remembered, so a notice cannot be replayed.
+NOTICE_MAX_AGE = 30.0
+_DERIVATION_DOMAIN = b"pdconnect router replica notices v1\x00"
+
+
+def read_replica_secret(file: str | None, env: str | None) -> bytes:
+    """The replicas' shared secret from a file or an environment variable, read once at start;
+    ConfigError when it is missing or shorter than `keyring.MIN_SECRET_BYTES`."""
+    if file is not None:
+        try:
+            secret = Path(file).read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the replica secret {file!r}: {exc}") from None
+    else:
+        secret = os.environ.get(env or "", "").encode().strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        where = file if file is not None else f"${env}"
+        raise ConfigError(
+            f"the replica secret ({where}) is {len(secret)} bytes; it must be at least {MIN_SECRET_BYTES} "
+            "(e.g. `openssl rand -hex 32`)"
+        )
+    return secret
+
+
+class NoticeSigner:
+    """Signs and checks breaker notices between replicas: HMAC-SHA256 over the timestamp and body."""
+
+    def __init__(self, secret: bytes, clock: Callable[[], float] = time.time) -> None:
+        # A key of its own, derived under a domain string: the secret may be one used elsewhere.
+        self._key = hashlib.sha256(_DERIVATION_DOMAIN + secret.strip()).digest()
+        self._clock = clock
+        self._taken: dict[str, float] = {}  # signature -> when it stops being fresh
+
+    def _mac(self, timestamp: str, body: bytes) -> str:
+        return hmac.new(self._key, timestamp.encode() + b"\n" + body, hashlib.sha256).hexdigest()
+
+    def headers(self, body: bytes) -> dict[str, str]:
+        timestamp = f"{self._clock():.3f}"
+        return {TIMESTAMP_HEADER: timestamp, SIGNATURE_HEADER: self._mac(timestamp, body)}
+
+    def check(self, timestamp: str | None, signature: str | None, body: bytes) -> str | None:
+        """None for a notice to act on, else why it is refused: "unsigned", "forged", "stale", "replayed"."""
+        if not timestamp or not signature:
+            return "unsigned"
+        if not hmac.compare_digest(self._mac(timestamp, body), signature):
+            return "forged"
+        now = self._clock()
+        try:
+            sent = float(timestamp)
+        except ValueError:
+            return "forged"  # signed, so one of ours; but no time of ours either
+        if not abs(now - sent) <= NOTICE_MAX_AGE:  # `not`: a NaN is stale too
+            return "stale"
+        self._taken = {sig: until for sig, until in self._taken.items() if until > now}
+        if signature in self._taken:
+            return "replayed"
+        self._taken[signature] = sent + NOTICE_MAX_AGE
+        return None
 
 
 class BreakerNotice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -70,7 +156,10 @@ class ReplicaSet:
         registry: EngineRegistry,
         metrics: CollectorRegistry,
         resolver: Resolver = resolve_addresses,
+        *,
+        signer: NoticeSigner,
     ) -> None:
+        self._signer = signer
         self._static = tuple(dict.fromkeys(peers))
         self._target = target
         self._maximum = maximum
@@ -87,7 +176,8 @@ class ReplicaSet:
         )
         self._notices = Counter(
             "pdconnect_router_replica_notices",
-            "Breaker notices between router replicas, by result (sent, failed, received, applied, unknown_engine)",
+            "Breaker notices between router replicas, by result (sent, failed, rejected by the peer, received, "
+            "applied, unknown_engine; refused here: unsigned, forged, stale, replayed)",
             ["result"],
             registry=metrics,
         )
@@ -163,17 +253,22 @@ class ReplicaSet:
             async with self._session.post(
                 f"{peer}{BREAKER_PATH}",
                 data=notice,
-                headers={"Content-Type": "application/json"},
+                headers={"Content-Type": "application/json", **self._signer.headers(notice)},
                 timeout=_NOTICE_TIMEOUT,
             ) as resp:
                 await resp.content.read(_NOTICE_LIMIT)
-                ok = resp.status < 500
+                result = "sent" if resp.status < 500 else "failed"
+                if resp.status in (401, 403):
+                    result = "rejected"  # the peer holds another secret (or another clock)
+                    logger.warning(
+                        "breaker notice to %s refused (%d): do the replicas share a secret?", peer, resp.status
+                    )
         except (aiohttp.ClientError, TimeoutError, OSError):
-            ok = False
+            result = "failed"
         except Exception:  # a helper task: whatever else fails a notice is a failed notice
             logger.exception("breaker notice to %s failed", peer)
-            ok = False
-        self._notices.labels("sent" if ok else "failed").inc()
+            result = "failed"
+        self._notices.labels(result).inc()
 
     def build_app(self) -> web.Application:
         """The replica port's app: breaker notices from peers."""
@@ -183,8 +278,14 @@ class ReplicaSet:
 
     async def _receive(self, request: web.Request) -> web.Response:
         self._notices.labels("received").inc()
+        body = await request.read()
+        refused = self._signer.check(request.headers.get(TIMESTAMP_HEADER), request.headers.get(SIGNATURE_HEADER), body)
+        if refused is not None:
+            self._notices.labels(refused).inc()
+            logger.warning("breaker notice from %s refused: %s", request.remote, refused)
+            return web.Response(status=401 if refused == "unsigned" else 403, text=f"notice refused: {refused}")
         try:
-            notice: BreakerNotice = msgspec.json.decode(await request.read(), type=BreakerNotice)
+            notice: BreakerNotice = msgspec.json.decode(body, type=BreakerNotice)
             role = Role(notice.role)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
             return web.Response(status=400, text="a breaker notice is {role, url, dp_rank}")
