@@ -207,8 +207,17 @@ def test_the_json_access_line_written_by_the_handler_is_the_line_logging_writes(
     saved = (list(root.handlers), root.level)
     entry = AccessEntry("POST", "/v1/completions", 200, "ok", "pd", "p", "d", 0.01, 0.02)
     logger = logging.getLogger(ACCESS_LOGGER)
+    # A router process's tree: a connector test earlier in this process may have handed the
+    # `pdconnect` loggers vLLM's handlers (as an engine does), and then the direct path
+    # rightly steps aside.
+    chain = [logging.getLogger(name) for name in ("pdconnect", "pdconnect.router", ACCESS_LOGGER)]
+    saved_chain = [(list(node.handlers), node.level, node.propagate, node.disabled) for node in chain]
     context = contextvars.copy_context()  # the request's ids stay in this test
     try:
+        for node in chain:
+            node.handlers[:] = []
+            node.setLevel(logging.NOTSET)
+            node.propagate, node.disabled = True, False
         configure_logging("info", "json")
         context.run(bind_request, "direct-1", TRACE_ID)
         through_logging: list[object] = []
@@ -229,6 +238,10 @@ def test_the_json_access_line_written_by_the_handler_is_the_line_logging_writes(
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
+        for node, (handlers, level, propagate, disabled) in zip(chain, saved_chain):
+            node.handlers[:] = handlers
+            node.setLevel(level)
+            node.propagate, node.disabled = propagate, disabled
     assert direct.pop("time")[:4] == via_logging.pop("time")[:4]
     assert direct == via_logging
     assert (direct["request_id"], direct["trace_id"], direct["status"], direct["decode"]) == (
