@@ -98,9 +98,7 @@ async def make() -> AsyncIterator[Callable[..., Awaitable[Setup]]]:
 
     yield factory
     for s in made:
-        await s.http.close()
-        await s.router.close()
-        await s.fakes.close()
+        await s.close()
 
 
 # Long enough that a loaded 2-core host's ordinary hiccups stay quiet; the stalls that

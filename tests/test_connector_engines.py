@@ -223,17 +223,8 @@ def test_ill_typed_transfer_params_are_computed_locally_and_the_engine_keeps_ser
     want = token_ids(colocated(http, pair.single, prompt)[1])
     outcomes = []
     for value in JSON_VALUES:
-        response = http.post(
-            f"{pair.decode.base_url}/v1/completions",
-            json={
-                "model": MODEL_NAME,
-                "prompt": prompt,
-                "max_tokens": DECODE_TOKENS,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-                "vllm_xargs": {"kv_transfer_params": value},
-            },
+        response = completion(
+            http, pair.decode.base_url, prompt, DECODE_TOKENS, vllm_xargs={"kv_transfer_params": value}
         )
         outcomes.append((value, response.status_code))
         assert pair.decode.is_running(), f"decode died on vllm_xargs.kv_transfer_params={value!r}: {outcomes}"
