@@ -1,9 +1,11 @@
-"""What the real-engine parity suites share: the colocated reference, answers compared, pools drained, a chat.
+"""What the real-engine parity suites share: the colocated reference, answers compared, pools drained, the cases.
 
 `tests/test_connector_engines.py` (one rank a side) and `tests/test_tp_engines.py` (every
 pairing of TP 1 and 2) compare a P/D pair with one engine alone serving the same model and
 flags: the same tokens and logprobs, and on sibling prompts the same decode-local
-prefix-cache hit.
+prefix-cache hit. A suite wraps its pair and reference in a `Traffic` and runs the cases
+here on it: `first_pull`, `serial_sibling` and the real traffic shapes (`TRAFFIC_SHAPES`:
+long-suffix siblings, concurrent siblings, a multi-turn chat).
 """
 
 from __future__ import annotations
