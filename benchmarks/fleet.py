@@ -139,7 +139,7 @@ def record_engine(geometry_name: str, engine_no: int, work: Workload) -> EngineT
     from vllm.distributed.kv_events import BlockRemoved, KVEventBatch
 
     from connectors.geometry import Geometry, GroupGeometry
-    from connectors.kvsim import make_request
+    from connectors.kvsim import SimulatedEngine
     from connectors.vllm_adapter import build_kv_cache_manager
 
     groups, _ = GEOMETRIES[geometry_name]
@@ -155,6 +155,7 @@ def record_engine(geometry_name: str, engine_no: int, work: Workload) -> EngineT
     manager = build_kv_cache_manager(
         geometry, num_blocks, max_model_len=work.max_tokens + 8192, enable_kv_cache_events=True
     )
+    engine = SimulatedEngine(geometry, manager)
     rank = engine_no % work.dp_ranks
     name = engine_name(f"http://decode-{engine_no // work.dp_ranks}:8000", rank)  # keyed as the router keys it
     trace = EngineTrace(name, rank, [], [], 0, 0, 0)
@@ -181,22 +182,8 @@ def record_engine(geometry_name: str, engine_no: int, work: Workload) -> EngineT
         for segment in conversations[c][: sent[c]]:
             prompt.extend(segment)
         tokens = prompt.tolist()
-        request = make_request(f"e{engine_no}c{c}t{trace.requests}", tokens, geometry.hash_block_size)
-        blocks_hit, hit, boundary = manager.get_computed_blocks(request)
-        request.shared_prefix_boundary = boundary  # as the scheduler does (kvsim.prefill)
-        done, first = hit, True
-        while done < len(tokens):
-            step = min(work.chunk, len(tokens) - done)
-            allocated = manager.allocate_slots(
-                request,
-                step,
-                num_new_computed_tokens=hit if first else 0,
-                new_computed_blocks=blocks_hit if first else None,
-            )
-            assert allocated is not None, "pool too small"
-            request.num_computed_tokens += step + (hit if first else 0)
-            done, first = done + step, False
-            publish()
+        request = engine.new_request(f"e{engine_no}c{c}t{trace.requests}", tokens)
+        hit = engine.prefill(request, work.chunk, after_step=publish)
         manager.free(request)
         publish()
         trace.requests += 1
@@ -207,7 +194,7 @@ def record_engine(geometry_name: str, engine_no: int, work: Workload) -> EngineT
             probe.extend(segment)
         probe.extend(_tokens(rng, rng.randrange(500, 4000)))  # the next turn
         trace.probes.append(probe)
-        _, real, _ = manager.get_computed_blocks(make_request(f"probe{c}", probe.tolist(), geometry.hash_block_size))
+        _, real, _ = manager.get_computed_blocks(engine.new_request(f"probe{c}", probe.tolist()))
         trace.real_hits.append(real)
     return trace
 

@@ -10,6 +10,7 @@ planned from the prefill engine's own junction, as the connector plans it.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm.sampling_params import SamplingParams
@@ -66,12 +67,13 @@ class SimulatedEngine:
     def new_request(self, request_id: str, tokens: list[int]) -> Request:
         return make_request(request_id, tokens, self.geometry.hash_block_size)
 
-    def prefill(self, request: Request, chunk: int | None = None) -> int:
+    def prefill(self, request: Request, chunk: int | None = None, after_step: Callable[[], None] | None = None) -> int:
         """Compute the whole prompt locally, in one step or in chunks, as the scheduler would.
 
         Returns the local prefix-cache hit at admission. Like the scheduler, stores the
         lookup's junction in `request.shared_prefix_boundary` before allocating, so the
-        core caches the junction's sliding-window run too.
+        core caches the junction's sliding-window run too. `after_step` runs after each
+        step's allocation (a benchmark publishes the KV events an engine's step would).
         """
         blocks, hit, boundary = self.manager.get_computed_blocks(request)
         request.shared_prefix_boundary = boundary
@@ -89,6 +91,8 @@ class SimulatedEngine:
             request.num_computed_tokens += step + (hit if first else 0)
             remaining -= step
             first = False
+            if after_step is not None:
+                after_step()
         return hit
 
     def serve(self, request_id: str, tokens: list[int], chunk: int | None = None) -> int:

@@ -120,37 +120,15 @@ BLOCK_PAIRS = [(0, 5), (7, 0), (36, 17), (3, 36), (20, 21)]
 
 def check_layouts(torch: Any, device: str) -> list[str]:
     """Failures (empty: all passed) of kvlayout on vLLM 0.33's own KV allocations."""
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-        compute_layout_strides,
-    )
     from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.worker.utils import allocate_kv_cache
 
     from pdconnect.kvlayout import TensorLayout, locate_block_dim, pull_ranges_for_layers
 
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     failures: list[str] = []
     for layout in KVCacheLayout:
-        layer_stride, block_stride, *_ = compute_layout_strides(spec, NUM_BLOCKS, len(LAYERS), layout)
-        config = KVCacheConfig(
-            num_blocks=NUM_BLOCKS,
-            kv_cache_tensors=[
-                KVCacheTensor(
-                    size=len(LAYERS) * NUM_BLOCKS * spec.page_size_bytes,
-                    layers=list(LAYERS),
-                    layer_stride=layer_stride,
-                    block_stride=block_stride,
-                )
-            ],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
-        )
         try:
-            local = allocate_kv_cache(config, torch.device(device), layout)
-            remote = allocate_kv_cache(config, torch.device(device), layout)
+            _, local = _allocate(torch, device, layout, 2)
+            _, remote = _allocate(torch, device, layout, 2)
             remote_bytes = _storage_bytes(torch, remote[LAYERS[0]])
             remote_bytes.random_(0, 256)
             local_bytes = _storage_bytes(torch, local[LAYERS[0]])

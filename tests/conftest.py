@@ -4,6 +4,8 @@
   once per module (test_deploy.py, test_images.py).
 - `make`: starts routers in front of fake engines (`tests/router_support.py`) and closes
   them after the test (test_router_flow.py, test_router_edge.py).
+- `cluster`, `http`: a real-engine module's processes (stopped at its end) and its HTTP
+  client (test_connector_engines.py, test_tp_engines.py, test_decode_first_engines.py).
 
 Every process the tests start (vLLM engines through our plugin, spawned SimEngines) runs
 the stall watch (`pdconnect.stallwatch`): a process whose Python stops running for
@@ -16,15 +18,19 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import pytest_asyncio
 
+from pdconnect.bench.scrape import engine_client
 from pdconnect.stallwatch import STALL_WATCH_ENV, records_in
+from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S
 from pdconnect.testbed.paths import default_build_dir
+from pdconnect.testbed.processes import Cluster
 from tests.deploy_support import DEPLOY, TARGETS, Render, deploy_tool
 from tests.router_support import Setup, start_setup
 
@@ -70,6 +76,18 @@ def render_of(renders: dict[str, str | Exception]):
     return get
 
 
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Cluster() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    with engine_client(REQUEST_TIMEOUT_S) as client:
+        yield client
+
+
 @pytest_asyncio.fixture
 async def make() -> AsyncIterator[Callable[..., Awaitable[Setup]]]:
     made: list[Setup] = []
@@ -80,9 +98,7 @@ async def make() -> AsyncIterator[Callable[..., Awaitable[Setup]]]:
 
     yield factory
     for s in made:
-        await s.http.close()
-        await s.router.close()
-        await s.fakes.close()
+        await s.close()
 
 
 # Long enough that a loaded 2-core host's ordinary hiccups stay quiet; the stalls that

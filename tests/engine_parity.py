@@ -1,9 +1,11 @@
-"""What the real-engine parity suites share: the colocated reference, answers compared, pools drained, a chat.
+"""What the real-engine parity suites share: the colocated reference, answers compared, pools drained, the cases.
 
 `tests/test_connector_engines.py` (one rank a side) and `tests/test_tp_engines.py` (every
 pairing of TP 1 and 2) compare a P/D pair with one engine alone serving the same model and
 flags: the same tokens and logprobs, and on sibling prompts the same decode-local
-prefix-cache hit.
+prefix-cache hit. A suite wraps its pair and reference in a `Traffic` and runs the cases
+here on it: `first_pull`, `serial_sibling` and the real traffic shapes (`TRAFFIC_SHAPES`:
+long-suffix siblings, concurrent siblings, a multi-turn chat).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import httpx
 import pytest
 
 from pdconnect.bench.scrape import PrefixCacheCounters, fetch_metrics
-from pdconnect.testbed.engine_calls import PDResult, completed, completion, prompt_ids, token_ids
+from pdconnect.testbed.engine_calls import PDResult, completed, completion, prompt_ids, serve_pd, token_ids
 from pdconnect.testbed.processes import ManagedProcess
 from pdconnect.testbed.recipes import engine_args
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
@@ -115,23 +117,83 @@ def chat(serve: Callable[[list[int]], tuple[int, dict]], seed: int) -> list[int]
 
 
 # --- real traffic shapes, each against its colocated reference -------------------------------
-#
-# `serve` sends one prompt prefill-then-decode; `reference` answers prompts on the colocated
-# engine, in order (local hit and body each); `seed(base)` gives the suite's seeds. Each
-# shape asserts, leaves the pools to the caller and returns the rows it reports.
-
-Serve = Callable[[list[int]], PDResult]
-Reference = Callable[[list[list[int]]], list[tuple[int, dict]]]
 
 
-def long_suffix_siblings(serve: Serve, reference: Reference, seed: Callable[[int], int]) -> dict[str, object]:
+@dataclass(frozen=True)
+class Traffic:
+    """A P/D pair and its colocated reference, as the traffic shapes drive them.
+
+    The reference may be the decode engine itself (an engine of the decode's shape
+    computing alone): its prefix cache is then emptied after each reference run and
+    between the reference chat and the P/D one, so P/D requests find nothing local.
+    Each shape asserts, leaves the pools to the caller and returns the rows it reports.
+    """
+
+    http: httpx.Client
+    prefill: ManagedProcess
+    decode: ManagedProcess
+    reference: ManagedProcess
+    seed: Callable[[int], int]  # the suite's seeds, distinct per pair
+
+    def serve(self, prompt: list[int]) -> PDResult:
+        """One prompt prefill-then-decode."""
+        return serve_pd(self.http, self.prefill.base_url, self.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
+
+    def alone(self, prompts: list[list[int]]) -> list[tuple[int, dict]]:
+        """Each prompt's local hit and answer on the reference, in order."""
+        answers = [colocated(self.http, self.reference, prompt) for prompt in prompts]
+        self.forget_reference()
+        return answers
+
+    def decode_counters(self) -> PrefixCacheCounters:
+        return PrefixCacheCounters.scrape(self.decode.base_url, self.http)
+
+    def forget_reference(self) -> None:
+        """Empty the reference's prefix cache when it is the decode engine."""
+        if self.reference is self.decode:
+            reset_prefix_cache(self.http, self.decode)
+
+
+def first_pull(traffic: Traffic, seed: int) -> PDResult:
+    """A new PROMPT_TOKENS-token prompt: nothing local on decode, every token pulled, and
+    the same tokens and logprobs as the reference. Returns its P/D result."""
+    prompt = prompt_ids(seed=traffic.seed(seed), length=PROMPT_TOKENS)
+    [(_, alone)] = traffic.alone([prompt])
+
+    served = traffic.serve(prompt)
+
+    same_answer(served.body, alone)
+    # Loaded over the connector, not recomputed: nothing local, everything external.
+    assert (served.decode.hits, served.decode.external_hits) == (0, PROMPT_TOKENS)
+    return served
+
+
+def serial_sibling(traffic: Traffic, seed: int) -> tuple[int, PDResult]:
+    """A prompt, then its sibling SIBLING_EXTRA tokens longer: the sibling hits the decode
+    engine's own prefix cache exactly as much as the reference's, pulls only the rest and
+    answers as the reference. Returns the reference's hit and the sibling's P/D result."""
+    prefix = prompt_ids(seed=traffic.seed(seed), length=PROMPT_TOKENS)
+    sibling = prefix + prompt_ids(seed=traffic.seed(seed + 1), length=SIBLING_EXTRA)
+    [_, (colocated_hit, alone)] = traffic.alone([prefix, sibling])
+
+    traffic.serve(prefix)
+    second = traffic.serve(sibling)
+
+    assert colocated_hit > 0  # 768 for the Llama (block 128), 512 for MiMo-V2 (alignment 256)
+    assert second.decode.hits == colocated_hit
+    assert second.decode.external_hits == len(sibling) - colocated_hit  # only the rest is pulled
+    same_answer(second.body, alone)
+    return colocated_hit, second
+
+
+def long_suffix_siblings(traffic: Traffic) -> dict[str, object]:
     """Three siblings of a 1100-token prefix with LONG_SUFFIX-token suffixes, one after the
     other: each decode-local hit equals the colocated engine's."""
-    prefix = prompt_ids(seed=seed(31), length=1100)
-    siblings = [prefix + prompt_ids(seed=seed(32 + i), length=LONG_SUFFIX) for i in range(3)]
+    prefix = prompt_ids(seed=traffic.seed(31), length=1100)
+    siblings = [prefix + prompt_ids(seed=traffic.seed(32 + i), length=LONG_SUFFIX) for i in range(3)]
 
-    alone = reference(siblings)
-    served = [serve(prompt) for prompt in siblings]
+    alone = traffic.alone(siblings)
+    served = [traffic.serve(prompt) for prompt in siblings]
 
     assert alone[2][0] > 0  # the third sibling hits at the junction the second left
     assert [int(s.decode.hits) for s in served] == [hit for hit, _ in alone]
@@ -144,23 +206,21 @@ def long_suffix_siblings(serve: Serve, reference: Reference, seed: Callable[[int
     }
 
 
-def concurrent_siblings(
-    serve: Serve, reference: Reference, seed: Callable[[int], int], decode_counters: Callable[[], PrefixCacheCounters]
-) -> dict[str, object]:
+def concurrent_siblings(traffic: Traffic) -> dict[str, object]:
     """Four siblings of a 1200-token prefix at once: together they hit at least what serial
     followers would, never more than the prefix they share, and answer as the colocated engine."""
     # 1200 + 64: the first sibling's replay run covers blocks the second fully shares, so
     # a serial sibling hits (1100 + 64 would hit 0 even colocated: the run ends past 1100).
-    prefix = prompt_ids(seed=seed(41), length=1200)
-    siblings = [prefix + prompt_ids(seed=seed(42 + i), length=SIBLING_EXTRA) for i in range(4)]
-    alone = reference(siblings)
+    prefix = prompt_ids(seed=traffic.seed(41), length=1200)
+    siblings = [prefix + prompt_ids(seed=traffic.seed(42 + i), length=SIBLING_EXTRA) for i in range(4)]
+    alone = traffic.alone(siblings)
     serial_hits = [hit for hit, _ in alone[1:]]
-    before = decode_counters()
+    before = traffic.decode_counters()
 
     with ThreadPoolExecutor(len(siblings)) as pool:
-        served = list(pool.map(serve, siblings))
+        served = list(pool.map(traffic.serve, siblings))
 
-    decode = decode_counters() - before
+    decode = traffic.decode_counters() - before
     assert serial_hits[0] > 0
     # Every follower hits at least the leader's replay run, as the second serial sibling
     # does, not only a later one. Where a follower's hit leaves a shared-prefix junction
@@ -181,30 +241,33 @@ def concurrent_siblings(
     }
 
 
-def multi_turn_chat(
-    serve: Serve,
-    reference: Callable[[list[int]], tuple[int, dict]],
-    seed: Callable[[int], int],
-    between: Callable[[], None] = lambda: None,
-) -> dict[str, object]:
-    """A CHAT_TURNS-turn chat on the colocated engine (`reference`, one turn at a time), then
-    (after `between`) over P/D: every turn's decode-local hit and answer equal its."""
+def multi_turn_chat(traffic: Traffic) -> dict[str, object]:
+    """A CHAT_TURNS-turn chat on the colocated engine (one turn at a time), then over P/D:
+    every turn's decode-local hit and answer equal its."""
     answers: dict[int, dict] = {}
 
     def alone(prompt: list[int]) -> tuple[int, dict]:
-        hit, body = reference(prompt)
+        hit, body = colocated(traffic.http, traffic.reference, prompt)
         answers[len(prompt)] = body
         return hit, body
 
     def pd(prompt: list[int]) -> tuple[int, dict]:
-        done = serve(prompt)
+        done = traffic.serve(prompt)
         same_answer(done.body, answers[len(prompt)])
         return int(done.decode.hits), done.body
 
-    expected = chat(alone, seed(51))
-    between()
-    served = chat(pd, seed(51))
+    expected = chat(alone, traffic.seed(51))
+    traffic.forget_reference()
+    served = chat(pd, traffic.seed(51))
 
     assert sum(expected[1:]) > 0
     assert served == expected
     return {"colocated": expected, "decode_local": served}
+
+
+# Each shape by the name its report row carries: a suite parametrizes one test over them.
+TRAFFIC_SHAPES: dict[str, Callable[[Traffic], dict[str, object]]] = {
+    "long-suffix-siblings": long_suffix_siblings,
+    "concurrent-siblings": concurrent_siblings,
+    "multi-turn": multi_turn_chat,
+}

@@ -5,7 +5,7 @@ writes checkable values into the KV blocks it "computes": a real `Scheduler` (wh
 creates our connector's scheduler half through vLLM's factory), our real worker half
 with real CPU tensors registered with a real transport, and a step loop shaped like
 EngineCore's. `RemoteEngine` runs one in a child process, so bytes really cross a
-process boundary over Mooncake or NIXL.
+process boundary over Mooncake or NIXL. `module_engine` makes either a module's fixture.
 
 The KV value of a block is a function of the tokens it covers (and its group and layer),
 so any engine can check that a block it holds — pulled, or hit in its prefix cache —
@@ -18,12 +18,13 @@ import multiprocessing as mp
 import time
 import zlib
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
@@ -450,3 +451,19 @@ class RemoteEngine:
                 self.call("stop", timeout=10)
             finally:
                 self.process.join(timeout=10)
+
+
+def module_engine(kind: type[SimEngine | RemoteEngine], **kwargs: Any) -> Any:
+    """A module-scoped fixture: a `kind` engine made with `kwargs`, shut down after the
+    module (assign it to the fixture's name: `decode = module_engine(SimEngine, ...)`)."""
+
+    @pytest.fixture(scope="module")
+    def engine() -> Iterator[SimEngine | RemoteEngine]:
+        started = kind(**kwargs)
+        yield started
+        if isinstance(started, RemoteEngine):
+            started.stop()
+        else:
+            started.shutdown()
+
+    return engine

@@ -30,6 +30,7 @@ __all__ = [
     "CHAT",
     "COMPLETION",
     "HANG",
+    "ManualClock",
     "RouterProcess",
     "Setup",
     "peak_rss_bytes",
@@ -65,6 +66,21 @@ class Setup:
         async with asyncio.timeout(HANG):
             async with self.http.post(self.router.url + path, json=body, **kw) as resp:
                 return resp.status, dict(resp.headers), await resp.read()
+
+    async def close(self) -> None:
+        await self.http.close()
+        await self.router.close()
+        await self.fakes.close()
+
+
+class ManualClock:
+    """A clock that moves only when a test sets `now` (for breakers, buckets, windows)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def router_config_for(fakes: FakeCluster, **options: Any) -> RouterConfig:

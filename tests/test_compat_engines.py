@@ -23,9 +23,9 @@ import pytest
 
 from pdconnect.bench.scrape import engine_client, fetch_metrics
 from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S, completed, completion, prompt_ids
-from pdconnect.testbed.local_pd import start_router, wait_warm
+from pdconnect.testbed.local_pd import start_router
 from pdconnect.testbed.processes import Cluster, ManagedProcess
-from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server
+from pdconnect.testbed.recipes import MODEL_NAME, SPEC, engine_args, pd_kv_transfer, ready_and_warm, vllm_server
 from pdconnect.testbed.tinymodel import ensure_model
 from tests.waiting import wait_until
 
@@ -58,7 +58,7 @@ def pair() -> Iterator[Pair]:
             )
             started.append(cluster.start(server))
         prefill, decode = started
-        wait_warm(cluster, prefill, decode)
+        ready_and_warm(cluster, [prefill, decode])
         router, _ = start_router(cluster, "compat", prefill, decode, request_timeout_s=REQUEST_TIMEOUT_S)
         yield Pair(prefill, decode, router)
 

@@ -42,7 +42,6 @@ from pdconnect.protocol import (
     COMPAT_REASONS,
     CompatInfo,
     GroupCompat,
-    Handshake,
     HandshakeReply,
     Message,
     Mismatch,
@@ -51,37 +50,11 @@ from pdconnect.protocol import (
 )
 from pdconnect.sidechannel import RefusedByPeer, SideChannelClient
 from pdconnect.testbed.keys import connector_keys, keyring
+from tests.compat_records import FULL, OURS, SINGLE_RANK, SLIDING, handshake
 from tests.params_fuzz import JSON_VALUES
 from tests.pd_harness import GEOMETRY, SimEngine
 from tests.waiting import wait_until
 
-FULL = GroupCompat(
-    kind="full_attention",
-    block_size=256,
-    sliding_window=None,
-    eagle=True,
-    kv_heads=2,
-    latent=False,
-    head_page_bytes=4096,
-)
-SLIDING = GroupCompat(
-    kind="sliding_window",
-    block_size=64,
-    sliding_window=128,
-    eagle=True,
-    kv_heads=4,
-    latent=False,
-    head_page_bytes=1024,
-)
-OURS = CompatInfo(
-    model="tiny-hybrid",
-    dtype="float32",
-    cache_dtype="auto",
-    groups=(FULL, SLIDING),
-    cache_hit_alignment=256,
-    speculative="eagle3:1",
-    kv_layout="default",
-)
 KEY = ("prefill-0", "tcp://127.0.0.1:5700", "plan-digest")
 
 
@@ -89,75 +62,36 @@ def _group(group: GroupCompat, **changes: Any) -> GroupCompat:
     return msgspec.structs.replace(group, **changes)
 
 
+def _record_case(field: str, ours: object, theirs: object) -> tuple[str, CompatInfo, list[Mismatch]]:
+    """The prefill engine's record with `field` set to `theirs`, and the mismatch naming both values."""
+    return field, msgspec.structs.replace(OURS, **{field: theirs}), [Mismatch(field, field, ours, theirs)]
+
+
+def _group_case(field: str, index: int, ours: object, theirs: object) -> tuple[str, CompatInfo, list[Mismatch]]:
+    """The same for a field of group `index`."""
+    groups = list(OURS.groups)
+    groups[index] = _group(groups[index], **{field: theirs})
+    where = f"group {index} {field}"
+    return field, msgspec.structs.replace(OURS, groups=tuple(groups)), [Mismatch(field, where, ours, theirs)]
+
+
 # (what changes in the prefill engine's record, the mismatches expected, by hand)
 FIELD_CASES: list[tuple[str, CompatInfo, list[Mismatch]]] = [
-    ("model", msgspec.structs.replace(OURS, model="other"), [Mismatch("model", "model", "tiny-hybrid", "other")]),
-    ("dtype", msgspec.structs.replace(OURS, dtype="bfloat16"), [Mismatch("dtype", "dtype", "float32", "bfloat16")]),
-    (
-        "cache_dtype",
-        msgspec.structs.replace(OURS, cache_dtype="fp8"),
-        [Mismatch("cache_dtype", "cache_dtype", "auto", "fp8")],
-    ),
-    (
-        "cache_hit_alignment",
-        msgspec.structs.replace(OURS, cache_hit_alignment=512),
-        [Mismatch("cache_hit_alignment", "cache_hit_alignment", 256, 512)],
-    ),
-    (
-        "speculative",
-        msgspec.structs.replace(OURS, speculative="none"),
-        [Mismatch("speculative", "speculative", "eagle3:1", "none")],
-    ),
-    (
-        "kv_layout",
-        msgspec.structs.replace(OURS, kv_layout="HND"),
-        [Mismatch("kv_layout", "kv_layout", "default", "HND")],
-    ),
-    (
-        "protocol_version",
-        msgspec.structs.replace(OURS, protocol_version=5),
-        [Mismatch("protocol_version", "protocol_version", OURS.protocol_version, 5)],
-    ),
-    (
-        "kind",
-        msgspec.structs.replace(OURS, groups=(FULL, _group(SLIDING, kind="full_attention"))),
-        [Mismatch("kind", "group 1 kind", "sliding_window", "full_attention")],
-    ),
-    (
-        "block_size",
-        msgspec.structs.replace(OURS, groups=(FULL, _group(SLIDING, block_size=32))),
-        [Mismatch("block_size", "group 1 block_size", 64, 32)],
-    ),
-    (
-        "sliding_window",
-        msgspec.structs.replace(OURS, groups=(FULL, _group(SLIDING, sliding_window=4096))),
-        [Mismatch("sliding_window", "group 1 sliding_window", 128, 4096)],
-    ),
-    (
-        "eagle",
-        msgspec.structs.replace(OURS, groups=(_group(FULL, eagle=False), SLIDING)),
-        [Mismatch("eagle", "group 0 eagle", True, False)],
-    ),
-    (
-        "kv_heads",
-        msgspec.structs.replace(OURS, groups=(_group(FULL, kv_heads=8), SLIDING)),
-        [Mismatch("kv_heads", "group 0 kv_heads", 2, 8)],
-    ),
-    (
-        "latent",
-        msgspec.structs.replace(OURS, groups=(_group(FULL, latent=True), SLIDING)),
-        [Mismatch("latent", "group 0 latent", False, True)],
-    ),
-    (
-        "head_page_bytes",
-        msgspec.structs.replace(OURS, groups=(_group(FULL, head_page_bytes=2048), SLIDING)),
-        [Mismatch("head_page_bytes", "group 0 head_page_bytes", 4096, 2048)],
-    ),
-    (
-        "groups",
-        msgspec.structs.replace(OURS, groups=(FULL,)),
-        [Mismatch("groups", "number of KV cache groups", 2, 1)],
-    ),
+    _record_case("model", "tiny-hybrid", "other"),
+    _record_case("dtype", "float32", "bfloat16"),
+    _record_case("cache_dtype", "auto", "fp8"),
+    _record_case("cache_hit_alignment", 256, 512),
+    _record_case("speculative", "eagle3:1", "none"),
+    _record_case("kv_layout", "default", "HND"),
+    _record_case("protocol_version", OURS.protocol_version, 5),
+    _group_case("kind", 1, "sliding_window", "full_attention"),
+    _group_case("block_size", 1, 64, 32),
+    _group_case("sliding_window", 1, 128, 4096),
+    _group_case("eagle", 0, True, False),
+    _group_case("kv_heads", 0, 2, 8),
+    _group_case("latent", 0, False, True),
+    _group_case("head_page_bytes", 0, 4096, 2048),
+    ("groups", msgspec.structs.replace(OURS, groups=(FULL,)), [Mismatch("groups", "number of KV cache groups", 2, 1)]),
 ]
 
 
@@ -254,7 +188,6 @@ def test_refusals_are_counted_by_reason_and_aggregate():
 # --- a real desk over a real side channel ------------------------------------------------
 
 DESK_SETTINGS = {"transport": "mooncake", "protocol": "tcp", "side_channel_port": 0, "handshake_timeout_seconds": 10.0}
-SHAPE = ParallelShape(tp_size=1, tp_rank=0)
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +201,7 @@ def desk() -> Iterator[LeaseDesk]:
 def _handshake(desk: LeaseDesk, compat: CompatInfo) -> Message:
     client = SideChannelClient(f"tcp://127.0.0.1:{desk.port}", "decode", keyring("decode"), 10.0)
     try:
-        return client.request(Handshake(engine_id="decode-x", tp_rank=0, compat=compat, parallel=SHAPE))
+        return client.request(handshake("decode-x", compat))
     finally:
         client.close()
 
@@ -361,7 +294,7 @@ def test_the_fuzz_covers_every_field_of_the_shape_and_both_records():
 @pytest.mark.transport
 def test_handshake_fields_of_every_wrong_type_and_range_are_refused_naming_them_and_the_desk_serves_on(desk):
     """Each case is signed as a decode engine would sign it, so it reaches the decoder."""
-    valid = msgspec.to_builtins(Handshake(engine_id="decode-fuzz", tp_rank=0, compat=OURS, parallel=SHAPE))
+    valid = msgspec.to_builtins(handshake("decode-fuzz", OURS))
     problems: list[str] = []
     for place, accepts in PLACES.items():
         for value in VALUES:
@@ -380,7 +313,7 @@ def test_handshake_fields_of_every_wrong_type_and_range_are_refused_naming_them_
                 problems.append(f"{label}: the refusal does not name the shape: {answer}")
     # The desk still answers a well-formed handshake, and describes itself in its refusal.
     theirs = msgspec.structs.replace(OURS, kv_layout="HND")
-    answered = _answer(desk, Handshake(engine_id="decode-fuzz", tp_rank=0, compat=theirs, parallel=SHAPE))
+    answered = _answer(desk, handshake("decode-fuzz", theirs))
     assert answered == "incompatible engines: kv_layout differ"
     assert problems == []
     assert not desk.gone
@@ -396,7 +329,7 @@ def test_a_refusal_with_a_record_is_signed_and_opened_like_any_reply():
         engine_id="p",
         tp_rank=0,
         compat=OURS,
-        parallel=SHAPE,
+        parallel=SINGLE_RANK,
         transport="mooncake",
         transport_metadata=b"",
         layouts=b"",

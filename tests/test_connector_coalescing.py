@@ -12,7 +12,7 @@ import pytest
 
 from connectors.kvsim import random_tokens
 from pdconnect.protocol import Claim
-from tests.pd_harness import RemoteEngine, SimEngine
+from tests.pd_harness import RemoteEngine, SimEngine, module_engine
 
 pytestmark = pytest.mark.transport
 
@@ -28,33 +28,18 @@ BASE = {
 X_LEN, SUFFIX, SIBLINGS = 5131, 16, 4
 
 
-@pytest.fixture(scope="module")
-def prefill():
-    engine = RemoteEngine(role="kv_producer", extra=BASE, engine_id="prefill-c", max_num_batched_tokens=2048)
-    yield engine
-    engine.stop()
+prefill = module_engine(
+    RemoteEngine, role="kv_producer", extra=BASE, engine_id="prefill-c", max_num_batched_tokens=2048
+)
 
+decode = module_engine(SimEngine, role="kv_consumer", extra=BASE, engine_id="decode-c")
 
-@pytest.fixture(scope="module")
-def decode():
-    engine = SimEngine(role="kv_consumer", extra=BASE, engine_id="decode-c")
-    yield engine
-    engine.shutdown()
+decode_uncoalesced = module_engine(
+    SimEngine, role="kv_consumer", extra={**BASE, "coalesce": False}, engine_id="decode-nc"
+)
 
-
-@pytest.fixture(scope="module")
-def decode_uncoalesced():
-    engine = SimEngine(role="kv_consumer", extra={**BASE, "coalesce": False}, engine_id="decode-nc")
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def colocated():
-    """One engine doing prefill and decode itself: the reference for local hits."""
-    engine = SimEngine(role="kv_both", extra=BASE, engine_id="colocated-c")
-    yield engine
-    engine.shutdown()
+# One engine doing prefill and decode itself: the reference for local hits.
+colocated = module_engine(SimEngine, role="kv_both", extra=BASE, engine_id="colocated-c")
 
 
 @pytest.fixture

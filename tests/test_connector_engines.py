@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,31 +31,21 @@ import httpx
 import pytest
 import zmq
 
-from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_metrics
-from pdconnect.testbed.engine_calls import (
-    REQUEST_TIMEOUT_S,
-    PDResult,
-    completed,
-    completion,
-    prompt_ids,
-    serve_pd,
-    token_ids,
-)
+from pdconnect.bench.scrape import PrefixCacheCounters, fetch_metrics
+from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S, completed, completion, prompt_ids, serve_pd, token_ids
 from pdconnect.testbed.local_pd import kv_events_config, start_router
 from pdconnect.testbed.processes import Cluster, ManagedProcess
-from pdconnect.testbed.recipes import MODEL_NAME, SPEC, pd_kv_transfer, vllm_server, warm_up
+from pdconnect.testbed.recipes import MODEL_NAME, SPEC, pd_kv_transfer, ready_and_warm, vllm_server
 from pdconnect.testbed.tinymodel import DSV4_LIKE_MIMO_V2, FIRST_WORD_ID, ensure_model
 from tests.engine_parity import (
     DECODE_TOKENS,
-    PROMPT_TOKENS,
-    SIBLING_EXTRA,
+    TRAFFIC_SHAPES,
     Setup,
+    Traffic,
     assert_pools_back_to_baseline,
     colocated,
-    concurrent_siblings,
-    long_suffix_siblings,
-    multi_turn_chat,
-    same_answer,
+    first_pull,
+    serial_sibling,
 )
 from tests.params_fuzz import JSON_VALUES
 from tests.waiting import wait_until
@@ -107,11 +96,8 @@ class Pair:
         cached another setup's prompts."""
         return 1000 * SETUPS.index(self.setup) + base
 
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with Cluster() as running:
-        yield running
+    def traffic(self, http: httpx.Client) -> Traffic:
+        return Traffic(http, self.prefill, self.decode, self.single, self.seed)
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +141,7 @@ def pair(
         started.append(references[setup.reference_key])
     prefill = server(f"prefill-{setup.name}", pd_kv_transfer("kv_producer", setup.transport))
     decode = server(f"decode-{setup.name}", pd_kv_transfer("kv_consumer", setup.transport))
-    cluster.wait_healthy([*started, prefill, decode])
-    for proc in (*started, prefill, decode):
-        warm_up(proc.base_url, MODEL_NAME)
+    ready_and_warm(cluster, [*started, prefill, decode])
     yield Pair(setup, references[setup.reference_key], prefill, decode, target, events)
     done = [prefill, decode]
     later = run_order[run_order.index(setup) + 1 :] if setup in run_order else []
@@ -168,54 +152,27 @@ def pair(
     cluster.stop(*done)
 
 
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with engine_client(REQUEST_TIMEOUT_S) as client:
-        yield client
-
-
 def _report(capsys: pytest.CaptureFixture[str], title: str, **rows: object) -> None:
     with capsys.disabled():
         print(f"\n[engine-level {title}] " + ", ".join(f"{k}={v}" for k, v in rows.items()))
 
 
 def test_decode_tokens_and_logprobs_equal_one_engine_alone(pair: Pair, http: httpx.Client) -> None:
-    prompt = prompt_ids(seed=pair.seed(21), length=PROMPT_TOKENS)
-    alone = completed(completion(http, pair.single.base_url, prompt, DECODE_TOKENS, logprobs=1))
-
-    served = serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
-
-    assert served.tokens == token_ids(alone)
-    same_answer(served.body, alone)
-    # Loaded over the connector, not recomputed: nothing was local, everything external.
-    assert served.decode.hits == 0
-    assert served.decode.external_hits == PROMPT_TOKENS
+    first_pull(pair.traffic(http), 21)
 
 
 def test_sibling_hits_the_decode_engines_own_prefix_cache_like_a_colocated_engine(
     pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    prefix = prompt_ids(seed=pair.seed(22), length=PROMPT_TOKENS)
-    sibling = prefix + prompt_ids(seed=pair.seed(23), length=SIBLING_EXTRA)
-    completed(completion(http, pair.single.base_url, prefix, 1))
-    before = PrefixCacheCounters.scrape(pair.single.base_url, http)
-    alone = completed(completion(http, pair.single.base_url, sibling, DECODE_TOKENS))
-    colocated_hit = (PrefixCacheCounters.scrape(pair.single.base_url, http) - before).hits
+    colocated_hit, second = serial_sibling(pair.traffic(http), 22)
 
-    serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prefix, DECODE_TOKENS)
-    second = serve_pd(http, pair.prefill.base_url, pair.decode.base_url, sibling, DECODE_TOKENS)
-
-    assert colocated_hit > 0  # 768 for the Llama (block 128), 512 for MiMo-V2 (alignment 256)
-    assert second.decode.hits == colocated_hit
-    assert second.decode.external_hits == len(sibling) - colocated_hit  # only the rest is pulled
-    assert second.tokens == token_ids(alone)
     metrics = fetch_metrics(pair.decode.base_url, http)
     assert metrics.total("pdconnect:slack_blocks_published") > 0
     assert metrics.total("pdconnect:transfers") >= 2
     _report(
         capsys,
         pair.setup.name,
-        colocated_sibling_hit=int(colocated_hit),
+        colocated_sibling_hit=colocated_hit,
         decode_local_hit=int(second.decode.hits),
         decode_pulled=int(second.decode.external_hits),
         prefill_local_hit=int(second.prefill.hits),
@@ -266,17 +223,8 @@ def test_ill_typed_transfer_params_are_computed_locally_and_the_engine_keeps_ser
     want = token_ids(colocated(http, pair.single, prompt)[1])
     outcomes = []
     for value in JSON_VALUES:
-        response = http.post(
-            f"{pair.decode.base_url}/v1/completions",
-            json={
-                "model": MODEL_NAME,
-                "prompt": prompt,
-                "max_tokens": DECODE_TOKENS,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-                "vllm_xargs": {"kv_transfer_params": value},
-            },
+        response = completion(
+            http, pair.decode.base_url, prompt, DECODE_TOKENS, vllm_xargs={"kv_transfer_params": value}
         )
         outcomes.append((value, response.status_code))
         assert pair.decode.is_running(), f"decode died on vllm_xargs.kv_transfer_params={value!r}: {outcomes}"
@@ -292,39 +240,14 @@ def test_ill_typed_transfer_params_are_computed_locally_and_the_engine_keeps_ser
 # --- real traffic: long suffixes, concurrent siblings, multi-turn chat ----------------------
 
 
-def _serve(http: httpx.Client, pair: Pair, prompt: list[int]) -> PDResult:
-    return serve_pd(http, pair.prefill.base_url, pair.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
-
-
-def _alone(http: httpx.Client, pair: Pair, prompts: list[list[int]]) -> list[tuple[int, dict]]:
-    return [colocated(http, pair.single, prompt) for prompt in prompts]
-
-
 @on_traffic_setups
-def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
-    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("shape", TRAFFIC_SHAPES)
+def test_real_traffic_hits_like_a_colocated_engine(
+    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str], shape: str
 ) -> None:
-    rows = long_suffix_siblings(partial(_serve, http, pair), partial(_alone, http, pair), pair.seed)
-    _report(capsys, f"{pair.setup.name} long-suffix siblings", **rows)
-    assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
-
-
-@on_traffic_setups
-def test_concurrent_siblings_each_hit_what_a_serial_sibling_would(
-    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
-) -> None:
-    decode = partial(PrefixCacheCounters.scrape, pair.decode.base_url, http)
-    rows = concurrent_siblings(partial(_serve, http, pair), partial(_alone, http, pair), pair.seed, decode)
-    _report(capsys, f"{pair.setup.name} 4 concurrent siblings", **rows)
-    assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
-
-
-@on_traffic_setups
-def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
-    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
-) -> None:
-    rows = multi_turn_chat(partial(_serve, http, pair), partial(colocated, http, pair.single), pair.seed)
-    _report(capsys, f"{pair.setup.name} multi-turn", **rows)
+    """Long-suffix, concurrent and multi-turn siblings (`tests.engine_parity`'s shapes)."""
+    rows = TRAFFIC_SHAPES[shape](pair.traffic(http))
+    _report(capsys, f"{pair.setup.name} {shape}", **rows)
     assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
 
 

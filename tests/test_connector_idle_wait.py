@@ -21,7 +21,7 @@ from connectors.settings import ConnectorSettings
 from connectors.vllm_adapter import build_kv_cache_config
 from pdconnect.testbed.processes import freeze
 from tests.connector_support import loopback_settings
-from tests.pd_harness import GEOMETRY, RemoteEngine, SimEngine, engine_config
+from tests.pd_harness import GEOMETRY, RemoteEngine, SimEngine, engine_config, module_engine
 
 pytestmark = pytest.mark.transport
 
@@ -29,18 +29,11 @@ BASE = loopback_settings()
 MINUTE = 60.0
 
 
-@pytest.fixture(scope="module")
-def prefill():
-    engine = RemoteEngine(role="kv_producer", extra=BASE, engine_id="prefill-idle", max_num_batched_tokens=2048)
-    yield engine
-    engine.stop()
+prefill = module_engine(
+    RemoteEngine, role="kv_producer", extra=BASE, engine_id="prefill-idle", max_num_batched_tokens=2048
+)
 
-
-@pytest.fixture(scope="module")
-def decode():
-    engine = SimEngine(role="kv_consumer", extra=BASE, engine_id="decode-idle")
-    yield engine
-    engine.shutdown()
+decode = module_engine(SimEngine, role="kv_consumer", extra=BASE, engine_id="decode-idle")
 
 
 def test_an_engine_that_waits_for_nothing_never_sleeps(decode):

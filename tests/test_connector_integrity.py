@@ -27,7 +27,7 @@ from pdconnect.sidechannel import release_remote
 from pdconnect.testbed.keys import keyring
 from pdconnect.testbed.processes import freeze
 from tests.params_fuzz import expected_ask
-from tests.pd_harness import GEOMETRY, RemoteEngine, SimEngine
+from tests.pd_harness import GEOMETRY, RemoteEngine, SimEngine, module_engine
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.transport
@@ -45,26 +45,12 @@ BASE = {
 PROMPT = 1100  # 5 full-attention blocks, a sliding-window tail and replay slack
 
 
-@pytest.fixture(scope="module")
-def prefill():
-    engine = RemoteEngine(role="kv_producer", extra=BASE, engine_id="prefill-i", num_blocks=300)
-    yield engine
-    engine.stop()
+prefill = module_engine(RemoteEngine, role="kv_producer", extra=BASE, engine_id="prefill-i", num_blocks=300)
 
+decode = module_engine(SimEngine, role="kv_consumer", extra=BASE, engine_id="decode-i")
 
-@pytest.fixture(scope="module")
-def decode():
-    engine = SimEngine(role="kv_consumer", extra=BASE, engine_id="decode-i")
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def decode_b():
-    """A second decode engine: the one a router would retry on."""
-    engine = SimEngine(role="kv_consumer", extra=BASE, engine_id="decode-i2")
-    yield engine
-    engine.shutdown()
+# A second decode engine: the one a router would retry on.
+decode_b = module_engine(SimEngine, role="kv_consumer", extra=BASE, engine_id="decode-i2")
 
 
 @pytest.fixture
@@ -304,18 +290,11 @@ def test_first_token_stop_still_hands_off(prefill, decode, clean):
 SLOW_PEER = {**BASE, "lease_seconds": 15.0, "heartbeat_seconds": 2.0, "handshake_timeout_seconds": 2.5}
 
 
-@pytest.fixture(scope="module")
-def slow_prefill():
-    engine = RemoteEngine(role="kv_producer", extra=SLOW_PEER, engine_id="prefill-slow", num_blocks=300)
-    yield engine
-    engine.stop()
+slow_prefill = module_engine(
+    RemoteEngine, role="kv_producer", extra=SLOW_PEER, engine_id="prefill-slow", num_blocks=300
+)
 
-
-@pytest.fixture(scope="module")
-def patient_decode():
-    engine = SimEngine(role="kv_consumer", extra=SLOW_PEER, engine_id="decode-patient")
-    yield engine
-    engine.shutdown()
+patient_decode = module_engine(SimEngine, role="kv_consumer", extra=SLOW_PEER, engine_id="decode-patient")
 
 
 def test_a_claim_the_prefill_engine_answers_late_is_sent_again(slow_prefill, patient_decode, caplog):

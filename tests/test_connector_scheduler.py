@@ -17,7 +17,7 @@ from connectors.kvsim import random_tokens
 from connectors.replay_slack import plan_request
 from connectors.vllm_adapter import CacheRules
 from tests.params_fuzz import JSON_VALUES, cases, expected_ask, json_type
-from tests.pd_harness import GEOMETRY, Finished, RemoteEngine, SimEngine
+from tests.pd_harness import GEOMETRY, Finished, RemoteEngine, SimEngine, module_engine
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.transport
@@ -35,29 +35,21 @@ X_LEN, SUFFIX = 5131, 16
 FA, SWA = 0, 1
 
 
-@pytest.fixture(scope="module")
-def prefill():
-    # Chunked prefill: slack blocks are freed by later chunks, so they must be held as computed.
-    engine = RemoteEngine(role="kv_producer", extra=BASE, engine_id="prefill-0", max_num_batched_tokens=2048)
-    yield engine
-    engine.stop()
+# Chunked prefill: slack blocks are freed by later chunks, so they must be held as computed.
+prefill = module_engine(
+    RemoteEngine, role="kv_producer", extra=BASE, engine_id="prefill-0", max_num_batched_tokens=2048
+)
 
+decode = module_engine(SimEngine, role="kv_consumer", extra=BASE, engine_id="decode-0")
 
-@pytest.fixture(scope="module")
-def decode():
-    engine = SimEngine(role="kv_consumer", extra=BASE, engine_id="decode-0")
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def decode_stock():
-    """Today's behaviour: only the window tail is received; failed loads recompute."""
-    engine = SimEngine(
-        role="kv_consumer", extra={**BASE, "replay_slack": False}, engine_id="decode-stock", failure_policy="recompute"
-    )
-    yield engine
-    engine.shutdown()
+# Today's behaviour: only the window tail is received; failed loads recompute.
+decode_stock = module_engine(
+    SimEngine,
+    role="kv_consumer",
+    extra={**BASE, "replay_slack": False},
+    engine_id="decode-stock",
+    failure_policy="recompute",
+)
 
 
 @pytest.fixture

@@ -21,11 +21,11 @@ import httpx
 import pytest
 import zmq
 
-from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_metrics
+from pdconnect.bench.scrape import PrefixCacheCounters, fetch_metrics
 from pdconnect.testbed.engine_calls import REQUEST_TIMEOUT_S, prompt_ids
-from pdconnect.testbed.local_pd import kv_events_config, start_router
+from pdconnect.testbed.local_pd import kv_events_config, pd_behind_router
 from pdconnect.testbed.processes import Cluster, ManagedProcess
-from pdconnect.testbed.recipes import MODEL_NAME, engine_args, pd_kv_transfer, vllm_server, warm_up
+from pdconnect.testbed.recipes import MODEL_NAME, engine_args, pd_kv_transfer, vllm_server
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
 from tests.waiting import wait_until
 
@@ -51,23 +51,19 @@ def rig() -> Iterator[Rig]:
         target = ensure_model(MIMO_W200)
         endpoints: dict[str, list[str]] = {}
 
-        def server(name: str, role: str) -> ManagedProcess:
+        def server(role: str, kv: str) -> ManagedProcess:
             port = cluster.free_port()
             args = engine_args(
-                None, pd_kv_transfer(role, "mooncake"), block_size=64, guard=False, mtp=True, num_speculative_tokens=1
+                None, pd_kv_transfer(kv, "mooncake"), block_size=64, guard=False, mtp=True, num_speculative_tokens=1
             )
             args += ["--kv-events-config", json.dumps(kv_events_config(cluster, endpoints, port))]
-            return cluster.start(vllm_server(name, target, port=port, served_model_name=MODEL_NAME, args=args))
+            spec = vllm_server(f"{role}-w200", target, port=port, served_model_name=MODEL_NAME, args=args)
+            return cluster.start(spec)
 
-        prefill, decode = server("prefill-w200", "kv_producer"), server("decode-w200", "kv_consumer")
-        cluster.wait_healthy([prefill, decode])
-        for proc in (prefill, decode):
-            warm_up(proc.base_url, MODEL_NAME)
-        router, _ = start_router(
+        prefill, decode, router, _ = pd_behind_router(
             cluster,
             "describe-w200",
-            prefill,
-            decode,
+            server,
             request_timeout_s=REQUEST_TIMEOUT_S,
             kv_events=(endpoints, target),
             router_args=("--decode-first", "--decode-first-max-uncached-tokens", str(THRESHOLD)),
@@ -80,12 +76,6 @@ def rig() -> Iterator[Rig]:
             yield Rig(prefill, decode, router, socket)
         finally:
             context.destroy(linger=0)
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with engine_client(REQUEST_TIMEOUT_S) as client:
-        yield client
 
 
 @dataclass(frozen=True)

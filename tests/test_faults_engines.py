@@ -36,9 +36,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import httpx
 import msgspec
@@ -52,7 +53,6 @@ from pdconnect.protocol import (
     Ack,
     Claim,
     CompatInfo,
-    GroupCompat,
     Heartbeat,
     Release,
     TransferPlan,
@@ -78,11 +78,13 @@ from pdconnect.testbed.recipes import (
     SPEC,
     engine_args,
     pd_kv_transfer,
+    ready_and_warm,
     router_server,
     vllm_server,
     warm_up,
 )
 from pdconnect.testbed.tinymodel import ensure_model
+from tests.compat_records import group
 from tests.params_fuzz import JSON_VALUES, cases, expected_ask, json_type
 from tests.rogue_reader import RogueReader, TcpSocket, group_pids
 from tests.waiting import wait_until
@@ -264,9 +266,7 @@ class Fleet:
         decode = self._server(
             f"faults-decode-{transport}", kv("kv_consumer"), ["--max-num-seqs", "1", "--scheduling-policy", "priority"]
         )
-        self.cluster.wait_healthy([*started, prefill, decode])
-        for proc in (*started, prefill, decode):
-            warm_up(proc.base_url, MODEL_NAME)
+        ready_and_warm(self.cluster, [*started, prefill, decode])
         self.sets[transport] = EngineSet(transport, self.cluster, prefill, decode, self.reference)
         return self.sets[transport]
 
@@ -1210,26 +1210,12 @@ def _engine_compat(model: Path) -> CompatInfo:
     The test checks it against the digest the engine itself puts in every plan."""
     head_page = 2 * BLOCK_SIZE * SPEC.head_dim * 4  # one KV head's K and V of a block
 
-    def group(kind: Literal["full_attention", "sliding_window"], window: int | None) -> GroupCompat:
-        return GroupCompat(
-            kind=kind,
-            block_size=BLOCK_SIZE,
-            sliding_window=window,
-            eagle=False,
-            kv_heads=SPEC.num_kv_heads,
-            latent=False,
-            head_page_bytes=head_page,
-        )
-
+    of = partial(group, block_size=BLOCK_SIZE, kv_heads=SPEC.num_kv_heads, head_page_bytes=head_page, eagle=False)
     return CompatInfo(
         model=str(model),
         dtype="torch.float32",
         cache_dtype="auto",
-        groups=(
-            group("sliding_window", SPEC.sliding_window),
-            group("full_attention", None),
-            group("full_attention", None),
-        ),
+        groups=(of("sliding_window", window=SPEC.sliding_window), of("full_attention"), of("full_attention")),
         cache_hit_alignment=BLOCK_SIZE,
         speculative="eagle3:2",
         kv_layout="LBHNC",

@@ -52,6 +52,22 @@ def test_promtool_refuses_a_broken_rule(tmp_path: Path) -> None:
     assert proc.returncode != 0
 
 
+def _warns_for_one_pod(alert: str, counter: str, at: str, **pods: str) -> dict[str, Any]:
+    """A per-pod warning's case: `pdconnect:<counter>` of each pod (its promtool values); at
+    `at` the alert fires for the first pod alone."""
+    firing, *quiet = pods
+    series = [{"series": f'pdconnect:{counter}{{{NS},pod="{pod}"}}', "values": v} for pod, v in pods.items()]
+    return {
+        "name": f"{alert} fires for {firing}, not for {', '.join(quiet)}",
+        "input_series": series,
+        "alert_rule_test": [{"eval_time": at, "alertname": alert, "exp_alerts": [_warning_for(firing)]}],
+    }
+
+
+def _warning_for(pod: str) -> dict[str, Any]:
+    return {"exp_labels": {"severity": "warning", "namespace": "pd", "pod": pod}}
+
+
 # Each alert over series that must fire it, and series that must not. Times are minutes
 # of a 1-minute evaluation; labels are the alert's own (annotations are left out of the
 # comparison: their templates are checked by `promtool check rules`).
@@ -94,34 +110,10 @@ CASES: list[dict[str, Any]] = [
             },
         ],
     },
-    {
-        "name": "a steady rate of failed loads fires; one failure does not",
-        "input_series": [
-            {"series": f'pdconnect:transfer_failures_total{{{NS},pod="d0"}}', "values": "0+12x30"},
-            {"series": f'pdconnect:transfer_failures_total{{{NS},pod="d1"}}', "values": "0 1x30"},
-        ],
-        "alert_rule_test": [
-            {
-                "eval_time": "20m",
-                "alertname": "PDConnectFailedLoads",
-                "exp_alerts": [{"exp_labels": {"severity": "warning", "namespace": "pd", "pod": "d0"}}],
-            },
-        ],
-    },
-    {
-        "name": "leases running out fires",
-        "input_series": [
-            {"series": f'pdconnect:lease_expiries_total{{{NS},pod="p0"}}', "values": "0+1x30"},
-            {"series": f'pdconnect:lease_expiries_total{{{NS},pod="p1"}}', "values": "0 0 1 1 2x30"},
-        ],
-        "alert_rule_test": [
-            {
-                "eval_time": "20m",
-                "alertname": "PDConnectLeaseExpiries",
-                "exp_alerts": [{"exp_labels": {"severity": "warning", "namespace": "pd", "pod": "p0"}}],
-            },
-        ],
-    },
+    # A steady rate of failed loads fires; one failure does not.
+    _warns_for_one_pod("PDConnectFailedLoads", "transfer_failures_total", "20m", d0="0+12x30", d1="0 1x30"),
+    # Leases running out fire; a few now and then do not.
+    _warns_for_one_pod("PDConnectLeaseExpiries", "lease_expiries_total", "20m", p0="0+1x30", p1="0 0 1 1 2x30"),
     {
         "name": "blocks held on an idle engine fire; on a busy one they do not",
         "input_series": [
@@ -168,11 +160,7 @@ CASES: list[dict[str, Any]] = [
             {"series": f'pdconnect:side_channel_received_total{{{NS},pod="p1"}}', "values": "0+500x20"},
         ],
         "alert_rule_test": [
-            {
-                "eval_time": "15m",
-                "alertname": "PDConnectSideChannelRefusals",
-                "exp_alerts": [{"exp_labels": {"severity": "warning", "namespace": "pd", "pod": "p0"}}],
-            },
+            {"eval_time": "15m", "alertname": "PDConnectSideChannelRefusals", "exp_alerts": [_warning_for("p0")]},
         ],
     },
 ]

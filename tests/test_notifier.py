@@ -19,20 +19,10 @@ import msgspec
 import zmq
 
 from pdconnect.notifier import PeerNotifier
-from pdconnect.protocol import (
-    Ack,
-    Claim,
-    CompatInfo,
-    Done,
-    Handshake,
-    Heartbeat,
-    Message,
-    ParallelShape,
-    Refusal,
-    Release,
-)
+from pdconnect.protocol import Ack, Claim, Done, Handshake, Heartbeat, Message, Refusal, Release
 from pdconnect.sidechannel import SideChannelServer
 from pdconnect.testbed.keys import keyring
+from tests.compat_records import OURS, handshake
 from tests.waiting import wait_until
 
 PREFILL, DECODE = keyring("prefill"), keyring("decode")
@@ -177,27 +167,21 @@ def test_a_refusal_is_a_failure_with_the_peers_reason():
 def test_a_refused_handshake_is_its_answer_and_a_refused_claim_a_failure():
     """A handshake's refusal carries the prefill engine's compat record, which is what the
     decode engine asked for: it goes to on_reply. Other refusals stay failures."""
-    record = CompatInfo(
-        model="m", dtype="float32", cache_dtype="auto", groups=(), cache_hit_alignment=16, speculative="", kv_layout=""
-    )
 
     def refuse(message: Message) -> Message:
         if isinstance(message, Handshake):
-            return Refusal(reason="incompatible engines: dtype differ", compat=record)
+            return Refusal(reason="incompatible engines: dtype differ", compat=OURS)
         return Refusal(reason="lease is claimed by another decode request")
 
     events = _Events()
     with _prefill(refuse) as live, _notifier(events) as notifier:
-        asked = msgspec.structs.replace(record, dtype="bfloat16")
-        notifier.send(
-            live.address,
-            Handshake(engine_id="decode-0", tp_rank=0, compat=asked, parallel=ParallelShape(tp_size=1, tp_rank=0)),
-        )
+        asked = msgspec.structs.replace(OURS, dtype="bfloat16")
+        notifier.send(live.address, handshake("decode-0", asked))
         notifier.send(live.address, Claim(to_engine="prefill-0", lease_id="l", claimant="c", plan_digest="d"))
         events.wait(lambda: events.of("reply", live.address) and events.of("failure", live.address), "both answers")
         ((_, _, sent, reply),) = events.of("reply", live.address)
         assert isinstance(sent, Handshake) and reply == Refusal(
-            reason="incompatible engines: dtype differ", compat=record
+            reason="incompatible engines: dtype differ", compat=OURS
         )
         ((_, _, claim, reason),) = events.of("failure", live.address)
         assert isinstance(claim, Claim) and "lease is claimed by another decode request" in str(reason)

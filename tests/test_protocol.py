@@ -30,6 +30,7 @@ from pdconnect.protocol import (
 )
 from pdconnect.sidechannel import SideChannelClient, SideChannelError, SideChannelServer, release_remote
 from pdconnect.testbed.keys import PEER_KEYS, SECRETS, keyring
+from tests.compat_records import OURS, SINGLE_RANK
 
 PLAN = {
     "remote_engine_id": "p0",
@@ -314,32 +315,9 @@ def test_unauthenticated_messages_never_reach_the_replay_cache():
     )
 
 
-def _compat(**changes) -> CompatInfo:
-    base = {
-        "model": "m",
-        "dtype": "float32",
-        "cache_dtype": "auto",
-        "groups": (
-            GroupCompat(
-                kind="full_attention",
-                block_size=256,
-                sliding_window=None,
-                eagle=True,
-                kv_heads=8,
-                latent=False,
-                head_page_bytes=4096,
-            ),
-        ),
-        "cache_hit_alignment": 256,
-        "speculative": "eagle3:1",
-        "kv_layout": "default",
-    }
-    return CompatInfo(**{**base, **changes})
-
-
 def test_compat_differences_name_each_field():
-    ours, theirs = _compat(), _compat(kv_layout="LBNHC", dtype="bfloat16")
-    assert ours.digest() != theirs.digest() and ours.digest() == _compat().digest()
+    ours, theirs = OURS, msgspec.structs.replace(OURS, kv_layout="LBNHC", dtype="bfloat16")
+    assert ours.digest() != theirs.digest() and ours.digest() == msgspec.structs.replace(OURS).digest()
     assert ours.differences(theirs) == ["dtype: 'float32' vs 'bfloat16'", "kv_layout: 'default' vs 'LBNHC'"]
 
 
@@ -357,7 +335,7 @@ def test_parallel_shape_rank_must_be_in_range():
 
 
 def test_handshakes_carry_both_sides_parallel_shape():
-    ask = Handshake(engine_id="d", tp_rank=1, compat=_compat(), parallel=ParallelShape(tp_size=1, tp_rank=0))
+    ask = Handshake(engine_id="d", tp_rank=1, compat=OURS, parallel=SINGLE_RANK)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(ask), type=Handshake).parallel.tp_size == 1
 
 

@@ -16,7 +16,7 @@ from pdconnect.router import ConfigError
 from pdconnect.router.apikeys import ApiKeys
 from pdconnect.router.errors import BadRequest, RateLimited
 from pdconnect.router.ratelimit import KeyLimits, TokenBucket
-from tests.router_support import CHAT, COMPLETION, Setup
+from tests.router_support import CHAT, COMPLETION, ManualClock, Setup
 
 KEY_A = "sk-team-a-0123456789abcdef"
 KEY_B = "sk-team-b-0123456789abcdef"
@@ -145,16 +145,8 @@ def test_a_key_given_as_its_sha256_is_accepted() -> None:
     assert keys.identify(_bearer(KEY_A)).name == "a"
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_token_bucket_refills_at_its_rate_up_to_one_minutes_worth() -> None:
-    clock = _Clock()
+    clock = ManualClock()
     bucket = TokenBucket(60, clock)  # one a second
     assert bucket.take(60) == 0
     assert bucket.take(1) == pytest.approx(1.0)  # refused: a second away, nothing taken
@@ -165,7 +157,7 @@ def test_a_token_bucket_refills_at_its_rate_up_to_one_minutes_worth() -> None:
 
 
 def test_retry_after_is_whole_seconds_rounded_up_and_a_refusal_takes_nothing() -> None:
-    clock = _Clock()
+    clock = ManualClock()
     limits = KeyLimits(requests_per_minute=None, tokens_per_minute=120, clock=clock)  # 2 a second
     limits.admit_tokens(119)
     with pytest.raises(RateLimited) as refused:

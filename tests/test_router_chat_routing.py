@@ -24,11 +24,11 @@ import pytest
 import pytest_asyncio
 import zmq
 
-from pdconnect.router import RunningRouter, start_router
+from pdconnect.router import start_router
 from pdconnect.testbed.fake_engine import FakeCluster
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
 from tests.router_events_support import publish_until_applied
-from tests.router_support import router_config_for
+from tests.router_support import Setup, router_config_for
 from tests.vllm_kv_events import encoded_batch, stored_blocks
 
 pytest.importorskip("vllm.distributed.kv_events")
@@ -53,14 +53,8 @@ def _stored(tokens: list[int]) -> Any:
 
 
 @dataclass
-class KvSetup:
-    fakes: FakeCluster
-    router: RunningRouter
-    http: aiohttp.ClientSession
+class KvSetup(Setup):
     publishers: dict[str, Any]
-
-    def count(self, name: str, **labels: str) -> float:
-        return self.router.router.metrics.registry.get_sample_value(name, labels) or 0.0
 
     async def decode_engine(self, path: str, body: dict[str, Any]) -> str:
         async with asyncio.timeout(HANG), self.http.post(self.router.url + path, json=body) as resp:
@@ -91,9 +85,7 @@ async def kv_router() -> AsyncIterator[Any]:
 
     yield factory
     for s in made:
-        await s.http.close()
-        await s.router.close()
-        await s.fakes.close()
+        await s.close()
     context.destroy(linger=0)
 
 

@@ -69,6 +69,7 @@ def test_config_file_is_read_and_argv_overrides_it(tmp_path: Path, suffix: str, 
         (["--decode", "http://d:1", "--decode-attempts", "0"], "decode_attempts"),
         (["--decode", "http://d:1", "--affinity-load-factor", "0.9"], "affinity_load_factor"),
         (["--decode-dns", "no-port"], "name:port"),
+        # pools (--pool): each option's problem named
         (["--decode", "http://a:1", "--pool", "model=m,decode=http://b:1"], "need --models"),
         (["--decode", "http://a:1", "--models", "m", "--pool", "model=m,decode=http://b:1"], "two pools"),
         (["--pool", "model=m,prefill=http://b:1"], "no decode engines"),

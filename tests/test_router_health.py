@@ -5,19 +5,12 @@ from __future__ import annotations
 
 from pdconnect.router.breaker import BreakerState, CircuitBreaker
 from pdconnect.router.engines import Engine, EngineRegistry, Role
+from tests.router_support import ManualClock
 from tests.waiting import wait_until_async
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_breaker_opens_at_the_threshold_and_lets_one_trial_through_after_cooldown() -> None:
-    clock = Clock()
+    clock = ManualClock()
     breaker = CircuitBreaker(failure_threshold=3, cooldown=10.0, clock=clock)
     assert [breaker.record_failure() for _ in range(3)] == [False, False, True]
     assert breaker.state is BreakerState.OPEN and not breaker.allows()
@@ -35,7 +28,7 @@ def test_breaker_opens_at_the_threshold_and_lets_one_trial_through_after_cooldow
 
 
 def test_success_resets_the_failure_count() -> None:
-    breaker = CircuitBreaker(failure_threshold=3, cooldown=10.0, clock=Clock())
+    breaker = CircuitBreaker(failure_threshold=3, cooldown=10.0, clock=ManualClock())
     breaker.record_failure()
     breaker.record_failure()
     breaker.record_success()
@@ -44,7 +37,7 @@ def test_success_resets_the_failure_count() -> None:
 
 
 def test_a_trial_that_never_reports_back_stops_blocking_after_a_cooldown() -> None:
-    clock = Clock()
+    clock = ManualClock()
     breaker = CircuitBreaker(failure_threshold=1, cooldown=5.0, clock=clock)
     breaker.record_failure()
     clock.now += 5.0

@@ -29,6 +29,12 @@ class TwoPools:
         async with self.http.post(self.router.url + path, json=body) as resp:
             return resp.status, json.loads(await resp.read())
 
+    async def close(self) -> None:
+        await self.http.close()
+        await self.router.close()
+        await self.a.close()
+        await self.b.close()
+
 
 @pytest_asyncio.fixture
 async def two_pools() -> AsyncIterator[Callable[..., Awaitable[TwoPools]]]:
@@ -50,10 +56,7 @@ async def two_pools() -> AsyncIterator[Callable[..., Awaitable[TwoPools]]]:
 
     yield start
     for setup in made:
-        await setup.http.close()
-        await setup.router.close()
-        await setup.a.close()
-        await setup.b.close()
+        await setup.close()
 
 
 def _fields(config: Any) -> dict[str, Any]:

@@ -31,37 +31,25 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import httpx
 import pytest
 
-from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_metrics
-from pdconnect.testbed.engine_calls import (
-    REQUEST_TIMEOUT_S,
-    PDResult,
-    completed,
-    completion,
-    prompt_ids,
-    serve_pd,
-    token_ids,
-)
+from pdconnect.bench.scrape import fetch_metrics
+from pdconnect.testbed.engine_calls import completed, completion, prompt_ids, token_ids
 from pdconnect.testbed.processes import Cluster, ManagedProcess
-from pdconnect.testbed.recipes import MODEL_NAME, SPEC, pd_kv_transfer, vllm_server, warm_up
+from pdconnect.testbed.recipes import MODEL_NAME, SPEC, pd_kv_transfer, ready_and_warm, vllm_server
 from pdconnect.testbed.tinymodel import DSV4_LIKE_MIMO_V2, ensure_model
 from tests.engine_parity import (
     DECODE_TOKENS,
     PROMPT_TOKENS,
-    SIBLING_EXTRA,
+    TRAFFIC_SHAPES,
     Setup,
+    Traffic,
     assert_pools_back_to_baseline,
-    colocated,
-    concurrent_siblings,
-    long_suffix_siblings,
-    multi_turn_chat,
-    reset_prefix_cache,
-    same_answer,
+    first_pull,
+    serial_sibling,
 )
 
 pytestmark = pytest.mark.engine
@@ -126,21 +114,9 @@ class Pair:
     def seed(self, base: int) -> int:
         return self.pairing.seed(base)
 
-    def serve(self, http: httpx.Client, prompt: list[int]) -> PDResult:
-        return serve_pd(http, self.prefill.base_url, self.decode.base_url, prompt, DECODE_TOKENS, logprobs=1)
-
-    def alone(self, http: httpx.Client, prompts: list[list[int]]) -> list[tuple[int, dict]]:
-        """The reference: each prompt's local hit and answer on the decode engine computing
-        alone, in order; then its prefix cache emptied."""
-        reference = [colocated(http, self.decode, prompt) for prompt in prompts]
-        reset_prefix_cache(http, self.decode)
-        return reference
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with Cluster() as running:
-        yield running
+    def traffic(self, http: httpx.Client) -> Traffic:
+        """Its decode engine is its reference (emptied after each reference run)."""
+        return Traffic(http, self.prefill, self.decode, self.decode, self.seed)
 
 
 @pytest.fixture(scope="module", params=SETUPS, ids=lambda setup: setup.name)
@@ -162,9 +138,7 @@ def engines(request: pytest.FixtureRequest, cluster: Cluster) -> Iterator[Engine
         server(f"both-tp1-{setup.name}", "kv_both", 1),
     )
     every = [started.prefill_tp2, started.decode_tp2, started.both_tp1]
-    cluster.wait_healthy(every)
-    for proc in every:
-        warm_up(proc.base_url, MODEL_NAME)
+    ready_and_warm(cluster, every)
     yield started
     cluster.stop(*every)
 
@@ -186,12 +160,6 @@ def on_pairings(*chosen: Pairing) -> pytest.MarkDecorator:
     return pytest.mark.parametrize("pairing", chosen, indirect=True, ids=lambda pairing: pairing.name)
 
 
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with engine_client(REQUEST_TIMEOUT_S) as client:
-        yield client
-
-
 def _report(capsys: pytest.CaptureFixture[str], pair: Pair, title: str, **rows: object) -> None:
     with capsys.disabled():
         line = ", ".join(f"{k}={v}" for k, v in rows.items())
@@ -201,15 +169,8 @@ def _report(capsys: pytest.CaptureFixture[str], pair: Pair, title: str, **rows: 
 def test_every_rank_pulls_what_its_heads_need_and_decode_answers_as_one_engine_alone(
     pair: Pair, http: httpx.Client
 ) -> None:
-    prompt = prompt_ids(seed=pair.seed(1), length=PROMPT_TOKENS)
-    [(_, alone)] = pair.alone(http, [prompt])
-    before = fetch_metrics(pair.decode.base_url, http)
-
-    served = pair.serve(http, prompt)
-
-    same_answer(served.body, alone)
-    # Loaded over the connector, not recomputed: nothing local, everything external.
-    assert (served.decode.hits, served.decode.external_hits) == (0, PROMPT_TOKENS)
+    before = fetch_metrics(pair.decode.base_url, http)  # the reference run transfers nothing
+    first_pull(pair.traffic(http), 1)
     for proc, tp in ((pair.prefill, pair.pairing.prefill_tp), (pair.decode, pair.pairing.decode_tp)):
         registered = set(re.findall(r"rank (\d+): registered \d+ KV tensors", proc.log_text()))
         assert registered == {str(rank) for rank in range(tp)}, proc.name
@@ -235,18 +196,9 @@ def test_every_rank_pulls_what_its_heads_need_and_decode_answers_as_one_engine_a
 def test_serial_sibling_hits_the_decode_engines_own_cache_like_a_colocated_engine(
     pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    prefix = prompt_ids(seed=pair.seed(2), length=PROMPT_TOKENS)
-    sibling = prefix + prompt_ids(seed=pair.seed(3), length=SIBLING_EXTRA)
-    [_, (colocated_hit, alone)] = pair.alone(http, [prefix, sibling])
     transfers_before = fetch_metrics(pair.decode.base_url, http).total("pdconnect:transfers")
+    colocated_hit, second = serial_sibling(pair.traffic(http), 2)
 
-    pair.serve(http, prefix)
-    second = pair.serve(http, sibling)
-
-    assert colocated_hit > 0  # 768 for the Llama (block 128), 512 for MiMo-V2 (alignment 256)
-    assert second.decode.hits == colocated_hit
-    assert second.decode.external_hits == len(sibling) - colocated_hit  # only the rest is pulled
-    same_answer(second.body, alone)
     assert fetch_metrics(pair.decode.base_url, http).total("pdconnect:transfers") - transfers_before >= 2
     assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
     _report(
@@ -260,39 +212,13 @@ def test_serial_sibling_hits_the_decode_engines_own_cache_like_a_colocated_engin
 
 
 @on_pairings(EQUAL)
-def test_three_siblings_with_long_suffixes_hit_like_a_colocated_engine(
-    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("shape", TRAFFIC_SHAPES)
+def test_real_traffic_hits_like_a_colocated_engine(
+    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str], shape: str
 ) -> None:
-    rows = long_suffix_siblings(partial(pair.serve, http), partial(pair.alone, http), pair.seed)
-    _report(capsys, pair, "long-suffix siblings", **rows)
-    assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
-
-
-@on_pairings(EQUAL)
-def test_concurrent_siblings_are_all_served_and_hit_what_serial_siblings_would(
-    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
-) -> None:
-    rows = concurrent_siblings(
-        partial(pair.serve, http),
-        partial(pair.alone, http),
-        pair.seed,
-        partial(PrefixCacheCounters.scrape, pair.decode.base_url, http),
-    )
-    _report(capsys, pair, "4 concurrent siblings", **rows)
-    assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
-
-
-@on_pairings(EQUAL)
-def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
-    pair: Pair, http: httpx.Client, capsys: pytest.CaptureFixture[str]
-) -> None:
-    rows = multi_turn_chat(
-        partial(pair.serve, http),
-        partial(colocated, http, pair.decode),
-        pair.seed,
-        between=partial(reset_prefix_cache, http, pair.decode),  # the decode engine was the reference
-    )
-    _report(capsys, pair, "multi-turn", **rows)
+    """Long-suffix, concurrent and multi-turn siblings (`tests.engine_parity`'s shapes)."""
+    rows = TRAFFIC_SHAPES[shape](pair.traffic(http))
+    _report(capsys, pair, shape, **rows)
     assert_pools_back_to_baseline(http, pair.prefill, pair.decode)
 
 
@@ -302,7 +228,7 @@ def test_multi_turn_chat_hits_like_a_colocated_engine_every_turn(
 def test_a_refused_load_leaks_no_block_on_any_prefill_rank(pair: Pair, http: httpx.Client) -> None:
     prompt = prompt_ids(seed=pair.seed(61), length=PROMPT_TOKENS)
     other = prompt_ids(seed=pair.seed(62), length=PROMPT_TOKENS)
-    [(_, want_other)] = pair.alone(http, [other])
+    [(_, want_other)] = pair.traffic(http).alone([other])
     prefilled = completed(completion(http, pair.prefill.base_url, prompt, 1, {"do_remote_decode": True}))
     assert fetch_metrics(pair.prefill.base_url, http).total("pdconnect:blocks_held") > 0  # held for the decode
 
@@ -313,6 +239,6 @@ def test_a_refused_load_leaks_no_block_on_any_prefill_rank(pair: Pair, http: htt
 
     # Every prefill rank's copy is freed when the lease ends, read or not.
     assert_pools_back_to_baseline(http, pair.prefill, pair.decode, within=LEASE_SECONDS + 15)
-    served = pair.serve(http, prompt)
+    served = pair.traffic(http).serve(prompt)
     assert (served.decode.hits, served.decode.external_hits) == (0, PROMPT_TOKENS)
     assert_pools_back_to_baseline(http, pair.prefill, pair.decode)

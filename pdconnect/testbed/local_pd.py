@@ -10,7 +10,7 @@ measures ours against.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,10 +24,10 @@ from pdconnect.testbed.recipes import (
     SPEC,
     engine_args,
     pd_kv_transfer,
+    ready_and_warm,
     router_server,
     stock_nixl_kv_transfer,
     vllm_server,
-    warm_up,
 )
 from pdconnect.testbed.tinymodel import FIRST_WORD_ID, TinyModelSpec, ensure_target_and_draft
 
@@ -38,10 +38,10 @@ __all__ = [
     "Transport",
     "establish_stock_handshake",
     "kv_events_config",
+    "pd_behind_router",
     "start_colocated",
     "start_local_pd",
     "start_router",
-    "wait_warm",
 ]
 
 Transport = Literal["mooncake", "nixl"]
@@ -115,10 +115,9 @@ class LocalPD:
 def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", spec: TinyModelSpec = SPEC) -> LocalPD:
     """Generate the model if needed, boot P and D in parallel, warm both, start the router.
 
-    The router comes last so its first health polls find the engines up; a router that
-    saw them down would send the first requests decode-only. It runs with fallback off:
-    a benchmark must fail loudly rather than measure decode-only serving. With vLLM's
-    NixlConnector, one P/D request through the router then establishes its handshake.
+    The router comes last (`pd_behind_router`) and runs with fallback off: a benchmark
+    must fail loudly rather than measure decode-only serving. With vLLM's NixlConnector,
+    one P/D request through the router then establishes its handshake.
     """
     target, draft = ensure_target_and_draft(spec)
     events: dict[str, list[str]] = {}  # engine url -> its events and replay endpoints
@@ -145,13 +144,10 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
             )
         )
 
-    prefill, decode = engine("prefill", "kv_producer"), engine("decode", "kv_consumer")
-    wait_warm(cluster, prefill, decode)
-    router, router_config = start_router(
+    prefill, decode, router, router_config = pd_behind_router(
         cluster,
         name,
-        prefill,
-        decode,
+        engine,
         request_timeout_s=config.request_timeout_s,
         kv_events=(events, target) if config.kv_events else None,
         router_args=config.router_args,
@@ -161,12 +157,33 @@ def start_local_pd(cluster: Cluster, config: LocalPDConfig, name: str = "pd", sp
     return LocalPD(config, prefill, decode, router, router_config)
 
 
-def wait_warm(cluster: Cluster, *engines: ManagedProcess) -> None:
-    """Wait until the started engines are healthy, then warm each: an engine's first
-    forward passes compile, and a measurement or a deadline must not pay for that."""
-    cluster.wait_healthy(list(engines))
-    for proc in engines:
-        warm_up(proc.base_url, MODEL_NAME)
+def pd_behind_router(
+    cluster: Cluster,
+    name: str,
+    engine: Callable[[str, str], ManagedProcess],
+    *,
+    request_timeout_s: float,
+    kv_events: tuple[dict[str, list[str]], Path] | None = None,
+    router_args: Sequence[str] = (),
+) -> tuple[ManagedProcess, ManagedProcess, ManagedProcess, Path | None]:
+    """Start the prefill and the decode engine (`engine(name suffix, kv role)`), wait for and
+    warm both, then `start_router` in front; returns (prefill, decode, router, its config).
+
+    The router comes last so its first health polls find the engines up: a router that saw
+    them down would send the first requests decode-only.
+    """
+    prefill, decode = engine("prefill", "kv_producer"), engine("decode", "kv_consumer")
+    ready_and_warm(cluster, [prefill, decode])
+    router, config = start_router(
+        cluster,
+        name,
+        prefill,
+        decode,
+        request_timeout_s=request_timeout_s,
+        kv_events=kv_events,
+        router_args=router_args,
+    )
+    return prefill, decode, router, config
 
 
 def start_router(
@@ -258,8 +275,8 @@ def start_colocated(
     """Start (without waiting) one engine with the deployment's model and flags but no connector.
 
     It is the reference: what one colocated engine hits on the same prompts is what the
-    decode engine's own cache should hit. Wait for it with `cluster.wait_healthy` and
-    `warm_up` it (the same first-forward reason as the P/D engines).
+    decode engine's own cache should hit. Wait for and warm it with `ready_and_warm`
+    (the same first-forward reason as the P/D engines).
     """
     target, draft = ensure_target_and_draft(spec)
     return cluster.start(

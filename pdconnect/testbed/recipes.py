@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from pdconnect.testbed.paths import default_build_dir
-from pdconnect.testbed.processes import ProcessSpec
+from pdconnect.testbed.processes import Cluster, ManagedProcess, ProcessSpec
 from pdconnect.testbed.tinymodel import TinyModelSpec
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "engine_args",
     "fake_engine_server",
     "pd_kv_transfer",
+    "ready_and_warm",
     "router_argv",
     "router_server",
     "stock_nixl_kv_transfer",
@@ -285,3 +286,10 @@ def warm_up(
     payload = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
     response = httpx.post(f"{base_url}/v1/completions", json=payload, timeout=timeout_s)
     response.raise_for_status()
+
+
+def ready_and_warm(cluster: Cluster, engines: Sequence[ManagedProcess], model: str = MODEL_NAME) -> None:
+    """Wait until every engine answers its health URL, then `warm_up` each, in order."""
+    cluster.wait_healthy(engines)
+    for proc in engines:
+        warm_up(proc.base_url, model)
