@@ -154,12 +154,16 @@ class PDFlow:
         try:
             client = self._keys.admit(http.headers) if self._keys is not None else None  # 401, 429 on requests
             raw = await read_body(http, self._config.max_body_bytes, self._config.body_read_timeout)
-            tracing = self._tracing is not None
             call = parse_call(
-                raw, endpoint, http.headers, started, pools=self._pools, key_of=self._key_of, tracing=tracing
+                raw,
+                endpoint,
+                http.headers,
+                started,
+                pools=self._pools,
+                key_of=self._key_of,
+                tracing=self._tracing is not None,
+                trace_id=trace.spans.trace_id,  # given here: a `dataclasses.replace` costs 2 us
             )
-            if trace.spans.trace_id is not None:
-                call = dataclasses.replace(call, trace_id=trace.spans.trace_id)
             bind_request(call.request_id, call.trace_id)
             if self._reader is not None:
                 call = dataclasses.replace(call, prompt=await self._reader.routing_prompt(call))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -86,9 +85,6 @@ class AccessEntry:
             logger.info("%s", self.message(), extra={"access": self})
 
 
-_ACCESS_FIELDS = tuple(f.name for f in dataclasses.fields(AccessEntry))
-
-
 class TextFormatter(logging.Formatter):
     """The plain format, with `[request id]` after the level on a request's lines."""
 
@@ -111,6 +107,11 @@ class JsonFormatter(logging.Formatter):
 
     _encode = msgspec.json.Encoder().encode
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._second = -1  # the last line's whole second and its text: one strftime a second
+        self._stamp = ""
+
     def format(self, record: logging.LogRecord) -> str:
         access = getattr(record, "access", None)
         entry = self._entry(record.created, record.levelname.lower(), record.name, record.getMessage(), access)
@@ -123,7 +124,10 @@ class JsonFormatter(logging.Formatter):
         return self._encode(self._entry(time.time(), "info", logger_name, access.message(), access)).decode()
 
     def _entry(self, created: float, level: str, name: str, message: str, access: object) -> dict[str, Any]:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created))
+        second = int(created)
+        if second != self._second:
+            self._second, self._stamp = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        stamp = self._stamp
         entry: dict[str, Any] = {
             "time": f"{stamp}.{int((created % 1) * 1000):03d}Z",
             "level": level,
@@ -136,8 +140,9 @@ class JsonFormatter(logging.Formatter):
             if ids.trace_id is not None:
                 entry["trace_id"] = ids.trace_id
         if isinstance(access, AccessEntry):
-            # Field by field: `dataclasses.asdict` deep-copies, 20 us of a 25 us line (py-spy, bench-router --observed).
-            entry.update({name: getattr(access, name) for name in _ACCESS_FIELDS})
+            # Its fields, in order, are its `__dict__` (a frozen dataclass without slots): copied in
+            # C. `dataclasses.asdict` deep-copies (20 us of a 25 us line), a getattr per field 2 us.
+            entry.update(access.__dict__)
         return entry
 
 

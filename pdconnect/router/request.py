@@ -122,12 +122,13 @@ def parse_call(
     pools: Pools,
     key_of: KeyOf | None,
     tracing: bool = False,
+    trace_id: str | None = None,
 ) -> Call:
     """The request in `raw`, checked; BadRequest names what is wrong. `pools`: the body's
     `model` picks one (ModelNotFound otherwise); with prefill engines in it, what would make
     several sequences is refused (`_refuse_unroutable`); `key_of`: the affinity key, None
     when no policy reads it; `tracing`: the router's own spans carry the trace context
-    (`forward_trace_context`)."""
+    (`forward_trace_context`), of `trace_id` when given (the request's span's)."""
     try:
         body = _json_decode(raw)
     except msgspec.DecodeError as exc:
@@ -152,7 +153,8 @@ def parse_call(
     forward = {"X-Request-Id": request_id, "Content-Type": "application/json"}
     if "Authorization" in headers:
         forward["Authorization"] = headers["Authorization"]
-    trace_id = forward_trace_context(headers, forward, tracing=tracing)
+    forwarded = forward_trace_context(headers, forward, tracing=tracing)
+    trace_id = trace_id if trace_id is not None else forwarded
     key = None
     if key_of is not None:
         # A Responses input is hashed as the chat messages it becomes.
