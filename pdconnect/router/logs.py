@@ -53,9 +53,9 @@ def bind_request(request_id: str, trace_id: str | None) -> None:
     _CURRENT.set(_RequestIds(request_id, trace_id))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class AccessEntry:
-    """One request as the access log reports it."""
+    """One request as the access log reports it (not frozen: a frozen init costs 1 us a request)."""
 
     method: str
     path: str
@@ -114,16 +114,24 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         access = getattr(record, "access", None)
-        entry = self._entry(record.created, record.levelname.lower(), record.name, record.getMessage(), access)
+        entry = self._entry(record.created, record.levelname.lower(), record.name, record.getMessage())
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return self._encode(entry).decode()
+        return self._line(entry, access)
 
     def access_line(self, access: AccessEntry, logger_name: str) -> str:
         """The line `format` writes for `access` logged now at info on `logger_name`."""
-        return self._encode(self._entry(time.time(), "info", logger_name, access.message(), access)).decode()
+        return self._line(self._entry(time.time(), "info", logger_name, access.message()), access)
 
-    def _entry(self, created: float, level: str, name: str, message: str, access: object) -> dict[str, Any]:
+    def _line(self, entry: dict[str, Any], access: object) -> str:
+        line = self._encode(entry)
+        if isinstance(access, AccessEntry):
+            # msgspec encodes the dataclass as an object of its fields in order: spliced after
+            # the entry's (`dataclasses.asdict` deep-copies: 20 us of a 25 us line).
+            line = line[:-1] + b"," + self._encode(access)[1:]
+        return line.decode()
+
+    def _entry(self, created: float, level: str, name: str, message: str) -> dict[str, Any]:
         second = int(created)
         if second != self._second:
             self._second, self._stamp = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
@@ -139,10 +147,6 @@ class JsonFormatter(logging.Formatter):
             entry["request_id"] = ids.request_id
             if ids.trace_id is not None:
                 entry["trace_id"] = ids.trace_id
-        if isinstance(access, AccessEntry):
-            # Its fields, in order, are its `__dict__` (a frozen dataclass without slots): copied in
-            # C. `dataclasses.asdict` deep-copies (20 us of a 25 us line), a getattr per field 2 us.
-            entry.update(access.__dict__)
         return entry
 
 
