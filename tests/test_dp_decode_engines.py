@@ -30,19 +30,12 @@ import httpx
 import pytest
 
 from pdconnect.bench.scrape import PrefixCacheCounters, engine_client, fetch_metrics
+from pdconnect.testbed import recipes
 from pdconnect.testbed.dp_rig import DPEvents
 from pdconnect.testbed.engine_calls import completion, prompt_ids, token_ids
 from pdconnect.testbed.local_pd import start_router
 from pdconnect.testbed.processes import Cluster, ManagedProcess
-from pdconnect.testbed.recipes import (
-    BLOCK_SIZE,
-    MODEL_NAME,
-    SPEC,
-    engine_args,
-    pd_kv_transfer,
-    ready_and_warm,
-    vllm_server,
-)
+from pdconnect.testbed.recipes import BLOCK_SIZE, MODEL_NAME, SPEC, engine_args, pd_kv_transfer, vllm_server
 from pdconnect.testbed.tinymodel import ensure_model
 from tests.waiting import wait_until
 
@@ -93,7 +86,7 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
                 json.dumps(events.engine_config()),
             ],
         )
-        ready_and_warm(cluster, [colocated, prefill, decode])
+        recipes.ready_and_warm(cluster, [colocated, prefill, decode])
 
         def router(name: str, args: list[str]) -> str:
             started, _ = start_router(
