@@ -149,6 +149,16 @@ class TinyModelSpec:
 # tokens, full-attention blocks of 256, window 128, cache-hit alignment 256.
 DSV4_LIKE_MIMO_V2 = TinyModelSpec(kind="mimo-v2", sliding_window=128)
 
+# The same groups (SWA blocks of 64, full ones of 256 with `--block-size 64`) with one KV
+# head in each, so at TP2 every rank holds a replica of every head (vLLM's replicated KV
+# heads), and a window of 257: its 256 tokens before the current one fill exactly one
+# 256-token alignment segment (four SWA blocks). Both groups replicated, not one: a split
+# group's per-rank page shrinks with TP where a replicated one's does not, so vLLM would
+# give the TP1 and TP2 engines different block sizes and the pairing would be refused.
+REPLICATED_KV_MIMO_V2 = TinyModelSpec(
+    kind="mimo-v2", num_kv_heads=1, swa_num_kv_heads=1, swa_head_dim=128, sliding_window=257
+)
+
 
 def default_model_dir(spec: TinyModelSpec, root: Path | None = None) -> Path:
     """`<build>/models/<kind>-<fingerprint>`: different specs never share a directory."""
