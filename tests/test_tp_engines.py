@@ -283,13 +283,6 @@ def test_every_rank_pulls_what_its_heads_need_and_decode_answers_as_one_engine_a
     for proc, tp in ((pair.prefill, pair.pairing.prefill_tp), (pair.decode, pair.pairing.decode_tp)):
         registered = set(re.findall(r"rank (\d+): registered \d+ KV tensors", proc.log_text()))
         assert registered == {str(rank) for rank in range(tp)}, proc.name
-    # Which prefill ranks each decode rank reads (equal TP: the rank of its own number;
-    # replicated heads: one rank each, spread over the prefill ranks).
-    source_line = (
-        rf"rank (\d+) of {pair.pairing.decode_tp}: reads prefill engine \S+ "
-        rf"\(tp_size {pair.pairing.prefill_tp}\) ranks \[([\d, ]+)\]"
-    )
-    assert dict(re.findall(source_line, pair.decode.log_text())) == expected_reads(pair.setup, pair.pairing)
     after = fetch_metrics(pair.decode.base_url, http)
     assert after.total("pdconnect:transfers") - before.total("pdconnect:transfers") == 1
     assert after.total("pdconnect:transfer_failures") == 0
@@ -308,6 +301,14 @@ def test_every_rank_pulls_what_its_heads_need_and_decode_answers_as_one_engine_a
     needed = bytes_each_rank_needs(pair.setup, tp, blocks)
     assert blocks["full_attention"] == full_attention_blocks(pair.setup, tp, PROMPT_TOKENS)
     assert pulled == dict.fromkeys(pulled, needed), f"blocks {blocks}"
+
+    # Which prefill ranks each decode rank reads (equal TP: the rank of its own number;
+    # replicated heads: one rank each, spread over the prefill ranks).
+    source_line = (
+        rf"rank (\d+) of {pair.pairing.decode_tp}: reads prefill engine \S+ "
+        rf"\(tp_size {pair.pairing.prefill_tp}\) ranks \[([\d, ]+)\]"
+    )
+    assert dict(re.findall(source_line, pair.decode.log_text())) == expected_reads(pair.setup, pair.pairing)
     if pair.setup.speculation == "mtp":
         # The production layout, as in the single-rank suite: the checkpoint's MTP layer is
         # the draft, in a sliding-window group of its own, and decode speculated.
