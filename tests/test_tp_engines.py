@@ -91,6 +91,8 @@ def _flags(setup: Setup, role: str, tp: int) -> list[str]:
 
 @dataclass(frozen=True)
 class Pairing:
+    """Prefill TP and decode TP; the engines of each setup serve every pairing."""
+
     prefill_tp: int
     decode_tp: int
 
