@@ -169,7 +169,7 @@ class PDWorker:
         self._pulls: dict[str, _Pull] = {}
         self._released: set[str] = set()
         self.stats = StatsRecorder(tp_rank=tp_rank)
-        self._notes = RefusalNotes.for_server(vllm_config)  # why a pairing was refused, for the client
+        self._notes = RefusalNotes.for_server(vllm_config, decides=True)  # why a pairing was refused, for the client
 
     # --- registration ----------------------------------------------------------------
 
