@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import httpx
 import msgspec
@@ -1274,6 +1274,47 @@ def _prefill_answers(http: httpx.Client, engines: EngineSet, plan: TransferPlan)
     assert isinstance(reply, Ack) and reply.unknown == [], f"heartbeat on a live lease answered {reply}"
 
 
+class _LeaseKept:
+    """Heartbeats a plan's lease every HEARTBEAT_S from a thread, as a decode engine does for
+    a request it holds: the plan is made before the rogue reader starts, and spawning the
+    rogue (up to ROGUE_START_S) and stopping it mid-pull (up to STOP_ATTEMPTS rounds) may
+    each outlast LEASE_S. What went wrong is kept in `failures` (a heartbeat unanswered,
+    the lease named unknown, anything the thread raised), for the test's messages;
+    `_prefill_answers` still asserts its own heartbeat while the rogue is stopped or gone."""
+
+    def __init__(self, plan: TransferPlan) -> None:
+        self._plan = plan
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="faults-lease-kept", daemon=True)
+        self.failures: list[str] = []
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(HANDSHAKE_TIMEOUT_S + 5)
+
+    def _beat(self) -> None:
+        plan = self._plan
+        client = SideChannelClient(plan.side_channel, "decode", keyring("decode"), HANDSHAKE_TIMEOUT_S)
+        try:
+            while not self._stop.wait(HEARTBEAT_S):
+                try:
+                    reply = client.request(Heartbeat(to_engine=plan.remote_engine_id, request_ids=[plan.lease_id]))
+                except SideChannelError as exc:
+                    self.failures.append(f"heartbeat unanswered: {exc}")  # P stalled: the next one may pass
+                    continue
+                if not isinstance(reply, Ack) or reply.unknown:
+                    self.failures.append(f"lease lost: {reply}")
+                    return
+        except Exception as exc:  # noqa: BLE001 - a helper thread's error becomes the test's, never a silent stop
+            self.failures.append(f"lease keeper failed: {exc!r}")
+        finally:
+            client.close()
+
+
 @pytest.mark.parametrize("fault", ["stops reading", "disappears"])
 def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
     pd: EngineSet, http: httpx.Client, fleet: Fleet, fault: str
@@ -1300,6 +1341,9 @@ def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
     prompt = prompt_ids(engines.seed(90 + index), PROMPT_TOKENS)
     expected = reference(http, engines, prompt)
     # A plan made before the fault, pulled during it: its side channel is the rogue's target too.
+    # Its lease is heartbeaten from here on, as the decode engine holding it would: before,
+    # a rogue slow to start (ROGUE_START_S on loaded cores) could outlast the lease, and the
+    # row then failed on an expired lease rather than on anything the rogue did.
     params = prefill_plan(http, engines, prompt)
     plan = decode_plan(params)
     compat = _engine_compat(fleet.model)
@@ -1308,7 +1352,10 @@ def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
             "_engine_compat no longer describes the engines (their recipe changed): the rogue's handshake would be "
             f"refused; the prefill log names what differs after a refused handshake: {engines.prefill.log_path}"
         )
-        with RogueReader(plan.side_channel, engines.transport, compat, HANDSHAKE_TIMEOUT_S, ROGUE_START_S) as rogue:
+        with (
+            _LeaseKept(plan) as kept,
+            RogueReader(plan.side_channel, engines.transport, compat, HANDSHAKE_TIMEOUT_S, ROGUE_START_S) as rogue,
+        ):
             queued = _stop_mid_pull(engines, rogue)
             assert rogue.failure() is None, f"the rogue reader failed before it was stopped: {rogue.failure()}"
             held = sum(s.tx_queue for s in queued)
@@ -1333,7 +1380,7 @@ def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
                 f"{evidence}; {'while it was stopped' if index == 0 else 'once it was killed'}: "
                 f"/health, heartbeat, earlier plan {describe(answer)}"
             )
-            assert answer.served, f"the plan made before the fault failed: {answer.error}"
+            assert answer.served, f"the plan made before the fault failed: {answer.error}; lease kept: {kept.failures}"
             assert answer.tokens == expected, "served tokens differ from the colocated reference"
             sibling_ok(http, engines, prompt, engines.seed(92 + index), row)
             row.outcome += ", sibling served"
