@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 
 import httpx
 import msgspec
@@ -1274,45 +1274,21 @@ def _prefill_answers(http: httpx.Client, engines: EngineSet, plan: TransferPlan)
     assert isinstance(reply, Ack) and reply.unknown == [], f"heartbeat on a live lease answered {reply}"
 
 
-class _LeaseKept:
-    """Heartbeats a plan's lease every HEARTBEAT_S from a thread, as a decode engine does for
-    a request it holds: the plan is made before the rogue reader starts, and spawning the
-    rogue (up to ROGUE_START_S) and stopping it mid-pull (up to STOP_ATTEMPTS rounds) may
-    each outlast LEASE_S. What went wrong is kept in `failures` (a heartbeat unanswered,
-    the lease named unknown, anything the thread raised), for the test's messages;
-    `_prefill_answers` still asserts its own heartbeat while the rogue is stopped or gone."""
-
-    def __init__(self, plan: TransferPlan) -> None:
-        self._plan = plan
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="faults-lease-kept", daemon=True)
-        self.failures: list[str] = []
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(HANDSHAKE_TIMEOUT_S + 5)
-
-    def _beat(self) -> None:
-        plan = self._plan
-        client = SideChannelClient(plan.side_channel, "decode", keyring("decode"), HANDSHAKE_TIMEOUT_S)
-        try:
-            while not self._stop.wait(HEARTBEAT_S):
-                try:
-                    reply = client.request(Heartbeat(to_engine=plan.remote_engine_id, request_ids=[plan.lease_id]))
-                except SideChannelError as exc:
-                    self.failures.append(f"heartbeat unanswered: {exc}")  # P stalled: the next one may pass
-                    continue
-                if not isinstance(reply, Ack) or reply.unknown:
-                    self.failures.append(f"lease lost: {reply}")
-                    return
-        except Exception as exc:  # noqa: BLE001 - a helper thread's error becomes the test's, never a silent stop
-            self.failures.append(f"lease keeper failed: {exc!r}")
-        finally:
-            client.close()
+def _probe_plan(http: httpx.Client, engines: EngineSet, prompt: list[int]) -> TransferPlan:
+    """A plan for `prompt` that P is told to free at once: what the rogue needs (P's side
+    channel and compat digest) before the plan under test may be made. That plan's own
+    deadline (`lease_expires_at`) runs from its making, and decode refuses it once past,
+    whatever heartbeats kept P's lease alive: it must not wait for the rogue to start."""
+    plan = decode_plan(prefill_plan(http, engines, prompt))
+    client = SideChannelClient(plan.side_channel, "decode", keyring("decode"), HANDSHAKE_TIMEOUT_S)
+    try:
+        reply = client.request(
+            Release(to_engine=plan.remote_engine_id, request_ids=[plan.remote_request_id], reason="probe")
+        )
+    finally:
+        client.close()
+    assert isinstance(reply, Ack) and reply.unknown == [], f"the probe plan's release answered {reply}"
+    return plan
 
 
 @pytest.mark.parametrize("fault", ["stops reading", "disappears"])
@@ -1340,22 +1316,20 @@ def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
     )
     prompt = prompt_ids(engines.seed(90 + index), PROMPT_TOKENS)
     expected = reference(http, engines, prompt)
-    # A plan made before the fault, pulled during it: its side channel is the rogue's target too.
-    # Its lease is heartbeaten from here on, as the decode engine holding it would: before,
-    # a rogue slow to start (ROGUE_START_S on loaded cores) could outlast the lease, and the
+    # A plan made before the fault, pulled during it: its side channel is the rogue's target.
+    # It is made once the rogue is up and pulling: before, it was made before the rogue was
+    # spawned (up to ROGUE_START_S on loaded cores), which could outlast LEASE_S, and the
     # row then failed on an expired lease rather than on anything the rogue did.
-    params = prefill_plan(http, engines, prompt)
-    plan = decode_plan(params)
     compat = _engine_compat(fleet.model)
+    probe = _probe_plan(http, engines, prompt_ids(engines.seed(94 + index), PROMPT_TOKENS))
     try:
-        assert compat.digest() == plan.compat_hash, (
+        assert compat.digest() == probe.compat_hash, (
             "_engine_compat no longer describes the engines (their recipe changed): the rogue's handshake would be "
             f"refused; the prefill log names what differs after a refused handshake: {engines.prefill.log_path}"
         )
-        with (
-            _LeaseKept(plan) as kept,
-            RogueReader(plan.side_channel, engines.transport, compat, HANDSHAKE_TIMEOUT_S, ROGUE_START_S) as rogue,
-        ):
+        with RogueReader(probe.side_channel, engines.transport, compat, HANDSHAKE_TIMEOUT_S, ROGUE_START_S) as rogue:
+            params = prefill_plan(http, engines, prompt)
+            plan = decode_plan(params)
             queued = _stop_mid_pull(engines, rogue)
             assert rogue.failure() is None, f"the rogue reader failed before it was stopped: {rogue.failure()}"
             held = sum(s.tx_queue for s in queued)
@@ -1380,7 +1354,7 @@ def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
                 f"{evidence}; {'while it was stopped' if index == 0 else 'once it was killed'}: "
                 f"/health, heartbeat, earlier plan {describe(answer)}"
             )
-            assert answer.served, f"the plan made before the fault failed: {answer.error}; lease kept: {kept.failures}"
+            assert answer.served, f"the plan made before the fault failed: {answer.error}"
             assert answer.tokens == expected, "served tokens differ from the colocated reference"
             sibling_ok(http, engines, prompt, engines.seed(92 + index), row)
             row.outcome += ", sibling served"
