@@ -4,7 +4,7 @@
 - `settings`: the connector's settings, parsed from `kv_connector_extra_config`;
   `transfer_params`: a request's `kv_transfer_params`, decoded once and strictly;
   `api_guard`: vLLM's API server answers 400 to `kv_transfer_params` of the wrong types,
-  and names a refused pairing that `refusal_notes` noted, instead of vLLM's bare 500.
+  and names a refused pairing that `refusal_notes` noted, instead of vLLM's bare 500 or stream error event.
 - `scheduler`, `producer`, `consumer`, `leases`: the scheduler half and its prefill and
   decode state machines; `lease_desk`: the prefill side channel's own process;
   `worker`: the worker half that registers KV and runs pulls.

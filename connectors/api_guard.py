@@ -18,8 +18,13 @@ It also names a refused pairing: a decode request whose plan the engine refused 
 prefill engine's compat record differs, or an unequal-TP pairing cannot work) ends in
 vLLM's fixed 500 "Internal server error". When the engine noted why for that plan's
 prefill engine (`connectors.refusal_notes`), that 500's body is replaced by an
-OpenAI-style error with the note: the fields and both sides' values. Streams are left
-as vLLM writes them.
+OpenAI-style error with the note: the fields and both sides' values. A streamed request
+has its 200 and first events sent before the load fails; vLLM 0.32 and 0.33 then end its
+stream with one error event, `data: {"error": {"message": "Internal server error",
+"type": "InternalServerError", "param": null, "code": 500}}`, and `[DONE]`. That event is
+replaced by one carrying the note, in the same shape. Only body messages holding the
+event's leading bytes are parsed (vLLM writes each event in one message); the rest pass
+as they are.
 """
 
 from __future__ import annotations
@@ -66,10 +71,15 @@ def refusal(body: bytes) -> str | None:
     return None if ask is None else ask.invalid or None
 
 
+def _error_json(status: int, message: str, kind: str) -> bytes:
+    """An error in vLLM's (OpenAI's) format."""
+    error = {"error": {"message": message, "type": kind, "param": "kv_transfer_params", "code": status}}
+    return msgspec.json.encode(error)
+
+
 def _error(status: int, message: str, kind: str) -> tuple[ASGIMessage, ASGIMessage]:
     """The response start and body of an error in vLLM's (OpenAI's) format."""
-    error = {"error": {"message": message, "type": kind, "param": "kv_transfer_params", "code": status}}
-    payload = msgspec.json.encode(error)
+    payload = _error_json(status, message, kind)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     return {"type": "http.response.start", "status": status, "headers": headers}, {
         "type": "http.response.body",
@@ -83,18 +93,96 @@ def _server_notes(scope: Scope) -> RefusalNotes:
     return RefusalNotes(None) if config is None else RefusalNotes.for_server(config)
 
 
+# How every error event of vLLM's completion and chat streams begins (`json.dumps` of its
+# `ErrorResponse`); no other event of theirs does.
+_ERROR_EVENT = b'data: {"error":'
+_EVENT_END = b"\n\n"
+
+
+class _ErrorCode(msgspec.Struct):
+    code: int | None = None
+
+
+class _ErrorEvent(msgspec.Struct):
+    error: _ErrorCode
+
+
+_ERROR_EVENT_DECODER: msgspec.json.Decoder[_ErrorEvent] = msgspec.json.Decoder(_ErrorEvent)
+
+
+def _is_server_error(event: bytes) -> bool:
+    """Whether `event` (`data: {...}`, no blank line) is an error event with code 500."""
+    try:
+        return _ERROR_EVENT_DECODER.decode(event[len(b"data: ") :]).error.code == 500
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+
+
+def _is_event_stream(start: ASGIMessage) -> bool:
+    return any(
+        name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+        for name, value in start.get("headers", ())
+    )
+
+
+class _StreamNamer:
+    """Replaces a stream's error event of code 500 by one carrying the refusal note, when there is one.
+
+    Fed each body message's bytes in order; holds back an error event whose blank line has
+    not arrived yet (never anything else)."""
+
+    def __init__(self, read_note: Callable[[], str | None]) -> None:
+        self._read_note = read_note
+        self._held = b""  # an error event's first bytes, awaiting its end
+
+    def feed(self, body: bytes, last: bool) -> bytes:
+        if self._held:
+            body, self._held = self._held + body, b""
+        elif _ERROR_EVENT not in body:
+            return body
+        out: list[bytes] = []
+        start = 0
+        while (at := body.find(_ERROR_EVENT, start)) >= 0:
+            end = body.find(_EVENT_END, at)
+            if end < 0:
+                if not last:
+                    out.append(body[start:at])
+                    self._held = body[at:]
+                    return b"".join(out)
+                break  # the stream ends mid-event: passed on as vLLM wrote it
+            out.append(body[start:at])
+            out.append(self._named(body[at:end]))
+            start = end
+        out.append(body[start:])
+        return b"".join(out)
+
+    def _named(self, event: bytes) -> bytes:
+        note = self._read_note() if _is_server_error(event) else None
+        if note is None:
+            return event
+        return b"data: " + _error_json(500, note, "IncompatibleEnginesError")
+
+
 def _naming_refusal(send: Send, read_note: Callable[[], str | None]) -> Send:
-    """A `send` that replaces a 500's body by the refusal note, when there is one."""
+    """A `send` that replaces a 500's body, or a stream's error event, by the refusal note,
+    when there is one."""
     held: ASGIMessage | None = None
     replaced = False
+    stream: _StreamNamer | None = None
 
     async def sending(message: ASGIMessage) -> None:
-        nonlocal held, replaced
+        nonlocal held, replaced, stream
         if replaced:
             return  # the rest of vLLM's body, already answered
-        if message["type"] == "http.response.start" and message.get("status") == 500:
-            held = message
-            return
+        if message["type"] == "http.response.start":
+            if message.get("status") == 500:
+                held = message
+                return
+            if _is_event_stream(message):
+                stream = _StreamNamer(read_note)
+        elif stream is not None and message["type"] == "http.response.body":
+            more = bool(message.get("more_body", False))
+            message = {**message, "body": stream.feed(message.get("body", b""), last=not more)}
         if held is not None and message["type"] == "http.response.body":
             start, held = held, None
             note = read_note()

@@ -115,7 +115,7 @@ class PDScheduler:
                 self.stats,
                 news=self._news,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                notes=RefusalNotes.for_server(vllm_config),
+                notes=RefusalNotes.for_server(vllm_config, decides=True),
             )
 
     # --- wiring ------------------------------------------------------------------

@@ -169,7 +169,8 @@ class PDWorker:
         self._pulls: dict[str, _Pull] = {}
         self._released: set[str] = set()
         self.stats = StatsRecorder(tp_rank=tp_rank)
-        self._notes = RefusalNotes.for_server(vllm_config)  # why a pairing was refused, for the client
+        # Why a pairing was refused, for the client; a decode worker decides, and clears old notes.
+        self._notes = RefusalNotes.for_server(vllm_config, decides=transfer.is_kv_consumer)
 
     # --- registration ----------------------------------------------------------------
 

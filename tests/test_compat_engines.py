@@ -15,6 +15,7 @@ front of the pair puts that message into its 502, so the client reads what was r
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -138,6 +139,42 @@ def test_the_routers_client_reads_the_refused_field_and_both_values(pair: Pair, 
     assert direct.status_code == 500
     assert direct.json()["error"]["type"] == "IncompatibleEnginesError"
     assert f"group 0 block_size: prefill engine {PREFILL_BLOCK}" in direct.json()["error"]["message"]
+    wait_until(
+        lambda: _refused_by_field(http, decode)["block_size"] == before + 2,
+        "both refusals counted",
+        10,
+        observe=lambda: _refused_by_field(http, decode),
+    )
+
+
+def _error_events(stream: str) -> list[dict[str, object]]:
+    """The `error` members of a server-sent-event stream's events that carry one."""
+    events = [line.removeprefix("data: ") for line in stream.split("\n\n") if line.startswith("data: {")]
+    return [event["error"] for event in map(json.loads, events) if "error" in event]
+
+
+def test_a_streamed_refusal_names_every_field_with_both_values_direct_and_through_the_router(
+    pair: Pair, http: httpx.Client
+) -> None:
+    """Before, a streamed request's last event was vLLM's "Internal server error", at the
+    decode engine's client and at the router's alike."""
+    prefill, decode = pair.prefill, pair.decode
+    before = _refused_by_field(http, decode)["block_size"]
+    prompt = prompt_ids(seed=5, length=300)
+    plan = completed(completion(http, prefill.base_url, prompt, 1, {"do_remote_decode": True}))
+    direct = completion(http, decode.base_url, prompt, 4, plan["kv_transfer_params"], stream=True)
+    routed = completion(http, pair.router.base_url, prompt_ids(seed=6, length=300), 4, stream=True)
+    for client, response in (("decode", direct), ("router", routed)):
+        assert response.status_code == 200, (client, response.text[:300])  # the stream had begun
+        errors = _error_events(response.text)
+        assert len(errors) == 1, (client, response.text[-600:])
+        error = errors[0]
+        assert error["type"] == "IncompatibleEnginesError" and error["code"] == 500, (client, error)
+        for group in (0, 1):
+            named = f"group {group} block_size: prefill engine {PREFILL_BLOCK}, this decode engine {DECODE_BLOCK}"
+            assert named in str(error["message"]), (client, error)
+        assert "Internal server error" not in response.text, client
+        assert response.text.endswith("data: [DONE]\n\n"), client
     wait_until(
         lambda: _refused_by_field(http, decode)["block_size"] == before + 2,
         "both refusals counted",

@@ -1274,6 +1274,23 @@ def _prefill_answers(http: httpx.Client, engines: EngineSet, plan: TransferPlan)
     assert isinstance(reply, Ack) and reply.unknown == [], f"heartbeat on a live lease answered {reply}"
 
 
+def _probe_plan(http: httpx.Client, engines: EngineSet, prompt: list[int]) -> TransferPlan:
+    """A plan for `prompt` that P is told to free at once: what the rogue needs (P's side
+    channel and compat digest) before the plan under test may be made. That plan's own
+    deadline (`lease_expires_at`) runs from its making, and decode refuses it once past,
+    whatever heartbeats kept P's lease alive: it must not wait for the rogue to start."""
+    plan = decode_plan(prefill_plan(http, engines, prompt))
+    client = SideChannelClient(plan.side_channel, "decode", keyring("decode"), HANDSHAKE_TIMEOUT_S)
+    try:
+        reply = client.request(
+            Release(to_engine=plan.remote_engine_id, request_ids=[plan.remote_request_id], reason="probe")
+        )
+    finally:
+        client.close()
+    assert isinstance(reply, Ack) and reply.unknown == [], f"the probe plan's release answered {reply}"
+    return plan
+
+
 @pytest.mark.parametrize("fault", ["stops reading", "disappears"])
 def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
     pd: EngineSet, http: httpx.Client, fleet: Fleet, fault: str
@@ -1299,16 +1316,20 @@ def test_a_reader_that_stops_or_disappears_mid_pull_stalls_no_one(
     )
     prompt = prompt_ids(engines.seed(90 + index), PROMPT_TOKENS)
     expected = reference(http, engines, prompt)
-    # A plan made before the fault, pulled during it: its side channel is the rogue's target too.
-    params = prefill_plan(http, engines, prompt)
-    plan = decode_plan(params)
+    # A plan made before the fault, pulled during it: its side channel is the rogue's target.
+    # It is made once the rogue is up and pulling: before, it was made before the rogue was
+    # spawned (up to ROGUE_START_S on loaded cores), which could outlast LEASE_S, and the
+    # row then failed on an expired lease rather than on anything the rogue did.
     compat = _engine_compat(fleet.model)
+    probe = _probe_plan(http, engines, prompt_ids(engines.seed(94 + index), PROMPT_TOKENS))
     try:
-        assert compat.digest() == plan.compat_hash, (
+        assert compat.digest() == probe.compat_hash, (
             "_engine_compat no longer describes the engines (their recipe changed): the rogue's handshake would be "
             f"refused; the prefill log names what differs after a refused handshake: {engines.prefill.log_path}"
         )
-        with RogueReader(plan.side_channel, engines.transport, compat, HANDSHAKE_TIMEOUT_S, ROGUE_START_S) as rogue:
+        with RogueReader(probe.side_channel, engines.transport, compat, HANDSHAKE_TIMEOUT_S, ROGUE_START_S) as rogue:
+            params = prefill_plan(http, engines, prompt)
+            plan = decode_plan(params)
             queued = _stop_mid_pull(engines, rogue)
             assert rogue.failure() is None, f"the rogue reader failed before it was stopped: {rogue.failure()}"
             held = sum(s.tx_queue for s in queued)

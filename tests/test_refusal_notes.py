@@ -3,7 +3,9 @@
 The engine-level proof is tests/test_compat_engines.py (two real engines whose block
 sizes differ, with `pdconnect router` in front); these pin the parts: where the notes
 live and who may write there, which note a request's plan reads, that only a 500 is
-replaced and only when a note exists, and the line the router takes from an engine's error.
+replaced and only when a note exists (a whole 500, or a stream's error event), the line
+the router takes from an engine's error, and the notes' upkeep: cleared when a deciding
+process starts, capped by a count in memory, never listed on the refusal path.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
+import time
 from collections.abc import MutableMapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from connectors import refusal_notes
 from connectors.api_guard import TransferParamsGuard
 from connectors.metadata import PullSpec
 from connectors.refusal_notes import RefusalNotes, notes_key
@@ -82,8 +88,8 @@ def _vllm(status: int) -> Any:
     return app
 
 
-def _post(status: int, params: dict[str, Any]) -> httpx.Response:
-    guard = TransferParamsGuard(_vllm(status))
+def _post(status: int, params: dict[str, Any], vllm: Any = None) -> httpx.Response:
+    guard = TransferParamsGuard(vllm or _vllm(status))
     server = SimpleNamespace(state=SimpleNamespace(vllm_config=_config("e1")))
 
     async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
@@ -109,6 +115,53 @@ def test_a_500_for_a_noted_plan_names_the_refusal_and_nothing_else_changes(tmp: 
     assert _post(500, other).json()["error"]["message"] == "Internal server error"
 
 
+# vLLM 0.32/0.33's stream around a failed load: a first chunk, then its error event and [DONE].
+CHUNK = b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"a"}]}\n\n'
+VLLM_ERROR_EVENT = (
+    b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, '
+    b'"code": 500}}\n\n'
+)
+DONE = b"data: [DONE]\n\n"
+
+
+def _vllm_stream(bodies: list[bytes]) -> Any:
+    """Stands in for vLLM's app behind the guard: a 200 event stream, one body message per item."""
+
+    async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for body in bodies:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+def _stream(bodies: list[bytes], params: dict[str, Any]) -> bytes:
+    return _post(200, params, _vllm_stream(bodies)).content
+
+
+def test_a_streams_error_event_for_a_noted_plan_names_the_refusal_and_no_other_byte_changes(tmp: Path) -> None:
+    """Before, the event stayed vLLM's "Internal server error" (only whole 500s were replaced)."""
+    stream = [CHUNK, VLLM_ERROR_EVENT, DONE]
+    assert _stream(stream, PLAN) == b"".join(stream)  # no note yet: as vLLM wrote it
+    RefusalNotes.for_server(_config("e1")).write(KEY, REFUSAL)
+    named = (
+        b'data: {"error":{"message":"group 0 block_size: prefill engine 64, this decode engine 128",'
+        b'"type":"IncompatibleEnginesError","param":"kv_transfer_params","code":500}}\n\n'
+    )
+    assert _stream(stream, PLAN) == CHUNK + named + DONE
+    # An event split over two body messages, or sharing one with its neighbours.
+    assert _stream([CHUNK, VLLM_ERROR_EVENT[:30], VLLM_ERROR_EVENT[30:], DONE], PLAN) == CHUNK + named + DONE
+    assert _stream([CHUNK + VLLM_ERROR_EVENT + DONE], PLAN) == CHUNK + named + DONE
+    # An error of another code, and another plan's 500, stay vLLM's.
+    bad_request = VLLM_ERROR_EVENT.replace(b'"code": 500', b'"code": 400')
+    assert _stream([CHUNK, bad_request, DONE], PLAN) == CHUNK + bad_request + DONE
+    assert _stream(stream, {**PLAN, "compat_hash": "e" * 16}) == b"".join(stream)
+
+
 def test_the_router_takes_the_engines_message_whole() -> None:
     long = "x" * 1500
     assert error_message(json.dumps({"error": {"message": long, "code": 500}}).encode()) == long
@@ -125,3 +178,78 @@ def test_a_workers_refusal_is_noted_where_its_servers_api_server_reads(tmp: Path
     assert str(refused) == "group 0: 4 KV heads do not split over tp_size 3"
     api_server = RefusalNotes.for_server(_config(worker.engine_id))
     assert api_server.read(KEY) == "group 0: 4 KV heads do not split over tp_size 3"
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _aged(path: Path, seconds: float) -> Path:
+    past = time.time() - seconds
+    os.utime(path, (past, past))
+    return path
+
+
+def test_a_deciding_process_clears_what_an_earlier_server_left_and_marks_its_directory(tmp: Path) -> None:
+    """Before, notes were never removed."""
+    notes = RefusalNotes.for_server(_config("e1"))
+    notes.write("earlier", "an earlier server's verdict")
+    assert notes.directory is not None
+    _aged(notes.directory / "earlier", 10)
+    (notes.directory / ".note-half").write_bytes(b"x")
+    _aged(notes.directory / ".note-half", 10)
+    gone = _dead_pid()
+    (notes.directory / f".pid-{gone}").touch()
+
+    deciding = RefusalNotes.for_server(_config("e1"), decides=True)  # an engine core or a worker
+    assert sorted(p.name for p in notes.directory.iterdir()) == [f".pid-{os.getpid()}"]
+    deciding.write(KEY, REFUSAL)
+    assert notes.read(KEY) == REFUSAL and notes.read("earlier") is None
+
+
+def test_other_servers_directories_go_whole_once_their_owners_are_gone(tmp: Path) -> None:
+    refusals = tmp / f"pdconnect-{os.getuid()}" / "refusals"
+
+    def server(name: str, owner: int | None, age: float) -> Path:
+        directory = refusals / name
+        directory.mkdir(parents=True)
+        (directory / "k").write_text(REFUSAL)
+        if owner is not None:
+            (directory / f".pid-{owner}").touch()
+        return _aged(directory, age)
+
+    gone = _dead_pid()
+    kept = {
+        server("live", os.getpid(), 3600),
+        server("just-made", gone, 1),  # its owner may not have marked it yet
+        server("unmarked-recent", None, 3600),  # an older pdconnect's, maybe still serving
+    }
+    removed = {server("dead", gone, 3600), server("unmarked-old", None, 2 * 24 * 3600)}
+    RefusalNotes.for_server(_config("e1"), decides=True)
+    assert {p for p in refusals.iterdir() if p.name != "e1"} == kept
+    assert not any(p.exists() for p in removed)
+
+
+def test_the_cap_is_a_count_in_memory_and_no_write_lists_the_directory(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, each write listed the directory to count its notes."""
+    notes = RefusalNotes.for_server(_config("e1"))
+    monkeypatch.setattr(refusal_notes, "MAX_NOTES", 3)
+
+    def no_listing(self: Path) -> Any:
+        raise AssertionError(f"listed {self} on the refusal path")
+
+    monkeypatch.setattr(Path, "iterdir", no_listing)
+    for key in ("a", "b", "c", "d"):
+        notes.write(key, REFUSAL)
+    assert [notes.read(key) for key in ("a", "b", "c", "d")] == [REFUSAL, REFUSAL, REFUSAL, None]
+    assert notes.directory is not None
+    first = (notes.directory / "a").stat().st_ino
+    notes.write("a", REFUSAL)  # a worker refuses each request of a pairing: the same words
+    assert (notes.directory / "a").stat().st_ino == first, "the same words were written again"
+    notes.write("a", "newer")  # a noted key's words may change past the cap
+    assert notes.read("a") == "newer"

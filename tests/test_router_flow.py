@@ -18,7 +18,7 @@ import pytest
 
 from pdconnect.router import load_config, start_router
 from pdconnect.router.engines import Role
-from pdconnect.testbed.fake_engine import FakeCluster, FakeEngine
+from pdconnect.testbed.fake_engine import VLLM_STREAM_ERROR, FakeCluster, FakeEngine
 from tests.router_support import CHAT, COMPLETION, HANG, sse_events
 from tests.waiting import wait_until_async
 
@@ -305,6 +305,22 @@ async def test_decode_dropping_before_the_first_byte_is_retried(make) -> None:
     assert len(plans) == 2
     await wait_until_async(lambda: sorted(s.p[0].released_ids()) == sorted(plans), "releases reached prefill")
     assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="decode_failed") == 1
+
+
+async def test_an_engines_own_error_event_is_relayed_whole_and_its_plan_released(make) -> None:
+    """vLLM ends a stream whose request failed after its 200 (a refused plan) with an error
+    event and [DONE]; `connectors.api_guard` names a refusal there. Before, the router
+    relayed it but counted the request served ("ok") and never released its plan."""
+    s = await make()
+    s.d[0].faults.error_event_after_chunks = 1
+    status, _, raw = await s.post("/v1/completions", {**COMPLETION, "stream": True})
+    assert status == 200
+    assert raw.endswith(VLLM_STREAM_ERROR + b"data: [DONE]\n\n"), raw  # the engine's words, untouched
+    assert s.count("pdconnect_router_requests_total", endpoint="completions", outcome="decode_dropped") == 1
+    [plan] = s.p[0].plans
+    await wait_until_async(
+        lambda: s.p[0].released_ids() == [plan["remote_request_id"]], "the plan's release to reach prefill"
+    )
 
 
 async def test_decode_dropping_mid_stream_ends_the_stream_with_an_error_event(make) -> None:

@@ -21,6 +21,9 @@ Read top to bottom in `PDFlow.handle`:
    (`engines.py`): a request to it carries `X-data-parallel-rank`, on either leg;
 4. relay the decode engine's answer, with usage made true for the whole request, every
    write to the client within `client_write_timeout` (`writer.ClientWriter`).
+   A stream the engine itself ends with an error event (vLLM's for a request that failed
+   after its 200, e.g. a refused plan, named by `connectors.api_guard`) is relayed as it
+   is and counted `decode_dropped`, so its plan is released.
 
 The client's route into `kv_transfer_params` is the router's alone: the top-level field
 is replaced, `vllm_xargs.kv_transfer_params` (vLLM's other way in) is refused. Requests
@@ -82,6 +85,8 @@ logger = logging.getLogger("pdconnect.router.flow")
 access_logger = logging.getLogger(ACCESS_LOGGER)
 
 _json_encode = msgspec.json.encode
+# How an engine's error event in a completions or chat stream begins (vLLM's and the router's own).
+_ERROR_EVENT = b'data: {"error":'
 
 
 class _PrefillAnswer(msgspec.Struct):
@@ -407,7 +412,7 @@ class PDFlow:
         writer = self._writer(http, out, trace)
         try:
             await out.prepare(http)
-            chunk, broke, timed = first, None, True
+            chunk, broke, timed, errored = first, None, True, False
             while True:
                 try:
                     data = rewriter.feed(chunk)
@@ -415,6 +420,7 @@ class PDFlow:
                     self._metrics.oversized_answers.labels("event").inc()
                     data, broke = b"", str(exc)
                     break
+                errored = errored or _ERROR_EVENT in data
                 if resp.exhausted:
                     break  # the engine's whole answer is here: `data` goes out with the end
                 await writer.write(data)
@@ -433,6 +439,9 @@ class PDFlow:
             if broke is None and rewriter.complete:
                 resp.release()
                 trace.outcome = "ok_fallback" if trace.fallback else "ok"
+                if errored:  # the engine failed the request after its 200: relayed, not served
+                    trace.outcome = "decode_dropped"
+                    logger.warning("decode stream from %s ended with the engine's error event", engine.name)
                 # The last bytes and the chunked terminator in one write (with the headers
                 # too when the answer came in one read): each write wakes the client.
                 await writer.write_eof(data)

@@ -42,7 +42,7 @@ OUTCOMES = (
     "prefill_failed",  # every prefill attempt failed, fallback off
     "decode_failed",  # every decode attempt failed before the first byte
     "decode_timeout",  # non-streaming decode exceeded decode_timeout
-    "decode_dropped",  # decode stream broke or stalled after the client got bytes
+    "decode_dropped",  # decode stream broke, stalled or ended with an engine error event after the client got bytes
     "client_disconnect",  # the client went away; decode aborted, prefill released
     "client_stalled",  # the client stopped reading: dropped after client_write_timeout
     "unauthorized",  # client API keys are on and the request carried no known key (401)

@@ -39,6 +39,11 @@ from pdconnect.sidechannel import SideChannelServer
 __all__ = ["FakeCluster", "FakeEngine", "FakeFaults", "Seen"]
 
 _encode = msgspec.json.encode
+# vLLM 0.32/0.33's event for a streamed request that failed in the engine (`json.dumps` of its error).
+VLLM_STREAM_ERROR = (
+    b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, '
+    b'"code": 500}}\n\n'
+)
 
 
 @dataclass
@@ -53,6 +58,7 @@ class FakeFaults:
     stall_after_chunks: int | None = None  # stream: go silent (connection open) after N chunks
     chunk_interval: float = 0.0  # stream: seconds between chunks (a long generation)
     half_event_after_chunks: int | None = None  # stream: write half an event after N chunks, hang up
+    error_event_after_chunks: int | None = None  # stream: vLLM's error event and [DONE] after N chunks
     answer_only: int | None = None  # answer the first N inference requests, 500 after
     fail_on_field: str | None = None  # answer 500 to any request whose body has this key
     gzip: bool = False  # compress every answer, whatever the caller accepts
@@ -349,6 +355,9 @@ class FakeEngine:
                 await asyncio.sleep(0.05)  # let the half event reach the caller on its own
                 _hang_up(request)
                 return resp
+            if faults.error_event_after_chunks is not None and i >= faults.error_event_after_chunks:
+                await resp.write(VLLM_STREAM_ERROR)  # a request that failed in the engine (finish reason "error")
+                break
             if faults.stall_after_chunks is not None and i >= faults.stall_after_chunks:
                 await asyncio.sleep(3600)
             if faults.chunk_interval and i:
