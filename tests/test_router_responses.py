@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
+from pdconnect.testbed.fake_engine import RESPONSES_STREAM_ERROR
 from tests.router_support import Setup
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.asyncio
 
@@ -89,6 +91,22 @@ async def test_a_response_stream_cut_by_decode_ends_with_an_error_event_FAKE(mak
     name, data = _events(raw)[-1]
     assert name == "error" and data["type"] == "error" and "stream broke" in data["message"]
     assert s.count("pdconnect_router_requests_total", endpoint="responses", outcome="decode_dropped") == 1
+
+
+async def test_a_response_stream_the_engine_ends_with_its_error_event_is_not_served_FAKE(make) -> None:
+    """An engine that failed the request after its 200 ends the stream with an `error` event
+    (the stream is complete: terminal event). It reaches the client as the engine wrote it,
+    and the request is not counted served: its plan is released like any dropped decode."""
+    s: Setup = await make()
+    s.d[0].faults.error_event_after_chunks = 2
+    status, _, raw = await s.post("/v1/responses", {**RESPONSE, "stream": True})
+    assert status == 200
+    assert raw.endswith(RESPONSES_STREAM_ERROR), raw  # the engine's words, untouched
+    assert s.count("pdconnect_router_requests_total", endpoint="responses", outcome="decode_dropped") == 1
+    [plan] = s.p[0].plans
+    await wait_until_async(
+        lambda: s.p[0].released_ids() == [plan["remote_request_id"]], "the plan's release to reach prefill"
+    )
 
 
 @pytest.mark.parametrize(

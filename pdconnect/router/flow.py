@@ -85,8 +85,6 @@ logger = logging.getLogger("pdconnect.router.flow")
 access_logger = logging.getLogger(ACCESS_LOGGER)
 
 _json_encode = msgspec.json.encode
-# How an engine's error event in a completions or chat stream begins (vLLM's and the router's own).
-_ERROR_EVENT = b'data: {"error":'
 
 
 class _PrefillAnswer(msgspec.Struct):
@@ -420,7 +418,7 @@ class PDFlow:
                     self._metrics.oversized_answers.labels("event").inc()
                     data, broke = b"", str(exc)
                     break
-                errored = errored or _ERROR_EVENT in data
+                errored = errored or any(mark in data for mark in dialect.failed)
                 if resp.exhausted:
                     break  # the engine's whole answer is here: `data` goes out with the end
                 await writer.write(data)

@@ -143,16 +143,24 @@ class ResponsesUsage(UsageMerger):
 @dataclass(frozen=True)
 class Dialect:
     """How an endpoint's answers carry usage (`merger`), end a stream (`ends`: whether whole
-    events end it) and report a stream the router cut (`stream_error`)."""
+    events end it), report a stream the router cut (`stream_error`), and how an engine's
+    stream says its request failed after the 200 (`failed`: the bytes such an event holds)."""
 
     merger: type[UsageMerger]
     ends: Callable[[bytes], bool]
     stream_error: Callable[[str], bytes]
+    failed: tuple[bytes, ...]
+
+
+# How an engine's error event in a completions or chat stream begins (vLLM's and the router's own).
+_DATA_ERROR = (b'data: {"error":',)
+# A Responses stream's failure events (vLLM's error event, or a failed response).
+_RESPONSES_FAILED = (b"event: error\n", b"event: response.failed\n")
 
 
 # By `Endpoint.label`.
 DIALECTS = {
-    "completions": Dialect(UsageMerger, ends_with_done, stream_error),
-    "chat": Dialect(UsageMerger, ends_with_done, stream_error),
-    "responses": Dialect(ResponsesUsage, ends_with_terminal_event, responses_stream_error),
+    "completions": Dialect(UsageMerger, ends_with_done, stream_error, _DATA_ERROR),
+    "chat": Dialect(UsageMerger, ends_with_done, stream_error, _DATA_ERROR),
+    "responses": Dialect(ResponsesUsage, ends_with_terminal_event, responses_stream_error, _RESPONSES_FAILED),
 }

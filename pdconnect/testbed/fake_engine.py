@@ -45,6 +45,12 @@ VLLM_STREAM_ERROR = (
     b'"code": 500}}\n\n'
 )
 
+# A Responses stream's error event (OpenAI's `ResponseErrorEvent`), ending a request that failed in the engine.
+RESPONSES_STREAM_ERROR = (
+    b'event: error\ndata: {"type": "error", "code": "500", "message": "Internal server error", "param": null, '
+    b'"sequence_number": 1}\n\n'
+)
+
 
 @dataclass
 class FakeFaults:
@@ -277,6 +283,9 @@ class FakeEngine:
             if self.faults.drop_after_chunks is not None and i >= self.faults.drop_after_chunks:
                 _hang_up(request)
                 return resp
+            if self.faults.error_event_after_chunks is not None and i >= self.faults.error_event_after_chunks:
+                await resp.write(RESPONSES_STREAM_ERROR)  # the request failed in the engine: no completed event
+                break
             await resp.write(f"event: {kind}\ndata: ".encode() + _encode({**event, "sequence_number": i}) + b"\n\n")
         await resp.write_eof()
         return resp
