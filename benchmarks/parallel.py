@@ -93,6 +93,10 @@ __all__ = [
 STOCK_BYTES = "vllm:nixl_bytes_transferred_sum"
 DP_RANKS = 2
 REQUEST_TIMEOUT_S = 300.0
+# Engine ranks (TP workers, DP engine cores) kept alive at once, idle ones included: each
+# holds its 1 GiB KV cache and ~0.5 GB of torch (1.5 GB resident per TP4 worker measured).
+# 13 ranks (two TP4, two TP2, a TP1) got a worker OOM-killed on a 24 GiB machine.
+RANK_BUDGET = 10
 
 
 # ---------------------------------------------------------------------------------------
@@ -434,8 +438,25 @@ def _order(names: Sequence[str]) -> list[str]:
     return sorted(names, key=lambda n: rank[n])
 
 
-def _keep_for(rest: Sequence[ShapeSpec]) -> set[str]:
-    return {name for shape in rest for name in _engine_names(shape)}
+def engine_ranks(name: str) -> int:
+    """The ranks (worker processes with a KV cache each) of an engine named as in `Engines._start`."""
+    role = name.partition("@")[0]
+    if role.startswith("decode-dp"):
+        return DP_RANKS
+    return int(role.rpartition("-tp")[2].rstrip("b"))
+
+
+def _keep_for(rest: Sequence[ShapeSpec], started: Sequence[str], budget: int = RANK_BUDGET) -> set[str]:
+    """The engines to keep before running `rest[0]`: its own, then already started ones that
+    later shapes need, in the order they are needed, while their ranks fit in `budget`.
+    A shape's own engines are never dropped; an idle one that does not fit is restarted later."""
+    keep = list(_engine_names(rest[0]))
+    ranks = sum(engine_ranks(name) for name in keep)  # started for this shape if they are not yet
+    for name in (n for shape in rest[1:] for n in _engine_names(shape)):
+        if name in started and name not in keep and ranks + engine_ranks(name) <= budget:
+            keep.append(name)
+            ranks += engine_ranks(name)
+    return set(keep)
 
 
 _parse_shapes = comma_subset(SHAPES, "shapes")
@@ -479,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with engine_phase("bench-parallel", args.logs), Cluster(log_dir=args.logs) as cluster:
         engines = Engines(cluster)
         for i, shape in enumerate(shapes):
-            engines.keep_only(*_keep_for(shapes[i:]))
+            engines.keep_only(*_keep_for(shapes[i:], list(engines.started)))
             results.append(run_shape(engines, shape, scenario))
     print(
         f"\nshared-prefix step {scenario.steps(TokenSource(seed=0))[0].name}, tiny hybrid Llama "

@@ -12,7 +12,9 @@ from benchmarks.parallel import (
     SHAPES,
     ShapeResult,
     _engine_names,
+    _keep_for,
     _parse_shapes,
+    engine_ranks,
     format_results,
     last_error_line,
     model_spec,
@@ -135,6 +137,20 @@ def test_shapes_parse_and_map_to_engines():
     assert _engine_names(SHAPES["tp4-tp1"]) == ("ours-tp4", "ours-tp1", "colocated-tp1")
     assert _engine_names(SHAPES["tp1-tp4-kv4"]) == ("ours-tp1@kv4", "ours-tp4@kv4", "colocated-tp4@kv4")
     assert _engine_names(SHAPES["nixl-tp1-tp4-kv4"]) == ("nixl-tp1@kv4", "nixl-tp4@kv4", "colocated-tp4@kv4")
+
+
+def test_idle_engines_are_kept_for_later_shapes_only_within_the_rank_budget():
+    assert [engine_ranks(n) for n in ("ours-tp4@kv4", "ours-tp2b", "colocated-tp1", "decode-dp2")] == [4, 2, 1, 2]
+    # What was alive when a worker was OOM-killed: 13 ranks with tp4-tp2-kv4's own.
+    started = ["ours-tp4@kv4", "colocated-tp4@kv4", "colocated-tp1", "ours-tp1@kv4"]
+    rest = [SHAPES[n] for n in ("tp4-tp2-kv4", "nixl-tp4-tp1", "nixl-tp1-tp4-kv4")]
+    # Its own 8 ranks, then colocated-tp1 (nixl-tp4-tp1 needs it: 9); the idle TP4 would make 13.
+    assert _keep_for(rest, started, budget=10) == {"ours-tp4@kv4", "ours-tp2@kv4", "colocated-tp2@kv4", "colocated-tp1"}
+    assert "colocated-tp4@kv4" in _keep_for(rest, started, budget=13)
+    # The TP2 shapes fit whole: 6 ranks of tp2-tp2's, then the TP1 pair's 2.
+    rest = [SHAPES[n] for n in ("tp2-tp2", "tp2-tp1", "tp1-tp2")]
+    started = ["ours-tp2", "ours-tp2b", "colocated-tp2", "ours-tp1", "colocated-tp1"]
+    assert _keep_for(rest, started, budget=10) == set(started)
 
 
 def test_the_four_head_model_splits_one_head_per_rank_at_tp4():
