@@ -50,6 +50,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -379,10 +380,29 @@ async def _drive(
 ERROR_WORDS = ("Error", "ERROR", "error:", "assert", "not supported", "NotImplemented")
 
 
+# An HTTP access-log line ("... 500 Internal Server Error") says that a request failed, not why.
+ACCESS_LOG = re.compile(r'"[A-Z]+ \S+ HTTP/[\d.]+" \d{3}')
+# A traceback's last line when the exception has no message (a bare `assert`), and its frames.
+BARE_EXCEPTION = re.compile(r"\b\w+(Error|Exception)$")
+FRAME = re.compile(r'File "(?:[^"]*/)?([^"/]+)", line (\d+), in (\S+)')
+
+
 def last_error_line(text: str) -> str | None:
-    """The last line of a log that reads as an error (the engine's own reason), or None."""
-    lines = [line.strip() for line in text.splitlines() if any(word in line for word in ERROR_WORDS)]
-    return lines[-1][:400] if lines else None
+    """The last line of a log that reads as an error (the engine's own reason), or None;
+    an exception without a message is named with the frame that raised it."""
+    lines = [
+        line.strip()
+        for line in text.splitlines()
+        if any(word in line for word in ERROR_WORDS) and not ACCESS_LOG.search(line)
+    ]
+    if not lines:
+        return None
+    last = lines[-1]
+    if BARE_EXCEPTION.search(last):
+        frames = [m for line in lines if (m := FRAME.search(line))]
+        if frames:
+            last += f" (at {frames[-1][1]} line {frames[-1][2]}, in {frames[-1][3]})"
+    return last[:400]
 
 
 def _why_failed(*procs: ManagedProcess) -> str:

@@ -172,3 +172,18 @@ def test_a_shape_that_did_not_run_prints_its_reason_and_the_engines_last_error()
     table = format_results([ShapeResult(SHAPES["nixl-tp1-tp2"], error=reason)])
     assert "P TP1 -> D TP2, 2 KV heads (vLLM NixlConnector)" in table and "not run: ERROR worker" in table
     assert last_error_line("INFO all fine\n") is None
+
+
+def test_the_engines_reason_is_its_exception_not_an_access_log_line():
+    # vLLM 0.32's NixlConnector at P TP4 -> D TP1 with replicated heads, as its log reads.
+    log = (
+        '(Worker pid=1) ERROR [base_worker.py:1354]   File "/x/nixl/base_worker.py", line 2450, in '
+        "_validate_remote_agent_handshake\n"
+        "(Worker pid=1) ERROR [base_worker.py:1354]     tp_ratio < 0 and self.transfer_topo.is_kv_replicated(e)\n"
+        "(Worker pid=1) ERROR [base_worker.py:1354] AssertionError\n"
+        'INFO:     127.0.0.1:52474 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error\n'
+    )
+    assert last_error_line(log) == (
+        "(Worker pid=1) ERROR [base_worker.py:1354] AssertionError "
+        "(at base_worker.py line 2450, in _validate_remote_agent_handshake)"
+    )
