@@ -388,32 +388,17 @@ def _log_lines(path: Path) -> int:
 
 
 def _serve_spans(port: Connection, spans: Synchronized[int]) -> None:
-    """An OTLP/HTTP trace receiver that counts the spans of each valid export (400 for a body
-    that does not parse), until killed."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+    """An OTLP/HTTP trace receiver that counts the spans of each export, until killed."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            try:
-                request = ExportTraceServiceRequest.FromString(body)
-            except DecodeError:
-                self.send_response(400)
-            else:
-                with spans.get_lock():
-                    spans.value += sum(len(scope.spans) for res in request.resource_spans for scope in res.scope_spans)
-                self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+    from tests.otlp_receiver import otlp_server  # the repository's receiver; run from its root
 
-        def log_message(self, format: str, *args: object) -> None:
-            pass
+    def count(body: bytes) -> None:
+        request = ExportTraceServiceRequest.FromString(body)
+        with spans.get_lock():
+            spans.value += sum(len(scope.spans) for res in request.resource_spans for scope in res.scope_spans)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = otlp_server(count)
     port.send(server.server_address[1])
     server.serve_forever()
 
