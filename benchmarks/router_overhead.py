@@ -27,8 +27,8 @@ the plan it issued for it and the fake decode the plan it received with it, and 
 must match (a router that skipped prefill, or went decode-only, does not score).
 
 `--observed` runs both routers as a platform team would, each logging what it logs per
-request at info level: ours twice, spans exported over OTLP/HTTP to a local receiver in
-the bench process (`tests/otlp_receiver.py`) with every request sampled
+request at info level: ours twice, spans exported over OTLP/HTTP to a local receiver (a
+process of its own that counts them, `_span_sink`) with every request sampled
 (`pdconnect`) and with `PRODUCTION_RATIO` of them (`pdconnect@0.1`), JSON log lines with
 the access log on (one line per request, into the router's log file); vllm-router at
 `--log-level info` into `--log-dir` (it has no tracing to turn on).
@@ -45,11 +45,14 @@ import asyncio
 import contextlib
 import itertools
 import json
+import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 
 import aiohttp
@@ -384,18 +387,51 @@ def _log_lines(path: Path) -> int:
     return sum(f.read_bytes().count(b"\n") for f in files)
 
 
+def _serve_spans(port: Connection, spans: Synchronized[int]) -> None:
+    """An OTLP/HTTP trace receiver that counts the spans of each export, until killed."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from tests.otlp_receiver import otlp_server  # the repository's receiver; run from its root
+
+    def count(body: bytes) -> None:
+        request = ExportTraceServiceRequest.FromString(body)
+        with spans.get_lock():
+            spans.value += sum(len(scope.spans) for res in request.resource_spans for scope in res.scope_spans)
+
+    server = otlp_server(count)
+    port.send(server.server_address[1])
+    server.serve_forever()
+
+
+@contextlib.contextmanager
+def _span_sink() -> Iterator[tuple[str, Callable[[], int]]]:
+    """The traces endpoint of `--observed` and its count of spans received. A process of its
+    own: in the load generator's (as `tests/otlp_receiver.py`, which keeps every span as
+    Python objects) it took the generator's interpreter lock while a traced router ran, and
+    the rows of the traced routers were measured with a slower client than the others."""
+    context = multiprocessing.get_context("spawn")
+    spans = context.Value("q", 0)
+    ours, theirs = context.Pipe()
+    sink = context.Process(target=_serve_spans, args=(theirs, spans), name="otlp-sink", daemon=True)
+    sink.start()
+    try:
+        if not ours.poll(60):
+            raise SystemExit("--observed: the span sink did not start")
+        yield f"http://127.0.0.1:{ours.recv()}/v1/traces", lambda: int(spans.value)
+    finally:
+        sink.kill()
+        sink.join()
+
+
 def run(args: argparse.Namespace) -> tuple[list[Target], Verdicts]:
     with contextlib.ExitStack() as stack:
-        traces_url = None
+        traces_url, received = None, None
         if args.observed:
-            from tests.otlp_receiver import otlp_receiver  # the repository's receiver; run from its root
-
-            receiver = stack.enter_context(otlp_receiver())
-            traces_url = receiver.url
+            traces_url, received = stack.enter_context(_span_sink())
         targets, verdicts = _run(args, traces_url)
-        if args.observed:
-            spans = len(receiver.spans())
-            print(f"observed: the receiver got {spans} spans from the router", file=sys.stderr, flush=True)
+        if received is not None:
+            spans = received()
+            print(f"observed: the receiver got {spans} spans from the routers", file=sys.stderr, flush=True)
             if not spans:
                 raise SystemExit("--observed: the router exported no spans")
     return targets, verdicts

@@ -8,7 +8,7 @@ name, ids, attributes and status, decoded by OpenTelemetry's own protobuf types.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -77,17 +77,15 @@ class OtlpReceiver:
             return [s for s in self._spans if trace_id is None or s.trace_id == trace_id]
 
 
-@contextmanager
-def otlp_receiver() -> Iterator[OtlpReceiver]:
-    """Serve a receiver on a free port of 127.0.0.1 until the block ends."""
-    receiver: OtlpReceiver | None = None
+def otlp_server(take: Callable[[bytes], None]) -> ThreadingHTTPServer:
+    """An OTLP/HTTP server on a free port of 127.0.0.1 (not yet serving) that hands each
+    export's body to `take`: answered 200, or 400 when `take` raises DecodeError."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            assert receiver is not None
             try:
-                receiver.add(_spans_of(body))
+                take(body)
                 self.send_response(200)
             except DecodeError:  # a body we cannot read: the exporter is told, the test sees no spans
                 self.send_response(400)
@@ -98,7 +96,19 @@ def otlp_receiver() -> Iterator[OtlpReceiver]:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    return ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+
+
+@contextmanager
+def otlp_receiver() -> Iterator[OtlpReceiver]:
+    """Serve a receiver on a free port of 127.0.0.1 until the block ends."""
+    receiver: OtlpReceiver | None = None
+
+    def take(body: bytes) -> None:
+        assert receiver is not None
+        receiver.add(_spans_of(body))
+
+    server = otlp_server(take)
     receiver = OtlpReceiver(f"http://127.0.0.1:{server.server_address[1]}/v1/traces")
     thread = threading.Thread(target=server.serve_forever, name="otlp-receiver", daemon=True)
     thread.start()

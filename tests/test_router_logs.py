@@ -10,7 +10,7 @@ import contextvars
 import io
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import pytest
 
 from pdconnect.router.logs import ACCESS_LOGGER, JsonFormatter, TextFormatter
 from tests.router_support import COMPLETION, router_process_with_fakes, sse_events
-from tests.waiting import wait_until
+from tests.waiting import wait_until, wait_until_async
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -195,46 +195,29 @@ class _Kept(logging.Handler):
         self.records.append(record)
 
 
-def test_the_json_access_line_written_by_the_handler_is_the_line_logging_writes(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """With `configure_logging`'s JSON handler the access line skips the LogRecord path;
-    it must be the same line (but for the time) as through `logging`, and a second
-    handler (here a test's) sends it back through `logging`."""
-    from pdconnect.router.logs import AccessEntry, bind_request, configure_logging
+@pytest.fixture
+def json_root() -> Iterator[Callable[[], logging.Handler]]:
+    """`configure_logging("info", "json")` on a router process's logger tree, called in the
+    test (pytest's own handler on the root, added for the test's call, goes), undone after."""
+    from pdconnect.router.logs import configure_logging
+
+    def configured() -> logging.Handler:
+        configure_logging("info", "json")
+        return root.handlers[0]
 
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
-    entry = AccessEntry("POST", "/v1/completions", 200, "ok", "pd", "p", "d", 0.01, 0.02)
-    logger = logging.getLogger(ACCESS_LOGGER)
     # A router process's tree: a connector test earlier in this process may have handed the
     # `pdconnect` loggers vLLM's handlers (as an engine does), and then the direct path
     # rightly steps aside.
     chain = [logging.getLogger(name) for name in ("pdconnect", "pdconnect.router", ACCESS_LOGGER)]
     saved_chain = [(list(node.handlers), node.level, node.propagate, node.disabled) for node in chain]
-    context = contextvars.copy_context()  # the request's ids stay in this test
     try:
         for node in chain:
             node.handlers[:] = []
             node.setLevel(logging.NOTSET)
             node.propagate, node.disabled = True, False
-        configure_logging("info", "json")
-        context.run(bind_request, "direct-1", TRACE_ID)
-        through_logging: list[object] = []
-
-        def made(*args: object, **kwargs: object) -> None:
-            through_logging.append(args)
-
-        monkeypatch.setattr(logging.Logger, "makeRecord", made)
-        context.run(entry.log, logger)  # the direct path: no record made
-        assert through_logging == []
-        monkeypatch.undo()
-        direct = json.loads(capsys.readouterr().err)
-        kept = _Kept()
-        root.addHandler(kept)  # two handlers: through `logging`, to both
-        context.run(entry.log, logger)
-        [record] = kept.records
-        via_logging = json.loads(capsys.readouterr().err)
+        yield configured
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
@@ -242,6 +225,36 @@ def test_the_json_access_line_written_by_the_handler_is_the_line_logging_writes(
             node.handlers[:] = handlers
             node.setLevel(level)
             node.propagate, node.disabled = propagate, disabled
+
+
+def test_the_json_access_line_written_by_the_handler_is_the_line_logging_writes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], json_root: Callable[[], logging.Handler]
+) -> None:
+    """With `configure_logging`'s JSON handler the access line skips the LogRecord path;
+    it must be the same line (but for the time) as through `logging`, and a second
+    handler (here a test's) sends it back through `logging`."""
+    from pdconnect.router.logs import AccessEntry, bind_request
+
+    json_root()
+    entry = AccessEntry("POST", "/v1/completions", 200, "ok", "pd", "p", "d", 0.01, 0.02)
+    logger = logging.getLogger(ACCESS_LOGGER)
+    context = contextvars.copy_context()  # the request's ids stay in this test
+    context.run(bind_request, "direct-1", TRACE_ID)
+    through_logging: list[object] = []
+
+    def made(*args: object, **kwargs: object) -> None:
+        through_logging.append(args)
+
+    monkeypatch.setattr(logging.Logger, "makeRecord", made)
+    context.run(entry.log, logger)  # the direct path: no record made
+    assert through_logging == []
+    monkeypatch.undo()
+    direct = json.loads(capsys.readouterr().err)
+    kept = _Kept()
+    logging.getLogger().addHandler(kept)  # two handlers: through `logging`, to both
+    context.run(entry.log, logger)
+    [record] = kept.records
+    via_logging = json.loads(capsys.readouterr().err)
     assert direct.pop("time")[:4] == via_logging.pop("time")[:4]
     assert direct == via_logging
     assert (direct["request_id"], direct["trace_id"], direct["status"], direct["decode"]) == (
@@ -251,3 +264,41 @@ def test_the_json_access_line_written_by_the_handler_is_the_line_logging_writes(
         "d",
     )
     assert record.getMessage() == direct["message"]
+
+
+class _Writes:
+    """A stream that keeps each write apart."""
+
+    def __init__(self) -> None:
+        self.chunks: list[str] = []
+
+    def write(self, text: str) -> None:
+        self.chunks.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_the_access_lines_of_one_loop_turn_leave_in_one_write(json_root: Callable[[], logging.Handler]) -> None:
+    """On an event loop the JSON handler writes a turn's access lines together once the turn
+    ends; another line, or a flush (`logging.shutdown`), writes those waiting first."""
+    from pdconnect.router.logs import AccessEntry
+
+    handler = json_root()
+    assert isinstance(handler, logging.StreamHandler)
+    out = _Writes()
+    handler.setStream(out)
+    entry = AccessEntry("POST", "/v1/completions", 200, "ok", "pd", "p", "d", 0.01, 0.02)
+    access = logging.getLogger(ACCESS_LOGGER)
+    for _ in range(3):
+        entry.log(access)
+    assert out.chunks == []  # the turn is not over
+    await wait_until_async(lambda: out.chunks, "the turn's access lines to be written")
+    assert [chunk.count("\n") for chunk in out.chunks] == [3]
+    entry.log(access)
+    logging.getLogger("pdconnect.router.flow").warning("after the access line")
+    entry.log(access)
+    handler.flush()
+    lines = [json.loads(line) for line in "".join(out.chunks[1:]).splitlines()]
+    assert [line["logger"] for line in lines] == [ACCESS_LOGGER, "pdconnect.router.flow", ACCESS_LOGGER]

@@ -11,11 +11,13 @@ token and duration. In JSON each of those is a field of its own. With the JSON h
 `configure_logging` installs, an access line skips the logging machinery (a LogRecord,
 the logger chain, the handler's formatting call: 5 % of the router's samples under
 `bench-router --observed`, py-spy) and is written by the handler itself, the same line;
-any other setup (a test's handler, a filter) gets it through `logging` as before.
+any other setup (a test's handler, a filter) gets it through `logging` as before. The
+handler writes a loop turn's access lines together, in one write (`_JsonHandler`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import logging
@@ -151,21 +153,57 @@ class JsonFormatter(logging.Formatter):
 
 
 class _JsonHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """`configure_logging`'s JSON handler: also writes access lines without a LogRecord."""
+    """`configure_logging`'s JSON handler: also writes access lines without a LogRecord.
+
+    Access lines logged on an event loop wait for the end of the loop's turn and go out
+    in one write: under load a turn ends many requests, and a write (and flush) each was
+    most of a line's cost. Any other line, a `flush` (as at `logging.shutdown`) or an
+    access line from another thread writes the waiting ones first, so the order holds; a
+    process killed outright loses at most one turn's access lines.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.json = JsonFormatter()
         self.setFormatter(self.json)
+        self._waiting: list[str] = []  # access lines of this loop turn; under the handler's lock
 
     def write_access(self, access: AccessEntry, logger_name: str) -> None:
         line = self.json.access_line(access, logger_name) + self.terminator
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on a loop: at once
+            loop = None
         with self.lock or contextlib.nullcontext():
-            try:
-                self.stream.write(line)
-                self.flush()
-            except Exception:  # noqa: BLE001 - as `emit`: a log line never fails the request
-                self.handleError(logging.makeLogRecord({"msg": line}))
+            if loop is None:
+                self._waiting.append(line)
+                self._write_waiting()
+                return
+            self._waiting.append(line)
+            if len(self._waiting) == 1:
+                loop.call_soon(self.flush)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._waiting:  # `handle` holds the lock
+            self._write_waiting()
+        super().emit(record)
+
+    def flush(self) -> None:
+        with self.lock or contextlib.nullcontext():
+            if self._waiting:
+                self._write_waiting()
+            else:
+                super().flush()
+
+    def _write_waiting(self) -> None:
+        """Write the waiting access lines, one write; the caller holds the lock."""
+        lines = "".join(self._waiting)
+        self._waiting.clear()
+        try:
+            self.stream.write(lines)
+            super().flush()
+        except Exception:  # noqa: BLE001 - as `emit`: a log line never fails the request
+            self.handleError(logging.makeLogRecord({"msg": lines}))
 
 
 def _direct_handler(logger: logging.Logger) -> _JsonHandler | None:

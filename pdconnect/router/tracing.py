@@ -20,7 +20,7 @@ Sampling is parent-based: a client's `traceparent` decides (flag 01: recorded, 0
 a request without one is recorded with probability `--otlp-traces-sample-ratio` (else
 `OTEL_TRACES_SAMPLER_ARG`, else 1.0: OpenTelemetry's default `parentbased_always_on`).
 An unsampled request costs no SDK span below its root, and one without a client trace
-none at all (the router draws its trace id and applies the ratio sampler's rule itself):
+none at all (the router draws its trace id and asks the ratio sampler itself):
 its legs still carry a `traceparent` (flag 00) of the same trace, so the engines do not
 sample it either.
 docs/router.md ("Tracing") has what each costs per request.
@@ -202,19 +202,23 @@ class _UnsampledSpans:
         pass
 
 
-def _id_generator() -> Any:
-    """The SDK's random ids, except the trace id `Tracing.start` drew (and sampled) itself."""
+def _kept_ids(bound: int) -> Any:
+    """The SDK's random ids, except that every new trace id is one `TraceIdRatioBased` with
+    `bound` keeps: a root span is started only for a request `Tracing.start` picked by the
+    same rule, so its trace id is drawn from the ids that rule keeps (uniformly: random
+    high 64 bits, low 64 bits below the bound), as one drawn until kept would be."""
     from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
-    class _Preset(RandomIdGenerator):
-        def __init__(self) -> None:
-            self.trace_id: int | None = None
-
+    class _Kept(RandomIdGenerator):
         def generate_trace_id(self) -> int:
-            preset, self.trace_id = self.trace_id, None
-            return preset if preset is not None else super().generate_trace_id()
+            if bound <= 0:  # nothing is kept: the sampler drops whatever is drawn
+                return super().generate_trace_id()
+            trace_id = 0
+            while not trace_id:
+                trace_id = random.getrandbits(64) << 64 | random.randrange(bound)
+            return trace_id
 
-    return _Preset()
+    return _Kept()
 
 
 class _Sdk:
@@ -461,21 +465,20 @@ class Tracing:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.sdk.trace.sampling import Decision, ParentBased, TraceIdRatioBased
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.ratio = ratio
-        root = TraceIdRatioBased(ratio)
-        # A request without a client trace is decided here, by the root sampler's own rule on a
-        # trace id drawn here: an unpicked one skips the SDK's span (start_span, sampler, context:
-        # most of what tracing at a ratio of 0.1 costs, `bench-router --observed`); a picked one
-        # gets its SDK span with that same trace id, which the sampler then picks again.
-        self._bound, self._id_mask = root.bound, root.TRACE_ID_LIMIT
-        self._ids = _id_generator()
+        # A request without a client trace is decided here, by the root sampler on a trace id
+        # drawn here: an unpicked one skips the SDK's span (start_span, context: most of what
+        # tracing at a ratio of 0.1 costs, `bench-router --observed`) and carries that id; a
+        # picked one gets its SDK span, whose trace id the SDK draws among those the same
+        # sampler keeps (`_kept_ids`), so it picks it again.
+        self._root, self._kept = TraceIdRatioBased(ratio), Decision.RECORD_AND_SAMPLE
         self._provider: TracerProvider = TracerProvider(
             resource=Resource.create({"service.name": service_name}),
-            sampler=ParentBased(root),
-            id_generator=self._ids,
+            sampler=ParentBased(self._root),
+            id_generator=_kept_ids(self._root.bound),
         )
         self._provider.add_span_processor(BatchSpanProcessor(exporter or _otlp_exporter(endpoint)))
         self._sdk = _Sdk(self._provider.get_tracer(_SCOPE))
@@ -490,9 +493,8 @@ class Tracing:
             parent = self._extract(headers, getter=self._getter)
             return _Spans(sdk, sdk.tracer.start_span(name, context=parent, kind=sdk.server))
         trace_id = random.getrandbits(128) or 1
-        if trace_id & self._id_mask >= self._bound:
+        if self._root.should_sample(None, trace_id, name).decision is not self._kept:
             return _UnsampledSpans(format(trace_id, "032x"))
-        self._ids.trace_id = trace_id  # start_span is synchronous: the next trace id it draws
         return _Spans(sdk, sdk.tracer.start_span(name, context=None, kind=sdk.server))
 
     def close(self) -> None:
