@@ -29,6 +29,34 @@ QK_ROPE_HEAD_DIM = 64
 STAMP = "pdconnect-mla-model-1"
 # The plain tiny Llama: its numbers size the MLA model, and its tokenizer files are copied.
 _GEOMETRY = TinyModelSpec(kind="llama", num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4)
+# DeepseekV2Config keys taken from the geometry's fields (heads are not grouped: MLA has one latent).
+_FROM_SPEC: dict[str, str] = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_heads",
+    "first_k_dense_replace": "num_layers",  # dense MLPs only: every layer is below it
+    "max_position_embeddings": "max_position_embeddings",
+    "initializer_range": "initializer_range",
+}
+# The MLA geometry, and expert counts the config requires but no (dense) layer builds.
+_MLA_CONFIG: dict[str, object] = {
+    "kv_lora_rank": KV_LORA_RANK,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": QK_ROPE_HEAD_DIM,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "head_dim": QK_ROPE_HEAD_DIM,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 64,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,
+    # The tiny tokenizer's pad id; DeepseekV2Config's bos 1 / eos 2 are already its others.
+    "pad_token_id": 0,
+}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -51,32 +79,7 @@ def _build(out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, DeepseekV2Config
 
     spec = _GEOMETRY
-    config = DeepseekV2Config(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads,
-        kv_lora_rank=KV_LORA_RANK,
-        q_lora_rank=None,
-        qk_rope_head_dim=QK_ROPE_HEAD_DIM,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        head_dim=QK_ROPE_HEAD_DIM,
-        # Dense MLPs only: every layer is below first_k_dense_replace, so the (required)
-        # expert counts build nothing.
-        first_k_dense_replace=spec.num_layers,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        moe_intermediate_size=64,
-        num_experts_per_tok=2,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.initializer_range,
-        tie_word_embeddings=False,
-        # The tiny tokenizer's pad id; DeepseekV2Config's bos 1 / eos 2 are already its others.
-        pad_token_id=0,
-    )
+    config = DeepseekV2Config(**{key: getattr(spec, field) for key, field in _FROM_SPEC.items()}, **_MLA_CONFIG)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(out_dir), safe_serialization=True)
