@@ -8,6 +8,10 @@ MLA decode kernels compile only for a 576-wide latent entry (`kv_lora_rank` 512 
 allows. The KV cache is then one 576-wide "head" per token and layer, whole on every TP
 rank: the case issue 31 item 2 asks to pull once per decode rank.
 
+Serve it in float32 with `--attention-backend CPU_MLA`: the AMX_MLA backend vLLM picks on
+an AMX host takes only 16-bit weights. docs/benchmarks.md (bench-parallel) says what P/D
+does with it today.
+
     python -m benchmarks.mla_model [--out DIR]
 """
 
