@@ -14,7 +14,9 @@ Each module is run as `python -m benchmarks.<name>` from the repository root:
 
 `engine_phase` is how each one that starts engines says it was interrupted or failed;
 `options` holds the command-line options they share; `rank_bytes` is `parallel`'s
-arithmetic of the bytes each decode rank needs against what it pulled.
+arithmetic of the bytes each decode rank needs against what it pulled; `mla_model`
+generates the tiny DeepSeek-V2-shaped MLA model (one latent KV head) that issue 31's
+MLA pairings were tried on.
 
 They drive local processes through `pdconnect.testbed` and measure with `pdconnect.bench`.
 """
