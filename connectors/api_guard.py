@@ -19,16 +19,23 @@ prefill engine's compat record differs, or an unequal-TP pairing cannot work) en
 vLLM's fixed 500 "Internal server error". When the engine noted why for that plan's
 prefill engine (`connectors.refusal_notes`), that 500's body is replaced by an
 OpenAI-style error with the note: the fields and both sides' values. A streamed request
-has its 200 and first events sent before the load fails; vLLM 0.32 and 0.33 then end its
-stream with one error event, `data: {"error": {"message": "Internal server error",
-"type": "InternalServerError", "param": null, "code": 500}}`, and `[DONE]`. That event is
-replaced by one carrying the note, in the same shape. Only body messages holding the
-event's leading bytes are parsed (vLLM writes each event in one message); the rest pass
-as they are.
+has its 200 and first events sent before the load fails; vLLM 0.32 and 0.33 then end a
+completions or chat stream with one error event, `data: {"error": {"message": "Internal
+server error", "type": "InternalServerError", "param": null, "code": 500}}`, and
+`[DONE]`. That event is replaced by one carrying the note, in the same shape. Only body
+messages holding the event's leading bytes (`pdconnect.sse`) are parsed (vLLM writes each
+event in one message); the rest pass as they are. A `/v1/responses` stream gets no error
+event from them: the error they build is not a Responses event, their own validation of
+it raises, and the server cuts the stream with no terminal event. When a note exists,
+that exception ends here instead: the stream is ended with a Responses `error` event
+carrying the note (code `IncompatibleEnginesError`, the next sequence number: its events
+are counted with a byte count per message, never parsed). A whole `/v1/responses`
+answer is a 500 like any other.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -36,6 +43,7 @@ import msgspec
 
 from connectors.refusal_notes import RefusalNotes, notes_key
 from connectors.transfer_params import TransferAsk, read_params
+from pdconnect.sse import COMPLETIONS_ERROR, responses_error
 
 __all__ = ["TransferParamsGuard", "refusal"]
 
@@ -46,6 +54,7 @@ Send = Callable[[ASGIMessage], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _MARK = b"kv_transfer_params"
+logger = logging.getLogger("pdconnect.connector")
 
 
 def _ask(body: bytes) -> TransferAsk | None:
@@ -93,10 +102,9 @@ def _server_notes(scope: Scope) -> RefusalNotes:
     return RefusalNotes(None) if config is None else RefusalNotes.for_server(config)
 
 
-# How every error event of vLLM's completion and chat streams begins (`json.dumps` of its
-# `ErrorResponse`); no other event of theirs does.
-_ERROR_EVENT = b'data: {"error":'
 _EVENT_END = b"\n\n"
+_REFUSED = "IncompatibleEnginesError"  # the error's type (code, in a Responses stream)
+_RESPONSES = "/v1/responses"
 
 
 class _ErrorCode(msgspec.Struct):
@@ -138,11 +146,11 @@ class _StreamNamer:
     def feed(self, body: bytes, last: bool) -> bytes:
         if self._held:
             body, self._held = self._held + body, b""
-        elif _ERROR_EVENT not in body:
+        elif COMPLETIONS_ERROR not in body:
             return body
         out: list[bytes] = []
         start = 0
-        while (at := body.find(_ERROR_EVENT, start)) >= 0:
+        while (at := body.find(COMPLETIONS_ERROR, start)) >= 0:
             end = body.find(_EVENT_END, at)
             if end < 0:
                 if not last:
@@ -160,39 +168,67 @@ class _StreamNamer:
         note = self._read_note() if _is_server_error(event) else None
         if note is None:
             return event
-        return b"data: " + _error_json(500, note, "IncompatibleEnginesError")
+        return b"data: " + _error_json(500, note, _REFUSED)
 
 
-def _naming_refusal(send: Send, read_note: Callable[[], str | None]) -> Send:
-    """A `send` that replaces a 500's body, or a stream's error event, by the refusal note,
-    when there is one."""
-    held: ASGIMessage | None = None
-    replaced = False
-    stream: _StreamNamer | None = None
+class _RefusalNamer:
+    """Wraps vLLM's `send` for a request that carries a plan: a 500's body, or a stream's
+    error event of code 500, is replaced by the refusal note when there is one, and a
+    stream vLLM cut with an exception is ended with an error event carrying it
+    (`end_cut_stream`)."""
 
-    async def sending(message: ASGIMessage) -> None:
-        nonlocal held, replaced, stream
-        if replaced:
-            return  # the rest of vLLM's body, already answered
+    def __init__(self, send: Send, read_note: Callable[[], str | None], responses: bool) -> None:
+        self._send = send
+        self._read_note = read_note
+        self._responses = responses  # a `/v1/responses` request: its streams' dialect
+        self._held: ASGIMessage | None = None  # a 500's start, until its body is known
+        self._replaced = False  # the 500's body was replaced: the rest of vLLM's is dropped
+        self._stream: _StreamNamer | None = None  # a completions or chat stream's namer
+        self._streaming = False  # an event stream's 200 went out and its body has not ended
+        self._events = 0  # whole events sent in a Responses stream: the next one's sequence number
+
+    async def send(self, message: ASGIMessage) -> None:
+        if self._replaced:
+            return
         if message["type"] == "http.response.start":
             if message.get("status") == 500:
-                held = message
+                self._held = message
                 return
             if _is_event_stream(message):
-                stream = _StreamNamer(read_note)
-        elif stream is not None and message["type"] == "http.response.body":
+                self._streaming = True
+                if not self._responses:
+                    self._stream = _StreamNamer(self._read_note)
+        elif message["type"] == "http.response.body":
             more = bool(message.get("more_body", False))
-            message = {**message, "body": stream.feed(message.get("body", b""), last=not more)}
-        if held is not None and message["type"] == "http.response.body":
-            start, held = held, None
-            note = read_note()
-            if note is not None:
-                replaced = True
-                start, message = _error(500, note, "IncompatibleEnginesError")
-            await send(start)
-        await send(message)
+            self._streaming = self._streaming and more
+            if self._stream is not None:
+                message = {**message, "body": self._stream.feed(message.get("body", b""), last=not more)}
+            elif self._responses and self._streaming:
+                self._events += message.get("body", b"").count(_EVENT_END)
+            if self._held is not None:
+                start, self._held = self._held, None
+                note = self._read_note()
+                if note is not None:
+                    self._replaced = True
+                    start, message = _error(500, note, _REFUSED)
+                await self._send(start)
+        await self._send(message)
 
-    return sending
+    async def end_cut_stream(self) -> bool:
+        """After vLLM's app raised: end a stream it had begun with the refusal note, if there
+        is one. Whether it did (else the exception is vLLM's to report)."""
+        if not self._streaming:
+            return False
+        note = self._read_note()
+        if note is None:
+            return False
+        if self._responses:
+            event = responses_error(note, _REFUSED, "kv_transfer_params", self._events)
+        else:
+            event = b"data: " + _error_json(500, note, _REFUSED) + _EVENT_END + b"data: [DONE]" + _EVENT_END
+        self._streaming = False
+        await self._send({"type": "http.response.body", "body": event, "more_body": False})
+        return True
 
 
 class TransferParamsGuard:
@@ -228,7 +264,14 @@ class TransferParamsGuard:
                 self._notes = _server_notes(scope)
             notes = self._notes
             key = notes_key(plan.remote_engine_id, plan.side_channel, plan.compat_hash)
-            send = _naming_refusal(send, lambda: notes.read(key))
+            namer = _RefusalNamer(send, lambda: notes.read(key), str(scope.get("path", "")).endswith(_RESPONSES))
+            try:
+                await self.app(scope, _replay([body], None, receive), namer.send)
+            except Exception as exc:
+                if not await namer.end_cut_stream():
+                    raise
+                logger.warning("a stream whose plan was refused raised, ended with the refusal: %.300r", exc)
+            return
         await self.app(scope, _replay([body], None, receive), send)
 
 

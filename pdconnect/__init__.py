@@ -14,6 +14,8 @@ The product:
 - `errors`: `ConfigError`, the one settings error; `config_fields`: a setting's bounds,
   declared once on its field's type and checked from there (the router's, the connector's).
 - `serving`: runs an asyncio service until SIGINT or SIGTERM (the router, the metrics proxy).
+- `sse`: the bytes that begin an engine's error and failure events in a stream, per API
+  dialect (the router, the connector's API guard and the fake engine read them there).
 - `stallwatch`: which threads used the seconds a process's Python stopped running.
 - `cli`: the `pdconnect` command; its `plan` subcommand is the one place that reaches
   `connectors` (by name, imported only when chosen).

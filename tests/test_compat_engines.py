@@ -181,3 +181,78 @@ def test_a_streamed_refusal_names_every_field_with_both_values_direct_and_throug
         10,
         observe=lambda: _refused_by_field(http, decode),
     )
+
+
+def _responses_body(seed: int, **extra: object) -> dict[str, object]:
+    """A greedy stateless `/v1/responses` request whose input is 300 words no other test sends."""
+    words = " ".join(f"w{i}" for i in prompt_ids(seed=seed, length=300))
+    return {"model": MODEL_NAME, "input": words, "max_output_tokens": 4, "temperature": 0.0, "store": False, **extra}
+
+
+def _plan(http: httpx.Client, pair: Pair, seed: int) -> dict[str, object]:
+    """The prefill engine's plan for `_responses_body(seed)`, as the router's prefill leg asks it."""
+    asked = _responses_body(seed, max_output_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    plan: dict[str, object] = completed(http.post(f"{pair.prefill.base_url}/v1/responses", json=asked))[
+        "kv_transfer_params"
+    ]
+    return plan
+
+
+def _raw_stream(http: httpx.Client, url: str, body: dict[str, object]) -> tuple[int, str]:
+    """A stream's status and text; a stream the server cut ends with a line saying so."""
+    with http.stream("POST", url, json=body) as response:
+        chunks: list[str] = []
+        try:
+            chunks.extend(response.iter_text())
+        except httpx.RemoteProtocolError as exc:
+            chunks.append(f"\n<cut by the server: {exc}>")
+        return response.status_code, "".join(chunks)
+
+
+def _responses_errors(stream: str) -> list[dict[str, object]]:
+    """The data of a Responses stream's `error` events."""
+    return [
+        json.loads(event.split("\ndata: ", 1)[1])
+        for event in stream.split("\n\n")
+        if event.startswith("event: error\n")
+    ]
+
+
+def test_a_refused_response_names_every_field_with_both_values_streamed_or_not_direct_and_through_the_router(
+    pair: Pair, http: httpx.Client
+) -> None:
+    """/v1/responses on the refused pair. Before, vLLM's stream was cut without a terminal
+    event (its error event fails its own Responses validation), so the decode engine's client
+    read a broken stream and the router's read "decode engine stream broke"."""
+    decode = pair.decode
+    before = _refused_by_field(http, decode)["block_size"]
+    named = [f"group {g} block_size: prefill engine {PREFILL_BLOCK}, this decode engine {DECODE_BLOCK}" for g in (0, 1)]
+    direct = _raw_stream(
+        http,
+        f"{decode.base_url}/v1/responses",
+        _responses_body(7, stream=True, kv_transfer_params=_plan(http, pair, 7)),
+    )
+    routed = _raw_stream(http, f"{pair.router.base_url}/v1/responses", _responses_body(8, stream=True))
+    for client, (status, stream) in (("decode", direct), ("router", routed)):
+        assert status == 200, (client, stream[:300])  # the stream had begun
+        errors = _responses_errors(stream)
+        assert len(errors) == 1 and stream.endswith("\n\n"), (client, stream[-600:])
+        error = errors[0]
+        assert error["type"] == "error" and error["code"] == "IncompatibleEnginesError", (client, error)
+        assert all(name in str(error["message"]) for name in named), (client, error)
+        assert stream.rfind("event: ") == stream.rfind("event: error\n"), (client, stream[-600:])  # the last event
+    # Whole answers: the decode engine's 500, the router's 502, both with the note.
+    whole = http.post(
+        f"{decode.base_url}/v1/responses", json=_responses_body(9, kv_transfer_params=_plan(http, pair, 9))
+    )
+    routed_whole = http.post(f"{pair.router.base_url}/v1/responses", json=_responses_body(10))
+    for client, response, status in (("decode", whole, 500), ("router", routed_whole, 502)):
+        assert response.status_code == status, (client, response.text[:300])
+        message = response.json()["error"]["message"]
+        assert all(name in message for name in named), (client, message)
+    wait_until(
+        lambda: _refused_by_field(http, decode)["block_size"] == before + 4,
+        "the four refusals counted",
+        10,
+        observe=lambda: _refused_by_field(http, decode),
+    )

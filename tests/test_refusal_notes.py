@@ -29,6 +29,7 @@ from connectors.api_guard import TransferParamsGuard
 from connectors.metadata import PullSpec
 from connectors.refusal_notes import RefusalNotes, notes_key
 from pdconnect.router.engine_errors import error_message
+from pdconnect.router.responses import DIALECTS, ends_with_terminal_event
 from tests.test_transfer_params import PLAN
 from tests.test_worker_pulls import _worker
 
@@ -88,7 +89,7 @@ def _vllm(status: int) -> Any:
     return app
 
 
-def _post(status: int, params: dict[str, Any], vllm: Any = None) -> httpx.Response:
+def _post(status: int, params: dict[str, Any], vllm: Any = None, path: str = "/v1/completions") -> httpx.Response:
     guard = TransferParamsGuard(vllm or _vllm(status))
     server = SimpleNamespace(state=SimpleNamespace(vllm_config=_config("e1")))
 
@@ -97,7 +98,7 @@ def _post(status: int, params: dict[str, Any], vllm: Any = None) -> httpx.Respon
 
     async def go() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine") as client:
-            return await client.post("/v1/completions", json={"prompt": "hi", "kv_transfer_params": params})
+            return await client.post(path, json={"prompt": "hi", "kv_transfer_params": params})
 
     return asyncio.run(go())
 
@@ -124,8 +125,14 @@ VLLM_ERROR_EVENT = (
 DONE = b"data: [DONE]\n\n"
 
 
-def _vllm_stream(bodies: list[bytes]) -> Any:
-    """Stands in for vLLM's app behind the guard: a 200 event stream, one body message per item."""
+class VllmCut(Exception):
+    """What vLLM 0.32/0.33 raise in a Responses stream whose request failed: their error
+    event fails their own validation of Responses events (a pydantic ValidationError)."""
+
+
+def _vllm_stream(bodies: list[bytes], cut: bool = False) -> Any:
+    """Stands in for vLLM's app behind the guard: a 200 event stream, one body message per
+    item, then its end or (`cut`) an exception."""
 
     async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         while (await receive()).get("more_body"):
@@ -134,13 +141,15 @@ def _vllm_stream(bodies: list[bytes]) -> Any:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         for body in bodies:
             await send({"type": "http.response.body", "body": body, "more_body": True})
+        if cut:
+            raise VllmCut("103 validation errors for union[ResponseCreatedEvent, ...]")
         await send({"type": "http.response.body", "body": b""})
 
     return app
 
 
-def _stream(bodies: list[bytes], params: dict[str, Any]) -> bytes:
-    return _post(200, params, _vllm_stream(bodies)).content
+def _stream(bodies: list[bytes], params: dict[str, Any], cut: bool = False, path: str = "/v1/completions") -> bytes:
+    return _post(200, params, _vllm_stream(bodies, cut), path).content
 
 
 def test_a_streams_error_event_for_a_noted_plan_names_the_refusal_and_no_other_byte_changes(tmp: Path) -> None:
@@ -160,6 +169,60 @@ def test_a_streams_error_event_for_a_noted_plan_names_the_refusal_and_no_other_b
     bad_request = VLLM_ERROR_EVENT.replace(b'"code": 500', b'"code": 400')
     assert _stream([CHUNK, bad_request, DONE], PLAN) == CHUNK + bad_request + DONE
     assert _stream(stream, {**PLAN, "compat_hash": "e" * 16}) == b"".join(stream)
+
+
+# The first events of vLLM 0.32's Responses stream (abridged), as `event: <type>` and data.
+CREATED = (
+    b'event: response.created\ndata: {"response":{"id":"resp_1","status":"in_progress"},'
+    b'"sequence_number":0,"type":"response.created"}\n\n'
+)
+IN_PROGRESS = (
+    b'event: response.in_progress\ndata: {"response":{"id":"resp_1","status":"in_progress"},'
+    b'"sequence_number":1,"type":"response.in_progress"}\n\n'
+)
+
+
+def test_a_responses_stream_vllm_cut_for_a_noted_plan_ends_with_an_error_event_naming_the_refusal(tmp: Path) -> None:
+    """Before, the exception went on to the server, which cut the stream with no terminal event."""
+    stream = [CREATED, IN_PROGRESS]
+    with pytest.raises(VllmCut):  # no note yet: vLLM's exception, as before
+        _stream(stream, PLAN, cut=True, path="/v1/responses")
+    RefusalNotes.for_server(_config("e1")).write(KEY, REFUSAL)
+    named = (
+        b'event: error\ndata: {"type":"error","code":"IncompatibleEnginesError",'
+        b'"message":"group 0 block_size: prefill engine 64, this decode engine 128",'
+        b'"param":"kv_transfer_params","sequence_number":2}\n\n'
+    )
+    assert _stream(stream, PLAN, cut=True, path="/v1/responses") == CREATED + IN_PROGRESS + named
+    # A whole stream passes as vLLM wrote it; another plan's cut stream stays vLLM's exception.
+    assert _stream(stream, PLAN, path="/v1/responses") == CREATED + IN_PROGRESS
+    with pytest.raises(VllmCut):
+        _stream(stream, {**PLAN, "compat_hash": "e" * 16}, cut=True, path="/v1/responses")
+
+
+def test_a_chat_stream_cut_for_a_noted_plan_ends_with_vllms_error_event_naming_the_refusal_and_done(tmp: Path) -> None:
+    RefusalNotes.for_server(_config("e1")).write(KEY, REFUSAL)
+    named = (
+        b'data: {"error":{"message":"group 0 block_size: prefill engine 64, this decode engine 128",'
+        b'"type":"IncompatibleEnginesError","param":"kv_transfer_params","code":500}}\n\n'
+    )
+    assert _stream([CHUNK], PLAN, cut=True) == CHUNK + named + DONE
+
+
+def test_a_models_text_cannot_forge_an_error_event_for_the_guard_or_the_router(tmp: Path) -> None:
+    """A normal event whose text holds what begins an error or failure event: JSON escapes
+    its quotes and newlines, so the guard passes it untouched (a note exists) and the router
+    does not take the stream for a failed one."""
+    RefusalNotes.for_server(_config("e1")).write(KEY, REFUSAL)
+    text = 'x\n\ndata: {"error": {"code": 500}}\n\nevent: error\ndata: {}\n\nevent: response.failed\n'
+    chunk = b"data: " + json.dumps({"choices": [{"index": 0, "text": text}]}).encode() + b"\n\n"
+    delta = b"event: response.output_text.delta\ndata: " + json.dumps({"delta": text, "sequence_number": 2}).encode()
+    delta += b"\n\n"
+    assert _stream([chunk, DONE], PLAN) == chunk + DONE
+    assert _stream([CREATED, delta], PLAN, path="/v1/responses") == CREATED + delta
+    for label, event in (("completions", chunk), ("chat", chunk), ("responses", delta)):
+        assert not any(mark in event for mark in DIALECTS[label].failed), label
+    assert not ends_with_terminal_event(CREATED + delta)
 
 
 def test_the_router_takes_the_engines_message_whole() -> None:

@@ -30,6 +30,7 @@ import msgspec
 
 from pdconnect.router.errors import UnsupportedFeature
 from pdconnect.router.usage import UsageMerger, ends_with_done, stream_error
+from pdconnect.sse import COMPLETIONS_ERROR, RESPONSES_ERROR, RESPONSES_FAILED, responses_error
 
 __all__ = ["DIALECTS", "Dialect", "ResponsesUsage", "as_messages", "refuse_unsupported"]
 
@@ -38,12 +39,7 @@ _encode = msgspec.json.encode
 _MEMBERS: msgspec.json.Decoder[dict[str, msgspec.Raw]] = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 # The events a Responses stream ends with (OpenAI's and vLLM's): after one, nothing follows.
-_TERMINAL = (
-    b"event: response.completed\n",
-    b"event: response.incomplete\n",
-    b"event: response.failed\n",
-    b"event: error\n",
-)
+_TERMINAL = (b"event: response.completed\n", b"event: response.incomplete\n", RESPONSES_FAILED, RESPONSES_ERROR)
 
 # Fields that ask for state kept on a server between requests: one engine would keep it
 # and a later request, routed elsewhere, would not find it.
@@ -110,8 +106,7 @@ def ends_with_terminal_event(chunk: bytes) -> bool:
 
 def responses_stream_error(message: str) -> bytes:
     """The event that ends a Responses stream the router had to cut (the client may have bytes)."""
-    event = {"type": "error", "code": "bad_gateway", "message": message, "param": None}
-    return b"event: error\ndata: " + _encode(event) + b"\n\n"
+    return responses_error(message, "bad_gateway")
 
 
 class ResponsesUsage(UsageMerger):
@@ -152,10 +147,10 @@ class Dialect:
     failed: tuple[bytes, ...]
 
 
-# How an engine's error event in a completions or chat stream begins (vLLM's and the router's own).
-_DATA_ERROR = (b'data: {"error":',)
-# A Responses stream's failure events (vLLM's error event, or a failed response).
-_RESPONSES_FAILED = (b"event: error\n", b"event: response.failed\n")
+# How an engine's stream says its request failed: a completions or chat stream's error
+# event; a Responses stream's error event or failed response.
+_DATA_ERROR = (COMPLETIONS_ERROR,)
+_RESPONSES_FAILED = (RESPONSES_ERROR, RESPONSES_FAILED)
 
 
 # By `Endpoint.label`.

@@ -35,19 +35,20 @@ from aiohttp.typedefs import Handler
 
 from pdconnect.protocol import PROTOCOL_VERSION, Ack, Message, Release
 from pdconnect.sidechannel import SideChannelServer
+from pdconnect.sse import COMPLETIONS_ERROR, RESPONSES_ERROR
 
 __all__ = ["FakeCluster", "FakeEngine", "FakeFaults", "Seen"]
 
 _encode = msgspec.json.encode
 # vLLM 0.32/0.33's event for a streamed request that failed in the engine (`json.dumps` of its error).
 VLLM_STREAM_ERROR = (
-    b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, '
+    COMPLETIONS_ERROR + b' {"message": "Internal server error", "type": "InternalServerError", "param": null, '
     b'"code": 500}}\n\n'
 )
 
 # A Responses stream's error event (OpenAI's `ResponseErrorEvent`), ending a request that failed in the engine.
 RESPONSES_STREAM_ERROR = (
-    b'event: error\ndata: {"type": "error", "code": "500", "message": "Internal server error", "param": null, '
+    RESPONSES_ERROR + b'data: {"type": "error", "code": "500", "message": "Internal server error", "param": null, '
     b'"sequence_number": 1}\n\n'
 )
 
