@@ -11,6 +11,9 @@ vLLM's own answer to such a failure is a fixed 500 "Internal server error"; the
 connector notes the refusal for its API server (`connectors.refusal_notes`), whose
 middleware answers with the fields and both values instead, and `pdconnect router` in
 front of the pair puts that message into its 502, so the client reads what was refused.
+A streamed request reads it in its last event: chat and completions in vLLM's error
+event, `/v1/responses` in a Responses `error` event (vLLM cuts that stream; the
+middleware ends it).
 """
 
 from __future__ import annotations

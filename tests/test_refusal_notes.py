@@ -3,7 +3,8 @@
 The engine-level proof is tests/test_compat_engines.py (two real engines whose block
 sizes differ, with `pdconnect router` in front); these pin the parts: where the notes
 live and who may write there, which note a request's plan reads, that only a 500 is
-replaced and only when a note exists (a whole 500, or a stream's error event), the line
+replaced and only when a note exists (a whole 500, a stream's error event, or a stream
+vLLM cut with an exception), that a model's text cannot forge an error event, the line
 the router takes from an engine's error, and the notes' upkeep: cleared when a deciding
 process starts, capped by a count in memory, never listed on the refusal path.
 """
