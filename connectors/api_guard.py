@@ -29,8 +29,9 @@ event from them: the error they build is not a Responses event, their own valida
 it raises, and the server cuts the stream with no terminal event. When a note exists,
 that exception ends here instead: the stream is ended with a Responses `error` event
 carrying the note (code `IncompatibleEnginesError`, the next sequence number: its events
-are counted with a byte count per message, never parsed). A whole `/v1/responses`
-answer is a 500 like any other.
+are counted with a byte count per message, never parsed); a completions or chat stream
+cut that way ends with the note's error event and `[DONE]`. Without a note the exception
+goes on as before. A whole `/v1/responses` answer is a 500 like any other.
 """
 
 from __future__ import annotations
