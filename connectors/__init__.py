@@ -14,6 +14,6 @@
   KV geometry, what two engines must agree on, a prompt's digest, what the halves tell
   each other, and the one module that names vLLM's KV-cache internals.
 - `describe`: the engine's KV cache groups, told to the router in vLLM's KV events;
-  `stats`: the connector's counters; `kvsim`: vLLM's KV managers driven without an
-  engine (tests, benchmarks).
+  `stats`: the connector's counters; `logs`: pdconnect's log records through vLLM's
+  handlers; `kvsim`: vLLM's KV managers driven without an engine (tests, benchmarks).
 """

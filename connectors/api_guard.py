@@ -42,6 +42,7 @@ from typing import Any
 
 import msgspec
 
+from connectors.logs import log_like_vllm
 from connectors.refusal_notes import RefusalNotes, notes_key
 from connectors.transfer_params import TransferAsk, read_params
 from pdconnect.sse import COMPLETIONS_ERROR, responses_error
@@ -236,6 +237,7 @@ class TransferParamsGuard:
     """Refuses POST bodies whose `kv_transfer_params` the connector would refuse; passes the rest."""
 
     def __init__(self, app: ASGIApp) -> None:
+        log_like_vllm()  # built by vLLM's API server, which has no connector to do it
         self.app = app
         self._notes: RefusalNotes | None = None  # the server's, found at the first plan
 

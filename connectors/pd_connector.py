@@ -8,7 +8,6 @@ an unknown key or bad value stops the engine at start-up with the key's name.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from connectors.logs import log_like_vllm
 from connectors.metadata import PDConnectorMetadata
 from connectors.scheduler import PDScheduler
 from connectors.settings import ConnectorSettings
@@ -43,16 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["PDConnector"]
 
 
-def _log_like_vllm() -> None:
-    """Send pdconnect's log records through vLLM's handlers, so they land in the engine's
-    log with its format and level (vLLM configures only its own logger tree)."""
-    ours, theirs = logging.getLogger("pdconnect"), logging.getLogger("vllm")
-    if not ours.handlers and theirs.handlers:
-        for handler in theirs.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(theirs.level)
-
-
 class PDConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefill/decode KV transfer that also restores the decode engine's prefix cache."""
 
@@ -60,7 +50,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        _log_like_vllm()
+        log_like_vllm()
         settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None

@@ -116,6 +116,8 @@ async def test_a_key_over_its_token_rate_gets_429_and_a_request_past_its_bucket_
 @pytest.mark.asyncio
 async def test_keys_are_never_logged_FAKE(make, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
+    # pdconnect's own level too: a vLLM module imported earlier in the run may have set it.
+    caplog.set_level(logging.DEBUG, logger="pdconnect")
     s: Setup = await make(api_keys_file=_keys_file(tmp_path, requests_per_minute=1))
     for key in (KEY_A, KEY_A, "sk-wrong-0123456789abcdef"):
         await s.post("/v1/chat/completions", CHAT, headers=_bearer(key))
