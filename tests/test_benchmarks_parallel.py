@@ -5,6 +5,7 @@ worked out by hand below, never by the code under test."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 
 import pytest
@@ -222,24 +223,11 @@ def test_order_changes_name_each_group_whose_siblings_decode_admitted_out_of_sen
 
 
 def _step(groups: tuple[int, ...], reference_order: tuple[int, ...]) -> StepResult:
-    return StepResult(
-        scenario="shared-prefix",
-        step="s",
-        requests=len(groups),
-        concurrency=3,
-        output_len=8,
-        ok=len(groups),
-        fallbacks=0,
-        prompt_tokens=0,
-        output_tokens=0,
-        duration_s=1.0,
-        ttft_s=(0.1,) * len(groups),
-        decode=RoleCounters(engines=1),
-        prefill=RoleCounters(engines=1),
-        reference=RoleCounters(engines=1),
-        reference_same_outputs=len(groups),
-        groups=groups,
-        reference_order=reference_order,
+    n, one = len(groups), RoleCounters(engines=1)
+    # scenario, step, requests, concurrency, output_len, ok, fallbacks, prompt and output tokens, wall, TTFTs
+    step = StepResult("shared-prefix", "s", n, 3, 8, n, 0, 0, 0, 1.0, (0.1,) * n, decode=one, prefill=one)
+    return dataclasses.replace(
+        step, reference=one, reference_same_outputs=n, groups=groups, reference_order=reference_order
     )
 
 

@@ -270,20 +270,20 @@ class StepResult:
     reference: RoleCounters = RoleCounters()
     # How many of the step's answers the reference generated identically (None: no reference).
     reference_same_outputs: int | None = None
+    # The prompt indices in the order the reference replayed them (empty: as sent).
+    reference_order: tuple[int, ...] = ()
     # Per request, in prompt order: its shared-prefix group (the step's `groups`; empty
-    # when it has none), when it was sent (seconds after the step began) and its TTFT
-    # (None: it failed). Who ran beside whom is read from these (`sibling_roles`).
+    # when it has none), when it was sent (seconds after the step began), its TTFT
+    # (None: it failed) and its request id. Who ran beside whom is read from these
+    # (`sibling_roles`).
     groups: tuple[int, ...] = ()
     sent_s: tuple[float, ...] = ()
     request_ttft_s: tuple[float | None, ...] = ()
+    request_ids: tuple[str, ...] = ()  # the router's ("" where none came back)
     # Each successful request's TPOT (two tokens or more), and every inter-token gap of
     # the step's successful requests pooled.
     tpot_s: tuple[float, ...] = ()
     itl_s: tuple[float, ...] = ()
-    # Per request, in prompt order: the router's request id ("" when none came back).
-    request_ids: tuple[str, ...] = ()
-    # The prompt indices in the order the reference replayed them; empty: as sent.
-    reference_order: tuple[int, ...] = ()
 
     @property
     def failed(self) -> int:
