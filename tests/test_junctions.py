@@ -285,6 +285,8 @@ def _consumer_waits_for(rules: CacheRules, leader: Request, leader_plan: Request
 
 @dataclass
 class InOrder:
+    """Hits at admission, request by request in arrival order, colocated and on decode."""
+
     colocated: list[int]
     decode: list[int]
     predicted_wait: bool  # the second sibling waited for the first one's load
@@ -294,7 +296,8 @@ def _serve_in_order(geometry: Geometry, prompts: list[list[int]]) -> InOrder:
     """Colocated: one engine serves `prompts` one after another. P/D: the prefill engine
     prefills them in this order; on decode the first two arrive together (the second is
     admitted while the first one's load is in flight: it waits, then looks up what that
-    load published, or pulls at once and hits nothing), the rest one after another."""
+    load published, or is admitted at once and hits only what decode held before that
+    load), the rest one after another."""
     size = sum(len(p) for p in prompts)
     colocated = SimulatedEngine.create(geometry, size)
     colocated_hits = [colocated.serve(f"c{k}", tokens) for k, tokens in enumerate(prompts)]
