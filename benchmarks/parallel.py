@@ -26,6 +26,18 @@ same prompts by the load generator (`Deployment.reference`), its prefix cache em
 before each shape (`/reset_prefix_cache`, dev mode) so a pair's prompts seen before do
 not count.
 
+What a sibling hits depends on the order siblings arrive in, on a colocated engine too
+(one that runs a block or more past the shared prefix leaves no sliding-window block at
+the prefix for the next: `tests/test_junctions.py`), and the decode engine admits
+concurrent siblings in the order their prefill legs end, not the order they were sent.
+So the reference replays the prompts one at a time in the order the decode engine
+received them: its API server logs each request's id (`--enable-log-requests`), the
+router's `X-Request-Id`, which the router also answers the client with. One at a time is
+the figure coalescing is held to (a follower waits for its leader's load, as a serial
+sibling finds its predecessor done); a concurrent colocated replay would co-schedule
+siblings and hit less. The bench says per shape when decode's order differed from the
+order sent.
+
 Per shape: served, decode's local prefix hit (`vllm:prefix_cache_hits` delta over its
 ranks) against the reference's, pulled tokens (`vllm:external_prefix_cache_hits`), the
 bytes each decode rank pulled (`pdconnect:rank_bytes_transferred{engine,tp_rank}` delta)
@@ -86,9 +98,11 @@ from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
 __all__ = [
     "SHAPES",
     "ShapeSpec",
+    "admission_order",
     "last_error_line",
     "main",
     "model_spec",
+    "order_changes",
 ]
 
 STOCK_BYTES = "vllm:nixl_bytes_transferred_sum"
@@ -98,6 +112,9 @@ REQUEST_TIMEOUT_S = 300.0
 # holds its 1 GiB KV cache and ~0.5 GB of torch (1.5 GB resident per TP4 worker measured).
 # 13 ranks (two TP4, two TP2, a TP1) got a worker OOM-killed on a 24 GiB machine.
 RANK_BUDGET = 10
+# A P/D engine's API server logs each request's id as it arrives: the order decode admitted
+# siblings in, which the colocated reference replays (`DecodeOrder`).
+LOG_REQUESTS = "--enable-log-requests"
 
 
 # ---------------------------------------------------------------------------------------
@@ -171,6 +188,68 @@ class ShapeResult:
     ranks: list[RankBytes] = field(default_factory=list)
     stock_bytes: float | None = None  # vLLM's NixlConnector: bytes over all ranks (its histogram's sum)
     error: str = ""
+    # Whether the decode engine's log named the step's requests (its order is known).
+    order_known: bool = False
+
+    @property
+    def order_changes(self) -> list[str]:
+        return [] if self.step is None else order_changes(self.step.groups, self.step.reference_order)
+
+
+# ---------------------------------------------------------------------------------------
+# The order decode admitted siblings in
+
+
+# vLLM's API server started with --enable-log-requests logs each completion request as it
+# arrives, named by the X-Request-Id it was sent with: "Received request cmpl-<id>-<n>: ...".
+RECEIVED = re.compile(r"Received request cmpl-(\S+)-\d+: ")
+
+
+def admission_order(log: str, request_ids: Sequence[str]) -> list[int] | None:
+    """Prompt indices in the order `log` shows their requests received (the router's ids, in
+    prompt order; "" for none), those not in it last in prompt order; None if it has none."""
+    index = {rid: i for i, rid in enumerate(request_ids) if rid}
+    order = [i for match in RECEIVED.finditer(log) if (i := index.pop(match[1], None)) is not None]
+    if not order:
+        return None
+    return order + sorted(index.values()) + [i for i, rid in enumerate(request_ids) if not rid]
+
+
+def order_changes(groups: Sequence[int], order: Sequence[int]) -> list[str]:
+    """Per shared-prefix group whose siblings were admitted in another order than sent (prompt
+    order), both orders as prompt indices; none when `order` is empty (as sent)."""
+    changes = []
+    for group in sorted(set(groups)) if order else ():
+        sent = [i for i, g in enumerate(groups) if g == group]
+        admitted = [i for i in order if groups[i] == group]
+        if admitted != sent:
+            changes.append(f"group {group}: sent {sent}, decode admitted {admitted}")
+    return changes
+
+
+@dataclass
+class DecodeOrder:
+    """`Deployment.reference_order`: the order the decode engine received the step's requests,
+    read from the part of its log written since `mark`."""
+
+    decode: ManagedProcess
+    offset: int = 0
+    found: bool = False
+
+    def mark(self) -> None:
+        self.offset = len(self.decode.log_text())
+
+    def __call__(self, request_ids: tuple[str, ...]) -> list[int] | None:
+        order = admission_order(self.decode.log_text()[self.offset :], request_ids)
+        self.found = order is not None
+        return order
+
+
+def _order_cell(r: ShapeResult) -> str:
+    if not r.order_known:
+        return "unknown"
+    changed = len(r.order_changes)
+    return "as sent" if changed == 0 else f"{changed} group{' differs' if changed == 1 else 's differ'}"
 
 
 def _tokens(value: float) -> str:
@@ -197,7 +276,7 @@ def _rank_cells(r: ShapeResult) -> tuple[str, str]:
 
 
 def format_results(results: Sequence[ShapeResult]) -> str:
-    headers = ["shape", "served", "D-local hit", "colocated", "same out", "pulled tok"]
+    headers = ["shape", "served", "D-local hit", "colocated", "D order", "same out", "pulled tok"]
     headers += ["per decode rank: pulled/needed KiB", "dup", "wall s", "TTFT p50 ms", "TTFT p99 ms"]
     rows = []
     for r in results:
@@ -212,6 +291,7 @@ def format_results(results: Sequence[ShapeResult]) -> str:
                 f"{step.ok}/{step.requests}",
                 _tokens(step.decode.cache.hits),
                 _tokens(step.reference.cache.hits),
+                _order_cell(r),
                 f"{step.reference_same_outputs}/{step.ok}",
                 _tokens(step.decode.cache.external_hits),
                 cells,
@@ -271,6 +351,7 @@ class Engines:
             self.dp_events = DPEvents.reserve(self.cluster, DP_RANKS)
             args = engine_args(None, pd_kv_transfer("kv_consumer", "mooncake"))
             args += [
+                LOG_REQUESTS,
                 "--data-parallel-size",
                 str(DP_RANKS),
                 "--kv-events-config",
@@ -280,11 +361,13 @@ class Engines:
         tp = shape.removeprefix("tp").rstrip("b")
         parallel = ["--tensor-parallel-size", tp]
         if kind == "ours":
-            return self._server(name, model, [*engine_args(None, pd_kv_transfer("kv_both", "mooncake")), *parallel])
+            args = [*engine_args(None, pd_kv_transfer("kv_both", "mooncake")), *parallel, LOG_REQUESTS]
+            return self._server(name, model, args)
         if kind == "nixl":
             # NixlConnector binds its side channel at a base port plus the rank.
             port = free_port_run(self.cluster, 2 * int(tp))
-            return self._server(name, model, [*engine_args(None, stock_nixl_kv_transfer("kv_both")), *parallel], port)
+            args = [*engine_args(None, stock_nixl_kv_transfer("kv_both")), *parallel, LOG_REQUESTS]
+            return self._server(name, model, args, port)
         if kind == "colocated":
             # Dev mode for /reset_prefix_cache: each shape starts from an empty reference cache.
             return self._server(name, model, [*engine_args(None), *parallel], env={"VLLM_SERVER_DEV_MODE": "1"})
@@ -366,11 +449,12 @@ def _reset_prefix_cache(engine: ManagedProcess) -> None:
 
 
 async def _drive(
-    deployment: Deployment, scenario: SharedPrefixScenario, seed: int, decode: str
+    deployment: Deployment, scenario: SharedPrefixScenario, seed: int, decode: str, order: DecodeOrder
 ) -> tuple[StepResult, MetricsSnapshot, MetricsSnapshot]:
     tokens = TokenSource(seed=seed)
     async with LoadGenerator(deployment) as generator:
         await generator.warm_up(warmup_step(tokens.fork(), 1, scenario.prompt_len()))
+        order.mark()
         before = await asyncio.to_thread(fetch_metrics, decode)
         [step] = await run_scenario(generator, scenario, tokens)
         after = await asyncio.to_thread(fetch_metrics, decode)
@@ -434,22 +518,28 @@ def run_shape(engines: Engines, shape: ShapeSpec, scenario: SharedPrefixScenario
             if shape.connector == "vllm-nixl":
                 establish_stock_handshake(router, decode, REQUEST_TIMEOUT_S)
             _reset_prefix_cache(reference)
+            order = DecodeOrder(decode)
             deployment = Deployment(
                 router=router.base_url,
                 prefill_metrics=(prefill.base_url,),
                 decode_metrics=(decode.base_url,),
                 model=MODEL_NAME,
                 reference=reference.base_url,
+                # One at a time, in the order decode received the requests: see the docstring.
+                reference_concurrency=1,
+                reference_order=order,
                 request_timeout_s=REQUEST_TIMEOUT_S,
             )
-            step, before, after = asyncio.run(_drive(deployment, scenario, shape.seed, decode.base_url))
+            step, before, after = asyncio.run(_drive(deployment, scenario, shape.seed, decode.base_url, order))
         except (RuntimeError, httpx.HTTPError) as exc:
             reason = f"{str(exc)[:300]}; {_why_failed(decode, prefill)}"
             _say(f"{shape.name}: failed: {reason}")
             return ShapeResult(shape, error=reason)
     if shape.connector == "vllm-nixl":
-        return ShapeResult(shape, step, stock_bytes=after.total(STOCK_BYTES) - before.total(STOCK_BYTES))
-    return ShapeResult(shape, step, rank_bytes_between(before, after, shape_geometry(shape), shape.decode_tp))
+        stock = after.total(STOCK_BYTES) - before.total(STOCK_BYTES)
+        return ShapeResult(shape, step, stock_bytes=stock, order_known=order.found)
+    ranks = rank_bytes_between(before, after, shape_geometry(shape), shape.decode_tp)
+    return ShapeResult(shape, step, ranks, order_known=order.found)
 
 
 def _order(names: Sequence[str]) -> list[str]:
@@ -501,6 +591,8 @@ def _json(r: ShapeResult) -> dict[str, Any]:
         "requests": None if step is None else step.requests,
         "decode_local_hit": None if step is None else step.decode.cache.hits,
         "colocated_hit": None if step is None else step.reference.cache.hits,
+        "decode_order": None if step is None or not r.order_known else list(step.reference_order) or "as sent",
+        "order_changes": r.order_changes,
         "same_outputs_as_colocated": None if step is None else step.reference_same_outputs,
         "pulled_tokens": None if step is None else step.decode.cache.external_hits,
         "ranks": [vars(b) for b in r.ranks],
@@ -526,12 +618,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"\nshared-prefix step {scenario.steps(TokenSource(seed=0))[0].name}, tiny hybrid Llama "
         f"(4 attention heads, the shape's KV heads, window 64, float32, block {BLOCK_SIZE}), one run.\n"
         "D-local hit = decode's vllm:prefix_cache_hits delta (all ranks); colocated = the same prompts on an engine "
-        "of the decode's shape\n(DP2: a TP1 engine, one rank's shape); pulled tok = decode's "
+        "of the decode's shape\n(DP2: a TP1 engine, one rank's shape), one at a time in the order decode received "
+        "them; D order = whether decode received\neach group's siblings in the order sent (unknown: its log did not "
+        "say; colocated then replays them as sent); pulled tok = decode's "
         "vllm:external_prefix_cache_hits delta;\nper decode rank = pdconnect:rank_bytes_transferred delta / bytes that "
         "rank needs from the model geometry (KiB);\nsame out = answers equal to the colocated engine's; "
         "dup = pulled - needed over all ranks; wall = the measured step;\nTTFT = client-side, first streamed token"
     )
     print(format_results(results) + "\n")
+    for r in results:
+        for change in r.order_changes:
+            print(f"{r.shape.name}: siblings out of send order, colocated replayed decode's order: {change}")
     problems = [
         f"{r.shape.name}: {r.error or 'not run'}"
         for r in results

@@ -1,4 +1,4 @@
-"""`pdconnect bench` through the real router in front of fake engines: auth headers, TPOT and ITL, open loop."""
+"""`pdconnect bench` through the real router in front of fake engines: auth, TPOT and ITL, open loop, request ids."""
 
 from __future__ import annotations
 
@@ -11,7 +11,16 @@ import pytest
 import pytest_asyncio
 
 from pdconnect.bench import cli
-from pdconnect.bench.loadgen import Deployment, LoadGenerator, RunResult, poisson_arrivals
+from pdconnect.bench.loadgen import (
+    Deployment,
+    LoadGenerator,
+    RequestResult,
+    RunResult,
+    in_prompt_order,
+    poisson_arrivals,
+    reordered,
+    replay_order,
+)
 from pdconnect.bench.report import format_run, write_json
 from pdconnect.bench.scenarios import Step
 from tests.router_support import start_setup
@@ -86,7 +95,8 @@ def test_poisson_arrivals_start_at_once_and_average_one_over_the_rate() -> None:
 @pytest.mark.asyncio
 async def test_open_loop_serves_every_request_in_arrival_order_under_its_in_flight_cap() -> None:
     """Open loop, 6 Poisson arrivals, at most 2 in flight: every request is served and
-    sent in arrival order (the schedule itself: the test above; no timing is asserted)."""
+    sent in arrival order (the schedule itself: the test above; no timing is asserted),
+    and each result carries the router's request id."""
     setup = await start_setup()
     try:
         deployment = Deployment(router=setup.router.url, model="fake-model")
@@ -95,6 +105,9 @@ async def test_open_loop_serves_every_request_in_arrival_order_under_its_in_flig
             result = await generator.run_step("open", step)
         assert result.ok == 6, result.errors
         assert sorted(range(6), key=lambda i: result.sent_s[i]) == list(range(6))
+        # Each request's id is the one the router sent the decode engine with its prompt.
+        decoded = {seen.request_id: tuple(seen.body["prompt"]) for seen in setup.d[0].seen}
+        assert [decoded[rid] for rid in result.request_ids] == list(step.prompts)
     finally:
         await setup.http.close()
         await setup.router.close()
@@ -133,3 +146,17 @@ async def test_compare_draws_the_demos_chart_or_says_why_not(
     assert cli.main(["compare", *map(str, files), "--chart", str(missing)]) == 0
     assert not missing.exists()
     assert "no chart: matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_a_reference_replays_a_step_in_the_order_given_and_its_results_come_back_in_prompt_order() -> None:
+    step = Step("s", prompts=((1,), (2,), (3,), (4,)), output_len=1, concurrency=3, groups=(0, 1, 0, 1))
+    order = replay_order([2, 0, 3, 1], 4)
+    replay = reordered(step, order)
+    assert replay.prompts == ((3,), (1,), (4,), (2,)) and replay.groups == (0, 0, 1, 1)
+    sent = [RequestResult(True, 0.1, output_ids=p) for p in replay.prompts]
+    assert [r.output_ids for r in in_prompt_order(sent, order)] == list(step.prompts)
+    # The order sent, or none: replayed as sent.
+    assert replay_order(None, 4) == replay_order([0, 1, 2, 3], 4) == ()
+    assert reordered(step, ()) is step and in_prompt_order(sent, ()) == sent
+    with pytest.raises(ValueError, match="permutation"):
+        replay_order([0, 0, 1, 2], 4)

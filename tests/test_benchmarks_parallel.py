@@ -5,6 +5,8 @@ worked out by hand below, never by the code under test."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 
 import pytest
 
@@ -14,10 +16,12 @@ from benchmarks.parallel import (
     _engine_names,
     _keep_for,
     _parse_shapes,
+    admission_order,
     engine_ranks,
     format_results,
     last_error_line,
     model_spec,
+    order_changes,
 )
 from benchmarks.rank_bytes import (
     RankBytes,
@@ -26,6 +30,7 @@ from benchmarks.rank_bytes import (
     needed_bytes_per_rank,
     rank_bytes_between,
 )
+from pdconnect.bench.loadgen import RoleCounters, StepResult
 from pdconnect.bench.scrape import MetricsSnapshot
 from pdconnect.testbed.recipes import SPEC
 
@@ -187,3 +192,56 @@ def test_the_engines_reason_is_its_exception_not_an_access_log_line():
         "(Worker pid=1) ERROR [base_worker.py:1354] AssertionError "
         "(at base_worker.py line 2450, in _validate_remote_agent_handshake)"
     )
+
+
+# What vLLM 0.32's API server logs with --enable-log-requests, one line per request as it
+# arrives (the router's X-Request-Id inside `cmpl-...-0`), among other lines.
+DECODE_LOG = """\
+(APIServer pid=7) INFO 12-05 04:40:01 [request_logger.py:66] Received request cmpl-warm-0: params: SamplingParams(n=1)
+(APIServer pid=7) INFO:     127.0.0.1:1 - "POST /v1/completions HTTP/1.1" 200 OK
+(APIServer pid=7) INFO 12-05 04:40:02 [request_logger.py:66] Received request cmpl-bb-0: params: SamplingParams(n=1)
+(EngineCore pid=8) INFO [consumer.py:414] request cmpl-cc-0: waits for the load of cmpl-bb-0
+(APIServer pid=7) INFO 12-05 04:40:02 [request_logger.py:66] Received request cmpl-aa-0: params: SamplingParams(n=1)
+(APIServer pid=7) INFO 12-05 04:40:02 [request_logger.py:66] Received request cmpl-cc-r1-0: params: SamplingParams(n=1)
+(APIServer pid=7) INFO 12-05 04:40:03 [request_logger.py:66] Received request cmpl-dd-0: params: SamplingParams(n=1)
+"""
+
+
+def test_the_decode_admission_order_is_read_from_its_request_log_by_the_routers_ids():
+    # Prompt order aa, bb, cc-r1, dd, ee; ee never reached decode, the 6th got no id back.
+    ids = ("aa", "bb", "cc-r1", "dd", "ee", "")
+    assert admission_order(DECODE_LOG, ids) == [1, 0, 2, 3, 4, 5]
+    assert admission_order(DECODE_LOG, ("xx", "yy")) is None  # nothing to go by: replay as sent
+    assert admission_order("", ids) is None
+
+
+def test_order_changes_name_each_group_whose_siblings_decode_admitted_out_of_send_order():
+    groups = (0, 1, 0, 1, 0, 1)
+    assert order_changes(groups, ()) == []  # as sent
+    assert order_changes(groups, [1, 0, 3, 2, 5, 4]) == []  # only groups interleaved differently
+    assert order_changes(groups, [2, 0, 1, 3, 4, 5]) == ["group 0: sent [0, 2, 4], decode admitted [2, 0, 4]"]
+
+
+def _step(groups: tuple[int, ...], reference_order: tuple[int, ...]) -> StepResult:
+    n, one = len(groups), RoleCounters(engines=1)
+    # scenario, step, requests, concurrency, output_len, ok, fallbacks, prompt and output tokens, wall, TTFTs
+    step = StepResult("shared-prefix", "s", n, 3, 8, n, 0, 0, 0, 1.0, (0.1,) * n, decode=one, prefill=one)
+    return dataclasses.replace(
+        step, reference=one, reference_same_outputs=n, groups=groups, reference_order=reference_order
+    )
+
+
+def test_the_table_says_whether_decode_received_siblings_in_the_order_sent():
+    shape = SHAPES["tp1-tp4"]
+    groups = (0, 0, 1, 1)
+    rows = format_results(
+        [
+            ShapeResult(shape, _step(groups, ()), order_known=True),
+            ShapeResult(shape, _step(groups, (1, 0, 2, 3)), order_known=True),
+            ShapeResult(shape, _step(groups, (1, 0, 3, 2)), order_known=True),
+            ShapeResult(shape, _step(groups, ()), order_known=False),
+        ]
+    ).splitlines()
+    assert "D order" in rows[0]
+    cells = [re.split(r"\s{2,}", row)[4] for row in rows[2:]]
+    assert cells == ["as sent", "1 group differs", "2 groups differ", "unknown"]

@@ -1,4 +1,4 @@
-"""Shared-prefix junctions: every later sibling hits on decode what it hits on a colocated engine.
+"""Shared-prefix junctions: every later sibling hits on decode what it hits on a colocated engine, in any arrival order.
 
 vLLM keeps sliding-window blocks at a request's replay boundaries and at its shared-prefix
 junction (`Request.shared_prefix_boundary`: where the full-attention hit ran past the
@@ -8,6 +8,12 @@ plan moved and published the junction's run too. Every expected hit here is meas
 a real vLLM `KVCacheManager` serving the same sequence colocated (`kvsim.SimulatedEngine`); the
 P/D side is a real prefill manager and a real decode manager holding only what each
 request's plan moves (`kvsim.PrefillDecodePair`).
+
+What a sibling hits depends on the order siblings arrive in, colocated as well: a prompt
+that runs a block or more past the shared prefix keeps no sliding-window block at the
+prefix, so a sibling after it misses there. The order tests hold decode to the colocated
+engine order by order, with the second sibling arriving while the first one's load is in
+flight (coalescing: it waits only when the consumer predicts a hit from that load).
 """
 
 from __future__ import annotations
@@ -15,13 +21,18 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
+from vllm.v1.request import Request, RequestStatus
 
+from connectors.consumer import Consumer, _Load
 from connectors.kvsim import PrefillDecodePair, SimulatedEngine, random_tokens
 from connectors.plan_cli import main as plan_main
-from connectors.replay_slack import plan_request
+from connectors.replay_slack import RequestPlan, plan_request
+from connectors.settings import ConnectorSettings
 from connectors.vllm_adapter import CacheRules, Geometry, GroupGeometry
+from pdconnect.protocol import GroupTransfer, TransferPlan
 from tests.geometries import GEOMETRIES
 
 SWA = 1
@@ -244,3 +255,173 @@ def test_plan_command_shows_the_junction_runs(capsys):
     assert "junction 896" in capsys.readouterr().out
     assert plan_main([*args, "--shared-prefix-tokens", "-5"]) == 2
     assert "--shared-prefix-tokens" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# Arrival order: concurrent siblings on decode against a colocated engine, order by order
+
+
+def _wire_plan(plan: RequestPlan) -> TransferPlan:
+    """The leader's plan as the consumer holds it; `_best_leader` reads each group's slack."""
+    groups = [GroupTransfer(group=g.group_id, runs=[], slack=list(g.slack_blocks)) for g in plan.groups]
+    return TransferPlan("prefill", "lead", "127.0.0.1", 1, "compat", plan.num_prompt_tokens, 0.0, groups)
+
+
+def _consumer_waits_for(rules: CacheRules, leader: Request, leader_plan: RequestPlan, follower: Request) -> bool:
+    """Whether the decode consumer makes `follower` wait for `leader`'s load in flight.
+
+    Runs the consumer's own `_best_leader` on a stand-in holding only what it reads: the
+    rules, default settings and the leader's load (real requests, status as vLLM sets it
+    while the pull runs).
+    """
+    leader.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    consumer = SimpleNamespace(
+        rules=rules,
+        settings=ConnectorSettings.from_extra_config({}),
+        _loads={leader.request_id: _Load(leader, _wire_plan(leader_plan), shadows={})},
+    )
+    return Consumer._best_leader(consumer, follower, 0) == leader.request_id  # type: ignore[arg-type]
+
+
+@dataclass
+class InOrder:
+    """Hits at admission, request by request in arrival order, colocated and on decode."""
+
+    colocated: list[int]
+    decode: list[int]
+    predicted_wait: bool  # the second sibling waited for the first one's load
+
+
+def _serve_in_order(geometry: Geometry, prompts: list[list[int]]) -> InOrder:
+    """Colocated: one engine serves `prompts` one after another. P/D: the prefill engine
+    prefills them in this order; on decode the first two arrive together (the second is
+    admitted while the first one's load is in flight: it waits, then looks up what that
+    load published, or is admitted at once and hits only what decode held before that
+    load), the rest one after another."""
+    size = sum(len(p) for p in prompts)
+    colocated = SimulatedEngine.create(geometry, size)
+    colocated_hits = [colocated.serve(f"c{k}", tokens) for k, tokens in enumerate(prompts)]
+    rules = CacheRules.for_geometry(geometry)
+    pair = PrefillDecodePair.create(geometry, size)
+    plans: list[RequestPlan] = []
+    for k, tokens in enumerate(prompts[:2]):
+        on_prefill = pair.prefill.new_request(f"r{k}", tokens)
+        pair.prefill.prefill(on_prefill)
+        plans.append(plan_request(rules, len(tokens), shared_prefix_tokens=CacheRules.shared_prefix_tokens(on_prefill)))
+        pair.prefill.finish_for_transfer(on_prefill)
+        pair.prefill.free(on_prefill)
+    leader, follower = (pair.decode.new_request(f"r{k}", prompts[k]) for k in (0, 1))
+    waits = _consumer_waits_for(rules, leader, plans[0], follower)
+    # Not waiting, the follower is admitted beside the leader's load, whose blocks are
+    # allocated with caching delayed: it hits what decode cached before that load.
+    at_once = pair.decode.lookup(pair.decode.new_request("r1-at-once", prompts[1]))
+    decode_hits = [pair.decode.remote_load(leader, plans[0])]
+    pair.decode.free(leader)
+    # Waiting, it is admitted once the leader's load is published. Either way both loads
+    # end up published, so what later siblings find is the same.
+    after_leader = pair.decode.remote_load(follower, plans[1])
+    pair.decode.free(follower)
+    decode_hits.append(after_leader if waits else at_once)
+    decode_hits += [pair.serve(f"r{k}", tokens).decode_hit for k, tokens in enumerate(prompts[2:], start=2)]
+    return InOrder(colocated_hits, decode_hits, waits)
+
+
+@pytest.mark.parametrize(("block", "window"), [(16, 16), (64, 32), (128, 64)])
+def test_a_sibling_one_block_past_the_prefix_leaves_nothing_for_the_next_on_either_side(block, window):
+    """Worked from the geometry (equal block sizes, window <= block, no EAGLE), as in
+    `make bench-parallel`'s tiny Llama (block 128, window 64) with siblings of 870, 926 and
+    918 tokens on a 768-token prefix: X = 6 blocks shared. The short sibling (X + 0.8
+    block) hits at most X (the hit is capped below its last token), so vLLM keeps the
+    window's block before X (block 5) at that boundary. The long one (X + 1.23 blocks)
+    hits up to X + 1 block: it keeps block 6 only, and a sibling after it misses at X.
+    The third one then hits X after the short one, whichever came first. Colocated:
+    short first [0, X, X], long first [0, 0, X]; decode hits the same in each order, the
+    second waiting for the first one's load only when that load publishes block 5."""
+    prefix = 6 * block
+    shared = random_tokens(prefix, seed=block)
+    short = shared + random_tokens(round(0.8 * block), seed=1)
+    long = shared + random_tokens(block + round(0.23 * block), seed=2)
+    third = shared + random_tokens(block + round(0.17 * block), seed=3)
+    geometry = Geometry((GroupGeometry("full_attention", block), GroupGeometry("sliding_window", block, window)))
+
+    short_first = _serve_in_order(geometry, [short, long, third])
+    long_first = _serve_in_order(geometry, [long, short, third])
+
+    assert short_first.colocated == short_first.decode == [0, prefix, prefix]
+    assert long_first.colocated == long_first.decode == [0, 0, prefix]
+    assert short_first.predicted_wait and not long_first.predicted_wait
+
+
+def _mimo_v2(eagle: bool) -> Geometry:
+    """MiMo-V2's groups: two sliding windows of 64-token blocks (window 128), full attention
+    in 256-token blocks numbered last; MTP takes the EAGLE drop."""
+    return Geometry(
+        (
+            GroupGeometry("sliding_window", 64, 128, eagle=eagle),
+            GroupGeometry("sliding_window", 64, 128, eagle=eagle),
+            GroupGeometry("full_attention", 256, eagle=eagle),
+        )
+    )
+
+
+ORDER_GEOMETRIES = {
+    **{name: lambda eagle, n=name: _geometry(n, eagle) for name in GEOMETRIES},
+    **{
+        f"fa{fa}-swa{swa}-w{w}": lambda eagle, g=(fa, swa, w): Geometry(
+            (
+                GroupGeometry("full_attention", g[0], eagle=eagle),
+                GroupGeometry("sliding_window", g[1], g[2], eagle=eagle),
+            )
+        )
+        for fa, swa, w in ((16, 16, 32), (64, 64, 64), (16, 16, 257), (128, 128, 257), (64, 16, 128))
+    },
+    "mimo-v2": _mimo_v2,
+}
+
+
+def _order_prompts(geometry: Geometry, shape: str) -> list[list[int]]:
+    """Three siblings of a shared prefix, the first two suffixes straddling one cache-hit alignment."""
+    step = CacheRules.for_geometry(geometry).alignment
+    prefix = 4 * step if shape != "unaligned" else 4 * step + step // 3
+    window = max(g.sliding_window or 0 for g in geometry.groups)
+    suffixes = {
+        "aligned": (step // 3, step + step // 4, 2 * step + 1),
+        "unaligned": (step // 2, step + 1, step // 5),
+        "window": (max(1, step - window // 2), step + window + 1, 3 * step),
+        # Both past the prefix by a block or more: the third hits only at the second
+        # one's junction, which its plan must carry although it did not wait.
+        "both-long": (step + step // 4, 2 * step + 1, step // 3),
+    }[shape]
+    shared = random_tokens(prefix, seed=prefix)
+    return [shared + random_tokens(s, seed=1000 + k) for k, s in enumerate(suffixes)]
+
+
+ORDER_CASES = [
+    pytest.param(name, eagle, shape, id=f"{name}-{'eagle' if eagle else 'no-eagle'}-{shape}")
+    for name in ORDER_GEOMETRIES
+    for eagle in (True, False)
+    for shape in ("aligned", "unaligned", "window", "both-long")
+]
+
+
+@pytest.mark.parametrize(("name", "eagle", "shape"), ORDER_CASES)
+def test_concurrent_siblings_hit_on_decode_what_they_hit_colocated_in_each_order(name, eagle, shape):
+    geometry = ORDER_GEOMETRIES[name](eagle)
+    first, second, third = _order_prompts(geometry, shape)
+    for order in ([first, second, third], [second, first, third]):
+        served = _serve_in_order(geometry, order)
+        assert served.decode == served.colocated, [len(p) for p in order]
+
+
+def test_the_order_sweep_meets_siblings_whose_colocated_hits_depend_on_the_order():
+    """Without such cases the sweep above would prove parity only where order is moot."""
+    dependent = []
+    for name, build in ORDER_GEOMETRIES.items():
+        for eagle in (True, False):
+            geometry = build(eagle)
+            first, second, third = _order_prompts(geometry, "aligned")
+            one = _serve_in_order(geometry, [first, second, third]).colocated
+            other = _serve_in_order(geometry, [second, first, third]).colocated
+            if one[1:] != other[1:]:
+                dependent.append((name, eagle))
+    assert len(dependent) >= 4, dependent

@@ -15,7 +15,9 @@ over the engines of a role:
   load in flight instead of pulling the same blocks (our connector only);
 - with a reference (a colocated engine: same model and flags, no connector), every
   step's prompts are sent to it as well, after the deployment served them, and its own
-  `vllm:prefix_cache_hits` is what decode's local hit should equal.
+  `vllm:prefix_cache_hits` is what decode's local hit should equal. Siblings' hits depend
+  on the order they arrive in, so `Deployment.reference_order` may replay them in the
+  order the decode engine admitted them (read from its logs by the router's request ids).
 
 Conversation steps (`Step.turn`, the multi-turn scenario) ask for the generated token
 ids (`return_token_ids`) and build each turn's prompts from the previous turn's prompts
@@ -32,7 +34,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -52,8 +54,11 @@ __all__ = [
     "RoleCounters",
     "RunResult",
     "StepResult",
+    "in_prompt_order",
     "percentile",
     "render_prompt",
+    "reordered",
+    "replay_order",
     "run_scenario",
 ]
 
@@ -92,6 +97,10 @@ class Deployment:
     # How many requests at once the reference replays (None: as the step sends them).
     # 1 measures what serial siblings hit, the figure coalescing is held to.
     reference_concurrency: int | None = None
+    # The order to replay a step's prompts on the reference, from the router's request
+    # ids of the deployment's requests (prompt order; "" where none came back): a
+    # permutation of the prompt indices, or None for the order they were sent in.
+    reference_order: Callable[[tuple[str, ...]], Sequence[int] | None] | None = None
     # (name, value) pairs sent with every request to the router, e.g. its clients'
     # `Authorization` (the router passes that one on to engines started with --api-key).
     headers: tuple[tuple[str, str], ...] = ()
@@ -227,6 +236,8 @@ class RequestResult:
     # Inter-token latencies: the gaps between successive streamed events that carry
     # output (a server may put several tokens in one event: that gap counts once).
     itl_s: tuple[float, ...] = ()
+    # The router's request id (its `X-Request-Id` answer header); "" when none came back.
+    request_id: str = ""
 
     @property
     def tpot_s(self) -> float | None:
@@ -259,12 +270,16 @@ class StepResult:
     reference: RoleCounters = RoleCounters()
     # How many of the step's answers the reference generated identically (None: no reference).
     reference_same_outputs: int | None = None
+    # The prompt indices in the order the reference replayed them (empty: as sent).
+    reference_order: tuple[int, ...] = ()
     # Per request, in prompt order: its shared-prefix group (the step's `groups`; empty
-    # when it has none), when it was sent (seconds after the step began) and its TTFT
-    # (None: it failed). Who ran beside whom is read from these (`sibling_roles`).
+    # when it has none), when it was sent (seconds after the step began), its TTFT
+    # (None: it failed) and its request id. Who ran beside whom is read from these
+    # (`sibling_roles`).
     groups: tuple[int, ...] = ()
     sent_s: tuple[float, ...] = ()
     request_ttft_s: tuple[float | None, ...] = ()
+    request_ids: tuple[str, ...] = ()  # the router's ("" where none came back)
     # Each successful request's TPOT (two tokens or more), and every inter-token gap of
     # the step's successful requests pooled.
     tpot_s: tuple[float, ...] = ()
@@ -442,17 +457,22 @@ class LoadGenerator:
             # A failed request has no answer: its next turn goes on without one (and the
             # failure is in this step's figures).
             self._conversations = [p + r.output_ids for p, r in zip(step.prompts, results, strict=True)]
+        request_ids = tuple(r.request_id for r in results)
         reference_counters, same = RoleCounters(), None
+        order: tuple[int, ...] = ()
         if reference is not None:
             # After the deployment served the step, so the two never compete for the CPU.
             before = RoleCounters.from_snapshot(await self._scrape([reference]), 1)
-            replay = (
-                step
-                if self.deployment.reference_concurrency is None
-                else dataclasses.replace(step, concurrency=self.deployment.reference_concurrency)
-            )
-            replayed = await self._send_all(
-                replay, label=f"{scenario}: {step.name} (reference)", target=reference, want_ids=True
+            if self.deployment.reference_order is not None:
+                order = replay_order(self.deployment.reference_order(request_ids), len(step.prompts))
+            replay = reordered(step, order)
+            if self.deployment.reference_concurrency is not None:
+                replay = dataclasses.replace(replay, concurrency=self.deployment.reference_concurrency)
+            replayed = in_prompt_order(
+                await self._send_all(
+                    replay, label=f"{scenario}: {step.name} (reference)", target=reference, want_ids=True
+                ),
+                order,
             )
             reference_counters = RoleCounters.from_snapshot(await self._scrape([reference]), 1) - before
             same = sum(r.ok and q.ok and r.output_ids == q.output_ids for r, q in zip(results, replayed, strict=True))
@@ -480,6 +500,8 @@ class LoadGenerator:
             request_ttft_s=tuple(r.ttft_s if r.ok else None for r in results),
             tpot_s=tuple(r.tpot_s for r in good if r.tpot_s is not None),
             itl_s=tuple(gap for r in good for gap in r.itl_s),
+            request_ids=request_ids,
+            reference_order=order,
         )
 
     async def _send_all(
@@ -551,6 +573,7 @@ class LoadGenerator:
             headers = dict(d.headers) if target is None else None
             async with self._session.post(f"{target or d.router}/v1/completions", json=body, headers=headers) as resp:
                 fallback = FALLBACK_HEADER in resp.headers
+                request_id = resp.headers.get("X-Request-Id", "")
                 if resp.status != 200:
                     text = (await resp.text())[:300]
                     return RequestResult(
@@ -559,6 +582,7 @@ class LoadGenerator:
                         fallback=fallback,
                         error=f"HTTP {resp.status}: {text}",
                         sent_at=started,
+                        request_id=request_id,
                     )
                 async for raw in resp.content:
                     line = raw.strip()
@@ -576,6 +600,7 @@ class LoadGenerator:
                             fallback=fallback,
                             error=f"stream error: {event['error']}",
                             sent_at=started,
+                            request_id=request_id,
                         )
                     if event.get("choices"):
                         now = time.perf_counter()
@@ -605,7 +630,36 @@ class LoadGenerator:
             output_ids=tuple(output_ids),
             sent_at=started,
             itl_s=tuple(itl),
+            request_id=request_id,
         )
+
+
+def replay_order(order: Sequence[int] | None, count: int) -> tuple[int, ...]:
+    """`Deployment.reference_order`'s answer checked: a permutation of `count` prompt
+    indices, or () for the order sent (None, or that very order)."""
+    if order is None:
+        return ()
+    if sorted(order) != list(range(count)):
+        raise ValueError(f"a reference order must be a permutation of 0..{count - 1}, got {list(order)}")
+    return () if list(order) == list(range(count)) else tuple(order)
+
+
+def reordered(step: Step, order: tuple[int, ...]) -> Step:
+    """`step` with its prompts (and their groups) in `order`; `step` itself for ()."""
+    if not order:
+        return step
+    groups = tuple(step.groups[i] for i in order) if step.groups else ()
+    return dataclasses.replace(step, prompts=tuple(step.prompts[i] for i in order), groups=groups)
+
+
+def in_prompt_order(results: Sequence[RequestResult], order: tuple[int, ...]) -> list[RequestResult]:
+    """Results of a step sent in `order` (see `reordered`) put back in prompt order."""
+    if not order:
+        return list(results)
+    back: list[RequestResult | None] = [None] * len(order)
+    for position, index in enumerate(order):
+        back[index] = results[position]
+    return [r for r in back if r is not None]
 
 
 async def run_scenario(
