@@ -19,8 +19,9 @@ over Mooncake (tcp), behind `pdconnect router`:
 - `dp2-tp1`, `dp2-tp2`: a prefill server of 2 engine cores (`--data-parallel-size 2`, each
   with its own side channel and leases), the router pinning each prefill leg to a rank
   (`--prefill-dp-size 2`): decode must pull from the rank that holds the blocks;
-- `tp4-tp1-ournixl`, `tp1-tp4-kv4-ournixl`: `tp4-tp1` and `tp1-tp4-kv4` with our connector
-  over NIXL (UCX) instead of Mooncake;
+- `dp2-dp2`: both sides data-parallel;
+- `tp4-tp1-ournixl`, `tp1-tp4-kv4-ournixl`, `dp2-tp2-ournixl`: `tp4-tp1`, `tp1-tp4-kv4` and
+  `dp2-tp2` with our connector over NIXL (UCX) instead of Mooncake;
 - `nixl-tp2-tp1`, `nixl-tp1-tp2`, `nixl-tp4-tp1`, `nixl-tp1-tp4-kv4`: those pairs joined by vLLM's own
   NixlConnector (host buffers) behind the same router.
 
@@ -170,6 +171,7 @@ SHAPES: dict[str, ShapeSpec] = {
         ShapeSpec("dp2-tp1", 1, 1, prefill_dp=2, seed=3112),
         ShapeSpec("dp2-tp2", 1, 2, prefill_dp=2, seed=3113),
         ShapeSpec("dp2-dp2", 1, 1, prefill_dp=2, decode_dp=2, seed=3116),
+        ShapeSpec("dp2-tp2-ournixl", 1, 2, prefill_dp=2, transport="nixl", seed=3113),
         ShapeSpec("tp4-tp1-ournixl", 4, 1, transport="nixl", seed=3114),
         ShapeSpec("tp1-tp4-kv4-ournixl", 1, 4, transport="nixl", seed=3115, kv_heads=4),
         # The same prompts as ours on the same pair.
@@ -291,23 +293,24 @@ class Engines:
         """One engine by name: `ours-tp<N>[b]` (kv_both, Mooncake), `ournixl-tp<N>[b]`
         (kv_both, our connector over NIXL), `nixl-tp<N>` (kv_both, vLLM's NixlConnector),
         `colocated-tp<N>`, `decode-dp<D>[tp<T>]` (consumer, KV events per rank),
-        `prefill-dp<D>` (producer), each with `@kv<H>` when its model has H KV heads rather
-        than the default tiny model's."""
+        `prefill-dp<D>` (producer), the DP ones `nixl`-prefixed over NIXL, each with
+        `@kv<H>` when its model has H KV heads rather than the default tiny model's."""
         role, _, tag = name.partition("@")
         model = ensure_model(model_spec(int(tag.removeprefix("kv")) if tag else SPEC.num_kv_heads))
         kind, _, shape = role.partition("-")
-        if kind in ("decode", "prefill"):
+        if kind.removeprefix("nixl") in ("decode", "prefill"):
+            transport = "nixl" if kind.startswith("nixl") else "mooncake"
             dp, rank_tp = dp_shape(shape)
             # Each DP server's engine cores meet on an RPC port of their own (vLLM's default
             # is one fixed port, so two DP servers at once would collide).
             parallel = ["--data-parallel-size", str(dp), "--tensor-parallel-size", str(rank_tp)]
             parallel += ["--data-parallel-rpc-port", str(self.cluster.free_port())]
-            if kind == "prefill":
+            if kind.endswith("prefill"):
                 return self._server(
-                    name, model, [*engine_args(None, pd_kv_transfer("kv_producer", "mooncake")), *parallel]
+                    name, model, [*engine_args(None, pd_kv_transfer("kv_producer", transport)), *parallel]
                 )
             events = self.dp_events[name] = DPEvents.reserve(self.cluster, dp)
-            args = engine_args(None, pd_kv_transfer("kv_consumer", "mooncake"))
+            args = engine_args(None, pd_kv_transfer("kv_consumer", transport))
             return self._server(
                 name, model, [*args, *parallel, "--kv-events-config", json.dumps(events.engine_config())]
             )
@@ -368,7 +371,7 @@ def _engine_names(shape: ShapeSpec) -> tuple[str, str, str]:
     def side(role: str, dp: int, tp: int) -> str:
         if dp == 1:
             return f"{kind}-tp{tp}"
-        return f"{role}-dp{dp}" + (f"tp{tp}" if tp > 1 else "")
+        return ("nixl" if shape.transport == "nixl" else "") + f"{role}-dp{dp}" + (f"tp{tp}" if tp > 1 else "")
 
     prefill = side("prefill", shape.prefill_dp, shape.prefill_tp)
     decode = side("decode", shape.decode_dp, shape.decode_tp)
@@ -520,7 +523,7 @@ def _order(names: Sequence[str]) -> list[str]:
 def engine_ranks(name: str) -> int:
     """The ranks (worker processes with a KV cache each) of an engine named as in `Engines._start`."""
     kind, _, shape = name.partition("@")[0].partition("-")
-    if kind in ("decode", "prefill"):
+    if kind.removeprefix("nixl") in ("decode", "prefill"):
         dp, tp = dp_shape(shape)
         return dp * tp
     return int(shape.removeprefix("tp").rstrip("b"))
