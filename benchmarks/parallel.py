@@ -171,6 +171,7 @@ SHAPES: dict[str, ShapeSpec] = {
         ShapeSpec("dp2-tp1", 1, 1, prefill_dp=2, seed=3112),
         ShapeSpec("dp2-tp2", 1, 2, prefill_dp=2, seed=3113),
         ShapeSpec("dp2-dp2", 1, 1, prefill_dp=2, decode_dp=2, seed=3116),
+        # dp2-tp2's prompts, on engines of their own: our NIXL against our Mooncake.
         ShapeSpec("dp2-tp2-ournixl", 1, 2, prefill_dp=2, transport="nixl", seed=3113),
         ShapeSpec("tp4-tp1-ournixl", 4, 1, transport="nixl", seed=3114),
         ShapeSpec("tp1-tp4-kv4-ournixl", 1, 4, transport="nixl", seed=3115, kv_heads=4),
@@ -398,7 +399,8 @@ def _router(
         config.write_text(json.dumps({"kv_events_endpoints": {decode.base_url: endpoints}}))
         args = ["--config", str(config), "--policy", "kv-aware", "--decode-dp-size", str(events.ranks)]
     if shape.prefill_dp > 1:
-        # Each prefill leg pinned to one rank (`X-data-parallel-rank`), a rank per sibling group.
+        # Each prefill leg pinned to one rank (`X-data-parallel-rank`); the ring keeps a
+        # prompt's siblings on one rank while the load bound allows.
         args += ["--prefill-dp-size", str(shape.prefill_dp)]
     router, _ = start_router(
         engines.cluster,
