@@ -13,6 +13,15 @@ over Mooncake (tcp), behind `pdconnect router`:
   per TP4 rank (each decode rank reads its slice; each TP2 decode rank reads two ranks);
 - `tp1-dp2`: prefill TP1 -> decode `--data-parallel-size 2`, the router pinning each
   decode leg to a rank (`--decode-dp-size 2`, kv-aware by the ranks' KV events);
+- `tp2-dp2`, `tp2-dp2xtp2`, `tp1-dp4`: a TP2 or TP1 prefill -> a decode server of 2 or 4
+  engine cores, each core TP1 or TP2 (`dp2xtp2`: 4 workers), the router pinning ranks as
+  for `tp1-dp2`;
+- `dp2-tp1`, `dp2-tp2`: a prefill server of 2 engine cores (`--data-parallel-size 2`, each
+  with its own side channel and leases), the router pinning each prefill leg to a rank
+  (`--prefill-dp-size 2`): decode must pull from the rank that holds the blocks;
+- `dp2-dp2`: both sides data-parallel;
+- `tp4-tp1-ournixl`, `tp1-tp4-kv4-ournixl`, `dp2-tp2-ournixl`: `tp4-tp1`, `tp1-tp4-kv4` and
+  `dp2-tp2` with our connector over NIXL (UCX) instead of Mooncake;
 - `nixl-tp2-tp1`, `nixl-tp1-tp2`, `nixl-tp4-tp1`, `nixl-tp1-tp4-kv4`: those pairs joined by vLLM's own
   NixlConnector (host buffers) behind the same router.
 
@@ -20,8 +29,8 @@ The TP engines are started once per model and serve both roles (`kv_both`): one 
 one at TP4, two at TP2, so the TP shapes of a model share them. Each of our shapes sends prompts of its own (a seed
 per shape), so no engine's cache holds them before; vLLM's NixlConnector on a pair gets
 the same prompts as ours on that pair, on engines of its own. The reference of a shape is
-a colocated engine (no connector) of the decode's shape and model (for DP2 a TP1
-engine, the shape of one rank: a pinned sibling is served by one rank), replayed on the
+a colocated engine (no connector) of the decode's shape and model (for a DP decode an
+engine of one rank's TP: a pinned sibling is served by one rank), replayed on the
 same prompts by the load generator (`Deployment.reference`), its prefix cache emptied
 before each shape (`/reset_prefix_cache`, dev mode) so a pair's prompts seen before do
 not count.
@@ -115,6 +124,7 @@ RANK_BUDGET = 10
 # A P/D engine's API server logs each request's id as it arrives: the order decode admitted
 # siblings in, which the colocated reference replays (`DecodeOrder`).
 LOG_REQUESTS = "--enable-log-requests"
+TRANSPORT_NAMES = {"mooncake": "Mooncake", "nixl": "NIXL"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -125,22 +135,31 @@ LOG_REQUESTS = "--enable-log-requests"
 class ShapeSpec:
     name: str
     prefill_tp: int
-    decode_tp: int
+    decode_tp: int  # of each data-parallel rank when `decode_dp` > 1
     decode_dp: int = 1
     connector: str = "pdconnect"  # or "vllm-nixl"
     seed: int = 0
     kv_heads: int = SPEC.num_kv_heads  # the tiny model's KV heads (and attention heads, at least 4)
+    prefill_dp: int = 1  # a prefill server of this many engine cores (each `prefill_tp` ranks)
+    transport: str = "mooncake"  # our connector's ("nixl": NIXL/UCX)
 
     @property
     def label(self) -> str:
-        decode = f"DP{self.decode_dp}" if self.decode_dp > 1 else f"TP{self.decode_tp}"
-        who = "vLLM NixlConnector" if self.connector == "vllm-nixl" else "ours, Mooncake"
-        return f"P TP{self.prefill_tp} -> D {decode}, {self.kv_heads} KV heads ({who})"
+        prefill, decode = _side(self.prefill_dp, self.prefill_tp), _side(self.decode_dp, self.decode_tp)
+        who = "vLLM NixlConnector" if self.connector == "vllm-nixl" else f"ours, {TRANSPORT_NAMES[self.transport]}"
+        return f"P {prefill} -> D {decode}, {self.kv_heads} KV heads ({who})"
 
     @property
     def model_tag(self) -> str:
         """The engine-name suffix of the shape's model: empty for the default tiny model."""
         return "" if self.kv_heads == SPEC.num_kv_heads else f"@kv{self.kv_heads}"
+
+
+def _side(dp: int, tp: int) -> str:
+    """One side's parallel shape as the table prints it: `TP2`, `DP2`, `DP2xTP2`."""
+    if dp == 1:
+        return f"TP{tp}"
+    return f"DP{dp}" if tp == 1 else f"DP{dp}xTP{tp}"
 
 
 def model_spec(kv_heads: int) -> TinyModelSpec:
@@ -162,6 +181,17 @@ SHAPES: dict[str, ShapeSpec] = {
         ShapeSpec("tp1-tp4-kv4", 1, 4, seed=3107, kv_heads=4),
         ShapeSpec("tp4-tp2-kv4", 4, 2, seed=3108, kv_heads=4),
         ShapeSpec("tp1-dp2", 1, 1, decode_dp=DP_RANKS, seed=3104),
+        # Never run before this table held them: DP with TP on a side, DP4, prefill DP, our NIXL at TP4.
+        ShapeSpec("tp2-dp2", 2, 1, decode_dp=2, seed=3109),
+        ShapeSpec("tp2-dp2xtp2", 2, 2, decode_dp=2, seed=3110),
+        ShapeSpec("tp1-dp4", 1, 1, decode_dp=4, seed=3111),
+        ShapeSpec("dp2-tp1", 1, 1, prefill_dp=2, seed=3112),
+        ShapeSpec("dp2-tp2", 1, 2, prefill_dp=2, seed=3113),
+        ShapeSpec("dp2-dp2", 1, 1, prefill_dp=2, decode_dp=2, seed=3116),
+        # dp2-tp2's prompts, on engines of their own: our NIXL against our Mooncake.
+        ShapeSpec("dp2-tp2-ournixl", 1, 2, prefill_dp=2, transport="nixl", seed=3113),
+        ShapeSpec("tp4-tp1-ournixl", 4, 1, transport="nixl", seed=3114),
+        ShapeSpec("tp1-tp4-kv4-ournixl", 1, 4, transport="nixl", seed=3115, kv_heads=4),
         # The same prompts as ours on the same pair.
         ShapeSpec("nixl-tp2-tp1", 2, 1, connector="vllm-nixl", seed=3102),
         ShapeSpec("nixl-tp1-tp2", 1, 2, connector="vllm-nixl", seed=3103),
@@ -318,7 +348,7 @@ class Engines:
 
     cluster: Cluster
     started: dict[str, ManagedProcess] = field(default_factory=dict)
-    dp_events: DPEvents | None = None  # the DP decode's KV event ports
+    dp_events: dict[str, DPEvents] = field(default_factory=dict)  # a DP decode's KV event ports, by engine
 
     def _server(
         self,
@@ -341,27 +371,34 @@ class Engines:
         )
 
     def _start(self, name: str) -> ManagedProcess:
-        """One engine by name: `ours-tp<N>[b]` (kv_both), `nixl-tp<N>` (kv_both),
-        `colocated-tp<N>`, `decode-dp2` (consumer, KV events per rank), each with
+        """One engine by name: `ours-tp<N>[b]` (kv_both, Mooncake), `ournixl-tp<N>[b]`
+        (kv_both, our connector over NIXL), `nixl-tp<N>` (kv_both, vLLM's NixlConnector),
+        `colocated-tp<N>`, `decode-dp<D>[tp<T>]` (consumer, KV events per rank),
+        `prefill-dp<D>` (producer), the DP ones `nixl`-prefixed over NIXL, each with
         `@kv<H>` when its model has H KV heads rather than the default tiny model's."""
         role, _, tag = name.partition("@")
         model = ensure_model(model_spec(int(tag.removeprefix("kv")) if tag else SPEC.num_kv_heads))
         kind, _, shape = role.partition("-")
-        if kind == "decode":
-            self.dp_events = DPEvents.reserve(self.cluster, DP_RANKS)
-            args = engine_args(None, pd_kv_transfer("kv_consumer", "mooncake"))
-            args += [
-                LOG_REQUESTS,
-                "--data-parallel-size",
-                str(DP_RANKS),
-                "--kv-events-config",
-                json.dumps(self.dp_events.engine_config()),
-            ]
+        if kind.removeprefix("nixl") in ("decode", "prefill"):
+            transport = "nixl" if kind.startswith("nixl") else "mooncake"
+            dp, rank_tp = dp_shape(shape)
+            # Each DP server's engine cores meet on an RPC port of their own (vLLM's default
+            # is one fixed port, so two DP servers at once would collide).
+            parallel = ["--data-parallel-size", str(dp), "--tensor-parallel-size", str(rank_tp)]
+            parallel += ["--data-parallel-rpc-port", str(self.cluster.free_port())]
+            if kind.endswith("prefill"):
+                return self._server(
+                    name, model, [*engine_args(None, pd_kv_transfer("kv_producer", transport)), *parallel]
+                )
+            events = self.dp_events[name] = DPEvents.reserve(self.cluster, dp)
+            args = engine_args(None, pd_kv_transfer("kv_consumer", transport))
+            args += [*parallel, LOG_REQUESTS, "--kv-events-config", json.dumps(events.engine_config())]
             return self._server(name, model, args)
         tp = shape.removeprefix("tp").rstrip("b")
         parallel = ["--tensor-parallel-size", tp]
-        if kind == "ours":
-            args = [*engine_args(None, pd_kv_transfer("kv_both", "mooncake")), *parallel, LOG_REQUESTS]
+        if kind in ("ours", "ournixl"):
+            transport = "nixl" if kind == "ournixl" else "mooncake"
+            args = [*engine_args(None, pd_kv_transfer("kv_both", transport)), *parallel, LOG_REQUESTS]
             return self._server(name, model, args)
         if kind == "nixl":
             # NixlConnector binds its side channel at a base port plus the rank.
@@ -402,14 +439,27 @@ class Engines:
         self.started = {name: proc for name, proc in self.started.items() if name in names}
 
 
+def dp_shape(shape: str) -> tuple[int, int]:
+    """(DP size, TP size of each rank) of a DP engine's name part: `dp2` -> (2, 1), `dp2tp2` -> (2, 2)."""
+    dp, _, tp = shape.removeprefix("dp").partition("tp")
+    return int(dp), int(tp or 1)
+
+
 def _engine_names(shape: ShapeSpec) -> tuple[str, str, str]:
     """(prefill, decode, colocated reference) engine names of a shape."""
-    if shape.decode_dp > 1:
-        return f"ours-tp{shape.prefill_tp}", "decode-dp2", "colocated-tp1"
-    kind, tag = ("nixl" if shape.connector == "vllm-nixl" else "ours"), shape.model_tag
-    prefill, decode = f"{kind}-tp{shape.prefill_tp}", f"{kind}-tp{shape.decode_tp}"
+    tag = shape.model_tag
+    kind = "nixl" if shape.connector == "vllm-nixl" else "ournixl" if shape.transport == "nixl" else "ours"
+
+    def side(role: str, dp: int, tp: int) -> str:
+        if dp == 1:
+            return f"{kind}-tp{tp}"
+        return ("nixl" if shape.transport == "nixl" else "") + f"{role}-dp{dp}" + (f"tp{tp}" if tp > 1 else "")
+
+    prefill = side("prefill", shape.prefill_dp, shape.prefill_tp)
+    decode = side("decode", shape.decode_dp, shape.decode_tp)
     if decode == prefill:  # equal TP: a second engine of that shape
         decode += "b"
+    # The reference of a DP decode is one rank's shape: a pinned sibling is served by one rank.
     return prefill + tag, decode + tag, f"colocated-tp{shape.decode_tp}{tag}"
 
 
@@ -419,8 +469,20 @@ def _router(
 ) -> Iterator[ManagedProcess]:
     args: list[str] = []
     if shape.decode_dp > 1:
-        assert engines.dp_events is not None and engines.dp_events.ranks == shape.decode_dp
-        args = engines.dp_events.router_args()
+        # kv-aware by the decode ranks' events, named for the decode server alone: with
+        # `--kv-events-port` the router would read the same loopback ports for the prefill
+        # server too, and index the decode ranks' blocks as the prefill ranks'.
+        events = engines.dp_events[_engine_names(shape)[1]]
+        assert events.ranks == shape.decode_dp
+        config = engines.cluster.log_dir / f"parallel-{shape.name}-router.json"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        endpoints = [f"tcp://127.0.0.1:{events.events}", f"tcp://127.0.0.1:{events.replay}"]
+        config.write_text(json.dumps({"kv_events_endpoints": {decode.base_url: endpoints}}))
+        args = ["--config", str(config), "--policy", "kv-aware", "--decode-dp-size", str(events.ranks)]
+    if shape.prefill_dp > 1:
+        # Each prefill leg pinned to one rank (`X-data-parallel-rank`); the ring keeps a
+        # prompt's siblings on one rank while the load bound allows.
+        args += ["--prefill-dp-size", str(shape.prefill_dp)]
     router, _ = start_router(
         engines.cluster,
         f"parallel-{shape.name}",
@@ -550,10 +612,11 @@ def _order(names: Sequence[str]) -> list[str]:
 
 def engine_ranks(name: str) -> int:
     """The ranks (worker processes with a KV cache each) of an engine named as in `Engines._start`."""
-    role = name.partition("@")[0]
-    if role.startswith("decode-dp"):
-        return DP_RANKS
-    return int(role.rpartition("-tp")[2].rstrip("b"))
+    kind, _, shape = name.partition("@")[0].partition("-")
+    if kind.removeprefix("nixl") in ("decode", "prefill"):
+        dp, tp = dp_shape(shape)
+        return dp * tp
+    return int(shape.removeprefix("tp").rstrip("b"))
 
 
 def _keep_for(rest: Sequence[ShapeSpec], started: Sequence[str], budget: int = RANK_BUDGET) -> set[str]:
@@ -618,7 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"\nshared-prefix step {scenario.steps(TokenSource(seed=0))[0].name}, tiny hybrid Llama "
         f"(4 attention heads, the shape's KV heads, window 64, float32, block {BLOCK_SIZE}), one run.\n"
         "D-local hit = decode's vllm:prefix_cache_hits delta (all ranks); colocated = the same prompts on an engine "
-        "of the decode's shape\n(DP2: a TP1 engine, one rank's shape), one at a time in the order decode received "
+        "of the decode's shape\n(a DP decode: an engine of one rank's TP), one at a time in the order decode received "
         "them; D order = whether decode received\neach group's siblings in the order sent (unknown: its log did not "
         "say; colocated then replays them as sent); pulled tok = decode's "
         "vllm:external_prefix_cache_hits delta;\nper decode rank = pdconnect:rank_bytes_transferred delta / bytes that "

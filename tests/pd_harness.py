@@ -134,6 +134,7 @@ class SimEngine:
     max_num_batched_tokens: int = MAX_MODEL_LEN
     failure_policy: str = "fail"
     layers_per_group: int = 2
+    dp_rank: int = 0  # the data-parallel rank of an engine core of a DP server (vLLM sets it per core)
     finished: dict[str, Finished] = field(default_factory=dict)
     counters: dict[str, float] = field(default_factory=dict)
 
@@ -147,6 +148,7 @@ class SimEngine:
             failure_policy=self.failure_policy,
         )
         config.cache_config.num_gpu_blocks = self.num_blocks  # what profiling would have set
+        config.parallel_config.data_parallel_rank = self.dp_rank
         kv_cache_config = build_kv_cache_config(self.geometry, self.num_blocks)
         for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
             group.layer_names = [f"g{group_id}.layer{i}" for i in range(self.layers_per_group)]

@@ -134,18 +134,36 @@ def test_shapes_parse_and_map_to_engines():
     assert _parse_shapes("tp2-tp1, tp1-dp2") == ["tp2-tp1", "tp1-dp2"]
     with pytest.raises(argparse.ArgumentTypeError, match="subset of"):
         _parse_shapes("tp8-tp1")
-    assert _engine_names(SHAPES["tp2-tp2"]) == ("ours-tp2", "ours-tp2b", "colocated-tp2")
-    assert _engine_names(SHAPES["tp1-tp2"]) == ("ours-tp1", "ours-tp2", "colocated-tp2")
-    assert _engine_names(SHAPES["tp1-dp2"]) == ("ours-tp1", "decode-dp2", "colocated-tp1")
-    assert _engine_names(SHAPES["nixl-tp2-tp1"]) == ("nixl-tp2", "nixl-tp1", "colocated-tp1")
-    # The 4-KV-head model's engines are others than the default model's of the same TP.
-    assert _engine_names(SHAPES["tp4-tp1"]) == ("ours-tp4", "ours-tp1", "colocated-tp1")
-    assert _engine_names(SHAPES["tp1-tp4-kv4"]) == ("ours-tp1@kv4", "ours-tp4@kv4", "colocated-tp4@kv4")
-    assert _engine_names(SHAPES["nixl-tp1-tp4-kv4"]) == ("nixl-tp1@kv4", "nixl-tp4@kv4", "colocated-tp4@kv4")
+    # (prefill, decode, colocated reference) by shape.
+    expected = {
+        # Equal TP: a second engine of the shape; vLLM's NixlConnector on engines of its own.
+        "tp2-tp2": ("ours-tp2", "ours-tp2b", "colocated-tp2"),
+        "tp1-tp2": ("ours-tp1", "ours-tp2", "colocated-tp2"),
+        "nixl-tp2-tp1": ("nixl-tp2", "nixl-tp1", "colocated-tp1"),
+        # The 4-KV-head model's engines are others than the default model's of the same TP.
+        "tp1-tp4-kv4": ("ours-tp1@kv4", "ours-tp4@kv4", "colocated-tp4@kv4"),
+        "nixl-tp1-tp4-kv4": ("nixl-tp1@kv4", "nixl-tp4@kv4", "colocated-tp4@kv4"),
+        # Data parallelism on either side (a DP decode's reference has one rank's TP).
+        "tp1-dp2": ("ours-tp1", "decode-dp2", "colocated-tp1"),
+        "tp2-dp2xtp2": ("ours-tp2", "decode-dp2tp2", "colocated-tp2"),
+        "dp2-dp2": ("prefill-dp2", "decode-dp2", "colocated-tp1"),
+        # Our connector over NIXL: engines of their own, TP and DP.
+        "tp4-tp1-ournixl": ("ournixl-tp4", "ournixl-tp1", "colocated-tp1"),
+        "dp2-tp2-ournixl": ("nixlprefill-dp2", "ournixl-tp2", "colocated-tp2"),
+    }
+    assert {name: _engine_names(SHAPES[name]) for name in expected} == expected
+    assert SHAPES["tp2-dp2xtp2"].label == "P TP2 -> D DP2xTP2, 2 KV heads (ours, Mooncake)"
+    assert SHAPES["tp1-tp4-kv4-ournixl"].label == "P TP1 -> D TP4, 4 KV heads (ours, NIXL)"
 
 
 def test_idle_engines_are_kept_for_later_shapes_only_within_the_rank_budget():
     assert [engine_ranks(n) for n in ("ours-tp4@kv4", "ours-tp2b", "colocated-tp1", "decode-dp2")] == [4, 2, 1, 2]
+    assert [engine_ranks(n) for n in ("decode-dp2tp2", "decode-dp4", "nixlprefill-dp2", "ournixl-tp4@kv4")] == [
+        4,
+        4,
+        2,
+        4,
+    ]
     # What was alive when a worker was OOM-killed: 13 ranks with tp4-tp2-kv4's own.
     started = ["ours-tp4@kv4", "colocated-tp4@kv4", "colocated-tp1", "ours-tp1@kv4"]
     rest = [SHAPES[n] for n in ("tp4-tp2-kv4", "nixl-tp4-tp1", "nixl-tp1-tp4-kv4")]
