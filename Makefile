@@ -176,11 +176,10 @@ bench-handoff: install
 	@mkdir -p results
 	$(PY) -m benchmarks.handoff --json results/bench-handoff.json $(if $(HANDOFF_PATHS),--paths $(HANDOFF_PATHS))
 
-# The shared-prefix step at P TP2 -> D TP2, P TP2 -> D TP1, P TP1 -> D TP2 and D DP2 (and
-# vLLM's NixlConnector on the unequal pairs): served, hits, bytes per decode rank vs needed.
-# A subset: `make bench-parallel PARALLEL_SHAPES=tp2-tp1,tp1-tp2`.
-# TP4 shapes (tp4-tp1, tp1-tp4, tp1-tp4-kv4, tp4-tp2-kv4, nixl-tp4-tp1,
-# nixl-tp1-tp4-kv4) are in the default set too.
+# The shared-prefix step on every parallel shape (TP1/2/4 each side, D DP2/DP4, D DP2 x TP2,
+# prefill DP2, our connector over NIXL, vLLM's NixlConnector on the unequal pairs): served,
+# hits, bytes per decode rank vs needed. `python -m benchmarks.parallel --help` lists them;
+# a subset: `make bench-parallel PARALLEL_SHAPES=tp2-tp1,tp1-tp2`.
 PARALLEL_SHAPES ?=
 
 bench-parallel: install
