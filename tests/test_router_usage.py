@@ -83,3 +83,21 @@ def test_events_without_usage_are_passed_as_bytes() -> None:
     rewriter = SseRewriter(merger())
     chunk = b'data: {"choices":[{"text":" x"}]}\n\n'
     assert rewriter.feed(chunk) is chunk
+
+
+def test_a_failure_event_is_found_wherever_the_stream_is_cut() -> None:
+    """`failed`: whether a whole event so far held one of the given failure marks (an
+    engine's error event); a mark cut across two reads counts once its event is whole,
+    and the same text inside an ordinary event's string does not count."""
+    ok = b'data: {"choices":[{"text":"data: {\\"error\\":"}]}\n\n'
+    error = b'data: {"error":{"message":"refused","code":500}}\n\n'
+    marks = (b'data: {"error":', b"event: error\n")
+    for stream, failed in ((ok + b"data: [DONE]\n\n", False), (ok + error + b"data: [DONE]\n\n", True)):
+        for cut in range(1, 30):
+            rewriter = SseRewriter(None, failed=marks)
+            seen = []
+            for i in range(0, len(stream), cut):
+                rewriter.feed(stream[i : i + cut])
+                seen.append(rewriter.failed)
+            assert seen[-1] is failed and rewriter.complete
+            assert not any(seen[: len(ok) // cut - 1])  # nothing before the error event

@@ -405,12 +405,12 @@ class PDFlow:
         out = HeadersWithBodyResponse(status=resp.status, headers=headers)
         # Always framed: whatever the engine leaves half-written is held back, never sent.
         dialect = DIALECTS[call.endpoint.label]  # how this endpoint's streams end
-        rewriter = SseRewriter(merger, self._config.max_event_bytes, dialect.ends)
+        rewriter = SseRewriter(merger, self._config.max_event_bytes, dialect.ends, dialect.failed)
         idle = self._stream_idle
         writer = self._writer(http, out, trace)
         try:
             await out.prepare(http)
-            chunk, broke, timed, errored = first, None, True, False
+            chunk, broke, timed = first, None, True
             while True:
                 try:
                     data = rewriter.feed(chunk)
@@ -418,7 +418,6 @@ class PDFlow:
                     self._metrics.oversized_answers.labels("event").inc()
                     data, broke = b"", str(exc)
                     break
-                errored = errored or any(mark in data for mark in dialect.failed)
                 if resp.exhausted:
                     break  # the engine's whole answer is here: `data` goes out with the end
                 await writer.write(data)
@@ -437,7 +436,7 @@ class PDFlow:
             if broke is None and rewriter.complete:
                 resp.release()
                 trace.outcome = "ok_fallback" if trace.fallback else "ok"
-                if errored:  # the engine failed the request after its 200: relayed, not served
+                if rewriter.failed:  # the engine failed the request after its 200: relayed, not served
                     trace.outcome = "decode_dropped"
                     logger.warning("decode stream from %s ended with the engine's error event", engine.name)
                 # The last bytes and the chunked terminator in one write (with the headers

@@ -175,12 +175,10 @@ class _JsonHandler(logging.StreamHandler):  # type: ignore[type-arg]
         except RuntimeError:  # not on a loop: at once
             loop = None
         with self.lock or contextlib.nullcontext():
-            if loop is None:
-                self._waiting.append(line)
-                self._write_waiting()
-                return
             self._waiting.append(line)
-            if len(self._waiting) == 1:
+            if loop is None:
+                self._write_waiting()
+            elif len(self._waiting) == 1:
                 loop.call_soon(self.flush)
 
     def emit(self, record: logging.LogRecord) -> None:

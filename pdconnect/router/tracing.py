@@ -202,23 +202,23 @@ class _UnsampledSpans:
         pass
 
 
-def _kept_ids(bound: int) -> Any:
-    """The SDK's random ids, except that every new trace id is one `TraceIdRatioBased` with
-    `bound` keeps: a root span is started only for a request `Tracing.start` picked by the
-    same rule, so its trace id is drawn from the ids that rule keeps (uniformly: random
-    high 64 bits, low 64 bits below the bound), as one drawn until kept would be."""
+def _drawn_ids() -> Any:
+    """The SDK's random ids, except a new trace's id: the one `Tracing.start` drew and had
+    the ratio sampler decide on (`drawn`, taken by the next root span).
+
+    `start` sets it and starts the span in one synchronous step on the event loop's
+    thread, so no other span can take it in between."""
     from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
-    class _Kept(RandomIdGenerator):
-        def generate_trace_id(self) -> int:
-            if bound <= 0:  # nothing is kept: the sampler drops whatever is drawn
-                return super().generate_trace_id()
-            trace_id = 0
-            while not trace_id:
-                trace_id = random.getrandbits(64) << 64 | random.randrange(bound)
-            return trace_id
+    class _Drawn(RandomIdGenerator):
+        def __init__(self) -> None:
+            self.drawn = 0
 
-    return _Kept()
+        def generate_trace_id(self) -> int:
+            trace_id, self.drawn = self.drawn, 0
+            return trace_id or super().generate_trace_id()
+
+    return _Drawn()
 
 
 class _Sdk:
@@ -465,20 +465,22 @@ class Tracing:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import Decision, ParentBased, TraceIdRatioBased
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased, TraceIdRatioBased
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.ratio = ratio
-        # A request without a client trace is decided here, by the root sampler on a trace id
-        # drawn here: an unpicked one skips the SDK's span (start_span, context: most of what
-        # tracing at a ratio of 0.1 costs, `bench-router --observed`) and carries that id; a
-        # picked one gets its SDK span, whose trace id the SDK draws among those the same
-        # sampler keeps (`_kept_ids`), so it picks it again.
+        # A request without a client trace is decided once, here, by the SDK's ratio sampler
+        # on a trace id drawn here: an unpicked one skips the SDK's span (start_span,
+        # context: most of what tracing at a ratio of 0.1 costs, `bench-router --observed`)
+        # and carries that id; a picked one gets its SDK span with that id (`_drawn_ids`),
+        # which the provider's root sampler records as decided. A client's flag decides for
+        # a request that sent one (parent-based).
         self._root, self._kept = TraceIdRatioBased(ratio), Decision.RECORD_AND_SAMPLE
+        self._ids = _drawn_ids()
         self._provider: TracerProvider = TracerProvider(
             resource=Resource.create({"service.name": service_name}),
-            sampler=ParentBased(self._root),
-            id_generator=_kept_ids(self._root.bound),
+            sampler=ParentBased(ALWAYS_ON),
+            id_generator=self._ids,
         )
         self._provider.add_span_processor(BatchSpanProcessor(exporter or _otlp_exporter(endpoint)))
         self._sdk = _Sdk(self._provider.get_tracer(_SCOPE))
@@ -495,6 +497,7 @@ class Tracing:
         trace_id = random.getrandbits(128) or 1
         if self._root.should_sample(None, trace_id, name).decision is not self._kept:
             return _UnsampledSpans(format(trace_id, "032x"))
+        self._ids.drawn = trace_id
         return _Spans(sdk, sdk.tracer.start_span(name, context=None, kind=sdk.server))
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ through, never turned into Python objects.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -122,7 +123,9 @@ class SseRewriter:
     Network reads do not follow event boundaries, so an incomplete tail is held back
     until its blank line arrives (vLLM writes whole events, so this rarely waits).
     Invariant: everything `feed` returned ends at an event boundary; `complete` says
-    whether the stream so far ended with `[DONE]` and left nothing half-written.
+    whether the stream so far ended with `[DONE]` and left nothing half-written;
+    `failed`, whether a whole event so far held one of the `failed` marks (the bytes an
+    engine's error event holds: `responses.Dialect.failed`).
     """
 
     def __init__(
@@ -130,12 +133,17 @@ class SseRewriter:
         merger: UsageMerger | None,
         max_event_bytes: int | None = None,
         ends: Callable[[bytes], bool] = ends_with_done,
+        failed: tuple[bytes, ...] = (),
     ) -> None:
         self._merger = merger
         self._limit = max_event_bytes
         self._ends = ends  # whether whole events end the stream (the Responses API has no [DONE])
         self._tail = b""
         self._done = False
+        # One search of the whole events of a read for every mark at once (a chunk is
+        # relayed per read: a check per mark per chunk was a generator each).
+        self._failure = re.compile(b"|".join(map(re.escape, failed))) if failed else None
+        self.failed = False
 
     @property
     def complete(self) -> bool:
@@ -154,6 +162,8 @@ class SseRewriter:
                 return b""
             chunk = chunk[: cut + 2]
         self._done = self._ends(chunk)
+        if self._failure is not None and not self.failed:
+            self.failed = self._failure.search(chunk) is not None
         if self._merger is None or self._merger.marker not in chunk:
             return chunk
         return self._rewrite_usage(chunk)
