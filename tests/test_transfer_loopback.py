@@ -408,9 +408,10 @@ def test_a_mooncake_pull_from_a_peer_in_use_is_submitted_by_the_caller(monkeypat
     """In a live engine the step loop holds the interpreter lock nearly all the time, so a
     helper thread of ours gets it only at the step's switch intervals (5 ms), once per
     range it submits: our Mooncake pulls used to submit from one, and a pull of 48 ranges
-    took 15 ms (p90 130 ms) behind a busy caller against 2 ms behind an idle one. Only
-    the first read from a peer, whose handshake a frozen peer can hold up, may use a
-    thread; once the peer's segment is open, `pull()` hands every read to Mooncake itself."""
+    took 15 ms (p90 130 ms) behind a busy caller against 2 ms behind an idle one. The
+    peer's segment is opened by `connect()` (its handshake, which a frozen peer can hold
+    up, runs on a bounded thread there), so `pull()` hands every read to Mooncake itself,
+    the first one included."""
     started: list[str] = []
 
     class RecordingThread(threading.Thread):
@@ -420,10 +421,10 @@ def test_a_mooncake_pull_from_a_peer_in_use_is_submitted_by_the_caller(monkeypat
 
     monkeypatch.setattr(threading, "Thread", RecordingThread)
     with decode_side("mooncake", protocol="tcp") as side:
+        assert [name for name in started if name.startswith("pdconnect-")], "connect() used no bounded thread"
+        started.clear()
         first = side.transport.pull(PEER, side.ranges([(0, 0)]), timeout=20)
         assert first.wait(30) is TransferState.DONE
-        assert [name for name in started if name.startswith("pdconnect-")], "the first read used no thread"
-        started.clear()
         ranges = side.ranges([(2 * i + 1, 3 * i + 1) for i in range(48)])
         assert len(ranges) == 48
         transfer = side.transport.pull(PEER, ranges, timeout=30)
@@ -505,3 +506,23 @@ def test_a_mooncake_probe_queued_behind_a_silent_client_still_connects() -> None
                 transport.connect(PEER, peer.ready.metadata)
         finally:
             transport.close()
+
+
+def test_a_mooncake_first_read_does_not_wait_on_the_peers_handshake_server() -> None:
+    """The first read from a peer used to open its segment: Mooncake fetches the segment's
+    descriptor through the peer's one-connection handshake server (`openSegment` ->
+    `SocketHandShakePlugin::exchangeMetadata`, py-spy), so a client holding that port
+    without sending held the read until the server gave up on it (6.7 s against 6 ms;
+    the P DP2 -> D TP2 stalls, docs/parallel.md). The segment is opened by `connect()`
+    now: the read is served while the silent client still holds the server."""
+    with decode_side("mooncake", protocol="tcp") as side:
+        session = decode_metadata(side.peer.ready.metadata, expected_kind="mooncake").endpoint.decode()
+        host, _, port = session.rpartition(":")
+        with socket.create_connection((host, int(port))) as silent:  # connected, never sends
+            ranges = side.ranges([(0, 0), (3, 5)])
+            transfer = side.transport.pull(PEER, ranges, timeout=30)
+            assert transfer.wait(40) is TransferState.DONE, transfer.error
+            silent.setblocking(False)
+            with pytest.raises(BlockingIOError):  # b"": the server gave up on it first
+                silent.recv(1)
+        side.assert_pulled(ranges)

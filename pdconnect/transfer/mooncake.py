@@ -15,7 +15,7 @@ What Mooncake does on its own, and what we do about it:
   first descriptor. So each range is submitted as a batch of one and the batches are polled
   without blocking, like NIXL's requests: no thread of ours spins beside Mooncake's I/O
   thread. Reads from a peer whose segment is already open are submitted by the caller,
-  inside `pull()`: a helper thread would need the interpreter lock for every submission,
+  inside `pull()` (`connect()` opens it, below): a helper thread would need the interpreter lock for every submission,
   and in a live engine the step loop holds it for up to a switch interval (5 ms) each
   time, so a pull of 48 ranges took 15 ms (p90 130 ms) against 2 ms with an idle caller.
   A read ends at Mooncake's own timeout (`MC_TRANSFER_TIMEOUT`, default 30 s) at
@@ -32,6 +32,12 @@ What Mooncake does on its own, and what we do about it:
   gone peer fails the pull in moments, not at its deadline. Reading again is safe: the
   destination is this request's own blocks, rewritten whole, and the lease is confirmed
   after the read, not before.
+- It opens a peer's segment on the first read to it, fetching the segment's descriptor
+  through the peer's handshake server, which serves one connection at a time, and holding
+  the one lock every submission of the process takes: a read behind a silent client of
+  that server waited for it to give up (6.7 s against 6 ms), and a read to another peer,
+  already open, waited as long (4.75 s, docs/parallel.md). So `connect()` opens the segment
+  with a read of zero bytes, bounded like the probe, and reads never open one.
 - Its TCP lanes fail a whole queue at once without touching the network: a peer's reads
   queued while none of its connections is usable, once every connection has been tried in
   the current connect round, all end FAILED in the same instant ("connect failed"), and a
@@ -172,7 +178,41 @@ class MooncakeTransport(Transport[str]):
                 f"peer {peer}: Mooncake's handshake probe to {session} failed ({outcome}); "
                 "is the prefill engine up and its host reachable from here?"
             )
+        self._open_segment(peer, session, info)
         return session
+
+    def _open_segment(self, peer: str, session: str, info: PeerInfo) -> None:
+        """Open the peer's segment now, so that no read waits on its handshake server.
+
+        The binding opens a segment on the first read to it: it fetches the segment's
+        descriptor through the peer's handshake server (`openSegment` ->
+        `SocketHandShakePlugin::exchangeMetadata`), which serves one connection at a time,
+        and it does so holding the one lock every submission takes, so a read to any other
+        peer waited too (4.75 s behind a silent client, docs/parallel.md). A read of zero
+        bytes opens it without touching memory and, unlike `get_first_buffer_address`,
+        without holding the interpreter lock. Not answered within the probe's attempts:
+        the peer's handshake server is stuck, and the connect fails like a probe would.
+        """
+        local = next(iter(self._local), None)
+        if local is None or not info.regions:
+            return  # nothing registered on one side: no read can be made, none will open it
+        remote = info.regions[0].addr
+        batch = _call_bounded(
+            lambda: self._engine.batch_transfer_async_read(session, [local.addr], [remote], [0]),
+            self._connect_timeout * _PROBE_ATTEMPTS,
+        )
+        if batch is None or batch == 0:  # 0: the binding's sentinel, the segment could not be opened
+            outcome = "no reply" if batch is None else "refused"
+            raise TransferError(
+                f"peer {peer}: Mooncake could not open {session}'s segment ({outcome} within "
+                f"{self._connect_timeout * _PROBE_ATTEMPTS:g} s) although its probe was answered"
+            )
+        self._open_sessions.add(session)
+        # The empty batch ends at once; asking frees it inside the binding.
+        for _ in range(_OPEN_POLLS):
+            if self._engine.transfer_check_status(batch) in (1, -1):
+                break
+            time.sleep(_OPEN_POLL_SECONDS)
 
     def _pull(self, handle: str, ranges: Sequence[Range], timeout: float, description: str) -> Transfer:
         return _MooncakeTransfer(self._engine, handle, ranges, timeout, description, self._open_sessions)
@@ -206,10 +246,10 @@ class _MooncakeTransfer(Transfer):
     calls, not n per poll. A failure behind a running batch is seen once the batches
     before it ended, which a stall or a gone peer does to all of them.
 
-    The first read from a peer opens its segment with a handshake that a frozen peer leaves
-    unanswered, so until a read to the session has been submitted, and for reads made
-    again after a failure, submissions run on a short-lived thread of the pull's own, never
-    on the poller's. Once the segment is open (`open_sessions`, shared by the transport's
+    A read to a session whose segment is not open (`connect()` opens it; a failed submission
+    forgets it) would open it with a handshake that a frozen peer leaves unanswered, so such
+    reads, and reads made again after a failure, are submitted on a short-lived thread of
+    the pull's own, never on the poller's. Once the segment is open (`open_sessions`, shared by the transport's
     pulls), submitting only queues work for Mooncake's I/O threads and the caller does it
     at once: a thread of ours would wait for the interpreter lock, which an engine's step
     holds, once per range. Polls only ask Mooncake how batches stand.
@@ -387,6 +427,9 @@ def _initialize(factory: Callable[[], Any], host: str, protocol: str, device_nam
 
 
 _PROBE_ATTEMPTS = 2  # a probe that got no reply is sent once more; a refusal is final
+# Asking how the empty batch of `_open_segment` stands: it ends at once (first ask, measured).
+_OPEN_POLLS = 50
+_OPEN_POLL_SECONDS = 0.01
 
 
 def _call_bounded(call: Callable[[], int], timeout: float) -> int | None:
