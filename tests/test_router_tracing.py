@@ -8,6 +8,7 @@ their own spans is in tests/test_router_engines.py.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -279,3 +280,117 @@ def test_a_request_without_a_client_trace_is_sampled_by_its_trace_id() -> None:
     assert 0.4 < len(expected) / len(carried) < 0.6
     assert recorded == expected
     assert {trace for trace, flags in carried.items() if flags == "01"} == expected
+
+
+def _normalized(spans: list[Any]) -> Any:
+    """`spans` as the SDK's encoder writes them, ids renamed in order of appearance, times zeroed."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    message = encode_spans(spans)
+    names: dict[bytes, bytes] = {}
+
+    def rename(raw: bytes) -> bytes:
+        return names.setdefault(raw, len(names).to_bytes(len(raw), "big")) if raw else raw
+
+    for resource in message.resource_spans:
+        for scope in resource.scope_spans:
+            for span in scope.spans:
+                span.trace_id, span.span_id = rename(span.trace_id), rename(span.span_id)
+                span.parent_span_id = rename(span.parent_span_id)
+                span.start_time_unix_nano = span.end_time_unix_nano = 0
+    return message
+
+
+def test_recorded_spans_are_the_ones_the_sdks_own_tracer_makes() -> None:
+    """The router builds a recorded request's spans as finished SDK spans; the SDK's own
+    tracer, given the same request (client parent with a tracestate, a failed and a served
+    attempt, a 5xx end, then a request without a client trace), must make the same spans:
+    same message once encoded (ids and times aside), same trace flags, and each leg's
+    `traceparent` naming its span."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    from pdconnect.router.tracing import Tracing
+
+    client = {"traceparent": TRACEPARENT, "tracestate": "k=v,o=2"}
+    memory = InMemorySpanExporter()
+    tracing = Tracing("http://127.0.0.1:9/v1/traces", exporter=memory)
+    spans = tracing.start(client, "POST /v1/completions")
+    spans.route("pd", "affinity")
+    refused = spans.leg("prefill", "http://p:1", 0)
+    refused_parent = refused.inject({})["traceparent"]
+    refused.end(False, "refused")
+    served = spans.leg("decode", "http://d:1", 1)
+    served_parent = served.inject({})["traceparent"]
+    served.end(True)
+    spans.route("fallback", "prefill_failed")
+    spans.end(503, "no_engine")
+    tracing.start({}, "GET /v1/models").end(200, "ok")
+    tracing.close()
+    ours = list(memory.get_finished_spans())
+
+    sdk_memory = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "pdconnect-router"}))
+    provider.add_span_processor(SimpleSpanProcessor(sdk_memory))
+    tracer = provider.get_tracer("pdconnect.router")
+    root = tracer.start_span(
+        "POST /v1/completions", context=TraceContextTextMapPropagator().extract(client), kind=SpanKind.SERVER
+    )
+    root.set_attributes({"pdconnect.route": "pd", "pdconnect.route_reason": "affinity"})
+    for role, engine, attempt, status in (
+        ("prefill", "http://p:1", 0, Status(StatusCode.ERROR, "refused")),
+        ("decode", "http://d:1", 1, None),
+    ):
+        leg = tracer.start_span(
+            role,
+            context=set_span_in_context(root),
+            kind=SpanKind.CLIENT,
+            attributes={"pdconnect.role": role, "pdconnect.engine": engine, "pdconnect.attempt": attempt},
+        )
+        if status is not None:
+            leg.set_status(status)
+        leg.end()
+    root.set_attributes({"pdconnect.route": "fallback", "pdconnect.route_reason": "prefill_failed"})
+    root.set_attributes({"http.response.status_code": 503, "pdconnect.outcome": "no_engine"})
+    root.set_status(Status(StatusCode.ERROR, "no_engine"))
+    root.end()
+    other = tracer.start_span("GET /v1/models", kind=SpanKind.SERVER)
+    other.set_attributes({"http.response.status_code": 200, "pdconnect.outcome": "ok"})
+    other.end()
+    provider.shutdown()
+    theirs = list(sdk_memory.get_finished_spans())
+
+    assert _normalized(ours) == _normalized(theirs)
+    assert [span.context.trace_flags for span in ours] == [span.context.trace_flags for span in theirs]
+    prefill, decode = ours[0], ours[1]
+    assert refused_parent == f"00-{CLIENT_TRACE}-{prefill.context.span_id:016x}-01"
+    assert served_parent == f"00-{CLIENT_TRACE}-{decode.context.span_id:016x}-01"
+
+
+def test_with_the_sdk_disabled_nothing_is_recorded_and_the_clients_context_still_travels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OTEL_SDK_DISABLED=true, as the SDK's own provider honours it: no span, and each leg
+    carries the client's trace, its sampled flag and its tracestate."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pdconnect.router.tracing import Tracing
+
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    memory = InMemorySpanExporter()
+    tracing = Tracing("http://127.0.0.1:9/v1/traces", exporter=memory)
+    spans = tracing.start({"traceparent": TRACEPARENT, "tracestate": "k=v"}, "POST /v1/completions")
+    leg = spans.leg("decode", "http://d:1", 0)
+    headers = leg.inject({})
+    leg.end(True)
+    spans.end(200, "ok")
+    tracing.close()
+    assert memory.get_finished_spans() == ()
+    assert spans.trace_id == CLIENT_TRACE
+    version, trace, span, flags = headers["traceparent"].split("-")
+    assert (version, trace, flags) == ("00", CLIENT_TRACE, "01") and span != CLIENT_PARENT
+    assert headers["tracestate"] == "k=v"

@@ -7,9 +7,10 @@ own). Each attempt's `traceparent` names its span, so the engine's own spans (vL
 `--otlp-traces-endpoint`) nest under the attempt that caused them: one trace from the
 client to both engines.
 
-Spans are OpenTelemetry's own: the SDK's `TracerProvider`, its `BatchSpanProcessor` (a
-thread that exports every `OTEL_BSP_SCHEDULE_DELAY` ms and drops, logged, what a slow
-collector leaves behind) and the OTLP/HTTP protobuf exporter of
+Spans are OpenTelemetry's own: the SDK's sampler, span ids and finished-span type
+(`ReadableSpan`), its `BatchSpanProcessor` (a thread that exports every
+`OTEL_BSP_SCHEDULE_DELAY` ms and drops, logged, what a slow collector leaves behind) and
+the OTLP/HTTP protobuf exporter of
 `opentelemetry-exporter-otlp-proto-http` (its environment variables apply: headers,
 timeout, compression, certificates). The SDK is an optional extra
 (`pip install pdconnect[otel]`), imported only when an endpoint is configured. Without
@@ -19,10 +20,9 @@ it, `NO_SPANS` stands in, and the router still forwards the trace context
 Sampling is parent-based: a client's `traceparent` decides (flag 01: recorded, 00: not);
 a request without one is recorded with probability `--otlp-traces-sample-ratio` (else
 `OTEL_TRACES_SAMPLER_ARG`, else 1.0: OpenTelemetry's default `parentbased_always_on`).
-An unsampled request costs no SDK span below its root, and one without a client trace
-none at all (the router draws its trace id and asks the ratio sampler itself):
-its legs still carry a `traceparent` (flag 00) of the same trace, so the engines do not
-sample it either.
+An unsampled request costs no span: the sampler decides on the client's context, or on
+the trace id the router draws for a request without one, and its legs still carry a
+`traceparent` (flag 00) of that trace, so the engines do not sample it either.
 docs/router.md ("Tracing") has what each costs per request.
 """
 
@@ -32,14 +32,15 @@ import logging
 import os
 import random
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
     from opentelemetry.sdk.trace.export import SpanExporter
-    from opentelemetry.trace import Span, Status, Tracer
+    from opentelemetry.trace import SpanContext, SpanKind, Status
 
 __all__ = [
     "NO_SPANS",
@@ -161,39 +162,20 @@ class _UnsampledLeg:
         pass
 
 
-class _Leg:
-    """An attempt of a sampled request: an SDK client span."""
-
-    __slots__ = ("_sdk", "_span", "_traceparent", "_tracestate")
-
-    def __init__(self, sdk: _Sdk, span: Span, traceparent: str, tracestate: str) -> None:
-        self._sdk = sdk
-        self._span: Span | None = span
-        self._traceparent = traceparent
-        self._tracestate = tracestate
-
-    def inject(self, headers: dict[str, str]) -> dict[str, str]:
-        return _with_traceparent(headers, self._traceparent, self._tracestate)
-
-    def end(self, verdict: bool | None, detail: str | None = None) -> None:
-        span, self._span = self._span, None
-        if span is None:
-            return
-        if verdict is not True:
-            span.set_status(self._sdk.error(detail or "attempt failed"))
-        span.end()
-
-
 class _UnsampledSpans:
-    """A request without a client trace that the ratio did not pick: its trace id, no SDK span."""
+    """A request no span is recorded for: its trace id, and legs carrying it (flag 00)."""
 
-    __slots__ = ("trace_id",)
+    __slots__ = ("_flags", "_tracestate", "trace_id")
 
-    def __init__(self, trace_id: str) -> None:
+    def __init__(self, trace_id: str, tracestate: str = "", flags: str = "00") -> None:
         self.trace_id: str | None = trace_id
+        self._tracestate = tracestate
+        self._flags = flags
 
     def leg(self, role: str, engine: str, attempt: int) -> LegSpan:
-        return _UnsampledLeg(f"00-{self.trace_id}-{random.getrandbits(64) or 1:016x}-00", "")
+        # What the SDK does for a span it does not record: a fresh span id, the flag as decided.
+        traceparent = f"00-{self.trace_id}-{random.getrandbits(64) or 1:016x}-{self._flags}"
+        return _UnsampledLeg(traceparent, self._tracestate)
 
     def route(self, route: str, reason: str) -> None:
         pass
@@ -202,83 +184,133 @@ class _UnsampledSpans:
         pass
 
 
-def _drawn_ids() -> Any:
-    """The SDK's random ids, except a new trace's id: the one `Tracing.start` drew and had
-    the ratio sampler decide on (`drawn`, taken by the next root span).
+class _Recorder:
+    """What a recorded request's spans are made of, the SDK's parts: its resource, scope,
+    span ids, and the batch processor the finished spans go to."""
 
-    `start` sets it and starts the span in one synchronous step on the event loop's
-    thread, so no other span can take it in between."""
-    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+    def __init__(self, service_name: str, processor: SpanProcessor) -> None:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import ReadableSpan
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-    class _Drawn(RandomIdGenerator):
-        def __init__(self) -> None:
-            self.drawn = 0
-
-        def generate_trace_id(self) -> int:
-            trace_id, self.drawn = self.drawn, 0
-            return trace_id or super().generate_trace_id()
-
-    return _Drawn()
-
-
-class _Sdk:
-    """The SDK's names the request path uses, imported once (the SDK is optional)."""
-
-    def __init__(self, tracer: Tracer) -> None:
-        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
-
-        self.tracer = tracer
+        self.resource = Resource.create({"service.name": service_name})
+        self.scope = InstrumentationScope(_SCOPE)
+        self.processor = processor
+        self.span_id = RandomIdGenerator().generate_span_id
+        self.context, self.readable = SpanContext, ReadableSpan
         self.server, self.client = SpanKind.SERVER, SpanKind.CLIENT
-        self.in_context = set_span_in_context
+        self.sampled = TraceFlags(TraceFlags.SAMPLED)
+        self.random_sampled = TraceFlags(TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)
+        self.unset = Status(StatusCode.UNSET)
         self._status, self._error = Status, StatusCode.ERROR
 
     def error(self, description: str) -> Status:
         return self._status(self._error, description)
 
+    def finish(
+        self,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        kind: SpanKind,
+        attributes: dict[str, str | int],
+        status: Status,
+        start: int,
+    ) -> None:
+        """Hand the span, ended now, to the batch processor, as the SDK's `Span.end` does."""
+        self.processor.on_end(
+            self.readable(
+                name,
+                context,
+                parent,
+                self.resource,
+                attributes,
+                kind=kind,
+                status=status,
+                start_time=start,
+                end_time=time.time_ns(),
+                instrumentation_scope=self.scope,
+            )
+        )
 
-class _Spans:
-    """A request's spans under its SDK server span (`root`)."""
 
-    __slots__ = ("_context", "_flags", "_root", "_sampled", "_sdk", "_trace_hex", "_tracestate", "trace_id")
+class _Leg:
+    """An attempt of a recorded request: a client span, handed over when it ends."""
 
-    def __init__(self, sdk: _Sdk, root: Span) -> None:
-        self._sdk = sdk
-        self._root = root
-        context = root.get_span_context()
-        self._sampled = root.is_recording()
-        self._trace_hex = format(context.trace_id, "032x")
-        self.trace_id: str | None = self._trace_hex
-        self._flags = "01" if context.trace_flags.sampled else "00"
+    __slots__ = ("_attributes", "_context", "_parent", "_recorder", "_start", "_traceparent", "_tracestate")
+
+    def __init__(
+        self, recorder: _Recorder, parent: SpanContext, tracestate: str, attributes: dict[str, str | int]
+    ) -> None:
+        self._recorder = recorder
+        self._parent = parent
+        self._context = recorder.context(
+            parent.trace_id, recorder.span_id(), False, parent.trace_flags, parent.trace_state
+        )
+        self._traceparent = f"00-{parent.trace_id:032x}-{self._context.span_id:016x}-01"
+        self._tracestate = tracestate
+        self._attributes = attributes
+        self._start: int | None = time.time_ns()
+
+    def inject(self, headers: dict[str, str]) -> dict[str, str]:
+        return _with_traceparent(headers, self._traceparent, self._tracestate)
+
+    def end(self, verdict: bool | None, detail: str | None = None) -> None:
+        start, self._start = self._start, None
+        if start is None:
+            return
+        recorder = self._recorder
+        status = recorder.unset if verdict is True else recorder.error(detail or "attempt failed")
+        recorder.finish(
+            self._attributes["pdconnect.role"],  # type: ignore[arg-type]
+            self._context,
+            self._parent,
+            recorder.client,
+            self._attributes,
+            status,
+            start,
+        )
+
+
+class _Recorded:
+    """A recorded request: its server span (`context`, under the client's `parent` if it
+    sent one), handed over when the request ends, and one client span per attempt."""
+
+    __slots__ = ("_attributes", "_context", "_name", "_parent", "_recorder", "_start", "_tracestate", "trace_id")
+
+    def __init__(self, recorder: _Recorder, name: str, context: SpanContext, parent: SpanContext | None) -> None:
+        self._recorder = recorder
+        self._name = name
+        self._context = context
+        self._parent = parent
         self._tracestate = context.trace_state.to_header()
-        self._context = sdk.in_context(root) if self._sampled else None
+        self._attributes: dict[str, str | int] = {}
+        self._start: int | None = time.time_ns()
+        self.trace_id: str | None = f"{context.trace_id:032x}"
 
     def leg(self, role: str, engine: str, attempt: int) -> LegSpan:
-        if not self._sampled:
-            # What the SDK would do (a non-recording span, a fresh id), without its 6 us.
-            traceparent = f"00-{self._trace_hex}-{random.getrandbits(64) or 1:016x}-{self._flags}"
-            return _UnsampledLeg(traceparent, self._tracestate)
-        sdk = self._sdk
-        span = sdk.tracer.start_span(
-            role,
-            context=self._context,
-            kind=sdk.client,
-            attributes={"pdconnect.role": role, "pdconnect.engine": engine, "pdconnect.attempt": attempt},
-        )
-        traceparent = f"00-{self._trace_hex}-{span.get_span_context().span_id:016x}-{self._flags}"
-        return _Leg(sdk, span, traceparent, self._tracestate)
+        attributes: dict[str, str | int] = {
+            "pdconnect.role": role,
+            "pdconnect.engine": engine,
+            "pdconnect.attempt": attempt,
+        }
+        return _Leg(self._recorder, self._context, self._tracestate, attributes)
 
     def route(self, route: str, reason: str) -> None:
-        if self._sampled:
-            self._root.set_attributes({"pdconnect.route": route, "pdconnect.route_reason": reason})
+        self._attributes["pdconnect.route"] = route
+        self._attributes["pdconnect.route_reason"] = reason
 
     def end(self, status: int, outcome: str) -> None:
-        if not self._sampled:
+        start, self._start = self._start, None
+        if start is None:
             return
-        root = self._root
-        root.set_attributes({"http.response.status_code": status, "pdconnect.outcome": outcome})
-        if status >= 500:
-            root.set_status(self._sdk.error(outcome))
-        root.end()
+        recorder = self._recorder
+        self._attributes["http.response.status_code"] = status
+        self._attributes["pdconnect.outcome"] = outcome
+        verdict = recorder.error(outcome) if status >= 500 else recorder.unset
+        recorder.finish(self._name, self._context, self._parent, recorder.server, self._attributes, verdict, start)
 
 
 # --- OTLP's protobuf for the SDK's spans, written by hand -------------------------------
@@ -448,9 +480,20 @@ def _otlp_exporter(endpoint: str) -> SpanExporter:
 
 
 class Tracing:
-    """The router's tracer: the SDK's provider, a parent-based ratio sampler, batches over OTLP/HTTP.
+    """The router's tracer: the SDK's parent-based ratio sampler, span ids, batch processor and OTLP/HTTP exporter.
 
     `exporter` replaces the OTLP/HTTP one (tests, benchmarks: an in-memory or null exporter).
+
+    Invariant: a request is decided once, in `start`, by one sampler
+    (`ParentBased(TraceIdRatioBased(ratio))`): on the client's span context when it sent a
+    valid one, else on a trace id drawn here, which the request then carries, recorded or
+    not. A recorded request's spans are the SDK's finished `ReadableSpan`s, built when each
+    ends (`_Recorder.finish`) and handed to the batch processor as the SDK's `Span.end`
+    does: the live `Span` (a lock, attribute checks and limits, processor calls at start)
+    guards against what cannot happen here (spans of a fixed shape, started and ended on
+    the event loop's thread, never seen by other code) and cost most of a recorded
+    request (docs/router.md, "What tracing costs"). `tests/test_router_tracing.py` checks
+    the spans equal, field for field, those the SDK's own tracer makes for the same request.
     """
 
     def __init__(
@@ -462,44 +505,51 @@ class Tracing:
     ) -> None:
         require_sdk()
         from opentelemetry.propagators.textmap import DefaultGetter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.environment_variables import OTEL_SDK_DISABLED
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased, TraceIdRatioBased
+        from opentelemetry.sdk.trace.sampling import Decision, ParentBased, TraceIdRatioBased
+        from opentelemetry.trace import get_current_span
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.ratio = ratio
-        # A request without a client trace is decided once, here, by the SDK's ratio sampler
-        # on a trace id drawn here: an unpicked one skips the SDK's span (start_span,
-        # context: most of what tracing at a ratio of 0.1 costs, `bench-router --observed`)
-        # and carries that id; a picked one gets its SDK span with that id (`_drawn_ids`),
-        # which the provider's root sampler records as decided. A client's flag decides for
-        # a request that sent one (parent-based).
-        self._root, self._kept = TraceIdRatioBased(ratio), Decision.RECORD_AND_SAMPLE
-        self._ids = _drawn_ids()
-        self._provider: TracerProvider = TracerProvider(
-            resource=Resource.create({"service.name": service_name}),
-            sampler=ParentBased(ALWAYS_ON),
-            id_generator=self._ids,
-        )
-        self._provider.add_span_processor(BatchSpanProcessor(exporter or _otlp_exporter(endpoint)))
-        self._sdk = _Sdk(self._provider.get_tracer(_SCOPE))
+        # As the SDK's TracerProvider: with the SDK disabled nothing is recorded (the
+        # context still travels, the client's flag with it).
+        self._disabled = os.environ.get(OTEL_SDK_DISABLED, "").strip().lower() == "true"
+        # One rule: ParentBased hands a request without a parent to its root sampler, which
+        # `start` asks directly for those (one call less per request).
+        self._root = TraceIdRatioBased(ratio)
+        self._sampler = ParentBased(self._root)
+        self._kept = Decision.RECORD_AND_SAMPLE
+        self._processor = BatchSpanProcessor(exporter or _otlp_exporter(endpoint))
+        self._recorder = _Recorder(service_name, self._processor)
         self._extract = TraceContextTextMapPropagator().extract
         self._getter: Any = DefaultGetter()
+        self._span_of = get_current_span
 
     def start(self, headers: Mapping[str, str], name: str) -> RequestSpans:
-        """The request's server span, a child of the client's trace context if it sent a valid one."""
-        # W3C's rules (version, all-zero ids, tracestate) are the propagator's; no header: a new trace.
-        sdk = self._sdk
-        if "traceparent" in headers:
-            parent = self._extract(headers, getter=self._getter)
-            return _Spans(sdk, sdk.tracer.start_span(name, context=parent, kind=sdk.server))
-        trace_id = random.getrandbits(128) or 1
-        if self._root.should_sample(None, trace_id, name).decision is not self._kept:
-            return _UnsampledSpans(format(trace_id, "032x"))
-        self._ids.drawn = trace_id
-        return _Spans(sdk, sdk.tracer.start_span(name, context=None, kind=sdk.server))
+        """The request's spans: a child of the client's trace context if it sent a valid one."""
+        # W3C's rules (version, all-zero ids, tracestate) are the propagator's; none valid: a new trace.
+        parent_context = self._extract(headers, getter=self._getter) if "traceparent" in headers else None
+        parent = self._span_of(parent_context).get_span_context() if parent_context is not None else None
+        if parent is not None and not parent.is_valid:
+            parent_context = parent = None
+        trace_id = parent.trace_id if parent is not None else random.getrandbits(128) or 1
+        recorder = self._recorder
+        if self._disabled:
+            carried = "01" if parent is not None and parent.trace_flags.sampled else "00"
+            tracestate = parent.trace_state.to_header() if parent is not None else ""
+            return _UnsampledSpans(f"{trace_id:032x}", tracestate, carried)
+        sampler = self._sampler if parent is not None else self._root
+        sampled = sampler.should_sample(parent_context, trace_id, name, recorder.server)
+        if sampled.decision is not self._kept:
+            return _UnsampledSpans(f"{trace_id:032x}", sampled.trace_state.to_header() if sampled.trace_state else "")
+        # The flags the SDK's tracer gives a span: sampled, and the random-id bit of a new
+        # trace (ours are random) or the parent's.
+        random_id = parent is None or parent.trace_flags.random_trace_id
+        flags = recorder.random_sampled if random_id else recorder.sampled
+        context = recorder.context(trace_id, recorder.span_id(), False, flags, sampled.trace_state)
+        return _Recorded(recorder, name, context, parent)
 
     def close(self) -> None:
         """Export what is buffered, then stop (blocking)."""
-        self._provider.shutdown()
+        self._processor.shutdown()  # type: ignore[no-untyped-call]
