@@ -82,6 +82,10 @@ def otlp_server(take: Callable[[bytes], None]) -> ThreadingHTTPServer:
     export's body to `take`: answered 200, or 400 when `take` raises DecodeError."""
 
     class Handler(BaseHTTPRequestHandler):
+        # Keep-alive, as a collector's HTTP server: an exporter reuses its connection (with
+        # HTTP/1.0 each export opened one, a cost no deployment pays).
+        protocol_version = "HTTP/1.1"
+
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
             try:
