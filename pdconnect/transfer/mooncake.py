@@ -197,6 +197,14 @@ class MooncakeTransport(Transport[str]):
         if local is None or not info.regions:
             return  # nothing registered on one side: no read can be made, none will open it
         bound = self._connect_timeout * _PROBE_ATTEMPTS
+        # Past the bound the submitting thread stays inside the binding, holding the lock every
+        # submission takes (`TransferEnginePy::batchTransferAsyncRead` opens the segment under
+        # its `mutex_`), until Mooncake gives up itself: it awaits the metadata reply with
+        # SO_RCVTIMEO fixed at 60 s (`SocketHandShakePlugin::doConnect`). No setting reaches
+        # that wait: MC_HANDSHAKE_CONNECT_TIMEOUT bounds connect() alone, and the engine's
+        # initialize takes no timeout. Measured on 0.3.13.post1: behind a port that accepts
+        # and never answers the open returned after 60.6 s, with that variable set to 2 or
+        # not; behind a full accept queue, after 5.0 s unset and 2.0 s set to 2.
         # A pull of its own: submitted on its own thread (the segment is not open yet), its
         # batch polled and freed like any read's, the whole of it within `bound`.
         opening = _MooncakeTransfer(
