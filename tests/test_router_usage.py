@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from pdconnect.router.usage import SseRewriter, UsageMerger
+from pdconnect.router.usage import SseRewriter, UsageMerger, failure_pattern
 
 PREFILL = {
     "prompt_tokens": 127,
@@ -91,7 +91,7 @@ def test_a_failure_event_is_found_wherever_the_stream_is_cut() -> None:
     and the same text inside an ordinary event's string does not count."""
     ok = b'data: {"choices":[{"text":"data: {\\"error\\":"}]}\n\n'
     error = b'data: {"error":{"message":"refused","code":500}}\n\n'
-    marks = (b'data: {"error":', b"event: error\n")
+    marks = failure_pattern(b'data: {"error":', b"event: error\n")
     for stream, failed in ((ok + b"data: [DONE]\n\n", False), (ok + error + b"data: [DONE]\n\n", True)):
         for cut in range(1, 30):
             rewriter = SseRewriter(None, failed=marks)

@@ -526,3 +526,37 @@ def test_a_mooncake_first_read_does_not_wait_on_the_peers_handshake_server() -> 
             with pytest.raises(BlockingIOError):  # b"": the server gave up on it first
                 silent.recv(1)
         side.assert_pulled(ranges)
+
+
+def test_a_mooncake_segment_open_that_goes_unanswered_fails_the_connect_at_its_bound() -> None:
+    """The probe is answered; then a client that never sends holds the peer's one-connection
+    handshake server, which waits 5 s on it before it serves the segment open queued behind.
+    `connect()` gives up on the open at its bound (two connect timeouts, 1 s here) and fails
+    like a probe would, rather than connecting once the server moves on."""
+    from pdconnect.transfer.mooncake import MooncakeTransport
+
+    with LoopbackPeer("mooncake", POOL_BYTES, protocol="tcp") as peer, contextlib.ExitStack() as held:
+        session = decode_metadata(peer.ready.metadata, expected_kind="mooncake").endpoint.decode()
+        host, _, port = session.rpartition(":")
+        transport = MooncakeTransport(host="127.0.0.1", protocol="tcp", connect_timeout=0.5)
+        engine = transport._engine
+
+        class HoldAfterProbe:
+            """The engine, but a silent client takes the handshake server once the probe is answered."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(engine, name)
+
+            def send_probe(self, target: str) -> int:
+                rc: int = engine.send_probe(target)
+                held.enter_context(socket.create_connection((host, int(port))))  # connected, never sends
+                return rc
+
+        transport._engine = HoldAfterProbe()
+        try:
+            buffer = Buffer(POOL_BYTES)
+            transport.register([buffer.region])
+            with pytest.raises(TransferError, match=r"could not open .*timed out after 1 s"):
+                transport.connect(PEER, peer.ready.metadata)
+        finally:
+            transport.close()

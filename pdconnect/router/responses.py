@@ -22,6 +22,7 @@ What differs from chat, and lives here:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 import msgspec
 
 from pdconnect.router.errors import UnsupportedFeature
-from pdconnect.router.usage import UsageMerger, ends_with_done, stream_error
+from pdconnect.router.usage import UsageMerger, ends_with_done, failure_pattern, stream_error
 from pdconnect.sse import COMPLETIONS_ERROR, RESPONSES_ERROR, RESPONSES_FAILED, responses_error
 
 __all__ = ["DIALECTS", "Dialect", "ResponsesUsage", "as_messages", "refuse_unsupported"]
@@ -139,18 +140,19 @@ class ResponsesUsage(UsageMerger):
 class Dialect:
     """How an endpoint's answers carry usage (`merger`), end a stream (`ends`: whether whole
     events end it), report a stream the router cut (`stream_error`), and how an engine's
-    stream says its request failed after the 200 (`failed`: the bytes such an event holds)."""
+    stream says its request failed after the 200 (`failed`: a search for the bytes such an
+    event holds, compiled here once for every stream of the endpoint)."""
 
     merger: type[UsageMerger]
     ends: Callable[[bytes], bool]
     stream_error: Callable[[str], bytes]
-    failed: tuple[bytes, ...]
+    failed: re.Pattern[bytes]
 
 
 # How an engine's stream says its request failed: a completions or chat stream's error
 # event; a Responses stream's error event or failed response.
-_DATA_ERROR = (COMPLETIONS_ERROR,)
-_RESPONSES_FAILED = (RESPONSES_ERROR, RESPONSES_FAILED)
+_DATA_ERROR = failure_pattern(COMPLETIONS_ERROR)
+_RESPONSES_FAILED = failure_pattern(RESPONSES_ERROR, RESPONSES_FAILED)
 
 
 # By `Endpoint.label`.

@@ -27,7 +27,15 @@ import msgspec
 # What the rewriters take and give: bytes, or views of them.
 Buffer = bytes | bytearray | memoryview
 
-__all__ = ["Buffer", "EventTooLarge", "SseRewriter", "UsageMerger", "ends_with_done", "stream_error"]
+__all__ = [
+    "Buffer",
+    "EventTooLarge",
+    "SseRewriter",
+    "UsageMerger",
+    "ends_with_done",
+    "failure_pattern",
+    "stream_error",
+]
 
 _DONE = b"data: [DONE]\n\n"
 _decode = msgspec.json.decode
@@ -117,6 +125,15 @@ def ends_with_done(chunk: bytes) -> bool:
     return chunk.endswith(_DONE)
 
 
+def failure_pattern(*marks: bytes) -> re.Pattern[bytes]:
+    """One search for every failure mark at once, `SseRewriter`'s `failed`.
+
+    Built once per dialect (`responses.Dialect.failed`), not per stream: joining, escaping
+    and compiling the marks (or finding them in `re`'s cache) was most of a rewriter's
+    construction, on every relayed stream, for a value that depends on the dialect alone."""
+    return re.compile(b"|".join(map(re.escape, marks)))
+
+
 class SseRewriter:
     """Re-frames a server-sent-event byte stream into whole events, merging usage if asked.
 
@@ -124,8 +141,8 @@ class SseRewriter:
     until its blank line arrives (vLLM writes whole events, so this rarely waits).
     Invariant: everything `feed` returned ends at an event boundary; `complete` says
     whether the stream so far ended with `[DONE]` and left nothing half-written;
-    `failed`, whether a whole event so far held one of the `failed` marks (the bytes an
-    engine's error event holds: `responses.Dialect.failed`).
+    `failed`, whether a whole event so far matched the `failed` pattern (the bytes an
+    engine's error event holds: `responses.Dialect.failed`, from `failure_pattern`).
     """
 
     def __init__(
@@ -133,7 +150,7 @@ class SseRewriter:
         merger: UsageMerger | None,
         max_event_bytes: int | None = None,
         ends: Callable[[bytes], bool] = ends_with_done,
-        failed: tuple[bytes, ...] = (),
+        failed: re.Pattern[bytes] | None = None,
     ) -> None:
         self._merger = merger
         self._limit = max_event_bytes
@@ -142,7 +159,7 @@ class SseRewriter:
         self._done = False
         # One search of the whole events of a read for every mark at once (a chunk is
         # relayed per read: a check per mark per chunk was a generator each).
-        self._failure = re.compile(b"|".join(map(re.escape, failed))) if failed else None
+        self._failure = failed
         self.failed = False
 
     @property

@@ -196,23 +196,25 @@ class MooncakeTransport(Transport[str]):
         local = next(iter(self._local), None)
         if local is None or not info.regions:
             return  # nothing registered on one side: no read can be made, none will open it
-        remote = info.regions[0].addr
-        batch = _call_bounded(
-            lambda: self._engine.batch_transfer_async_read(session, [local.addr], [remote], [0]),
-            self._connect_timeout * _PROBE_ATTEMPTS,
+        bound = self._connect_timeout * _PROBE_ATTEMPTS
+        # Past the bound the submitting thread stays inside the binding, holding the lock every
+        # submission takes (`TransferEnginePy::batchTransferAsyncRead` opens the segment under
+        # its `mutex_`), until Mooncake gives up itself: it awaits the metadata reply with
+        # SO_RCVTIMEO fixed at 60 s (`SocketHandShakePlugin::doConnect`). No setting reaches
+        # that wait: MC_HANDSHAKE_CONNECT_TIMEOUT bounds connect() alone, and the engine's
+        # initialize takes no timeout. Measured on 0.3.13.post1: behind a port that accepts
+        # and never answers the open returned after 60.6 s, with that variable set to 2 or
+        # not; behind a full accept queue, after 5.0 s unset and 2.0 s set to 2.
+        # A pull of its own: submitted on its own thread (the segment is not open yet), its
+        # batch polled and freed like any read's, the whole of it within `bound`.
+        opening = _MooncakeTransfer(
+            self._engine, session, [(local.addr, info.regions[0].addr, 0)], bound, f"open-{peer}", self._open_sessions
         )
-        if batch is None or batch == 0:  # 0: the binding's sentinel, the segment could not be opened
-            outcome = "no reply" if batch is None else "refused"
+        if opening.wait(math.inf) is not TransferState.DONE:
             raise TransferError(
-                f"peer {peer}: Mooncake could not open {session}'s segment ({outcome} within "
-                f"{self._connect_timeout * _PROBE_ATTEMPTS:g} s) although its probe was answered"
+                f"peer {peer}: Mooncake could not open {session}'s segment ({opening.error}; bound "
+                f"{bound:g} s) although its probe was answered"
             )
-        self._open_sessions.add(session)
-        # The empty batch ends at once; asking frees it inside the binding.
-        for _ in range(_OPEN_POLLS):
-            if self._engine.transfer_check_status(batch) in (1, -1):
-                break
-            time.sleep(_OPEN_POLL_SECONDS)
 
     def _pull(self, handle: str, ranges: Sequence[Range], timeout: float, description: str) -> Transfer:
         return _MooncakeTransfer(self._engine, handle, ranges, timeout, description, self._open_sessions)
@@ -427,9 +429,6 @@ def _initialize(factory: Callable[[], Any], host: str, protocol: str, device_nam
 
 
 _PROBE_ATTEMPTS = 2  # a probe that got no reply is sent once more; a refusal is final
-# Asking how the empty batch of `_open_segment` stands: it ends at once (first ask, measured).
-_OPEN_POLLS = 50
-_OPEN_POLL_SECONDS = 0.01
 
 
 def _call_bounded(call: Callable[[], int], timeout: float) -> int | None:
