@@ -162,26 +162,42 @@ def test_the_access_line_is_built_only_for_a_logger_that_keeps_it(
     from pdconnect.router.logs import AccessEntry
 
     calls: list[AccessEntry] = []
-    real = AccessEntry.message
+    real = AccessEntry.text
 
     def counted(self: AccessEntry) -> str:
         calls.append(self)
         return real(self)
 
-    monkeypatch.setattr(AccessEntry, "message", counted)
+    monkeypatch.setattr(AccessEntry, "text", counted)
     logger = logging.getLogger("tests.access-level")
     handler = _Kept()
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
     try:
-        AccessEntry("POST", "/v1/completions", 200, "ok", "pd", "p", "d", 0.01, 0.02).log(logger)
+        _entry().log(logger)
     finally:
         logger.removeHandler(handler)
     assert (len(calls), len(handler.records)) == (built, built)
     if handler.records:
         line = handler.records[0].getMessage()
         assert line.startswith("POST /v1/completions 200 ok route=pd prefill=p decode=d ttft=10.0ms")
+
+
+def _entry() -> Any:
+    from pdconnect.router.logs import AccessEntry
+
+    return AccessEntry(
+        method="POST",
+        path="/v1/completions",
+        status=200,
+        outcome="ok",
+        route="pd",
+        prefill="p",
+        decode="d",
+        ttft_seconds=0.01,
+        duration_seconds=0.02,
+    )
 
 
 class _Kept(logging.Handler):
@@ -233,10 +249,10 @@ def test_the_json_access_line_written_by_the_handler_is_the_line_logging_writes(
     """With `configure_logging`'s JSON handler the access line skips the LogRecord path;
     it must be the same line (but for the time) as through `logging`, and a second
     handler (here a test's) sends it back through `logging`."""
-    from pdconnect.router.logs import AccessEntry, bind_request
+    from pdconnect.router.logs import bind_request
 
     json_root()
-    entry = AccessEntry("POST", "/v1/completions", 200, "ok", "pd", "p", "d", 0.01, 0.02)
+    entry = _entry()
     logger = logging.getLogger(ACCESS_LOGGER)
     context = contextvars.copy_context()  # the request's ids stay in this test
     context.run(bind_request, "direct-1", TRACE_ID)
@@ -283,13 +299,12 @@ class _Writes:
 async def test_the_access_lines_of_one_loop_turn_leave_in_one_write(json_root: Callable[[], logging.Handler]) -> None:
     """On an event loop the JSON handler writes a turn's access lines together once the turn
     ends; another line, or a flush (`logging.shutdown`), writes those waiting first."""
-    from pdconnect.router.logs import AccessEntry
 
     handler = json_root()
     assert isinstance(handler, logging.StreamHandler)
     out = _Writes()
     handler.setStream(out)
-    entry = AccessEntry("POST", "/v1/completions", 200, "ok", "pd", "p", "d", 0.01, 0.02)
+    entry = _entry()
     access = logging.getLogger(ACCESS_LOGGER)
     for _ in range(3):
         entry.log(access)

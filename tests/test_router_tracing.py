@@ -282,6 +282,31 @@ def test_a_request_without_a_client_trace_is_sampled_by_its_trace_id() -> None:
     assert {trace for trace, flags in carried.items() if flags == "01"} == expected
 
 
+@pytest.mark.parametrize("ratio", [0.0, 1e-12, 0.1, 0.5, 0.999, 1.0])
+def test_the_quick_drop_is_the_ratio_samplers_own_decision(ratio: float) -> None:
+    """`Tracing.drops` (asked for every request without a client trace) answers what the
+    SDK's TraceIdRatioBased decides for it, on random trace ids and at the edges of its
+    bound, with the high 64 bits set or not (the sampler reads only the low ones)."""
+    import random
+
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import Decision, TraceIdRatioBased
+
+    from pdconnect.router.tracing import Tracing
+
+    tracing = Tracing("http://127.0.0.1:9/v1/traces", ratio=ratio, exporter=InMemorySpanExporter())
+    sampler = TraceIdRatioBased(ratio)
+    low = [random.getrandbits(64) for _ in range(3000)]
+    low += [v for b in (sampler.bound - 1, sampler.bound, sampler.bound + 1) for v in (b,) if 0 <= v < 2**64]
+    low += [0, 1, 2**64 - 1]
+    ids = [high << 64 | v for v in low for high in (0, random.getrandbits(64), 2**64 - 1)]
+    try:
+        decided = [sampler.should_sample(None, trace_id, "POST /v1/completions").decision for trace_id in ids]
+        assert [tracing.drops(trace_id) for trace_id in ids] == [d is Decision.DROP for d in decided]
+    finally:
+        tracing.close()
+
+
 def _normalized(spans: list[Any]) -> Any:
     """`spans` as the SDK's encoder writes them, ids renamed in order of appearance, times zeroed."""
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans

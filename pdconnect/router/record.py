@@ -7,8 +7,9 @@ request's span (`tracing`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from pdconnect.router.decider import Route
 from pdconnect.router.engines import Engine
@@ -21,8 +22,7 @@ __all__ = ["SERVED", "Prefilled", "RequestRecord"]
 SERVED = frozenset({"ok", "ok_fallback"})
 
 
-@dataclass(frozen=True)
-class Prefilled:
+class Prefilled(msgspec.Struct, frozen=True):
     """The prefill leg's result: the engine, its plan (kv_transfer_params) and usage."""
 
     engine: Engine

@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -243,15 +244,20 @@ class _Leg:
     __slots__ = ("_attributes", "_context", "_name", "_parent", "_recorder", "_start", "_traceparent", "_tracestate")
 
     def __init__(
-        self, recorder: _Recorder, name: str, parent: SpanContext, tracestate: str, attributes: dict[str, str | int]
+        self,
+        recorder: _Recorder,
+        name: str,
+        parent: SpanContext,
+        trace_id: str,
+        tracestate: str,
+        attributes: dict[str, str | int],
     ) -> None:
         self._recorder = recorder
         self._name = name
         self._parent = parent
-        self._context = recorder.context(
-            parent.trace_id, recorder.span_id(), False, parent.trace_flags, parent.trace_state
-        )
-        self._traceparent = f"00-{parent.trace_id:032x}-{self._context.span_id:016x}-01"
+        span_id = recorder.span_id()
+        self._context = recorder.context(parent.trace_id, span_id, False, parent.trace_flags, parent.trace_state)
+        self._traceparent = f"00-{trace_id}-{span_id:016x}-01"
         self._tracestate = tracestate
         self._attributes = attributes
         self._start: int | None = time.time_ns()
@@ -272,17 +278,28 @@ class _Recorded:
     """A recorded request: its server span (`context`, under the client's `parent` if it
     sent one), handed over when the request ends, and one client span per attempt."""
 
-    __slots__ = ("_attributes", "_context", "_name", "_parent", "_recorder", "_start", "_tracestate", "trace_id")
+    __slots__ = (
+        "_attributes",
+        "_context",
+        "_name",
+        "_parent",
+        "_recorder",
+        "_start",
+        "_trace_hex",
+        "_tracestate",
+        "trace_id",
+    )
 
     def __init__(self, recorder: _Recorder, name: str, context: SpanContext, parent: SpanContext | None) -> None:
         self._recorder = recorder
         self._name = name
         self._context = context
         self._parent = parent
-        self._tracestate = context.trace_state.to_header()
+        self._tracestate = context.trace_state.to_header() if context.trace_state else ""
         self._attributes: dict[str, str | int] = {}
         self._start: int | None = time.time_ns()
-        self.trace_id: str | None = f"{context.trace_id:032x}"
+        self._trace_hex = f"{context.trace_id:032x}"  # the legs' `traceparent`s say it
+        self.trace_id: str | None = self._trace_hex
 
     def leg(self, role: str, engine: str, attempt: int) -> LegSpan:
         attributes: dict[str, str | int] = {
@@ -290,7 +307,7 @@ class _Recorded:
             "pdconnect.engine": engine,
             "pdconnect.attempt": attempt,
         }
-        return _Leg(self._recorder, role, self._context, self._tracestate, attributes)
+        return _Leg(self._recorder, role, self._context, self._trace_hex, self._tracestate, attributes)
 
     def route(self, route: str, reason: str) -> None:
         self._attributes["pdconnect.route"] = route
@@ -347,60 +364,67 @@ def _any_value(value: object) -> bytes | None:
 
 
 _KINDS = {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}  # SDK SpanKind value -> OTLP's (0 is UNSPECIFIED there)
-_FLAGS = b"\x85\x01"  # flags = 16, fixed32
 _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200  # SpanFlags' masks, as the SDK's encoder sets them
+# flags = 16 (fixed32), with and without a remote parent.
+_FLAGS = {
+    False: b"\x85\x01" + struct.pack("<I", _HAS_IS_REMOTE),
+    True: b"\x85\x01" + struct.pack("<I", _HAS_IS_REMOTE | _IS_REMOTE),
+}
+
+_PIECES_KEPT = 4096  # encoded pieces cached (names, statuses, attributes: few distinct in the router's spans)
 
 
-_ATTRIBUTES_KEPT = 4096  # encoded attributes cached (role, engine, route, outcome: few distinct)
-
-
-def _span_bytes(span: ReadableSpan, attributes: dict[tuple[str, type, object], bytes]) -> bytes | None:
-    """One `Span` message, or None when the span holds what this does not write;
-    `attributes` caches encoded attributes (by type too: True and 1 are equal keys)."""
+def _span_bytes(span: ReadableSpan, pieces: dict[tuple[object, ...], bytes]) -> bytes | None:
+    """One `Span` message, or None when the span holds what this does not write; `pieces`
+    caches what repeats from span to span: name and kind, attributes (by type too: True
+    and 1 are equal keys), status."""
     if span.events or span.links:
         return None
     context, parent = span.context, span.parent
     assert context is not None and span.start_time is not None and span.end_time is not None
+    if len(pieces) >= _PIECES_KEPT:
+        pieces.clear()
     parts = [b"\x0a\x10", context.trace_id.to_bytes(16, "big"), b"\x12\x08", context.span_id.to_bytes(8, "big")]
-    state = ",".join(f"{key}={value}" for key, value in context.trace_state.items())
-    if state:
-        parts.append(_field(3, state.encode()))
+    if context.trace_state:
+        parts.append(_field(3, ",".join(f"{key}={value}" for key, value in context.trace_state.items()).encode()))
     if parent is not None:
         parts += (b"\x22\x08", parent.span_id.to_bytes(8, "big"))
-    parts.append(_field(5, span.name.encode()))
-    parts += (b"\x30", _varint(_KINDS[span.kind.value]))
-    parts.append(struct.pack("<BQBQ", 0x39, span.start_time, 0x41, span.end_time))
+    kind = span.kind.value
+    head = pieces.get(("name", span.name, kind))
+    if head is None:
+        head = pieces[("name", span.name, kind)] = _field(5, span.name.encode()) + b"\x30" + _varint(_KINDS[kind])
+    parts += (head, struct.pack("<BQBQ", 0x39, span.start_time, 0x41, span.end_time))
     for key, value in (span.attributes or {}).items():
         cache_key = (key, type(value), value)
-        attribute = attributes.get(cache_key) if isinstance(value, (str, int, float)) else None
+        attribute = pieces.get(cache_key) if isinstance(value, (str, int, float)) else None
         if attribute is None:
             encoded = _any_value(value)
             if encoded is None:
                 return None
             attribute = _field(9, _field(1, key.encode()) + _field(2, encoded))
-            if len(attributes) >= _ATTRIBUTES_KEPT:
-                attributes.clear()
             if isinstance(value, (str, int, float)):
-                attributes[cache_key] = attribute
+                pieces[cache_key] = attribute
         parts.append(attribute)
     for number, count in ((10, span.dropped_attributes), (12, span.dropped_events), (14, span.dropped_links)):
         if count:
             parts += (_varint(number << 3), _varint(count))
     status = span.status
-    message = _field(2, status.description.encode()) if status.description else b""
-    code = b"\x18" + _varint(status.status_code.value) if status.status_code.value else b""
-    parts.append(_field(15, message + code))
-    remote = _IS_REMOTE if parent is not None and parent.is_remote else 0
-    parts += (_FLAGS, struct.pack("<I", _HAS_IS_REMOTE | remote))
+    status_key = ("status", status.status_code.value, status.description)
+    encoded_status = pieces.get(status_key)
+    if encoded_status is None:
+        message = _field(2, status.description.encode()) if status.description else b""
+        code = b"\x18" + _varint(status.status_code.value) if status.status_code.value else b""
+        encoded_status = pieces[status_key] = _field(15, message + code)
+    parts += (encoded_status, _FLAGS[parent is not None and parent.is_remote])
     return b"".join(parts)
 
 
 class _Encoded:
-    """What the exporter encoded before: resources' and scopes' fields, attributes."""
+    """What the exporter encoded before: resources' and scopes' fields, spans' repeated pieces."""
 
     def __init__(self) -> None:
         self.heads: dict[int, tuple[object, bytes]] = {}
-        self.attributes: dict[tuple[str, type, object], bytes] = {}
+        self.pieces: dict[tuple[object, ...], bytes] = {}
 
 
 def _export_request(spans: Sequence[ReadableSpan], cache: _Encoded) -> bytes:
@@ -434,7 +458,7 @@ def _export_request(spans: Sequence[ReadableSpan], cache: _Encoded) -> bytes:
     # equality; the router's spans share one provider's resource and scope anyway).
     groups: dict[int, tuple[Resource, dict[int, tuple[InstrumentationScope | None, list[bytes]]]]] = {}
     for span in spans:
-        encoded = _span_bytes(span, cache.attributes)
+        encoded = _span_bytes(span, cache.pieces)
         if encoded is None:
             encoded = _encode_span(span).SerializeToString()
         resource, scope = span.resource, span.instrumentation_scope
@@ -513,6 +537,7 @@ class Tracing:
         # `start` asks directly for those (one call less per request).
         self._root = TraceIdRatioBased(ratio)
         self._sampler = ParentBased(self._root)
+        self._bound, self._low_bits = self._root.bound, self._root.TRACE_ID_LIMIT
         self._kept = Decision.RECORD_AND_SAMPLE
         self._processor = BatchSpanProcessor(exporter or _otlp_exporter(endpoint))
         self._recorder = _Recorder(service_name, self._processor)
@@ -522,17 +547,32 @@ class Tracing:
 
     def start(self, headers: Mapping[str, str], name: str) -> RequestSpans:
         """The request's spans: a child of the client's trace context if it sent a valid one."""
+        if "traceparent" not in headers:
+            trace_id = random.getrandbits(128) or 1
+            if self._disabled or self.drops(trace_id):
+                return _UnsampledSpans(f"{trace_id:032x}")
+            return self._recorded(None, None, trace_id, name)
         # W3C's rules (version, all-zero ids, tracestate) are the propagator's; none valid: a new trace.
-        parent_context = self._extract(headers, getter=self._getter) if "traceparent" in headers else None
-        parent = self._span_of(parent_context).get_span_context() if parent_context is not None else None
-        if parent is not None and not parent.is_valid:
-            parent_context = parent = None
-        trace_id = parent.trace_id if parent is not None else random.getrandbits(128) or 1
-        recorder = self._recorder
+        parent_context = self._extract(headers, getter=self._getter)
+        parent = self._span_of(parent_context).get_span_context()
+        if not parent.is_valid:
+            return self.start({}, name)
         if self._disabled:
-            carried = "01" if parent is not None and parent.trace_flags.sampled else "00"
-            tracestate = parent.trace_state.to_header() if parent is not None else ""
-            return _UnsampledSpans(f"{trace_id:032x}", tracestate, carried)
+            carried = "01" if parent.trace_flags.sampled else "00"
+            return _UnsampledSpans(f"{parent.trace_id:032x}", parent.trace_state.to_header(), carried)
+        return self._recorded(parent_context, parent, parent.trace_id, name)
+
+    def drops(self, trace_id: int) -> bool:
+        """Whether the root sampler drops a request without a parent: TraceIdRatioBased's own
+        rule on its own bound, asked here without building its `SamplingResult` and looking up
+        a parent context there is none of (a third of an unrecorded request's tracing cost).
+        `tests/test_router_tracing.py` holds it to the sampler's answer."""
+        return trace_id & self._low_bits >= self._bound
+
+    def _recorded(
+        self, parent_context: Context | None, parent: SpanContext | None, trace_id: int, name: str
+    ) -> RequestSpans:
+        recorder = self._recorder
         sampler = self._sampler if parent is not None else self._root
         sampled = sampler.should_sample(parent_context, trace_id, name, recorder.server)
         if sampled.decision is not self._kept:
