@@ -87,18 +87,51 @@ def error_response(exc: RouterError) -> web.Response:
     return response
 
 
-@web.middleware
-async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error the router itself answers is OpenAI error JSON: its own causes, and
-    aiohttp's (404 no route, 405 wrong method, 413, ...), which are plain text otherwise."""
-    try:
-        return await handler(request)
-    except RouterError as exc:
-        return error_response(exc)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return openai_error(exc.status, exc.reason, type(exc).__name__)
+def _errors_as_json(handler: Handler) -> Handler:
+    """`handler`, answering every error the router itself answers as OpenAI error JSON: its
+    own causes, and aiohttp's (413, ...), which are plain text otherwise.
+
+    A wrapper per route, not an aiohttp middleware: with any middleware aiohttp runs two
+    more coroutines a request (the middleware and its own current-app one) and builds the
+    chain through a cache lookup: `Application._handle` took 3.0 us a request with the
+    middleware, 2.0 with this wrapper (microbenchmark, a handler that returns at once).
+    No route, or a wrong method, reaches `_no_route`."""
+
+    async def answered(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except RouterError as exc:
+            return error_response(exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return openai_error(exc.status, exc.reason, type(exc).__name__)
+
+    return answered
+
+
+def _add(app: web.Application, method: str, path: str, handler: Handler) -> None:
+    if method == "GET":
+        app.router.add_get(path, _errors_as_json(handler))  # and HEAD, as aiohttp's add_get
+    else:
+        app.router.add_route(method, path, _errors_as_json(handler))
+
+
+async def _no_route(request: web.Request) -> web.StreamResponse:
+    """What aiohttp answers without a route, as OpenAI error JSON: 405 when another method
+    has the path, else 404. Registered last, for every path and method."""
+    allowed: set[str] = set()
+    unrouted = request.match_info.route.resource  # this catch-all
+    for resource in request.app.router.resources():
+        if resource is not unrouted:
+            allowed |= (await resource.resolve(request))[1]
+    if allowed:
+        raise web.HTTPMethodNotAllowed(request.method, allowed)
+    raise web.HTTPNotFound()
+
+
+def _answer_unrouted(app: web.Application) -> None:
+    _add(app, "*", "/{path:.*}", _no_route)
 
 
 class _ModelList(msgspec.Struct):
@@ -181,25 +214,27 @@ class Router:
         """The client-facing app; it carries the admin routes unless they have a port of their own."""
         # Bodies are read by `body.read_body` under the router's own limit; this bound is
         # for aiohttp's own readers only (admin bodies).
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_errors_as_json])
+        app = web.Application(client_max_size=self.config.max_body_bytes)
         app.cleanup_ctx.append(self._lifecycle)
-        app.router.add_post(Endpoint.COMPLETIONS.value, self._completions)
-        app.router.add_post(Endpoint.CHAT.value, self._chat)
-        app.router.add_post(Endpoint.RESPONSES.value, self._responses)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
+        _add(app, "POST", Endpoint.COMPLETIONS.value, self._completions)
+        _add(app, "POST", Endpoint.CHAT.value, self._chat)
+        _add(app, "POST", Endpoint.RESPONSES.value, self._responses)
+        _add(app, "GET", "/v1/models", self._models)
+        _add(app, "GET", "/health", self._health)
         if self.config.metrics_port is None:
-            app.router.add_get("/metrics", self._metrics)
+            _add(app, "GET", "/metrics", self._metrics)
         if self.admin_enabled and self.config.admin_port is None:
             self._add_admin_routes(app)
+        _answer_unrouted(app)
         return app
 
     def build_admin_app(self) -> web.Application | None:
         """The admin-only app for `admin_port`, or None when admin is off or shares the main port."""
         if not self.admin_enabled or self.config.admin_port is None:
             return None
-        app = web.Application(client_max_size=64 * 1024, middlewares=[_errors_as_json])
+        app = web.Application(client_max_size=64 * 1024)
         self._add_admin_routes(app)
+        _answer_unrouted(app)
         return app
 
     def build_metrics_app(self) -> web.Application | None:
@@ -211,9 +246,9 @@ class Router:
         return app
 
     def _add_admin_routes(self, app: web.Application) -> None:
-        app.router.add_get("/admin/engines", self._list_engines)
-        app.router.add_post("/admin/engines", self._add_engine)
-        app.router.add_delete("/admin/engines", self._remove_engine)
+        _add(app, "GET", "/admin/engines", self._list_engines)
+        _add(app, "POST", "/admin/engines", self._add_engine)
+        _add(app, "DELETE", "/admin/engines", self._remove_engine)
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         config = self.config

@@ -148,16 +148,23 @@ def _with_traceparent(headers: dict[str, str], traceparent: str, tracestate: str
 
 
 class _UnsampledLeg:
-    """An attempt of an unsampled request: no span, a `traceparent` (flag 00) of its own."""
+    """Every attempt of an unsampled request: no span, and one `traceparent` (flag 00) for
+    all of them, naming the request's unrecorded span, as a server span that makes no
+    client spans passes its own id to every call it makes; an engine records none of them."""
 
-    __slots__ = ("_traceparent", "_tracestate")
+    __slots__ = ("_given", "_made", "_traceparent", "_tracestate")
 
     def __init__(self, traceparent: str, tracestate: str) -> None:
         self._traceparent = traceparent
         self._tracestate = tracestate
+        self._given: dict[str, str] | None = None
+        self._made: dict[str, str] = {}
 
     def inject(self, headers: dict[str, str]) -> dict[str, str]:
-        return _with_traceparent(headers, self._traceparent, self._tracestate)
+        # Both legs usually send the request's own headers: one copy serves them.
+        if headers is not self._given:
+            self._given, self._made = headers, _with_traceparent(headers, self._traceparent, self._tracestate)
+        return self._made
 
     def end(self, verdict: bool | None, detail: str | None = None) -> None:
         pass
@@ -167,17 +174,15 @@ class _UnsampledSpans:
     """A request no span is recorded for: its trace id, and legs carrying it (flag 00; the
     client's own flag when the SDK is disabled)."""
 
-    __slots__ = ("_flags", "_tracestate", "trace_id")
+    __slots__ = ("_leg", "trace_id")
 
     def __init__(self, trace_id: str, tracestate: str = "", flags: str = "00") -> None:
         self.trace_id: str | None = trace_id
-        self._tracestate = tracestate
-        self._flags = flags
+        # What the SDK does for a span it does not record: a fresh span id, the flag as decided.
+        self._leg = _UnsampledLeg(f"00-{trace_id}-{random.getrandbits(64) or 1:016x}-{flags}", tracestate)
 
     def leg(self, role: str, engine: str, attempt: int) -> LegSpan:
-        # What the SDK does for a span it does not record: a fresh span id, the flag as decided.
-        traceparent = f"00-{self.trace_id}-{random.getrandbits(64) or 1:016x}-{self._flags}"
-        return _UnsampledLeg(traceparent, self._tracestate)
+        return self._leg
 
     def route(self, route: str, reason: str) -> None:
         pass
