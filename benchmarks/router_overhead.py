@@ -17,9 +17,11 @@ Latency: sequential streamed completions, interleaved across targets in small bl
 an order that changes every round so each target follows each other one equally often
 (`round_orders`), so machine noise and switching costs hit all of them alike; added
 latency = a router's percentile minus the direct one. Peak rate: a closed loop of
-`--concurrency` clients for `--duration` seconds per target, two rounds (the second in
-reverse order), best round kept. CPU per request: the router
-process's user+system CPU over a rate round divided by its requests.
+`--concurrency` clients for `--duration` seconds per target, `--rate-rounds` rounds (4;
+every other one in reverse order), best round kept. CPU per request: the router
+process's user+system CPU over a rate round divided by its requests, the least of its
+rounds (on a shared machine one round's figure moves by 10 % or more with what else ran;
+two rounds left a run's ratio a coin toss within that).
 
 A request counts only if its stream ended with `[DONE]` *and* it really went prefill
 then decode: every prompt starts with a unique `rid-...` word, the fake prefill records
@@ -324,7 +326,7 @@ def _report(targets: list[Target], figures: dict[str, dict[str, float | int | No
             f"{args.policy} policy on both routers ({' vs '.join(_POLICIES[args.policy])}), "
             f"{_OBSERVED_LINE if args.observed else ''}"
             f"{args.requests} sequential requests per target for latency, "
-            f"{args.concurrency} concurrent clients x {args.duration:.0f}s x 2 rounds for rate, "
+            f"{args.concurrency} concurrent clients x {args.duration:.0f}s x {args.rate_rounds} rounds for rate, "
             f"{os.cpu_count()} CPUs shared with the fakes and the load generator; "
             "only requests that went prefill then decode count (not P->D: ended [DONE] but did not)"
         ),
@@ -342,8 +344,8 @@ async def _measure(targets: list[Target], args: argparse.Namespace) -> None:
             for _ in range(50):
                 await target.call(http, target.next_id())
         await _latency(targets, http, args.requests, block=25)
-        for round_ in range(2):
-            for target in targets if round_ == 0 else targets[::-1]:
+        for round_ in range(args.rate_rounds):
+            for target in targets if round_ % 2 == 0 else targets[::-1]:
                 await _rate(target, http, args.concurrency, args.duration)
 
 
@@ -526,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the same kind of routing policy on both routers",
     )
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per target and round (rate)")
+    parser.add_argument("--rate-rounds", type=int, default=4, help="rate rounds per target, the best kept")
     parser.add_argument(
         "--reference",
         default=os.environ.get("PDCONNECT_VLLM_ROUTER", ".venv-router-ref/bin/vllm-router"),
