@@ -121,9 +121,14 @@ class _NoLeg:
         pass
 
 
-class _NoSpans:
-    trace_id: str | None = None
-    _leg = _NoLeg()
+class _Unrecorded:
+    """A request no span is recorded for: its trace id, if any, and what every leg carries."""
+
+    __slots__ = ("_leg", "trace_id")
+
+    def __init__(self, trace_id: str | None, leg: LegSpan) -> None:
+        self.trace_id = trace_id
+        self._leg = leg
 
     def leg(self, role: str, engine: str, attempt: int) -> LegSpan:
         return self._leg
@@ -135,7 +140,7 @@ class _NoSpans:
         pass
 
 
-NO_SPANS: RequestSpans = _NoSpans()
+NO_SPANS: RequestSpans = _Unrecorded(None, _NoLeg())
 
 
 def _with_traceparent(headers: dict[str, str], traceparent: str, tracestate: str) -> dict[str, str]:
@@ -170,25 +175,10 @@ class _UnsampledLeg:
         pass
 
 
-class _UnsampledSpans:
-    """A request no span is recorded for: its trace id, and legs carrying it (flag 00; the
-    client's own flag when the SDK is disabled)."""
-
-    __slots__ = ("_leg", "trace_id")
-
-    def __init__(self, trace_id: str, tracestate: str = "", flags: str = "00") -> None:
-        self.trace_id: str | None = trace_id
-        # What the SDK does for a span it does not record: a fresh span id, the flag as decided.
-        self._leg = _UnsampledLeg(f"00-{trace_id}-{random.getrandbits(64) or 1:016x}-{flags}", tracestate)
-
-    def leg(self, role: str, engine: str, attempt: int) -> LegSpan:
-        return self._leg
-
-    def route(self, route: str, reason: str) -> None:
-        pass
-
-    def end(self, status: int, outcome: str) -> None:
-        pass
+def _unsampled(trace_id: str, tracestate: str = "", flags: str = "00") -> RequestSpans:
+    """An unsampled request: its legs carry its trace (flag 00; the client's own flag when
+    the SDK is disabled) under a fresh span id, as the SDK gives a span it does not record."""
+    return _Unrecorded(trace_id, _UnsampledLeg(f"00-{trace_id}-{random.getrandbits(64) or 1:016x}-{flags}", tracestate))
 
 
 class _Recorder:
@@ -555,7 +545,7 @@ class Tracing:
         if "traceparent" not in headers:
             trace_id = random.getrandbits(128) or 1
             if self._disabled or self.drops(trace_id):
-                return _UnsampledSpans(f"{trace_id:032x}")
+                return _unsampled(f"{trace_id:032x}")
             return self._recorded(None, None, trace_id, name)
         # W3C's rules (version, all-zero ids, tracestate) are the propagator's; none valid: a new trace.
         parent_context = self._extract(headers, getter=self._getter)
@@ -564,7 +554,7 @@ class Tracing:
             return self.start({}, name)
         if self._disabled:
             carried = "01" if parent.trace_flags.sampled else "00"
-            return _UnsampledSpans(f"{parent.trace_id:032x}", parent.trace_state.to_header(), carried)
+            return _unsampled(f"{parent.trace_id:032x}", parent.trace_state.to_header(), carried)
         return self._recorded(parent_context, parent, parent.trace_id, name)
 
     def drops(self, trace_id: int) -> bool:
@@ -581,7 +571,7 @@ class Tracing:
         sampler = self._sampler if parent is not None else self._root
         sampled = sampler.should_sample(parent_context, trace_id, name, recorder.server)
         if sampled.decision is not self._kept:
-            return _UnsampledSpans(f"{trace_id:032x}", sampled.trace_state.to_header() if sampled.trace_state else "")
+            return _unsampled(f"{trace_id:032x}", sampled.trace_state.to_header() if sampled.trace_state else "")
         # The flags the SDK's tracer gives a span: sampled, and the random-id bit of a new
         # trace (ours are random) or the parent's.
         random_id = parent is None or parent.trace_flags.random_trace_id
