@@ -6,7 +6,8 @@ serves one on the current event loop. It imports neither vLLM, torch nor `connec
 
 - `config`: the settings as one validated `RouterConfig`; `options`: the command line
   and the `--config` file that fill it.
-- `app`: the HTTP face, lifecycle and `main`; `listener`: aiohttp's server with a
+- `app`: the HTTP face, lifecycle and `main`; `routes`: each route's errors as OpenAI
+  error JSON, and 404/405 for what no route serves; `listener`: aiohttp's server with a
   deadline on each request head, and the drain on stop; `body`: the client's body
   within limits.
 - `apikeys`: client API keys the router checks, each with its rates (`ratelimit`: token

@@ -1,4 +1,4 @@
-"""The router's HTTP face and `main`: routes, error-to-status mapping, lifecycle, CLI entry.
+"""The router's HTTP face and `main`: its apps and handlers, lifecycle, CLI entry.
 
 aiohttp serves clients (C parser, one event loop; uvloop when installed, as `main`
 does). Engine calls on the request path go through `upstream.UpstreamPool`, a lean
@@ -17,7 +17,7 @@ import asyncio
 import gc
 import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from hmac import compare_digest
 from typing import Any
@@ -37,12 +37,8 @@ from pdconnect.router.engines import Engine, EngineRegistry, Role
 from pdconnect.router.errors import (
     AdminUnauthorized,
     BadRequest,
-    ClientError,
-    EngineRejected,
     NoEngineAvailable,
-    RouterError,
     UnknownEngine,
-    openai_error_body,
 )
 from pdconnect.router.flow import PDFlow
 from pdconnect.router.health import HealthMonitor
@@ -57,6 +53,7 @@ from pdconnect.router.pools import Pools, build_pools, pool_source
 from pdconnect.router.releaser import PrefillReleaser
 from pdconnect.router.replicas import NoticeSigner, ReplicaSet, read_replica_secret, replica_count
 from pdconnect.router.request import Endpoint
+from pdconnect.router.routes import add_route, answer_unrouted
 from pdconnect.router.tracing import Tracing, TracingUnavailable, require_sdk, sample_ratio
 from pdconnect.router.upstream import UpstreamPool
 from pdconnect.serving import serve_until_signalled
@@ -65,73 +62,8 @@ __all__ = ["Router", "RunningRouter", "main", "start_router"]
 
 logger = logging.getLogger("pdconnect.router")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 # An engine's /v1/models answer, relayed: a model list (with every LoRA adapter) is small.
 _MODELS_LIMIT = 16 * 1024 * 1024
-
-
-def openai_error(status: int, message: str, kind: str) -> web.Response:
-    return web.Response(status=status, body=openai_error_body(status, message, kind), content_type="application/json")
-
-
-def error_response(exc: RouterError) -> web.Response:
-    if isinstance(exc, EngineRejected):
-        return web.Response(status=exc.status, body=exc.body, headers={"Content-Type": exc.content_type})
-    if isinstance(exc, ClientError):  # OpenAI's own type, param and code (401, 404 model, 429, ...)
-        body = openai_error_body(exc.http_status, str(exc), exc.error_type, exc.param, exc.code)
-        return web.Response(status=exc.http_status, body=body, content_type="application/json", headers=exc.headers)
-    response = openai_error(exc.http_status, str(exc), type(exc).__name__)
-    if exc.closes:  # the body was not (fully) read: close rather than drain what is left
-        response.force_close()
-    return response
-
-
-def _errors_as_json(handler: Handler) -> Handler:
-    """`handler`, answering every error the router itself answers as OpenAI error JSON: its
-    own causes, and aiohttp's (413, ...), which are plain text otherwise.
-
-    A wrapper per route, not an aiohttp middleware: with any middleware aiohttp runs two
-    more coroutines a request (the middleware and its own current-app one) and builds the
-    chain through a cache lookup: `Application._handle` took 3.0 us a request with the
-    middleware, 2.0 with this wrapper (microbenchmark, a handler that returns at once).
-    No route, or a wrong method, reaches `_no_route`."""
-
-    async def answered(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except RouterError as exc:
-            return error_response(exc)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            return openai_error(exc.status, exc.reason, type(exc).__name__)
-
-    return answered
-
-
-def _add(app: web.Application, method: str, path: str, handler: Handler) -> None:
-    if method == "GET":
-        app.router.add_get(path, _errors_as_json(handler))  # and HEAD, as aiohttp's add_get
-    else:
-        app.router.add_route(method, path, _errors_as_json(handler))
-
-
-async def _no_route(request: web.Request) -> web.StreamResponse:
-    """What aiohttp answers without a route, as OpenAI error JSON: 405 when another method
-    has the path, else 404. Registered last, for every path and method."""
-    allowed: set[str] = set()
-    unrouted = request.match_info.route.resource  # this catch-all
-    for resource in request.app.router.resources():
-        if resource is not unrouted:
-            allowed |= (await resource.resolve(request))[1]
-    if allowed:
-        raise web.HTTPMethodNotAllowed(request.method, allowed)
-    raise web.HTTPNotFound()
-
-
-def _answer_unrouted(app: web.Application) -> None:
-    _add(app, "*", "/{path:.*}", _no_route)
 
 
 class _ModelList(msgspec.Struct):
@@ -216,16 +148,16 @@ class Router:
         # for aiohttp's own readers only (admin bodies).
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app.cleanup_ctx.append(self._lifecycle)
-        _add(app, "POST", Endpoint.COMPLETIONS.value, self._completions)
-        _add(app, "POST", Endpoint.CHAT.value, self._chat)
-        _add(app, "POST", Endpoint.RESPONSES.value, self._responses)
-        _add(app, "GET", "/v1/models", self._models)
-        _add(app, "GET", "/health", self._health)
+        add_route(app, "POST", Endpoint.COMPLETIONS.value, self._completions)
+        add_route(app, "POST", Endpoint.CHAT.value, self._chat)
+        add_route(app, "POST", Endpoint.RESPONSES.value, self._responses)
+        add_route(app, "GET", "/v1/models", self._models)
+        add_route(app, "GET", "/health", self._health)
         if self.config.metrics_port is None:
-            _add(app, "GET", "/metrics", self._metrics)
+            add_route(app, "GET", "/metrics", self._metrics)
         if self.admin_enabled and self.config.admin_port is None:
             self._add_admin_routes(app)
-        _answer_unrouted(app)
+        answer_unrouted(app)
         return app
 
     def build_admin_app(self) -> web.Application | None:
@@ -234,7 +166,7 @@ class Router:
             return None
         app = web.Application(client_max_size=64 * 1024)
         self._add_admin_routes(app)
-        _answer_unrouted(app)
+        answer_unrouted(app)
         return app
 
     def build_metrics_app(self) -> web.Application | None:
@@ -246,9 +178,9 @@ class Router:
         return app
 
     def _add_admin_routes(self, app: web.Application) -> None:
-        _add(app, "GET", "/admin/engines", self._list_engines)
-        _add(app, "POST", "/admin/engines", self._add_engine)
-        _add(app, "DELETE", "/admin/engines", self._remove_engine)
+        add_route(app, "GET", "/admin/engines", self._list_engines)
+        add_route(app, "POST", "/admin/engines", self._add_engine)
+        add_route(app, "DELETE", "/admin/engines", self._remove_engine)
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         config = self.config

@@ -2,7 +2,7 @@
 
 Code that knows the cause raises one of these; nothing below the HTTP layer picks a
 status code. Each class says once, in its class line, what its cause becomes:
-`http_status` (the response `app.error_response` builds), `outcome` (the request's label
+`http_status` (the response `routes.error_response` builds), `outcome` (the request's label
 in `metrics.OUTCOMES`) and `closes` (whether the connection is closed after the answer,
 the body not fully read).
 """
