@@ -396,6 +396,51 @@ def test_recorded_spans_are_the_ones_the_sdks_own_tracer_makes() -> None:
     assert served_parent == f"00-{CLIENT_TRACE}-{decode.context.span_id:016x}-01"
 
 
+def test_a_recorded_requests_spans_are_built_when_it_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No SDK span is built or handed to the batch processor while a recorded request runs
+    (that work would sit in the request's latency): its attempts' spans and its own go
+    over when the request's span ends, attempts first, each attempt's span covering its
+    own start and end; an attempt that ends after its request is handed over when it
+    does, still under the request's span."""
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pdconnect.router.tracing import Tracing
+
+    handed: list[ReadableSpan] = []
+    monkeypatch.setattr(BatchSpanProcessor, "on_end", lambda self, span: handed.append(span))
+    tracing = Tracing("http://127.0.0.1:9/v1/traces", exporter=InMemorySpanExporter())
+    try:
+        spans = tracing.start({"traceparent": TRACEPARENT}, "POST /v1/completions")
+        prefill = spans.leg("prefill", "http://p:1", 0)
+        prefill.end(True)
+        decode = spans.leg("decode", "http://d:1", 0)
+        decode.end(False, "stream broke")
+        late = spans.leg("decode", "http://d:2", 1)  # still running when the request ends
+        assert handed == []
+        spans.end(200, "ok")
+        assert [span.name for span in handed] == ["prefill", "decode", "POST /v1/completions"]
+        request = handed[2]
+        assert all(span.parent == request.context for span in handed[:2])
+        first_end, second_start = handed[0].end_time, handed[1].start_time
+        assert first_end is not None and second_start is not None
+        assert first_end <= second_start  # each attempt's own times
+        assert handed[1].status.description == "stream broke"
+        late.end(True)
+        assert [span.name for span in handed] == ["prefill", "decode", "POST /v1/completions", "decode"]
+        assert handed[3].parent == request.context
+        assert dict(handed[3].attributes or {}) == {
+            "pdconnect.role": "decode",
+            "pdconnect.engine": "http://d:2",
+            "pdconnect.attempt": 1,
+        }
+        late.end(False)  # a second end hands nothing more over
+        assert len(handed) == 4
+    finally:
+        tracing.close()
+
+
 def test_with_the_sdk_disabled_nothing_is_recorded_and_the_clients_context_still_travels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

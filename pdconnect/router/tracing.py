@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
     from opentelemetry.sdk.trace.export import SpanExporter
-    from opentelemetry.trace import SpanContext, SpanKind, Status
+    from opentelemetry.trace import SpanContext, SpanKind, Status, TraceFlags, TraceState
 
 __all__ = [
     "NO_SPANS",
@@ -104,7 +104,10 @@ class LegSpan(Protocol):
 class RequestSpans(Protocol):
     """The spans of one request."""
 
-    trace_id: str | None
+    @property
+    def trace_id(self) -> str | None:
+        """The request's W3C trace id (32 hex digits), recorded or not; None when not tracing."""
+        ...
 
     def leg(self, role: str, engine: str, attempt: int) -> LegSpan: ...
 
@@ -203,8 +206,9 @@ class _Recorder:
         self.unset = Status(StatusCode.UNSET)
         self._status, self._error = Status, StatusCode.ERROR
 
-    def error(self, description: str) -> Status:
-        return self._status(self._error, description)
+    def status(self, failure: str | None) -> Status:
+        """A span's status: unset, or an error that says what failed."""
+        return self.unset if failure is None else self._status(self._error, failure)
 
     def finish(
         self,
@@ -213,10 +217,11 @@ class _Recorder:
         parent: SpanContext | None,
         kind: SpanKind,
         attributes: dict[str, str | int],
-        status: Status,
+        failure: str | None,
         start: int,
+        end: int,
     ) -> None:
-        """Hand the span, ended now, to the batch processor, as the SDK's `Span.end` does."""
+        """Hand the span, ended at `end`, to the batch processor, as the SDK's `Span.end` does."""
         self.processor.on_end(
             self.readable(
                 name,
@@ -225,76 +230,98 @@ class _Recorder:
                 self.resource,
                 attributes,
                 kind=kind,
-                status=status,
+                status=self.status(failure),
                 start_time=start,
-                end_time=time.time_ns(),
+                end_time=end,
                 instrumentation_scope=self.scope,
             )
         )
 
 
 class _Leg:
-    """An attempt of a recorded request: a client span, handed over when it ends."""
+    """An attempt of a recorded request: a client span, built when the request's own span is
+    (or when the attempt ends, if that is later)."""
 
-    __slots__ = ("_attributes", "_context", "_name", "_parent", "_recorder", "_start", "_traceparent", "_tracestate")
+    __slots__ = ("_attributes", "_failure", "_name", "_request", "_span_id", "_start", "_traceparent", "ended")
+
+    def __init__(self, request: _Recorded, name: str, span_id: int, attributes: dict[str, str | int]) -> None:
+        self._request = request
+        self._name = name
+        self._span_id = span_id
+        self._traceparent = f"00-{request.trace_id}-{span_id:016x}-01"
+        self._attributes = attributes
+        self._start = time.time_ns()
+        self._failure: str | None = None  # what failed, for the span's error status
+        self.ended: int | None = None
+
+    def inject(self, headers: dict[str, str]) -> dict[str, str]:
+        return _with_traceparent(headers, self._traceparent, self._request.tracestate)
+
+    def end(self, verdict: bool | None, detail: str | None = None) -> None:
+        if self.ended is not None:
+            return
+        self.ended = time.time_ns()
+        if verdict is not True:
+            self._failure = detail or "attempt failed"
+        if self._request.context is not None:  # the request's span is out already
+            self.finish(self._request.context)
+
+    def finish(self, parent: SpanContext) -> None:
+        """Hand the ended attempt's span, under the request's span `parent`, to the processor."""
+        recorder = self._request.recorder
+        context = recorder.context(parent.trace_id, self._span_id, False, parent.trace_flags, parent.trace_state)
+        assert self.ended is not None, "an attempt's span is built once it has ended"
+        recorder.finish(
+            self._name, context, parent, recorder.client, self._attributes, self._failure, self._start, self.ended
+        )
+
+
+class _Recorded:
+    """A recorded request: its server span (under the client's `parent` if it sent one) and
+    a client span per attempt.
+
+    Invariant: only ids, times and attributes are kept while the request runs; the SDK's
+    span objects are built when the request's span ends, which the flow does after the
+    answer's last bytes are written, so building them (most of a recorded request's
+    tracing cost) is not in the request's latency. `context` is None until then.
+    """
+
+    __slots__ = (
+        "_attributes",
+        "_flags",
+        "_legs",
+        "_name",
+        "_parent",
+        "_span_id",
+        "_start",
+        "_trace_state",
+        "context",
+        "recorder",
+        "trace_id",
+        "tracestate",
+    )
 
     def __init__(
         self,
         recorder: _Recorder,
         name: str,
-        parent: SpanContext,
-        trace_id: str,
-        tracestate: str,
-        attributes: dict[str, str | int],
+        trace_id: int,
+        flags: TraceFlags,
+        trace_state: TraceState | None,
+        parent: SpanContext | None,
     ) -> None:
-        self._recorder = recorder
+        self.recorder = recorder
         self._name = name
+        self._span_id = recorder.span_id()
+        self._flags = flags
+        self._trace_state = trace_state
         self._parent = parent
-        span_id = recorder.span_id()
-        self._context = recorder.context(parent.trace_id, span_id, False, parent.trace_flags, parent.trace_state)
-        self._traceparent = f"00-{trace_id}-{span_id:016x}-01"
-        self._tracestate = tracestate
-        self._attributes = attributes
-        self._start: int | None = time.time_ns()
-
-    def inject(self, headers: dict[str, str]) -> dict[str, str]:
-        return _with_traceparent(headers, self._traceparent, self._tracestate)
-
-    def end(self, verdict: bool | None, detail: str | None = None) -> None:
-        start, self._start = self._start, None
-        if start is None:
-            return
-        recorder = self._recorder
-        status = recorder.unset if verdict is True else recorder.error(detail or "attempt failed")
-        recorder.finish(self._name, self._context, self._parent, recorder.client, self._attributes, status, start)
-
-
-class _Recorded:
-    """A recorded request: its server span (`context`, under the client's `parent` if it
-    sent one), handed over when the request ends, and one client span per attempt."""
-
-    __slots__ = (
-        "_attributes",
-        "_context",
-        "_name",
-        "_parent",
-        "_recorder",
-        "_start",
-        "_trace_hex",
-        "_tracestate",
-        "trace_id",
-    )
-
-    def __init__(self, recorder: _Recorder, name: str, context: SpanContext, parent: SpanContext | None) -> None:
-        self._recorder = recorder
-        self._name = name
-        self._context = context
-        self._parent = parent
-        self._tracestate = context.trace_state.to_header() if context.trace_state else ""
+        self.tracestate = trace_state.to_header() if trace_state else ""
+        self.trace_id = f"{trace_id:032x}"  # what the legs' `traceparent`s say
         self._attributes: dict[str, str | int] = {}
-        self._start: int | None = time.time_ns()
-        self._trace_hex = f"{context.trace_id:032x}"  # the legs' `traceparent`s say it
-        self.trace_id: str | None = self._trace_hex
+        self._legs: list[_Leg] = []
+        self._start = time.time_ns()
+        self.context: SpanContext | None = None
 
     def leg(self, role: str, engine: str, attempt: int) -> LegSpan:
         attributes: dict[str, str | int] = {
@@ -302,21 +329,31 @@ class _Recorded:
             "pdconnect.engine": engine,
             "pdconnect.attempt": attempt,
         }
-        return _Leg(self._recorder, role, self._context, self._trace_hex, self._tracestate, attributes)
+        leg = _Leg(self, role, self.recorder.span_id(), attributes)
+        self._legs.append(leg)
+        return leg
 
     def route(self, route: str, reason: str) -> None:
         self._attributes["pdconnect.route"] = route
         self._attributes["pdconnect.route_reason"] = reason
 
     def end(self, status: int, outcome: str) -> None:
-        start, self._start = self._start, None
-        if start is None:
+        if self.context is not None:
             return
-        recorder = self._recorder
+        ended = time.time_ns()
+        recorder = self.recorder
+        self.context = context = recorder.context(
+            int(self.trace_id, 16), self._span_id, False, self._flags, self._trace_state
+        )
+        for leg in self._legs:  # the attempts first, in order, as they ended before the request
+            if leg.ended is not None:
+                leg.finish(context)
         self._attributes["http.response.status_code"] = status
         self._attributes["pdconnect.outcome"] = outcome
-        verdict = recorder.error(outcome) if status >= 500 else recorder.unset
-        recorder.finish(self._name, self._context, self._parent, recorder.server, self._attributes, verdict, start)
+        failure = outcome if status >= 500 else None
+        recorder.finish(
+            self._name, context, self._parent, recorder.server, self._attributes, failure, self._start, ended
+        )
 
 
 # --- OTLP's protobuf for the SDK's spans, written by hand -------------------------------
@@ -500,13 +537,14 @@ class Tracing:
     Invariant: a request is decided once, in `start`, by one sampler
     (`ParentBased(TraceIdRatioBased(ratio))`): on the client's span context when it sent a
     valid one, else on a trace id drawn here, which the request then carries, recorded or
-    not. A recorded request's spans are the SDK's finished `ReadableSpan`s, built when each
-    ends (`_Recorder.finish`) and handed to the batch processor as the SDK's `Span.end`
-    does: the live `Span` (a lock, attribute checks and limits, processor calls at start)
-    guards against what cannot happen here (spans of a fixed shape, started and ended on
-    the event loop's thread, never seen by other code) and cost most of a recorded
-    request (docs/router.md, "What tracing costs"). `tests/test_router_tracing.py` checks
-    the spans equal, field for field, those the SDK's own tracer makes for the same request.
+    not. A recorded request's spans are the SDK's finished `ReadableSpan`s, built when the
+    request's span ends (`_Recorded.end`, after the answer is written) and handed to the
+    batch processor as the SDK's `Span.end` does: the live `Span` (a lock, attribute
+    checks and limits, processor calls at start) guards against what cannot happen here
+    (spans of a fixed shape, started and ended on the event loop's thread, never seen by
+    other code) and cost most of a recorded request (docs/router.md, "What tracing
+    costs"). `tests/test_router_tracing.py` checks the spans equal, field for field, those
+    the SDK's own tracer makes for the same request.
     """
 
     def __init__(
@@ -568,16 +606,15 @@ class Tracing:
         self, parent_context: Context | None, parent: SpanContext | None, trace_id: int, name: str
     ) -> RequestSpans:
         recorder = self._recorder
-        sampler = self._sampler if parent is not None else self._root
-        sampled = sampler.should_sample(parent_context, trace_id, name, recorder.server)
+        if parent is None:  # `drops` kept it: the root sampler's answer, which keeps no tracestate
+            return _Recorded(recorder, name, trace_id, recorder.random_sampled, None, None)
+        sampled = self._sampler.should_sample(parent_context, trace_id, name, recorder.server)
         if sampled.decision is not self._kept:
             return _unsampled(f"{trace_id:032x}", sampled.trace_state.to_header() if sampled.trace_state else "")
         # The flags the SDK's tracer gives a span: sampled, and the random-id bit of a new
         # trace (ours are random) or the parent's.
-        random_id = parent is None or parent.trace_flags.random_trace_id
-        flags = recorder.random_sampled if random_id else recorder.sampled
-        context = recorder.context(trace_id, recorder.span_id(), False, flags, sampled.trace_state)
-        return _Recorded(recorder, name, context, parent)
+        flags = recorder.random_sampled if parent.trace_flags.random_trace_id else recorder.sampled
+        return _Recorded(recorder, name, trace_id, flags, sampled.trace_state, parent)
 
     def close(self) -> None:
         """Export what is buffered, then stop (blocking)."""
