@@ -6,6 +6,7 @@ each leg brought; the last test runs `pdconnect router --log-format json` as a p
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import io
 import json
@@ -17,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdconnect.router import logs
 from pdconnect.router.logs import ACCESS_LOGGER, JsonFormatter, TextFormatter
 from tests.router_support import COMPLETION, router_process_with_fakes, sse_events
 from tests.waiting import wait_until, wait_until_async
@@ -296,10 +298,15 @@ class _Writes:
 
 
 @pytest.mark.asyncio
-async def test_the_access_lines_of_one_loop_turn_leave_in_one_write(json_root: Callable[[], logging.Handler]) -> None:
-    """On an event loop the JSON handler writes a turn's access lines together once the turn
-    ends; another line, or a flush (`logging.shutdown`), writes those waiting first."""
+async def test_access_lines_logged_close_together_leave_in_one_write(
+    json_root: Callable[[], logging.Handler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an event loop the JSON handler holds access lines for up to `FLUSH_AFTER` seconds
+    and writes them together, across loop turns and requests (not one write per request,
+    just as its client takes the answer); another line, or a flush (`logging.shutdown`),
+    writes those waiting first."""
 
+    monkeypatch.setattr(logs, "FLUSH_AFTER", 0.3)  # longer than three loop turns on any machine
     handler = json_root()
     assert isinstance(handler, logging.StreamHandler)
     out = _Writes()
@@ -308,8 +315,9 @@ async def test_the_access_lines_of_one_loop_turn_leave_in_one_write(json_root: C
     access = logging.getLogger(ACCESS_LOGGER)
     for _ in range(3):
         entry.log(access)
-    assert out.chunks == []  # the turn is not over
-    await wait_until_async(lambda: out.chunks, "the turn's access lines to be written")
+        await asyncio.sleep(0)  # the loop's turn ends: another request's line comes later
+    assert out.chunks == []
+    await wait_until_async(lambda: out.chunks, "the waiting access lines to be written")
     assert [chunk.count("\n") for chunk in out.chunks] == [3]
     entry.log(access)
     logging.getLogger("pdconnect.router.flow").warning("after the access line")

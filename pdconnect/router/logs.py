@@ -12,7 +12,8 @@ token and duration. In JSON each of those is a field of its own. With the JSON h
 the logger chain, the handler's formatting call: 5 % of the router's samples under
 `bench-router --observed`, py-spy) and is written by the handler itself, the same line;
 any other setup (a test's handler, a filter) gets it through `logging` as before. The
-handler writes a loop turn's access lines together, in one write (`_JsonHandler`).
+handler writes the access lines of up to `FLUSH_AFTER` seconds together, in one write
+(`_JsonHandler`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _with_header = msgspec.structs.replace
 
 __all__ = [
     "ACCESS_LOGGER",
+    "FLUSH_AFTER",
     "AccessEntry",
     "JsonFormatter",
     "TextFormatter",
@@ -112,7 +114,14 @@ class TextFormatter(logging.Formatter):
         return f"{head}{sep}[{ids.request_id}] {rest}" if sep else line
 
 
-# An access line logged on an event loop, waiting for the end of the loop's turn: when it
+# How long an access line logged on an event loop may wait to be written with others. A
+# line written as soon as its request ended (formatting and a write: 9 us) ran while the
+# client was taking the answer: on the 2-core bench (router and client sharing the cores)
+# that added 40-50 us to the next request's p50, 15 us when held 10 ms
+# (docs/benchmarks.md, "With tracing, JSON logs and the access log on").
+FLUSH_AFTER = 0.01
+
+# An access line logged on an event loop, waiting for `FLUSH_AFTER`: when it
 # was logged, the request's ids then, the entry, the logger's name.
 _Waiting = tuple[float, _RequestIds | None, AccessEntry, str]
 
@@ -173,19 +182,20 @@ class JsonFormatter(logging.Formatter):
 class _JsonHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """`configure_logging`'s JSON handler: also writes access lines without a LogRecord.
 
-    Access lines logged on an event loop wait for the end of the loop's turn and are
-    formatted and written together, in one write: under load a turn ends many requests,
-    and a write (and flush) each was most of a line's cost; formatted together, the
-    encoder runs once for the turn. Any other line, a `flush` (as at `logging.shutdown`)
-    or an access line from another thread writes the waiting ones first, so the order
-    holds; a process killed outright loses at most one turn's access lines.
+    Access lines logged on an event loop wait up to `FLUSH_AFTER` seconds and are
+    formatted and written together, in one write, away from the moment a client takes its
+    answer; under load that is many requests, and a write (and flush) each was most of a
+    line's cost: formatted together, the encoder runs once for them all. Any other line,
+    a `flush` (as at `logging.shutdown`) or an access line from another thread writes the
+    waiting ones first, so the order holds; a process killed outright loses at most
+    `FLUSH_AFTER` seconds of access lines.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.json = JsonFormatter()
         self.setFormatter(self.json)
-        self._waiting: list[_Waiting] = []  # access lines of this loop turn; under the handler's lock
+        self._waiting: list[_Waiting] = []  # access lines not yet written; under the handler's lock
 
     def write_access(self, access: AccessEntry, logger_name: str) -> None:
         item = (time.time(), _CURRENT.get(), access, logger_name)
@@ -198,7 +208,7 @@ class _JsonHandler(logging.StreamHandler):  # type: ignore[type-arg]
             if loop is None:
                 self._write_waiting()
             elif len(self._waiting) == 1:
-                loop.call_soon(self.flush)
+                loop.call_later(FLUSH_AFTER, self.flush)
 
     def emit(self, record: logging.LogRecord) -> None:
         if self._waiting:  # `handle` holds the lock
