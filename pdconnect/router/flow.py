@@ -164,7 +164,7 @@ class PDFlow:
                 pools=self._pools,
                 key_of=self._key_of,
                 tracing=self._tracing is not None,
-                trace_id=trace.spans.trace_id,  # given here: a replace costs a copy
+                trace_id=trace.spans.trace_id,  # given here: `Call` is frozen, set later it would be copied
             )
             bind_request(call.request_id, call.trace_id)
             if self._reader is not None:

@@ -93,7 +93,9 @@ class LegSpan(Protocol):
     """One attempt at one engine."""
 
     def inject(self, headers: dict[str, str]) -> dict[str, str]:
-        """`headers` with this attempt's `traceparent` (a copy; the same dict when not tracing)."""
+        """`headers` with this attempt's `traceparent`: a copy (the same dict when not
+        tracing), which may be handed to every attempt of an unsampled request, so the
+        caller copies it before adding headers of its own."""
         ...
 
     def end(self, verdict: bool | None, detail: str | None = None) -> None:
