@@ -441,6 +441,35 @@ def test_a_recorded_requests_spans_are_built_when_it_ends(monkeypatch: pytest.Mo
         tracing.close()
 
 
+def test_an_ended_recorded_request_leaves_no_cycle_for_the_collector() -> None:
+    """A recorded request and its attempts refer to each other while it runs; once it has
+    ended they are freed by reference counting alone, not left for the garbage collector
+    (the router keeps the collector's young generation large and rare)."""
+    import gc
+
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pdconnect.router.tracing import Tracing
+
+    tracing = Tracing("http://127.0.0.1:9/v1/traces", exporter=InMemorySpanExporter())
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(20):
+            spans = tracing.start({}, "POST /v1/completions")
+            for role in ("prefill", "decode"):
+                leg = spans.leg(role, "http://e:1", 0)
+                leg.inject({})
+                leg.end(True)
+            spans.end(200, "ok")
+        del spans, leg
+        left = [o for o in gc.get_objects() if type(o).__name__ in ("_Recorded", "_Leg")]
+        assert left == []
+    finally:
+        gc.enable()
+        tracing.close()
+
+
 def test_with_the_sdk_disabled_nothing_is_recorded_and_the_clients_context_still_travels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -270,9 +270,9 @@ class _Leg:
 
     def finish(self, parent: SpanContext) -> None:
         """Hand the ended attempt's span, under the request's span `parent`, to the processor."""
+        assert self.ended is not None, "an attempt's span is built once it has ended"
         recorder = self._request.recorder
         context = recorder.context(parent.trace_id, self._span_id, False, parent.trace_flags, parent.trace_state)
-        assert self.ended is not None, "an attempt's span is built once it has ended"
         recorder.finish(
             self._name, context, parent, recorder.client, self._attributes, self._failure, self._start, self.ended
         )
@@ -347,7 +347,8 @@ class _Recorded:
         self.context = context = recorder.context(
             int(self.trace_id, 16), self._span_id, False, self._flags, self._trace_state
         )
-        for leg in self._legs:  # the attempts first, in order, as they ended before the request
+        legs, self._legs = self._legs, []  # a leg refers to its request: no cycle left for the collector
+        for leg in legs:  # the attempts first, in order, as they ended before the request
             if leg.ended is not None:
                 leg.finish(context)
         self._attributes["http.response.status_code"] = status
