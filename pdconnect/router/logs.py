@@ -117,7 +117,7 @@ class TextFormatter(logging.Formatter):
 # How long an access line logged on an event loop may wait to be written with others. A
 # line written as soon as its request ended (formatting and a write: 9 us) ran while the
 # client was taking the answer: on the 2-core bench (router and client sharing the cores)
-# that added 40-50 us to the next request's p50, 15 us when held 10 ms
+# that added 40-53 us to the next request's p50, 16 us when held 10 ms
 # (docs/benchmarks.md, "With tracing, JSON logs and the access log on").
 FLUSH_AFTER = 0.01
 
