@@ -16,7 +16,8 @@ only decides what each router computes per request, so the two must match.
 Latency: sequential streamed completions, interleaved across targets in small blocks, in
 an order that changes every round so each target follows each other one equally often
 (`round_orders`), so machine noise and switching costs hit all of them alike; added
-latency = a router's percentile minus the direct one. Peak rate: a closed loop of
+latency = a router's percentile minus the direct one; its ratio to vllm-router's comes
+with a 95 % interval from resampling whole rounds (`added_ratio_intervals`). Peak rate: a closed loop of
 `--concurrency` clients for `--duration` seconds per target, `--rate-rounds` rounds (4;
 every other one in reverse order), best round kept. CPU per request: the router
 process's user+system CPU over a rate round divided by its requests, the least of its
@@ -29,13 +30,15 @@ the plan it issued for it and the fake decode the plan it received with it, and 
 must match (a router that skipped prefill, or went decode-only, does not score).
 
 `--observed` runs both routers as a platform team would, each logging what it logs per
-request at info level: ours twice, spans exported over OTLP/HTTP to a local receiver (a
-process of its own that counts them, `_span_sink`) with every request sampled
-(`pdconnect`) and with `PRODUCTION_RATIO` of them (`pdconnect@0.1`), JSON log lines with
-the access log on (one line per request, into the router's log file); vllm-router at
-`--log-level info` into `--log-dir` (it has no tracing to turn on).
+request at info level: ours twice more besides the plain one, spans exported over
+OTLP/HTTP to a local receiver (a process of its own that counts them, `_span_sink`) with
+every request sampled (`pdconnect@1.0`) and with `PRODUCTION_RATIO` of them
+(`pdconnect@0.1`), JSON log lines with the access log on (one line per request, into the
+router's log file); vllm-router at `--log-level info` into `--log-dir` (it has no tracing
+to turn on).
 
-One row per target, one column per figure, and a row of ours/reference ratios per ours.
+One row per target, one column per figure, and per ours a row of ours/reference ratios
+with their intervals.
 On a small shared machine the load generator and the fakes share the cores with the
 router under test, so the absolute rates are a floor; the ratios are the result.
 """
@@ -49,6 +52,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import random
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -70,7 +74,7 @@ _DONE = b"data: [DONE]\n\n"
 # --policy: (ours, vllm-router's) of one kind.
 _POLICIES = {"round-robin": ("round-robin", "round_robin"), "affinity": ("prefix-affinity", "consistent_hash")}
 
-# --observed: the sample ratio of ours' second row, the one docs/router.md suggests for
+# --observed: the sample ratio of ours' last row, the one docs/router.md suggests for
 # production (a client's own sampled flag still decides for its requests).
 PRODUCTION_RATIO = 0.1
 
@@ -84,7 +88,8 @@ class Target:
     # One request (its `rid-...` word given), start to last byte; raises on a wrong answer.
     call: Call
     pid: int | None = None  # the router's process, for its CPU cost per request
-    latencies: list[tuple[bytes, float]] = field(default_factory=list)
+    # Per sequential request: its id, start to last byte in seconds, its latency round.
+    latencies: list[tuple[bytes, float, int]] = field(default_factory=list)
     # Per rate round: the requests it completed, its length in seconds, the router's CPU.
     rounds: list[tuple[list[bytes], float, float | None]] = field(default_factory=list)
     errors: int = 0
@@ -101,10 +106,17 @@ class Verdicts:
     good: set[bytes]
 
     def latencies(self, target: Target) -> list[float]:
-        return [t for rid, t in target.latencies if rid in self.good]
+        return [t for rid, t, _ in target.latencies if rid in self.good]
+
+    def latencies_by_round(self, target: Target) -> dict[int, list[float]]:
+        rounds: dict[int, list[float]] = {}
+        for rid, t, round_ in target.latencies:
+            if rid in self.good:
+                rounds.setdefault(round_, []).append(t)
+        return rounds
 
     def unverified(self, target: Target) -> int:
-        counted = [rid for rid, _ in target.latencies] + [rid for done, _, _ in target.rounds for rid in done]
+        counted = [rid for rid, _, _ in target.latencies] + [rid for done, _, _ in target.rounds for rid in done]
         return sum(rid not in self.good for rid in counted)
 
     def max_rate(self, target: Target) -> float:
@@ -191,10 +203,10 @@ def round_orders(n: int) -> list[tuple[int, ...]]:
     one target would always follow the same one. Here the rounds run every permutation
     once, chained so that the junctions between rounds also pair each target with each
     other target equally often and never with itself (found by search, for the bench's 3
-    or 4 targets; 5 would make the search grow).
+    to 5 targets; 6 would make the search grow).
     """
     orders = list(itertools.permutations(range(n)))
-    if n < 3 or n > 4:  # 1 or 2 targets: the permutations alone are balanced; 5: too many to chain
+    if n < 3 or n > 5:  # 1 or 2 targets: the permutations alone are balanced; 6: too many to chain
         return orders
     junctions_per_pair = len(orders) // (n * (n - 1))
 
@@ -233,7 +245,7 @@ async def _latency(targets: list[Target], http: aiohttp.ClientSession, requests:
                 except (aiohttp.ClientError, RuntimeError, KeyError):
                     target.errors += 1
                     continue
-                target.latencies.append((rid, time.perf_counter() - start))
+                target.latencies.append((rid, time.perf_counter() - start, round_))
 
 
 async def _rate(target: Target, http: aiohttp.ClientSession, concurrency: int, duration: float) -> None:
@@ -259,17 +271,75 @@ async def _rate(target: Target, http: aiohttp.ClientSession, concurrency: int, d
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
-    ordered = sorted(values)
+    return _pct_sorted(sorted(values), q)
+
+
+def _pct_sorted(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
+
+
+# Draws of the round bootstrap behind each ratio's interval (seeded: a run's intervals
+# follow from its latencies alone).
+_DRAWS = 1000
+
+Interval = tuple[float, float]
+
+
+def added_ratio_intervals(
+    direct: dict[int, list[float]],
+    reference: dict[int, list[float]],
+    ours: dict[str, dict[int, list[float]]],
+    quantiles: tuple[float, ...] = (0.5, 0.99),
+    draws: int = _DRAWS,
+    seed: int = 0,
+) -> dict[str, dict[float, Interval | None]]:
+    """A 95 % interval for each of ours' added-latency ratios to the reference.
+
+    At quantile q the ratio is (ours' q - direct's q) / (reference's q - direct's q), the
+    report's ratio row. Its interval comes from resampling whole latency rounds with
+    replacement (a percentile bootstrap): a round runs one block of every target back to
+    back, so what a slow stretch of the shared machine did to all of them stays together,
+    as measured. A p99 rests on a run's ~80 slowest requests; with the interval, a ratio
+    that one run puts at 1.1x and the next at 0.9x reads as what it is. A draw in which
+    the reference added nothing (or less) has no ratio and is left out; the interval is
+    None when more than a tenth of the draws had none.
+    """
+    rounds = sorted(set(direct).intersection(reference, *ours.values()))
+    rng = random.Random(seed)
+    ratios: dict[str, dict[float, list[float]]] = {name: {q: [] for q in quantiles} for name in ours}
+
+    def drawn(table: dict[int, list[float]], picked: list[int]) -> list[float]:
+        return sorted([x for r in picked for x in table[r]])
+
+    for _ in range(draws if rounds else 0):
+        picked = rng.choices(rounds, k=len(rounds))
+        floor, ref = drawn(direct, picked), drawn(reference, picked)
+        added_ref = {q: _pct_sorted(ref, q) - _pct_sorted(floor, q) for q in quantiles}
+        for name, table in ours.items():
+            mine = drawn(table, picked)
+            for q in quantiles:
+                if added_ref[q] > 0:
+                    ratios[name][q].append((_pct_sorted(mine, q) - _pct_sorted(floor, q)) / added_ref[q])
+
+    def interval(values: list[float]) -> Interval | None:
+        if len(values) < 0.9 * draws:
+            return None
+        values.sort()
+        return values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]
+
+    return {name: {q: interval(values) for q, values in by_q.items()} for name, by_q in ratios.items()}
 
 
 _COLUMNS = ("p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "max req/s", "CPU us/req", "errors", "not P->D")
 
+Figures = dict[str, dict[str, float | int | Interval | None]]
 
-def _figures(targets: list[Target], verdicts: Verdicts) -> dict[str, dict[str, float | int | None]]:
-    """Every figure per target, from verified requests only."""
+
+def _figures(targets: list[Target], verdicts: Verdicts) -> Figures:
+    """Every figure per target, from verified requests only; ours' added-latency ratio
+    intervals (`added_ratio_intervals`) when vllm-router ran."""
     direct = verdicts.latencies(targets[0])
-    out: dict[str, dict[str, float | int | None]] = {}
+    out: Figures = {}
     for t in targets:
         lat = verdicts.latencies(t)
         cpu = verdicts.cpu_per_request(t)
@@ -284,10 +354,18 @@ def _figures(targets: list[Target], verdicts: Verdicts) -> dict[str, dict[str, f
             "errors": t.errors,
             "not_prefill_then_decode": verdicts.unverified(t),
         }
+    reference = next((t for t in targets if t.name == "vllm-router"), None)
+    if reference is not None:
+        ours = {t.name: verdicts.latencies_by_round(t) for t in targets[1:] if t is not reference}
+        floor = verdicts.latencies_by_round(targets[0])
+        spans = added_ratio_intervals(floor, verdicts.latencies_by_round(reference), ours)
+        for name, by_q in spans.items():
+            out[name]["added_p50_ratio_95"] = by_q[0.5]
+            out[name]["added_p99_ratio_95"] = by_q[0.99]
     return out
 
 
-def _report(targets: list[Target], figures: dict[str, dict[str, float | int | None]], args: argparse.Namespace) -> str:
+def _report(targets: list[Target], figures: Figures, args: argparse.Namespace) -> str:
     keys = (
         "p50_ms",
         "p99_ms",
@@ -311,15 +389,15 @@ def _report(targets: list[Target], figures: dict[str, dict[str, float | int | No
     names = [t.name for t in targets]
     for name in (n for n in names if n.startswith("pdconnect") and "vllm-router" in names):
         ours, ref = figures[name], figures["vllm-router"]
-        cells = ""
+        cells, spans = "", ""
         for k in keys:
             a, b = ours[k], ref[k]
-            cells += (
-                f"{(f'{a / b:.2f}x' if a is not None and b else '-'):>{width}}"
-                if k not in ("errors", "not_prefill_then_decode")
-                else f"{'':>{width}}"
-            )
+            ratio = f"{a / b:.2f}x" if isinstance(a, float | int) and isinstance(b, float | int) and b else "-"
+            cells += f"{'' if k in ('errors', 'not_prefill_then_decode') else ratio:>{width}}"
+            span = ours.get(k.replace("_ms", "_ratio_95"))
+            spans += f"{f'{span[0]:.2f}-{span[1]:.2f}x' if isinstance(span, tuple) else '':>{width}}"
         rows.append(f"{'ours/vllm-router' if name == 'pdconnect' else name + '/ref':<18}{cells}")
+        rows.append(f"{'  95% interval':<18}{spans}")
     lines = [
         (
             f"router bench: fake P/D engines, streamed completions of {args.chunks} chunks, "
@@ -359,16 +437,16 @@ async def _verdicts(prefill_url: str, decode_url: str) -> Verdicts:
 
 
 _OBSERVED_LINE = (
-    f"ours with OTLP tracing (sample ratio 1.0, and {PRODUCTION_RATIO} as pdconnect@{PRODUCTION_RATIO}), "
-    "JSON logs at info and the access log, vllm-router at --log-level info into --log-dir, "
+    f"ours plain and, as pdconnect@1.0 and pdconnect@{PRODUCTION_RATIO}, with OTLP tracing at that sample "
+    "ratio, JSON logs at info and the access log, vllm-router at --log-level info into --log-dir, "
 )
 
 
-def _observed_args(traces_url: str | None, ratio: float = 1.0) -> tuple[str, ...]:
-    """Our router's logging and tracing options: quiet by default; with `traces_url`, spans
-    there (`ratio` of them sampled), JSON lines at info level with the access log (what
-    `--observed` measures)."""
-    if traces_url is None:
+def _observed_args(traces_url: str | None, ratio: float | None) -> tuple[str, ...]:
+    """Our router's logging and tracing options: quiet without a `ratio` (or `traces_url`);
+    with both, spans there (`ratio` of them sampled), JSON lines at info level with the
+    access log (what `--observed` measures)."""
+    if traces_url is None or ratio is None:
         return ("--log-level", "warning")
     return (
         *("--log-level", "info", "--log-format", "json", "--access-log"),
@@ -448,9 +526,11 @@ def _run(args: argparse.Namespace, traces_url: str | None) -> tuple[list[Target]
 
         prefill, decode = cluster.launch(fake("fake-prefill"), fake("fake-decode"))
         ours_policy, ref_policy = _POLICIES[args.policy]
-        ours = [("pdconnect", 1.0)]
+        # Plain always; with --observed, traced and JSON-logging at two ratios besides, so
+        # one run shows what observing costs next to the plain router and vllm-router.
+        ours: list[tuple[str, float | None]] = [("pdconnect", None)]
         if traces_url is not None:
-            ours.append((f"pdconnect@{PRODUCTION_RATIO}", PRODUCTION_RATIO))
+            ours += [(f"pdconnect@{ratio}", ratio) for ratio in (1.0, PRODUCTION_RATIO)]
         specs = []
         for name, ratio in ours:
             ours_port = cluster.free_port()
