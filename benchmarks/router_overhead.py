@@ -17,9 +17,9 @@ Latency: sequential streamed completions, interleaved across targets in small bl
 an order that changes every round so each target follows each other one equally often
 (`round_orders`), so machine noise and switching costs hit all of them alike; added
 latency = a router's percentile minus the direct one; its ratio to vllm-router's comes
-with a 95 % interval from resampling whole rounds (`added_ratio_intervals`). Peak rate: a closed loop of
-`--concurrency` clients for `--duration` seconds per target, `--rate-rounds` rounds (4;
-every other one in reverse order), best round kept. CPU per request: the router
+with a 95 % interval from resampling whole rounds (`added_ratio_intervals`). Peak rate:
+a closed loop of `--concurrency` clients for `--duration` seconds per target,
+`--rate-rounds` rounds (4; every other one in reverse order), best round kept. CPU per request: the router
 process's user+system CPU over a rate round divided by its requests, the least of its
 rounds (on a shared machine one round's figure moves by 10 % or more with what else ran;
 two rounds left a run's ratio a coin toss within that).
@@ -314,12 +314,13 @@ def added_ratio_intervals(
     for _ in range(draws if rounds else 0):
         picked = rng.choices(rounds, k=len(rounds))
         floor, ref = drawn(direct, picked), drawn(reference, picked)
-        added_ref = {q: _pct_sorted(ref, q) - _pct_sorted(floor, q) for q in quantiles}
+        floor_at = {q: _pct_sorted(floor, q) for q in quantiles}
+        added_ref = {q: _pct_sorted(ref, q) - floor_at[q] for q in quantiles}
         for name, table in ours.items():
             mine = drawn(table, picked)
             for q in quantiles:
                 if added_ref[q] > 0:
-                    ratios[name][q].append((_pct_sorted(mine, q) - _pct_sorted(floor, q)) / added_ref[q])
+                    ratios[name][q].append((_pct_sorted(mine, q) - floor_at[q]) / added_ref[q])
 
     def interval(values: list[float]) -> Interval | None:
         if len(values) < 0.9 * draws:
@@ -331,6 +332,9 @@ def added_ratio_intervals(
 
 
 _COLUMNS = ("p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "max req/s", "CPU us/req", "errors", "not P->D")
+
+# The figures whose ratio to vllm-router's gets an interval: its quantile, and its key.
+_INTERVALS = {"added_p50_ms": (0.5, "added_p50_ratio_95"), "added_p99_ms": (0.99, "added_p99_ratio_95")}
 
 Figures = dict[str, dict[str, float | int | Interval | None]]
 
@@ -358,10 +362,11 @@ def _figures(targets: list[Target], verdicts: Verdicts) -> Figures:
     if reference is not None:
         ours = {t.name: verdicts.latencies_by_round(t) for t in targets[1:] if t is not reference}
         floor = verdicts.latencies_by_round(targets[0])
-        spans = added_ratio_intervals(floor, verdicts.latencies_by_round(reference), ours)
+        quantiles = tuple(q for q, _ in _INTERVALS.values())
+        spans = added_ratio_intervals(floor, verdicts.latencies_by_round(reference), ours, quantiles)
         for name, by_q in spans.items():
-            out[name]["added_p50_ratio_95"] = by_q[0.5]
-            out[name]["added_p99_ratio_95"] = by_q[0.99]
+            for q, key in _INTERVALS.values():
+                out[name][key] = by_q[q]
     return out
 
 
@@ -394,7 +399,7 @@ def _report(targets: list[Target], figures: Figures, args: argparse.Namespace) -
             a, b = ours[k], ref[k]
             ratio = f"{a / b:.2f}x" if isinstance(a, float | int) and isinstance(b, float | int) and b else "-"
             cells += f"{'' if k in ('errors', 'not_prefill_then_decode') else ratio:>{width}}"
-            span = ours.get(k.replace("_ms", "_ratio_95"))
+            span = ours.get(_INTERVALS[k][1]) if k in _INTERVALS else None
             spans += f"{f'{span[0]:.2f}-{span[1]:.2f}x' if isinstance(span, tuple) else '':>{width}}"
         rows.append(f"{'ours/vllm-router' if name == 'pdconnect' else name + '/ref':<18}{cells}")
         rows.append(f"{'  95% interval':<18}{spans}")
