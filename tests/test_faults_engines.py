@@ -71,7 +71,7 @@ from pdconnect.testbed.engine_calls import (
 )
 from pdconnect.testbed.keys import PEER_KEYS, SECRETS, connector_keys, keyring
 from pdconnect.testbed.paths import default_build_dir
-from pdconnect.testbed.processes import Cluster, ManagedProcess
+from pdconnect.testbed.processes import Cluster, ManagedProcess, freeze_group, thaw_group
 from pdconnect.testbed.recipes import (
     BLOCK_SIZE,
     MODEL_NAME,
@@ -1122,18 +1122,28 @@ def test_transfer_params_of_every_json_type_are_refused_with_400_and_leak_nothin
 def _send_then_kill(
     http: httpx.Client, engines: EngineSet, prompt: list[int], plan: dict[str, Any], victim: ManagedProcess
 ) -> Answer:
-    """Send the decode leg, SIGKILL `victim` as soon as it is on its way, return decode's answer."""
+    """Send the decode leg, SIGKILL `victim` while decode's load is in flight, return decode's answer.
+
+    The prefill engine is frozen (SIGSTOP, every process of it) before the leg is sent, so
+    decode's claim, or its pull, waits on prefill until the kill lands: the load cannot
+    finish between two looks at decode, as a 3000-token pull on loopback did when the
+    kill was timed by polling decode's metrics alone. Prefill runs on (SIGCONT) once the
+    victim is gone, or dies with it.
+    """
     result: list[Answer] = []
     sender = threading.Thread(target=lambda: result.append(decode_with(http, engines, prompt, plan)), daemon=True)
-    sender.start()
-    # The kill lands once decode has the request (its claim and pull are then in flight).
-    wait_until(
-        lambda: result or _queued_on_decode(http, engines) >= 1,
-        "the decode leg to reach decode",
-        REQUEST_TIMEOUT_S,
-    )
-    assert not result, f"the decode leg ended before decode was seen holding it: {result}"
-    engines.cluster.kill(victim)
+    freeze_group(engines.prefill.popen.pid)
+    try:
+        sender.start()
+        wait_until(
+            lambda: result or _queued_on_decode(http, engines) >= 1,
+            "the decode leg to reach decode",
+            REQUEST_TIMEOUT_S,
+        )
+        assert not result, f"the decode leg ended while prefill was frozen: {result}"
+        engines.cluster.kill(victim)
+    finally:
+        thaw_group(engines.prefill.popen.pid)
     sender.join(REQUEST_TIMEOUT_S)
     assert result, f"the decode request did not end within {REQUEST_TIMEOUT_S}s"
     return result[0]

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -42,6 +42,8 @@ __all__ = [
     "StartupError",
     "free_port",
     "freeze",
+    "freeze_group",
+    "thaw_group",
 ]
 
 _PR_SET_PDEATHSIG = 1
@@ -353,22 +355,26 @@ def _group_has_live_members(pgid: int) -> bool:
     `killpg(pgid, 0)` is not enough: orphaned members become zombies that this
     container's init reaps only after a second or two.
     """
-    proc_root = Path("/proc")
-    if not proc_root.is_dir():  # not Linux: fall back to the signal probe
+    if not Path("/proc").is_dir():  # not Linux: fall back to the signal probe
         try:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
             return False
         return True
-    for stat_path in proc_root.glob("[0-9]*/stat"):
+    return any(state not in ("Z", "X") for state in _group_states(pgid).values())
+
+
+def _group_states(pgid: int) -> dict[int, str]:
+    """The state letter of each process of group `pgid`, by pid (zombies included)."""
+    states = {}
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat_path.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            if int(fields[2]) == pgid:
+                states[int(stat_path.parent.name)] = fields[0]
+        except (OSError, IndexError, ValueError):
             continue  # exited while we looked
-        state, process_group = fields[0], int(fields[2])
-        if process_group == pgid and state not in ("Z", "X"):
-            return True
-    return False
+    return states
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -393,15 +399,33 @@ def freeze(pid: int, timeout: float = 10.0) -> None:
     `/proc/<pid>/task/*/stat` says when each thread is stopped (state T).
     """
     os.kill(pid, signal.SIGSTOP)
+    _wait_stopped(lambda: [pid], f"process {pid}", timeout)
+
+
+def freeze_group(pgid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP every process of group `pgid` (a vLLM server: API server, engine core,
+    workers, the lease desk) and return once every thread of each has really stopped.
+    SIGCONT the group (`thaw_group`) or SIGKILL it to end the freeze."""
+    _signal_group(pgid, signal.SIGSTOP)
+    _wait_stopped(lambda: _group_states(pgid), f"process group {pgid}", timeout)
+
+
+def thaw_group(pgid: int) -> None:
+    """SIGCONT every process of group `pgid`: a frozen group runs on where it stopped."""
+    _signal_group(pgid, signal.SIGCONT)
+
+
+def _wait_stopped(pids: Callable[[], Iterable[int]], what: str, timeout: float) -> None:
     give_up = time.monotonic() + timeout
-    tasks = Path(f"/proc/{pid}/task")
     while True:
         states = []
-        for task in tasks.iterdir():
-            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
-                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-        if all(state in ("T", "t") for state in states):
+        for pid in pids():
+            with contextlib.suppress(FileNotFoundError):  # a process that ended meanwhile
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                        states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        if all(state in ("T", "t", "Z", "X") for state in states):
             return
         if time.monotonic() >= give_up:
-            raise TimeoutError(f"process {pid} did not stop within {timeout:.0f} s")
+            raise TimeoutError(f"{what} did not stop within {timeout:.0f} s")
         time.sleep(0.01)
