@@ -30,12 +30,12 @@ the plan it issued for it and the fake decode the plan it received with it, and 
 must match (a router that skipped prefill, or went decode-only, does not score).
 
 `--observed` runs both routers as a platform team would, each logging what it logs per
-request at info level: ours twice more besides the plain one, spans exported over
-OTLP/HTTP to a local receiver (a process of its own that counts them, `_span_sink`) with
-every request sampled (`pdconnect@1.0`) and with `PRODUCTION_RATIO` of them
-(`pdconnect@0.1`), JSON log lines with the access log on (one line per request, into the
-router's log file); vllm-router at `--log-level info` into `--log-dir` (it has no tracing
-to turn on).
+request at info level: ours once more per `--sample-ratios` besides the plain one, spans
+exported over OTLP/HTTP to a local receiver (a process of its own that counts them,
+`_span_sink`) with that share of requests sampled (by default every request,
+`pdconnect@1.0`, and `PRODUCTION_RATIO` of them, `pdconnect@0.1`), JSON log lines with
+the access log on (one line per request, into the router's log file); vllm-router at
+`--log-level info` into `--log-dir` (it has no tracing to turn on).
 
 One row per target, one column per figure, and per ours a row of ours/reference ratios
 with their intervals.
@@ -67,7 +67,7 @@ import msgspec
 from pdconnect.testbed.processes import Cluster, ProcessSpec
 from pdconnect.testbed.recipes import fake_engine_server, router_argv
 
-__all__ = ["main"]
+__all__ = ["added_ratio_intervals", "main", "round_orders", "sample_ratios"]
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -77,6 +77,8 @@ _POLICIES = {"round-robin": ("round-robin", "round_robin"), "affinity": ("prefix
 # --observed: the sample ratio of ours' last row, the one docs/router.md suggests for
 # production (a client's own sampled flag still decides for its requests).
 PRODUCTION_RATIO = 0.1
+# --observed's traced routers by default: every request sampled, and production's share.
+SAMPLE_RATIOS = (1.0, PRODUCTION_RATIO)
 
 
 Call = Callable[[aiohttp.ClientSession, bytes], Awaitable[None]]
@@ -407,7 +409,7 @@ def _report(targets: list[Target], figures: Figures, args: argparse.Namespace) -
         (
             f"router bench: fake P/D engines, streamed completions of {args.chunks} chunks, "
             f"{args.policy} policy on both routers ({' vs '.join(_POLICIES[args.policy])}), "
-            f"{_OBSERVED_LINE if args.observed else ''}"
+            f"{_observed_line(args.sample_ratios) if args.observed else ''}"
             f"{args.requests} sequential requests per target for latency, "
             f"{args.concurrency} concurrent clients x {args.duration:.0f}s x {args.rate_rounds} rounds for rate, "
             f"{os.cpu_count()} CPUs shared with the fakes and the load generator; "
@@ -441,10 +443,12 @@ async def _verdicts(prefill_url: str, decode_url: str) -> Verdicts:
     return Verdicts({rid.encode() for rid, plan in received.items() if issued.get(rid) == plan})
 
 
-_OBSERVED_LINE = (
-    f"ours plain and, as pdconnect@1.0 and pdconnect@{PRODUCTION_RATIO}, with OTLP tracing at that sample "
-    "ratio, JSON logs at info and the access log, vllm-router at --log-level info into --log-dir, "
-)
+def _observed_line(ratios: tuple[float, ...]) -> str:
+    names = " and ".join(f"pdconnect@{ratio}" for ratio in ratios)
+    return (
+        f"ours plain and, as {names}, with OTLP tracing at that sample ratio, JSON logs at info "
+        "and the access log, vllm-router at --log-level info into --log-dir, "
+    )
 
 
 def _observed_args(traces_url: str | None, ratio: float | None) -> tuple[str, ...]:
@@ -531,11 +535,11 @@ def _run(args: argparse.Namespace, traces_url: str | None) -> tuple[list[Target]
 
         prefill, decode = cluster.launch(fake("fake-prefill"), fake("fake-decode"))
         ours_policy, ref_policy = _POLICIES[args.policy]
-        # Plain always; with --observed, traced and JSON-logging at two ratios besides, so
+        # Plain always; with --observed, traced and JSON-logging at each ratio besides, so
         # one run shows what observing costs next to the plain router and vllm-router.
         ours: list[tuple[str, float | None]] = [("pdconnect", None)]
         if traces_url is not None:
-            ours += [(f"pdconnect@{ratio}", ratio) for ratio in (1.0, PRODUCTION_RATIO)]
+            ours += [(f"pdconnect@{ratio}", ratio) for ratio in args.sample_ratios]
         specs = []
         for name, ratio in ours:
             ours_port = cluster.free_port()
@@ -596,6 +600,18 @@ def _run(args: argparse.Namespace, traces_url: str | None) -> tuple[list[Target]
     return targets, verdicts
 
 
+def sample_ratios(text: str) -> tuple[float, ...]:
+    """`--sample-ratios`: distinct ratios in [0, 1], one or two (with direct, the plain
+    router and vllm-router, the 5 targets `round_orders` chains)."""
+    try:
+        ratios = tuple(dict.fromkeys(float(part) for part in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text!r}") from None
+    if not 1 <= len(ratios) <= 2 or not all(0.0 <= r <= 1.0 for r in ratios):
+        raise argparse.ArgumentTypeError(f"one or two distinct ratios in [0, 1], got {text!r}")
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.router_overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=16, help="events each decode answer streams")
@@ -623,6 +639,13 @@ def main(argv: list[str] | None = None) -> int:
         "--observed",
         action="store_true",
         help="our router with OTLP tracing (to a local receiver), JSON logs at info level and the access log",
+    )
+    parser.add_argument(
+        "--sample-ratios",
+        type=sample_ratios,
+        default=SAMPLE_RATIOS,
+        help="with --observed: one traced router per sample ratio, comma-separated "
+        f"(default {','.join(map(str, SAMPLE_RATIOS))}; two at most)",
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)

@@ -4,13 +4,14 @@ added-latency ratios, and its span sink."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 from collections import Counter
 
 import pytest
 
-from benchmarks.router_overhead import added_ratio_intervals, round_orders
+from benchmarks.router_overhead import added_ratio_intervals, round_orders, sample_ratios
 
 
 # 3: direct, ours, vllm-router; 5: --observed (direct, ours plain and at two sample ratios, vllm-router)
@@ -90,3 +91,11 @@ def test_the_observed_span_sink_counts_what_a_router_exports() -> None:
         wait_until(lambda: received() == 4, "the sink to count 4 spans", observe=received)
         assert httpx.post(url, content=b"\xff\xff\xff").status_code == 400
         assert received() == 4
+
+
+def test_sample_ratios_are_one_or_two_distinct_shares() -> None:
+    assert sample_ratios("0.1") == (0.1,)
+    assert sample_ratios("1,0.1,1.0") == (1.0, 0.1)  # a ratio named twice runs once
+    for bad in ("", "0.1,x", "1.5", "-0.1", "0,0.5,1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            sample_ratios(bad)
