@@ -149,9 +149,11 @@ bench-transfer: install
 	@mkdir -p results
 	$(PY) -m benchmarks.transfer_speed --json results/bench-transfer.json
 
+# --observed: the plain router, and traced with JSON logs and the access log (every request
+# sampled, and 0.1 of them, production's share), each beside vllm-router.
 bench-router: install router-ref
 	@mkdir -p results
-	$(PY) -m benchmarks.router_overhead --json results/bench-router.json
+	$(PY) -m benchmarks.router_overhead --observed --json results/bench-router.json
 
 # Decode-side coalescing (siblings wait for a load in flight) on vs off on fresh local P/D
 # engines, same prompts, against a colocated reference engine; writes results/bench-coalesce/
